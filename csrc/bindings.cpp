@@ -1,0 +1,158 @@
+// pybind11 glue for pyddp._C: no logic here. C++ exceptions map to Python ones
+// and the GIL is released around every call that can wait.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bucket_plan.h"
+#include "cpu_backend.h"
+#include "engine.h"
+#include "stress.h"
+
+namespace py = pybind11;
+using namespace pyddp;
+
+namespace {
+
+std::vector<DType> dtypes_from_names(const std::vector<std::string>& names) {
+  std::vector<DType> out;
+  out.reserve(names.size());
+  for (const auto& n : names) out.push_back(dtype_from_name(n));
+  return out;
+}
+
+LaunchOrder launch_order_from_name(const std::string& name) {
+  if (name == "ready") return LaunchOrder::kReady;
+  if (name == "index") return LaunchOrder::kIndex;
+  throw UsageError("unknown reduce order '" + name + "': use 'ready' or 'index'");
+}
+
+BufferRef make_buffer(uintptr_t ptr, int64_t count, const std::string& dtype, int device) {
+  BufferRef b;
+  b.data = reinterpret_cast<void*>(ptr);
+  b.count = count;
+  b.dtype = dtype_from_name(dtype);
+  b.device = device;
+  return b;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pyddp engine (private; use the pyddp package)";
+
+  auto usage = py::register_exception<UsageError>(m, "UsageError", PyExc_RuntimeError);
+  py::register_exception<ReduceError>(m, "ReduceError", PyExc_RuntimeError);
+  (void)usage;
+
+  m.def("now_ns", &now_ns, "Steady-clock time in nanoseconds (the engine's stats clock).");
+
+  m.def(
+      "plan_buckets",
+      [](const std::vector<int64_t>& numels, const std::vector<std::string>& dtypes,
+         const std::vector<int>& order, int64_t first_cap, int64_t cap) {
+        return plan_buckets(numels, dtypes_from_names(dtypes), order, first_cap, cap);
+      },
+      py::arg("numels"), py::arg("dtypes"), py::arg("order"), py::arg("first_cap_bytes"),
+      py::arg("cap_bytes"));
+
+  m.def(
+      "stress_engine",
+      [](int replicas, int params, int64_t cap_bytes, bool index_order, int iterations,
+         int threads, uint64_t seed, double skip_fraction) {
+        StressResult r;
+        {
+          py::gil_scoped_release release;
+          r = stress_engine(replicas, params, cap_bytes, index_order, iterations, threads, seed,
+                            skip_fraction);
+        }
+        py::dict d;
+        d["iterations"] = r.iterations;
+        d["wrong_values"] = r.wrong_values;
+        d["reductions"] = r.reductions;
+        d["first_error"] = r.first_error;
+        return d;
+      },
+      py::arg("replicas"), py::arg("params"), py::arg("cap_bytes"), py::arg("index_order"),
+      py::arg("iterations"), py::arg("threads"), py::arg("seed"), py::arg("skip_fraction"));
+  m.def("bench_mark_ready", &bench_mark_ready, py::arg("replicas"), py::arg("params"),
+        py::arg("iterations"), py::call_guard<py::gil_scoped_release>());
+
+  py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
+      .def_property_readonly("name", &Backend::name);
+
+  py::class_<CpuBackend, Backend, std::shared_ptr<CpuBackend>>(m, "CpuBackend")
+      .def(py::init<int>(), py::arg("threads") = 0)
+      .def_property_readonly("threads", &CpuBackend::threads)
+      .def(
+          "all_reduce",
+          [](CpuBackend& self, const std::vector<uintptr_t>& ptrs, int64_t count,
+             const std::string& dtype, const std::string& op) {
+            std::vector<BufferRef> bufs;
+            for (uintptr_t p : ptrs) bufs.push_back(make_buffer(p, count, dtype, -1));
+            const ReduceOp rop = reduce_op_from_name(op);
+            py::gil_scoped_release release;
+            self.all_reduce(bufs, rop);
+          },
+          py::arg("ptrs"), py::arg("count"), py::arg("dtype"), py::arg("op") = "sum");
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](int num_replicas, const std::vector<std::string>& names,
+                       const std::vector<int64_t>& numels, const std::vector<std::string>& dtypes,
+                       std::vector<std::vector<int>> buckets, const std::string& order,
+                       const std::string& op, std::shared_ptr<Backend> backend) {
+             PYDDP_ENFORCE(names.size() == numels.size() && dtypes.size() == numels.size(),
+                           "names, numels and dtypes differ in length: ", names.size(), ", ",
+                           numels.size(), ", ", dtypes.size());
+             std::vector<ParamInfo> params;
+             for (size_t i = 0; i < names.size(); ++i) {
+               params.push_back(ParamInfo{names[i], numels[i], dtype_from_name(dtypes[i])});
+             }
+             return std::make_unique<Engine>(num_replicas, std::move(params), std::move(buckets),
+                                             launch_order_from_name(order),
+                                             reduce_op_from_name(op), std::move(backend));
+           }),
+           py::arg("num_replicas"), py::arg("names"), py::arg("numels"), py::arg("dtypes"),
+           py::arg("buckets"), py::arg("order"), py::arg("op"), py::arg("backend"))
+      .def("set_buckets", &Engine::set_buckets, py::arg("buckets"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_buffer",
+          [](Engine& self, int replica, int bucket, uintptr_t ptr, int64_t count,
+             const std::string& dtype, int device) {
+            self.set_buffer(replica, bucket, make_buffer(ptr, count, dtype, device));
+          },
+          py::arg("replica"), py::arg("bucket"), py::arg("ptr"), py::arg("count"),
+          py::arg("dtype"), py::arg("device") = -1)
+      // Holds the GIL: it only counts (no waiting), and a release/reacquire
+      // would cost more than the call itself.
+      .def("mark_ready", &Engine::mark_ready, py::arg("replica"), py::arg("param"))
+      .def("finish", &Engine::finish, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>())
+      .def("set_sync", &Engine::set_sync, py::arg("enabled"))
+      .def_property_readonly("sync_enabled", &Engine::sync_enabled)
+      .def("clear_grads", &Engine::clear_grads)
+      .def("take_stale", &Engine::take_stale, py::arg("replica"))
+      .def_property_readonly("partial", &Engine::partial)
+      .def_property_readonly("partial_reason", &Engine::partial_reason)
+      .def("inject_fault", &Engine::inject_fault, py::arg("bucket"), py::arg("message"))
+      .def_property_readonly("buckets", &Engine::buckets)
+      .def_property_readonly("num_replicas", &Engine::num_replicas)
+      .def_property_readonly("num_params", &Engine::num_params)
+      .def_property_readonly("backend_name", &Engine::backend_name)
+      .def("ready_order", &Engine::ready_order)
+      .def("last_stats", [](const Engine& self) {
+        const IterationStats s = self.last_stats();
+        py::dict d;
+        d["iteration"] = s.iteration;
+        d["bytes"] = s.bytes;
+        d["launches"] = s.launches;
+        d["buckets"] = s.buckets;
+        d["first_ready_ns"] = s.first_ready_ns;
+        d["first_launch_ns"] = s.first_launch_ns;
+        d["last_done_ns"] = s.last_done_ns;
+        d["finish_start_ns"] = s.finish_start_ns;
+        d["finish_end_ns"] = s.finish_end_ns;
+        d["wait_ns"] = s.wait_ns;
+        return d;
+      });
+}

@@ -1,0 +1,177 @@
+// CPU backend: see cpu_backend.h.
+#include "cpu_backend.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "half.h"
+
+namespace pyddp {
+
+namespace {
+
+// Elements per inner block: the accumulator stays in L1 while each replica's
+// slice streams through once.
+constexpr int64_t kBlock = 2048;
+// Below this many bytes per buffer, waking the pool costs more than it saves.
+constexpr int64_t kParallelBytes = 1 << 18;
+// Chunk boundaries are multiples of this many elements (whole cache lines).
+constexpr int64_t kChunkAlign = 64;
+
+template <typename T>
+struct Acc {
+  using type = T;
+  static type load(T v) { return v; }
+  static T store(type v) { return v; }
+};
+template <>
+struct Acc<Half> {
+  using type = float;
+  static float load(Half v) { return half_to_float(v); }
+  static Half store(float v) { return float_to_half(v); }
+};
+template <>
+struct Acc<BFloat16> {
+  using type = float;
+  static float load(BFloat16 v) { return bfloat16_to_float(v); }
+  static BFloat16 store(float v) { return float_to_bfloat16(v); }
+};
+
+template <typename T>
+void reduce_typed(const std::vector<BufferRef>& bufs, ReduceOp op, int64_t begin, int64_t end) {
+  using A = typename Acc<T>::type;
+  const size_t n = bufs.size();
+  const A divisor = static_cast<A>(n);
+  A acc[kBlock];
+  for (int64_t lo = begin; lo < end; lo += kBlock) {
+    const int64_t len = std::min(kBlock, end - lo);
+    const T* b0 = static_cast<const T*>(bufs[0].data) + lo;
+    for (int64_t i = 0; i < len; ++i) acc[i] = Acc<T>::load(b0[i]);
+    // Fixed replica order 0, 1, ... so the result does not depend on timing.
+    for (size_t r = 1; r < n; ++r) {
+      const T* br = static_cast<const T*>(bufs[r].data) + lo;
+      for (int64_t i = 0; i < len; ++i) acc[i] += Acc<T>::load(br[i]);
+    }
+    if (op == ReduceOp::kAvg) {
+      for (int64_t i = 0; i < len; ++i) acc[i] /= divisor;
+    }
+    T* out0 = static_cast<T*>(bufs[0].data) + lo;
+    for (int64_t i = 0; i < len; ++i) out0[i] = Acc<T>::store(acc[i]);
+    for (size_t r = 1; r < n; ++r) {
+      std::memcpy(static_cast<T*>(bufs[r].data) + lo, out0, static_cast<size_t>(len) * sizeof(T));
+    }
+  }
+}
+
+}  // namespace
+
+void reduce_range(const std::vector<BufferRef>& bufs, ReduceOp op, int64_t begin, int64_t end) {
+  if (bufs.size() < 2 || begin >= end) {
+    // One replica: a sum is the identity and an average divides by one.
+    return;
+  }
+  switch (bufs[0].dtype) {
+    case DType::kFloat32: return reduce_typed<float>(bufs, op, begin, end);
+    case DType::kFloat64: return reduce_typed<double>(bufs, op, begin, end);
+    case DType::kFloat16: return reduce_typed<Half>(bufs, op, begin, end);
+    case DType::kBFloat16: return reduce_typed<BFloat16>(bufs, op, begin, end);
+  }
+}
+
+ChunkPool::ChunkPool(int threads) {
+  for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+}
+
+ChunkPool::~ChunkPool() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void ChunkPool::drain() {
+  int done = 0;
+  for (int c = next_.fetch_add(1); c < total_; c = next_.fetch_add(1)) {
+    (*fn_)(c);
+    ++done;
+  }
+  if (done > 0) {
+    std::lock_guard<std::mutex> lk(mu_);
+    finished_ += done;
+    if (finished_ == total_) done_cv_.notify_all();
+  }
+}
+
+void ChunkPool::worker_loop() {
+  uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      work_cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+    }
+    drain();
+  }
+}
+
+void ChunkPool::run(int n, const std::function<void(int)>& fn) {
+  if (n <= 0) return;
+  if (workers_.empty() || n == 1) {
+    for (int c = 0; c < n; ++c) fn(c);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    fn_ = &fn;
+    total_ = n;
+    finished_ = 0;
+    next_.store(0);
+    ++generation_;
+  }
+  work_cv_.notify_all();
+  drain();
+  // The caller may return only when every chunk is written: the buffers are
+  // handed back to compute right after.
+  std::unique_lock<std::mutex> lk(mu_);
+  done_cv_.wait(lk, [&] { return finished_ == total_; });
+  fn_ = nullptr;
+}
+
+CpuBackend::CpuBackend(int threads)
+    : pool_(threads > 0 ? threads
+                        : std::max(1, std::min(4, static_cast<int>(std::thread::hardware_concurrency())))) {}
+
+void CpuBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) {
+  if (bufs.empty()) return;
+  const BufferRef& first = bufs[0];
+  for (size_t r = 0; r < bufs.size(); ++r) {
+    PYDDP_ENFORCE(bufs[r].device < 0, "cpu backend got a device buffer: replica ", r, " device ",
+                  bufs[r].device);
+    PYDDP_ENFORCE(bufs[r].count == first.count, "buffer sizes differ: replica ", r, " has ",
+                  bufs[r].count, " elements, replica 0 has ", first.count);
+    PYDDP_ENFORCE(bufs[r].dtype == first.dtype, "buffer dtypes differ: replica ", r, " is ",
+                  dtype_name(bufs[r].dtype), ", replica 0 is ", dtype_name(first.dtype));
+    PYDDP_ENFORCE(first.count == 0 || bufs[r].data != nullptr, "null buffer for replica ", r);
+  }
+  const int64_t count = first.count;
+  const int64_t bytes = count * static_cast<int64_t>(dtype_size(first.dtype));
+  int chunks = 1;
+  if (bytes >= kParallelBytes) {
+    chunks = static_cast<int>(std::min<int64_t>(pool_.threads(), bytes / (kParallelBytes / 2)));
+  }
+  if (chunks <= 1) {
+    reduce_range(bufs, op, 0, count);
+    return;
+  }
+  const int64_t per = ((count + chunks - 1) / chunks + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+  pool_.run(chunks, [&](int c) {
+    const int64_t begin = std::min(count, c * per);
+    const int64_t end = std::min(count, begin + per);
+    reduce_range(bufs, op, begin, end);
+  });
+}
+
+}  // namespace pyddp

@@ -1,0 +1,373 @@
+// The all-reduce queue: see engine.h.
+#include "engine.h"
+
+#include <algorithm>
+
+namespace pyddp {
+
+namespace {
+enum PartialKind { kNoSync = 1, kCleared = 2, kFailed = 3 };
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+Engine::Engine(int num_replicas, std::vector<ParamInfo> params,
+               std::vector<std::vector<int>> buckets, LaunchOrder order, ReduceOp op,
+               std::shared_ptr<Backend> backend)
+    : num_replicas_(num_replicas),
+      params_(std::move(params)),
+      order_(order),
+      op_(op),
+      backend_(std::move(backend)) {
+  PYDDP_ENFORCE(num_replicas_ >= 1, "need at least one replica, got ", num_replicas_);
+  PYDDP_ENFORCE(!params_.empty(), "need at least one parameter");
+  PYDDP_ENFORCE(backend_ != nullptr, "no backend");
+  const size_t p = params_.size();
+  param_count_.reset(new std::atomic<int>[p]);
+  marked_.reset(new std::atomic<uint8_t>[p * num_replicas_]);
+  has_grad_.reset(new std::atomic<uint8_t>[p]);
+  stale_.reset(new std::atomic<uint8_t>[num_replicas_]);
+  ready_order_.reset(new std::atomic<int>[p]);
+  for (size_t i = 0; i < p; ++i) has_grad_[i].store(0);
+  for (int r = 0; r < num_replicas_; ++r) stale_[r].store(0);
+  set_buckets(std::move(buckets));
+  launcher_ = std::thread([this] { launcher_loop(); });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  launcher_.join();
+}
+
+void Engine::set_buckets(std::vector<std::vector<int>> buckets) {
+  std::unique_lock<std::mutex> lk(mu_);
+  PYDDP_ENFORCE(!active_.load() && !busy_, "cannot change buckets while a backward is in flight");
+  const int p = num_params();
+  std::vector<int> bucket_of(p, -1);
+  std::vector<int64_t> counts;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    PYDDP_ENFORCE(!buckets[b].empty(), "bucket ", b, " is empty");
+    int64_t count = 0;
+    for (int param : buckets[b]) {
+      PYDDP_ENFORCE(param >= 0 && param < p, "bucket ", b, " names parameter ", param,
+                    " but there are ", p);
+      PYDDP_ENFORCE(bucket_of[param] < 0, "parameter ", param, " is in buckets ",
+                    bucket_of[param], " and ", b);
+      PYDDP_ENFORCE(params_[param].dtype == params_[buckets[b][0]].dtype, "bucket ", b,
+                    " mixes dtypes ", dtype_name(params_[param].dtype), " and ",
+                    dtype_name(params_[buckets[b][0]].dtype));
+      bucket_of[param] = static_cast<int>(b);
+      count += params_[param].numel;
+    }
+    counts.push_back(count);
+  }
+  for (int i = 0; i < p; ++i) {
+    PYDDP_ENFORCE(bucket_of[i] >= 0, "parameter ", i, " (", params_[i].name, ") is in no bucket");
+  }
+  buckets_ = std::move(buckets);
+  bucket_of_ = std::move(bucket_of);
+  bucket_count_ = std::move(counts);
+  const size_t nb = buckets_.size();
+  BufferRef unset;
+  unset.count = -1;  // set_buffer not called yet
+  buffers_.assign(nb * num_replicas_, unset);
+  bucket_pending_.reset(new std::atomic<int>[nb]);
+  bucket_ready_.assign(nb, 0);
+  reset_iteration_locked();
+}
+
+void Engine::set_buffer(int replica, int bucket, BufferRef buf) {
+  std::lock_guard<std::mutex> lk(mu_);
+  PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica, " out of range [0, ",
+                num_replicas_, ")");
+  PYDDP_ENFORCE(bucket >= 0 && static_cast<size_t>(bucket) < buckets_.size(), "bucket ", bucket,
+                " out of range [0, ", buckets_.size(), ")");
+  PYDDP_ENFORCE(!active_.load() && !busy_, "cannot change buffers while a backward is in flight");
+  PYDDP_ENFORCE(buf.count == bucket_count_[bucket], "bucket ", bucket, " holds ",
+                bucket_count_[bucket], " elements, buffer has ", buf.count);
+  const DType want = params_[buckets_[bucket][0]].dtype;
+  PYDDP_ENFORCE(buf.dtype == want, "bucket ", bucket, " is ", dtype_name(want), ", buffer is ",
+                dtype_name(buf.dtype));
+  PYDDP_ENFORCE(buf.data != nullptr || buf.count == 0, "null buffer for bucket ", bucket);
+  buffers_[static_cast<size_t>(replica) * buckets_.size() + bucket] = buf;
+}
+
+void Engine::fail_mark(int replica, int param, const std::string& why) const {
+  throw UsageError(detail::concat("pyddp: replica ", replica, ", parameter ", param, " (",
+                                  params_[param].name, "): ", why));
+}
+
+void Engine::mark_ready(int replica, int param) {
+  PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica,
+                " out of range [0, ", num_replicas_, ")");
+  PYDDP_ENFORCE(param >= 0 && param < num_params(), "parameter ", param, " out of range [0, ",
+                num_params(), ")");
+  if (stale_[replica].load(std::memory_order_relaxed)) {
+    fail_mark(replica, param,
+              "backward reached a gradient that still holds the previous backward's reduced "
+              "sum, with no forward in between (a second backward over the same graph?). Run "
+              "forward before each backward, or call zero_grad() first.");
+  }
+  has_grad_[param].store(1, std::memory_order_relaxed);
+  if (!sync_.load(std::memory_order_relaxed)) {
+    // no_sync(): accumulate locally; the next synced backward reduces the sum.
+    partial_kind_.store(kNoSync);
+    partial_.store(true);
+    return;
+  }
+  const size_t slot = static_cast<size_t>(replica) * params_.size() + param;
+  if (marked_[slot].exchange(1, std::memory_order_acq_rel)) {
+    fail_mark(replica, param,
+              "gradient produced twice in one synced backward. A parameter used outside the "
+              "replica's forward (e.g. a loss term on dmodel.parameters()) or a second backward "
+              "before the first finished cannot be reduced once; use weight_decay or no_sync().");
+  }
+  active_.store(true, std::memory_order_relaxed);
+  if (first_ready_ns_.load(std::memory_order_relaxed) == 0) {
+    int64_t expected = 0;
+    first_ready_ns_.compare_exchange_strong(expected, now_ns());
+  }
+  if (param_count_[param].fetch_add(1, std::memory_order_acq_rel) + 1 == num_replicas_) {
+    complete_param(param, nullptr);
+  }
+}
+
+void Engine::complete_param(int param, std::unique_lock<std::mutex>* held) {
+  ready_order_[ready_pos_.fetch_add(1)].store(param, std::memory_order_relaxed);
+  const int b = bucket_of_[param];
+  if (bucket_pending_[b].fetch_sub(1, std::memory_order_acq_rel) - 1 != 0) return;
+  if (held != nullptr) {
+    enqueue_locked(b);
+  } else {
+    std::lock_guard<std::mutex> lk(mu_);
+    enqueue_locked(b);
+  }
+  // The launcher does the communication; this thread goes back to backward.
+  work_cv_.notify_one();
+}
+
+void Engine::enqueue_locked(int bucket) {
+  if (order_ == LaunchOrder::kReady) {
+    ready_queue_.push_back(bucket);
+  } else {
+    bucket_ready_[bucket] = 1;
+  }
+}
+
+bool Engine::has_launchable_locked() const {
+  if (order_ == LaunchOrder::kReady) return !ready_queue_.empty();
+  return static_cast<size_t>(next_index_) < buckets_.size() && bucket_ready_[next_index_];
+}
+
+int Engine::pop_launchable_locked() {
+  if (order_ == LaunchOrder::kReady) {
+    const int b = ready_queue_.front();
+    ready_queue_.pop_front();
+    return b;
+  }
+  return next_index_++;
+}
+
+std::vector<BufferRef> Engine::bucket_buffers(int bucket) const {
+  std::vector<BufferRef> bufs(num_replicas_);
+  for (int r = 0; r < num_replicas_; ++r) {
+    bufs[r] = buffers_[static_cast<size_t>(r) * buckets_.size() + bucket];
+    PYDDP_ENFORCE(bufs[r].count == bucket_count_[bucket],
+                  "bucket ", bucket, " has no buffer for replica ", r, " (call set_buffer)");
+  }
+  return bufs;
+}
+
+bool Engine::bucket_has_grad(int bucket) const {
+  for (int p : buckets_[bucket]) {
+    if (has_grad_[p].load(std::memory_order_relaxed)) return true;
+  }
+  return false;
+}
+
+void Engine::launcher_loop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  for (;;) {
+    work_cv_.wait(lk, [&] { return stop_ || (error_.empty() && has_launchable_locked()); });
+    if (stop_) return;
+    const int b = pop_launchable_locked();
+    busy_ = true;
+    const bool fault = (b == fault_bucket_);
+    const std::string fault_message = fault_message_;
+    if (fault) fault_bucket_ = -1;
+    const bool reduce = bucket_has_grad(b);
+    lk.unlock();
+
+    const int64_t t_launch = now_ns();
+    std::string err;
+    try {
+      if (fault) throw ReduceError(fault_message);
+      if (reduce) backend_->all_reduce(bucket_buffers(b), op_);
+    } catch (const std::exception& e) {
+      std::string names;
+      for (size_t i = 0; i < buckets_[b].size() && i < 3; ++i) {
+        names += (i ? ", " : "") + params_[buckets_[b][i]].name;
+      }
+      if (buckets_[b].size() > 3) names += ", ...";
+      err = detail::concat("pyddp: all-reduce of bucket ", b, " (", names, ") across ",
+                           num_replicas_, " replicas on backend '", backend_->name(),
+                           "' failed: ", e.what());
+    }
+    const int64_t t_done = now_ns();
+
+    lk.lock();
+    busy_ = false;
+    if (!err.empty()) {
+      if (error_.empty()) error_ = err;
+      ready_queue_.clear();
+    } else {
+      ++done_;
+      if (reduce) {
+        ++current_.launches;
+        current_.bytes += bucket_count_[b] * static_cast<int64_t>(dtype_size(params_[buckets_[b][0]].dtype));
+        if (current_.first_launch_ns == 0) current_.first_launch_ns = t_launch;
+        current_.last_done_ns = t_done;
+      }
+    }
+    done_cv_.notify_all();
+  }
+}
+
+std::vector<int> Engine::finish() {
+  if (!sync_.load()) return {};
+  const int64_t t_start = now_ns();
+  std::vector<int> no_grad;
+  // Every backward has returned, so no mark_ready races with this settling.
+  for (int p = 0; p < num_params(); ++p) {
+    const int c = param_count_[p].load();
+    if (c >= num_replicas_) continue;
+    // Unmarked on some replicas: their buffer slice holds what they accumulated
+    // (zeros if nothing), so reducing the bucket is exact. Unmarked everywhere
+    // and never given a gradient: stays None, like on one device.
+    if (c == 0 && !has_grad_[p].load()) no_grad.push_back(p);
+    param_count_[p].store(num_replicas_);
+    complete_param(p, nullptr);
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  const int64_t t_wait = now_ns();
+  // Host wait, not a stream wait: on the CPU backend the reduced values are
+  // read by the optimizer on this thread right after.
+  done_cv_.wait(lk, [&] {
+    return !busy_ && (static_cast<size_t>(done_) == buckets_.size() || !error_.empty());
+  });
+  const int64_t t_end = now_ns();
+  const std::string err = error_;
+  current_.iteration = ++iteration_;
+  current_.buckets = static_cast<int>(buckets_.size());
+  current_.first_ready_ns = first_ready_ns_.load();
+  current_.finish_start_ns = t_start;
+  current_.finish_end_ns = t_end;
+  current_.wait_ns = t_end - t_wait;
+  last_ = current_;
+  last_ready_order_.resize(ready_pos_.load());
+  for (size_t i = 0; i < last_ready_order_.size(); ++i) last_ready_order_[i] = ready_order_[i].load();
+  reset_iteration_locked();
+  if (!err.empty()) {
+    partial_kind_.store(kFailed);
+    partial_.store(true);
+    throw ReduceError(err);
+  }
+  for (int r = 0; r < num_replicas_; ++r) stale_[r].store(1);
+  partial_.store(false);
+  return no_grad;
+}
+
+void Engine::abort() {
+  std::unique_lock<std::mutex> lk(mu_);
+  ready_queue_.clear();
+  std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
+  done_cv_.wait(lk, [&] { return !busy_; });
+  reset_iteration_locked();
+  partial_kind_.store(kFailed);
+  partial_.store(true);
+}
+
+void Engine::reset_iteration_locked() {
+  const size_t p = params_.size();
+  for (size_t i = 0; i < p; ++i) param_count_[i].store(0);
+  for (size_t i = 0; i < p * num_replicas_; ++i) marked_[i].store(0);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    bucket_pending_[b].store(static_cast<int>(buckets_[b].size()));
+  }
+  ready_queue_.clear();
+  std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
+  next_index_ = 0;
+  done_ = 0;
+  error_.clear();
+  current_ = IterationStats{};
+  first_ready_ns_.store(0);
+  ready_pos_.store(0);
+  active_.store(false);
+}
+
+void Engine::set_sync(bool enabled) {
+  PYDDP_ENFORCE(!active_.load(), "cannot switch no_sync() during a synced backward");
+  sync_.store(enabled);
+}
+
+void Engine::clear_grads() {
+  PYDDP_ENFORCE(!active_.load(), "zero_grad() during a synced backward");
+  for (int p = 0; p < num_params(); ++p) has_grad_[p].store(0);
+  for (int r = 0; r < num_replicas_; ++r) stale_[r].store(0);
+  partial_.store(false);
+}
+
+bool Engine::take_stale(int replica) {
+  PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica,
+                " out of range [0, ", num_replicas_, ")");
+  const bool was = stale_[replica].exchange(0);
+  if (was && replica > 0) {
+    partial_kind_.store(kCleared);
+    partial_.store(true);
+  }
+  return was;
+}
+
+std::string Engine::partial_reason() const {
+  switch (partial_kind_.load()) {
+    case kNoSync:
+      return "gradients accumulated under no_sync() were never reduced: run the last backward of "
+             "the accumulation outside no_sync() before step()";
+    case kCleared:
+      return "a forward ran after the last backward and cleared the other replicas' copies of "
+             "the reduced gradients: call step() between backward and the next forward";
+    case kFailed:
+      return "the last backward failed, so gradients are incomplete: call zero_grad() and run "
+             "the step again";
+    default:
+      return "";
+  }
+}
+
+void Engine::inject_fault(int bucket, std::string message) {
+  std::lock_guard<std::mutex> lk(mu_);
+  PYDDP_ENFORCE(bucket >= 0 && static_cast<size_t>(bucket) < buckets_.size(), "bucket ", bucket,
+                " out of range");
+  fault_bucket_ = bucket;
+  fault_message_ = std::move(message);
+}
+
+std::vector<int> Engine::ready_order() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return last_ready_order_;
+}
+
+IterationStats Engine::last_stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return last_;
+}
+
+}  // namespace pyddp

@@ -1,0 +1,153 @@
+// The per-parameter all-reduce queue. Autograd threads call mark_ready(replica,
+// param); when a parameter is ready on every replica its bucket's count drops,
+// and a complete bucket is handed to the single launcher thread, which reduces
+// it in place through the backend while backward goes on. finish() settles what
+// was never marked and waits for every reduction (see DESIGN.md, invariants 1-3, 6).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend.h"
+
+namespace pyddp {
+
+struct ParamInfo {
+  std::string name;
+  int64_t numel = 0;
+  DType dtype = DType::kFloat32;
+};
+
+// In one process every device gets the same order from one thread, so buckets
+// may launch as they complete; across processes every rank must agree, so
+// buckets launch in index order.
+enum class LaunchOrder : uint8_t { kReady, kIndex };
+
+// Times are nanoseconds on the steady clock; 0 means "did not happen".
+struct IterationStats {
+  int64_t iteration = 0;
+  int64_t bytes = 0;
+  int launches = 0;
+  int buckets = 0;
+  int64_t first_ready_ns = 0;
+  int64_t first_launch_ns = 0;
+  int64_t last_done_ns = 0;
+  int64_t finish_start_ns = 0;
+  int64_t finish_end_ns = 0;
+  int64_t wait_ns = 0;  // time finish() blocked on outstanding reductions
+};
+
+int64_t now_ns();
+
+class Engine {
+ public:
+  Engine(int num_replicas, std::vector<ParamInfo> params, std::vector<std::vector<int>> buckets,
+         LaunchOrder order, ReduceOp op, std::shared_ptr<Backend> backend);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Layout: replaces the bucket plan (only between iterations); every buffer
+  // must be set again before the next synced backward.
+  void set_buckets(std::vector<std::vector<int>> buckets);
+  void set_buffer(int replica, int bucket, BufferRef buf);
+
+  // Hot path: thread-safe, never waits for communication.
+  void mark_ready(int replica, int param);
+
+  void set_sync(bool enabled);
+  bool sync_enabled() const { return sync_.load(); }
+
+  // End of a synced backward: launches every bucket not launched yet (unused
+  // parameters), waits for all reductions and returns the parameters that have
+  // no gradient at all (they stay None). Raises ReduceError on failure, after
+  // resetting so the next iteration starts clean.
+  std::vector<int> finish();
+  // A backward failed: wait for in-flight work, drop the iteration.
+  void abort();
+  // Gradients were zeroed and are logically None.
+  void clear_grads();
+  // After a reduction every replica holds the same reduced sum. Before that
+  // replica accumulates again, the caller zeroes its copy (except replica 0)
+  // and calls take_stale(replica), which returns whether it held such a copy.
+  bool take_stale(int replica);
+  // Replicas hold gradients that were not reduced yet (no_sync accumulation,
+  // cleared copies, or a failed backward): stepping now would diverge replicas.
+  bool partial() const { return partial_.load(); }
+  std::string partial_reason() const;
+
+  void inject_fault(int bucket, std::string message);
+
+  int num_replicas() const { return num_replicas_; }
+  int num_params() const { return static_cast<int>(params_.size()); }
+  const std::vector<std::vector<int>>& buckets() const { return buckets_; }
+  const std::vector<ParamInfo>& params() const { return params_; }
+  std::vector<int> ready_order() const;  // completion order of the last synced iteration
+  IterationStats last_stats() const;
+  std::string backend_name() const { return backend_->name(); }
+
+ private:
+  void reset_iteration_locked();
+  void complete_param(int param, std::unique_lock<std::mutex>* lk);
+  void enqueue_locked(int bucket);
+  bool has_launchable_locked() const;
+  int pop_launchable_locked();
+  void launcher_loop();
+  std::vector<BufferRef> bucket_buffers(int bucket) const;
+  bool bucket_has_grad(int bucket) const;
+  [[noreturn]] void fail_mark(int replica, int param, const std::string& why) const;
+
+  const int num_replicas_;
+  const std::vector<ParamInfo> params_;
+  const LaunchOrder order_;
+  const ReduceOp op_;
+  std::shared_ptr<Backend> backend_;
+
+  std::vector<std::vector<int>> buckets_;
+  std::vector<int> bucket_of_;
+  std::vector<int64_t> bucket_count_;
+  std::vector<BufferRef> buffers_;  // [replica * num_buckets + bucket]
+
+  // Per-iteration counters, reset by finish()/abort().
+  std::unique_ptr<std::atomic<int>[]> param_count_;
+  std::unique_ptr<std::atomic<int>[]> bucket_pending_;
+  std::unique_ptr<std::atomic<uint8_t>[]> marked_;  // [replica * P + param]
+  std::unique_ptr<std::atomic<uint8_t>[]> has_grad_;
+  std::unique_ptr<std::atomic<uint8_t>[]> stale_;   // [replica]
+  std::unique_ptr<std::atomic<int>[]> ready_order_;
+  std::atomic<int> ready_pos_{0};
+  std::vector<int> last_ready_order_;  // guarded by mu_
+  std::atomic<bool> sync_{true};
+  std::atomic<bool> active_{false};
+  std::atomic<bool> partial_{false};
+  std::atomic<int> partial_kind_{0};
+  std::atomic<int64_t> first_ready_ns_{0};
+
+  // Launcher state, guarded by mu_.
+  mutable std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::deque<int> ready_queue_;      // ready order
+  std::vector<char> bucket_ready_;   // index order
+  int next_index_ = 0;
+  int done_ = 0;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::string error_;
+  int fault_bucket_ = -1;
+  std::string fault_message_;
+  IterationStats current_;
+  IterationStats last_;
+  int64_t iteration_ = 0;
+
+  std::thread launcher_;
+};
+
+}  // namespace pyddp
