@@ -123,6 +123,7 @@ void ChunkPool::run(int n, const std::function<void(int)>& fn) {
     for (int c = 0; c < n; ++c) fn(c);
     return;
   }
+  std::lock_guard<std::mutex> one_run(run_mu_);
   {
     std::lock_guard<std::mutex> lk(mu_);
     fn_ = &fn;

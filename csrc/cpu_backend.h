@@ -29,6 +29,7 @@ class ChunkPool {
   void drain();
 
   std::vector<std::thread> workers_;
+  std::mutex run_mu_;  // one run() at a time: callers may share a pool
   std::mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;

@@ -318,11 +318,19 @@ void Engine::set_sync(bool enabled) {
   sync_.store(enabled);
 }
 
-void Engine::clear_grads() {
+void Engine::clear_grads(bool set_to_none) {
   PYDDP_ENFORCE(!active_.load(), "zero_grad() during a synced backward");
-  for (int p = 0; p < num_params(); ++p) has_grad_[p].store(0);
+  if (set_to_none) {
+    for (int p = 0; p < num_params(); ++p) has_grad_[p].store(0);
+  }
   for (int r = 0; r < num_replicas_; ++r) stale_[r].store(0);
   partial_.store(false);
+}
+
+void Engine::note_grad(int param) {
+  PYDDP_ENFORCE(param >= 0 && param < num_params(), "parameter ", param, " out of range [0, ",
+                num_params(), ")");
+  has_grad_[param].store(1);
 }
 
 bool Engine::take_stale(int replica) {

@@ -72,8 +72,11 @@ class Engine {
   std::vector<int> finish();
   // A backward failed: wait for in-flight work, drop the iteration.
   void abort();
-  // Gradients were zeroed and are logically None.
-  void clear_grads();
+  // Gradients were zeroed; with set_to_none they are logically None again.
+  void clear_grads(bool set_to_none);
+  // The parameter holds a gradient from before the engine existed.
+  void note_grad(int param);
+  bool active() const { return active_.load(); }
   // After a reduction every replica holds the same reduced sum. Before that
   // replica accumulates again, the caller zeroes its copy (except replica 0)
   // and calls take_stale(replica), which returns whether it held such a copy.

@@ -1,0 +1,53 @@
+"""Flatten nested inputs/outputs (tuples, lists, namedtuples, dicts, dataclasses)
+into tensor leaves and rebuild them: what scatter and gather walk over."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, List, Tuple
+
+import torch
+
+Rebuild = Callable[[List[Any]], Any]
+
+
+def flatten(obj: Any) -> Tuple[List[torch.Tensor], Rebuild]:
+    """Returns the tensors in `obj` (depth first) and a function that rebuilds
+    `obj` with those tensors replaced by the given list, in the same order."""
+    leaves: List[torch.Tensor] = []
+    rebuild = _flatten(obj, leaves)
+    return leaves, lambda new: rebuild(iter(new))
+
+
+def _flatten(obj: Any, leaves: List[torch.Tensor]) -> Callable[[Any], Any]:
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return lambda it: next(it)
+    if isinstance(obj, (list, tuple)):
+        parts = [_flatten(x, leaves) for x in obj]
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            return lambda it: type(obj)(*[p(it) for p in parts])
+        return lambda it: type(obj)([p(it) for p in parts])
+    if isinstance(obj, dict):
+        keys = list(obj.keys())
+        parts = [_flatten(obj[k], leaves) for k in keys]
+
+        def rebuild_dict(it: Any) -> Any:
+            values = {k: p(it) for k, p in zip(keys, parts)}
+            try:
+                return type(obj)(values)
+            except TypeError:  # mapping types whose constructor takes keywords only
+                return type(obj)(**values)
+
+        return rebuild_dict
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = [f.name for f in dataclasses.fields(obj) if f.init]
+        parts = [_flatten(getattr(obj, name), leaves) for name in fields]
+        return lambda it: dataclasses.replace(obj, **{n: p(it) for n, p in zip(fields, parts)})
+    return lambda it: obj  # non-tensors are replicated as they are
+
+
+def shard_sizes(batch: int, parts: int) -> List[int]:
+    """Splits `batch` rows over `parts` shards as evenly as possible, larger first."""
+    base, extra = divmod(batch, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]

@@ -1,0 +1,63 @@
+"""Persistent per-replica worker threads: replica 0 runs on the caller's thread,
+replica r > 0 on its own long-lived thread, so a step creates no threads."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+
+class ReplicaError(RuntimeError):
+    """An exception raised on one replica, re-raised on the caller's thread."""
+
+    def __init__(self, replica: int, what: str, cause: BaseException):
+        super().__init__(f"replica {replica} failed during {what}: {type(cause).__name__}: {cause}")
+        self.replica = replica
+        self.cause = cause
+
+
+class ReplicaWorkers:
+    def __init__(self, num_replicas: int, name: str = "pyddp"):
+        # One single-thread executor per replica keeps that replica's work
+        # ordered and on one thread (thread-local state such as CUDA streams).
+        self._pools = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-replica{r}")
+            for r in range(1, num_replicas)
+        ]
+
+    def run(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
+        """Runs fns[r] for replica r in parallel; returns results in order. All
+        replicas finish before this returns, even when one raises."""
+        grad = torch.is_grad_enabled()
+        futures: List[Optional[Future]] = [None]
+        for r in range(1, len(fns)):
+            # Grad mode is thread-local: carry the caller's into the worker.
+            futures.append(self._pools[r - 1].submit(_with_grad_mode, grad, fns[r]))
+        results: List[Any] = [None] * len(fns)
+        first: Optional[ReplicaError] = None
+        if fns:
+            try:
+                results[0] = fns[0]()
+            except Exception as e:  # re-raised below, after every replica is done
+                first = ReplicaError(0, what, e)
+        for r in range(1, len(fns)):
+            try:
+                results[r] = futures[r].result()
+            except Exception as e:
+                if first is None:
+                    first = ReplicaError(r, what, e)
+        if first is not None:
+            raise first from first.cause
+        return results
+
+    def close(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+        self._pools = []
+
+
+def _with_grad_mode(enabled: bool, fn: Callable[[], Any]) -> Any:
+    with torch.set_grad_enabled(enabled):
+        return fn()

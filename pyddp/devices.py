@@ -1,0 +1,56 @@
+"""Device list validation: turn what users pass into torch.devices, or say
+clearly what is wrong and what to do."""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Union
+
+import torch
+
+DeviceLike = Union[str, int, torch.device]
+
+
+def parse_devices(devices: Sequence[DeviceLike]) -> List[torch.device]:
+    if isinstance(devices, (str, int, torch.device)):
+        raise TypeError(f"devices must be a list, e.g. ['cpu', 'cpu'], got {devices!r}")
+    out = []
+    for d in devices:
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"devices: {d!r} is not a device ({e})") from None
+        out.append(_check_available(dev))
+    if not out:
+        raise ValueError("devices is empty: pass at least one device, e.g. ['cpu', 'cpu']")
+    kinds = {d.type for d in out}
+    if len(kinds) > 1:
+        raise ValueError(
+            f"devices mixes {sorted(kinds)}: replicas must all be on CPU or all on CUDA"
+        )
+    if out[0].type not in ("cpu",):
+        raise ValueError(
+            f"devices: {out[0].type} replicas are not supported by this build yet "
+            "(CPU only for now; the NCCL backend is tracked separately)"
+        )
+    return out
+
+
+def _check_available(dev: torch.device) -> torch.device:
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = 0 if dev.index is None else dev.index
+        if index >= count:
+            have = ", ".join(f"cuda:{i}" for i in range(count)) or "none"
+            raise ValueError(
+                f"devices: {dev} is not available (CUDA devices here: {have}); "
+                "use 'cpu' replicas or one of the listed devices"
+            )
+        return torch.device("cuda", index)
+    raise ValueError(f"devices: unsupported device type {dev.type!r}; use 'cpu' or 'cuda:N'")
+
+
+def default_devices() -> List[torch.device]:
+    """Two CPU replicas: the devices the examples use on a machine like CI's."""
+    return [torch.device("cpu"), torch.device("cpu")]

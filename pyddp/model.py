@@ -1,0 +1,376 @@
+"""`pyddp.wrap(model, devices)`: persistent replicas driven from one process.
+Forward scatters the batch, runs every replica on its own persistent worker and
+gathers outputs on devices[0]; backward through the gathered output (or the
+per-replica loss) runs every replica's backward and reduces gradients during it
+through GradSync."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type
+
+import torch
+from torch import nn
+
+from ._tree import flatten, shard_sizes
+from ._workers import ReplicaError, ReplicaWorkers
+from .devices import DeviceLike, parse_devices
+from .optim import ParamsFn, replicated_optimizer
+from .sync import GradSync
+
+
+class DistributedModel(nn.Module):
+    """A model replicated over `devices`; see `pyddp.wrap`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        devices: Sequence[DeviceLike],
+        *,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        reduce_order: str = "ready",
+        rebuild_buckets: bool = True,
+        broadcast_buffers: bool = True,
+    ):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
+        self.devices: List[torch.device] = parse_devices(devices)
+        self.module = module.to(self.devices[0])
+        replicas = [self.module] + [copy.deepcopy(self.module).to(d) for d in self.devices[1:]]
+        # A plain list, not submodules: parameters() and state_dict() show one copy.
+        self._replicas: List[nn.Module] = replicas
+        self.sync = GradSync(
+            replicas,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            reduce_order=reduce_order,
+            rebuild_buckets=rebuild_buckets,
+        )
+        self.broadcast_buffers = broadcast_buffers
+        self._buffers_of = [list(m.buffers()) for m in replicas]
+        self._workers = ReplicaWorkers(len(replicas))
+        # CPU replicas: autograd would run every replica's backward on the one
+        # calling thread, so backward is dispatched to the replica workers.
+        # CUDA replicas get a thread per device from autograd itself.
+        self._parallel_backward = len(replicas) > 1 and self.devices[0].type == "cpu"
+        self._finish_queued = False
+
+    # ---------------------------------------------------------------- access
+    @property
+    def replicas(self) -> List[nn.Module]:
+        return list(self._replicas)
+
+    def optimizer(
+        self, cls: Type[torch.optim.Optimizer], params: Optional[ParamsFn] = None, **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        """One optimizer stepping every replica (an instance of `cls`'s subclass).
+        `params`, if given, maps a replica module to its parameters or groups."""
+        return replicated_optimizer(self.sync, cls, params, **kwargs)
+
+    def no_sync(self):
+        """Backwards inside accumulate without reducing; the next synced backward
+        reduces the accumulated sum."""
+        return self.sync.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.sync.zero_grad(set_to_none)
+
+    def stats(self) -> Dict[str, Any]:
+        return self.sync.stats()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips every replica's gradients by their global norm and returns that
+        norm: the norm of the full-batch gradient, not sqrt(N) times it."""
+        if len(self._replicas) == 1:
+            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
+        flats = self.sync.flat_grads(0)  # replicas hold the same reduced values
+        norms = [torch.linalg.vector_norm(f, norm_type, dtype=torch.float32) for f in flats]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for r in range(len(self._replicas)):
+            grads = self.sync.flat_grads(r)
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return total
+
+    def train(self, mode: bool = True) -> DistributedModel:
+        super().train(mode)
+        for m in self._replicas[1:]:
+            m.train(mode)
+        return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """The wrapped model's state dict (replica 0; keys without a prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False):
+        if assign:
+            raise ValueError("assign=True would detach the replicas from their gradient buffers")
+        result = self.module.load_state_dict(state_dict, strict=strict)
+        for m in self._replicas[1:]:
+            m.load_state_dict(state_dict, strict=strict)
+        return result
+
+    def close(self) -> None:
+        """Stops the worker threads and removes the gradient hooks."""
+        self._workers.close()
+        self.sync.close()
+
+    # --------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Scatters tensors along dim 0, runs the replicas in parallel, gathers
+        outputs on devices[0]. Reduce the loss with a mean over the whole batch and
+        gradients equal single-device training on it."""
+        if len(self._replicas) == 1:
+            return self.module(*args, **kwargs)
+        shards, _ = self._start((args, kwargs))
+        outs = self._workers.run(
+            [self._call(r, a, kw) for r, (a, kw) in enumerate(shards)], "forward"
+        )
+        return self._gather(outs)
+
+    def loss(
+        self,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        inputs: Any,
+        targets: Any,
+        *,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """Computes `loss_fn(replica(shard inputs), shard targets)` on each
+        replica's own device, without gathering outputs, and returns the full-batch
+        loss on devices[0]. With reduction="mean" (loss_fn averages over its shard)
+        shards are weighted by their sizes, so uneven shards give the full-batch
+        mean; with "sum" (loss_fn sums) the shard losses are added. `inputs` is the
+        model's argument, or a tuple of its positional arguments."""
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction={reduction!r}: use 'mean' or 'sum'")
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        if len(self._replicas) == 1:
+            return loss_fn(self.module(*args), targets)
+        shards, sizes = self._start((args, targets))
+        total = sum(sizes)
+
+        def replica_loss(r: int, shard: Tuple[Any, Any]) -> Callable[[], torch.Tensor]:
+            def run() -> torch.Tensor:
+                shard_args, shard_targets = shard
+                value = loss_fn(self._replicas[r](*shard_args), shard_targets)
+                if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                    raise ValueError(
+                        "loss_fn must return a scalar tensor (reduce over the shard), got "
+                        f"{getattr(value, 'shape', type(value).__name__)}"
+                    )
+                return value * (sizes[r] / total) if reduction == "mean" else value
+
+            return run
+
+        losses = self._workers.run(
+            [replica_loss(r, s) for r, s in enumerate(shards)], "forward/loss"
+        )
+        if not any(v.requires_grad for v in losses):
+            return _sum_on(losses, self.devices[0])
+        return _Join(self, [[v] for v in losses], "sum").apply()[0]
+
+    def _start(self, tree: Any) -> Tuple[List[Any], List[int]]:
+        """Scatters `tree` and readies the replicas for a new iteration."""
+        shards, sizes = self._scatter(tree)
+        if torch.is_grad_enabled():
+            self._finish_queued = False  # a backward that raised never ran its callback
+            self.sync.prepare_all()
+        if self.training and self.broadcast_buffers:
+            # DDP's default: replica 0's buffers (BatchNorm statistics) win.
+            with torch.no_grad():
+                for bufs in self._buffers_of[1:]:
+                    for mine, src in zip(bufs, self._buffers_of[0]):
+                        mine.copy_(src)
+        return shards, sizes
+
+    def _call(self, r: int, args: Any, kwargs: Any) -> Callable[[], Any]:
+        return lambda: self._replicas[r](*args, **kwargs)
+
+    def _scatter(self, tree: Any) -> Tuple[List[Any], List[int]]:
+        leaves, rebuild = flatten(tree)
+        batched = [t for t in leaves if t.dim() > 0]
+        if not batched:
+            raise ValueError(
+                "the inputs hold no tensor with a batch dimension: nothing to split over replicas"
+            )
+        batch = batched[0].shape[0]
+        if batch == 0:
+            raise ValueError("the batch is empty (dim 0 has size 0)")
+        for t in batched:
+            if t.shape[0] != batch:
+                raise ValueError(
+                    f"input tensors disagree on the batch size (dim 0): {batch} and "
+                    f"{t.shape[0]}; every batched input must have the same first dimension"
+                )
+        # A batch smaller than the number of replicas: only the first `batch`
+        # replicas take part; the others contribute zeros to the reduction.
+        sizes = shard_sizes(batch, min(batch, len(self._replicas)))
+        split = [
+            [t] * len(sizes) if t.dim() == 0 else list(t.split(sizes)) for t in leaves
+        ]
+        shards = []
+        for r, device in enumerate(self.devices[: len(sizes)]):
+            shards.append(rebuild([parts[r].to(device, non_blocking=True) for parts in split]))
+        return shards, sizes
+
+    def _gather(self, outs: List[Any]) -> Any:
+        flat = [flatten(o) for o in outs]
+        leaves = [f[0] for f in flat]
+        rebuild = flat[0][1]
+        if any(len(ls) != len(leaves[0]) for ls in leaves):
+            raise RuntimeError("replicas returned outputs of different structure")
+        results: List[Optional[torch.Tensor]] = [None] * len(leaves[0])
+        differentiable = []
+        for j in range(len(results)):
+            column = [ls[j] for ls in leaves]
+            if any(t.requires_grad for t in column):
+                differentiable.append(j)
+            else:
+                results[j] = _concat(column, self.devices[0])
+        if differentiable:
+            join = _Join(self, [[ls[j] for j in differentiable] for ls in leaves], "cat")
+            for j, t in zip(differentiable, join.apply()):
+                results[j] = t
+        return rebuild(results)
+
+    # -------------------------------------------------------------- backward
+    def _backward(self, tensors: List[List[torch.Tensor]], grads: List[List[Any]]) -> None:
+        """Runs in the outer backward when it reaches the gathered output or the
+        returned loss: schedules the end-of-backward bookkeeping and, for CPU
+        replicas, runs every replica's backward on its worker."""
+        if not self._finish_queued:
+            self._finish_queued = True
+            # Autograd's final callback: runs once the whole backward is done,
+            # whatever else the loss depended on.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if not self._parallel_backward:
+            return
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "pyddp: backward(create_graph=True) is not supported with CPU replicas"
+            )
+
+        def run(r: int) -> Callable[[], None]:
+            def backward() -> None:
+                pairs = [(t, g) for t, g in zip(tensors[r], grads[r]) if g is not None]
+                if pairs:
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+            return backward
+
+        try:
+            self._workers.run([run(r) for r in range(len(tensors))], "backward")
+        except ReplicaError:
+            self._finish_queued = False
+            self.sync.abort()
+            raise
+
+    def _end_of_backward(self) -> None:
+        self._finish_queued = False
+        self.sync.finish()
+
+
+class _Join:
+    """Joins per-replica tensors into tensors on devices[0] ("cat": along dim 0,
+    0-dim ones stacked; "sum": added) with a backward that hands each replica
+    its slice of the gradient."""
+
+    def __init__(self, owner: DistributedModel, tensors: List[List[torch.Tensor]], kind: str):
+        self.owner = owner
+        self.tensors = tensors
+        self.kind = kind
+
+    def apply(self) -> Tuple[torch.Tensor, ...]:
+        flat = [t for ts in self.tensors for t in ts]
+        if self.owner._parallel_backward:
+            # Detached: the outer autograd graph must not reach the replicas'
+            # graphs, which the workers run. The anchor keeps the output
+            # differentiable so this node's backward is called.
+            flat = [t.detach() for t in flat]
+        anchor = torch.empty(0, requires_grad=True)
+        return _JoinFn.apply(self, anchor, *flat)
+
+    def combine(self, flat: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+        width = len(self.tensors[0])
+        columns = [[flat[r * width + j] for r in range(len(self.tensors))] for j in range(width)]
+        device = self.owner.devices[0]
+        if self.kind == "sum":
+            return tuple(_sum_on(c, device) for c in columns)
+        return tuple(_concat(c, device) for c in columns)
+
+    def split(self, grads: Sequence[Optional[torch.Tensor]]) -> List[List[Any]]:
+        out: List[List[Any]] = [[] for _ in self.tensors]
+        for j, g in enumerate(grads):
+            column = [ts[j] for ts in self.tensors]
+            if g is None:
+                parts: List[Any] = [None] * len(column)
+            elif self.kind == "sum":
+                parts = [g] * len(column)
+            elif column[0].dim() == 0:
+                parts = list(g.unbind(0))
+            else:
+                parts = list(g.split([t.shape[0] for t in column]))
+            for r, (t, part) in enumerate(zip(column, parts)):
+                out[r].append(None if part is None else part.to(t.device))
+        return out
+
+
+class _JoinFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, join: _Join, anchor: torch.Tensor, *flat: torch.Tensor):
+        ctx.join = join
+        ctx.set_materialize_grads(False)
+        return join.combine(flat)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]):
+        join = ctx.join
+        per_replica = join.split(grads)
+        join.owner._backward(join.tensors, per_replica)
+        if join.owner._parallel_backward:
+            flat_grads: List[Any] = [None] * sum(len(ts) for ts in join.tensors)
+        else:
+            flat_grads = [g for gs in per_replica for g in gs]
+        return (None, None, *flat_grads)
+
+
+def _concat(column: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    moved = [t.to(device) for t in column]
+    return torch.stack(moved) if moved[0].dim() == 0 else torch.cat(moved)
+
+
+def _sum_on(column: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    total = column[0].to(device)
+    for t in column[1:]:
+        total = total + t.to(device)
+    return total
+
+
+def wrap(
+    model: nn.Module,
+    devices: Sequence[DeviceLike],
+    *,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_cap_mb: float = 1.0,
+    reduce_order: str = "ready",
+    rebuild_buckets: bool = True,
+    broadcast_buffers: bool = True,
+) -> DistributedModel:
+    """Replicates `model` over `devices` (duplicates allowed: several replicas on
+    one device). Replica 0 is `model` itself, moved to devices[0]; the others are
+    deep copies. Options: see GradSync; broadcast_buffers copies replica 0's
+    buffers to the others before each training-mode forward (torch DDP's default)."""
+    return DistributedModel(
+        model,
+        devices,
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_cap_mb=first_bucket_cap_mb,
+        reduce_order=reduce_order,
+        rebuild_buckets=rebuild_buckets,
+        broadcast_buffers=broadcast_buffers,
+    )
+
+

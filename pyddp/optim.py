@@ -1,0 +1,96 @@
+"""One optimizer object that steps every replica. It is an instance of a
+subclass of the user's optimizer class holding replica 0's parameters, so LR
+schedulers, `isinstance` checks and `state_dict()` (one copy) work unchanged;
+the other replicas' optimizers are stepped with the same hyper-parameters."""
+
+from __future__ import annotations
+
+import copy
+
+from typing import Any, Callable, Dict, Iterable, Optional, Type
+
+import torch
+from torch import nn
+
+from .sync import GradSync
+
+ParamsFn = Callable[[nn.Module], Iterable[Any]]
+_SUBCLASSES: Dict[type, type] = {}
+
+
+def replicated_optimizer(
+    sync: GradSync,
+    cls: Type[torch.optim.Optimizer],
+    params: Optional[ParamsFn] = None,
+    **kwargs: Any,
+) -> torch.optim.Optimizer:
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer class must be a torch.optim.Optimizer subclass, got {cls!r}")
+    groups = [_param_groups(m, params) for m in sync.replicas]
+    if len(groups) == 1:
+        return cls(groups[0], **kwargs)  # one replica: the plain optimizer, no overhead
+    opt = _replicated_class(cls)(groups[0], **kwargs)
+    opt._pyddp_sync = sync
+    opt._pyddp_others = [cls(g, **kwargs) for g in groups[1:]]
+    return opt
+
+
+def _param_groups(module: nn.Module, params: Optional[ParamsFn]) -> list:
+    if params is None:
+        return [p for p in module.parameters() if p.requires_grad]
+    if not callable(params):
+        raise TypeError(
+            "params must be a function module -> parameters or param groups (it is applied "
+            "to every replica), e.g. lambda m: [{'params': m.fc.parameters(), 'lr': 0.1}]"
+        )
+    return list(params(module))
+
+
+def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
+    if cls in _SUBCLASSES:
+        return _SUBCLASSES[cls]
+
+    class Replicated(cls):  # type: ignore[misc, valid-type]
+        def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+            if closure is not None:
+                raise ValueError(
+                    "pyddp optimizers do not take a closure: re-evaluating the loss would "
+                    "need a forward and backward on every replica"
+                )
+            self._pyddp_sync.check_step()
+            loss = super().step()
+            for other in self._pyddp_others:
+                # Hyper-parameters may have been changed (LR schedulers) on this
+                # object only: copy them so every replica takes the same step.
+                for mine, theirs in zip(self.param_groups, other.param_groups):
+                    for key, value in mine.items():
+                        if key != "params":
+                            theirs[key] = value
+                other.step()
+            return loss
+
+        # The parent's step is already wrapped with the optimizer's step hooks;
+        # marking this one as wrapped keeps each hook to one call per step.
+        step.hooked = True  # type: ignore[attr-defined]
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            self._pyddp_sync.zero_grad(set_to_none)
+
+        def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+            super().load_state_dict(state_dict)
+            for other in self._pyddp_others:
+                # torch keeps the given state tensors when device and dtype match:
+                # each replica needs its own, or one buffer would be stepped N times.
+                other.load_state_dict(copy.deepcopy(state_dict))
+
+        def add_param_group(self, param_group: Dict[str, Any]) -> None:
+            if hasattr(self, "_pyddp_others"):
+                raise RuntimeError(
+                    "add_param_group is not supported on a pyddp optimizer: pass every group "
+                    "through dmodel.optimizer(cls, params=fn) instead"
+                )
+            super().add_param_group(param_group)
+
+    Replicated.__name__ = Replicated.__qualname__ = f"Replicated{cls.__name__}"
+    _SUBCLASSES[cls] = Replicated
+    return Replicated

@@ -1,0 +1,329 @@
+"""GradSync: gradient synchronisation for replica modules the caller already
+placed, the low-level API that `wrap` is built on and that other training loops
+embed. It owns the flat per-bucket gradient buffers (each `param.grad` is a view
+into them), the autograd hooks that feed the C++ engine, and the end-of-backward
+bookkeeping (unused parameters, bucket rebuild)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import _C
+
+ReduceError = _C.ReduceError
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
+_MIB = 1 << 20
+
+
+class GradSync:
+    """Reduces the gradients of N identical replicas during backward.
+
+    Usage by another training loop (each replica on its own thread or not)::
+
+        sync = pyddp.GradSync([m0, m1])        # modules already on their devices
+        for each replica r: loss_r = f(m_r(x_r)); loss_r.backward()
+        sync.finish()                          # after every replica's backward
+        step each replica's optimizer; sync.zero_grad()
+
+    Gradients are summed (``op="sum"``) or averaged (``op="avg"``) across replicas.
+    Call ``finish()`` once every replica's backward has returned, ``abort()`` if one
+    raised, and run every backward of an accumulation but the last under
+    ``no_sync()``. Prefer ``sync.zero_grad()`` to ``opt.zero_grad()``: it keeps the
+    bucket views attached (a torch ``zero_grad`` makes the next backward copy).
+
+    Options: ``bucket_cap_mb`` (25; 0 = per-parameter mode, every parameter its own
+    bucket), ``first_bucket_cap_mb`` (1), ``reduce_order`` ("ready": launch buckets
+    as they complete; "index": in bucket order), ``rebuild_buckets`` (True: re-plan
+    buckets once from the ready order observed in the first synced backward).
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[nn.Module],
+        *,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        reduce_order: str = "ready",
+        rebuild_buckets: bool = True,
+        op: str = "sum",
+    ):
+        replicas = list(replicas)
+        if not replicas:
+            raise ValueError("replicas is empty: pass at least one module")
+        if bucket_cap_mb < 0 or first_bucket_cap_mb < 0:
+            raise ValueError(
+                f"bucket_cap_mb={bucket_cap_mb} and first_bucket_cap_mb={first_bucket_cap_mb} "
+                "must be >= 0 (0 = one bucket per parameter)"
+            )
+        if reduce_order not in ("ready", "index"):
+            raise ValueError(f"reduce_order={reduce_order!r}: use 'ready' or 'index'")
+        if op not in ("sum", "avg"):
+            raise ValueError(f"op={op!r}: use 'sum' or 'avg'")
+        self.replicas = replicas
+        self.names, self.params = _trainable_params(replicas)
+        self._cap = int(bucket_cap_mb * _MIB)
+        self._first_cap = int(first_bucket_cap_mb * _MIB) if self._cap else 0
+        self._engine: Optional[Any] = None
+        self._handles: List[Any] = []
+        self._lock = threading.Lock()
+        self.adopted = 0  # gradients that arrived outside the buckets and were copied in
+        if len(replicas) == 1:
+            return  # one replica: nothing to reduce, stay out of the way
+
+        first = self.params[0]
+        numels = [p.numel() for p in first]
+        self._dtypes = [_dtype_name(n, p) for n, p in zip(self.names, first)]
+        buckets = _C.plan_buckets(
+            numels, self._dtypes, list(reversed(range(len(first)))), self._first_cap, self._cap
+        )
+        self._engine = _C.Engine(
+            len(replicas), self.names, numels, self._dtypes, buckets, reduce_order, op,
+            _C.CpuBackend(),
+        )
+        self._views: List[List[Optional[torch.Tensor]]] = [[None] * len(first) for _ in replicas]
+        self._flat: List[List[torch.Tensor]] = [[] for _ in replicas]
+        self._layout(buckets)
+        for i in range(len(first)):
+            if any(ps[i].grad is not None for ps in self.params):
+                self._engine.note_grad(i)
+        self._rebuild_pending = rebuild_buckets and self._cap > 0
+        for r, (module, params) in enumerate(zip(replicas, self.params)):
+            for i, p in enumerate(params):
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(r, i)))
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(r)))
+
+    # ----------------------------------------------------------------- layout
+    def _layout(self, buckets: Sequence[Sequence[int]]) -> None:
+        """Allocates flat buffers for `buckets` and points every gradient there,
+        keeping the values gradients already hold."""
+        for r, params in enumerate(self.params):
+            flats = []
+            for b, members in enumerate(buckets):
+                count = sum(params[i].numel() for i in members)
+                flat = torch.zeros(count, dtype=params[members[0]].dtype, device=params[0].device)
+                offset = 0
+                for i in members:
+                    p = params[i]
+                    view = flat[offset : offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                        p.grad = view
+                    self._views[r][i] = view
+                device = -1 if flat.device.type == "cpu" else flat.device.index
+                self._engine.set_buffer(r, b, flat.data_ptr(), count, self._dtypes[members[0]],
+                                        device)
+                flats.append(flat)
+            self._flat[r] = flats
+
+    def _rebuild(self) -> None:
+        order = self._engine.ready_order()
+        if len(order) != len(self.names):
+            return
+        numels = [p.numel() for p in self.params[0]]
+        buckets = _C.plan_buckets(numels, self._dtypes, order, self._first_cap, self._cap)
+        if buckets == self._engine.buckets:
+            return
+        self._engine.set_buckets(buckets)
+        self._layout(buckets)
+
+    # ------------------------------------------------------------------ hooks
+    def _hook(self, r: int, i: int):
+        views = self._views[r]
+        mark = self._engine.mark_ready
+
+        def on_grad(p: torch.Tensor) -> None:
+            if p.grad is not views[i]:
+                self._adopt(p, views[i])
+            mark(r, i)
+
+        return on_grad
+
+    def _adopt(self, p: torch.Tensor, view: torch.Tensor) -> None:
+        # The gradient is not the bucket view (grad was None, or replaced by the
+        # user): copy it in once; later backwards accumulate in place.
+        g = p.grad
+        if g.is_sparse:
+            raise RuntimeError(
+                "pyddp: a parameter produced a sparse gradient; sparse gradients are not "
+                "supported (construct nn.Embedding/EmbeddingBag with sparse=False)"
+            )
+        view.copy_(g)
+        p.grad = view
+        self.adopted += 1
+
+    def _pre_forward_hook(self, r: int):
+        def on_forward(module: nn.Module, args: Any) -> None:
+            if torch.is_grad_enabled():
+                self.prepare(r)
+
+        return on_forward
+
+    # ------------------------------------------------------------- iteration
+    def prepare(self, replica: int) -> None:
+        """Called before replica `replica` accumulates again (its forward pre-hook
+        does it): after a reduction every replica holds the same sum, so replicas
+        other than 0 clear their copy, keeping sum-over-replicas exact."""
+        if self._engine is not None and self._engine.take_stale(replica) and replica > 0:
+            for flat in self._flat[replica]:
+                flat.zero_()
+
+    def prepare_all(self) -> None:
+        """Before a step that drives every replica from one thread: drops a
+        backward that failed without abort(), then prepares every replica."""
+        if self._engine is None:
+            return
+        if self._engine.active:
+            self._engine.abort()
+        for r in range(len(self.replicas)):
+            self.prepare(r)
+
+    def finish(self) -> None:
+        """End of backward: reduces what is left (unused parameters), waits for every
+        reduction, and leaves parameters nobody produced a gradient for at None.
+        Raises ReduceError (naming bucket and parameters) if a reduction failed."""
+        if self._engine is None:
+            return
+        for i in self._engine.finish():
+            for params in self.params:
+                params[i].grad = None
+        if self._rebuild_pending and self._engine.sync_enabled:
+            self._rebuild_pending = False
+            self._rebuild()
+
+    def abort(self) -> None:
+        """A replica's backward raised: drop the iteration (waits for in-flight
+        reductions). Gradients are incomplete until the next zero_grad()."""
+        if self._engine is not None:
+            self._engine.abort()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes every replica's gradients. With set_to_none, parameters that get
+        no gradient in the next backward read None afterwards, as on one device
+        (until then they read zeros: the bucket views stay attached)."""
+        if self._engine is None:
+            for p in self.params[0]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+            return
+        for flats in self._flat:
+            for flat in flats:
+                flat.zero_()
+        self._engine.clear_grads(set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate locally; the next synced backward reduces
+        the accumulated sum. The backward must run inside the block."""
+        if self._engine is None:
+            yield
+            return
+        previous = self._engine.sync_enabled
+        self._engine.set_sync(False)
+        try:
+            yield
+        finally:
+            self._engine.set_sync(previous)
+
+    def check_step(self) -> None:
+        """Raises if stepping now would let replicas diverge."""
+        if self._engine is not None and self._engine.partial:
+            raise RuntimeError(f"pyddp: cannot step: {self._engine.partial_reason}")
+
+    # ----------------------------------------------------------------- access
+    def flat_grads(self, replica: int) -> List[torch.Tensor]:
+        """The flat bucket buffers of one replica (all gradients, None ones as zeros)."""
+        if self._engine is None:
+            return [p.grad.reshape(-1) for p in self.params[replica] if p.grad is not None]
+        return list(self._flat[replica])
+
+    @property
+    def buckets(self) -> List[List[int]]:
+        if self._engine is None:
+            return [list(range(len(self.names)))]
+        return [list(b) for b in self._engine.buckets]
+
+    def stats(self) -> Dict[str, Any]:
+        """The last synced iteration: bytes, launches, buckets and engine times (s)."""
+        if self._engine is None:
+            return {"iteration": 0, "bytes": 0, "launches": 0, "buckets": 0}
+        raw = self._engine.last_stats()
+        out: Dict[str, Any] = {k: raw[k] for k in ("iteration", "bytes", "launches", "buckets")}
+        t0, launch, done = raw["first_ready_ns"], raw["first_launch_ns"], raw["last_done_ns"]
+        out["first_ready_to_last_done_s"] = (done - t0) / 1e9 if t0 and done else 0.0
+        out["comm_s"] = (done - launch) / 1e9 if launch and done else 0.0
+        out["finish_wait_s"] = raw["wait_ns"] / 1e9
+        out["adopted"] = self.adopted
+        return out
+
+    def inject_fault(self, bucket: int, message: str = "injected fault") -> None:
+        """Testing aid: the next reduction of `bucket` fails with `message`."""
+        if self._engine is None:
+            raise RuntimeError("one replica: there are no reductions to fail")
+        self._engine.inject_fault(bucket, message)
+
+    def close(self) -> None:
+        """Removes the hooks; gradients stay where they are."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _dtype_name(name: str, p: torch.Tensor) -> str:
+    try:
+        return _DTYPE_NAMES[p.dtype]
+    except KeyError:
+        raise ValueError(
+            f"parameter {name!r} has dtype {p.dtype}; pyddp reduces float32, float64, "
+            "float16 and bfloat16 gradients"
+        ) from None
+
+
+def _trainable_params(replicas: Sequence[nn.Module]):
+    named = [[(n, p) for n, p in m.named_parameters() if p.requires_grad] for m in replicas]
+    names = [n for n, _ in named[0]]
+    if not names:
+        raise ValueError(
+            "the model has no trainable parameters (none with requires_grad=True): "
+            "there is nothing to synchronise"
+        )
+    for m in replicas[0].modules():
+        if getattr(m, "sparse", False) is True and isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            raise ValueError(
+                f"{type(m).__name__} with sparse=True produces sparse gradients, which pyddp "
+                "does not reduce; construct it with sparse=False"
+            )
+    params = []
+    for r, pairs in enumerate(named):
+        if [n for n, _ in pairs] != names:
+            raise ValueError(
+                f"replica {r} has trainable parameters {[n for n, _ in pairs][:5]}..., replica 0 "
+                f"has {names[:5]}...: replicas must be copies of one model"
+            )
+        devices = {p.device for _, p in pairs}
+        if len(devices) != 1:
+            raise ValueError(
+                f"replica {r} has parameters on several devices {sorted(map(str, devices))}: "
+                "each replica must live on one device"
+            )
+        for (n, p), p0 in zip(pairs, (p for _, p in named[0])):
+            if p.shape != p0.shape or p.dtype != p0.dtype:
+                raise ValueError(
+                    f"parameter {n!r}: replica {r} has shape {tuple(p.shape)} {p.dtype}, "
+                    f"replica 0 has {tuple(p0.shape)} {p0.dtype}; replicas must be copies"
+                )
+        params.append([p for _, p in pairs])
+    return names, params
