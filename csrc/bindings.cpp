@@ -126,7 +126,16 @@ PYBIND11_MODULE(_C, m) {
       // Holds the GIL: it only counts (no waiting), and a release/reacquire
       // would cost more than the call itself.
       .def("mark_ready", &Engine::mark_ready, py::arg("replica"), py::arg("param"))
-      .def("finish", &Engine::finish, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "finish",
+          [](Engine& self) {
+            Engine::Settled s;
+            {
+              py::gil_scoped_release release;
+              s = self.finish();
+            }
+            return py::make_tuple(s.no_grad, s.settled);
+          })
       .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>())
       .def("set_sync", &Engine::set_sync, py::arg("enabled"))
       .def_property_readonly("sync_enabled", &Engine::sync_enabled)

@@ -241,10 +241,10 @@ void Engine::launcher_loop() {
   }
 }
 
-std::vector<int> Engine::finish() {
+Engine::Settled Engine::finish() {
   if (!sync_.load()) return {};
   const int64_t t_start = now_ns();
-  std::vector<int> no_grad;
+  Settled out;
   // Every backward has returned, so no mark_ready races with this settling.
   for (int p = 0; p < num_params(); ++p) {
     const int c = param_count_[p].load();
@@ -252,7 +252,7 @@ std::vector<int> Engine::finish() {
     // Unmarked on some replicas: their buffer slice holds what they accumulated
     // (zeros if nothing), so reducing the bucket is exact. Unmarked everywhere
     // and never given a gradient: stays None, like on one device.
-    if (c == 0 && !has_grad_[p].load()) no_grad.push_back(p);
+    (c == 0 && !has_grad_[p].load() ? out.no_grad : out.settled).push_back(p);
     param_count_[p].store(num_replicas_);
     complete_param(p, nullptr);
   }
@@ -282,7 +282,7 @@ std::vector<int> Engine::finish() {
   }
   for (int r = 0; r < num_replicas_; ++r) stale_[r].store(1);
   partial_.store(false);
-  return no_grad;
+  return out;
 }
 
 void Engine::abort() {

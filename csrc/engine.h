@@ -66,10 +66,15 @@ class Engine {
   bool sync_enabled() const { return sync_.load(); }
 
   // End of a synced backward: launches every bucket not launched yet (unused
-  // parameters), waits for all reductions and returns the parameters that have
-  // no gradient at all (they stay None). Raises ReduceError on failure, after
-  // resetting so the next iteration starts clean.
-  std::vector<int> finish();
+  // parameters) and waits for all reductions. Returns the parameters with no
+  // gradient at all (they stay None) and those settled here that have one (a
+  // replica that did not produce it must now point its grad at the bucket).
+  // Raises ReduceError on failure, after resetting so the next iteration starts clean.
+  struct Settled {
+    std::vector<int> no_grad;
+    std::vector<int> settled;
+  };
+  Settled finish();
   // A backward failed: wait for in-flight work, drop the iteration.
   void abort();
   // Gradients were zeroed; with set_to_none they are logically None again.

@@ -67,6 +67,10 @@ StressResult stress_engine(int replicas, int params, int64_t cap_bytes, bool ind
       engine.set_buffer(r, static_cast<int>(b), ref);
     }
   }
+  // Every parameter holds a gradient from the start, so each bucket must be
+  // reduced every iteration, marked or not (None-gradient handling is tested
+  // separately).
+  for (int p = 0; p < params; ++p) engine.note_grad(p);
   const float expected = replicas * (replicas + 1) / 2.0f;
   StressResult result;
   std::vector<std::pair<int, int>> marks;

@@ -195,9 +195,16 @@ class GradSync:
         Raises ReduceError (naming bucket and parameters) if a reduction failed."""
         if self._engine is None:
             return
-        for i in self._engine.finish():
+        no_grad, settled = self._engine.finish()
+        for i in no_grad:
             for params in self.params:
                 params[i].grad = None
+        for i in settled:
+            # Reduced without every replica producing it: a replica whose grad
+            # was None must now see the reduced bucket slice.
+            for params, views in zip(self.params, self._views):
+                if params[i].grad is not views[i]:
+                    params[i].grad = views[i]
         if self._rebuild_pending and self._engine.sync_enabled:
             self._rebuild_pending = False
             self._rebuild()

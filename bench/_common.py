@@ -1,0 +1,122 @@
+"""Shared helpers for the bench/ scripts: summaries of repeated timings (median
+with p10/p90), plain-text tables, and the JSON results file that records the
+machine a run was measured on. Benchmarks report; they never assert timings."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+import torch
+
+import pyddp
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="a few-second smoke run (tiny sizes)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="results JSON path (default bench/results/<name>.json)"
+    )
+    return p
+
+
+def summary(samples: Sequence[float]) -> Dict[str, float]:
+    """Median and p10/p90: robust to the occasional preempted sample on a small
+    shared machine, where a mean would follow the outliers."""
+    a = np.asarray(samples, dtype=np.float64)
+    p10, med, p90 = np.percentile(a, [10, 50, 90])
+    return {"median": float(med), "p10": float(p10), "p90": float(p90), "n": int(a.size)}
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Right-aligned text table (a few lines; not worth a dependency)."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def header() -> str:
+    """One line naming what is measured and how busy the machine was at the start."""
+    load = os.getloadavg()[0]
+    busy = f" (busy: other work shares the {os.cpu_count()} cores)" if load > 0.5 else ""
+    return (f"pyddp {pyddp.__version__} [{_git_state()}], torch {torch.__version__}, "
+            f"{torch.get_num_threads()} torch threads, {os.cpu_count()} cores, "
+            f"1-min load {load:.2f}{busy}")
+
+
+def machine() -> Dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "pyddp": pyddp.__version__,
+        "platform": platform.platform(),
+        "git": _git_state(),
+        # Other work on a 2-core machine moves every figure: record how busy it was.
+        "loadavg_1min_at_end": os.getloadavg()[0],
+    }
+
+
+def _git_state() -> str:
+    """The commit measured, marked dirty when pyddp/ or csrc/ differ from it:
+    figures only mean something next to the code they were taken on."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "pyddp", "csrc"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def write_results(name: str, args: argparse.Namespace, results: Dict[str, Any]) -> Path:
+    path = args.out or RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": name,
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": machine(),
+        "results": results,
+    }
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"\nresults: {path}")
+    return path
+
+
+def rotated(items: List[Any], k: int) -> List[Any]:
+    """`items` starting at position k: interleaved runs change who goes first
+    each round, so no variant always follows the same neighbour."""
+    k %= len(items)
+    return items[k:] + items[:k]

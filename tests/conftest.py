@@ -1,0 +1,59 @@
+"""Shared test helpers: the mixed model the equivalence tests train, and
+single-device reference training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+class Mixed(nn.Module):
+    """Linear, Conv, Embedding and LayerNorm; `shared` is applied twice; `rare`
+    is used only for samples whose first token is 0 (so on some replicas and
+    in some steps only); `never` is never used."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8, classes: int = 5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.conv = nn.Conv1d(dim, dim, kernel_size=3, padding=1)
+        self.norm = nn.LayerNorm(dim)
+        self.shared = nn.Linear(dim, dim)
+        self.rare = nn.Linear(dim, dim)
+        self.never = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)  # (B, T, D)
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
+        h = self.norm(torch.relu(h)).mean(dim=1)
+        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
+        mask = tokens[:, 0] == 0
+        if bool(mask.any()):
+            h = torch.where(mask[:, None], self.rare(h), h)
+        return self.head(h)
+
+
+def make_batches(steps: int, batch: int, seed: int = 0, vocab: int = 11, seq: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (batch, seq), generator=g)
+        y = torch.randint(0, 5, (batch,), generator=g)
+        out.append((x, y))
+    return out
+
+
+@pytest.fixture
+def mixed_model():
+    torch.manual_seed(0)
+    return Mixed()

@@ -1,0 +1,94 @@
+"""In-process CPU all-reduce: closed-form values over a grid of replica
+counts x sizes x dtypes (replica r fills r+1, so everyone must read N(N+1)/2)."""
+
+import pytest
+import torch
+
+import pyddp
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# 0, 1, odd, and larger than a bucket and than the parallel threshold.
+SIZES = [0, 1, 7, 1001, (1 << 20) + 3]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sum_closed_form(n, size, dtype):
+    tensors = [torch.full((size,), float(r + 1), dtype=dtype) for r in range(n)]
+    pyddp.all_reduce(tensors, op="sum")
+    want = torch.full((size,), n * (n + 1) / 2, dtype=dtype)
+    for t in tensors:
+        assert torch.equal(t, want)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_avg_closed_form(n, dtype):
+    tensors = [torch.full((1001,), float(r + 1), dtype=dtype) for r in range(n)]
+    pyddp.all_reduce(tensors, op="avg")
+    want = torch.full((1001,), (n + 1) / 2, dtype=dtype)
+    for t in tensors:
+        assert torch.equal(t, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16bit_accumulates_in_float32(dtype):
+    # 16-bit partial sums would lose these: fp16 overflows at 65504 (60000 +
+    # 60000), and bf16 cannot hold 256 + 1 exactly. Accumulating in float32 and
+    # averaging gives the exact mean back.
+    big = 60000.0 if dtype == torch.float16 else 256.0
+    a = torch.full((5,), big, dtype=dtype)
+    b = torch.full((5,), big, dtype=dtype)
+    pyddp.all_reduce([a, b], op="avg")
+    assert torch.equal(a, torch.full((5,), big, dtype=dtype))
+    vals = [torch.full((3,), v, dtype=dtype) for v in (256.0, 1.0, 1.0)]
+    pyddp.all_reduce(vals, op="sum")
+    assert vals[0][0].item() == 258.0  # 256 + 1 + 1 in fp32, representable in both
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_random_values_match_torch_sum(dtype):
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(3000, generator=g).to(dtype) for _ in range(3)]
+    # Summed in replica order in the accumulation type (float32 for 16-bit).
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    want = tensors[0].to(acc)
+    for t in tensors[1:]:
+        want = want + t.to(acc)
+    pyddp.all_reduce(tensors)
+    assert torch.equal(tensors[0], want.to(dtype))
+    assert torch.equal(tensors[1], tensors[0]) and torch.equal(tensors[2], tensors[0])
+
+
+def test_special_values_propagate():
+    a = torch.tensor([float("inf"), float("nan"), 1.0], dtype=torch.float16)
+    b = torch.tensor([1.0, 1.0, -1.0], dtype=torch.float16)
+    pyddp.all_reduce([a, b])
+    assert a[0].item() == float("inf") and torch.isnan(a[1]) and a[2].item() == 0.0
+
+
+@pytest.mark.parametrize(
+    "tensors, message",
+    [
+        ([], "empty"),
+        ([torch.zeros(3), torch.zeros(4)], "tensors\\[1\\]"),
+        ([torch.zeros(3), torch.zeros(3, dtype=torch.float64)], "tensors\\[1\\]"),
+        ([torch.zeros(3, dtype=torch.int32)] * 1, "not supported"),
+        ([torch.zeros(4, 4).t(), torch.zeros(4, 4)], "contiguous"),
+    ],
+)
+def test_bad_arguments(tensors, message):
+    with pytest.raises(ValueError, match=message):
+        pyddp.all_reduce(tensors)
+
+
+def test_aliased_buffers_rejected():
+    t = torch.ones(4)
+    with pytest.raises(ValueError, match="share memory"):
+        pyddp.all_reduce([t, t])
+
+
+def test_bad_op():
+    with pytest.raises(ValueError, match="op"):
+        pyddp.all_reduce([torch.ones(2)], op="max")
