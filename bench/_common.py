@@ -11,6 +11,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
@@ -26,7 +27,10 @@ def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="a few-second smoke run (tiny sizes)")
     p.add_argument(
-        "--out", type=Path, default=None, help="results JSON path (default bench/results/<name>.json)"
+        "--out",
+        type=Path,
+        default=None,
+        help="results JSON (default bench/results/<name>.json)",
     )
     return p
 
@@ -54,20 +58,47 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
+_busy_at_start: Dict[str, float] = {}
+
+
 def header() -> str:
     """One line naming what is measured and how busy the machine was at the start."""
-    load = os.getloadavg()[0]
-    busy = f" (busy: other work shares the {os.cpu_count()} cores)" if load > 0.5 else ""
-    return (f"pyddp {pyddp.__version__} [{_git_state()}], torch {torch.__version__}, "
-            f"{torch.get_num_threads()} torch threads, {os.cpu_count()} cores, "
-            f"1-min load {load:.2f}{busy}")
+    busy = _cpu_busy()
+    _busy_at_start["cpu_busy_fraction"] = busy
+    note = " (other work is running: figures will be noisy)" if busy > 0.1 else ""
+    return (
+        f"pyddp {pyddp.__version__} [{_git_state()}], torch {torch.__version__}, "
+        f"{torch.get_num_threads()} torch threads, {os.cpu_count()} cores, "
+        f"CPU busy before start {busy:.0%}{note}"
+    )
+
+
+def _cpu_busy(seconds: float = 0.5) -> float:
+    """Fraction of all cores busy over `seconds` while this process sleeps: the
+    other work that will share a small machine with the benchmark."""
+
+    def ticks() -> List[int]:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:]]
+
+    try:
+        a = ticks()
+        time.sleep(seconds)
+        b = ticks()
+    except OSError:
+        return float("nan")
+    delta = [y - x for x, y in zip(a, b)]
+    idle = delta[3] + (delta[4] if len(delta) > 4 else 0)  # idle + iowait
+    return 1.0 - idle / max(1, sum(delta))
 
 
 def machine() -> Dict[str, Any]:
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
     except OSError:
         pass
     return {
@@ -81,7 +112,7 @@ def machine() -> Dict[str, Any]:
         "platform": platform.platform(),
         "git": _git_state(),
         # Other work on a 2-core machine moves every figure: record how busy it was.
-        "loadavg_1min_at_end": os.getloadavg()[0],
+        **_busy_at_start,
     }
 
 
@@ -90,10 +121,20 @@ def _git_state() -> str:
     figures only mean something next to the code they were taken on."""
     root = Path(__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "pyddp", "csrc"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "pyddp", "csrc"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")

@@ -89,16 +89,16 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.reps, args.max_mib = 3, 4
-    sizes = [KIB, 64 * KIB, MIB] + [
-        s * MIB for s in (4, 16, 64, 256) if s <= args.max_mib
-    ]
+    sizes = [KIB, 64 * KIB, MIB] + [s * MIB for s in (4, 16, 64, 256) if s <= args.max_mib]
     if args.max_mib * MIB not in sizes:
         sizes.append(args.max_mib * MIB)
     replicas = [2, 4]
 
     print(header())
-    print(f"float32 sum, {args.reps} interleaved samples per size; pyddp CPU backend threads: "
-          f"{pyddp._C.CpuBackend().threads}; small sizes time a loop of calls per sample\n")
+    print(
+        f"float32 sum, {args.reps} interleaved samples per size; pyddp CPU backend threads: "
+        f"{pyddp._C.CpuBackend().threads}; small sizes time a loop of calls per sample\n"
+    )
     results = []
     rows = []
     for nbytes in sizes:
@@ -106,17 +106,38 @@ def main() -> None:
         results.append({"bytes_per_replica": nbytes, "ops": res})
         for name, r in res.items():
             t = r["time_s"]
-            rows.append([
-                _size_name(nbytes), name, _time(t["median"]), _time(t["p10"]), _time(t["p90"]),
-                r["algbw_GBps"], "-" if r["busbw_GBps"] is None else r["busbw_GBps"],
-                r["traffic_GBps"], r["algbw_over_torch_copy"], r["algbw_over_np_copy"],
-            ])
+            rows.append(
+                [
+                    _size_name(nbytes),
+                    name,
+                    _time(t["median"]),
+                    _time(t["p10"]),
+                    _time(t["p90"]),
+                    r["algbw_GBps"],
+                    "-" if r["busbw_GBps"] is None else r["busbw_GBps"],
+                    r["traffic_GBps"],
+                    r["algbw_over_torch_copy"],
+                    r["algbw_over_np_copy"],
+                ]
+            )
         rows.append([""] * 10)
-    print(table(
-        ["size/replica", "operation", "median", "p10", "p90", "algbw GB/s", "busbw GB/s",
-         "traffic GB/s", "algbw÷torch copy", "algbw÷np copy"],
-        rows[:-1],
-    ))
+    print(
+        table(
+            [
+                "size/replica",
+                "operation",
+                "median",
+                "p10",
+                "p90",
+                "algbw GB/s",
+                "busbw GB/s",
+                "traffic GB/s",
+                "algbw÷torch copy",
+                "algbw÷np copy",
+            ],
+            rows[:-1],
+        )
+    )
     print(
         "\nalgbw = bytes per replica / time; busbw = algbw x 2(N-1)/N (NCCL's convention).\n"
         "traffic = bytes moved through memory / time: 2 x N x bytes for the reduction (it\n"

@@ -327,10 +327,21 @@ void Engine::clear_grads(bool set_to_none) {
   partial_.store(false);
 }
 
-void Engine::note_grad(int param) {
+void Engine::note_grad(int param, bool has_grad) {
   PYDDP_ENFORCE(param >= 0 && param < num_params(), "parameter ", param, " out of range [0, ",
                 num_params(), ")");
-  has_grad_[param].store(1);
+  has_grad_[param].store(has_grad ? 1 : 0);
+}
+
+std::vector<std::pair<int, int>> Engine::unmarked() const {
+  std::vector<std::pair<int, int>> out;
+  if (!sync_.load()) return out;
+  for (int r = 0; r < num_replicas_; ++r) {
+    for (int p = 0; p < num_params(); ++p) {
+      if (!marked_[static_cast<size_t>(r) * params_.size() + p].load()) out.emplace_back(r, p);
+    }
+  }
+  return out;
 }
 
 bool Engine::take_stale(int replica) {

@@ -79,8 +79,12 @@ class Engine {
   void abort();
   // Gradients were zeroed; with set_to_none they are logically None again.
   void clear_grads(bool set_to_none);
-  // The parameter holds a gradient from before the engine existed.
-  void note_grad(int param);
+  // Whether the parameter holds a gradient, when it changed behind the
+  // engine's back (grads present at construction, or set to None by torch).
+  void note_grad(int param, bool has_grad);
+  // (replica, param) pairs not marked in the current synced backward: the
+  // caller reconciles their buffer slices before finish() reduces them.
+  std::vector<std::pair<int, int>> unmarked() const;
   bool active() const { return active_.load(); }
   // After a reduction every replica holds the same reduced sum. Before that
   // replica accumulates again, the caller zeroes its copy (except replica 0)

@@ -70,7 +70,7 @@ StressResult stress_engine(int replicas, int params, int64_t cap_bytes, bool ind
   // Every parameter holds a gradient from the start, so each bucket must be
   // reduced every iteration, marked or not (None-gradient handling is tested
   // separately).
-  for (int p = 0; p < params; ++p) engine.note_grad(p);
+  for (int p = 0; p < params; ++p) engine.note_grad(p, true);
   const float expected = replicas * (replicas + 1) / 2.0f;
   StressResult result;
   std::vector<std::pair<int, int>> marks;

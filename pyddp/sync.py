@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import Counter
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -96,7 +97,7 @@ class GradSync:
         self._layout(buckets)
         for i in range(len(first)):
             if any(ps[i].grad is not None for ps in self.params):
-                self._engine.note_grad(i)
+                self._engine.note_grad(i, True)
         self._rebuild_pending = rebuild_buckets and self._cap > 0
         for r, (module, params) in enumerate(zip(replicas, self.params)):
             for i, p in enumerate(params):
@@ -195,6 +196,7 @@ class GradSync:
         Raises ReduceError (naming bucket and parameters) if a reduction failed."""
         if self._engine is None:
             return
+        self._reconcile_unmarked()
         no_grad, settled = self._engine.finish()
         for i in no_grad:
             for params in self.params:
@@ -208,6 +210,28 @@ class GradSync:
         if self._rebuild_pending and self._engine.sync_enabled:
             self._rebuild_pending = False
             self._rebuild()
+
+    def _reconcile_unmarked(self) -> None:
+        # A replica that produced no gradient for a parameter contributes its
+        # bucket slice as is. If its grad was reset behind pyddp's back (torch's
+        # zero_grad sets None), the slice is stale and must count as zero. A
+        # parameter produced by no replica whose canonical copy (replica 0) is
+        # None stays None everywhere, as on one device.
+        unmarked = self._engine.unmarked()
+        nowhere = {i for i, n in Counter(i for _, i in unmarked).items() if n == len(self.replicas)}
+        for i in nowhere:
+            if self.params[0][i].grad is None:
+                self._engine.note_grad(i, False)
+                for views in self._views:  # None slices read zero (clipping sums buckets)
+                    views[i].zero_()
+        for r, i in unmarked:
+            grad, view = self.params[r][i].grad, self._views[r][i]
+            if grad is view:
+                continue
+            if grad is None:
+                view.zero_()
+            else:
+                self._adopt(self.params[r][i], view)
 
     def abort(self) -> None:
         """A replica's backward raised: drop the iteration (waits for in-flight

@@ -1,0 +1,315 @@
+"""What wrap promises beyond plain training: no_sync accumulation, repeated
+backward, buffers, clipping, schedulers, state dicts, eval, output structures,
+small batches, and the low-level GradSync API driven from user threads."""
+
+import copy
+import dataclasses
+import threading
+from collections import namedtuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import Mixed, make_batches
+from torch import nn
+
+import pyddp
+
+ATOL, RTOL = 1e-6, 1e-5  # float32 reassociation, see test_equivalence.py
+
+
+def grads(module):
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in module.named_parameters()}
+
+
+def assert_grads_close(a, b):
+    assert a.keys() == b.keys()
+    for n in a:
+        if a[n] is None or b[n] is None:
+            assert a[n] is None and b[n] is None, n
+        else:
+            torch.testing.assert_close(a[n], b[n], atol=ATOL, rtol=RTOL, msg=n)
+
+
+def wrapped(n=2, **kw):
+    torch.manual_seed(0)
+    model = Mixed()
+    ref = copy.deepcopy(model)
+    return pyddp.wrap(model, ["cpu"] * n, **kw), ref
+
+
+@pytest.mark.parametrize("path", ["gather", "loss"])
+def test_no_sync_accumulation_equals_large_batch(path):
+    dm, ref = wrapped(3, bucket_cap_mb=0)
+    (x1, y1), (x2, y2) = make_batches(2, 10, seed=3)
+
+    def loss(x, y):
+        return (dm.loss(F.cross_entropy, x, y) if path == "loss" else F.cross_entropy(dm(x), y)) / 2
+
+    with dm.no_sync():
+        loss(x1, y1).backward()
+    loss(x2, y2).backward()
+    F.cross_entropy(ref(torch.cat([x1, x2])), torch.cat([y1, y2])).backward()
+    assert_grads_close(grads(dm.module), grads(ref))
+    for rep in dm.replicas:
+        assert_grads_close(grads(rep), grads(ref))
+
+
+def test_step_after_unreduced_no_sync_is_refused():
+    dm, _ = wrapped(2)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    (x, y), = make_batches(1, 8)
+    with dm.no_sync():
+        F.cross_entropy(dm(x), y).backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        opt.step()
+
+
+@pytest.mark.parametrize("path", ["gather", "loss"])
+def test_second_backward_before_step_accumulates_like_one_device(path):
+    dm, ref = wrapped(2, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+    for x, y in make_batches(2, 9, seed=5):
+        loss = dm.loss(F.cross_entropy, x, y) if path == "loss" else F.cross_entropy(dm(x), y)
+        loss.backward()
+        F.cross_entropy(ref(x), y).backward()
+    assert_grads_close(grads(dm.module), grads(ref))
+    for rep in dm.replicas:
+        assert_grads_close(grads(rep), grads(ref))
+
+
+def test_backward_twice_over_one_graph_is_an_error():
+    dm, _ = wrapped(2)
+    (x, y), = make_batches(1, 8)
+    loss = F.cross_entropy(dm(x), y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(Exception, match="no forward in between|second time"):
+        loss.backward()
+
+
+def test_buffers_follow_replica_zero_before_training_forward():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    rep1 = dm.replicas[1]
+    rep1[1].running_mean.fill_(100.0)  # garbage that the broadcast must overwrite
+    before = copy.deepcopy(dm.module[1])
+    x = torch.randn(10, 4)
+    dm(x)
+    # replica 1 started from replica 0's statistics and saw its own shard (rows 5..9)
+    expected = before.train()
+    expected(dm.module[0](x[5:]).detach())
+    torch.testing.assert_close(rep1[1].running_mean, expected.running_mean)
+    assert rep1[1].num_batches_tracked.item() == 1
+
+
+def test_clip_grad_norm_returns_the_full_batch_norm():
+    dm, ref = wrapped(3)
+    (x, y), = make_batches(1, 12)
+    F.cross_entropy(dm(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    norm = dm.clip_grad_norm_(0.1)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    torch.testing.assert_close(norm, ref_norm, atol=ATOL, rtol=RTOL)
+    assert norm > 0.1  # the clip is active
+    for rep in dm.replicas:
+        assert_grads_close(grads(rep), grads(ref))
+
+
+def test_clip_grad_norm_one_replica():
+    dm, ref = wrapped(1)
+    (x, y), = make_batches(1, 12)
+    F.cross_entropy(dm(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    torch.testing.assert_close(
+        dm.clip_grad_norm_(0.1), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    )
+
+
+def test_lr_scheduler_and_optimizer_state_dict():
+    dm, ref = wrapped(2)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    assert isinstance(opt, torch.optim.SGD)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    batches = make_batches(6, 8)
+    for x, y in batches[:3]:
+        F.cross_entropy(dm(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5**3
+    for p, q in zip(dm.module.parameters(), ref.parameters()):  # every replica used each lr
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+    state = opt.state_dict()
+    assert state["state"].keys() == ref_opt.state_dict()["state"].keys()  # one copy, not N
+
+    # A fresh wrap resumed from the state dicts continues exactly like the reference.
+    model2 = Mixed()
+    dm2 = pyddp.wrap(model2, ["cpu", "cpu"])
+    dm2.load_state_dict(dm.state_dict())
+    opt2 = dm2.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    opt2.load_state_dict(copy.deepcopy(state))
+    for x, y in batches[3:]:
+        F.cross_entropy(dm2(x), y).backward()
+        opt2.step()
+        opt2.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for rep in dm2.replicas[1:]:  # separate momentum buffers per replica
+            for p, p0 in zip(rep.parameters(), dm2.module.parameters()):
+                assert torch.equal(p, p0)
+    for p, q in zip(dm2.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+
+
+def test_model_state_dict_has_plain_keys_and_loads_everywhere():
+    dm, ref = wrapped(3)
+    assert list(dm.state_dict()) == list(ref.state_dict())
+    new = {k: torch.randn_like(v) for k, v in ref.state_dict().items()}
+    dm.load_state_dict(new)
+    for rep in dm.replicas:
+        for k, v in rep.state_dict().items():
+            assert torch.equal(v, new[k])
+
+
+def test_eval_and_no_grad_forward_match_the_module():
+    dm, ref = wrapped(3)
+    x = make_batches(1, 11)[0][0]
+    dm.eval()
+    with torch.no_grad():
+        out = dm(x)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, ref(x), atol=ATOL, rtol=RTOL)
+    assert all(not rep.training for rep in dm.replicas)
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    extra: dict
+    tag: str = "x"
+
+
+Pair = namedtuple("Pair", "a b")
+
+
+class Structured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x, *, scale=1.0):
+        h = self.lin(x) * scale
+        return Out(h, {"pair": Pair(h.sum(1), x.argmax(1)), "n": 3})
+
+
+def test_structured_outputs_are_gathered():
+    torch.manual_seed(0)
+    model = Structured()
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu"] * 3)
+    x = torch.randn(7, 3)
+    out = dm(x, scale=2.0)
+    want = ref(x, scale=2.0)
+    assert isinstance(out, Out) and out.tag == "x" and out.extra["n"] == 3
+    assert isinstance(out.extra["pair"], Pair)
+    torch.testing.assert_close(out.logits, want.logits)
+    assert torch.equal(out.extra["pair"].b, want.extra["pair"].b)
+    (out.logits.pow(2).mean() + out.extra["pair"].a.mean()).backward()
+    (want.logits.pow(2).mean() + want.extra["pair"].a.mean()).backward()
+    assert_grads_close(grads(dm.module), grads(ref))
+
+
+def test_batch_smaller_than_replicas():
+    dm, ref = wrapped(4)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for batch in (2, 1, 5):
+        (x, y), = make_batches(1, batch, seed=batch)
+        F.cross_entropy(dm(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        assert_grads_close(grads(dm.module), grads(ref))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for rep in dm.replicas[1:]:
+            for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+                assert torch.equal(p, p0)
+
+
+def test_grads_reset_outside_pyddp_are_still_reduced():
+    dm, ref = wrapped(2)
+    for x, y in make_batches(3, 8):
+        dm.module.zero_grad()  # torch's: sets replica 0's grads to None
+        ref.zero_grad()
+        F.cross_entropy(dm(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        assert_grads_close(grads(dm.module), grads(ref))
+
+
+def test_zero_grad_without_none_keeps_zeros_like_torch():
+    dm, ref = wrapped(2)
+    opt = dm.optimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    for x, y in make_batches(4, 8):
+        F.cross_entropy(dm(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=False)
+        ref_opt.zero_grad(set_to_none=False)
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+
+
+def test_stats_describe_the_last_iteration():
+    dm, _ = wrapped(2, bucket_cap_mb=0, rebuild_buckets=False)
+    (x, y), = make_batches(1, 8)
+    F.cross_entropy(dm(x), y).backward()
+    s = dm.stats()
+    assert s["iteration"] == 1
+    assert s["buckets"] == len(list(dm.module.parameters()))
+    # `never` has no gradient anywhere: its bucket is not reduced
+    assert s["launches"] == s["buckets"] - 2
+    assert s["bytes"] > 0 and s["comm_s"] >= 0 and s["finish_wait_s"] >= 0
+
+
+@pytest.mark.parametrize("bucket_cap_mb", [0, 25])
+def test_gradsync_from_user_threads(bucket_cap_mb):
+    torch.manual_seed(0)
+    models = [Mixed()]
+    models.append(copy.deepcopy(models[0]))
+    ref = copy.deepcopy(models[0])
+    sync = pyddp.GradSync(models, bucket_cap_mb=bucket_cap_mb, op="avg")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, y) in enumerate(make_batches(6, 12)):
+        shards = list(zip(x.chunk(2), y.chunk(2)))
+
+        def replica(r):
+            xs, ys = shards[r]
+            F.cross_entropy(models[r](xs), ys).backward()  # mean over an equal shard
+
+        threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        sync.finish()
+        sync.check_step()
+        for o in opts:
+            o.step()
+        sync.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, p1, q in zip(models[0].parameters(), models[1].parameters(), ref.parameters()):
+        assert torch.equal(p, p1)
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
