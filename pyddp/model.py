@@ -7,7 +7,7 @@ through GradSync."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 from torch import nn
@@ -104,7 +104,9 @@ class DistributedModel(nn.Module):
         """The wrapped model's state dict (replica 0; keys without a prefix)."""
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False):
+    def load_state_dict(
+        self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False
+    ):
         if assign:
             raise ValueError("assign=True would detach the replicas from their gradient buffers")
         result = self.module.load_state_dict(state_dict, strict=strict)
@@ -208,9 +210,7 @@ class DistributedModel(nn.Module):
         # A batch smaller than the number of replicas: only the first `batch`
         # replicas take part; the others contribute zeros to the reduction.
         sizes = shard_sizes(batch, min(batch, len(self._replicas)))
-        split = [
-            [t] * len(sizes) if t.dim() == 0 else list(t.split(sizes)) for t in leaves
-        ]
+        split = [[t] * len(sizes) if t.dim() == 0 else list(t.split(sizes)) for t in leaves]
         shards = []
         for r, device in enumerate(self.devices[: len(sizes)]):
             shards.append(rebuild([parts[r].to(device, non_blocking=True) for parts in split]))
@@ -372,5 +372,3 @@ def wrap(
         rebuild_buckets=rebuild_buckets,
         broadcast_buffers=broadcast_buffers,
     )
-
-

@@ -6,7 +6,6 @@ the other replicas' optimizers are stepped with the same hyper-parameters."""
 from __future__ import annotations
 
 import copy
-
 from typing import Any, Callable, Dict, Iterable, Optional, Type
 
 import torch

@@ -89,7 +89,13 @@ class GradSync:
             numels, self._dtypes, list(reversed(range(len(first)))), self._first_cap, self._cap
         )
         self._engine = _C.Engine(
-            len(replicas), self.names, numels, self._dtypes, buckets, reduce_order, op,
+            len(replicas),
+            self.names,
+            numels,
+            self._dtypes,
+            buckets,
+            reduce_order,
+            op,
             _C.CpuBackend(),
         )
         self._views: List[List[Optional[torch.Tensor]]] = [[None] * len(first) for _ in replicas]
@@ -123,8 +129,9 @@ class GradSync:
                         p.grad = view
                     self._views[r][i] = view
                 device = -1 if flat.device.type == "cpu" else flat.device.index
-                self._engine.set_buffer(r, b, flat.data_ptr(), count, self._dtypes[members[0]],
-                                        device)
+                self._engine.set_buffer(
+                    r, b, flat.data_ptr(), count, self._dtypes[members[0]], device
+                )
                 flats.append(flat)
             self._flat[r] = flats
 

@@ -50,8 +50,16 @@ def test_plan_rejects_bad_order():
 def make_engine(replicas=2, numels=(3, 5), order="ready"):
     names = [f"p{i}" for i in range(len(numels))]
     buckets = [[i] for i in range(len(numels))]
-    eng = _C.Engine(replicas, names, list(numels), ["float32"] * len(numels), buckets, order,
-                    "sum", _C.CpuBackend(1))
+    eng = _C.Engine(
+        replicas,
+        names,
+        list(numels),
+        ["float32"] * len(numels),
+        buckets,
+        order,
+        "sum",
+        _C.CpuBackend(1),
+    )
     bufs = [[np.full(n, r + 1, np.float32) for n in numels] for r in range(replicas)]
     for r in range(replicas):
         for b, arr in enumerate(bufs[r]):
@@ -109,7 +117,7 @@ def test_failed_reduction_raises_then_engine_recovers():
     # Next iteration starts clean.
     eng.clear_grads(True)
     for r in range(2):
-        for b, arr in enumerate(bufs[r]):
+        for arr in bufs[r]:
             arr[:] = r + 1
     for r in range(2):
         for p in range(2):
@@ -127,7 +135,9 @@ def test_stats_count_bytes_and_launches():
     eng.finish()
     s = eng.last_stats()
     assert s["launches"] == 2 and s["bytes"] == (3 + 5) * 4 and s["buckets"] == 2
-    assert 0 < s["first_ready_ns"] <= s["first_launch_ns"] <= s["last_done_ns"] <= s["finish_end_ns"]
+    assert (
+        0 < s["first_ready_ns"] <= s["first_launch_ns"] <= s["last_done_ns"] <= s["finish_end_ns"]
+    )
     assert eng.ready_order() == [0, 1]
 
 
@@ -139,5 +149,13 @@ def test_engine_argument_errors():
     with pytest.raises(RuntimeError, match="in no bucket"):
         _C.Engine(1, ["a", "b"], [1, 1], ["float32"] * 2, [[0]], "ready", "sum", _C.CpuBackend(1))
     with pytest.raises(RuntimeError, match="mixes dtypes"):
-        _C.Engine(1, ["a", "b"], [1, 1], ["float32", "float64"], [[0, 1]], "ready", "sum",
-                  _C.CpuBackend(1))
+        _C.Engine(
+            1,
+            ["a", "b"],
+            [1, 1],
+            ["float32", "float64"],
+            [[0, 1]],
+            "ready",
+            "sum",
+            _C.CpuBackend(1),
+        )

@@ -29,8 +29,7 @@ MODES = {
     "per_param": dict(bucket_cap_mb=0),
     # tiny caps so the model spans several buckets (and the rebuild runs)
     "bucketed": dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005),
-    "bucketed_index": dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005,
-                           reduce_order="index"),
+    "bucketed_index": dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005, reduce_order="index"),
 }
 
 
@@ -64,7 +63,9 @@ def test_matches_single_device(n, mode, opt_name, path):
         ref_opt.zero_grad()
         assert_replicas_identical(dm)
     for (name, p), q in zip(dm.module.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            p, q, atol=ATOL, rtol=RTOL, msg=lambda m, name=name: f"{name}: {m}"
+        )
     # never used: its gradient stayed None, so weight decay never touched it
     assert dm.module.never.weight.grad is None
     assert torch.equal(dm.module.never.weight, ref.never.weight)

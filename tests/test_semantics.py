@@ -58,7 +58,7 @@ def test_no_sync_accumulation_equals_large_batch(path):
 def test_step_after_unreduced_no_sync_is_refused():
     dm, _ = wrapped(2)
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
-    (x, y), = make_batches(1, 8)
+    ((x, y),) = make_batches(1, 8)
     with dm.no_sync():
         F.cross_entropy(dm(x), y).backward()
     with pytest.raises(RuntimeError, match="no_sync"):
@@ -79,7 +79,7 @@ def test_second_backward_before_step_accumulates_like_one_device(path):
 
 def test_backward_twice_over_one_graph_is_an_error():
     dm, _ = wrapped(2)
-    (x, y), = make_batches(1, 8)
+    ((x, y),) = make_batches(1, 8)
     loss = F.cross_entropy(dm(x), y)
     loss.backward(retain_graph=True)
     with pytest.raises(Exception, match="no forward in between|second time"):
@@ -104,7 +104,7 @@ def test_buffers_follow_replica_zero_before_training_forward():
 
 def test_clip_grad_norm_returns_the_full_batch_norm():
     dm, ref = wrapped(3)
-    (x, y), = make_batches(1, 12)
+    ((x, y),) = make_batches(1, 12)
     F.cross_entropy(dm(x), y).backward()
     F.cross_entropy(ref(x), y).backward()
     norm = dm.clip_grad_norm_(0.1)
@@ -117,7 +117,7 @@ def test_clip_grad_norm_returns_the_full_batch_norm():
 
 def test_clip_grad_norm_one_replica():
     dm, ref = wrapped(1)
-    (x, y), = make_batches(1, 12)
+    ((x, y),) = make_batches(1, 12)
     F.cross_entropy(dm(x), y).backward()
     F.cross_entropy(ref(x), y).backward()
     torch.testing.assert_close(
@@ -231,7 +231,7 @@ def test_batch_smaller_than_replicas():
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for batch in (2, 1, 5):
-        (x, y), = make_batches(1, batch, seed=batch)
+        ((x, y),) = make_batches(1, batch, seed=batch)
         F.cross_entropy(dm(x), y).backward()
         F.cross_entropy(ref(x), y).backward()
         assert_grads_close(grads(dm.module), grads(ref))
@@ -271,7 +271,7 @@ def test_zero_grad_without_none_keeps_zeros_like_torch():
 
 def test_stats_describe_the_last_iteration():
     dm, _ = wrapped(2, bucket_cap_mb=0, rebuild_buckets=False)
-    (x, y), = make_batches(1, 8)
+    ((x, y),) = make_batches(1, 8)
     F.cross_entropy(dm(x), y).backward()
     s = dm.stats()
     assert s["iteration"] == 1
@@ -290,10 +290,10 @@ def test_gradsync_from_user_threads(bucket_cap_mb):
     sync = pyddp.GradSync(models, bucket_cap_mb=bucket_cap_mb, op="avg")
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step, (x, y) in enumerate(make_batches(6, 12)):
+    for x, y in make_batches(6, 12):
         shards = list(zip(x.chunk(2), y.chunk(2)))
 
-        def replica(r):
+        def replica(r, shards=shards):
             xs, ys = shards[r]
             F.cross_entropy(models[r](xs), ys).backward()  # mean over an equal shard
 

@@ -1,0 +1,212 @@
+"""Bad input gives a clear error (what is wrong, what to do), never a hang,
+crash or silent wrong result; after a failure the next step works."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import Mixed, make_batches
+from torch import nn
+
+import pyddp
+
+
+@pytest.mark.parametrize(
+    "devices, error, message",
+    [
+        ([], ValueError, "devices is empty"),
+        ("cpu", TypeError, "must be a list"),
+        (["cuda:3"], ValueError, "cuda:3 is not available"),
+        (["tpu"], ValueError, "not a device|unsupported device type"),
+        (["cpu", "meta"], ValueError, "unsupported device type 'meta'"),
+    ],
+)
+def test_bad_devices(devices, error, message):
+    with pytest.raises(error, match=message):
+        pyddp.wrap(nn.Linear(2, 2), devices)
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        pyddp.wrap(lambda x: x, ["cpu"])
+
+
+def test_no_trainable_parameters():
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        pyddp.wrap(frozen, ["cpu", "cpu"])
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        pyddp.wrap(nn.ReLU(), ["cpu"])
+
+
+def test_sparse_embedding_rejected():
+    with pytest.raises(ValueError, match="sparse=False"):
+        pyddp.wrap(nn.Embedding(10, 3, sparse=True), ["cpu", "cpu"])
+
+
+@pytest.mark.filterwarnings("ignore:Complex modules")
+def test_unsupported_parameter_dtype():
+    with pytest.raises(ValueError, match="dtype torch.complex64"):
+        pyddp.wrap(nn.Linear(2, 2).to(torch.complex64), ["cpu", "cpu"])
+
+
+def test_gradsync_replicas_must_match():
+    with pytest.raises(ValueError, match="replica 1 has shape \\(3, 2\\)"):
+        pyddp.GradSync([nn.Linear(2, 2), nn.Linear(2, 3)])
+    with pytest.raises(ValueError, match="replica 1 has trainable parameters"):
+        pyddp.GradSync([nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2))])
+    with pytest.raises(ValueError, match="replicas is empty"):
+        pyddp.GradSync([])
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(bucket_cap_mb=-1), "must be >= 0"),
+        (dict(reduce_order="fifo"), "reduce_order"),
+    ],
+)
+def test_bad_options(kw, message):
+    with pytest.raises(ValueError, match=message):
+        pyddp.wrap(nn.Linear(2, 2), ["cpu", "cpu"], **kw)
+
+
+def test_bad_batches():
+    dm = pyddp.wrap(nn.Linear(2, 2), ["cpu", "cpu"])
+    with pytest.raises(ValueError, match="batch is empty"):
+        dm(torch.zeros(0, 2))
+    with pytest.raises(ValueError, match="disagree on the batch size"):
+        dm.loss(F.mse_loss, torch.zeros(4, 2), torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="no tensor with a batch dimension"):
+        dm(torch.tensor(1.0))
+
+
+class Flaky(nn.Module):
+    """Raises in forward (or backward) when its input contains the marker -1."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.fail_backward = False
+
+    def forward(self, x):
+        if not self.fail_backward and bool((x == -1).any()):
+            raise RuntimeError("bad row in shard")
+        out = self.lin(x)
+        if self.fail_backward and bool((x == -1).any()):
+            out = _RaiseInBackward.apply(out)
+        return out
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("backward blew up")
+
+
+def train_step(dm, opt, x):
+    F.mse_loss(dm(x), torch.zeros(len(x), 2)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def assert_identical(dm):
+    for rep in dm.replicas[1:]:
+        for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+            assert torch.equal(p, p0)
+
+
+def test_exception_in_one_replica_forward_reaches_caller_and_next_step_works():
+    dm = pyddp.wrap(Flaky(), ["cpu"] * 3)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    x = torch.ones(6, 2)
+    x[4, 0] = -1  # rows 4-5 go to replica 2
+    with pytest.raises(pyddp.ReplicaError, match="replica 2 failed during forward.*bad row") as e:
+        dm(x)
+    assert e.value.replica == 2
+    train_step(dm, opt, torch.ones(6, 2))
+    assert_identical(dm)
+
+
+def test_exception_in_one_replica_backward_reaches_caller_and_next_step_works():
+    torch.manual_seed(0)
+    model = Flaky()
+    ref = copy.deepcopy(model)
+    model.fail_backward = True
+    dm = pyddp.wrap(model, ["cpu"] * 2)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    x = torch.ones(4, 2)
+    x[3, 1] = -1  # replica 1
+    loss = F.mse_loss(dm(x), torch.zeros(4, 2))
+    with pytest.raises(pyddp.ReplicaError, match="replica 1 failed during backward.*blew up"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="last backward failed.*zero_grad"):
+        opt.step()
+    opt.zero_grad()
+    good = torch.randn(4, 2)
+    train_step(dm, opt, good)
+    assert_identical(dm)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    F.mse_loss(ref(good), torch.zeros(4, 2)).backward()
+    ref_opt.step()
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_failed_reduction_raises_and_the_next_step_is_clean():
+    torch.manual_seed(0)
+    model = Mixed()
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu"] * 2, bucket_cap_mb=0, rebuild_buckets=False)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    (x, y), (x2, y2) = make_batches(2, 8)
+    dm.sync.inject_fault(0, "simulated link failure")
+    with pytest.raises(pyddp.ReduceError, match="bucket 0 .*simulated link failure"):
+        F.cross_entropy(dm(x), y).backward()
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        opt.step()
+    opt.zero_grad()
+    F.cross_entropy(dm(x2), y2).backward()
+    opt.step()
+    F.cross_entropy(ref(x2), y2).backward()
+    ref_opt.step()
+    assert_identical(dm)
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_parameter_used_outside_forward_is_an_error():
+    dm = pyddp.wrap(nn.Linear(3, 2), ["cpu", "cpu"])
+    x = torch.randn(4, 3)
+    loss = dm(x).sum() + sum(p.pow(2).sum() for p in dm.parameters())
+    with pytest.raises(Exception, match="twice"):
+        loss.backward()
+    dm.zero_grad()
+    dm(x).sum().backward()  # recovers
+
+
+def test_loss_fn_must_return_a_scalar():
+    dm = pyddp.wrap(nn.Linear(3, 2), ["cpu", "cpu"])
+    with pytest.raises(pyddp.ReplicaError, match="scalar"):
+        dm.loss(lambda out, y: (out - y) ** 2, torch.randn(4, 3), torch.randn(4, 2))
+    with pytest.raises(ValueError, match="reduction"):
+        dm.loss(F.mse_loss, torch.randn(4, 3), torch.randn(4, 2), reduction="avg")
+
+
+def test_optimizer_misuse():
+    dm = pyddp.wrap(nn.Linear(3, 2), ["cpu", "cpu"])
+    with pytest.raises(TypeError, match="Optimizer subclass"):
+        dm.optimizer(object)
+    opt = dm.optimizer(torch.optim.LBFGS)
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: 0.0)
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+    with pytest.raises(ValueError, match="assign=True"):
+        dm.load_state_dict(dm.state_dict(), assign=True)
