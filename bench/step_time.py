@@ -1,14 +1,17 @@
 """Training step time (forward, backward, SGD-momentum step, zero_grad) of an
-MLP classifier. (a) `pyddp.wrap(model, ["cpu"])` against the bare model,
-interleaved step by step in this process: the cost of the wrapper itself.
-(b) `pyddp.wrap(model, ["cpu", "cpu"])` (gathered-output forward and
-`dm.loss`) against torch DDP with gloo in 2 spawned processes at the same
-global batch, with the bare single-process model as a reference line.
+MLP classifier. (a) `pyddp.wrap(model, ["cpu"])` against the bare model in
+this process: the cost of the wrapper itself. (b) `pyddp.wrap(model, ["cpu",
+"cpu"])` (gathered-output forward and `dm.loss`) against torch DDP with gloo in
+2 spawned processes at the same global batch, with the bare single-process
+model as a reference line.
 
-Thread counts are fixed per process before any thread exists (a torch thread
-keeps the intra-op thread count it first saw), so each (b) configuration runs
-in its own process; the orchestrator hands blocks of steps to one process at a
-time, rotating, so every configuration sees the same machine conditions.
+How it is timed: configurations take turns in blocks (rotating who goes
+first), each block one untimed step, to bring that configuration's weights
+back into cache after the others ran, then `--block` timed steps. Thread
+counts are fixed per process before any thread exists (a torch thread keeps
+the intra-op thread count it first saw), so each (b) thread setting runs in
+its own process; the orchestrator runs one block at a time, so only one
+configuration computes at any moment.
 
     python bench/step_time.py [--quick] [--sizes 784,1024,1024,10] [--batch 256]"""
 
@@ -29,7 +32,7 @@ from torch import nn
 import pyddp
 
 LR, MOMENTUM = 0.01, 0.9
-_TIMEOUT_S = 600  # a child that says nothing for this long has died or hung
+Step = Callable[[], None]
 
 
 def make_model(sizes: Sequence[int]) -> nn.Module:
@@ -44,12 +47,8 @@ def make_model(sizes: Sequence[int]) -> nn.Module:
 
 def make_batch(sizes: Sequence[int], batch: int) -> Tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randn(batch, sizes[0], generator=g), torch.randint(
-        sizes[-1], (batch,), generator=g
-    )
-
-
-Step = Callable[[], None]
+    x = torch.randn(batch, sizes[0], generator=g)
+    return x, torch.randint(sizes[-1], (batch,), generator=g)
 
 
 def bare_step(sizes: Sequence[int], x: torch.Tensor, y: torch.Tensor) -> Step:
@@ -65,17 +64,13 @@ def bare_step(sizes: Sequence[int], x: torch.Tensor, y: torch.Tensor) -> Step:
 
 
 def pyddp_step(
-    sizes: Sequence[int],
-    devices: List[str],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    per_replica_loss: bool,
+    sizes: Sequence[int], devices: List[str], x: torch.Tensor, y: torch.Tensor, per_replica: bool
 ) -> Step:
     dm = pyddp.wrap(make_model(sizes), devices)
     opt = dm.optimizer(torch.optim.SGD, lr=LR, momentum=MOMENTUM)
 
     def step() -> None:
-        loss = dm.loss(F.cross_entropy, x, y) if per_replica_loss else F.cross_entropy(dm(x), y)
+        loss = dm.loss(F.cross_entropy, x, y) if per_replica else F.cross_entropy(dm(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -83,21 +78,19 @@ def pyddp_step(
     return step
 
 
-def run_interleaved(steps: Dict[str, Step], n: int, first: int = 0) -> Dict[str, List[float]]:
-    """n timed steps of every variant, one step of each in turn."""
-    times: Dict[str, List[float]] = {k: [] for k in steps}
-    for i in range(n):
-        for name in rotated(list(steps), first + i):
-            t0 = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - t0)
+def timed_block(step: Step, n: int) -> List[float]:
+    step()  # untimed: brings this configuration's state back into cache
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
     return times
 
 
 # --------------------------------------------------------------- children
 def pyddp_child(threads: int, cfg: Dict[str, Any], cmd: Any, res: Any) -> None:
-    """One process, one thread setting: bare model, pyddp gathered and pyddp
-    dm.loss, interleaved step by step within each block."""
+    """One process, one thread setting: the bare model, pyddp gathered, pyddp dm.loss."""
     if threads > 0:
         torch.set_num_threads(threads)
     x, y = make_batch(cfg["sizes"], cfg["batch"])
@@ -107,24 +100,21 @@ def pyddp_child(threads: int, cfg: Dict[str, Any], cmd: Any, res: Any) -> None:
         "pyddp dm.loss": pyddp_step(cfg["sizes"], ["cpu", "cpu"], x, y, True),
     }
     res.put((0, torch.get_num_threads()))
-    block = 0
     while (msg := cmd.get()) is not None:
-        res.put((0, run_interleaved(steps, msg, first=block)))
-        block += 1
+        name, n = msg
+        res.put((0, timed_block(steps[name], n)))
 
 
-def ddp_child(
-    rank: int, world: int, init_file: str, cfg: Dict[str, Any], cmd: Any, res: Any
-) -> None:
-    """One DDP rank: its shard of the global batch, step times taken here."""
+def ddp_child(rank: int, init_file: str, cfg: Dict[str, Any], cmd: Any, res: Any) -> None:
+    """One of 2 DDP ranks: its half of the global batch; step times taken here."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)  # 2 ranks on 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     x, y = make_batch(cfg["sizes"], cfg["batch"])
-    shard = cfg["batch"] // world
-    xs, ys = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
+    half = cfg["batch"] // 2
+    xs, ys = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
     model = DDP(make_model(cfg["sizes"]))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
@@ -136,14 +126,14 @@ def ddp_child(
     res.put((rank, torch.get_num_threads()))
     while (msg := cmd.get()) is not None:
         dist.barrier()  # both ranks start the block together; not timed
-        res.put((rank, run_interleaved({"torch DDP gloo": step}, msg)))
+        res.put((rank, timed_block(step, msg[1])))
     dist.destroy_process_group()
 
 
 @contextlib.contextmanager
 def _env(**values: str) -> Iterator[None]:
-    """Environment for a child started inside the block: spawned children read
-    OMP/MKL thread counts at import, before any of our code runs."""
+    """Environment for children started inside the block: a spawned child reads
+    OMP/MKL thread counts when it imports torch, before our code runs."""
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -157,12 +147,11 @@ def _env(**values: str) -> Iterator[None]:
 
 
 class Group:
-    """Processes that run one configuration's blocks together (2 for DDP)."""
+    """Child processes that run blocks together (one pyddp process, or 2 DDP ranks)."""
 
     def __init__(self, name: str, procs: List[Any], cmds: List[Any], res: Any):
         self.name, self.procs, self.cmds, self.res = name, procs, cmds, res
-        self.threads: List[int] = []
-        self.times: Dict[str, List[float]] = {}
+        self.threads = 0
 
     def _get(self) -> Tuple[int, Any]:
         """(rank, payload) from the next child that answers."""
@@ -175,16 +164,13 @@ class Group:
                     raise RuntimeError(f"{self.name}: a child exited with {dead}") from None
 
     def wait_ready(self) -> None:
-        self.threads = [t for _, t in sorted(self._get() for _ in self.procs)]
+        self.threads = dict(self._get() for _ in self.procs)[0]
 
-    def run(self, steps: int, record: bool) -> None:
+    def block(self, variant: str, steps: int) -> List[float]:
         for c in self.cmds:
-            c.put(steps)
-        replies = dict(self._get() for _ in self.procs)
+            c.put((variant, steps))
         # DDP: rank 0's times (the ranks wait for each other every step).
-        if record:
-            for name, ts in replies[0].items():
-                self.times.setdefault(name, []).extend(ts)
+        return dict(self._get() for _ in self.procs)[0]
 
     def stop(self) -> None:
         for c in self.cmds:
@@ -195,26 +181,20 @@ class Group:
 
 def start_groups(cfg: Dict[str, Any], tmp: str) -> List[Group]:
     ctx = torch.multiprocessing.get_context("spawn")
+    one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     groups = []
-    for label, threads in (("threads=1", 1), ("threads=default", 0)):
+    for threads in (1, 0):
         cmd, res = ctx.Queue(), ctx.Queue()
-        env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"} if threads == 1 else {}
-        with _env(**env):
+        with _env(**(one_thread if threads == 1 else {})):
             p = ctx.Process(target=pyddp_child, args=(threads, cfg, cmd, res), daemon=True)
             p.start()
-        groups.append(Group(f"pyddp {label}", [p], [cmd], res))
-    res = ctx.Queue()
-    cmds, procs = [], []
-    with _env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"):
+        groups.append(Group(f"pyddp threads={threads or 'default'}", [p], [cmd], res))
+    res, cmds, procs = ctx.Queue(), [ctx.Queue(), ctx.Queue()], []
+    with _env(**one_thread):
         for rank in range(2):
-            cmds.append(ctx.Queue())
-            p = ctx.Process(
-                target=ddp_child,
-                args=(rank, 2, os.path.join(tmp, "rendezvous"), cfg, cmds[-1], res),
-                daemon=True,
-            )
-            p.start()
-            procs.append(p)
+            args = (rank, os.path.join(tmp, "rendezvous"), cfg, cmds[rank], res)
+            procs.append(ctx.Process(target=ddp_child, args=args, daemon=True))
+            procs[-1].start()
     groups.append(Group("ddp", procs, cmds, res))
     for g in groups:
         g.wait_ready()
@@ -226,27 +206,35 @@ def _ms(s: Dict[str, float]) -> List[float]:
     return [s["median"] * 1e3, s["p10"] * 1e3, s["p90"] * 1e3]
 
 
-def part_a(cfg: Dict[str, Any], steps: int, warmup: int) -> Dict[str, Any]:
+def rotate_blocks(configs: Dict[str, Callable[[int], List[float]]], rounds: int, block: int):
+    """Every configuration runs one block per round, starting point rotating."""
+    names = list(configs)
+    times: Dict[str, List[float]] = {k: [] for k in names}
+    for r in range(rounds + 1):  # round 0 is warm-up: allocator, gloo, bucket rebuild
+        for name in rotated(names, r):
+            ts = configs[name](block)
+            if r > 0:
+                times[name].extend(ts)
+    return times
+
+
+def part_a(cfg: Dict[str, Any], rounds: int, block: int) -> Dict[str, Any]:
     x, y = make_batch(cfg["sizes"], cfg["batch"])
-    variants = {
+    steps = {
         "bare": bare_step(cfg["sizes"], x, y),
         "pyddp.wrap(['cpu'])": pyddp_step(cfg["sizes"], ["cpu"], x, y, False),
     }
-    run_interleaved(variants, warmup)
-    times = run_interleaved(variants, steps)
+    configs = {k: (lambda n, s=s: timed_block(s, n)) for k, s in steps.items()}
+    times = rotate_blocks(configs, rounds, block)
     s = {k: summary(v) for k, v in times.items()}
     ratio = s["pyddp.wrap(['cpu'])"]["median"] / s["bare"]["median"]
-    paired = summary([w / b for w, b in zip(times["pyddp.wrap(['cpu'])"], times["bare"])])
     print(
-        f"(a) one replica vs bare model, this process ({torch.get_num_threads()} threads), "
-        f"{steps} interleaved steps each"
+        f"(a) one replica vs bare model in this process ({torch.get_num_threads()} threads), "
+        f"{rounds} rounds x {block} steps each"
     )
     print(table(["variant", "step ms median", "p10", "p90"], [[k] + _ms(v) for k, v in s.items()]))
-    print(
-        f"ratio of medians wrap/bare = {ratio:.3f} (goal <= 1.05); per-pair ratio p10-p90 "
-        f"{paired['p10']:.3f}-{paired['p90']:.3f}\n"
-    )
-    return {"steps": s, "ratio_of_medians": ratio, "paired_ratio": paired}
+    print(f"ratio of medians wrap/bare = {ratio:.3f} (goal <= 1.05)\n")
+    return {"steps": s, "ratio_of_medians": ratio}
 
 
 def part_b(cfg: Dict[str, Any], rounds: int, block: int) -> Dict[str, Any]:
@@ -254,61 +242,46 @@ def part_b(cfg: Dict[str, Any], rounds: int, block: int) -> Dict[str, Any]:
         t0 = time.perf_counter()
         groups = start_groups(cfg, tmp)
         started = time.perf_counter() - t0
+        configs: Dict[str, Callable[[int], List[float]]] = {}
+        for g in groups[:-1]:
+            for variant in ("bare", "pyddp gathered", "pyddp dm.loss"):
+                configs[f"{g.name}: {variant}"] = lambda n, g=g, v=variant: g.block(v, n)
+        configs["ddp"] = lambda n: groups[-1].block("ddp", n)
         try:
-            for g in groups:  # warm-up block: allocator, gloo connections, bucket rebuild
-                g.run(max(2, block // 2), record=False)
-            for r in range(rounds):
-                for g in rotated(groups, r):
-                    g.run(block, record=True)
+            times = rotate_blocks(configs, rounds, block)
         finally:
             for g in groups:
                 g.stop()
-    ddp = summary(groups[-1].times["torch DDP gloo"])
-    rows, out = [], {"ddp_rank0": ddp, "configs": {}, "startup_s": started}
-    rows.append(
-        ["torch DDP gloo, 2 procs x 1 thread (rank 0)", cfg["batch"] // 2] + _ms(ddp) + [1.0, "-"]
-    )
+    s = {k: summary(v) for k, v in times.items()}
+    ddp = s["ddp"]
+    rows = [["torch DDP gloo, 2 procs x 1 thread (rank 0)", cfg["batch"] // 2] + _ms(ddp)]
+    rows[0] += [1.0, "-"]
+    out: Dict[str, Any] = {"ddp_rank0": ddp, "configs": {}, "startup_s": started}
     for g in groups[:-1]:
-        threads = g.threads[0]
-        bare = summary(g.times["bare"])
-        out["configs"][g.name] = {"torch_threads": threads, "bare": bare}
-        rows.append(
-            [f"bare model, 1 process, {threads} thread(s)", cfg["batch"]]
-            + _ms(bare)
-            + [bare["median"] / ddp["median"], 1.0]
-        )
-        for name in ("pyddp gathered", "pyddp dm.loss"):
-            s = summary(g.times[name])
-            out["configs"][g.name][name] = s
-            label = f"{name}, 2 replicas, {threads} thread(s) each"
-            rows.append(
-                [label, cfg["batch"]]
-                + _ms(s)
-                + [s["median"] / ddp["median"], s["median"] / bare["median"]]
+        bare = s[f"{g.name}: bare"]
+        out["configs"][g.name] = {"torch_threads": g.threads}
+        for variant in ("bare", "pyddp gathered", "pyddp dm.loss"):
+            v = s[f"{g.name}: {variant}"]
+            out["configs"][g.name][variant] = v
+            label = (
+                f"bare model, 1 process, {g.threads} thread(s)"
+                if variant == "bare"
+                else f"{variant}, 2 replicas x {g.threads} thread(s)"
             )
+            ratios = [v["median"] / ddp["median"], v["median"] / bare["median"]]
+            rows.append([label, cfg["batch"] if variant == "bare" else cfg["batch"] // 2])
+            rows[-1] += _ms(v) + ratios
     print(
         f"(b) 2 replicas vs torch DDP (gloo), global batch {cfg['batch']}, {rounds} rounds x "
-        f"{block} steps per configuration, rotating; process start-up {started:.1f} s"
+        f"{block} steps per configuration; child start-up {started:.1f} s"
     )
+    headers = ["configuration", "batch/replica", "step ms median", "p10", "p90", "÷DDP"]
+    print(table(headers + ["÷bare same threads"], rows))
     print(
-        table(
-            [
-                "configuration",
-                "batch/replica",
-                "step ms median",
-                "p10",
-                "p90",
-                "÷DDP",
-                "÷bare same threads",
-            ],
-            rows,
-        )
-    )
-    print(
-        "goal: pyddp/DDP <= 1.0. thread(s) = torch intra-op threads set in that process "
-        "before anything ran\n(1 = torch.set_num_threads(1) + OMP/MKL_NUM_THREADS=1; "
+        "goal: pyddp/DDP <= 1.0. 'x N thread(s)': torch intra-op threads, set in that process "
+        "before anything ran\n(1 = torch.set_num_threads(1) and OMP/MKL_NUM_THREADS=1; "
         f"otherwise torch's default, {torch.get_num_threads()} here). Each pyddp replica "
-        "thread runs its ops with that many,\nso 2 replicas x 2 threads = 4 busy threads. "
+        "thread runs its\nops with that many, so 2 replicas x 2 threads = 4 busy threads. "
         "DDP ranks time their own steps; rank 0 shown."
     )
     return out
@@ -318,19 +291,18 @@ def main() -> None:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="784,1024,1024,10", help="MLP layer widths")
     p.add_argument("--batch", type=int, default=256, help="global batch")
-    p.add_argument("--steps", type=int, default=60, help="(a) timed steps per variant")
-    p.add_argument("--rounds", type=int, default=10, help="(b) rounds over the configurations")
-    p.add_argument("--block", type=int, default=6, help="(b) steps per variant per round")
+    p.add_argument("--rounds", type=int, default=8, help="rounds over the configurations")
+    p.add_argument("--block", type=int, default=8, help="timed steps per configuration per round")
     args = p.parse_args()
     if args.quick:
-        args.sizes, args.batch, args.steps, args.rounds, args.block = "64,32,10", 32, 5, 2, 2
+        args.sizes, args.batch, args.rounds, args.block = "64,32,10", 32, 2, 2
     cfg = {"sizes": [int(s) for s in args.sizes.split(",")], "batch": args.batch}
     print(header())
     print(
         f"MLP {args.sizes}, global batch {args.batch}, SGD lr {LR} momentum {MOMENTUM}; "
-        "a step = forward + backward + step + zero_grad\n"
+        "a step = forward + backward + optimizer step + zero_grad\n"
     )
-    a = part_a(cfg, args.steps, warmup=max(2, args.steps // 10))
+    a = part_a(cfg, args.rounds, args.block)
     b = part_b(cfg, args.rounds, args.block)
     write_results("step_time", args, {"config": cfg, "one_replica": a, "two_replicas": b})
 
