@@ -30,7 +30,7 @@ def parser(description: str) -> argparse.ArgumentParser:
         "--out",
         type=Path,
         default=None,
-        help="results JSON (default bench/results/<name>.json)",
+        help="results JSON (default bench/results/<name>.json, <name>-quick.json)",
     )
     return p
 
@@ -141,7 +141,8 @@ def _git_state() -> str:
 
 
 def write_results(name: str, args: argparse.Namespace, results: Dict[str, Any]) -> Path:
-    path = args.out or RESULTS_DIR / f"{name}.json"
+    # A smoke run must not overwrite the figures of a real one.
+    path = args.out or RESULTS_DIR / (f"{name}-quick.json" if args.quick else f"{name}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": name,

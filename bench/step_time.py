@@ -206,35 +206,61 @@ def _ms(s: Dict[str, float]) -> List[float]:
     return [s["median"] * 1e3, s["p10"] * 1e3, s["p90"] * 1e3]
 
 
+Blocks = Dict[str, List[List[float]]]  # configuration -> rounds -> step times
+
+
 def rotate_blocks(configs: Dict[str, Callable[[int], List[float]]], rounds: int, block: int):
     """Every configuration runs one block per round, starting point rotating."""
     names = list(configs)
-    times: Dict[str, List[float]] = {k: [] for k in names}
+    times: Blocks = {k: [] for k in names}
     for r in range(rounds + 1):  # round 0 is warm-up: allocator, gloo, bucket rebuild
         for name in rotated(names, r):
             ts = configs[name](block)
             if r > 0:
-                times[name].extend(ts)
+                times[name].append(ts)
     return times
+
+
+def flat(blocks: List[List[float]]) -> Dict[str, float]:
+    return summary([t for b in blocks for t in b])
+
+
+def round_ratios(num: List[List[float]], den: List[List[float]]) -> Dict[str, float]:
+    """Ratio of block medians round by round: neighbours in time, so its spread
+    shows how steady the ratio is while the machine drifts."""
+    return summary([summary(a)["median"] / summary(b)["median"] for a, b in zip(num, den)])
 
 
 def part_a(cfg: Dict[str, Any], rounds: int, block: int) -> Dict[str, Any]:
     x, y = make_batch(cfg["sizes"], cfg["batch"])
+    wrapped = "pyddp.wrap(['cpu'])"
     steps = {
         "bare": bare_step(cfg["sizes"], x, y),
-        "pyddp.wrap(['cpu'])": pyddp_step(cfg["sizes"], ["cpu"], x, y, False),
+        wrapped: pyddp_step(cfg["sizes"], ["cpu"], x, y, False),
+        # A/A control: a second bare model timed the same way. Its ratio is what
+        # this method reads when there is no difference at all.
+        "bare, second copy": bare_step(cfg["sizes"], x, y),
     }
     configs = {k: (lambda n, s=s: timed_block(s, n)) for k, s in steps.items()}
     times = rotate_blocks(configs, rounds, block)
-    s = {k: summary(v) for k, v in times.items()}
-    ratio = s["pyddp.wrap(['cpu'])"]["median"] / s["bare"]["median"]
+    s = {k: flat(v) for k, v in times.items()}
+    rows, ratios = [], {}
+    for k, v in s.items():
+        by_round = round_ratios(times[k], times["bare"])
+        ratios[k] = {"of_medians": v["median"] / s["bare"]["median"], "by_round": by_round}
+        spread = f"{by_round['p10']:.3f}-{by_round['p90']:.3f}"
+        rows.append([k] + _ms(v) + [ratios[k]["of_medians"], spread])
     print(
         f"(a) one replica vs bare model in this process ({torch.get_num_threads()} threads), "
         f"{rounds} rounds x {block} steps each"
     )
-    print(table(["variant", "step ms median", "p10", "p90"], [[k] + _ms(v) for k, v in s.items()]))
-    print(f"ratio of medians wrap/bare = {ratio:.3f} (goal <= 1.05)\n")
-    return {"steps": s, "ratio_of_medians": ratio}
+    headers = ["variant", "step ms median", "p10", "p90", "÷bare", "÷bare by round p10-p90"]
+    print(table(headers, rows))
+    print(
+        f"goal: {wrapped} ÷ bare <= 1.05 (ratio of medians). The A/A control shows the noise "
+        "floor of that ratio here.\n"
+    )
+    return {"steps": s, "ratios": ratios}
 
 
 def part_b(cfg: Dict[str, Any], rounds: int, block: int) -> Dict[str, Any]:
@@ -252,17 +278,18 @@ def part_b(cfg: Dict[str, Any], rounds: int, block: int) -> Dict[str, Any]:
         finally:
             for g in groups:
                 g.stop()
-    s = {k: summary(v) for k, v in times.items()}
+    s = {k: flat(v) for k, v in times.items()}
     ddp = s["ddp"]
     rows = [["torch DDP gloo, 2 procs x 1 thread (rank 0)", cfg["batch"] // 2] + _ms(ddp)]
-    rows[0] += [1.0, "-"]
+    rows[0] += [1.0, "-", "-"]
     out: Dict[str, Any] = {"ddp_rank0": ddp, "configs": {}, "startup_s": started}
     for g in groups[:-1]:
         bare = s[f"{g.name}: bare"]
         out["configs"][g.name] = {"torch_threads": g.threads}
         for variant in ("bare", "pyddp gathered", "pyddp dm.loss"):
             v = s[f"{g.name}: {variant}"]
-            out["configs"][g.name][variant] = v
+            by_round = round_ratios(times[f"{g.name}: {variant}"], times["ddp"])
+            out["configs"][g.name][variant] = {"step_s": v, "over_ddp_by_round": by_round}
             label = (
                 f"bare model, 1 process, {g.threads} thread(s)"
                 if variant == "bare"
@@ -270,13 +297,14 @@ def part_b(cfg: Dict[str, Any], rounds: int, block: int) -> Dict[str, Any]:
             )
             ratios = [v["median"] / ddp["median"], v["median"] / bare["median"]]
             rows.append([label, cfg["batch"] if variant == "bare" else cfg["batch"] // 2])
-            rows[-1] += _ms(v) + ratios
+            rows[-1] += _ms(v) + ratios[:1] + [f"{by_round['p10']:.2f}-{by_round['p90']:.2f}"]
+            rows[-1] += ratios[1:]
     print(
         f"(b) 2 replicas vs torch DDP (gloo), global batch {cfg['batch']}, {rounds} rounds x "
         f"{block} steps per configuration; child start-up {started:.1f} s"
     )
     headers = ["configuration", "batch/replica", "step ms median", "p10", "p90", "÷DDP"]
-    print(table(headers + ["÷bare same threads"], rows))
+    print(table(headers + ["÷DDP by round p10-p90", "÷bare same threads"], rows))
     print(
         "goal: pyddp/DDP <= 1.0. 'x N thread(s)': torch intra-op threads, set in that process "
         "before anything ran\n(1 = torch.set_num_threads(1) and OMP/MKL_NUM_THREADS=1; "
@@ -291,18 +319,21 @@ def main() -> None:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="784,1024,1024,10", help="MLP layer widths")
     p.add_argument("--batch", type=int, default=256, help="global batch")
-    p.add_argument("--rounds", type=int, default=8, help="rounds over the configurations")
-    p.add_argument("--block", type=int, default=8, help="timed steps per configuration per round")
+    p.add_argument("--rounds", type=int, default=10, help="(b) rounds over the configurations")
+    p.add_argument("--block", type=int, default=6, help="(b) timed steps per configuration")
+    p.add_argument("--rounds-a", type=int, default=30, help="(a) rounds; short blocks: drift")
+    p.add_argument("--block-a", type=int, default=2, help="(a) timed steps per variant")
     args = p.parse_args()
     if args.quick:
         args.sizes, args.batch, args.rounds, args.block = "64,32,10", 32, 2, 2
+        args.rounds_a, args.block_a = 2, 2
     cfg = {"sizes": [int(s) for s in args.sizes.split(",")], "batch": args.batch}
     print(header())
     print(
         f"MLP {args.sizes}, global batch {args.batch}, SGD lr {LR} momentum {MOMENTUM}; "
         "a step = forward + backward + optimizer step + zero_grad\n"
     )
-    a = part_a(cfg, args.rounds, args.block)
+    a = part_a(cfg, args.rounds_a, args.block_a)
     b = part_b(cfg, args.rounds, args.block)
     write_results("step_time", args, {"config": cfg, "one_replica": a, "two_replicas": b})
 
