@@ -293,7 +293,7 @@ def part_b(cfg: Dict[str, Any], rounds: int, block: int) -> Dict[str, Any]:
             label = (
                 f"bare model, 1 process, {g.threads} thread(s)"
                 if variant == "bare"
-                else f"{variant}, 2 replicas x {g.threads} thread(s)"
+                else f"{variant}, 2 replicas x {max(1, g.threads // 2)} thread(s)"
             )
             ratios = [v["median"] / ddp["median"], v["median"] / bare["median"]]
             rows.append([label, cfg["batch"] if variant == "bare" else cfg["batch"] // 2])
@@ -306,10 +306,10 @@ def part_b(cfg: Dict[str, Any], rounds: int, block: int) -> Dict[str, Any]:
     headers = ["configuration", "batch/replica", "step ms median", "p10", "p90", "÷DDP"]
     print(table(headers + ["÷DDP by round p10-p90", "÷bare same threads"], rows))
     print(
-        "goal: pyddp/DDP <= 1.0. 'x N thread(s)': torch intra-op threads, set in that process "
-        "before anything ran\n(1 = torch.set_num_threads(1) and OMP/MKL_NUM_THREADS=1; "
-        f"otherwise torch's default, {torch.get_num_threads()} here). Each pyddp replica "
-        "thread runs its\nops with that many, so 2 replicas x 2 threads = 4 busy threads. "
+        "goal: pyddp/DDP <= 1.0. Each group runs in a process whose torch thread count is "
+        "set before anything ran\n(1 = torch.set_num_threads(1) and OMP/MKL_NUM_THREADS=1; "
+        f"otherwise torch's default, {torch.get_num_threads()} here). pyddp's default gives "
+        "each replica\nthat count // replicas (at least 1) intra-op threads: 'x N thread(s)'. "
         "DDP ranks time their own steps; rank 0 shown."
     )
     return out

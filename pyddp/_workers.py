@@ -19,11 +19,19 @@ class ReplicaError(RuntimeError):
 
 
 class ReplicaWorkers:
-    def __init__(self, num_replicas: int, name: str = "pyddp"):
+    def __init__(self, num_replicas: int, threads: Optional[int] = None, name: str = "pyddp"):
         # One single-thread executor per replica keeps that replica's work
         # ordered and on one thread (thread-local state such as CUDA streams).
+        # torch's intra-op thread count is per thread: each worker sets its own
+        # once, and replica 0's work on the caller's thread sets and restores it.
+        self.threads = threads
         self._pools = [
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-replica{r}")
+            ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix=f"{name}-replica{r}",
+                initializer=None if threads is None else torch.set_num_threads,
+                initargs=() if threads is None else (threads,),
+            )
             for r in range(1, num_replicas)
         ]
 
@@ -38,10 +46,16 @@ class ReplicaWorkers:
         results: List[Any] = [None] * len(fns)
         first: Optional[ReplicaError] = None
         if fns:
+            caller_threads = torch.get_num_threads()
+            if self.threads is not None and self.threads != caller_threads:
+                torch.set_num_threads(self.threads)
             try:
                 results[0] = fns[0]()
             except Exception as e:  # re-raised below, after every replica is done
                 first = ReplicaError(0, what, e)
+            finally:
+                if self.threads is not None and self.threads != caller_threads:
+                    torch.set_num_threads(caller_threads)
         for r in range(1, len(fns)):
             try:
                 results[r] = futures[r].result()

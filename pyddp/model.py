@@ -32,6 +32,7 @@ class DistributedModel(nn.Module):
         reduce_order: str = "ready",
         rebuild_buckets: bool = True,
         broadcast_buffers: bool = True,
+        threads_per_replica: Optional[int] = None,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -50,7 +51,14 @@ class DistributedModel(nn.Module):
         )
         self.broadcast_buffers = broadcast_buffers
         self._buffers_of = [list(m.buffers()) for m in replicas]
-        self._workers = ReplicaWorkers(len(replicas))
+        if threads_per_replica is not None and threads_per_replica < 1:
+            raise ValueError(f"threads_per_replica={threads_per_replica} must be >= 1")
+        if threads_per_replica is None and len(replicas) > 1 and self.devices[0].type == "cpu":
+            # CPU replicas compute at once: share the cores instead of every
+            # replica using torch's full intra-op count (oversubscription).
+            threads_per_replica = max(1, torch.get_num_threads() // len(replicas))
+        self._workers = ReplicaWorkers(len(replicas), threads_per_replica)
+        self.sync.run_per_replica = self._workers.run
         # CPU replicas: autograd would run every replica's backward on the one
         # calling thread, so backward is dispatched to the replica workers.
         # CUDA replicas get a thread per device from autograd itself.
@@ -358,11 +366,14 @@ def wrap(
     reduce_order: str = "ready",
     rebuild_buckets: bool = True,
     broadcast_buffers: bool = True,
+    threads_per_replica: Optional[int] = None,
 ) -> DistributedModel:
     """Replicates `model` over `devices` (duplicates allowed: several replicas on
     one device). Replica 0 is `model` itself, moved to devices[0]; the others are
     deep copies. Options: see GradSync; broadcast_buffers copies replica 0's
-    buffers to the others before each training-mode forward (torch DDP's default)."""
+    buffers to the others before each training-mode forward (torch DDP's default);
+    threads_per_replica is each replica's torch intra-op thread count (default for
+    CPU replicas: torch.get_num_threads() // number of replicas, at least 1)."""
     return DistributedModel(
         model,
         devices,
@@ -371,4 +382,5 @@ def wrap(
         reduce_order=reduce_order,
         rebuild_buckets=rebuild_buckets,
         broadcast_buffers=broadcast_buffers,
+        threads_per_replica=threads_per_replica,
     )

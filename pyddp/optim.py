@@ -57,7 +57,6 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                     "need a forward and backward on every replica"
                 )
             self._pyddp_sync.check_step()
-            loss = super().step()
             for other in self._pyddp_others:
                 # Hyper-parameters may have been changed (LR schedulers) on this
                 # object only: copy them so every replica takes the same step.
@@ -65,8 +64,8 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                     for key, value in mine.items():
                         if key != "params":
                             theirs[key] = value
-                other.step()
-            return loss
+            steps = [super().step] + [other.step for other in self._pyddp_others]
+            return self._pyddp_sync.run_per_replica(steps, "optimizer step")[0]
 
         # The parent's step is already wrapped with the optimizer's step hooks;
         # marking this one as wrapped keeps each hook to one call per step.

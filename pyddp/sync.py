@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -78,6 +79,8 @@ class GradSync:
         self._engine: Optional[Any] = None
         self._handles: List[Any] = []
         self._lock = threading.Lock()
+        # Runs one function per replica; wrap installs its parallel workers.
+        self.run_per_replica: Callable[[Sequence[Callable[[], Any]], str], List[Any]] = _in_turn
         self.adopted = 0  # gradients that arrived outside the buckets and were copied in
         if len(replicas) == 1:
             return  # one replica: nothing to reduce, stay out of the way
@@ -257,9 +260,7 @@ class GradSync:
                 elif p.grad is not None:
                     p.grad.zero_()
             return
-        for flats in self._flat:
-            for flat in flats:
-                flat.zero_()
+        self.run_per_replica([partial(_zero, flats) for flats in self._flat], "zero_grad")
         self._engine.clear_grads(set_to_none)
 
     @contextlib.contextmanager
@@ -318,6 +319,15 @@ class GradSync:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _in_turn(fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
+    return [fn() for fn in fns]
+
+
+def _zero(tensors: Sequence[torch.Tensor]) -> None:
+    for t in tensors:
+        t.zero_()
 
 
 def _dtype_name(name: str, p: torch.Tensor) -> str:

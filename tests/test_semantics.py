@@ -313,3 +313,24 @@ def test_gradsync_from_user_threads(bucket_cap_mb):
     for p, p1, q in zip(models[0].parameters(), models[1].parameters(), ref.parameters()):
         assert torch.equal(p, p1)
         torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+
+
+class ThreadProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(torch.get_num_threads())
+        return self.lin(x)
+
+
+def test_threads_per_replica_applies_to_every_replica_and_restores_the_caller():
+    before = torch.get_num_threads()
+    dm = pyddp.wrap(ThreadProbe(), ["cpu"] * 3, threads_per_replica=1)
+    dm(torch.randn(6, 2))
+    assert [rep.seen for rep in dm.replicas] == [[1], [1], [1]]
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads_per_replica"):
+        pyddp.wrap(nn.Linear(2, 2), ["cpu", "cpu"], threads_per_replica=0)
