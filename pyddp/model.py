@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 import torch
 from torch import nn
 
+from ._join import Join, concat, sum_on
 from ._tree import flatten, shard_sizes
 from ._workers import ReplicaError, ReplicaWorkers
 from .devices import DeviceLike, parse_devices
@@ -179,8 +180,8 @@ class DistributedModel(nn.Module):
             [replica_loss(r, s) for r, s in enumerate(shards)], "forward/loss"
         )
         if not any(v.requires_grad for v in losses):
-            return _sum_on(losses, self.devices[0])
-        return _Join(self, [[v] for v in losses], "sum").apply()[0]
+            return sum_on(losses, self.devices[0])
+        return Join(self, [[v] for v in losses], "sum").apply()[0]
 
     def _start(self, tree: Any) -> Tuple[List[Any], List[int]]:
         """Scatters `tree` and readies the replicas for a new iteration."""
@@ -237,9 +238,9 @@ class DistributedModel(nn.Module):
             if any(t.requires_grad for t in column):
                 differentiable.append(j)
             else:
-                results[j] = _concat(column, self.devices[0])
+                results[j] = concat(column, self.devices[0])
         if differentiable:
-            join = _Join(self, [[ls[j] for j in differentiable] for ls in leaves], "cat")
+            join = Join(self, [[ls[j] for j in differentiable] for ls in leaves], "cat")
             for j, t in zip(differentiable, join.apply()):
                 results[j] = t
         return rebuild(results)
@@ -279,82 +280,6 @@ class DistributedModel(nn.Module):
     def _end_of_backward(self) -> None:
         self._finish_queued = False
         self.sync.finish()
-
-
-class _Join:
-    """Joins per-replica tensors into tensors on devices[0] ("cat": along dim 0,
-    0-dim ones stacked; "sum": added) with a backward that hands each replica
-    its slice of the gradient."""
-
-    def __init__(self, owner: DistributedModel, tensors: List[List[torch.Tensor]], kind: str):
-        self.owner = owner
-        self.tensors = tensors
-        self.kind = kind
-
-    def apply(self) -> Tuple[torch.Tensor, ...]:
-        flat = [t for ts in self.tensors for t in ts]
-        if self.owner._parallel_backward:
-            # Detached: the outer autograd graph must not reach the replicas'
-            # graphs, which the workers run. The anchor keeps the output
-            # differentiable so this node's backward is called.
-            flat = [t.detach() for t in flat]
-        anchor = torch.empty(0, requires_grad=True)
-        return _JoinFn.apply(self, anchor, *flat)
-
-    def combine(self, flat: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
-        width = len(self.tensors[0])
-        columns = [[flat[r * width + j] for r in range(len(self.tensors))] for j in range(width)]
-        device = self.owner.devices[0]
-        if self.kind == "sum":
-            return tuple(_sum_on(c, device) for c in columns)
-        return tuple(_concat(c, device) for c in columns)
-
-    def split(self, grads: Sequence[Optional[torch.Tensor]]) -> List[List[Any]]:
-        out: List[List[Any]] = [[] for _ in self.tensors]
-        for j, g in enumerate(grads):
-            column = [ts[j] for ts in self.tensors]
-            if g is None:
-                parts: List[Any] = [None] * len(column)
-            elif self.kind == "sum":
-                parts = [g] * len(column)
-            elif column[0].dim() == 0:
-                parts = list(g.unbind(0))
-            else:
-                parts = list(g.split([t.shape[0] for t in column]))
-            for r, (t, part) in enumerate(zip(column, parts)):
-                out[r].append(None if part is None else part.to(t.device))
-        return out
-
-
-class _JoinFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, join: _Join, anchor: torch.Tensor, *flat: torch.Tensor):
-        ctx.join = join
-        ctx.set_materialize_grads(False)
-        return join.combine(flat)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]):
-        join = ctx.join
-        per_replica = join.split(grads)
-        join.owner._backward(join.tensors, per_replica)
-        if join.owner._parallel_backward:
-            flat_grads: List[Any] = [None] * sum(len(ts) for ts in join.tensors)
-        else:
-            flat_grads = [g for gs in per_replica for g in gs]
-        return (None, None, *flat_grads)
-
-
-def _concat(column: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    moved = [t.to(device) for t in column]
-    return torch.stack(moved) if moved[0].dim() == 0 else torch.cat(moved)
-
-
-def _sum_on(column: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    total = column[0].to(device)
-    for t in column[1:]:
-        total = total + t.to(device)
-    return total
 
 
 def wrap(

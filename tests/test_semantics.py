@@ -334,3 +334,23 @@ def test_threads_per_replica_applies_to_every_replica_and_restores_the_caller():
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError, match="threads_per_replica"):
         pyddp.wrap(nn.Linear(2, 2), ["cpu", "cpu"], threads_per_replica=0)
+
+
+def test_buckets_are_rebuilt_once_from_the_observed_ready_order():
+    dm, ref = wrapped(2, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+    (x, y), (x2, y2) = make_batches(2, 8)
+    F.cross_entropy(dm(x), y).backward()
+    first_copies = dm.sync.adopted  # grads were None: copied into the buckets once
+    order = dm.sync._engine.ready_order()
+    rebuilt = dm.sync.buckets
+    assert len(rebuilt) > 1
+    assert [p for b in rebuilt for p in b] == order  # one dtype: buckets follow the order
+    F.cross_entropy(ref(x), y).backward()
+    assert_grads_close(grads(dm.module), grads(ref))  # values survived the move
+    dm.zero_grad()
+    ref.zero_grad()
+    F.cross_entropy(dm(x2), y2).backward()
+    F.cross_entropy(ref(x2), y2).backward()
+    assert dm.sync.buckets == rebuilt  # only once
+    assert_grads_close(grads(dm.module), grads(ref))
+    assert dm.sync.adopted == first_copies  # later backwards accumulate in place, no copy
