@@ -5,7 +5,9 @@
 
 #include "bucket_plan.h"
 #include "cpu_backend.h"
+#include "cuda_api.h"
 #include "engine.h"
+#include "gpu_backend.h"
 #include "stress.h"
 
 namespace py = pybind11;
@@ -78,7 +80,30 @@ PYBIND11_MODULE(_C, m) {
         py::arg("iterations"), py::call_guard<py::gil_scoped_release>());
 
   py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
-      .def_property_readonly("name", &Backend::name);
+      .def_property_readonly("name", &Backend::name)
+      .def(
+          "reduce",
+          [](Backend& self, const std::vector<uintptr_t>& ptrs, const std::vector<int>& devices,
+             const std::vector<uintptr_t>& streams, int64_t count, const std::string& dtype,
+             const std::string& op) {
+            PYDDP_ENFORCE(ptrs.size() == devices.size() && streams.size() == devices.size(),
+                          "ptrs, devices and streams differ in length");
+            std::vector<BufferRef> bufs;
+            for (size_t i = 0; i < ptrs.size(); ++i) {
+              bufs.push_back(make_buffer(ptrs[i], count, dtype, devices[i]));
+            }
+            const ReduceOp rop = reduce_op_from_name(op);
+            py::gil_scoped_release release;
+            for (size_t i = 0; i < streams.size(); ++i) {
+              self.set_compute_stream(static_cast<int>(i), streams[i]);
+            }
+            self.all_reduce(bufs, rop);
+            self.fence();
+            self.check();
+          },
+          py::arg("ptrs"), py::arg("devices"), py::arg("streams"), py::arg("count"),
+          py::arg("dtype"), py::arg("op") = "sum",
+          "One stream-ordered in-place all-reduce outside the engine (collectives API).");
 
   py::class_<CpuBackend, Backend, std::shared_ptr<CpuBackend>>(m, "CpuBackend")
       .def(py::init<int>(), py::arg("threads") = 0)
@@ -94,6 +119,21 @@ PYBIND11_MODULE(_C, m) {
             self.all_reduce(bufs, rop);
           },
           py::arg("ptrs"), py::arg("count"), py::arg("dtype"), py::arg("op") = "sum");
+
+  py::class_<NcclBackend, Backend, std::shared_ptr<NcclBackend>>(m, "NcclBackend")
+      .def(py::init<std::vector<int>, std::string, double>(), py::arg("devices"),
+           py::arg("nccl_path"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
+  py::class_<DeviceBackend, Backend, std::shared_ptr<DeviceBackend>>(m, "DeviceBackend")
+      .def(py::init<int, int, double>(), py::arg("device"), py::arg("replicas"),
+           py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
+
+  // Run-time discovery for pyddp.doctor and backend selection.
+  m.def("cuda_driver_version", &cuda::driver_version);
+  m.def("cuda_device_count", &cuda::device_count);
+  m.def("cuda_device_name", &cuda::device_name, py::arg("device"));
+  m.def("nccl_version", &cuda::nccl_version, py::arg("path"));
+  m.def("nccl_loaded_path", &cuda::nccl_path);
+  m.def("device_kernel_available", &device_kernel_available);
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](int num_replicas, const std::vector<std::string>& names,
@@ -147,6 +187,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("partial", &Engine::partial)
       .def_property_readonly("partial_reason", &Engine::partial_reason)
       .def("inject_fault", &Engine::inject_fault, py::arg("bucket"), py::arg("message"))
+      .def("set_compute_stream", &Engine::set_compute_stream, py::arg("replica"),
+           py::arg("stream"))
       .def_property_readonly("buckets", &Engine::buckets)
       .def_property_readonly("num_replicas", &Engine::num_replicas)
       .def_property_readonly("num_params", &Engine::num_params)

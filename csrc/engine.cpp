@@ -263,8 +263,18 @@ Engine::Settled Engine::finish() {
   done_cv_.wait(lk, [&] {
     return !busy_ && (static_cast<size_t>(done_) == buckets_.size() || !error_.empty());
   });
+  std::string err = error_;
+  if (err.empty()) {
+    try {
+      // Asynchronous backends: every reduction is enqueued; order the compute
+      // streams after them (no host wait) and surface failures seen so far.
+      backend_->fence();
+      backend_->check();
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  }
   const int64_t t_end = now_ns();
-  const std::string err = error_;
   current_.iteration = ++iteration_;
   current_.buckets = static_cast<int>(buckets_.size());
   current_.first_ready_ns = first_ready_ns_.load();
@@ -369,6 +379,12 @@ std::string Engine::partial_reason() const {
     default:
       return "";
   }
+}
+
+void Engine::set_compute_stream(int replica, uintptr_t stream) {
+  PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica,
+                " out of range [0, ", num_replicas_, ")");
+  backend_->set_compute_stream(replica, stream);
 }
 
 void Engine::inject_fault(int bucket, std::string message) {

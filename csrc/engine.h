@@ -96,6 +96,8 @@ class Engine {
   std::string partial_reason() const;
 
   void inject_fault(int bucket, std::string message);
+  // GPU backends: the stream producing (and later consuming) replica's gradients.
+  void set_compute_stream(int replica, uintptr_t stream);
 
   int num_replicas() const { return num_replicas_; }
   int num_params() const { return static_cast<int>(params_.size()); }
