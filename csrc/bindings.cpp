@@ -81,6 +81,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
       .def_property_readonly("name", &Backend::name)
+      .def("check", &Backend::check, "Raises ReduceError if a reduction failed or timed out.")
       .def(
           "reduce",
           [](Backend& self, const std::vector<uintptr_t>& ptrs, const std::vector<int>& devices,
@@ -107,18 +108,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<CpuBackend, Backend, std::shared_ptr<CpuBackend>>(m, "CpuBackend")
       .def(py::init<int>(), py::arg("threads") = 0)
-      .def_property_readonly("threads", &CpuBackend::threads)
-      .def(
-          "all_reduce",
-          [](CpuBackend& self, const std::vector<uintptr_t>& ptrs, int64_t count,
-             const std::string& dtype, const std::string& op) {
-            std::vector<BufferRef> bufs;
-            for (uintptr_t p : ptrs) bufs.push_back(make_buffer(p, count, dtype, -1));
-            const ReduceOp rop = reduce_op_from_name(op);
-            py::gil_scoped_release release;
-            self.all_reduce(bufs, rop);
-          },
-          py::arg("ptrs"), py::arg("count"), py::arg("dtype"), py::arg("op") = "sum");
+      .def_property_readonly("threads", &CpuBackend::threads);
 
   py::class_<NcclBackend, Backend, std::shared_ptr<NcclBackend>>(m, "NcclBackend")
       .def(py::init<std::vector<int>, std::string, double>(), py::arg("devices"),

@@ -19,7 +19,13 @@ class ReplicaError(RuntimeError):
 
 
 class ReplicaWorkers:
-    def __init__(self, num_replicas: int, threads: Optional[int] = None, name: str = "pyddp"):
+    def __init__(
+        self,
+        num_replicas: int,
+        threads: Optional[int] = None,
+        devices: Optional[Sequence[torch.device]] = None,
+        name: str = "pyddp",
+    ):
         # One single-thread executor per replica keeps that replica's work
         # ordered and on one thread (thread-local state such as CUDA streams).
         # torch's intra-op thread count is per thread: each worker sets its own
@@ -29,8 +35,8 @@ class ReplicaWorkers:
             ThreadPoolExecutor(
                 max_workers=1,
                 thread_name_prefix=f"{name}-replica{r}",
-                initializer=None if threads is None else torch.set_num_threads,
-                initargs=() if threads is None else (threads,),
+                initializer=_init_worker,
+                initargs=(threads, None if devices is None else devices[r]),
             )
             for r in range(1, num_replicas)
         ]
@@ -70,6 +76,13 @@ class ReplicaWorkers:
         for pool in self._pools:
             pool.shutdown(wait=True)
         self._pools = []
+
+
+def _init_worker(threads: Optional[int], device: Optional[torch.device]) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)  # allocations without a device land on the replica's
 
 
 def _with_grad_mode(enabled: bool, fn: Callable[[], Any]) -> Any:

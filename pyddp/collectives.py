@@ -1,35 +1,35 @@
-"""Collectives over a list of per-replica tensors in one process, in place."""
+"""Collectives over a list of per-replica tensors in one process, in place:
+CPU tensors reduce in process, one tensor per GPU through NCCL, several on one
+GPU through pyddp's kernel. CuPy arrays (anything with
+``__cuda_array_interface__``) are accepted and modified in place."""
 
 from __future__ import annotations
 
 import threading
-from typing import Optional, Sequence
+from typing import Any, Dict, Sequence, Tuple
 
 import torch
 
-from . import _C
+from ._runtime import backend_kind, make_backend
 from .sync import _DTYPE_NAMES
 
-_backend: Optional[_C.CpuBackend] = None
-_backend_lock = threading.Lock()
+_backends: Dict[Tuple[str, Tuple[int, ...]], Any] = {}
+_backends_lock = threading.Lock()
 
 
-def all_reduce(tensors: Sequence[torch.Tensor], op: str = "sum") -> None:
-    """Reduces `tensors` (one per replica, same shape and dtype, contiguous, on
-    the CPU) in place: afterwards each holds the sum (op="sum") or the mean
-    (op="avg") of all. float16/bfloat16 accumulate in float32."""
-    global _backend
-    tensors = list(tensors)
+def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
+    """Reduces `tensors` (one per replica; same shape and dtype; contiguous) in
+    place: afterwards each holds the sum (op="sum") or the mean (op="avg") of
+    all. float16/bfloat16 accumulate in float32. On GPUs the reduction is
+    ordered after the work queued on each device's current stream, and those
+    streams wait for it; the host does not block."""
+    tensors = [_as_tensor(t, i) for i, t in enumerate(tensors)]
     if not tensors:
         raise ValueError("all_reduce: tensors is empty")
     if op not in ("sum", "avg"):
         raise ValueError(f"all_reduce: op={op!r}, use 'sum' or 'avg'")
     first = tensors[0]
     for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"all_reduce: tensors[{i}] is {type(t).__name__}, not a tensor")
-        if t.device.type != "cpu":
-            raise ValueError(f"all_reduce: tensors[{i}] is on {t.device}; only CPU for now")
         if t.shape != first.shape or t.dtype != first.dtype:
             raise ValueError(
                 f"all_reduce: tensors[{i}] is {tuple(t.shape)} {t.dtype}, tensors[0] is "
@@ -39,11 +39,32 @@ def all_reduce(tensors: Sequence[torch.Tensor], op: str = "sum") -> None:
             raise ValueError(f"all_reduce: tensors[{i}] is not contiguous; call .contiguous()")
     if first.dtype not in _DTYPE_NAMES:
         raise ValueError(f"all_reduce: dtype {first.dtype} is not supported")
-    if len({t.data_ptr() for t in tensors if t.numel()}) < sum(1 for t in tensors if t.numel()):
+    nonempty = [t.data_ptr() for t in tensors if t.numel()]
+    if len(set(nonempty)) < len(nonempty):
         raise ValueError("all_reduce: two entries share memory; pass one buffer per replica")
-    with _backend_lock:
-        if _backend is None:
-            _backend = _C.CpuBackend()
-    _backend.all_reduce(
-        [t.data_ptr() for t in tensors], first.numel(), _DTYPE_NAMES[first.dtype], op
+    devices = [t.device for t in tensors]
+    kind = backend_kind(devices)
+    indices = tuple(-1 if d.type == "cpu" else d.index for d in devices)
+    with _backends_lock:
+        backend = _backends.get((kind, indices))
+        if backend is None:
+            backend = _backends[(kind, indices)] = make_backend(devices)
+    streams = [0 if d.type == "cpu" else torch.cuda.current_stream(d).cuda_stream for d in devices]
+    backend.reduce(
+        [t.data_ptr() for t in tensors],
+        list(indices),
+        streams,
+        first.numel(),
+        _DTYPE_NAMES[first.dtype],
+        op,
+    )
+
+
+def _as_tensor(x: Any, i: int) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return torch.as_tensor(x, device="cuda")  # zero copy: shares the array's memory
+    raise TypeError(
+        f"all_reduce: tensors[{i}] is {type(x).__name__}; pass torch tensors or CUDA arrays (CuPy)"
     )

@@ -27,11 +27,6 @@ def parse_devices(devices: Sequence[DeviceLike]) -> List[torch.device]:
         raise ValueError(
             f"devices mixes {sorted(kinds)}: replicas must all be on CPU or all on CUDA"
         )
-    if out[0].type not in ("cpu",):
-        raise ValueError(
-            f"devices: {out[0].type} replicas are not supported by this build yet "
-            "(CPU only for now; the NCCL backend is tracked separately)"
-        )
     return out
 
 
@@ -52,5 +47,7 @@ def _check_available(dev: torch.device) -> torch.device:
 
 
 def default_devices() -> List[torch.device]:
-    """Two CPU replicas: the devices the examples use on a machine like CI's."""
+    """Every CUDA GPU (one replica each) when there are some, else two CPU replicas."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     return [torch.device("cpu"), torch.device("cpu")]

@@ -34,6 +34,7 @@ class DistributedModel(nn.Module):
         rebuild_buckets: bool = True,
         broadcast_buffers: bool = True,
         threads_per_replica: Optional[int] = None,
+        timeout_s: Optional[float] = None,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -49,6 +50,7 @@ class DistributedModel(nn.Module):
             first_bucket_cap_mb=first_bucket_cap_mb,
             reduce_order=reduce_order,
             rebuild_buckets=rebuild_buckets,
+            timeout_s=timeout_s,
         )
         self.broadcast_buffers = broadcast_buffers
         self._buffers_of = [list(m.buffers()) for m in replicas]
@@ -58,7 +60,7 @@ class DistributedModel(nn.Module):
             # CPU replicas compute at once: share the cores instead of every
             # replica using torch's full intra-op count (oversubscription).
             threads_per_replica = max(1, torch.get_num_threads() // len(replicas))
-        self._workers = ReplicaWorkers(len(replicas), threads_per_replica)
+        self._workers = ReplicaWorkers(len(replicas), threads_per_replica, self.devices)
         self.sync.run_per_replica = self._workers.run
         # CPU replicas: autograd would run every replica's backward on the one
         # calling thread, so backward is dispatched to the replica workers.
@@ -292,13 +294,15 @@ def wrap(
     rebuild_buckets: bool = True,
     broadcast_buffers: bool = True,
     threads_per_replica: Optional[int] = None,
+    timeout_s: Optional[float] = None,
 ) -> DistributedModel:
     """Replicates `model` over `devices` (duplicates allowed: several replicas on
     one device). Replica 0 is `model` itself, moved to devices[0]; the others are
     deep copies. Options: see GradSync; broadcast_buffers copies replica 0's
     buffers to the others before each training-mode forward (torch DDP's default);
     threads_per_replica is each replica's torch intra-op thread count (default for
-    CPU replicas: torch.get_num_threads() // number of replicas, at least 1)."""
+    CPU replicas: torch.get_num_threads() // number of replicas, at least 1);
+    timeout_s bounds a GPU reduction (default $PYDDP_TIMEOUT_S or 300 s)."""
     return DistributedModel(
         model,
         devices,
@@ -308,4 +312,5 @@ def wrap(
         rebuild_buckets=rebuild_buckets,
         broadcast_buffers=broadcast_buffers,
         threads_per_replica=threads_per_replica,
+        timeout_s=timeout_s,
     )

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import _C
+from ._runtime import make_backend
 
 ReduceError = _C.ReduceError
 
@@ -47,7 +48,15 @@ class GradSync:
     Options: ``bucket_cap_mb`` (25; 0 = per-parameter mode, every parameter its own
     bucket), ``first_bucket_cap_mb`` (1), ``reduce_order`` ("ready": launch buckets
     as they complete; "index": in bucket order), ``rebuild_buckets`` (True: re-plan
-    buckets once from the ready order observed in the first synced backward).
+    buckets once from the ready order observed in the first synced backward),
+    ``timeout_s`` (GPU: a reduction not done after this long aborts communication
+    and raises; default $PYDDP_TIMEOUT_S or 300).
+
+    Backends: CPU replicas reduce in process; one replica per GPU uses NCCL;
+    replicas sharing one GPU use pyddp's own kernel. On GPUs nothing blocks the
+    host: communication waits on events from each replica's current stream
+    (captured when its forward starts), and at the end of backward those
+    streams wait on the communication.
     """
 
     def __init__(
@@ -59,6 +68,7 @@ class GradSync:
         reduce_order: str = "ready",
         rebuild_buckets: bool = True,
         op: str = "sum",
+        timeout_s: Optional[float] = None,
     ):
         replicas = list(replicas)
         if not replicas:
@@ -74,6 +84,8 @@ class GradSync:
             raise ValueError(f"op={op!r}: use 'sum' or 'avg'")
         self.replicas = replicas
         self.names, self.params = _trainable_params(replicas)
+        self.devices = [params[0].device for params in self.params]
+        self._cuda = self.devices[0].type == "cuda"
         self._cap = int(bucket_cap_mb * _MIB)
         self._first_cap = int(first_bucket_cap_mb * _MIB) if self._cap else 0
         self._engine: Optional[Any] = None
@@ -99,7 +111,7 @@ class GradSync:
             buckets,
             reduce_order,
             op,
-            _C.CpuBackend(),
+            make_backend(self.devices, timeout_s),
         )
         self._views: List[List[Optional[torch.Tensor]]] = [[None] * len(first) for _ in replicas]
         self._flat: List[List[torch.Tensor]] = [[] for _ in replicas]
@@ -186,7 +198,13 @@ class GradSync:
         """Called before replica `replica` accumulates again (its forward pre-hook
         does it): after a reduction every replica holds the same sum, so replicas
         other than 0 clear their copy, keeping sum-over-replicas exact."""
-        if self._engine is not None and self._engine.take_stale(replica) and replica > 0:
+        if self._engine is None:
+            return
+        if self._cuda:
+            # Backward runs on the stream its forward ran on: this one.
+            stream = torch.cuda.current_stream(self.devices[replica]).cuda_stream
+            self._engine.set_compute_stream(replica, stream)
+        if self._engine.take_stale(replica) and replica > 0:
             for flat in self._flat[replica]:
                 flat.zero_()
 

@@ -1,0 +1,140 @@
+"""The GPU path (skipped without a GPU): equivalence with single-device training
+on one GPU and with replicas sharing it, stream ordering without host syncs,
+16-bit types, the collectives API on torch tensors and CuPy arrays, timeouts."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import Mixed, make_batches
+from torch import nn
+
+import pyddp
+from pyddp import _runtime
+
+pytestmark = pytest.mark.cuda
+ATOL, RTOL = 1e-5, 1e-4  # GPU kernels (cuBLAS, atomics in embedding backward) reassociate more
+
+
+@pytest.mark.parametrize("path", ["gather", "loss"])
+@pytest.mark.parametrize("cap", [0, 25])
+@pytest.mark.parametrize("devices", [["cuda:0"], ["cuda:0", "cuda:0"], ["cuda:0"] * 3])
+def test_matches_single_device_on_gpu(devices, cap, path):
+    torch.manual_seed(0)
+    model = Mixed().cuda()
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, devices, bucket_cap_mb=cap)
+    opt = dm.optimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    for x, y in make_batches(10, 13):
+        x, y = x.cuda(), y.cuda()
+        loss = dm.loss(F.cross_entropy, x, y) if path == "loss" else F.cross_entropy(dm(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for rep in dm.replicas[1:]:
+            for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+                assert torch.equal(p, p0)
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+
+
+class _Delay(torch.autograd.Function):
+    """Identity whose backward first occupies the stream for a while: the
+    gradient after it is *queued* at once but *computed* late."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time on the compute stream
+        return g
+
+
+class Big(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4096, 4096) * 0.01)  # 64 MiB gradient
+
+    def forward(self, x):
+        return _Delay.apply(x @ self.w)
+
+
+def test_stream_ordering_without_host_syncs():
+    # Without the event waits the reduction would read the gradient buffer
+    # before the delayed kernels wrote it (zeros), and the read after backward
+    # would see unreduced values. Both are checked against closed-form values.
+    torch.manual_seed(0)
+    dm = pyddp.wrap(Big().cuda(), ["cuda:0", "cuda:0"], bucket_cap_mb=0)
+    x = torch.ones(8, 4096, device="cuda")
+    for _ in range(3):
+        dm.zero_grad()
+        dm(x).sum().backward()
+        # d(sum(x @ w))/dw = x^T 1 = 8 rows of ones split 4/4: each replica 4, sum 8
+        grad = dm.module.w.grad.clone()  # on the compute stream, right after backward
+        assert torch.equal(grad, torch.full_like(grad, 8.0))
+        assert torch.equal(dm.replicas[1].w.grad, grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_collectives_closed_form_on_one_gpu(dtype, n):
+    for size in (0, 1, 7, (1 << 20) + 3):
+        ts = [torch.full((size,), float(r + 1), dtype=dtype, device="cuda") for r in range(n)]
+        pyddp.all_reduce(ts)
+        for t in ts:
+            assert torch.equal(t, torch.full_like(t, n * (n + 1) / 2))
+    ts = [torch.full((5,), float(r + 1), dtype=dtype, device="cuda") for r in range(n)]
+    pyddp.all_reduce(ts, op="avg")
+    assert torch.equal(ts[0], torch.full_like(ts[0], (n + 1) / 2))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL path needs two GPUs")
+def test_collectives_nccl_two_gpus():
+    ts = [torch.full((1001,), float(r + 1), device=f"cuda:{r}") for r in range(2)]
+    pyddp.all_reduce(ts)
+    assert all(torch.equal(t.cpu(), torch.full((1001,), 3.0)) for t in ts)
+
+
+def test_collectives_on_cupy_arrays():
+    cupy = pytest.importorskip("cupy")
+    arrays = [cupy.full((1000,), r + 1, dtype=cupy.float32) for r in range(3)]
+    pyddp.all_reduce(arrays)
+    torch.cuda.synchronize()
+    for a in arrays:
+        assert float(a.min()) == 6.0 and float(a.max()) == 6.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_training_on_shared_gpu(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).cuda().to(dtype)
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cuda:0", "cuda:0"])
+    x = torch.randn(8, 16, device="cuda", dtype=dtype)
+    y = torch.randint(0, 4, (8,), device="cuda")
+    F.cross_entropy(dm(x).float(), y).backward()
+    F.cross_entropy(ref(x).float(), y).backward()
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3  # 8 / 11 mantissa bits
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=tol, rtol=tol)
+
+
+def test_stalled_reduction_times_out_with_a_clear_error():
+    backend = _runtime.make_backend([torch.device("cuda", 0)] * 2, timeout=0.2)
+    ts = [torch.ones(1024, device="cuda") for _ in range(2)]
+    torch.cuda._sleep(2_000_000_000)  # ~1 s: the reduction waits behind it
+    stream = torch.cuda.current_stream().cuda_stream
+    backend.reduce([t.data_ptr() for t in ts], [0, 0], [stream, stream], 1024, "float32", "sum")
+    import time
+
+    time.sleep(0.6)
+    with pytest.raises(pyddp.ReduceError, match="did not complete within 0.2 s"):
+        backend.check()
+    torch.cuda.synchronize()  # nothing hangs: the queued work drains

@@ -1,0 +1,103 @@
+"""GPU-path discovery that must work without a GPU: the NCCL loader and its
+errors, the doctor, backend selection and its errors."""
+
+import ctypes.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import pyddp
+from pyddp import _C, _runtime
+
+
+def run_python(code, **env):
+    full = dict(os.environ, **env)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120
+    )
+
+
+def test_doctor_runs_without_a_gpu():
+    out = subprocess.run(
+        [sys.executable, "-m", "pyddp.doctor"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    for line in ("cpu backend:", "cuda driver:", "nccl:", "on-device kernel", "cuda:i, cuda:j"):
+        assert line in out.stdout
+    if not torch.cuda.is_available():
+        assert "cuda driver: not available" in out.stdout
+
+
+def test_missing_nccl_library_from_env_is_a_clear_error():
+    out = run_python(
+        "from pyddp import _runtime; _runtime.find_nccl()",
+        PYDDP_NCCL_LIBRARY="/nonexistent/libnccl.so.2",
+    )
+    assert out.returncode != 0
+    assert "PYDDP_NCCL_LIBRARY='/nonexistent/libnccl.so.2' could not be loaded" in out.stderr
+    assert "cannot open shared object file" in out.stderr
+
+
+def test_wrong_library_in_env_is_a_clear_error():
+    libm = ctypes.util.find_library("m")
+    assert libm, "the C math library should be on every Linux machine"
+    out = run_python("from pyddp import _runtime; _runtime.find_nccl()", PYDDP_NCCL_LIBRARY=libm)
+    assert out.returncode != 0
+    assert "lacks symbol ncclGetVersion" in out.stderr
+
+
+def test_doctor_reports_a_bad_env_library_instead_of_crashing():
+    out = subprocess.run(
+        [sys.executable, "-m", "pyddp.doctor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYDDP_NCCL_LIBRARY="/nonexistent/libnccl.so.2"),
+    )
+    assert out.returncode == 0
+    assert "nccl: error: PYDDP_NCCL_LIBRARY" in out.stdout
+
+
+def test_nccl_found_and_versioned_when_installed():
+    info = _runtime.find_nccl()
+    if info.path is None:
+        pytest.skip("no NCCL on this machine (pip install pyddp[cuda12] brings one)")
+    major, minor, patch = (int(v) for v in info.version.split("."))
+    assert major == 2 and minor >= 10
+
+
+def test_backend_kinds():
+    cpu, c0, c1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert _runtime.backend_kind([cpu, cpu]) == "cpu"
+    assert _runtime.backend_kind([c0, c1]) == "nccl"
+    assert _runtime.backend_kind([c0, c0, c0]) == "device"
+    with pytest.raises(ValueError, match="mix"):
+        _runtime.backend_kind([cpu, c0])
+    with pytest.raises(ValueError, match="not supported yet"):
+        _runtime.backend_kind([c0, c0, c1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_gpu_backend_without_a_driver_says_so():
+    with pytest.raises(RuntimeError, match="CUDA driver not found|no usable GPU"):
+        _runtime.make_backend([torch.device("cuda", 0)] * 2)
+
+
+def test_timeout_env_is_validated(monkeypatch):
+    monkeypatch.setenv("PYDDP_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="PYDDP_TIMEOUT_S"):
+        _runtime.timeout_s()
+    monkeypatch.setenv("PYDDP_TIMEOUT_S", "2.5")
+    assert _runtime.timeout_s() == 2.5
+
+
+def test_all_reduce_rejects_non_tensors():
+    with pytest.raises(TypeError, match="CUDA arrays"):
+        pyddp.all_reduce([[1.0, 2.0], [3.0, 4.0]])
+
+
+def test_device_kernel_flag_is_a_bool():
+    assert _C.device_kernel_available() in (True, False)
