@@ -13,17 +13,22 @@ import pyddp
 from pyddp import _C, _runtime
 
 
-def run_python(code, **env):
+def run_python(*args, **env):
+    # Run outside the source tree: from the repository root, `import pyddp`
+    # would find the uncompiled sources instead of the installed package.
     full = dict(os.environ, **env)
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=120,
+        cwd=os.path.expanduser("~") if os.path.isdir(os.path.expanduser("~")) else "/",
     )
 
 
 def test_doctor_runs_without_a_gpu():
-    out = subprocess.run(
-        [sys.executable, "-m", "pyddp.doctor"], capture_output=True, text=True, timeout=120
-    )
+    out = run_python("-m", "pyddp.doctor")
     assert out.returncode == 0, out.stderr
     for line in ("cpu backend:", "cuda driver:", "nccl:", "on-device kernel", "cuda:i, cuda:j"):
         assert line in out.stdout
@@ -33,6 +38,7 @@ def test_doctor_runs_without_a_gpu():
 
 def test_missing_nccl_library_from_env_is_a_clear_error():
     out = run_python(
+        "-c",
         "from pyddp import _runtime; _runtime.find_nccl()",
         PYDDP_NCCL_LIBRARY="/nonexistent/libnccl.so.2",
     )
@@ -44,20 +50,16 @@ def test_missing_nccl_library_from_env_is_a_clear_error():
 def test_wrong_library_in_env_is_a_clear_error():
     libm = ctypes.util.find_library("m")
     assert libm, "the C math library should be on every Linux machine"
-    out = run_python("from pyddp import _runtime; _runtime.find_nccl()", PYDDP_NCCL_LIBRARY=libm)
+    out = run_python(
+        "-c", "from pyddp import _runtime; _runtime.find_nccl()", PYDDP_NCCL_LIBRARY=libm
+    )
     assert out.returncode != 0
     assert "lacks symbol ncclGetVersion" in out.stderr
 
 
 def test_doctor_reports_a_bad_env_library_instead_of_crashing():
-    out = subprocess.run(
-        [sys.executable, "-m", "pyddp.doctor"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, PYDDP_NCCL_LIBRARY="/nonexistent/libnccl.so.2"),
-    )
-    assert out.returncode == 0
+    out = run_python("-m", "pyddp.doctor", PYDDP_NCCL_LIBRARY="/nonexistent/libnccl.so.2")
+    assert out.returncode == 0, out.stderr
     assert "nccl: error: PYDDP_NCCL_LIBRARY" in out.stdout
 
 
