@@ -2,15 +2,19 @@
 engine that reduces each gradient during backward, as soon as every replica has it.
 
 Public API: `wrap` / `DistributedModel` (one-line data parallelism), `GradSync`
-(gradient sync for other training loops), `all_reduce` (collectives), errors."""
+(gradient sync for other training loops), `Trainer` / `TrainConfig` (the training
+loop), `all_reduce` (collectives), errors."""
 
 from importlib.metadata import PackageNotFoundError, version
 
 from ._workers import ReplicaError
+from .callbacks import Callback, MetricsLogger, ProgressBar
 from .collectives import all_reduce
+from .config import TrainConfig
 from .devices import default_devices, parse_devices
 from .model import DistributedModel, wrap
 from .sync import GradSync, ReduceError
+from .trainer import FitResult, LoopState, Trainer, TrainingError
 
 try:
     __version__ = version("pyddp")
@@ -18,7 +22,15 @@ except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0+unknown"
 
 __all__ = [
+    "Callback",
     "DistributedModel",
+    "FitResult",
+    "LoopState",
+    "MetricsLogger",
+    "ProgressBar",
+    "TrainConfig",
+    "Trainer",
+    "TrainingError",
     "GradSync",
     "ReduceError",
     "ReplicaError",

@@ -6,8 +6,10 @@ through GradSync."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
+from functools import partial
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 from torch import nn
@@ -157,37 +159,66 @@ class DistributedModel(nn.Module):
         shards are weighted by their sizes, so uneven shards give the full-batch
         mean; with "sum" (loss_fn sums) the shard losses are added. `inputs` is the
         model's argument, or a tuple of its positional arguments."""
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction={reduction!r}: use 'mean' or 'sum'")
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         if len(self._replicas) == 1:
-            return loss_fn(self.module(*args), targets)
-        shards, sizes = self._start((args, targets))
-        total = sum(sizes)
+            _check_reduction(reduction)
+            return _checked(loss_fn(self.module(*args), targets))
+        shards, _ = self._scatter((args, targets))
+        return self.loss_on_shards(loss_fn, shards, reduction=reduction)
 
-        def replica_loss(r: int, shard: Tuple[Any, Any]) -> Callable[[], torch.Tensor]:
+    def loss_on_shards(
+        self,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        shards: Sequence[Tuple[Tuple[Any, ...], Any]],
+        *,
+        reduction: str = "mean",
+        context: Optional[Callable[[], ContextManager[Any]]] = None,
+    ) -> torch.Tensor:
+        """Like `loss`, for batches already split and placed on the replicas'
+        devices (per-device data loading): shards[r] = (args tuple, targets) for
+        replica r; fewer shards than replicas leaves the rest out. `context`, if
+        given, is entered on each replica's thread around its forward and loss
+        (e.g. autocast, which is thread-local)."""
+        _check_reduction(reduction)
+        if not 1 <= len(shards) <= len(self._replicas):
+            raise ValueError(f"got {len(shards)} shards for {len(self._replicas)} replicas")
+        sizes = [_batch_size(args) for args, _ in shards]
+        total = sum(sizes)
+        self._begin()
+
+        def replica_loss(r: int) -> Callable[[], torch.Tensor]:
             def run() -> torch.Tensor:
-                shard_args, shard_targets = shard
-                value = loss_fn(self._replicas[r](*shard_args), shard_targets)
-                if not isinstance(value, torch.Tensor) or value.dim() != 0:
-                    raise ValueError(
-                        "loss_fn must return a scalar tensor (reduce over the shard), got "
-                        f"{getattr(value, 'shape', type(value).__name__)}"
-                    )
+                shard_args, shard_targets = shards[r]
+                with context() if context is not None else contextlib.nullcontext():
+                    value = _checked(loss_fn(self._replicas[r](*shard_args), shard_targets))
                 return value * (sizes[r] / total) if reduction == "mean" else value
 
             return run
 
-        losses = self._workers.run(
-            [replica_loss(r, s) for r, s in enumerate(shards)], "forward/loss"
-        )
-        if not any(v.requires_grad for v in losses):
-            return sum_on(losses, self.devices[0])
+        losses = self._workers.run([replica_loss(r) for r in range(len(shards))], "forward/loss")
+        if len(self._replicas) == 1 or not any(v.requires_grad for v in losses):
+            return losses[0] if len(losses) == 1 else sum_on(losses, self.devices[0])
         return Join(self, [[v] for v in losses], "sum").apply()[0]
+
+    def map_replicas(
+        self, fn: Callable[[int, nn.Module, Any], Any], shards: Sequence[Any], what: str = "map"
+    ) -> List[Any]:
+        """Runs fn(r, replica r, shards[r]) on every replica's worker, in parallel
+        (e.g. sharded evaluation); returns the results in replica order."""
+        return self._workers.run(
+            [partial(fn, r, self._replicas[r], shard) for r, shard in enumerate(shards)], what
+        )
 
     def _start(self, tree: Any) -> Tuple[List[Any], List[int]]:
         """Scatters `tree` and readies the replicas for a new iteration."""
         shards, sizes = self._scatter(tree)
+        self._begin()
+        return shards, sizes
+
+    def _begin(self) -> None:
+        """Readies the replicas for a forward that may be followed by backward."""
+        if len(self._replicas) == 1:
+            return
         if torch.is_grad_enabled():
             self._finish_queued = False  # a backward that raised never ran its callback
             self.sync.prepare_all()
@@ -197,7 +228,6 @@ class DistributedModel(nn.Module):
                 for bufs in self._buffers_of[1:]:
                     for mine, src in zip(bufs, self._buffers_of[0]):
                         mine.copy_(src)
-        return shards, sizes
 
     def _call(self, r: int, args: Any, kwargs: Any) -> Callable[[], Any]:
         return lambda: self._replicas[r](*args, **kwargs)
@@ -282,6 +312,27 @@ class DistributedModel(nn.Module):
     def _end_of_backward(self) -> None:
         self._finish_queued = False
         self.sync.finish()
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}: use 'mean' or 'sum'")
+
+
+def _checked(value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        raise ValueError(
+            "loss_fn must return a scalar tensor (reduce over the shard), got "
+            f"{getattr(value, 'shape', type(value).__name__)}"
+        )
+    return value
+
+
+def _batch_size(args: Any) -> int:
+    for t in flatten(args)[0]:
+        if t.dim() > 0:
+            return t.shape[0]
+    raise ValueError("a shard holds no tensor with a batch dimension")
 
 
 def wrap(

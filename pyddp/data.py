@@ -1,0 +1,158 @@
+"""Per-replica data: every global batch is split into one shard per replica,
+each placed on its replica's device, prepared on a background thread a few
+batches ahead so the next batch is ready when a step starts (the split data
+loader of shared/references/burn-pr-2890-multi-device-data-loading.txt)."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from ._tree import flatten, shard_sizes
+
+Shard = Tuple[Tuple[Any, ...], Any]  # (model args, targets) on one replica's device
+
+
+class ShardedLoader:
+    """Global batches of `batch_size` rows from `data`, split over `devices`.
+
+    `data` is a pair of tensors (inputs, targets) with the same first
+    dimension, a map-style torch Dataset yielding (input, target) items, or a
+    DataLoader (its batches are taken as global batches, in its own order).
+    The order is a function of (seed, epoch) only, so a resumed run sees the
+    same batches. The last batch of an epoch may be smaller (drop_last=False):
+    shards are then uneven and the trainer weights them by size, which keeps the
+    step equal to single-device training on that batch.
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        batch_size: int,
+        devices: Sequence[torch.device],
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        seed: int = 0,
+        prefetch: int = 2,
+    ):
+        self.devices = list(devices)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.seed = seed
+        self.prefetch = prefetch
+        self._loader: Optional[DataLoader] = None
+        self._tensors: Optional[Tuple[Any, Any]] = None
+        self._dataset: Optional[Dataset] = None
+        if isinstance(data, DataLoader):
+            self._loader = data
+        elif isinstance(data, (tuple, list)) and len(data) == 2:
+            rows = {t.shape[0] for t in flatten(tuple(data))[0] if t.dim() > 0}
+            if len(rows) != 1:
+                raise ValueError(
+                    f"data: inputs and targets must share their first dimension, got {rows}"
+                )
+            self._tensors = (data[0], data[1])
+            self._rows = rows.pop()
+        elif isinstance(data, Dataset) and hasattr(data, "__len__"):
+            self._dataset = data
+            self._rows = len(data)
+        else:
+            raise TypeError(
+                "data must be (inputs, targets) tensors, a map-style Dataset of (input, "
+                f"target) items, or a DataLoader; got {type(data).__name__}"
+            )
+        if self._loader is None and self._rows == 0:
+            raise ValueError("data is empty")
+
+    def __len__(self) -> int:
+        if self._loader is not None:
+            return len(self._loader)
+        full, rest = divmod(self._rows, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[List[Shard]]:
+        """The shards of every batch of `epoch`, from batch index `start`."""
+        stop = threading.Event()
+        ready: queue.Queue = queue.Queue(maxsize=max(1, self.prefetch))
+
+        def produce() -> None:
+            try:
+                for i, batch in enumerate(self._global_batches(epoch)):
+                    if stop.is_set():
+                        return
+                    if i >= start:
+                        ready.put(("batch", self._split(batch)))
+                ready.put(("end", None))
+            except BaseException as e:  # handed to the consumer, raised there
+                ready.put(("error", e))
+
+        thread = threading.Thread(target=produce, name=f"pyddp-data-epoch{epoch}", daemon=True)
+        thread.start()
+        try:
+            while True:
+                kind, item = ready.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            while thread.is_alive():  # unblock a producer waiting on a full queue
+                with contextlib.suppress(queue.Empty):
+                    ready.get(timeout=0.05)
+
+    def _global_batches(self, epoch: int) -> Iterator[Tuple[Any, Any]]:
+        if self._loader is not None:
+            for batch in self._loader:
+                if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                    raise ValueError("DataLoader batches must be (inputs, targets) pairs")
+                yield batch[0], batch[1]
+            return
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(self._rows, generator=g)
+        else:
+            order = torch.arange(self._rows)
+        for i in range(len(self)):
+            idx = order[i * self.batch_size : (i + 1) * self.batch_size]
+            if self._tensors is not None:
+                x, y = self._tensors
+                yield _index(x, idx), _index(y, idx)
+            else:
+                items = [self._dataset[int(j)] for j in idx]
+                x, y = default_collate(items)
+                yield x, y
+
+    def _split(self, batch: Tuple[Any, Any]) -> List[Shard]:
+        inputs, targets = batch
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        leaves, rebuild = flatten((args, targets))
+        rows = next(t.shape[0] for t in leaves if t.dim() > 0)
+        sizes = shard_sizes(rows, min(rows, len(self.devices)))
+        pieces = [list(t.split(sizes)) if t.dim() > 0 else [t] * len(sizes) for t in leaves]
+        shards = []
+        for r in range(len(sizes)):
+            device = self.devices[r]
+            pin = device.type == "cuda"
+            moved = [
+                (p[r].pin_memory() if pin and p[r].device.type == "cpu" else p[r]).to(
+                    device, non_blocking=True
+                )
+                for p in pieces
+            ]
+            shards.append(rebuild(moved))
+        return shards
+
+
+def _index(tree: Any, idx: torch.Tensor) -> Any:
+    leaves, rebuild = flatten(tree)
+    return rebuild([t[idx] if t.dim() > 0 else t for t in leaves])
