@@ -40,7 +40,7 @@ class ProgressBar(Callback):
             self._epoch = state.epoch
             self._bar = tqdm(
                 total=trainer.steps_per_epoch,
-                initial=state.batch_in_epoch - 1,
+                initial=(state.batch_in_epoch - 1) // trainer.config.grad_accum_steps,
                 desc=f"epoch {state.epoch + 1}",
                 leave=False,
                 dynamic_ncols=True,
@@ -49,8 +49,9 @@ class ProgressBar(Callback):
         self._bar.set_postfix(loss=f"{metrics['train_loss']:.4f}", refresh=False)
 
     def on_validation_end(self, trainer: Trainer, metrics: Dict[str, Any]) -> None:
-        if self._bar is not None:
-            self._bar.write(_line(metrics))
+        from tqdm.auto import tqdm
+
+        tqdm.write(_line(metrics))
 
     def on_epoch_end(self, trainer: Trainer, metrics: Dict[str, Any]) -> None:
         self._close()
