@@ -32,7 +32,7 @@ void bind(void* lib, Fn& slot, const char* symbol, const std::string& what) {
 
 const DriverApi& driver() {
   std::lock_guard<std::mutex> lk(g_mu);
-  if (g_driver_loaded) return g_driver;
+  if (g_driver_loaded) return g_driver;  // never changes once loaded
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* err = dlerror();
@@ -49,6 +49,7 @@ const DriverApi& driver() {
   bind(lib, d.cuDeviceGetName, "cuDeviceGetName", what);
   bind(lib, d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", what);
   bind(lib, d.cuCtxSetCurrent, "cuCtxSetCurrent", what);
+  bind(lib, d.cuCtxGetCurrent, "cuCtxGetCurrent", what);
   bind(lib, d.cuStreamCreate, "cuStreamCreate", what);
   bind(lib, d.cuStreamDestroy, "cuStreamDestroy_v2", what);
   bind(lib, d.cuStreamWaitEvent, "cuStreamWaitEvent", what);
@@ -149,17 +150,29 @@ void set_device(int device) {
   PYDDP_CU(d.cuCtxSetCurrent(ctx));
 }
 
+ContextRestore::ContextRestore() { PYDDP_CU(driver().cuCtxGetCurrent(&saved_)); }
+
+ContextRestore::~ContextRestore() {
+  driver().cuCtxSetCurrent(saved_);  // best effort: a destructor must not throw
+}
+
 void check_cu(CUresult r, const char* call, const char* file, int line) {
   if (r == kCudaSuccess) return;
   const char* msg = nullptr;
-  if (g_driver_loaded && g_driver.cuGetErrorString != nullptr) g_driver.cuGetErrorString(r, &msg);
+  auto get_error_string = driver().cuGetErrorString;  // loaded: a call returned r
+  get_error_string(r, &msg);
   throw ReduceError(detail::concat("CUDA error ", r, " (", msg ? msg : "unknown", ") in ", call,
                                    " at ", file, ":", line));
 }
 
 void check_nccl(ncclResult_t r, const char* call, const char* file, int line) {
   if (r == kNcclSuccess) return;
-  const char* msg = g_nccl.ncclGetErrorString ? g_nccl.ncclGetErrorString(r) : nullptr;
+  const char* (*get_error_string)(ncclResult_t) = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    get_error_string = g_nccl.ncclGetErrorString;
+  }
+  const char* msg = get_error_string ? get_error_string(r) : nullptr;
   throw ReduceError(detail::concat("NCCL error ", r, " (", msg ? msg : "unknown", ") in ", call,
                                    " at ", file, ":", line));
 }

@@ -35,6 +35,7 @@ struct DriverApi {
   CUresult (*cuDeviceGetName)(char*, int, CUdevice);
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
   CUresult (*cuCtxSetCurrent)(CUcontext);
+  CUresult (*cuCtxGetCurrent)(CUcontext*);
   CUresult (*cuStreamCreate)(CUstream*, unsigned);
   CUresult (*cuStreamDestroy)(CUstream);
   CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned);
@@ -85,6 +86,20 @@ void check_nccl(ncclResult_t r, const char* call, const char* file, int line);
 
 // Makes the device's primary context (the one torch uses) current on this thread.
 void set_device(int device);
+
+// Restores the calling thread's current context on scope exit: the CUDA
+// runtime adopts a context made current through the driver API, so leaving
+// another device's context current would move torch's current device.
+class ContextRestore {
+ public:
+  ContextRestore();
+  ~ContextRestore();
+  ContextRestore(const ContextRestore&) = delete;
+  ContextRestore& operator=(const ContextRestore&) = delete;
+
+ private:
+  CUcontext saved_ = nullptr;
+};
 
 }  // namespace cuda
 }  // namespace pyddp

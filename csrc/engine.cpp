@@ -264,15 +264,14 @@ Engine::Settled Engine::finish() {
     return !busy_ && (static_cast<size_t>(done_) == buckets_.size() || !error_.empty());
   });
   std::string err = error_;
-  if (err.empty()) {
-    try {
-      // Asynchronous backends: every reduction is enqueued; order the compute
-      // streams after them (no host wait) and surface failures seen so far.
-      backend_->fence();
-      backend_->check();
-    } catch (const std::exception& e) {
-      err = e.what();
-    }
+  try {
+    // Asynchronous backends: every reduction is enqueued; order the compute
+    // streams after them (no host wait), on failure too, so nothing rewrites a
+    // bucket a queued reduction still reads; then surface failures seen so far.
+    backend_->fence();
+    if (err.empty()) backend_->check();
+  } catch (const std::exception& e) {
+    err = err.empty() ? e.what() : err + "; then: " + e.what();
   }
   const int64_t t_end = now_ns();
   current_.iteration = ++iteration_;
@@ -303,6 +302,9 @@ void Engine::abort() {
   reset_iteration_locked();
   partial_kind_.store(kFailed);
   partial_.store(true);
+  // Reductions launched before the failure may still be running on the GPU:
+  // the compute streams wait for them before anything reuses the buckets.
+  backend_->fence();
 }
 
 void Engine::reset_iteration_locked() {

@@ -16,6 +16,7 @@ GpuBackend::GpuBackend(std::vector<int> devices, double timeout_s, bool comm_per
   PYDDP_ENFORCE(!devices_.empty(), "no devices");
   PYDDP_ENFORCE(timeout_s_ > 0, "timeout must be > 0 seconds, got ", timeout_s_);
   const DriverApi& d = driver();
+  ContextRestore restore;
   const int count = device_count();
   for (int dev : devices_) {
     PYDDP_ENFORCE(dev >= 0 && dev < count, "cuda:", dev, " does not exist (", count,
@@ -69,6 +70,7 @@ void GpuBackend::set_compute_stream(int replica, uintptr_t stream) {
 void GpuBackend::wait_for_compute() {
   throw_if_failed();
   const DriverApi& d = driver();
+  ContextRestore restore;
   for (size_t r = 0; r < devices_.size(); ++r) {
     set_device(devices_[r]);
     // Event, not a host sync: the CPU goes on queuing backward while the
@@ -97,6 +99,7 @@ void GpuBackend::watch(const std::string& what) {
   f.deadline = std::chrono::steady_clock::now() +
                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                    std::chrono::duration<double>(timeout_s_));
+  ContextRestore restore;
   std::lock_guard<std::mutex> lk(mu_);
   for (size_t s = 0; s < comm_owner_.size(); ++s) {
     CUevent e = take_event_locked(static_cast<int>(s));
@@ -110,8 +113,10 @@ void GpuBackend::watch(const std::string& what) {
 }
 
 void GpuBackend::fence() {
-  throw_if_failed();
+  // Also after a failure: reductions already queued must still finish before
+  // compute reuses their buffers (an aborted NCCL kernel exits; ours always ends).
   const DriverApi& d = driver();
+  ContextRestore restore;
   for (size_t s = 0; s < comm_owner_.size(); ++s) {
     const int owner = comm_owner_[s];
     set_device(devices_[owner]);
@@ -130,18 +135,35 @@ void GpuBackend::fail_locked(const std::string& message) {
   if (error_.empty()) error_ = message;
 }
 
+void GpuBackend::fail(const std::string& message) {
+  std::lock_guard<std::mutex> lk(mu_);
+  fail_locked(message);
+}
+
 void GpuBackend::throw_if_failed() const {
   std::lock_guard<std::mutex> lk(mu_);
   if (!error_.empty()) throw ReduceError(error_);
 }
 
 void GpuBackend::check() {
-  std::lock_guard<std::mutex> lk(mu_);
-  poll_locked();
-  if (!error_.empty()) throw ReduceError(error_);
+  bool timed_out = false;
+  {
+    ContextRestore restore;
+    std::lock_guard<std::mutex> lk(mu_);
+    timed_out = poll_locked();
+  }
+  if (timed_out) abort_after_timeout();
+  throw_if_failed();
 }
 
-void GpuBackend::poll_locked() {
+void GpuBackend::abort_after_timeout() {
+  // Outside mu_: aborting may wait for a launch in progress (NcclBackend).
+  const std::string done = abort_communication();
+  std::lock_guard<std::mutex> lk(mu_);
+  error_ += "; " + done;
+}
+
+bool GpuBackend::poll_locked() {
   const DriverApi& d = driver();
   const auto now = std::chrono::steady_clock::now();
   while (!in_flight_.empty()) {
@@ -155,7 +177,7 @@ void GpuBackend::poll_locked() {
       } else if (r != kCudaSuccess) {
         fail_locked(detail::concat("pyddp: ", f.what, " failed on cuda:",
                                    devices_[comm_owner_[s]], " with CUDA error ", r));
-        return;
+        return false;
       }
     }
     if (!done) {
@@ -163,14 +185,15 @@ void GpuBackend::poll_locked() {
         std::string devs;
         for (int dev : devices_) devs += (devs.empty() ? "cuda:" : ", cuda:") + std::to_string(dev);
         fail_locked(detail::concat("pyddp: ", f.what, " on ", devs, " did not complete within ",
-                                   timeout_s_, " s; communication aborted"));
-        abort_communication();
+                                   timeout_s_, " s"));
+        return true;
       }
-      return;  // later launches complete after this one
+      return false;  // later launches complete after this one
     }
     for (size_t s = 0; s < f.done.size(); ++s) free_events_[s].push_back(f.done[s]);
     in_flight_.pop_front();
   }
+  return false;
 }
 
 void GpuBackend::watchdog_loop() {
@@ -180,10 +203,17 @@ void GpuBackend::watchdog_loop() {
       cv_.wait(lk, [&] { return stop_ || !in_flight_.empty(); });
       continue;
     }
+    bool timed_out = false;
     try {
-      poll_locked();
+      ContextRestore restore;
+      timed_out = poll_locked();
     } catch (const std::exception& e) {
       fail_locked(e.what());
+    }
+    if (timed_out) {
+      lk.unlock();
+      abort_after_timeout();
+      lk.lock();
     }
     // Poll often enough for a timeout to fire near its deadline, rarely
     // enough to cost nothing next to a training step.
@@ -196,6 +226,7 @@ void GpuBackend::watchdog_loop() {
 NcclBackend::NcclBackend(std::vector<int> devices, const std::string& nccl_path, double timeout_s)
     : GpuBackend(std::move(devices), timeout_s, /*comm_per_replica=*/true) {
   const NcclApi& n = nccl(nccl_path);
+  ContextRestore restore;
   std::vector<int> sorted = devices_;
   std::sort(sorted.begin(), sorted.end());
   PYDDP_ENFORCE(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
@@ -208,7 +239,8 @@ NcclBackend::NcclBackend(std::vector<int> devices, const std::string& nccl_path,
 
 NcclBackend::~NcclBackend() {
   stop_watchdog();
-  if (aborted_.load()) return;
+  std::lock_guard<std::timed_mutex> lk(nccl_mu_);
+  if (aborted_) return;
   const NcclApi& n = nccl(nccl_path());
   for (ncclComm_t c : comms_) {
     if (c != nullptr) n.ncclCommDestroy(c);  // best effort: a destructor must not throw
@@ -231,46 +263,65 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) {
   }
   wait_for_compute();
   const NcclApi& n = nccl(nccl_path());
-  // Several devices driven from one thread: the calls must form one group or
-  // the first would wait for peers that are never launched.
-  PYDDP_NCCL(n.ncclGroupStart());
-  ncclResult_t launched = kNcclSuccess;
-  for (size_t r = 0; r < bufs.size() && launched == kNcclSuccess; ++r) {
-    launched = n.ncclAllReduce(bufs[r].data, bufs[r].data, static_cast<size_t>(bufs[r].count),
-                               dtype, op == ReduceOp::kSum ? kNcclSum : kNcclAvg, comms_[r],
-                               comm_stream(static_cast<int>(r)));
+  {
+    ContextRestore restore;
+    std::lock_guard<std::timed_mutex> lk(nccl_mu_);
+    if (aborted_) throw ReduceError("pyddp: the NCCL communicators were aborted earlier");
+    // Several devices driven from one thread: the calls must form one group or
+    // the first would wait for peers that are never launched.
+    PYDDP_NCCL(n.ncclGroupStart());
+    ncclResult_t launched = kNcclSuccess;
+    for (size_t r = 0; r < bufs.size() && launched == kNcclSuccess; ++r) {
+      launched = n.ncclAllReduce(bufs[r].data, bufs[r].data, static_cast<size_t>(bufs[r].count),
+                                 dtype, op == ReduceOp::kSum ? kNcclSum : kNcclAvg, comms_[r],
+                                 comm_stream(static_cast<int>(r)));
+    }
+    const ncclResult_t ended = n.ncclGroupEnd();
+    PYDDP_NCCL(launched);
+    PYDDP_NCCL(ended);
   }
-  const ncclResult_t ended = n.ncclGroupEnd();
-  PYDDP_NCCL(launched);
-  PYDDP_NCCL(ended);
   watch(detail::concat("NCCL all-reduce of ", bufs[0].count, " ", dtype_name(bufs[0].dtype),
                        " elements"));
 }
 
 void NcclBackend::check() {
-  if (!aborted_.load()) {
-    const NcclApi& n = nccl(nccl_path());
-    for (size_t r = 0; r < comms_.size(); ++r) {
-      ncclResult_t async = kNcclSuccess;
-      PYDDP_NCCL(n.ncclCommGetAsyncError(comms_[r], &async));
-      if (async != kNcclSuccess && async != kNcclInProgress) {
-        abort_communication();
-        throw ReduceError(detail::concat("pyddp: NCCL communicator of cuda:", devices_[r],
-                                         " failed asynchronously: ", n.ncclGetErrorString(async)));
+  std::string failure;
+  {
+    std::lock_guard<std::timed_mutex> lk(nccl_mu_);
+    if (!aborted_) {
+      const NcclApi& n = nccl(nccl_path());
+      for (size_t r = 0; r < comms_.size() && failure.empty(); ++r) {
+        ncclResult_t async = kNcclSuccess;
+        PYDDP_NCCL(n.ncclCommGetAsyncError(comms_[r], &async));
+        if (async != kNcclSuccess && async != kNcclInProgress) {
+          failure = detail::concat("pyddp: NCCL communicator of cuda:", devices_[r],
+                                   " failed asynchronously: ", n.ncclGetErrorString(async));
+        }
       }
     }
+  }
+  if (!failure.empty()) {
+    fail(failure);  // first, so no launch uses the communicators being freed
+    abort_communication();
   }
   GpuBackend::check();
 }
 
-void NcclBackend::abort_communication() {
-  if (aborted_.exchange(true)) return;
+std::string NcclBackend::abort_communication() {
+  // A launch stuck inside NCCL holds nccl_mu_ for good: after a bounded wait
+  // the abort goes ahead anyway, the only way to free a hung collective.
+  std::unique_lock<std::timed_mutex> lk(nccl_mu_, std::defer_lock);
+  const bool locked = lk.try_lock_for(std::chrono::seconds(2));
+  if (aborted_) return "NCCL communicators aborted";
+  aborted_ = true;
   const NcclApi& n = nccl(nccl_path());
   // Aborting frees every rank stuck in a collective (their kernels exit), so
   // no stream and no host thread waits forever.
   for (ncclComm_t c : comms_) {
     if (c != nullptr) n.ncclCommAbort(c);
   }
+  return locked ? "NCCL communicators aborted"
+                : "NCCL communicators aborted while a launch was still inside NCCL";
 }
 
 // ------------------------------------------------- replicas on one device
@@ -289,6 +340,7 @@ DeviceBackend::DeviceBackend(int device, int replicas, double timeout_s)
                 kMaxReplicas, " replicas per GPU, got ", replicas);
 #ifdef PYDDP_HAVE_DEVICE_KERNEL
   const DriverApi& d = driver();
+  ContextRestore restore;
   set_device(device);
   CUmodule module = nullptr;
   // PTX, JIT-compiled by the driver for whatever GPU this is.
@@ -308,6 +360,7 @@ namespace {
 struct KernelPtrs {
   void* p[DeviceBackend::kMaxReplicas];
 };
+static_assert(sizeof(KernelPtrs) == 64, "must match Ptrs in reduce_kernels.cu");
 }  // namespace
 
 void DeviceBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) {
@@ -328,6 +381,7 @@ void DeviceBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) 
     const unsigned threads = 256;
     // Grid-stride loop: a few waves of blocks cover any size.
     const long long blocks = std::min<long long>((count + threads - 1) / threads, 4096);
+    ContextRestore restore;
     set_device(devices_[0]);
     PYDDP_CU(driver().cuLaunchKernel(kernels_[static_cast<int>(bufs[0].dtype)],
                                      static_cast<unsigned>(blocks), 1, 1, threads, 1, 1, 0,

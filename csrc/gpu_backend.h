@@ -39,8 +39,11 @@ class GpuBackend : public Backend {
   void wait_for_compute();
   // Call last in all_reduce: starts the timeout clock of this reduction.
   void watch(const std::string& what);
-  // Called by the watchdog on timeout, after which the backend is unusable.
-  virtual void abort_communication() {}
+  // Called on timeout or asynchronous failure, after which the backend is
+  // unusable; returns what it did, for the error message.
+  virtual std::string abort_communication() { return "the backend is disabled"; }
+  // Marks the backend failed (every later call raises `message`).
+  void fail(const std::string& message);
   // Throws ReduceError if the backend failed earlier.
   void throw_if_failed() const;
   // Derived destructors call this first: no watchdog callback into a
@@ -57,7 +60,10 @@ class GpuBackend : public Backend {
     std::chrono::steady_clock::time_point deadline;
   };
   void watchdog_loop();
-  void poll_locked();
+  // Retires completed launches; true if the oldest one passed its deadline
+  // (the caller then aborts, outside mu_).
+  bool poll_locked();
+  void abort_after_timeout();
   cuda::CUevent take_event_locked(int stream_index);
   void fail_locked(const std::string& message);
 
@@ -87,9 +93,12 @@ class NcclBackend : public GpuBackend {
   void check() override;
 
  private:
-  void abort_communication() override;
+  std::string abort_communication() override;
   std::vector<cuda::ncclComm_t> comms_;
-  std::atomic<bool> aborted_{false};
+  // NCCL forbids concurrent calls on one communicator: launches, error polls
+  // and the abort take this in turn (the abort waits a bounded time, see there).
+  std::timed_mutex nccl_mu_;
+  bool aborted_ = false;  // guarded by nccl_mu_
 };
 
 // True when this build carries the reduction kernel (a CUDA compiler was
@@ -98,12 +107,16 @@ bool device_kernel_available();
 
 class DeviceBackend : public GpuBackend {
  public:
-  static constexpr int kMaxReplicas = 8;
+  static constexpr int kMaxReplicas = 8;  // = PYDDP_MAX_REPLICAS in reduce_kernels.cu
   DeviceBackend(int device, int replicas, double timeout_s);
+  ~DeviceBackend() override { stop_watchdog(); }
   std::string name() const override { return "device"; }
   void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) override;
 
  private:
+  std::string abort_communication() override {
+    return "the kernel is left to finish (it only waits for compute); the backend is disabled";
+  }
   cuda::CUfunction kernels_[4] = {};  // indexed by DType
 };
 

@@ -2,11 +2,13 @@
 // is read once, summed in a fixed replica order (16-bit types in float32), and
 // the result written back to every buffer. Compiled to PTX at build time and
 // loaded through the driver API (gpu_backend.cpp), so the extension itself
-// links no CUDA library.
+// links no CUDA library. __grid_constant__: the pointer table is read from
+// parameter space, not copied to local memory by every thread. The PTX
+// (ISA of the nvcc that built it) needs a driver at least as new as that nvcc.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#define PYDDP_MAX_REPLICAS 8
+#define PYDDP_MAX_REPLICAS 8  // = DeviceBackend::kMaxReplicas
 
 struct Ptrs {
   void* p[PYDDP_MAX_REPLICAS];
@@ -45,15 +47,15 @@ __device__ void reduce(const Ptrs& ptrs, int n, long long count, int avg) {
   }
 }
 
-extern "C" __global__ void pyddp_reduce_f32(Ptrs p, int n, long long count, int avg) {
+extern "C" __global__ void pyddp_reduce_f32(const __grid_constant__ Ptrs p, int n, long long count, int avg) {
   reduce<float>(p, n, count, avg);
 }
-extern "C" __global__ void pyddp_reduce_f64(Ptrs p, int n, long long count, int avg) {
+extern "C" __global__ void pyddp_reduce_f64(const __grid_constant__ Ptrs p, int n, long long count, int avg) {
   reduce<double>(p, n, count, avg);
 }
-extern "C" __global__ void pyddp_reduce_f16(Ptrs p, int n, long long count, int avg) {
+extern "C" __global__ void pyddp_reduce_f16(const __grid_constant__ Ptrs p, int n, long long count, int avg) {
   reduce<__half>(p, n, count, avg);
 }
-extern "C" __global__ void pyddp_reduce_bf16(Ptrs p, int n, long long count, int avg) {
+extern "C" __global__ void pyddp_reduce_bf16(const __grid_constant__ Ptrs p, int n, long long count, int avg) {
   reduce<__nv_bfloat16>(p, n, count, avg);
 }

@@ -11,18 +11,21 @@ from typing import Any, Dict, Sequence, Tuple
 import torch
 
 from ._runtime import backend_kind, make_backend
-from .sync import _DTYPE_NAMES
+from .sync import _DTYPE_NAMES, ReduceError
 
-_backends: Dict[Tuple[str, Tuple[int, ...]], Any] = {}
+# (kind, devices) -> (backend, lock). A backend is not re-entrant: one call at
+# a time; a backend that failed is dropped so the next call builds a fresh one.
+_backends: Dict[Tuple[str, Tuple[int, ...]], Tuple[Any, threading.Lock]] = {}
 _backends_lock = threading.Lock()
 
 
 def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
     """Reduces `tensors` (one per replica; same shape and dtype; contiguous) in
     place: afterwards each holds the sum (op="sum") or the mean (op="avg") of
-    all. float16/bfloat16 accumulate in float32. On GPUs the reduction is
-    ordered after the work queued on each device's current stream, and those
-    streams wait for it; the host does not block."""
+    all. float16/bfloat16 accumulate in float32 on the CPU and on one GPU (NCCL
+    rounds at each hop). On GPUs the reduction is ordered after the work queued
+    on each device's current stream, and those streams wait for it; the host does
+    not block."""
     tensors = [_as_tensor(t, i) for i, t in enumerate(tensors)]
     if not tensors:
         raise ValueError("all_reduce: tensors is empty")
@@ -45,26 +48,33 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
     devices = [t.device for t in tensors]
     kind = backend_kind(devices)
     indices = tuple(-1 if d.type == "cpu" else d.index for d in devices)
+    key = (kind, indices)
     with _backends_lock:
-        backend = _backends.get((kind, indices))
-        if backend is None:
-            backend = _backends[(kind, indices)] = make_backend(devices)
+        if key not in _backends:
+            _backends[key] = (make_backend(devices), threading.Lock())
+        backend, lock = _backends[key]
     streams = [0 if d.type == "cpu" else torch.cuda.current_stream(d).cuda_stream for d in devices]
-    backend.reduce(
-        [t.data_ptr() for t in tensors],
-        list(indices),
-        streams,
-        first.numel(),
-        _DTYPE_NAMES[first.dtype],
-        op,
-    )
+    with lock:
+        try:
+            backend.reduce(
+                [t.data_ptr() for t in tensors],
+                list(indices),
+                streams,
+                first.numel(),
+                _DTYPE_NAMES[first.dtype],
+                op,
+            )
+        except ReduceError:
+            with _backends_lock:
+                _backends.pop(key, None)
+            raise
 
 
 def _as_tensor(x: Any, i: int) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     if hasattr(x, "__cuda_array_interface__"):
-        return torch.as_tensor(x, device="cuda")  # zero copy: shares the array's memory
+        return torch.as_tensor(x)  # zero copy on the array's own device: shares its memory
     raise TypeError(
         f"all_reduce: tensors[{i}] is {type(x).__name__}; pass torch tensors or CUDA arrays (CuPy)"
     )

@@ -17,6 +17,16 @@ pytestmark = pytest.mark.cuda
 ATOL, RTOL = 1e-5, 1e-4  # GPU kernels (cuBLAS, atomics in embedding backward) reassociate more
 
 
+@pytest.fixture(autouse=True)
+def no_tf32():
+    # TF32 (10-bit mantissa) would make batch-size-dependent algorithm choices
+    # differ far beyond float32 rounding.
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 @pytest.mark.parametrize("path", ["gather", "loss"])
 @pytest.mark.parametrize("cap", [0, 25])
 @pytest.mark.parametrize("devices", [["cuda:0"], ["cuda:0", "cuda:0"], ["cuda:0"] * 3])
@@ -76,6 +86,8 @@ def test_stream_ordering_without_host_syncs():
     for _ in range(3):
         dm.zero_grad()
         dm(x).sum().backward()
+        # No host sync: backward returned while the delayed kernels still run.
+        assert not torch.cuda.current_stream().query()
         # d(sum(x @ w))/dw = x^T 1 = 8 rows of ones split 4/4: each replica 4, sum 8
         grad = dm.module.w.grad.clone()  # on the compute stream, right after backward
         assert torch.equal(grad, torch.full_like(grad, 8.0))
@@ -135,6 +147,29 @@ def test_stalled_reduction_times_out_with_a_clear_error():
     import time
 
     time.sleep(0.6)
+    # The watchdog marked it failed on its own: the next launch refuses, with
+    # no check() call in between.
     with pytest.raises(pyddp.ReduceError, match="did not complete within 0.2 s"):
-        backend.check()
+        backend.reduce([t.data_ptr() for t in ts], [0, 0], [stream, stream], 1024, "float32")
     torch.cuda.synchronize()  # nothing hangs: the queued work drains
+    assert torch.equal(ts[0], torch.full_like(ts[0], 2.0))  # and it was right, only late
+
+
+def test_failed_reduction_on_gpu_then_a_clean_step():
+    torch.manual_seed(0)
+    model = Mixed().cuda()
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cuda:0", "cuda:0"], bucket_cap_mb=0, rebuild_buckets=False)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    (x, y), (x2, y2) = [(a.cuda(), b.cuda()) for a, b in make_batches(2, 8)]
+    dm.sync.inject_fault(3, "simulated failure")
+    with pytest.raises(pyddp.ReduceError, match="simulated failure"):
+        F.cross_entropy(dm(x), y).backward()
+    opt.zero_grad()
+    F.cross_entropy(dm(x2), y2).backward()
+    opt.step()
+    F.cross_entropy(ref(x2), y2).backward()
+    ref_opt.step()
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
