@@ -25,7 +25,9 @@ std::vector<DType> dtypes_from_names(const std::vector<std::string>& names) {
 LaunchOrder launch_order_from_name(const std::string& name) {
   if (name == "ready") return LaunchOrder::kReady;
   if (name == "index") return LaunchOrder::kIndex;
-  throw UsageError("unknown reduce order '" + name + "': use 'ready' or 'index'");
+  if (name == "after_backward") return LaunchOrder::kAfterBackward;
+  throw UsageError("unknown reduce order '" + name +
+                   "': use 'ready', 'index' or 'after_backward'");
 }
 
 BufferRef make_buffer(uintptr_t ptr, int64_t count, const std::string& dtype, int device) {
@@ -184,6 +186,18 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_params", &Engine::num_params)
       .def_property_readonly("backend_name", &Engine::backend_name)
       .def("ready_order", &Engine::ready_order)
+      .def("note_forward_end", &Engine::note_forward_end)
+      .def("set_timeline", &Engine::set_timeline, py::arg("enabled"))
+      .def("last_timeline",
+           [](const Engine& self) {
+             const Engine::Timeline t = self.last_timeline();
+             py::dict d;
+             d["bucket_ready_ns"] = t.bucket_ready_ns;
+             d["bucket_launch_ns"] = t.bucket_launch_ns;
+             d["bucket_done_ns"] = t.bucket_done_ns;
+             d["param_ready_ns"] = t.param_ready_ns;
+             return d;
+           })
       .def("last_stats", [](const Engine& self) {
         const IterationStats s = self.last_stats();
         py::dict d;
@@ -191,6 +205,7 @@ PYBIND11_MODULE(_C, m) {
         d["bytes"] = s.bytes;
         d["launches"] = s.launches;
         d["buckets"] = s.buckets;
+        d["forward_end_ns"] = s.forward_end_ns;
         d["first_ready_ns"] = s.first_ready_ns;
         d["first_launch_ns"] = s.first_launch_ns;
         d["last_done_ns"] = s.last_done_ns;

@@ -81,6 +81,9 @@ void Engine::set_buckets(std::vector<std::vector<int>> buckets) {
   buffers_.assign(nb * num_replicas_, unset);
   bucket_pending_.reset(new std::atomic<int>[nb]);
   bucket_ready_.assign(nb, 0);
+  bucket_ready_ns_.reset(new std::atomic<int64_t>[nb]);
+  bucket_launch_ns_.assign(nb, 0);
+  bucket_done_ns_.assign(nb, 0);
   reset_iteration_locked();
 }
 
@@ -131,6 +134,7 @@ void Engine::mark_ready(int replica, int param) {
               "before the first finished cannot be reduced once; use weight_decay or no_sync().");
   }
   active_.store(true, std::memory_order_relaxed);
+  if (timeline_.load(std::memory_order_relaxed)) param_ready_ns_[slot] = now_ns();
   if (first_ready_ns_.load(std::memory_order_relaxed) == 0) {
     int64_t expected = 0;
     first_ready_ns_.compare_exchange_strong(expected, now_ns());
@@ -144,6 +148,7 @@ void Engine::complete_param(int param, std::unique_lock<std::mutex>* held) {
   ready_order_[ready_pos_.fetch_add(1)].store(param, std::memory_order_relaxed);
   const int b = bucket_of_[param];
   if (bucket_pending_[b].fetch_sub(1, std::memory_order_acq_rel) - 1 != 0) return;
+  bucket_ready_ns_[b].store(now_ns(), std::memory_order_relaxed);
   if (held != nullptr) {
     enqueue_locked(b);
   } else {
@@ -155,7 +160,7 @@ void Engine::complete_param(int param, std::unique_lock<std::mutex>* held) {
 }
 
 void Engine::enqueue_locked(int bucket) {
-  if (order_ == LaunchOrder::kReady) {
+  if (order_ != LaunchOrder::kIndex) {
     ready_queue_.push_back(bucket);
   } else {
     bucket_ready_[bucket] = 1;
@@ -164,11 +169,12 @@ void Engine::enqueue_locked(int bucket) {
 
 bool Engine::has_launchable_locked() const {
   if (order_ == LaunchOrder::kReady) return !ready_queue_.empty();
+  if (order_ == LaunchOrder::kAfterBackward) return flushing_ && !ready_queue_.empty();
   return static_cast<size_t>(next_index_) < buckets_.size() && bucket_ready_[next_index_];
 }
 
 int Engine::pop_launchable_locked() {
-  if (order_ == LaunchOrder::kReady) {
+  if (order_ != LaunchOrder::kIndex) {
     const int b = ready_queue_.front();
     ready_queue_.pop_front();
     return b;
@@ -230,6 +236,8 @@ void Engine::launcher_loop() {
       ready_queue_.clear();
     } else {
       ++done_;
+      bucket_launch_ns_[b] = t_launch;
+      bucket_done_ns_[b] = t_done;
       if (reduce) {
         ++current_.launches;
         current_.bytes += bucket_count_[b] * static_cast<int64_t>(dtype_size(params_[buckets_[b][0]].dtype));
@@ -257,6 +265,10 @@ Engine::Settled Engine::finish() {
     complete_param(p, nullptr);
   }
   std::unique_lock<std::mutex> lk(mu_);
+  if (order_ == LaunchOrder::kAfterBackward) {
+    flushing_ = true;
+    work_cv_.notify_one();
+  }
   const int64_t t_wait = now_ns();
   // Host wait, not a stream wait: on the CPU backend the reduced values are
   // read by the optimizer on this thread right after.
@@ -277,6 +289,14 @@ Engine::Settled Engine::finish() {
   current_.iteration = ++iteration_;
   current_.buckets = static_cast<int>(buckets_.size());
   current_.first_ready_ns = first_ready_ns_.load();
+  current_.forward_end_ns = forward_end_ns_.load();
+  last_timeline_.bucket_ready_ns.resize(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    last_timeline_.bucket_ready_ns[b] = bucket_ready_ns_[b].load();
+  }
+  last_timeline_.bucket_launch_ns = bucket_launch_ns_;
+  last_timeline_.bucket_done_ns = bucket_done_ns_;
+  last_timeline_.param_ready_ns = timeline_.load() ? param_ready_ns_ : std::vector<int64_t>{};
   current_.finish_start_ns = t_start;
   current_.finish_end_ns = t_end;
   current_.wait_ns = t_end - t_wait;
@@ -321,6 +341,12 @@ void Engine::reset_iteration_locked() {
   error_.clear();
   current_ = IterationStats{};
   first_ready_ns_.store(0);
+  forward_end_ns_.store(0);
+  flushing_ = false;
+  for (size_t b = 0; b < buckets_.size(); ++b) bucket_ready_ns_[b].store(0);
+  std::fill(bucket_launch_ns_.begin(), bucket_launch_ns_.end(), 0);
+  std::fill(bucket_done_ns_.begin(), bucket_done_ns_.end(), 0);
+  std::fill(param_ready_ns_.begin(), param_ready_ns_.end(), 0);
   ready_pos_.store(0);
   active_.store(false);
 }
@@ -381,6 +407,20 @@ std::string Engine::partial_reason() const {
     default:
       return "";
   }
+}
+
+void Engine::note_forward_end() { forward_end_ns_.store(now_ns()); }
+
+void Engine::set_timeline(bool enabled) {
+  std::lock_guard<std::mutex> lk(mu_);
+  PYDDP_ENFORCE(!active_.load(), "cannot switch the timeline during a synced backward");
+  param_ready_ns_.assign(enabled ? params_.size() * num_replicas_ : 0, 0);
+  timeline_.store(enabled);
+}
+
+Engine::Timeline Engine::last_timeline() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return last_timeline_;
 }
 
 void Engine::set_compute_stream(int replica, uintptr_t stream) {

@@ -27,8 +27,9 @@ struct ParamInfo {
 
 // In one process every device gets the same order from one thread, so buckets
 // may launch as they complete; across processes every rank must agree, so
-// buckets launch in index order.
-enum class LaunchOrder : uint8_t { kReady, kIndex };
+// buckets launch in index order. kAfterBackward holds every launch until
+// finish(): the no-overlap baseline the benchmarks compare against.
+enum class LaunchOrder : uint8_t { kReady, kIndex, kAfterBackward };
 
 // Times are nanoseconds on the steady clock; 0 means "did not happen".
 struct IterationStats {
@@ -36,6 +37,7 @@ struct IterationStats {
   int64_t bytes = 0;
   int launches = 0;
   int buckets = 0;
+  int64_t forward_end_ns = 0;  // set by note_forward_end(); 0 if never called
   int64_t first_ready_ns = 0;
   int64_t first_launch_ns = 0;
   int64_t last_done_ns = 0;
@@ -107,6 +109,18 @@ class Engine {
   IterationStats last_stats() const;
   std::string backend_name() const { return backend_->name(); }
 
+  // Observability. note_forward_end() marks the end of the forward that this
+  // backward differentiates (DDP's "backward compute" starts there).
+  void note_forward_end();
+  // Per-(replica, parameter) ready times, kept only while enabled (one clock
+  // read per mark); per-bucket times are always kept.
+  void set_timeline(bool enabled);
+  struct Timeline {
+    std::vector<int64_t> bucket_ready_ns, bucket_launch_ns, bucket_done_ns;
+    std::vector<int64_t> param_ready_ns;  // [replica * P + param], empty if disabled
+  };
+  Timeline last_timeline() const;
+
  private:
   void reset_iteration_locked();
   void complete_param(int param, std::unique_lock<std::mutex>* lk);
@@ -143,6 +157,13 @@ class Engine {
   std::atomic<bool> partial_{false};
   std::atomic<int> partial_kind_{0};
   std::atomic<int64_t> first_ready_ns_{0};
+  std::atomic<int64_t> forward_end_ns_{0};
+  std::atomic<bool> timeline_{false};
+  std::unique_ptr<std::atomic<int64_t>[]> bucket_ready_ns_;
+  std::vector<int64_t> bucket_launch_ns_, bucket_done_ns_;  // guarded by mu_
+  std::vector<int64_t> param_ready_ns_;                     // written by the marking slot only
+  Timeline last_timeline_;                                  // guarded by mu_
+  bool flushing_ = false;  // kAfterBackward: finish() released the launches
 
   // Launcher state, guarded by mu_.
   mutable std::mutex mu_;

@@ -37,6 +37,7 @@ class DistributedModel(nn.Module):
         broadcast_buffers: bool = True,
         threads_per_replica: Optional[int] = None,
         timeout_s: Optional[float] = None,
+        timeline: Optional[int] = None,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -53,6 +54,7 @@ class DistributedModel(nn.Module):
             reduce_order=reduce_order,
             rebuild_buckets=rebuild_buckets,
             timeout_s=timeout_s,
+            timeline=timeline,
         )
         self.broadcast_buffers = broadcast_buffers
         self._buffers_of = [list(m.buffers()) for m in replicas]
@@ -91,7 +93,12 @@ class DistributedModel(nn.Module):
         self.sync.zero_grad(set_to_none)
 
     def stats(self) -> Dict[str, Any]:
+        """Last iteration's communication figures and running means (GradSync.stats)."""
         return self.sync.stats()
+
+    def export_timeline(self, path: Any) -> Any:
+        """Chrome trace JSON of the kept iterations (wrap(..., timeline=N))."""
+        return self.sync.export_timeline(path)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips every replica's gradients by their global norm and returns that
@@ -143,6 +150,8 @@ class DistributedModel(nn.Module):
         outs = self._workers.run(
             [self._call(r, a, kw) for r, (a, kw) in enumerate(shards)], "forward"
         )
+        if torch.is_grad_enabled():
+            self.sync.note_forward_end()
         return self._gather(outs)
 
     def loss(
@@ -196,6 +205,8 @@ class DistributedModel(nn.Module):
             return run
 
         losses = self._workers.run([replica_loss(r) for r in range(len(shards))], "forward/loss")
+        if torch.is_grad_enabled():
+            self.sync.note_forward_end()
         if len(self._replicas) == 1 or not any(v.requires_grad for v in losses):
             return losses[0] if len(losses) == 1 else sum_on(losses, self.devices[0])
         return Join(self, [[v] for v in losses], "sum").apply()[0]
@@ -346,6 +357,7 @@ def wrap(
     broadcast_buffers: bool = True,
     threads_per_replica: Optional[int] = None,
     timeout_s: Optional[float] = None,
+    timeline: Optional[int] = None,
 ) -> DistributedModel:
     """Replicates `model` over `devices` (duplicates allowed: several replicas on
     one device). Replica 0 is `model` itself, moved to devices[0]; the others are
@@ -353,7 +365,8 @@ def wrap(
     buffers to the others before each training-mode forward (torch DDP's default);
     threads_per_replica is each replica's torch intra-op thread count (default for
     CPU replicas: torch.get_num_threads() // number of replicas, at least 1);
-    timeout_s bounds a GPU reduction (default $PYDDP_TIMEOUT_S or 300 s)."""
+    timeout_s bounds a GPU reduction (default $PYDDP_TIMEOUT_S or 300 s);
+    timeline keeps the last N iterations for export_timeline (or $PYDDP_TIMELINE)."""
     return DistributedModel(
         model,
         devices,
@@ -364,4 +377,5 @@ def wrap(
         broadcast_buffers=broadcast_buffers,
         threads_per_replica=threads_per_replica,
         timeout_s=timeout_s,
+        timeline=timeline,
     )

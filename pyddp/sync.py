@@ -17,6 +17,7 @@ from torch import nn
 
 from . import _C
 from ._runtime import make_backend
+from .observe import Observer, chrome_trace, timeline_from_env, write_trace
 
 ReduceError = _C.ReduceError
 
@@ -50,7 +51,9 @@ class GradSync:
     as they complete; "index": in bucket order), ``rebuild_buckets`` (True: re-plan
     buckets once from the ready order observed in the first synced backward),
     ``timeout_s`` (GPU: a reduction not done after this long aborts communication
-    and raises; default $PYDDP_TIMEOUT_S or 300).
+    and raises; default $PYDDP_TIMEOUT_S or 300), ``timeline`` (keep the last N
+    iterations' bucket and parameter events for `export_timeline`; default
+    $PYDDP_TIMELINE or 0 = off).
 
     Backends: CPU replicas reduce in process; one replica per GPU uses NCCL;
     replicas sharing one GPU use pyddp's own kernel. On GPUs nothing blocks the
@@ -69,6 +72,7 @@ class GradSync:
         rebuild_buckets: bool = True,
         op: str = "sum",
         timeout_s: Optional[float] = None,
+        timeline: Optional[int] = None,
     ):
         replicas = list(replicas)
         if not replicas:
@@ -78,8 +82,11 @@ class GradSync:
                 f"bucket_cap_mb={bucket_cap_mb} and first_bucket_cap_mb={first_bucket_cap_mb} "
                 "must be >= 0 (0 = one bucket per parameter)"
             )
-        if reduce_order not in ("ready", "index"):
-            raise ValueError(f"reduce_order={reduce_order!r}: use 'ready' or 'index'")
+        if reduce_order not in ("ready", "index", "after_backward"):
+            raise ValueError(
+                f"reduce_order={reduce_order!r}: use 'ready', 'index' or 'after_backward' "
+                "(no overlap: the baseline benchmarks compare against)"
+            )
         if op not in ("sum", "avg"):
             raise ValueError(f"op={op!r}: use 'sum' or 'avg'")
         self.replicas = replicas
@@ -94,6 +101,10 @@ class GradSync:
         # Runs one function per replica; wrap installs its parallel workers.
         self.run_per_replica: Callable[[Sequence[Callable[[], Any]], str], List[Any]] = _in_turn
         self.adopted = 0  # gradients that arrived outside the buckets and were copied in
+        keep = timeline_from_env() if timeline is None else timeline
+        if keep < 0:
+            raise ValueError(f"timeline={timeline} must be >= 0 (iterations to keep)")
+        self.observer = Observer(keep)
         if len(replicas) == 1:
             return  # one replica: nothing to reduce, stay out of the way
 
@@ -120,6 +131,7 @@ class GradSync:
             if any(ps[i].grad is not None for ps in self.params):
                 self._engine.note_grad(i, True)
         self._rebuild_pending = rebuild_buckets and self._cap > 0
+        self._engine.set_timeline(keep > 0)
         for r, (module, params) in enumerate(zip(replicas, self.params)):
             for i, p in enumerate(params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(r, i)))
@@ -225,7 +237,10 @@ class GradSync:
         if self._engine is None:
             return
         self._reconcile_unmarked()
-        no_grad, settled = self._engine.finish()
+        try:
+            no_grad, settled = self._engine.finish()
+        finally:
+            self._observe()
         for i in no_grad:
             for params in self.params:
                 params[i].grad = None
@@ -238,6 +253,37 @@ class GradSync:
         if self._rebuild_pending and self._engine.sync_enabled:
             self._rebuild_pending = False
             self._rebuild()
+
+    def _observe(self) -> None:
+        raw = self._engine.last_stats()
+        if not raw["iteration"] or (self.observer.last or {}).get("iteration") == raw["iteration"]:
+            return
+        sizes = [
+            sum(self.params[0][i].numel() * self.params[0][i].element_size() for i in b)
+            for b in self._engine.buckets
+        ]
+        timeline = self._engine.last_timeline() if self.observer.keep else None
+        self.observer.record(raw, sizes, timeline)
+
+    def note_forward_end(self) -> None:
+        """Marks the end of the forward whose backward comes next (the start of
+        DDP's "backward compute"); wrap calls it for you."""
+        if self._engine is not None:
+            self._engine.note_forward_end()
+
+    def export_timeline(self, path: Any) -> Any:
+        """Writes the kept iterations as Chrome trace JSON (open in Perfetto or
+        chrome://tracing) and returns the path."""
+        if self._engine is None:
+            raise RuntimeError("one replica: there is no communication to trace")
+        if not self.observer.keep:
+            raise RuntimeError(
+                "the timeline is off: pass timeline=N (iterations to keep) or set PYDDP_TIMELINE"
+            )
+        trace = chrome_trace(
+            list(self.observer.timelines), self.names, self._engine.buckets, len(self.replicas)
+        )
+        return write_trace(trace, path)
 
     def _reconcile_unmarked(self) -> None:
         # A replica that produced no gradient for a parameter contributes its
@@ -314,16 +360,20 @@ class GradSync:
         return [list(b) for b in self._engine.buckets]
 
     def stats(self) -> Dict[str, Any]:
-        """The last synced iteration: bytes, launches, buckets and engine times (s)."""
-        if self._engine is None:
-            return {"iteration": 0, "bytes": 0, "launches": 0, "buckets": 0}
-        raw = self._engine.last_stats()
-        out: Dict[str, Any] = {k: raw[k] for k in ("iteration", "bytes", "launches", "buckets")}
-        t0, launch, done = raw["first_ready_ns"], raw["first_launch_ns"], raw["last_done_ns"]
-        out["first_ready_to_last_done_s"] = (done - t0) / 1e9 if t0 and done else 0.0
-        out["comm_s"] = (done - launch) / 1e9 if launch and done else 0.0
-        out["finish_wait_s"] = raw["wait_ns"] / 1e9
+        """The last synced iteration (DDP's definitions, see pyddp.observe) at the
+        top level, running means under "mean", and the iteration count."""
+        if self._engine is None or self.observer.last is None:
+            return {
+                "iteration": 0,
+                "bytes": 0,
+                "launches": 0,
+                "buckets": len(self.buckets),
+                "adopted": self.adopted,
+                "mean": {},
+            }
+        out = dict(self.observer.last)
         out["adopted"] = self.adopted
+        out["mean"] = self.observer.means()
         return out
 
     def inject_fault(self, bucket: int, message: str = "injected fault") -> None:

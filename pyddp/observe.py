@@ -1,0 +1,211 @@
+"""Per-iteration statistics with torch DDP's definitions (so figures compare
+with `ddp._get_ddp_logging_data()`), running averages, and a bounded timeline
+of bucket (and parameter) events exported as Chrome trace JSON for Perfetto or
+chrome://tracing. Times come from the engine's steady clock; on GPU backends
+"done" is when the reduction was enqueued (device timing is not measured yet).
+
+Definitions, per synced iteration:
+  backward compute = end of forward -> autograd done (finish() starts)
+  comm             = first launch -> last reduction done
+  overlap          = first launch -> autograd done (clipped to [0, comm])
+  exposed comm     = comm - overlap;  overlap fraction = overlap / comm
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from pathlib import Path
+from typing import Any, Deque, Dict, List, Optional, Sequence
+
+TIMELINE_ENV = "PYDDP_TIMELINE"  # number of iterations to keep, e.g. PYDDP_TIMELINE=20
+_AVERAGED = (
+    "backward_compute_s",
+    "comm_s",
+    "overlap_s",
+    "exposed_comm_s",
+    "finish_wait_s",
+    "bytes",
+    "launches",
+)
+
+
+def timeline_from_env() -> int:
+    raw = os.environ.get(TIMELINE_ENV, "0")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{TIMELINE_ENV}={raw!r}: give the number of iterations to keep") from None
+    if value < 0:
+        raise ValueError(f"{TIMELINE_ENV}={raw!r} must be >= 0")
+    return value
+
+
+def iteration_stats(raw: Dict[str, int], bucket_bytes: Sequence[int]) -> Dict[str, Any]:
+    """One iteration's figures (seconds) from the engine's raw nanosecond stamps."""
+    fwd, first_ready = raw["forward_end_ns"], raw["first_ready_ns"]
+    launch, done, autograd_done = (
+        raw["first_launch_ns"],
+        raw["last_done_ns"],
+        raw["finish_start_ns"],
+    )
+    start = fwd or first_ready
+    comm = (done - launch) / 1e9 if launch and done else 0.0
+    overlap = min(max((autograd_done - launch) / 1e9, 0.0), comm) if launch else 0.0
+    return {
+        "iteration": raw["iteration"],
+        "backward_compute_s": (autograd_done - start) / 1e9 if start else 0.0,
+        "comm_s": comm,
+        "overlap_s": overlap,
+        "exposed_comm_s": comm - overlap,
+        "overlap_fraction": overlap / comm if comm > 0 else 0.0,
+        "finish_wait_s": raw["wait_ns"] / 1e9,
+        "bytes": raw["bytes"],
+        "launches": raw["launches"],
+        "buckets": raw["buckets"],
+        "bucket_bytes": list(bucket_bytes),
+    }
+
+
+class Observer:
+    """Keeps the last iteration, running means and the last `keep` timelines."""
+
+    def __init__(self, keep: int = 0):
+        self.keep = keep
+        self.last: Optional[Dict[str, Any]] = None
+        self._sums = dict.fromkeys(_AVERAGED, 0.0)
+        self._count = 0
+        self.timelines: Deque[Dict[str, Any]] = deque(maxlen=max(keep, 1))
+
+    def record(
+        self,
+        raw: Dict[str, int],
+        bucket_bytes: Sequence[int],
+        timeline: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        self.last = iteration_stats(raw, bucket_bytes)
+        self._count += 1
+        for k in _AVERAGED:
+            self._sums[k] += self.last[k]
+        if self.keep and timeline is not None:
+            self.timelines.append({"raw": dict(raw), **timeline})
+
+    def means(self) -> Dict[str, float]:
+        if not self._count:
+            return {}
+        means = {k: v / self._count for k, v in self._sums.items()}
+        comm = means["comm_s"]
+        means["overlap_fraction"] = means["overlap_s"] / comm if comm > 0 else 0.0
+        return means
+
+    def reset(self) -> None:
+        self._sums = dict.fromkeys(_AVERAGED, 0.0)
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+
+def chrome_trace(
+    timelines: Sequence[Dict[str, Any]],
+    names: Sequence[str],
+    buckets: Sequence[Sequence[int]],
+    replicas: int,
+) -> Dict[str, Any]:
+    """Chrome trace events: one track per replica (parameter ready instants),
+    a launcher track (bucket ready instants and launch->done spans) and an
+    iteration track (end of forward -> end of finish)."""
+    if not timelines:
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    origin = min(t["raw"]["forward_end_ns"] or t["raw"]["first_ready_ns"] for t in timelines)
+
+    def us(ns: int) -> float:
+        return (ns - origin) / 1e3
+
+    events: List[Dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "pyddp"}},
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "iteration"}},
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "launcher"}},
+    ]
+    for r in range(replicas):
+        events.append(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": 0,
+                "tid": 10 + r,
+                "args": {"name": f"replica {r}"},
+            }
+        )
+    nparams = len(names)
+    for t in timelines:
+        raw = t["raw"]
+        begin = raw["forward_end_ns"] or raw["first_ready_ns"]
+        events.append(
+            {
+                "name": f"backward+sync {raw['iteration']}",
+                "ph": "X",
+                "pid": 0,
+                "tid": 0,
+                "ts": us(begin),
+                "dur": (raw["finish_end_ns"] - begin) / 1e3,
+                "args": {"finish_wait_us": raw["wait_ns"] / 1e3},
+            }
+        )
+        for b, members in enumerate(buckets):
+            ready, launch, done = (
+                t["bucket_ready_ns"][b],
+                t["bucket_launch_ns"][b],
+                t["bucket_done_ns"][b],
+            )
+            label = (
+                names[members[0]] if len(members) == 1 else f"bucket {b} ({len(members)} params)"
+            )
+            if ready:
+                events.append(
+                    {
+                        "name": f"ready {label}",
+                        "ph": "i",
+                        "s": "t",
+                        "pid": 0,
+                        "tid": 1,
+                        "ts": us(ready),
+                    }
+                )
+            if launch and done:
+                events.append(
+                    {
+                        "name": f"all-reduce {label}",
+                        "ph": "X",
+                        "pid": 0,
+                        "tid": 1,
+                        "ts": us(launch),
+                        "dur": (done - launch) / 1e3,
+                        "args": {"bucket": b, "params": [names[i] for i in members]},
+                    }
+                )
+        marks = t["param_ready_ns"]
+        for r in range(replicas if marks else 0):
+            for i in range(nparams):
+                ns = marks[r * nparams + i]
+                if ns:
+                    events.append(
+                        {
+                            "name": names[i],
+                            "ph": "i",
+                            "s": "t",
+                            "pid": 0,
+                            "tid": 10 + r,
+                            "ts": us(ns),
+                        }
+                    )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(trace: Dict[str, Any], path: os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(trace))
+    return path
