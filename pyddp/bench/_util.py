@@ -1,0 +1,104 @@
+"""Shared bits of the benchmarks: robust summaries, tables, results files, models."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import torch
+from torch import nn
+
+import pyddp
+
+
+def summary(values: Sequence[float]) -> Dict[str, float]:
+    """Median with the 10th and 90th percentiles: robust to this VM's outliers."""
+    v = sorted(values)
+    if not v:
+        return {"median": float("nan"), "p10": float("nan"), "p90": float("nan"), "n": 0}
+    q = statistics.quantiles(v, n=10, method="inclusive") if len(v) > 1 else [v[0]] * 9
+    return {"median": statistics.median(v), "p10": q[0], "p90": q[-1], "n": len(v)}
+
+
+def table(headers: List[str], rows: List[List[Any]]) -> str:
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def machine() -> Dict[str, Any]:
+    return {
+        "pyddp": pyddp.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def write_json(path: Path, payload: Dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+    return path
+
+
+def make_model(kind: str, width: int, depth: int, classes: int = 10) -> nn.Module:
+    """The benchmark models; every one maps make_input(kind, ...) to class logits."""
+    torch.manual_seed(0)
+    if kind == "mlp":
+        layers: List[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        return nn.Sequential(*layers, nn.Linear(width, classes))
+    if kind == "conv":
+        layers = [nn.Conv2d(3, width, 3, padding=1), nn.ReLU()]
+        for _ in range(depth - 1):
+            layers += [nn.Conv2d(width, width, 3, padding=1), nn.ReLU()]
+        return nn.Sequential(
+            *layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes)
+        )
+    if kind == "transformer":
+        return _Transformer(width, depth, classes)
+    raise ValueError(f"model {kind!r}: use mlp, conv or transformer")
+
+
+class _Transformer(nn.Module):
+    def __init__(self, width: int, depth: int, classes: int):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(
+            width,
+            nhead=max(1, width // 64),
+            dim_feedforward=4 * width,
+            batch_first=True,
+            dropout=0.0,
+        )
+        self.blocks = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x).mean(1))
+
+
+def make_input(kind: str, width: int, batch: int, classes: int = 10, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "mlp":
+        x = torch.randn(batch, width, generator=g)
+    elif kind == "conv":
+        x = torch.randn(batch, 3, 32, 32, generator=g)
+    else:
+        x = torch.randn(batch, 32, width, generator=g)
+    return x, torch.randint(classes, (batch,), generator=g)

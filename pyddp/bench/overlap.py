@@ -1,0 +1,195 @@
+"""`pyddp-bench overlap`: one training step (forward, loss, backward,
+zero_grad; the optimizer step is left out: it is identical in every variant and
+unrelated to communication) under
+  no reduction      - pyddp under no_sync(): the lower bound
+  after backward    - every reduction after backward (no overlap)
+  per-parameter     - pyddp, one bucket per parameter
+  bucketed cap X    - pyddp, buckets of X MiB
+  torch DDP         - gloo (CPU) / NCCL (GPU), one spawned process per replica
+Step-time medians with p10-p90, ratios to the lower bound, overlap and exposed
+communication from pyddp's own statistics. DataParallel does not run on CPU
+replicas and is left out there."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+import pyddp
+
+from ._util import make_input, make_model, summary
+
+
+def _variants(caps: List[float]) -> List[Dict[str, Any]]:
+    out = [
+        {"name": "no reduction", "wrap": {}, "no_sync": True},
+        {"name": "after backward", "wrap": {"reduce_order": "after_backward"}},
+        {"name": "per-parameter", "wrap": {"bucket_cap_mb": 0}},
+    ]
+    out += [{"name": f"bucketed {c:g} MiB", "wrap": {"bucket_cap_mb": c}} for c in caps]
+    return out
+
+
+def run(
+    model: str,
+    width: int,
+    depth: int,
+    batch: int,
+    devices: List[str],
+    caps: List[float],
+    rounds: int,
+    steps: int,
+    ddp: bool,
+    progress: bool = True,
+) -> Dict[str, Any]:
+    x, y = make_input(model, width, batch)
+    cases = []
+    for v in _variants(caps):
+        dm = pyddp.wrap(make_model(model, width, depth), devices, **v["wrap"])
+        cases.append((v, dm))
+    times: Dict[str, List[float]] = {v["name"]: [] for v, _ in cases}
+    bar = tqdm(total=rounds * len(cases), desc="overlap rounds", disable=not progress, leave=False)
+    for r in range(rounds):
+        for v, dm in cases[r % len(cases) :] + cases[: r % len(cases)]:  # rotate who goes first
+            ctx = dm.no_sync if v.get("no_sync") else contextlib.nullcontext
+            step = _step(dm, x, y, ctx)
+            step()  # untimed: brings this variant's weights back into cache
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times[v["name"]].append((time.perf_counter() - start) / steps)
+            bar.update(1)
+    bar.close()
+    lower = summary(times["no reduction"])["median"]
+    results = []
+    for v, dm in cases:
+        s = summary(times[v["name"]])
+        mean = dm.stats().get("mean", {}) if not v.get("no_sync") else {}
+        results.append(
+            {
+                "variant": v["name"],
+                "step_s": s,
+                "over_lower_bound": s["median"] / lower,
+                "overlap_fraction": mean.get("overlap_fraction"),
+                "comm_s": mean.get("comm_s"),
+                "exposed_comm_s": mean.get("exposed_comm_s"),
+                "buckets": len(dm.sync.buckets),
+            }
+        )
+        dm.close()
+    if ddp and len(devices) > 1:
+        s = run_ddp(model, width, depth, batch, devices, rounds * steps)
+        results.append(
+            {
+                "variant": "torch DDP",
+                "step_s": s,
+                "over_lower_bound": s["median"] / lower,
+                "overlap_fraction": None,
+                "comm_s": None,
+                "exposed_comm_s": None,
+                "buckets": None,
+            }
+        )
+    return {
+        "config": {
+            "model": model,
+            "width": width,
+            "depth": depth,
+            "batch": batch,
+            "devices": devices,
+            "rounds": rounds,
+            "steps": steps,
+        },
+        "results": results,
+    }
+
+
+def _step(dm: pyddp.DistributedModel, x, y, ctx: Callable) -> Callable[[], None]:
+    def step() -> None:
+        with ctx():
+            dm.loss(F.cross_entropy, x, y).backward()
+        dm.zero_grad()
+
+    return step
+
+
+def run_ddp(
+    model: str, width: int, depth: int, batch: int, devices: List[str], steps: int
+) -> Dict[str, float]:
+    """torch DDP with one process per replica at the same global batch; rank 0's
+    step times."""
+    import torch.multiprocessing as mp
+
+    world = len(devices)
+    threads = max(1, torch.get_num_threads() // world)
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_ddp_rank,
+                args=(
+                    r,
+                    world,
+                    os.path.join(tmp, "init"),
+                    model,
+                    width,
+                    depth,
+                    batch,
+                    devices[r],
+                    steps,
+                    threads,
+                    queue,
+                ),
+            )
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        result = queue.get(timeout=600)
+        for p in procs:
+            p.join(timeout=60)
+    if isinstance(result, str):
+        raise RuntimeError(f"torch DDP run failed: {result}")
+    return summary(result)
+
+
+def _ddp_rank(rank, world, init_file, model, width, depth, batch, device, steps, threads, queue):
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(threads)
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world
+        )
+        net = make_model(model, width, depth).to(device)
+        ddp = torch.nn.parallel.DistributedDataParallel(net, device_ids=None)
+        x, y = make_input(model, width, batch)
+        shard = batch // world
+        xs, ys = (
+            x[rank * shard : (rank + 1) * shard].to(device),
+            y[rank * shard : (rank + 1) * shard].to(device),
+        )
+        times = []
+        for i in range(steps + 2):
+            start = time.perf_counter()
+            F.cross_entropy(ddp(xs), ys).backward()
+            ddp.zero_grad()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+        if rank == 0:
+            queue.put(times)
+        dist.destroy_process_group()
+    except Exception as e:  # reported to the parent, which raises
+        if rank == 0:
+            queue.put(f"{type(e).__name__}: {e}")

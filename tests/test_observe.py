@@ -1,0 +1,156 @@
+"""Observability: per-iteration statistics with DDP's definitions, the Chrome
+trace timeline, the no-overlap baseline order, the pyddp-bench CLI end to end
+(quick mode) and the alpha-beta simulator against hand-computed values. No
+timing assertions: only structure, ordering and arithmetic."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pyddp
+from pyddp.bench import simulate
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(5)], nn.Linear(64, 3))
+
+
+def train(dm, iterations=4):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(iterations):
+        x, y = torch.randn(16, 64, generator=g), torch.randint(0, 3, (16,), generator=g)
+        F.cross_entropy(dm(x), y).backward()
+        dm.zero_grad()
+
+
+@pytest.mark.parametrize("cap", [0, 0.01])
+def test_stats_follow_ddp_definitions(cap):
+    dm = pyddp.wrap(mlp(), ["cpu", "cpu"], bucket_cap_mb=cap, first_bucket_cap_mb=0.005)
+    train(dm)
+    s = dm.stats()
+    for key in (
+        "backward_compute_s",
+        "comm_s",
+        "overlap_s",
+        "exposed_comm_s",
+        "overlap_fraction",
+        "bytes",
+        "launches",
+        "buckets",
+        "bucket_bytes",
+        "mean",
+    ):
+        assert key in s, key
+    assert s["iteration"] == 4
+    assert 0 <= s["overlap_s"] <= s["comm_s"]
+    assert s["exposed_comm_s"] == pytest.approx(s["comm_s"] - s["overlap_s"])
+    assert 0 <= s["overlap_fraction"] <= 1
+    assert s["backward_compute_s"] > 0
+    assert len(s["bucket_bytes"]) == s["buckets"] == len(dm.sync.buckets)
+    assert sum(s["bucket_bytes"]) == s["bytes"] == sum(p.numel() * 4 for p in dm.parameters())
+    assert s["launches"] == s["buckets"]
+    assert s["mean"]["launches"] == s["launches"]
+
+
+def test_after_backward_order_launches_nothing_during_backward():
+    dm = pyddp.wrap(
+        mlp(), ["cpu", "cpu"], bucket_cap_mb=0, reduce_order="after_backward", timeline=1
+    )
+    train(dm, 2)
+    s = dm.stats()
+    assert s["overlap_s"] == 0 and s["comm_s"] > 0 and s["exposed_comm_s"] == s["comm_s"]
+    raw = dm.sync.observer.timelines[-1]["raw"]
+    assert raw["first_launch_ns"] >= raw["finish_start_ns"]
+
+
+def test_chrome_trace_structure_and_bounded_memory(tmp_path):
+    dm = pyddp.wrap(mlp(), ["cpu", "cpu"], bucket_cap_mb=0, timeline=2)
+    train(dm, 5)
+    trace = json.loads(dm.export_timeline(tmp_path / "trace.json").read_text())
+    events = trace["traceEvents"]
+    iterations = [e for e in events if e["ph"] == "X" and e["tid"] == 0]
+    assert len(iterations) == 2  # only the last 2 kept
+    reductions = [e for e in events if e["ph"] == "X" and e["tid"] == 1]
+    assert len(reductions) == 2 * len(dm.sync.buckets)
+    ready = {e["name"][len("ready ") :]: e["ts"] for e in events if e["name"].startswith("ready ")}
+    for e in reductions:
+        assert e["dur"] >= 0
+        assert e["ts"] >= 0
+    marks = [e for e in events if e["ph"] == "i" and e["tid"] >= 10]
+    assert len(marks) == 2 * 2 * len(dm.sync.names)  # iterations x replicas x parameters
+    assert {e["tid"] for e in marks} == {10, 11}
+    assert ready  # bucket-ready instants are there
+    # Each reduction launches after its bucket became ready (the last iteration).
+    last = dm.sync.observer.timelines[-1]
+    for b in range(len(dm.sync.buckets)):
+        assert (
+            last["bucket_ready_ns"][b] <= last["bucket_launch_ns"][b] <= last["bucket_done_ns"][b]
+        )
+
+
+def test_timeline_off_by_default_and_env_validated(monkeypatch):
+    dm = pyddp.wrap(mlp(), ["cpu", "cpu"])
+    with pytest.raises(RuntimeError, match="timeline is off"):
+        dm.export_timeline("x.json")
+    monkeypatch.setenv("PYDDP_TIMELINE", "many")
+    with pytest.raises(ValueError, match="PYDDP_TIMELINE"):
+        pyddp.wrap(mlp(), ["cpu", "cpu"])
+
+
+def test_ring_allreduce_model_hand_computed():
+    # 2(n-1) alpha + 2(n-1)/n S/beta with n=4, S=1 MB, alpha=10 us, beta=1 GB/s
+    assert simulate.ring_allreduce_time(1e6, 4, 1e-5, 1e9) == pytest.approx(6e-5 + 1.5e-3)
+    assert simulate.ring_allreduce_time(1e6, 1, 1e-5, 1e9) == 0.0
+
+
+def test_overlap_schedule_hand_computed():
+    # Two 1 MB gradients ready 1 ms and 2 ms into a 3 ms backward, forward 1 ms;
+    # n=2, alpha 0, beta 1 GB/s: each all-reduce takes 1 ms.
+    profile = simulate.Profile(1e-3, 3e-3, [1_000_000, 1_000_000], [1e-3, 2e-3])
+    per_param = simulate.predict(profile, 2, 0.0, 1e9, cap_bytes=0, first_cap_bytes=0)
+    assert per_param["buckets"] == 2
+    assert per_param["step_overlap_s"] == pytest.approx(4e-3)  # hidden entirely
+    assert per_param["step_no_overlap_s"] == pytest.approx(6e-3)
+    assert per_param["efficiency_no_overlap"] == pytest.approx(4 / 6)
+    one_bucket = simulate.predict(profile, 2, 0.0, 1e9, cap_bytes=10e6, first_cap_bytes=10e6)
+    assert one_bucket["buckets"] == 1
+    assert one_bucket["step_overlap_s"] == pytest.approx(1e-3 + 2e-3 + 2e-3)  # starts at 2 ms
+
+
+def test_bench_cli_quick_end_to_end(tmp_path):
+    env = dict(os.environ)
+    for command in (["allreduce"], ["overlap"], ["simulate", "--n", "2,8"]):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pyddp.bench",
+                "--quick",
+                "--no-progress",
+                "--out",
+                str(tmp_path),
+                *command,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=str(tmp_path),
+        )
+        assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "allreduce-quick.json").read_text())["rows"]
+    assert rows and all(r["algbw_GBps"] > 0 and r["busbw_GBps"] == r["algbw_GBps"] for r in rows)
+    overlap = json.loads((tmp_path / "overlap-quick.json").read_text())["results"]
+    variants = [r["variant"] for r in overlap]
+    assert variants[:3] == ["no reduction", "after backward", "per-parameter"]
+    assert "torch DDP" in variants
+    assert (tmp_path / "overlap-quick.png").is_file()
+    sim = json.loads((tmp_path / "simulate-quick.json").read_text())
+    assert {r["devices"] for r in sim["rows"]} == {2, 8}
