@@ -346,36 +346,17 @@ def _batch_size(args: Any) -> int:
     raise ValueError("a shard holds no tensor with a batch dimension")
 
 
-def wrap(
-    model: nn.Module,
-    devices: Sequence[DeviceLike],
-    *,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_cap_mb: float = 1.0,
-    reduce_order: str = "ready",
-    rebuild_buckets: bool = True,
-    broadcast_buffers: bool = True,
-    threads_per_replica: Optional[int] = None,
-    timeout_s: Optional[float] = None,
-    timeline: Optional[int] = None,
-) -> DistributedModel:
+def wrap(model: nn.Module, devices: Sequence[DeviceLike], **options: Any) -> DistributedModel:
     """Replicates `model` over `devices` (duplicates allowed: several replicas on
     one device). Replica 0 is `model` itself, moved to devices[0]; the others are
-    deep copies. Options: see GradSync; broadcast_buffers copies replica 0's
+    deep copies. `options` are DistributedModel's keywords, with defaults
+    bucket_cap_mb=25, first_bucket_cap_mb=1, reduce_order="ready",
+    rebuild_buckets=True, broadcast_buffers=True, threads_per_replica=None,
+    timeout_s=None, timeline=None (see GradSync for the first four); an unknown
+    one raises TypeError. broadcast_buffers copies replica 0's
     buffers to the others before each training-mode forward (torch DDP's default);
     threads_per_replica is each replica's torch intra-op thread count (default for
     CPU replicas: torch.get_num_threads() // number of replicas, at least 1);
     timeout_s bounds a GPU reduction (default $PYDDP_TIMEOUT_S or 300 s);
     timeline keeps the last N iterations for export_timeline (or $PYDDP_TIMELINE)."""
-    return DistributedModel(
-        model,
-        devices,
-        bucket_cap_mb=bucket_cap_mb,
-        first_bucket_cap_mb=first_bucket_cap_mb,
-        reduce_order=reduce_order,
-        rebuild_buckets=rebuild_buckets,
-        broadcast_buffers=broadcast_buffers,
-        threads_per_replica=threads_per_replica,
-        timeout_s=timeout_s,
-        timeline=timeline,
-    )
+    return DistributedModel(model, devices, **options)
