@@ -7,7 +7,6 @@ bookkeeping (unused parameters, bucket rebuild)."""
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections import Counter
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
@@ -97,7 +96,6 @@ class GradSync:
         self._first_cap = int(first_bucket_cap_mb * _MIB) if self._cap else 0
         self._engine: Optional[Any] = None
         self._handles: List[Any] = []
-        self._lock = threading.Lock()
         # Runs one function per replica; wrap installs its parallel workers.
         self.run_per_replica: Callable[[Sequence[Callable[[], Any]], str], List[Any]] = _in_turn
         self.adopted = 0  # gradients that arrived outside the buckets and were copied in
