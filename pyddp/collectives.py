@@ -10,8 +10,9 @@ from typing import Any, Dict, Sequence, Tuple
 
 import torch
 
+from ._params import DTYPE_NAMES
 from ._runtime import backend_kind, make_backend
-from .sync import _DTYPE_NAMES, ReduceError
+from .sync import ReduceError
 
 # (kind, devices) -> (backend, lock). A backend is not re-entrant: one call at
 # a time; a backend that failed is dropped so the next call builds a fresh one.
@@ -40,7 +41,7 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
             )
         if not t.is_contiguous():
             raise ValueError(f"all_reduce: tensors[{i}] is not contiguous; call .contiguous()")
-    if first.dtype not in _DTYPE_NAMES:
+    if first.dtype not in DTYPE_NAMES:
         raise ValueError(f"all_reduce: dtype {first.dtype} is not supported")
     nonempty = [t.data_ptr() for t in tensors if t.numel()]
     if len(set(nonempty)) < len(nonempty):
@@ -61,7 +62,7 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
                 list(indices),
                 streams,
                 first.numel(),
-                _DTYPE_NAMES[first.dtype],
+                DTYPE_NAMES[first.dtype],
                 op,
             )
         except ReduceError:

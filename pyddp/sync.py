@@ -15,17 +15,12 @@ import torch
 from torch import nn
 
 from . import _C
+from ._params import dtype_name, trainable_params
 from ._runtime import make_backend
 from .observe import Observer, chrome_trace, timeline_from_env, write_trace
 
 ReduceError = _C.ReduceError
 
-_DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-}
 _MIB = 1 << 20
 
 
@@ -89,7 +84,7 @@ class GradSync:
         if op not in ("sum", "avg"):
             raise ValueError(f"op={op!r}: use 'sum' or 'avg'")
         self.replicas = replicas
-        self.names, self.params = _trainable_params(replicas)
+        self.names, self.params = trainable_params(replicas)
         self.devices = [params[0].device for params in self.params]
         self._cuda = self.devices[0].type == "cuda"
         self._cap = int(bucket_cap_mb * _MIB)
@@ -108,7 +103,7 @@ class GradSync:
 
         first = self.params[0]
         numels = [p.numel() for p in first]
-        self._dtypes = [_dtype_name(n, p) for n, p in zip(self.names, first)]
+        self._dtypes = [dtype_name(n, p) for n, p in zip(self.names, first)]
         buckets = _C.plan_buckets(
             numels, self._dtypes, list(reversed(range(len(first)))), self._first_cap, self._cap
         )
@@ -394,50 +389,3 @@ def _in_turn(fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
 def _zero(tensors: Sequence[torch.Tensor]) -> None:
     for t in tensors:
         t.zero_()
-
-
-def _dtype_name(name: str, p: torch.Tensor) -> str:
-    try:
-        return _DTYPE_NAMES[p.dtype]
-    except KeyError:
-        raise ValueError(
-            f"parameter {name!r} has dtype {p.dtype}; pyddp reduces float32, float64, "
-            "float16 and bfloat16 gradients"
-        ) from None
-
-
-def _trainable_params(replicas: Sequence[nn.Module]):
-    named = [[(n, p) for n, p in m.named_parameters() if p.requires_grad] for m in replicas]
-    names = [n for n, _ in named[0]]
-    if not names:
-        raise ValueError(
-            "the model has no trainable parameters (none with requires_grad=True): "
-            "there is nothing to synchronise"
-        )
-    for m in replicas[0].modules():
-        if getattr(m, "sparse", False) is True and isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            raise ValueError(
-                f"{type(m).__name__} with sparse=True produces sparse gradients, which pyddp "
-                "does not reduce; construct it with sparse=False"
-            )
-    params = []
-    for r, pairs in enumerate(named):
-        if [n for n, _ in pairs] != names:
-            raise ValueError(
-                f"replica {r} has trainable parameters {[n for n, _ in pairs][:5]}..., replica 0 "
-                f"has {names[:5]}...: replicas must be copies of one model"
-            )
-        devices = {p.device for _, p in pairs}
-        if len(devices) != 1:
-            raise ValueError(
-                f"replica {r} has parameters on several devices {sorted(map(str, devices))}: "
-                "each replica must live on one device"
-            )
-        for (n, p), p0 in zip(pairs, (p for _, p in named[0])):
-            if p.shape != p0.shape or p.dtype != p0.dtype:
-                raise ValueError(
-                    f"parameter {n!r}: replica {r} has shape {tuple(p.shape)} {p.dtype}, "
-                    f"replica 0 has {tuple(p0.shape)} {p0.dtype}; replicas must be copies"
-                )
-        params.append([p for _, p in pairs])
-    return names, params
