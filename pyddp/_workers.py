@@ -51,6 +51,7 @@ class ReplicaWorkers:
             futures.append(self._pools[r - 1].submit(_with_grad_mode, grad, fns[r]))
         results: List[Any] = [None] * len(fns)
         first: Optional[ReplicaError] = None
+        interrupt: Optional[BaseException] = None
         if fns:
             caller_threads = torch.get_num_threads()
             if self.threads is not None and self.threads != caller_threads:
@@ -59,6 +60,8 @@ class ReplicaWorkers:
                 results[0] = fns[0]()
             except Exception as e:  # re-raised below, after every replica is done
                 first = ReplicaError(0, what, e)
+            except BaseException as e:  # KeyboardInterrupt: also only once all are done
+                interrupt = e
             finally:
                 if self.threads is not None and self.threads != caller_threads:
                     torch.set_num_threads(caller_threads)
@@ -68,6 +71,8 @@ class ReplicaWorkers:
             except Exception as e:
                 if first is None:
                     first = ReplicaError(r, what, e)
+        if interrupt is not None:
+            raise interrupt
         if first is not None:
             raise first from first.cause
         return results

@@ -86,10 +86,15 @@ class MetricsLogger(Callback):
     def on_validation_end(self, trainer: Trainer, metrics: Dict[str, Any]) -> None:
         with open(self.jsonl, "a") as f:
             f.write(json.dumps(dict(metrics, kind="valid")) + "\n")
-        fields = list(metrics)
         new = not self.csv.exists()
         if self._csv_fields is None:
-            self._csv_fields = fields
+            if new:
+                # train_loss first: it is missing from a validation right after a resume
+                self._csv_fields = ["epoch", "step", "train_loss"]
+                self._csv_fields += [k for k in metrics if k not in self._csv_fields]
+            else:  # resumed run: keep the columns the file already has
+                with open(self.csv, newline="") as f:
+                    self._csv_fields = next(csv.reader(f))
         with open(self.csv, "a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=self._csv_fields, extrasaction="ignore")
             if new:

@@ -11,7 +11,7 @@ import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 from torch.utils.data._utils.collate import default_collate
 
 from ._tree import flatten, shard_sizes
@@ -24,9 +24,11 @@ class ShardedLoader:
 
     `data` is a pair of tensors (inputs, targets) with the same first
     dimension, a map-style torch Dataset yielding (input, target) items, or a
-    DataLoader (its batches are taken as global batches, in its own order).
-    The order is a function of (seed, epoch) only, so a resumed run sees the
-    same batches. The last batch of an epoch may be smaller (drop_last=False):
+    DataLoader (its batches are taken as global batches; a RandomSampler's
+    generator is re-seeded, and a sampler's set_epoch called, each epoch). The
+    order is a function of (seed, epoch) only, so a resumed run sees the same
+    batches (for a DataLoader, as far as its sampler follows those two hooks).
+    The last batch of an epoch may be smaller (drop_last=False):
     shards are then uneven and the trainer weights them by size, which keeps the
     step equal to single-device training on that batch.
     """
@@ -53,6 +55,8 @@ class ShardedLoader:
         self._dataset: Optional[Dataset] = None
         if isinstance(data, DataLoader):
             self._loader = data
+            if len(data) == 0:
+                raise ValueError("data: the DataLoader yields no batches")
         elif isinstance(data, (tuple, list)) and len(data) == 2:
             rows = {t.shape[0] for t in flatten(tuple(data))[0] if t.dim() > 0}
             if len(rows) != 1:
@@ -112,6 +116,11 @@ class ShardedLoader:
 
     def _global_batches(self, epoch: int) -> Iterator[Tuple[Any, Any]]:
         if self._loader is not None:
+            sampler = self._loader.sampler
+            if isinstance(sampler, RandomSampler):
+                sampler.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)  # DistributedSampler and friends
             for batch in self._loader:
                 if not isinstance(batch, (tuple, list)) or len(batch) != 2:
                     raise ValueError("DataLoader batches must be (inputs, targets) pairs")

@@ -233,12 +233,19 @@ class DistributedModel(nn.Module):
         if torch.is_grad_enabled():
             self._finish_queued = False  # a backward that raised never ran its callback
             self.sync.prepare_all()
-        if self.training and self.broadcast_buffers:
-            # DDP's default: replica 0's buffers (BatchNorm statistics) win.
-            with torch.no_grad():
-                for bufs in self._buffers_of[1:]:
-                    for mine, src in zip(bufs, self._buffers_of[0]):
-                        mine.copy_(src)
+        if self.training:
+            self.broadcast_buffers_now()
+
+    def broadcast_buffers_now(self) -> None:
+        """Copies replica 0's buffers (BatchNorm statistics) to the others, if
+        broadcast_buffers is on: DDP's default before every training forward;
+        the Trainer also does it before evaluating."""
+        if not self.broadcast_buffers:
+            return
+        with torch.no_grad():
+            for bufs in self._buffers_of[1:]:
+                for mine, src in zip(bufs, self._buffers_of[0]):
+                    mine.copy_(src)
 
     def _call(self, r: int, args: Any, kwargs: Any) -> Callable[[], Any]:
         return lambda: self._replicas[r](*args, **kwargs)

@@ -31,6 +31,8 @@ def replicated_optimizer(
     opt = _replicated_class(cls)(groups[0], **kwargs)
     opt._pyddp_sync = sync
     opt._pyddp_others = [cls(g, **kwargs) for g in groups[1:]]
+    mine = {id(p) for group in opt.param_groups for p in group["params"]}
+    opt._pyddp_owns_all = mine >= {id(p) for p in sync.params[0]}
     return opt
 
 
@@ -72,7 +74,19 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
         step.hooked = True  # type: ignore[attr-defined]
 
         def zero_grad(self, set_to_none: bool = True) -> None:
-            self._pyddp_sync.zero_grad(set_to_none)
+            if self._pyddp_owns_all:
+                self._pyddp_sync.zero_grad(set_to_none)  # one memset per bucket
+                return
+            # Only part of the model (several optimizers): leave the other
+            # parameters' gradients alone. GradSync re-attaches these on the
+            # next backward.
+            for opt in (self, *self._pyddp_others):
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        if set_to_none:
+                            p.grad = None
+                        elif p.grad is not None:
+                            p.grad.zero_()
 
         def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
             super().load_state_dict(state_dict)

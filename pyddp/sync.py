@@ -341,9 +341,11 @@ class GradSync:
 
     # ----------------------------------------------------------------- access
     def flat_grads(self, replica: int) -> List[torch.Tensor]:
-        """The flat bucket buffers of one replica (all gradients, None ones as zeros)."""
-        if self._engine is None:
-            return [p.grad.reshape(-1) for p in self.params[replica] if p.grad is not None]
+        """Tensors holding all of one replica's gradients, for in-place ops: the
+        flat bucket buffers (None ones read as zeros), or with one replica the
+        gradients themselves."""
+        if self._engine is None:  # the gradients themselves: in-place ops must reach them
+            return [p.grad for p in self.params[replica] if p.grad is not None]
         return list(self._flat[replica])
 
     @property

@@ -104,6 +104,8 @@ class Trainer:
         self.steps_per_epoch = 0
         self._scale = 2.0**16 if self.config.precision == "fp16" else 1.0
         self._interrupted = False
+        self._good_steps = 0  # fp16 steps since the loss scale last changed
+        self._validated_at: Optional[int] = None  # step of the last validation
         self._train_losses: List[float] = []  # since the last validation
 
     # -------------------------------------------------------------- public
@@ -121,11 +123,21 @@ class Trainer:
         self.steps_per_epoch = -(-len(loader) // cfg.grad_accum_steps)
         if cfg.resume and self.output_dir is not None:
             self._resume()
+        state = self.state
+        # Early stopping is final; any other reason is re-judged against this
+        # config, so re-running a finished script does not train further.
+        if state.stop_reason != "early_stopping":
+            state.stop_reason = None
+            if cfg.max_epochs is not None and state.epoch >= cfg.max_epochs:
+                state.stop_reason = "max_epochs"
+            elif cfg.max_steps is not None and state.step >= cfg.max_steps:
+                state.stop_reason = "max_steps"
+        start_step = state.step
         with self._sigint():
             self._emit("on_train_start")
-            while self.state.stop_reason is None:
+            while state.stop_reason is None:
                 self._run_epoch(loader, valid_data)
-            if self.output_dir is not None:
+            if self.output_dir is not None and state.step != start_step:
                 self._checkpoint()
             self._emit("on_train_end")
         return FitResult(self.state, self.best_state_dict, self.state.stop_reason, self.output_dir)
@@ -144,6 +156,7 @@ class Trainer:
             prefetch=cfg.prefetch,
         )
         was_training = self.model.training
+        self.model.broadcast_buffers_now()  # evaluate replica 0's statistics everywhere
         self.model.eval()
         names = ["loss", *self.metrics]
         totals: Optional[torch.Tensor] = None
@@ -184,14 +197,15 @@ class Trainer:
                     (loss * (self._scale / window)).backward()
                 window_loss += loss.detach() / window
                 state.batch_in_epoch += 1
-                if last:
-                    self._optimizer_step()
+                stepped = last and self._optimizer_step()
             except (ReplicaError, ReduceError) as e:
                 self.model.zero_grad()
                 where = f"epoch {state.epoch + 1}, step {state.step + 1}"
                 who = f"replica {e.replica}" if isinstance(e, ReplicaError) else "all-reduce"
                 raise TrainingError(f"training failed at {where} ({who}): {e}") from e
-            if not last:
+            if not stepped:  # mid-window, or an fp16 overflow skipped the step
+                if last:
+                    window_loss.zero_()
                 continue
             metrics = {
                 "epoch": state.epoch + 1,
@@ -214,6 +228,7 @@ class Trainer:
             valid_data is not None
             and cfg.eval_every_epochs
             and state.epoch % cfg.eval_every_epochs == 0
+            and self._validated_at != state.step  # the step-based one just ran
         ):
             self._validate(valid_data)
         if (
@@ -225,11 +240,12 @@ class Trainer:
         if cfg.max_epochs is not None and state.epoch >= cfg.max_epochs:
             state.stop_reason = state.stop_reason or "max_epochs"
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self) -> bool:
+        """Steps every replica; False if an fp16 overflow skipped the step."""
         cfg = self.config
         if self._scale != 1.0 and not self._unscale():
             self.optimizer.zero_grad()  # overflow: skip this step, retry with a smaller scale
-            return
+            return False
         if cfg.clip_grad_norm is not None:
             self.model.clip_grad_norm_(cfg.clip_grad_norm)
         self.optimizer.step()
@@ -237,6 +253,7 @@ class Trainer:
         if self.scheduler is not None and cfg.scheduler_interval == "step":
             self.scheduler.step()
         self.state.step += 1
+        return True
 
     def _unscale(self) -> bool:
         """fp16: divides every replica's gradients by the loss scale; False (and
@@ -246,9 +263,14 @@ class Trainer:
         finite = all(bool(torch.isfinite(f).all()) for f in flats[0])
         if not finite:
             self._scale /= 2
+            self._good_steps = 0
             return False
         for grads in flats:
             torch._foreach_mul_(grads, 1.0 / self._scale)
+        self._good_steps += 1
+        if self._good_steps >= 2000:  # GradScaler's schedule: grow back after a calm stretch
+            self._scale *= 2
+            self._good_steps = 0
         return True
 
     def _after_step(self, valid_data: Any, metrics: Dict[str, Any]) -> None:
@@ -272,6 +294,7 @@ class Trainer:
 
     def _validate(self, valid_data: Any) -> None:
         cfg, state = self.config, self.state
+        self._validated_at = state.step
         result = self.evaluate(valid_data)
         loss = result["valid_loss"]
         past = state.smoothed_valid_loss
@@ -334,7 +357,6 @@ class Trainer:
         if self.scheduler is not None and payload["scheduler"] is not None:
             self.scheduler.load_state_dict(payload["scheduler"])
         self.state = LoopState(**payload["loop"])
-        self.state.stop_reason = None
         self.best_state_dict = payload["best"]
         self._scale = payload["loss_scale"]
         torch.set_rng_state(payload["rng"]["torch"])
@@ -361,6 +383,8 @@ class Trainer:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
+
+        self._interrupted = False
 
         def on_sigint(signum: int, frame: Any) -> None:
             self._interrupted = True

@@ -354,3 +354,49 @@ def test_buckets_are_rebuilt_once_from_the_observed_ready_order():
     assert dm.sync.buckets == rebuilt  # only once
     assert_grads_close(grads(dm.module), grads(ref))
     assert dm.sync.adopted == first_copies  # later backwards accumulate in place, no copy
+
+
+def test_two_optimizers_over_parameter_subsets():
+    dm, ref = wrapped(2)
+    first = lambda m: m.embed.parameters()  # noqa: E731
+    rest = lambda m: [p for n, p in m.named_parameters() if not n.startswith("embed")]  # noqa: E731
+    opts = [
+        dm.optimizer(torch.optim.SGD, params=first, lr=0.1),
+        dm.optimizer(torch.optim.AdamW, params=rest, lr=0.01),
+    ]
+    ref_opts = [
+        torch.optim.SGD(ref.embed.parameters(), lr=0.1),
+        torch.optim.AdamW(rest(ref), lr=0.01),
+    ]
+    for x, y in make_batches(4, 8):
+        F.cross_entropy(dm(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        for o in opts:  # each zero_grad must leave the other's gradients alone
+            o.step()
+            o.zero_grad()
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+
+
+def test_keyboard_interrupt_on_replica_zero_waits_for_the_others():
+    import time
+
+    from pyddp._workers import ReplicaWorkers
+
+    workers = ReplicaWorkers(2)
+    done = []
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    def slow():
+        time.sleep(0.2)
+        done.append(1)
+
+    with pytest.raises(KeyboardInterrupt):
+        workers.run([interrupted, slow], "test")
+    assert done == [1]  # replica 1 had finished before the interrupt propagated
+    workers.close()

@@ -256,3 +256,65 @@ def test_digits_main_job(tmp_path):
     for name in ("best.pt", "metrics.csv", "metrics.jsonl", "learning_curve.png"):
         assert (tmp_path / name).is_file(), name
     assert list_checkpoints(tmp_path / "checkpoints")
+
+
+def test_rerunning_a_finished_run_does_not_train_further(tmp_path):
+    x, y = data(97)
+    first = trainer(max_epochs=2, output_dir=str(tmp_path))
+    first.fit((x, y))
+    again = trainer(max_epochs=2, output_dir=str(tmp_path))
+    result = again.fit((x, y))
+    assert result.stop_reason == "max_epochs" and result.state.step == first.state.step == 8
+    for p, q in zip(again.model.module.parameters(), first.model.module.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_second_fit_after_ctrl_c_continues(tmp_path):
+    x, y = data(97)
+    t = pyddp.Trainer(
+        model(),
+        ["cpu", "cpu"],
+        optimizer=SGD,
+        loss_fn=F.cross_entropy,
+        callbacks=[_Interrupt()],
+        config=pyddp.TrainConfig(batch_size=32, max_epochs=3, progress=False),
+    )
+    assert t.fit((x, y)).stop_reason == "interrupted"
+    t.callbacks = []
+    result = t.fit((x, y))
+    assert result.stop_reason == "max_epochs" and result.state.step == 12
+
+
+def test_evaluate_uses_replica_zero_batchnorm_statistics():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 2))
+    x, y = data(96)
+    t = pyddp.Trainer(
+        net,
+        ["cpu", "cpu"],
+        optimizer=SGD,
+        loss_fn=F.cross_entropy,
+        config=pyddp.TrainConfig(batch_size=32, max_epochs=1, progress=False),
+    )
+    t.fit((x, y))  # replica 1's statistics now come from its own shards
+    got = t.evaluate((x, y))["valid_loss"]
+    ref = t.model.module.eval()
+    with torch.no_grad():
+        want = F.cross_entropy(ref(x), y).item()
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_shuffled_dataloader_resume_is_exact(tmp_path):
+    x, y = data(97)
+
+    def loader():
+        return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+
+    full = trainer(max_epochs=3, output_dir=str(tmp_path / "full"))
+    full.fit(loader())
+    cut = trainer(max_epochs=3, max_steps=5, output_dir=str(tmp_path / "cut"))
+    cut.fit(loader())
+    rest = trainer(max_epochs=3, output_dir=str(tmp_path / "cut"))
+    rest.fit(loader())
+    for p, q in zip(rest.model.module.parameters(), full.model.module.parameters()):
+        assert torch.equal(p, q)
