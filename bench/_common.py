@@ -13,12 +13,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List
 
 import numpy as np
 import torch
 
 import pyddp
+from pyddp.bench._util import summary, table  # noqa: F401  (re-exported to the scripts)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -33,29 +34,6 @@ def parser(description: str) -> argparse.ArgumentParser:
         help="results JSON (default bench/results/<name>.json, <name>-quick.json)",
     )
     return p
-
-
-def summary(samples: Sequence[float]) -> Dict[str, float]:
-    """Median and p10/p90: robust to the occasional preempted sample on a small
-    shared machine, where a mean would follow the outliers."""
-    a = np.asarray(samples, dtype=np.float64)
-    p10, med, p90 = np.percentile(a, [10, 50, 90])
-    return {"median": float(med), "p10": float(p10), "p90": float(p90), "n": int(a.size)}
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Right-aligned text table (a few lines; not worth a dependency)."""
-    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _cell(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
 
 
 _busy_at_start: Dict[str, float] = {}

@@ -251,10 +251,8 @@ class GradSync:
         raw = self._engine.last_stats()
         if not raw["iteration"] or (self.observer.last or {}).get("iteration") == raw["iteration"]:
             return
-        sizes = [
-            sum(self.params[0][i].numel() * self.params[0][i].element_size() for i in b)
-            for b in self._engine.buckets
-        ]
+        # The flat buffers are the buckets: O(buckets) per step, no walk over parameters.
+        sizes = [f.numel() * f.element_size() for f in self._flat[0]]
         timeline = self._engine.last_timeline() if self.observer.keep else None
         self.observer.record(raw, sizes, timeline)
 

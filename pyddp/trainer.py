@@ -224,21 +224,14 @@ class Trainer:
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
             self.scheduler.step()
         self._emit("on_epoch_end", {"epoch": state.epoch, "step": state.step})
-        if (
-            valid_data is not None
-            and cfg.eval_every_epochs
-            and state.epoch % cfg.eval_every_epochs == 0
-            and self._validated_at != state.step  # the step-based one just ran
-        ):
-            self._validate(valid_data)
-        if (
-            self.output_dir is not None
-            and cfg.checkpoint_every_epochs
-            and (state.epoch % cfg.checkpoint_every_epochs == 0)
-        ):
-            self._checkpoint()
-        if cfg.max_epochs is not None and state.epoch >= cfg.max_epochs:
-            state.stop_reason = state.stop_reason or "max_epochs"
+        self._boundary(
+            valid_data,
+            state.epoch,
+            cfg.eval_every_epochs,
+            cfg.checkpoint_every_epochs,
+            cfg.max_epochs,
+            "max_epochs",
+        )
 
     def _optimizer_step(self) -> bool:
         """Steps every replica; False if an fp16 overflow skipped the step."""
@@ -275,22 +268,40 @@ class Trainer:
 
     def _after_step(self, valid_data: Any, metrics: Dict[str, Any]) -> None:
         cfg, state = self.config, self.state
-        if (
-            valid_data is not None
-            and cfg.eval_every_steps
-            and state.step % cfg.eval_every_steps == 0
-        ):
-            self._validate(valid_data)
-        if (
-            self.output_dir is not None
-            and cfg.checkpoint_every_steps
-            and (state.step % cfg.checkpoint_every_steps == 0)
-        ):
-            self._checkpoint()
-        if cfg.max_steps is not None and state.step >= cfg.max_steps:
-            state.stop_reason = state.stop_reason or "max_steps"
+        self._boundary(
+            valid_data,
+            state.step,
+            cfg.eval_every_steps,
+            cfg.checkpoint_every_steps,
+            cfg.max_steps,
+            "max_steps",
+        )
         if self._interrupted:
             state.stop_reason = "interrupted"  # fit() writes the checkpoint on the way out
+
+    def _boundary(
+        self,
+        valid_data: Any,
+        count: int,
+        eval_every: Optional[int],
+        checkpoint_every: Optional[int],
+        limit: Optional[int],
+        reason: str,
+    ) -> None:
+        """End of a step or an epoch (`count` of them done): validate and
+        checkpoint when due, stop at the limit."""
+        state = self.state
+        if (
+            valid_data is not None
+            and eval_every
+            and count % eval_every == 0
+            and self._validated_at != state.step
+        ):  # not twice for one model
+            self._validate(valid_data)
+        if self.output_dir is not None and checkpoint_every and count % checkpoint_every == 0:
+            self._checkpoint()
+        if limit is not None and count >= limit:
+            state.stop_reason = state.stop_reason or reason
 
     def _validate(self, valid_data: Any) -> None:
         cfg, state = self.config, self.state

@@ -133,18 +133,21 @@ class _Interrupt(pyddp.Callback):
             os.kill(os.getpid(), signal.SIGINT)
 
 
-def test_ctrl_c_stops_at_a_step_boundary_and_checkpoints(tmp_path):
-    x, y = data(97)
-    t = pyddp.Trainer(
+def interrupted_trainer(**cfg):
+    """A 2-replica trainer whose callback sends SIGINT after step 3."""
+    return pyddp.Trainer(
         model(),
         ["cpu", "cpu"],
         optimizer=SGD,
         loss_fn=F.cross_entropy,
         callbacks=[_Interrupt()],
-        config=pyddp.TrainConfig(
-            batch_size=32, max_epochs=5, progress=False, output_dir=str(tmp_path)
-        ),
+        config=pyddp.TrainConfig(batch_size=32, progress=False, **cfg),
     )
+
+
+def test_ctrl_c_stops_at_a_step_boundary_and_checkpoints(tmp_path):
+    x, y = data(97)
+    t = interrupted_trainer(max_epochs=5, output_dir=str(tmp_path))
     result = t.fit((x, y))
     assert result.stop_reason == "interrupted" and result.state.step == 3
     assert list_checkpoints(tmp_path / "checkpoints")[0].name == "ckpt-00000003.pt"
@@ -271,14 +274,7 @@ def test_rerunning_a_finished_run_does_not_train_further(tmp_path):
 
 def test_second_fit_after_ctrl_c_continues(tmp_path):
     x, y = data(97)
-    t = pyddp.Trainer(
-        model(),
-        ["cpu", "cpu"],
-        optimizer=SGD,
-        loss_fn=F.cross_entropy,
-        callbacks=[_Interrupt()],
-        config=pyddp.TrainConfig(batch_size=32, max_epochs=3, progress=False),
-    )
+    t = interrupted_trainer(max_epochs=3)
     assert t.fit((x, y)).stop_reason == "interrupted"
     t.callbacks = []
     result = t.fit((x, y))
