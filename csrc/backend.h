@@ -1,6 +1,6 @@
 // The one interface every communication backend implements. The engine's
-// launcher thread is its only caller during backward (invariant 1), so
-// implementations need not be re-entrant.
+// launcher thread is its only caller of all_reduce during backward (invariant
+// 1); record_ready comes from the threads that produce gradients.
 #pragma once
 
 #include <cstdint>
@@ -18,18 +18,31 @@ class Backend {
   // In place: afterwards every buffer holds the reduction of all of them.
   // All buffers have the same count and dtype (checked by the caller).
   // Synchronous backends return when the values are written; asynchronous ones
-  // (GPU) return once the reduction is enqueued, ordered after the work already
-  // queued on each replica's compute stream.
-  virtual void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) = 0;
+  // (GPU) return once the reduction is enqueued, ordered after the work that
+  // record_ready(replica, key, ...) captured for every replica.
+  virtual void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) = 0;
   virtual bool asynchronous() const { return false; }
-  // The stream (CUstream as an integer) that produces replica's gradients and
-  // will consume the reduced ones. Ignored by host backends.
-  virtual void set_compute_stream(int /*replica*/, uintptr_t /*stream*/) {}
-  // Orders every compute stream after all reductions enqueued so far, without
-  // blocking the host. No-op for synchronous backends.
+  // Keys are bucket indices in [0, n); key -1 is for one-off collectives.
+  virtual void set_keys(int /*n*/) {}
+  // GPU: the data of `key` on `replica` is produced by work already queued on
+  // `streams` (CUstream handles; 0 is the legacy default stream of replica's
+  // device). Records events there now, on the calling thread, so the
+  // reduction waits for exactly that work and not for what is queued later.
+  virtual void record_ready(int /*replica*/, int /*key*/, const std::vector<uintptr_t>& /*streams*/) {}
+  // GPU: `stream` is about to write replica's buffers: it waits (on the GPU)
+  // for every reduction enqueued so far, and fence() will order it after the
+  // ones to come.
+  virtual void use_stream(int /*replica*/, uintptr_t /*stream*/) {}
+  // Orders every stream that wrote a buffer since the last fence after all
+  // reductions enqueued so far, without blocking the host.
   virtual void fence() {}
   // Throws ReduceError if an enqueued reduction failed or timed out.
   virtual void check() {}
+  // After a failure was reported: make the next reduction start clean
+  // (GPU: rebuild aborted communicators). No-op when healthy.
+  virtual void recover() {}
+  // Releases threads and communicators now; later calls raise. Idempotent.
+  virtual void close() {}
 };
 
 }  // namespace pyddp

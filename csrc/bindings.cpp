@@ -6,6 +6,7 @@
 #include "bucket_plan.h"
 #include "cpu_backend.h"
 #include "cuda_api.h"
+#include "device_kernel.h"
 #include "engine.h"
 #include "gpu_backend.h"
 #include "stress.h"
@@ -97,16 +98,21 @@ PYBIND11_MODULE(_C, m) {
             }
             const ReduceOp rop = reduce_op_from_name(op);
             py::gil_scoped_release release;
+            // Ordered after what each stream queued so far (the tensors'
+            // producers), and each stream waits for the result.
             for (size_t i = 0; i < streams.size(); ++i) {
-              self.set_compute_stream(static_cast<int>(i), streams[i]);
+              self.use_stream(static_cast<int>(i), streams[i]);
+              self.record_ready(static_cast<int>(i), -1, {streams[i]});
             }
-            self.all_reduce(bufs, rop);
+            self.all_reduce(bufs, rop, -1);
             self.fence();
             self.check();
           },
           py::arg("ptrs"), py::arg("devices"), py::arg("streams"), py::arg("count"),
           py::arg("dtype"), py::arg("op") = "sum",
-          "One stream-ordered in-place all-reduce outside the engine (collectives API).");
+          "One stream-ordered in-place all-reduce outside the engine (collectives API).")
+      .def("close", &Backend::close, py::call_guard<py::gil_scoped_release>(),
+           "Releases threads and communicators now; later use raises.");
 
   py::class_<CpuBackend, Backend, std::shared_ptr<CpuBackend>>(m, "CpuBackend")
       .def(py::init<int>(), py::arg("threads") = 0)
@@ -116,8 +122,9 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<std::vector<int>, std::string, double>(), py::arg("devices"),
            py::arg("nccl_path"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
   py::class_<DeviceBackend, Backend, std::shared_ptr<DeviceBackend>>(m, "DeviceBackend")
-      .def(py::init<int, int, double>(), py::arg("device"), py::arg("replicas"),
-           py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
+      .def(py::init<int, int, double, std::string>(), py::arg("device"), py::arg("replicas"),
+           py::arg("timeout_s"), py::arg("nvrtc_path"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("kernel", &DeviceBackend::kernel_description);
 
   // Run-time discovery for pyddp.doctor and backend selection.
   m.def("cuda_driver_version", &cuda::driver_version);
@@ -125,7 +132,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_device_name", &cuda::device_name, py::arg("device"));
   m.def("nccl_version", &cuda::nccl_version, py::arg("path"));
   m.def("nccl_loaded_path", &cuda::nccl_path);
-  m.def("device_kernel_available", &device_kernel_available);
+  m.def("cuda_driver_library", &cuda::driver_library);
+  m.def("cuda_driver_simulated", &cuda::driver_is_simulated);
+  m.def("cuda_compute_capability", &cuda::compute_capability, py::arg("device"));
+  m.def("nvrtc_version", &cuda::nvrtc_version, py::arg("path"));
+  m.def(
+      "load_device_kernel",
+      [](int device, const std::string& nvrtc_path) {
+        return device_kernels(device, nvrtc_path).how;
+      },
+      py::arg("device"), py::arg("nvrtc_path"), py::call_guard<py::gil_scoped_release>(),
+      "Compiles (NVRTC) and loads (cuModuleLoadData) the reduction kernel on a device; "
+      "returns what was built.");
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](int num_replicas, const std::vector<std::string>& names,
@@ -157,17 +175,21 @@ PYBIND11_MODULE(_C, m) {
           py::arg("dtype"), py::arg("device") = -1)
       // Holds the GIL: it only counts (no waiting), and a release/reacquire
       // would cost more than the call itself.
-      .def("mark_ready", &Engine::mark_ready, py::arg("replica"), py::arg("param"))
+      .def("mark_ready", &Engine::mark_ready, py::arg("replica"), py::arg("param"),
+           py::arg("stream") = 0)
       .def(
           "finish",
-          [](Engine& self) {
+          [](Engine& self, const std::vector<uintptr_t>& streams) {
             Engine::Settled s;
             {
               py::gil_scoped_release release;
-              s = self.finish();
+              s = self.finish(streams);
             }
             return py::make_tuple(s.no_grad, s.settled);
-          })
+          },
+          py::arg("streams") = std::vector<uintptr_t>{})
+      .def("check", &Engine::check, py::call_guard<py::gil_scoped_release>())
+      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>())
       .def("set_sync", &Engine::set_sync, py::arg("enabled"))
       .def_property_readonly("sync_enabled", &Engine::sync_enabled)
@@ -179,8 +201,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("partial", &Engine::partial)
       .def_property_readonly("partial_reason", &Engine::partial_reason)
       .def("inject_fault", &Engine::inject_fault, py::arg("bucket"), py::arg("message"))
-      .def("set_compute_stream", &Engine::set_compute_stream, py::arg("replica"),
-           py::arg("stream"))
+      .def("use_stream", &Engine::use_stream, py::arg("replica"), py::arg("stream"))
       .def_property_readonly("buckets", &Engine::buckets)
       .def_property_readonly("num_replicas", &Engine::num_replicas)
       .def_property_readonly("num_params", &Engine::num_params)

@@ -145,7 +145,7 @@ CpuBackend::CpuBackend(int threads)
     : pool_(threads > 0 ? threads
                         : std::max(1, std::min(4, static_cast<int>(std::thread::hardware_concurrency())))) {}
 
-void CpuBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) {
+void CpuBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int /*key*/) {
   if (bufs.empty()) return;
   const BufferRef& first = bufs[0];
   for (size_t r = 0; r < bufs.size(); ++r) {

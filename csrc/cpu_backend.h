@@ -46,7 +46,7 @@ class CpuBackend : public Backend {
   // threads <= 0: min(4, hardware threads).
   explicit CpuBackend(int threads = 0);
   std::string name() const override { return "cpu"; }
-  void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) override;
+  void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;
   int threads() const { return pool_.threads(); }
 
  private:

@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <vector>
 
@@ -16,7 +17,19 @@ DriverApi g_driver{};
 bool g_driver_loaded = false;
 NcclApi g_nccl{};
 std::string g_nccl_path;
+NvrtcApi g_nvrtc{};
+std::string g_nvrtc_path;
+bool g_simulated = false;
 std::vector<CUcontext> g_contexts;
+
+void* open_library(const std::string& path, const std::string& what) {
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* err = dlerror();
+    throw UsageError(detail::concat("cannot load ", what, " from '", path, "': ", err ? err : "?"));
+  }
+  return lib;
+}
 
 template <typename Fn>
 void bind(void* lib, Fn& slot, const char* symbol, const std::string& what) {
@@ -30,29 +43,41 @@ void bind(void* lib, Fn& slot, const char* symbol, const std::string& what) {
 
 }  // namespace
 
+std::string driver_library() {
+  const char* env = std::getenv("PYDDP_CUDA_LIBRARY");
+  return env != nullptr && *env != '\0' ? env : "libcuda.so.1";
+}
+
+bool driver_is_simulated() {
+  driver();
+  std::lock_guard<std::mutex> lk(g_mu);
+  return g_simulated;
+}
+
 const DriverApi& driver() {
   std::lock_guard<std::mutex> lk(g_mu);
   if (g_driver_loaded) return g_driver;  // never changes once loaded
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  const std::string what = driver_library();
+  void* lib = dlopen(what.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* err = dlerror();
-    throw UsageError(detail::concat("CUDA driver not found (dlopen libcuda.so.1: ",
-                                    err ? err : "?",
+    throw UsageError(detail::concat("CUDA driver not found (dlopen ", what, ": ", err ? err : "?",
                                     "): no NVIDIA driver on this machine; use CPU replicas"));
   }
   DriverApi d{};
-  const std::string what = "libcuda.so.1";
   bind(lib, d.cuInit, "cuInit", what);
   bind(lib, d.cuDriverGetVersion, "cuDriverGetVersion", what);
   bind(lib, d.cuDeviceGetCount, "cuDeviceGetCount", what);
   bind(lib, d.cuDeviceGet, "cuDeviceGet", what);
   bind(lib, d.cuDeviceGetName, "cuDeviceGetName", what);
+  bind(lib, d.cuDeviceGetAttribute, "cuDeviceGetAttribute", what);
   bind(lib, d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", what);
   bind(lib, d.cuCtxSetCurrent, "cuCtxSetCurrent", what);
   bind(lib, d.cuCtxGetCurrent, "cuCtxGetCurrent", what);
   bind(lib, d.cuStreamCreate, "cuStreamCreate", what);
   bind(lib, d.cuStreamDestroy, "cuStreamDestroy_v2", what);
   bind(lib, d.cuStreamWaitEvent, "cuStreamWaitEvent", what);
+  bind(lib, d.cuStreamQuery, "cuStreamQuery", what);
   bind(lib, d.cuEventCreate, "cuEventCreate", what);
   bind(lib, d.cuEventDestroy, "cuEventDestroy_v2", what);
   bind(lib, d.cuEventRecord, "cuEventRecord", what);
@@ -68,6 +93,7 @@ const DriverApi& driver() {
   }
   g_driver = d;
   g_driver_loaded = true;
+  g_simulated = dlsym(lib, "simgpu_version") != nullptr;
   return g_driver;
 }
 
@@ -78,15 +104,13 @@ const NcclApi& nccl(const std::string& path) {
                   "; cannot also load ", path, " in one process");
     return g_nccl;
   }
-  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) {
-    const char* err = dlerror();
-    throw UsageError(detail::concat("cannot load NCCL from '", path, "': ", err ? err : "?"));
-  }
+  void* lib = open_library(path, "NCCL");
   NcclApi n{};
   const std::string what = "'" + path + "'";
   bind(lib, n.ncclGetVersion, "ncclGetVersion", what);
-  bind(lib, n.ncclCommInitAll, "ncclCommInitAll", what);
+  bind(lib, n.ncclGetUniqueId, "ncclGetUniqueId", what);
+  bind(lib, n.ncclCommInitRankConfig, "ncclCommInitRankConfig", what);
+  bind(lib, n.ncclCommFinalize, "ncclCommFinalize", what);
   bind(lib, n.ncclCommDestroy, "ncclCommDestroy", what);
   bind(lib, n.ncclCommAbort, "ncclCommAbort", what);
   bind(lib, n.ncclCommGetAsyncError, "ncclCommGetAsyncError", what);
@@ -97,6 +121,50 @@ const NcclApi& nccl(const std::string& path) {
   g_nccl = n;
   g_nccl_path = path;
   return g_nccl;
+}
+
+const NvrtcApi& nvrtc(const std::string& path) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (!g_nvrtc_path.empty()) {
+    PYDDP_ENFORCE(g_nvrtc_path == path, "NVRTC already loaded from ", g_nvrtc_path,
+                  "; cannot also load ", path, " in one process");
+    return g_nvrtc;
+  }
+  void* lib = open_library(path, "NVRTC");
+  NvrtcApi n{};
+  const std::string what = "'" + path + "'";
+  bind(lib, n.nvrtcVersion, "nvrtcVersion", what);
+  bind(lib, n.nvrtcGetNumSupportedArchs, "nvrtcGetNumSupportedArchs", what);
+  bind(lib, n.nvrtcGetSupportedArchs, "nvrtcGetSupportedArchs", what);
+  bind(lib, n.nvrtcCreateProgram, "nvrtcCreateProgram", what);
+  bind(lib, n.nvrtcCompileProgram, "nvrtcCompileProgram", what);
+  bind(lib, n.nvrtcGetProgramLogSize, "nvrtcGetProgramLogSize", what);
+  bind(lib, n.nvrtcGetProgramLog, "nvrtcGetProgramLog", what);
+  bind(lib, n.nvrtcGetCUBINSize, "nvrtcGetCUBINSize", what);
+  bind(lib, n.nvrtcGetCUBIN, "nvrtcGetCUBIN", what);
+  bind(lib, n.nvrtcGetPTXSize, "nvrtcGetPTXSize", what);
+  bind(lib, n.nvrtcGetPTX, "nvrtcGetPTX", what);
+  bind(lib, n.nvrtcDestroyProgram, "nvrtcDestroyProgram", what);
+  bind(lib, n.nvrtcGetErrorString, "nvrtcGetErrorString", what);
+  g_nvrtc = n;
+  g_nvrtc_path = path;
+  return g_nvrtc;
+}
+
+std::string nvrtc_version(const std::string& path) {
+  int major = 0, minor = 0;
+  PYDDP_NVRTC(nvrtc(path).nvrtcVersion(&major, &minor));
+  return std::to_string(major) + "." + std::to_string(minor);
+}
+
+int compute_capability(int device) {
+  const DriverApi& d = driver();
+  CUdevice dev = 0;
+  PYDDP_CU(d.cuDeviceGet(&dev, device));
+  int major = 0, minor = 0;
+  PYDDP_CU(d.cuDeviceGetAttribute(&major, kAttrComputeCapabilityMajor, dev));
+  PYDDP_CU(d.cuDeviceGetAttribute(&minor, kAttrComputeCapabilityMinor, dev));
+  return major * 10 + minor;
 }
 
 std::string nccl_path() {
@@ -175,6 +243,18 @@ void check_nccl(ncclResult_t r, const char* call, const char* file, int line) {
   const char* msg = get_error_string ? get_error_string(r) : nullptr;
   throw ReduceError(detail::concat("NCCL error ", r, " (", msg ? msg : "unknown", ") in ", call,
                                    " at ", file, ":", line));
+}
+
+void check_nvrtc(nvrtcResult r, const char* call, const char* file, int line) {
+  if (r == kNvrtcSuccess) return;
+  const char* (*get_error_string)(nvrtcResult) = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    get_error_string = g_nvrtc.nvrtcGetErrorString;
+  }
+  const char* msg = get_error_string ? get_error_string(r) : nullptr;
+  throw UsageError(detail::concat("NVRTC error ", r, " (", msg ? msg : "unknown", ") in ", call,
+                                  " at ", file, ":", line));
 }
 
 }  // namespace cuda

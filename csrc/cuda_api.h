@@ -1,8 +1,9 @@
-// The slice of the CUDA driver API and of NCCL that pyddp uses, declared here
-// and loaded at run time with dlopen (libcuda.so.1, libnccl.so.2): one build
-// imports on machines without CUDA and runs with CUDA 12 or 13 wheels. Every
-// call goes through PYDDP_CU / PYDDP_NCCL, which throw with the call, file and
-// line (see DESIGN.md, invariant 7).
+// The slice of the CUDA driver API, NCCL and NVRTC that pyddp uses, declared
+// here and loaded at run time with dlopen (libcuda.so.1 or $PYDDP_CUDA_LIBRARY,
+// libnccl.so.2, libnvrtc.so.*): one build imports on machines without CUDA and
+// runs with CUDA 12 or 13 wheels; the test suite points the variables at a
+// simulated driver (tests/simgpu). Every call goes through PYDDP_CU /
+// PYDDP_NCCL / PYDDP_NVRTC, which throw with the call, file and line.
 #pragma once
 
 #include <cstddef>
@@ -26,6 +27,8 @@ constexpr CUresult kCudaSuccess = 0;
 constexpr CUresult kCudaNotReady = 600;
 constexpr unsigned kStreamNonBlocking = 1;
 constexpr unsigned kEventDisableTiming = 2;
+constexpr int kAttrComputeCapabilityMajor = 75;  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+constexpr int kAttrComputeCapabilityMinor = 76;
 
 struct DriverApi {
   CUresult (*cuInit)(unsigned);
@@ -33,12 +36,14 @@ struct DriverApi {
   CUresult (*cuDeviceGetCount)(int*);
   CUresult (*cuDeviceGet)(CUdevice*, int);
   CUresult (*cuDeviceGetName)(char*, int, CUdevice);
+  CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice);
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
   CUresult (*cuCtxSetCurrent)(CUcontext);
   CUresult (*cuCtxGetCurrent)(CUcontext*);
   CUresult (*cuStreamCreate)(CUstream*, unsigned);
   CUresult (*cuStreamDestroy)(CUstream);
   CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned);
+  CUresult (*cuStreamQuery)(CUstream);
   CUresult (*cuEventCreate)(CUevent*, unsigned);
   CUresult (*cuEventDestroy)(CUevent);
   CUresult (*cuEventRecord)(CUevent, CUstream);
@@ -52,6 +57,22 @@ struct DriverApi {
 
 using ncclResult_t = int;
 using ncclComm_t = struct ncclComm*;
+struct ncclUniqueId {
+  char internal[128];  // NCCL_UNIQUE_ID_BYTES
+};
+// The ncclConfig_t of NCCL 2.14, the first with non-blocking communicators.
+// NCCL reads `size` and `version` to know which fields a caller's struct has,
+// so this prefix stays valid with later releases.
+struct ncclConfig {
+  size_t size = sizeof(ncclConfig);
+  unsigned magic = 0xcafebeef;  // NCCL_API_MAGIC
+  unsigned version = 21400;     // NCCL_VERSION(2, 14, 0)
+  int blocking = -2147483648;   // NCCL_CONFIG_UNDEF_INT
+  int cgaClusterSize = -2147483648;
+  int minCTAs = -2147483648;
+  int maxCTAs = -2147483648;
+  const char* netName = nullptr;
+};
 constexpr ncclResult_t kNcclSuccess = 0;
 constexpr ncclResult_t kNcclInProgress = 7;
 // ncclDataType_t / ncclRedOp_t values from nccl.h (stable since NCCL 2.10).
@@ -60,7 +81,9 @@ constexpr int kNcclSum = 0, kNcclAvg = 4;
 
 struct NcclApi {
   ncclResult_t (*ncclGetVersion)(int*);
-  ncclResult_t (*ncclCommInitAll)(ncclComm_t*, int, const int*);
+  ncclResult_t (*ncclGetUniqueId)(ncclUniqueId*);
+  ncclResult_t (*ncclCommInitRankConfig)(ncclComm_t*, int, ncclUniqueId, int, ncclConfig*);
+  ncclResult_t (*ncclCommFinalize)(ncclComm_t);
   ncclResult_t (*ncclCommDestroy)(ncclComm_t);
   ncclResult_t (*ncclCommAbort)(ncclComm_t);
   ncclResult_t (*ncclCommGetAsyncError)(ncclComm_t, ncclResult_t*);
@@ -70,8 +93,38 @@ struct NcclApi {
   ncclResult_t (*ncclGroupEnd)();
 };
 
-// Loaded once per process; throws UsageError saying what is missing and why.
+using nvrtcResult = int;
+using nvrtcProgram = struct _nvrtcProgram*;
+constexpr nvrtcResult kNvrtcSuccess = 0;
+
+struct NvrtcApi {
+  nvrtcResult (*nvrtcVersion)(int*, int*);
+  nvrtcResult (*nvrtcGetNumSupportedArchs)(int*);
+  nvrtcResult (*nvrtcGetSupportedArchs)(int*);
+  nvrtcResult (*nvrtcCreateProgram)(nvrtcProgram*, const char*, const char*, int,
+                                    const char* const*, const char* const*);
+  nvrtcResult (*nvrtcCompileProgram)(nvrtcProgram, int, const char* const*);
+  nvrtcResult (*nvrtcGetProgramLogSize)(nvrtcProgram, size_t*);
+  nvrtcResult (*nvrtcGetProgramLog)(nvrtcProgram, char*);
+  nvrtcResult (*nvrtcGetCUBINSize)(nvrtcProgram, size_t*);
+  nvrtcResult (*nvrtcGetCUBIN)(nvrtcProgram, char*);
+  nvrtcResult (*nvrtcGetPTXSize)(nvrtcProgram, size_t*);
+  nvrtcResult (*nvrtcGetPTX)(nvrtcProgram, char*);
+  nvrtcResult (*nvrtcDestroyProgram)(nvrtcProgram*);
+  const char* (*nvrtcGetErrorString)(nvrtcResult);
+};
+
+// Loaded once per process from $PYDDP_CUDA_LIBRARY or libcuda.so.1; throws
+// UsageError saying what is missing and why.
 const DriverApi& driver();
+std::string driver_library();  // the path or soname driver() loads
+// True when the loaded driver is the test suite's simulation (it exports
+// simgpu_version): doctor says so rather than report it as a GPU.
+bool driver_is_simulated();
+// Same rules as nccl(): one library per process.
+const NvrtcApi& nvrtc(const std::string& path);
+std::string nvrtc_version(const std::string& path);  // "12.4"
+int compute_capability(int device);                   // 80 for sm_80
 // `path` may be a file path or a bare soname searched by the dynamic loader.
 // Loading a second, different path in one process is refused.
 const NcclApi& nccl(const std::string& path);
@@ -83,6 +136,7 @@ std::string device_name(int device);
 
 void check_cu(CUresult r, const char* call, const char* file, int line);
 void check_nccl(ncclResult_t r, const char* call, const char* file, int line);
+void check_nvrtc(nvrtcResult r, const char* call, const char* file, int line);
 
 // Makes the device's primary context (the one torch uses) current on this thread.
 void set_device(int device);
@@ -106,3 +160,4 @@ class ContextRestore {
 
 #define PYDDP_CU(call) ::pyddp::cuda::check_cu((call), #call, __FILE__, __LINE__)
 #define PYDDP_NCCL(call) ::pyddp::cuda::check_nccl((call), #call, __FILE__, __LINE__)
+#define PYDDP_NVRTC(call) ::pyddp::cuda::check_nvrtc((call), #call, __FILE__, __LINE__)

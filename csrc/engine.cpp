@@ -22,10 +22,12 @@ Engine::Engine(int num_replicas, std::vector<ParamInfo> params,
       params_(std::move(params)),
       order_(order),
       op_(op),
-      backend_(std::move(backend)) {
+      backend_(std::move(backend)),
+      async_(backend_ != nullptr && backend_->asynchronous()) {
   PYDDP_ENFORCE(num_replicas_ >= 1, "need at least one replica, got ", num_replicas_);
   PYDDP_ENFORCE(!params_.empty(), "need at least one parameter");
   PYDDP_ENFORCE(backend_ != nullptr, "no backend");
+  replica_mu_.reset(new std::mutex[num_replicas_]);
   const size_t p = params_.size();
   param_count_.reset(new std::atomic<int>[p]);
   marked_.reset(new std::atomic<uint8_t>[p * num_replicas_]);
@@ -80,6 +82,9 @@ void Engine::set_buckets(std::vector<std::vector<int>> buckets) {
   unset.count = -1;  // set_buffer not called yet
   buffers_.assign(nb * num_replicas_, unset);
   bucket_pending_.reset(new std::atomic<int>[nb]);
+  replica_pending_.reset(new std::atomic<int>[nb * num_replicas_]);
+  replica_streams_.assign(nb * num_replicas_, {});
+  backend_->set_keys(static_cast<int>(nb));
   bucket_ready_.assign(nb, 0);
   bucket_ready_ns_.reset(new std::atomic<int64_t>[nb]);
   bucket_launch_ns_.assign(nb, 0);
@@ -108,7 +113,23 @@ void Engine::fail_mark(int replica, int param, const std::string& why) const {
                                   params_[param].name, "): ", why));
 }
 
-void Engine::mark_ready(int replica, int param) {
+void Engine::replica_part_done(int replica, int bucket, uintptr_t stream) {
+  const size_t slot = static_cast<size_t>(replica) * buckets_.size() + bucket;
+  std::vector<uintptr_t> streams;
+  {
+    std::lock_guard<std::mutex> lk(replica_mu_[replica]);
+    auto& seen = replica_streams_[slot];
+    if (std::find(seen.begin(), seen.end(), stream) == seen.end()) seen.push_back(stream);
+    if (replica_pending_[slot].fetch_sub(1, std::memory_order_acq_rel) - 1 != 0) return;
+    streams.swap(seen);
+  }
+  // Before this replica's last count below can complete the bucket: the
+  // launcher must find these events recorded. Every stream that wrote part of
+  // the bucket is recorded now; each already holds its earlier writes.
+  backend_->record_ready(replica, bucket, streams);
+}
+
+void Engine::mark_ready(int replica, int param, uintptr_t stream) {
   PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica,
                 " out of range [0, ", num_replicas_, ")");
   PYDDP_ENFORCE(param >= 0 && param < num_params(), "parameter ", param, " out of range [0, ",
@@ -134,6 +155,7 @@ void Engine::mark_ready(int replica, int param) {
               "before the first finished cannot be reduced once; use weight_decay or no_sync().");
   }
   active_.store(true, std::memory_order_relaxed);
+  if (async_) replica_part_done(replica, bucket_of_[param], stream);
   if (timeline_.load(std::memory_order_relaxed)) param_ready_ns_[slot] = now_ns();
   if (first_ready_ns_.load(std::memory_order_relaxed) == 0) {
     int64_t expected = 0;
@@ -216,7 +238,7 @@ void Engine::launcher_loop() {
     std::string err;
     try {
       if (fault) throw ReduceError(fault_message);
-      if (reduce) backend_->all_reduce(bucket_buffers(b), op_);
+      if (reduce) backend_->all_reduce(bucket_buffers(b), op_, b);
     } catch (const std::exception& e) {
       std::string names;
       for (size_t i = 0; i < buckets_[b].size() && i < 3; ++i) {
@@ -249,10 +271,23 @@ void Engine::launcher_loop() {
   }
 }
 
-Engine::Settled Engine::finish() {
+Engine::Settled Engine::finish(const std::vector<uintptr_t>& streams) {
   if (!sync_.load()) return {};
+  PYDDP_ENFORCE(!async_ || streams.size() == static_cast<size_t>(num_replicas_),
+                "finish() on a GPU backend needs one stream per replica, got ", streams.size());
   const int64_t t_start = now_ns();
   Settled out;
+  if (async_) {
+    // Slices no replica marked were reconciled on streams[r]: the reduction
+    // of their bucket waits for that too.
+    for (int r = 0; r < num_replicas_; ++r) {
+      for (int p = 0; p < num_params(); ++p) {
+        if (!marked_[static_cast<size_t>(r) * params_.size() + p].load()) {
+          replica_part_done(r, bucket_of_[p], streams[r]);
+        }
+      }
+    }
+  }
   // Every backward has returned, so no mark_ready races with this settling.
   for (int p = 0; p < num_params(); ++p) {
     const int c = param_count_[p].load();
@@ -333,6 +368,11 @@ void Engine::reset_iteration_locked() {
   for (size_t i = 0; i < p * num_replicas_; ++i) marked_[i].store(0);
   for (size_t b = 0; b < buckets_.size(); ++b) {
     bucket_pending_[b].store(static_cast<int>(buckets_[b].size()));
+    for (int r = 0; r < num_replicas_; ++r) {
+      const size_t slot = static_cast<size_t>(r) * buckets_.size() + b;
+      replica_pending_[slot].store(static_cast<int>(buckets_[b].size()));
+      replica_streams_[slot].clear();
+    }
   }
   ready_queue_.clear();
   std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
@@ -358,6 +398,9 @@ void Engine::set_sync(bool enabled) {
 
 void Engine::clear_grads(bool set_to_none) {
   PYDDP_ENFORCE(!active_.load(), "zero_grad() during a synced backward");
+  // A failed iteration is dropped here: the backend rebuilds what the failure
+  // broke (aborted NCCL communicators) so the next step runs normally.
+  if (partial_kind_.load() == kFailed) backend_->recover();
   if (set_to_none) {
     for (int p = 0; p < num_params(); ++p) has_grad_[p].store(0);
   }
@@ -423,11 +466,23 @@ Engine::Timeline Engine::last_timeline() const {
   return last_timeline_;
 }
 
-void Engine::set_compute_stream(int replica, uintptr_t stream) {
+void Engine::use_stream(int replica, uintptr_t stream) {
   PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica,
                 " out of range [0, ", num_replicas_, ")");
-  backend_->set_compute_stream(replica, stream);
+  backend_->use_stream(replica, stream);
 }
+
+void Engine::check() {
+  try {
+    backend_->check();
+  } catch (const ReduceError&) {
+    partial_kind_.store(kFailed);
+    partial_.store(true);
+    throw;
+  }
+}
+
+void Engine::close() { backend_->close(); }
 
 void Engine::inject_fault(int bucket, std::string message) {
   std::lock_guard<std::mutex> lk(mu_);

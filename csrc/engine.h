@@ -61,8 +61,10 @@ class Engine {
   void set_buckets(std::vector<std::vector<int>> buckets);
   void set_buffer(int replica, int bucket, BufferRef buf);
 
-  // Hot path: thread-safe, never waits for communication.
-  void mark_ready(int replica, int param);
+  // Hot path: thread-safe, never waits for communication. `stream` (GPU
+  // backends) is the stream current where the gradient was accumulated: the
+  // reduction waits for the work queued there so far, on the GPU.
+  void mark_ready(int replica, int param, uintptr_t stream = 0);
 
   void set_sync(bool enabled);
   bool sync_enabled() const { return sync_.load(); }
@@ -76,7 +78,9 @@ class Engine {
     std::vector<int> no_grad;
     std::vector<int> settled;
   };
-  Settled finish();
+  // `streams[r]` (GPU backends): the stream the caller reconciled replica r's
+  // unmarked slices on; empty for host backends.
+  Settled finish(const std::vector<uintptr_t>& streams = {});
   // A backward failed: wait for in-flight work, drop the iteration.
   void abort();
   // Gradients were zeroed; with set_to_none they are logically None again.
@@ -98,8 +102,15 @@ class Engine {
   std::string partial_reason() const;
 
   void inject_fault(int bucket, std::string message);
-  // GPU backends: the stream producing (and later consuming) replica's gradients.
-  void set_compute_stream(int replica, uintptr_t stream);
+  // GPU backends: `stream` is about to write replica's buckets (a forward
+  // whose backward accumulates there, a zeroing): ordered after the
+  // reductions that read them, and fenced at the end of this backward.
+  void use_stream(int replica, uintptr_t stream);
+  // Raises ReduceError for a failure the backend saw after finish() returned
+  // (a GPU timeout); the engine then counts the step as failed.
+  void check();
+  // Releases the backend's threads and communicators; later use raises.
+  void close();
 
   int num_replicas() const { return num_replicas_; }
   int num_params() const { return static_cast<int>(params_.size()); }
@@ -131,12 +142,16 @@ class Engine {
   std::vector<BufferRef> bucket_buffers(int bucket) const;
   bool bucket_has_grad(int bucket) const;
   [[noreturn]] void fail_mark(int replica, int param, const std::string& why) const;
+  // GPU: one more of replica's parameters in `bucket` is written (by
+  // `stream`); when it was the last, the backend records the ready events.
+  void replica_part_done(int replica, int bucket, uintptr_t stream);
 
   const int num_replicas_;
   const std::vector<ParamInfo> params_;
   const LaunchOrder order_;
   const ReduceOp op_;
   std::shared_ptr<Backend> backend_;
+  const bool async_;  // GPU backend: ready events per (replica, bucket)
 
   std::vector<std::vector<int>> buckets_;
   std::vector<int> bucket_of_;
@@ -146,6 +161,9 @@ class Engine {
   // Per-iteration counters, reset by finish()/abort().
   std::unique_ptr<std::atomic<int>[]> param_count_;
   std::unique_ptr<std::atomic<int>[]> bucket_pending_;
+  std::unique_ptr<std::atomic<int>[]> replica_pending_;     // [replica * B + bucket], GPU only
+  std::vector<std::vector<uintptr_t>> replica_streams_;     // same index, under replica_mu_
+  std::unique_ptr<std::mutex[]> replica_mu_;                // [replica]
   std::unique_ptr<std::atomic<uint8_t>[]> marked_;  // [replica * P + param]
   std::unique_ptr<std::atomic<uint8_t>[]> has_grad_;
   std::unique_ptr<std::atomic<uint8_t>[]> stale_;   // [replica]

@@ -2,49 +2,172 @@
 #include "gpu_backend.h"
 
 #include <algorithm>
+#include <map>
 
 namespace pyddp {
 
-#ifdef PYDDP_HAVE_DEVICE_KERNEL
-extern const char* const kReduceKernelPtx;  // generated from reduce_kernels.cu
-#endif
-
 using namespace cuda;
 
-GpuBackend::GpuBackend(std::vector<int> devices, double timeout_s, bool comm_per_replica)
-    : devices_(std::move(devices)), timeout_s_(timeout_s) {
-  PYDDP_ENFORCE(!devices_.empty(), "no devices");
-  PYDDP_ENFORCE(timeout_s_ > 0, "timeout must be > 0 seconds, got ", timeout_s_);
+namespace {
+
+std::mutex g_sets_mu;
+std::map<std::string, std::weak_ptr<CommSet>> g_sets;
+
+std::string devices_text(const std::vector<int>& devices) {
+  std::string out;
+  for (int d : devices) out += (out.empty() ? "cuda:" : ", cuda:") + std::to_string(d);
+  return out;
+}
+
+// Non-blocking communicators return ncclInProgress while NCCL finishes a call
+// in the background; the caller polls the communicator's state (NCCL docs,
+// "Non-blocking communicators"). Never a blocking call, so never a hang: the
+// wait is bounded by the deadline.
+void wait_comms(const NcclApi& n, const std::vector<ncclComm_t>& comms,
+                std::chrono::steady_clock::time_point deadline, const char* what) {
+  for (ncclComm_t c : comms) {
+    for (;;) {
+      ncclResult_t state = kNcclSuccess;
+      PYDDP_NCCL(n.ncclCommGetAsyncError(c, &state));
+      if (state == kNcclSuccess) break;
+      if (state != kNcclInProgress) {
+        throw ReduceError(detail::concat("pyddp: NCCL ", what, " failed: ",
+                                         n.ncclGetErrorString(state)));
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw ReduceError(detail::concat("pyddp: NCCL ", what, " still in progress at the deadline"));
+      }
+      std::this_thread::yield();
+    }
+  }
+}
+
+bool streams_idle(const CommSet& s) {
+  for (CUstream st : s.streams) {
+    if (driver().cuStreamQuery(st) != kCudaSuccess) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+CommSet::~CommSet() {
+  // Best effort, never throws: destroy communicators only when nothing is in
+  // flight (ncclCommDestroy would wait for a stuck reduction forever);
+  // otherwise abort them, which makes their kernels exit.
+  try {
+    std::lock_guard<std::mutex> lk(launch_mu);
+    ContextRestore restore;
+    if (!comms.empty() && !aborted) {
+      const NcclApi& n = nccl(nccl_path);
+      bool idle = streams_idle(*this);
+      if (idle) {
+        try {
+          for (ncclComm_t c : comms) PYDDP_NCCL(n.ncclCommFinalize(c));
+          wait_comms(n, comms, std::chrono::steady_clock::now() + std::chrono::seconds(10),
+                     "finalize");
+        } catch (const std::exception&) {
+          idle = false;
+        }
+      }
+      for (ncclComm_t c : comms) idle ? n.ncclCommDestroy(c) : n.ncclCommAbort(c);
+    }
+    for (size_t i = 0; i < streams.size(); ++i) {
+      set_device(devices[i]);
+      // Documented as safe with work still queued: resources are released
+      // once the stream's work completes.
+      driver().cuStreamDestroy(streams[i]);
+    }
+  } catch (const std::exception&) {
+  }
+}
+
+std::shared_ptr<CommSet> acquire_comm_set(const std::vector<int>& devices,
+                                          const std::string& nccl_path, double timeout_s) {
+  const std::string key = (nccl_path.empty() ? "device:" : "nccl:") + devices_text(devices);
+  std::lock_guard<std::mutex> lk(g_sets_mu);
+  auto it = g_sets.find(key);
+  if (it != g_sets.end()) {
+    if (auto live = it->second.lock()) {
+      std::lock_guard<std::mutex> launch(live->launch_mu);
+      if (!live->aborted) return live;
+    }
+  }
+  auto set = std::make_shared<CommSet>();
+  set->key = key;
+  set->devices = devices;
+  set->nccl_path = nccl_path;
   const DriverApi& d = driver();
   ContextRestore restore;
+  for (int dev : devices) {
+    set_device(dev);
+    CUstream s = nullptr;
+    // Non-blocking: no implicit ordering with the legacy default stream;
+    // every dependency is an explicit event.
+    PYDDP_CU(d.cuStreamCreate(&s, kStreamNonBlocking));
+    set->streams.push_back(s);
+  }
+  if (!nccl_path.empty()) {
+    const NcclApi& n = nccl(nccl_path);
+    ncclUniqueId id{};
+    PYDDP_NCCL(n.ncclGetUniqueId(&id));
+    set->comms.assign(devices.size(), nullptr);
+    ncclConfig config;
+    config.blocking = 0;
+    // One group: a single thread initialises every rank; outside a group the
+    // first blocking init would wait for peers that are never started.
+    PYDDP_NCCL(n.ncclGroupStart());
+    ncclResult_t first = kNcclSuccess;
+    for (size_t r = 0; r < devices.size(); ++r) {
+      set_device(devices[r]);  // NCCL binds a communicator to the current device
+      const ncclResult_t res = n.ncclCommInitRankConfig(
+          &set->comms[r], static_cast<int>(devices.size()), id, static_cast<int>(r), &config);
+      if (first == kNcclSuccess && res != kNcclInProgress) first = res;
+    }
+    const ncclResult_t ended = n.ncclGroupEnd();
+    PYDDP_NCCL(first);
+    if (ended != kNcclInProgress) PYDDP_NCCL(ended);
+    wait_comms(n, set->comms,
+               std::chrono::steady_clock::now() +
+                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                       std::chrono::duration<double>(timeout_s)),
+               "communicator initialisation");
+  }
+  g_sets[key] = set;
+  return set;
+}
+
+// ------------------------------------------------------------- GpuBackend
+
+GpuBackend::GpuBackend(std::vector<int> devices, double timeout_s, std::string nccl_path)
+    : devices_(std::move(devices)), timeout_s_(timeout_s), nccl_path_(std::move(nccl_path)) {
+  PYDDP_ENFORCE(!devices_.empty(), "no devices");
+  PYDDP_ENFORCE(timeout_s_ > 0, "timeout must be > 0 seconds, got ", timeout_s_);
   const int count = device_count();
   for (int dev : devices_) {
     PYDDP_ENFORCE(dev >= 0 && dev < count, "cuda:", dev, " does not exist (", count,
                   " CUDA devices)");
   }
-  const size_t n = devices_.size();
-  compute_.assign(n, nullptr);  // the legacy default stream until told otherwise
-  comm_.assign(n, nullptr);
-  ready_.assign(n, nullptr);
-  for (size_t r = 0; r < n; ++r) {
-    set_device(devices_[r]);
-    PYDDP_CU(d.cuEventCreate(&ready_[r], kEventDisableTiming));
-    if (r == 0 || comm_per_replica) {
-      // Non-blocking: no implicit ordering with the legacy default stream;
-      // every dependency is an explicit event.
-      PYDDP_CU(d.cuStreamCreate(&comm_[r], kStreamNonBlocking));
-      comm_owner_.push_back(static_cast<int>(r));
-      comm_index_.push_back(static_cast<int>(comm_owner_.size()) - 1);
-      fence_.push_back(nullptr);
-      PYDDP_CU(d.cuEventCreate(&fence_.back(), kEventDisableTiming));
-    } else {
-      comm_[r] = comm_[0];
-      comm_index_.push_back(0);
-    }
+  std::vector<int> distinct;
+  for (int dev : devices_) {
+    auto it = std::find(distinct.begin(), distinct.end(), dev);
+    comm_index_.push_back(static_cast<int>(it - distinct.begin()));
+    if (it == distinct.end()) distinct.push_back(dev);
   }
-  free_events_.resize(comm_owner_.size());
+  set_ = acquire_comm_set(distinct, nccl_path_, timeout_s_);
+  ContextRestore restore;
+  for (int dev : distinct) {
+    set_device(dev);
+    fence_.push_back(nullptr);
+    PYDDP_CU(driver().cuEventCreate(&fence_.back(), kEventDisableTiming));
+  }
+  free_events_.resize(distinct.size());
+  writers_.resize(devices_.size());
+  set_keys(0);
   watchdog_ = std::thread([this] { watchdog_loop(); });
 }
+
+GpuBackend::~GpuBackend() { stop_watchdog(); }
 
 void GpuBackend::stop_watchdog() {
   {
@@ -55,28 +178,93 @@ void GpuBackend::stop_watchdog() {
   if (watchdog_.joinable()) watchdog_.join();
 }
 
-GpuBackend::~GpuBackend() {
+void GpuBackend::close() {
   stop_watchdog();
-  // Streams and events are left to the context: destroying them here could
-  // race work still queued by a failed run, and the process owns the context.
+  std::shared_ptr<CommSet> set;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return;
+    closed_ = true;
+    set.swap(set_);
+  }
+  // Events and this backend's slots are left to the context (destroying them
+  // could race work still queued); the set is destroyed here if this was its
+  // last user, idle-or-abort as its destructor says.
+  set.reset();
 }
 
-void GpuBackend::set_compute_stream(int replica, uintptr_t stream) {
-  PYDDP_ENFORCE(replica >= 0 && static_cast<size_t>(replica) < compute_.size(), "replica ",
+void GpuBackend::set_keys(int n) {
+  PYDDP_ENFORCE(n >= 0, "negative key count ", n);
+  slots_.resize((static_cast<size_t>(n) + 1) * devices_.size());
+}
+
+void GpuBackend::add_writer_locked(int replica, uintptr_t stream) {
+  auto& w = writers_[replica];
+  if (std::find(w.begin(), w.end(), stream) == w.end()) w.push_back(stream);
+}
+
+void GpuBackend::record_ready(int replica, int key, const std::vector<uintptr_t>& streams) {
+  PYDDP_ENFORCE(replica >= 0 && static_cast<size_t>(replica) < devices_.size(), "replica ",
                 replica, " out of range");
-  compute_[replica] = reinterpret_cast<CUstream>(stream);
-}
-
-void GpuBackend::wait_for_compute() {
-  throw_if_failed();
+  PYDDP_ENFORCE(key >= -1 && (key + 1) * devices_.size() < slots_.size(), "key ", key,
+                " out of range");
   const DriverApi& d = driver();
   ContextRestore restore;
+  // The replica's context: stream 0 means its device's legacy default stream,
+  // and events must live in the context of the stream they are recorded on.
+  set_device(devices_[replica]);
+  Slot& s = slot(replica, key);
+  for (uintptr_t stream : streams) {
+    if (static_cast<size_t>(s.used) == s.events.size()) {
+      s.events.push_back(nullptr);
+      PYDDP_CU(d.cuEventCreate(&s.events.back(), kEventDisableTiming));
+    }
+    // Event, not a host sync: the producing thread goes straight back to
+    // backward; the communication stream will wait for this point on the GPU.
+    PYDDP_CU(d.cuEventRecord(s.events[s.used++], reinterpret_cast<CUstream>(stream)));
+  }
+  std::lock_guard<std::mutex> lk(writers_mu_);
+  for (uintptr_t stream : streams) add_writer_locked(replica, stream);
+}
+
+void GpuBackend::use_stream(int replica, uintptr_t stream) {
+  PYDDP_ENFORCE(replica >= 0 && static_cast<size_t>(replica) < devices_.size(), "replica ",
+                replica, " out of range");
+  ContextRestore restore;
+  set_device(devices_[replica]);
+  // A stream about to write this replica's buckets waits (on the GPU) for the
+  // reductions that still read them. An event never recorded waits for nothing.
+  PYDDP_CU(driver().cuStreamWaitEvent(reinterpret_cast<CUstream>(stream),
+                                      fence_[comm_index_[replica]], 0));
+  std::lock_guard<std::mutex> lk(writers_mu_);
+  add_writer_locked(replica, stream);
+}
+
+std::unique_lock<std::mutex> GpuBackend::lock_for_launch() {
+  throw_if_failed();
+  std::shared_ptr<CommSet> set;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) throw UsageError("pyddp: the GPU backend was closed");
+    set = set_;
+  }
+  std::unique_lock<std::mutex> lk(set->launch_mu);
+  if (set->aborted) {
+    throw ReduceError("pyddp: the NCCL communicators on " + devices_text(set->devices) +
+                      " were aborted after an earlier failure; call zero_grad() to rebuild them");
+  }
+  return lk;
+}
+
+void GpuBackend::wait_ready_locked(int key) {
+  const DriverApi& d = driver();
   for (size_t r = 0; r < devices_.size(); ++r) {
     set_device(devices_[r]);
-    // Event, not a host sync: the CPU goes on queuing backward while the
-    // communication stream waits on the GPU for this replica's gradients.
-    PYDDP_CU(d.cuEventRecord(ready_[r], compute_[r]));
-    PYDDP_CU(d.cuStreamWaitEvent(comm_[r], ready_[r], 0));
+    Slot& s = slot(static_cast<int>(r), key);
+    // cuStreamWaitEvent captures the event's latest record now, so the slot's
+    // events can be recorded again for the next iteration right after.
+    for (int i = 0; i < s.used; ++i) PYDDP_CU(d.cuStreamWaitEvent(comm_stream(r), s.events[i], 0));
+    s.used = 0;
   }
 }
 
@@ -88,24 +276,22 @@ CUevent GpuBackend::take_event_locked(int stream_index) {
     return e;
   }
   CUevent e = nullptr;
-  set_device(devices_[comm_owner_[stream_index]]);
+  set_device(set_->devices[stream_index]);
   PYDDP_CU(driver().cuEventCreate(&e, kEventDisableTiming));
   return e;
 }
 
-void GpuBackend::watch(const std::string& what) {
+void GpuBackend::watch_locked(const std::string& what) {
   InFlight f;
   f.what = what;
   f.deadline = std::chrono::steady_clock::now() +
                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                    std::chrono::duration<double>(timeout_s_));
-  ContextRestore restore;
   std::lock_guard<std::mutex> lk(mu_);
-  for (size_t s = 0; s < comm_owner_.size(); ++s) {
+  for (size_t s = 0; s < set_->streams.size(); ++s) {
     CUevent e = take_event_locked(static_cast<int>(s));
-    const int r = comm_owner_[s];
-    set_device(devices_[r]);
-    PYDDP_CU(driver().cuEventRecord(e, comm_[r]));
+    set_device(set_->devices[s]);
+    PYDDP_CU(driver().cuEventRecord(e, set_->streams[s]));
     f.done.push_back(e);
   }
   in_flight_.push_back(std::move(f));
@@ -113,21 +299,33 @@ void GpuBackend::watch(const std::string& what) {
 }
 
 void GpuBackend::fence() {
-  // Also after a failure: reductions already queued must still finish before
-  // compute reuses their buffers (an aborted NCCL kernel exits; ours always ends).
+  std::shared_ptr<CommSet> set;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return;
+    set = set_;
+  }
+  // Also after a failure: reductions already queued must finish before
+  // compute reuses their buffers (an aborted NCCL kernel exits; ours ends).
   const DriverApi& d = driver();
   ContextRestore restore;
-  for (size_t s = 0; s < comm_owner_.size(); ++s) {
-    const int owner = comm_owner_[s];
-    set_device(devices_[owner]);
-    PYDDP_CU(d.cuEventRecord(fence_[s], comm_[owner]));
+  {
+    std::lock_guard<std::mutex> launch(set->launch_mu);
+    for (size_t s = 0; s < set->streams.size(); ++s) {
+      set_device(set->devices[s]);
+      PYDDP_CU(d.cuEventRecord(fence_[s], set->streams[s]));
+    }
   }
+  std::lock_guard<std::mutex> lk(writers_mu_);
   for (size_t r = 0; r < devices_.size(); ++r) {
     set_device(devices_[r]);
-    // The compute stream waits on the GPU; the host returns at once. Nothing
-    // queued after this (optimizer step, zero_grad, next backward) can touch
-    // a bucket before its reduction finished.
-    PYDDP_CU(d.cuStreamWaitEvent(compute_[r], fence_[comm_index_[r]], 0));
+    // Every stream that wrote this replica's buckets waits on the GPU; the
+    // host returns at once. Nothing queued there later (optimizer step,
+    // zero_grad, next backward) touches a bucket before its reduction ends.
+    for (uintptr_t w : writers_[r]) {
+      PYDDP_CU(d.cuStreamWaitEvent(reinterpret_cast<CUstream>(w), fence_[comm_index_[r]], 0));
+    }
+    writers_[r].clear();
   }
 }
 
@@ -150,17 +348,62 @@ void GpuBackend::check() {
   {
     ContextRestore restore;
     std::lock_guard<std::mutex> lk(mu_);
-    timed_out = poll_locked();
+    if (!closed_) timed_out = poll_locked();
   }
-  if (timed_out) abort_after_timeout();
+  if (timed_out) abort_communication();
   throw_if_failed();
 }
 
-void GpuBackend::abort_after_timeout() {
-  // Outside mu_: aborting may wait for a launch in progress (NcclBackend).
-  const std::string done = abort_communication();
+void GpuBackend::abort_communication() {
+  std::shared_ptr<CommSet> set;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    set = set_;
+  }
+  if (!set || set->comms.empty()) {
+    std::lock_guard<std::mutex> lk(mu_);
+    error_ += "; the kernel is left to finish (it only waits for compute)";
+    return;
+  }
+  {
+    // Under the launch lock: no launch is inside these communicators while
+    // they are freed (they are non-blocking, so a launch never holds it long).
+    std::lock_guard<std::mutex> launch(set->launch_mu);
+    if (!set->aborted) {
+      const NcclApi& n = nccl(set->nccl_path);
+      // Aborting frees every rank stuck in a collective (their kernels exit),
+      // so no stream and no host thread waits forever.
+      for (ncclComm_t c : set->comms) n.ncclCommAbort(c);
+      set->aborted = true;
+    }
+  }
   std::lock_guard<std::mutex> lk(mu_);
-  error_ += "; " + done;
+  error_ += "; NCCL communicators aborted (zero_grad() rebuilds them)";
+}
+
+void GpuBackend::recover() {
+  // Lock order everywhere: a set's launch_mu before mu_, never the reverse.
+  std::shared_ptr<CommSet> set;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_ || error_.empty()) return;
+    set = set_;
+  }
+  bool aborted = false;
+  {
+    std::lock_guard<std::mutex> launch(set->launch_mu);
+    aborted = set->aborted;
+  }
+  // Aborted communicators cannot be used again: take a fresh set (the
+  // registry builds one, since this one is marked aborted).
+  std::shared_ptr<CommSet> fresh =
+      aborted ? acquire_comm_set(set->devices, nccl_path_, timeout_s_) : set;
+  std::lock_guard<std::mutex> lk(mu_);
+  set_ = fresh;
+  // Launches of the failed iteration are no longer watched: every stream
+  // that wrote their buffers was fenced after them.
+  in_flight_.clear();
+  error_.clear();
 }
 
 bool GpuBackend::poll_locked() {
@@ -170,22 +413,21 @@ bool GpuBackend::poll_locked() {
     InFlight& f = in_flight_.front();
     bool done = true;
     for (size_t s = 0; s < f.done.size(); ++s) {
-      set_device(devices_[comm_owner_[s]]);
       const CUresult r = d.cuEventQuery(f.done[s]);
       if (r == kCudaNotReady) {
         done = false;
       } else if (r != kCudaSuccess) {
-        fail_locked(detail::concat("pyddp: ", f.what, " failed on cuda:",
-                                   devices_[comm_owner_[s]], " with CUDA error ", r));
+        fail_locked(detail::concat("pyddp: ", f.what, " failed on cuda:", set_->devices[s],
+                                   " with CUDA error ", r));
         return false;
       }
     }
     if (!done) {
       if (now > f.deadline && error_.empty()) {
-        std::string devs;
-        for (int dev : devices_) devs += (devs.empty() ? "cuda:" : ", cuda:") + std::to_string(dev);
-        fail_locked(detail::concat("pyddp: ", f.what, " on ", devs, " did not complete within ",
-                                   timeout_s_, " s"));
+        fail_locked(detail::concat("pyddp: ", f.what, " on ", devices_text(devices_),
+                                   " did not complete within ", timeout_s_,
+                                   " s (a step already queued after it may have read partial "
+                                   "gradients)"));
         return true;
       }
       return false;  // later launches complete after this one
@@ -205,14 +447,13 @@ void GpuBackend::watchdog_loop() {
     }
     bool timed_out = false;
     try {
-      ContextRestore restore;
       timed_out = poll_locked();
     } catch (const std::exception& e) {
       fail_locked(e.what());
     }
     if (timed_out) {
       lk.unlock();
-      abort_after_timeout();
+      abort_communication();
       lk.lock();
     }
     // Poll often enough for a timeout to fire near its deadline, rarely
@@ -224,30 +465,19 @@ void GpuBackend::watchdog_loop() {
 // ------------------------------------------------------------------- NCCL
 
 NcclBackend::NcclBackend(std::vector<int> devices, const std::string& nccl_path, double timeout_s)
-    : GpuBackend(std::move(devices), timeout_s, /*comm_per_replica=*/true) {
-  const NcclApi& n = nccl(nccl_path);
-  ContextRestore restore;
-  std::vector<int> sorted = devices_;
-  std::sort(sorted.begin(), sorted.end());
-  PYDDP_ENFORCE(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
-                "NCCL needs one replica per GPU; replicas sharing a GPU use the device backend");
-  comms_.assign(devices_.size(), nullptr);
-  // One communicator per local device, created together: single process,
-  // several GPUs, no unique id exchange needed.
-  PYDDP_NCCL(n.ncclCommInitAll(comms_.data(), static_cast<int>(devices_.size()), devices_.data()));
-}
+    : GpuBackend(
+          [&] {
+            std::vector<int> sorted = devices;
+            std::sort(sorted.begin(), sorted.end());
+            PYDDP_ENFORCE(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+                          "NCCL needs one replica per GPU; replicas sharing a GPU use the device "
+                          "backend");
+            PYDDP_ENFORCE(!nccl_path.empty(), "no NCCL library path");
+            return devices;
+          }(),
+          timeout_s, nccl_path) {}
 
-NcclBackend::~NcclBackend() {
-  stop_watchdog();
-  std::lock_guard<std::timed_mutex> lk(nccl_mu_);
-  if (aborted_) return;
-  const NcclApi& n = nccl(nccl_path());
-  for (ncclComm_t c : comms_) {
-    if (c != nullptr) n.ncclCommDestroy(c);  // best effort: a destructor must not throw
-  }
-}
-
-void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) {
+void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {
   PYDDP_ENFORCE(bufs.size() == devices_.size(), "got ", bufs.size(), " buffers for ",
                 devices_.size(), " replicas");
   int dtype = kNcclFloat32;
@@ -261,98 +491,69 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) {
     PYDDP_ENFORCE(bufs[r].device == devices_[r], "replica ", r, " buffer is on device ",
                   bufs[r].device, ", expected cuda:", devices_[r]);
   }
-  wait_for_compute();
-  const NcclApi& n = nccl(nccl_path());
-  {
-    ContextRestore restore;
-    std::lock_guard<std::timed_mutex> lk(nccl_mu_);
-    if (aborted_) throw ReduceError("pyddp: the NCCL communicators were aborted earlier");
-    // Several devices driven from one thread: the calls must form one group or
-    // the first would wait for peers that are never launched.
-    PYDDP_NCCL(n.ncclGroupStart());
-    ncclResult_t launched = kNcclSuccess;
-    for (size_t r = 0; r < bufs.size() && launched == kNcclSuccess; ++r) {
-      launched = n.ncclAllReduce(bufs[r].data, bufs[r].data, static_cast<size_t>(bufs[r].count),
-                                 dtype, op == ReduceOp::kSum ? kNcclSum : kNcclAvg, comms_[r],
-                                 comm_stream(static_cast<int>(r)));
-    }
-    const ncclResult_t ended = n.ncclGroupEnd();
-    PYDDP_NCCL(launched);
-    PYDDP_NCCL(ended);
+  std::unique_lock<std::mutex> lk = lock_for_launch();
+  const NcclApi& n = nccl(set().nccl_path);
+  ContextRestore restore;
+  wait_ready_locked(key);
+  // Several devices driven from one thread: the calls form one group, or the
+  // first would wait for peers that are never launched.
+  PYDDP_NCCL(n.ncclGroupStart());
+  ncclResult_t launched = kNcclSuccess;
+  for (size_t r = 0; r < bufs.size() && (launched == kNcclSuccess || launched == kNcclInProgress);
+       ++r) {
+    set_device(devices_[r]);
+    launched = n.ncclAllReduce(bufs[r].data, bufs[r].data, static_cast<size_t>(bufs[r].count),
+                               dtype, op == ReduceOp::kSum ? kNcclSum : kNcclAvg, set().comms[r],
+                               comm_stream(static_cast<int>(r)));
   }
-  watch(detail::concat("NCCL all-reduce of ", bufs[0].count, " ", dtype_name(bufs[0].dtype),
-                       " elements"));
+  const ncclResult_t ended = n.ncclGroupEnd();
+  if (launched != kNcclInProgress) PYDDP_NCCL(launched);
+  if (ended != kNcclInProgress) PYDDP_NCCL(ended);
+  // Non-blocking: the kernels are on the streams only once every
+  // communicator leaves ncclInProgress; the done events must come after them.
+  wait_comms(n, set().comms,
+             std::chrono::steady_clock::now() +
+                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double>(timeout_s())),
+             "all-reduce launch");
+  watch_locked(detail::concat("NCCL all-reduce of ", bufs[0].count, " ",
+                              dtype_name(bufs[0].dtype), " elements"));
 }
 
 void NcclBackend::check() {
   std::string failure;
-  {
-    std::lock_guard<std::timed_mutex> lk(nccl_mu_);
-    if (!aborted_) {
-      const NcclApi& n = nccl(nccl_path());
-      for (size_t r = 0; r < comms_.size() && failure.empty(); ++r) {
-        ncclResult_t async = kNcclSuccess;
-        PYDDP_NCCL(n.ncclCommGetAsyncError(comms_[r], &async));
-        if (async != kNcclSuccess && async != kNcclInProgress) {
-          failure = detail::concat("pyddp: NCCL communicator of cuda:", devices_[r],
-                                   " failed asynchronously: ", n.ncclGetErrorString(async));
-        }
+  try {
+    std::unique_lock<std::mutex> lk = lock_for_launch();
+    const NcclApi& n = nccl(set().nccl_path);
+    for (size_t r = 0; r < set().comms.size() && failure.empty(); ++r) {
+      ncclResult_t async = kNcclSuccess;
+      PYDDP_NCCL(n.ncclCommGetAsyncError(set().comms[r], &async));
+      if (async != kNcclSuccess && async != kNcclInProgress) {
+        failure = detail::concat("pyddp: NCCL communicator of cuda:", set().devices[r],
+                                 " failed asynchronously: ", n.ncclGetErrorString(async));
       }
     }
+  } catch (const UsageError&) {
+    return;  // closed
+  } catch (const ReduceError&) {
+    // already failed or aborted: GpuBackend::check reports it
   }
   if (!failure.empty()) {
-    fail(failure);  // first, so no launch uses the communicators being freed
+    fail(failure);
     abort_communication();
   }
   GpuBackend::check();
 }
 
-std::string NcclBackend::abort_communication() {
-  // A launch stuck inside NCCL holds nccl_mu_ for good: after a bounded wait
-  // the abort goes ahead anyway, the only way to free a hung collective.
-  std::unique_lock<std::timed_mutex> lk(nccl_mu_, std::defer_lock);
-  const bool locked = lk.try_lock_for(std::chrono::seconds(2));
-  if (aborted_) return "NCCL communicators aborted";
-  aborted_ = true;
-  const NcclApi& n = nccl(nccl_path());
-  // Aborting frees every rank stuck in a collective (their kernels exit), so
-  // no stream and no host thread waits forever.
-  for (ncclComm_t c : comms_) {
-    if (c != nullptr) n.ncclCommAbort(c);
-  }
-  return locked ? "NCCL communicators aborted"
-                : "NCCL communicators aborted while a launch was still inside NCCL";
-}
-
 // ------------------------------------------------- replicas on one device
 
-bool device_kernel_available() {
-#ifdef PYDDP_HAVE_DEVICE_KERNEL
-  return true;
-#else
-  return false;
-#endif
-}
-
-DeviceBackend::DeviceBackend(int device, int replicas, double timeout_s)
-    : GpuBackend(std::vector<int>(replicas, device), timeout_s, /*comm_per_replica=*/false) {
+DeviceBackend::DeviceBackend(int device, int replicas, double timeout_s,
+                             const std::string& nvrtc_path)
+    : GpuBackend(std::vector<int>(static_cast<size_t>(std::max(replicas, 1)), device), timeout_s,
+                 "") {
   PYDDP_ENFORCE(replicas >= 1 && replicas <= kMaxReplicas, "the device backend handles 1 to ",
                 kMaxReplicas, " replicas per GPU, got ", replicas);
-#ifdef PYDDP_HAVE_DEVICE_KERNEL
-  const DriverApi& d = driver();
-  ContextRestore restore;
-  set_device(device);
-  CUmodule module = nullptr;
-  // PTX, JIT-compiled by the driver for whatever GPU this is.
-  PYDDP_CU(d.cuModuleLoadData(&module, kReduceKernelPtx));
-  const char* names[4] = {"pyddp_reduce_f32", "pyddp_reduce_f64", "pyddp_reduce_f16",
-                          "pyddp_reduce_bf16"};
-  for (int i = 0; i < 4; ++i) PYDDP_CU(d.cuModuleGetFunction(&kernels_[i], module, names[i]));
-#else
-  throw UsageError(
-      "replicas sharing one GPU need pyddp's reduction kernel, and this build has none (no "
-      "CUDA compiler was found when it was built): reinstall pyddp where nvcc is on PATH");
-#endif
+  kernels_ = &device_kernels(device, nvrtc_path);
 }
 
 namespace {
@@ -363,7 +564,7 @@ struct KernelPtrs {
 static_assert(sizeof(KernelPtrs) == 64, "must match Ptrs in reduce_kernels.cu");
 }  // namespace
 
-void DeviceBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) {
+void DeviceBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {
   PYDDP_ENFORCE(bufs.size() == devices_.size(), "got ", bufs.size(), " buffers for ",
                 devices_.size(), " replicas");
   KernelPtrs ptrs{};
@@ -372,23 +573,24 @@ void DeviceBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) 
                   bufs[r].device, ", expected cuda:", devices_[0]);
     ptrs.p[r] = bufs[r].data;
   }
-  wait_for_compute();
   int n = static_cast<int>(bufs.size());
   long long count = bufs[0].count;
   int avg = op == ReduceOp::kAvg ? 1 : 0;
+  std::unique_lock<std::mutex> lk = lock_for_launch();
+  ContextRestore restore;
+  wait_ready_locked(key);
   if (count > 0) {
     void* args[] = {&ptrs, &n, &count, &avg};
     const unsigned threads = 256;
     // Grid-stride loop: a few waves of blocks cover any size.
     const long long blocks = std::min<long long>((count + threads - 1) / threads, 4096);
-    ContextRestore restore;
     set_device(devices_[0]);
-    PYDDP_CU(driver().cuLaunchKernel(kernels_[static_cast<int>(bufs[0].dtype)],
+    PYDDP_CU(driver().cuLaunchKernel(kernels_->fn[static_cast<int>(bufs[0].dtype)],
                                      static_cast<unsigned>(blocks), 1, 1, threads, 1, 1, 0,
                                      comm_stream(0), args, nullptr));
   }
-  watch(detail::concat("on-device all-reduce of ", count, " ", dtype_name(bufs[0].dtype),
-                       " elements across ", n, " replicas"));
+  watch_locked(detail::concat("on-device all-reduce of ", count, " ", dtype_name(bufs[0].dtype),
+                              " elements across ", n, " replicas"));
 }
 
 }  // namespace pyddp

@@ -1,16 +1,22 @@
 // GPU backends. Both order communication after the gradients' producing work
-// with events (never a host sync, invariant 5) and watch every enqueued
-// reduction against a timeout (invariant 6):
-//   NcclBackend    - one replica per GPU, one NCCL communicator per device,
+// with events recorded where each gradient was produced (never a host sync,
+// invariant 5), and watch every enqueued reduction against a timeout
+// (invariant 6):
+//   NcclBackend    - one replica per GPU; non-blocking NCCL communicators,
 //                    every launch inside ncclGroupStart/End;
 //   DeviceBackend  - several replicas sharing one GPU (NCCL refuses two ranks
-//                    on one device): a reduction kernel of ours.
+//                    on one device): pyddp's kernel, compiled by NVRTC.
+// Communication streams and communicators belong to a process-wide CommSet per
+// device tuple, shared by every backend on those devices (GradSyncs,
+// collectives): NCCL documents that several communicators on the same GPUs
+// driven from different threads can deadlock, so there is one set and one
+// launch lock.
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -18,68 +24,97 @@
 
 #include "backend.h"
 #include "cuda_api.h"
+#include "device_kernel.h"
 
 namespace pyddp {
+
+// Streams (one per distinct device) and, for NCCL, one communicator per device.
+struct CommSet {
+  std::string key;
+  std::vector<int> devices;
+  std::vector<cuda::CUstream> streams;
+  std::vector<cuda::ncclComm_t> comms;  // empty for the device kernel
+  std::string nccl_path;
+  // Serializes every call into these communicators and streams: launches,
+  // async-error polls, abort and destroy. NCCL forbids two threads inside one
+  // communicator; the communicators are non-blocking, so no holder waits long.
+  std::mutex launch_mu;
+  bool aborted = false;  // guarded by launch_mu
+  ~CommSet();
+};
+
+// The live set for (kind, devices), or a new one if there is none or it was
+// aborted. NCCL sets initialise their communicators here (one group,
+// non-blocking), waiting at most timeout_s.
+std::shared_ptr<CommSet> acquire_comm_set(const std::vector<int>& devices,
+                                          const std::string& nccl_path, double timeout_s);
 
 class GpuBackend : public Backend {
  public:
   ~GpuBackend() override;
   bool asynchronous() const override { return true; }
-  void set_compute_stream(int replica, uintptr_t stream) override;
+  void set_keys(int n) override;
+  void record_ready(int replica, int key, const std::vector<uintptr_t>& streams) override;
+  void use_stream(int replica, uintptr_t stream) override;
   void fence() override;
   void check() override;
+  void recover() override;
+  void close() override;
   double timeout_s() const { return timeout_s_; }
 
  protected:
-  // devices[r]: replica r's GPU. comm_per_replica: NCCL needs a stream per
-  // rank; replicas sharing one GPU share one communication stream.
-  GpuBackend(std::vector<int> devices, double timeout_s, bool comm_per_replica);
-  // Call first in all_reduce: the communication streams wait for everything
-  // already queued on the compute streams (the gradients being reduced).
-  void wait_for_compute();
-  // Call last in all_reduce: starts the timeout clock of this reduction.
-  void watch(const std::string& what);
-  // Called on timeout or asynchronous failure, after which the backend is
-  // unusable; returns what it did, for the error message.
-  virtual std::string abort_communication() { return "the backend is disabled"; }
-  // Marks the backend failed (every later call raises `message`).
+  // devices[r]: replica r's GPU. nccl_path empty: the device kernel's set.
+  GpuBackend(std::vector<int> devices, double timeout_s, std::string nccl_path);
+  // Under the set's launch lock: the communication stream of each replica
+  // waits for the events record_ready captured under `key`.
+  void wait_ready_locked(int key);
+  // Under the set's launch lock, after the launch: starts the timeout clock.
+  void watch_locked(const std::string& what);
+  // Holds the set's launch lock; throws if closed, failed or aborted.
+  std::unique_lock<std::mutex> lock_for_launch();
   void fail(const std::string& message);
-  // Throws ReduceError if the backend failed earlier.
   void throw_if_failed() const;
-  // Derived destructors call this first: no watchdog callback into a
-  // half-destroyed object.
-  void stop_watchdog();
-  cuda::CUstream comm_stream(int replica) const { return comm_[replica]; }
+  // Frees a hung collective (NCCL: abort the communicators under the launch
+  // lock) and notes what it did in the error message.
+  void abort_communication();
+  cuda::CUstream comm_stream(int replica) const { return set_->streams[comm_index_[replica]]; }
+  CommSet& set() const { return *set_; }
 
   const std::vector<int> devices_;
 
  private:
+  struct Slot {
+    std::vector<cuda::CUevent> events;
+    int used = 0;
+  };
   struct InFlight {
     std::string what;
     std::vector<cuda::CUevent> done;  // one per communication stream
     std::chrono::steady_clock::time_point deadline;
   };
+  Slot& slot(int replica, int key) { return slots_[(key + 1) * devices_.size() + replica]; }
   void watchdog_loop();
-  // Retires completed launches; true if the oldest one passed its deadline
-  // (the caller then aborts, outside mu_).
-  bool poll_locked();
-  void abort_after_timeout();
+  bool poll_locked();  // true: the oldest launch passed its deadline
+  void stop_watchdog();
   cuda::CUevent take_event_locked(int stream_index);
   void fail_locked(const std::string& message);
+  void add_writer_locked(int replica, uintptr_t stream);
 
   const double timeout_s_;
-  std::vector<cuda::CUstream> compute_;  // per replica
-  std::vector<cuda::CUstream> comm_;     // per replica (may repeat)
-  std::vector<int> comm_owner_;          // replica index owning each distinct comm stream
-  std::vector<int> comm_index_;          // per replica: index of its comm stream
-  std::vector<cuda::CUevent> ready_;     // per replica
-  std::vector<cuda::CUevent> fence_;     // per distinct comm stream
-  std::vector<std::vector<cuda::CUevent>> free_events_;  // per distinct comm stream
+  const std::string nccl_path_;
+  std::shared_ptr<CommSet> set_;
+  std::vector<int> comm_index_;        // per replica: index into set_->streams
+  std::vector<cuda::CUevent> fence_;   // per communication stream
+  std::vector<Slot> slots_;            // [(key + 1) * replicas + replica]
+  std::mutex writers_mu_;
+  std::vector<std::vector<uintptr_t>> writers_;  // per replica, since the last fence
+  std::vector<std::vector<cuda::CUevent>> free_events_;  // per communication stream
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<InFlight> in_flight_;
   std::string error_;
+  bool closed_ = false;
   bool stop_ = false;
   std::thread watchdog_;
 };
@@ -87,37 +122,23 @@ class GpuBackend : public Backend {
 class NcclBackend : public GpuBackend {
  public:
   NcclBackend(std::vector<int> devices, const std::string& nccl_path, double timeout_s);
-  ~NcclBackend() override;
+  ~NcclBackend() override { close(); }
   std::string name() const override { return "nccl"; }
-  void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) override;
+  void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;
   void check() override;
-
- private:
-  std::string abort_communication() override;
-  std::vector<cuda::ncclComm_t> comms_;
-  // NCCL forbids concurrent calls on one communicator: launches, error polls
-  // and the abort take this in turn (the abort waits a bounded time, see there).
-  std::timed_mutex nccl_mu_;
-  bool aborted_ = false;  // guarded by nccl_mu_
 };
-
-// True when this build carries the reduction kernel (a CUDA compiler was
-// found at build time).
-bool device_kernel_available();
 
 class DeviceBackend : public GpuBackend {
  public:
   static constexpr int kMaxReplicas = 8;  // = PYDDP_MAX_REPLICAS in reduce_kernels.cu
-  DeviceBackend(int device, int replicas, double timeout_s);
-  ~DeviceBackend() override { stop_watchdog(); }
+  DeviceBackend(int device, int replicas, double timeout_s, const std::string& nvrtc_path);
+  ~DeviceBackend() override { close(); }
   std::string name() const override { return "device"; }
-  void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op) override;
+  void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;
+  std::string kernel_description() const { return kernels_->how; }
 
  private:
-  std::string abort_communication() override {
-    return "the kernel is left to finish (it only waits for compute); the backend is disabled";
-  }
-  cuda::CUfunction kernels_[4] = {};  // indexed by DType
+  const DeviceKernels* kernels_ = nullptr;
 };
 
 }  // namespace pyddp

@@ -1,12 +1,15 @@
 // The on-device reduction for replicas sharing one GPU: every replica's buffer
 // is read once, summed in a fixed replica order (16-bit types in float32), and
-// the result written back to every buffer. Compiled to PTX at build time and
-// loaded through the driver API (gpu_backend.cpp), so the extension itself
-// links no CUDA library. __grid_constant__: the pointer table is read from
-// parameter space, not copied to local memory by every thread. The PTX
-// (ISA of the nvcc that built it) needs a driver at least as new as that nvcc.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+// the result written back to every buffer.
+//
+// How it reaches the GPU: the extension embeds this file's text and compiles it
+// at run time with NVRTC for the GPU at hand (device_kernel.cpp), so users need
+// no nvcc and the binary never carries a PTX ISA newer than their driver.
+// That is why it includes no header (NVRTC has no CUDA include path here) and
+// converts 16-bit floats with plain integer code. The GPU simulation used by
+// the tests compiles this same file on the host (tests/simgpu/kernel_shim.h
+// supplies blockIdx/threadIdx and empty qualifiers), so the indexing and the
+// rounding below are exercised on every CI run.
 
 #define PYDDP_MAX_REPLICAS 8  // = DeviceBackend::kMaxReplicas
 
@@ -14,48 +17,113 @@ struct Ptrs {
   void* p[PYDDP_MAX_REPLICAS];
 };
 
-template <typename T>
-struct Acc {
-  using type = T;
-  __device__ static T load(T v) { return v; }
-  __device__ static T store(T v) { return v; }
+typedef unsigned short pyddp_u16;
+
+__device__ inline unsigned pyddp_f2u(float f) {
+  union {
+    float f;
+    unsigned u;
+  } v;
+  v.f = f;
+  return v.u;
+}
+__device__ inline float pyddp_u2f(unsigned u) {
+  union {
+    float f;
+    unsigned u;
+  } v;
+  v.u = u;
+  return v.f;
+}
+
+// IEEE binary16 <-> float32, round to nearest even (as __float2half_rn).
+__device__ inline float pyddp_half_to_float(pyddp_u16 h) {
+  const unsigned sign = (unsigned)(h & 0x8000u) << 16;
+  const unsigned exp = (h >> 10) & 0x1fu;
+  const unsigned mant = h & 0x3ffu;
+  if (exp == 0x1fu) return pyddp_u2f(sign | 0x7f800000u | (mant << 13));  // inf / nan
+  if (exp != 0) return pyddp_u2f(sign | ((exp + 112u) << 23) | (mant << 13));
+  const float v = (float)mant * 5.9604644775390625e-8f;  // subnormal: mant * 2^-24, exact
+  return sign ? -v : v;
+}
+__device__ inline pyddp_u16 pyddp_float_to_half(float f) {
+  const unsigned u = pyddp_f2u(f);
+  const unsigned sign = (u >> 16) & 0x8000u;
+  const unsigned a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (pyddp_u16)(sign | 0x7e00u);  // nan stays a quiet nan
+  if (a >= 0x477ff000u) return (pyddp_u16)(sign | 0x7c00u);  // rounds to inf
+  if (a < 0x38800000u) {
+    // Subnormal result: adding 0.5 (whose ulp is 2^-24, the half subnormal
+    // step) makes the float adder round to nearest even for us.
+    return (pyddp_u16)(sign | (pyddp_f2u(pyddp_u2f(a) + 0.5f) - 0x3f000000u));
+  }
+  const unsigned odd = (a >> 13) & 1u;
+  return (pyddp_u16)(sign | ((a + 0xfffu + odd - 0x38000000u) >> 13));
+}
+
+// bfloat16 <-> float32, round to nearest even (as __float2bfloat16_rn).
+__device__ inline float pyddp_bf16_to_float(pyddp_u16 b) { return pyddp_u2f((unsigned)b << 16); }
+__device__ inline pyddp_u16 pyddp_float_to_bf16(float f) {
+  const unsigned u = pyddp_f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (pyddp_u16)((u >> 16) | 0x40u);
+  return (pyddp_u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+struct F32 {
+  typedef float T;
+  typedef float A;
+  __device__ static A load(T v) { return v; }
+  __device__ static T store(A v) { return v; }
 };
-template <>
-struct Acc<__half> {
-  using type = float;
-  __device__ static float load(__half v) { return __half2float(v); }
-  __device__ static __half store(float v) { return __float2half_rn(v); }
+struct F64 {
+  typedef double T;
+  typedef double A;
+  __device__ static A load(T v) { return v; }
+  __device__ static T store(A v) { return v; }
 };
-template <>
-struct Acc<__nv_bfloat16> {
-  using type = float;
-  __device__ static float load(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ static __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
+struct F16 {
+  typedef pyddp_u16 T;
+  typedef float A;
+  __device__ static A load(T v) { return pyddp_half_to_float(v); }
+  __device__ static T store(A v) { return pyddp_float_to_half(v); }
+};
+struct BF16 {
+  typedef pyddp_u16 T;
+  typedef float A;
+  __device__ static A load(T v) { return pyddp_bf16_to_float(v); }
+  __device__ static T store(A v) { return pyddp_float_to_bf16(v); }
 };
 
-template <typename T>
-__device__ void reduce(const Ptrs& ptrs, int n, long long count, int avg) {
-  using A = typename Acc<T>::type;
-  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
-       i += stride) {
-    A acc = Acc<T>::load(static_cast<const T*>(ptrs.p[0])[i]);
-    for (int r = 1; r < n; ++r) acc += Acc<T>::load(static_cast<const T*>(ptrs.p[r])[i]);
-    if (avg) acc /= static_cast<A>(n);
-    const T out = Acc<T>::store(acc);
-    for (int r = 0; r < n; ++r) static_cast<T*>(ptrs.p[r])[i] = out;
+template <typename K>
+__device__ void pyddp_reduce(const Ptrs& ptrs, int n, long long count, int avg) {
+  typedef typename K::T T;
+  typedef typename K::A A;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  // Grid-stride loop: any grid covers any count.
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
+    A acc = K::load(((const T*)ptrs.p[0])[i]);
+    for (int r = 1; r < n; ++r) acc += K::load(((const T*)ptrs.p[r])[i]);
+    if (avg) acc /= (A)n;
+    const T out = K::store(acc);
+    for (int r = 0; r < n; ++r) ((T*)ptrs.p[r])[i] = out;
   }
 }
 
-extern "C" __global__ void pyddp_reduce_f32(const __grid_constant__ Ptrs p, int n, long long count, int avg) {
-  reduce<float>(p, n, count, avg);
+// __grid_constant__: the pointer table is read from parameter space, not
+// copied to local memory by every thread.
+extern "C" __global__ void pyddp_reduce_f32(const __grid_constant__ Ptrs p, int n,
+                                            long long count, int avg) {
+  pyddp_reduce<F32>(p, n, count, avg);
 }
-extern "C" __global__ void pyddp_reduce_f64(const __grid_constant__ Ptrs p, int n, long long count, int avg) {
-  reduce<double>(p, n, count, avg);
+extern "C" __global__ void pyddp_reduce_f64(const __grid_constant__ Ptrs p, int n,
+                                            long long count, int avg) {
+  pyddp_reduce<F64>(p, n, count, avg);
 }
-extern "C" __global__ void pyddp_reduce_f16(const __grid_constant__ Ptrs p, int n, long long count, int avg) {
-  reduce<__half>(p, n, count, avg);
+extern "C" __global__ void pyddp_reduce_f16(const __grid_constant__ Ptrs p, int n,
+                                            long long count, int avg) {
+  pyddp_reduce<F16>(p, n, count, avg);
 }
-extern "C" __global__ void pyddp_reduce_bf16(const __grid_constant__ Ptrs p, int n, long long count, int avg) {
-  reduce<__nv_bfloat16>(p, n, count, avg);
+extern "C" __global__ void pyddp_reduce_bf16(const __grid_constant__ Ptrs p, int n,
+                                             long long count, int avg) {
+  pyddp_reduce<BF16>(p, n, count, avg);
 }

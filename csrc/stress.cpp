@@ -18,7 +18,7 @@ namespace {
 class NullBackend : public Backend {
  public:
   std::string name() const override { return "null"; }
-  void all_reduce(const std::vector<BufferRef>&, ReduceOp) override {}
+  void all_reduce(const std::vector<BufferRef>&, ReduceOp, int) override {}
 };
 
 struct Layout {

@@ -1,20 +1,29 @@
-"""What the GPU path can use on this machine, discovered at run time: the NCCL
-library (PYDDP_NCCL_LIBRARY, else the nvidia-nccl-cu13/-cu12 wheel, else
-torch's, else the system's), the CUDA driver, and which backend a set of
-replica devices gets. Nothing here needs a GPU to import or to answer."""
+"""What the GPU path can use on this machine, discovered at run time: the CUDA
+driver (PYDDP_CUDA_LIBRARY, else libcuda.so.1), the NCCL library
+(PYDDP_NCCL_LIBRARY, else the nvidia-nccl-cu13/-cu12 wheel, else torch's, else
+the system's), NVRTC for the shared-GPU kernel (PYDDP_NVRTC_LIBRARY, else the
+nvidia-cuda-nvrtc wheel torch's CUDA builds depend on, else the system's), and
+which backend a set of replica devices gets. Nothing here needs a GPU to import
+or to answer. Every GPU backend made here is closed at interpreter exit, before
+the driver's own teardown."""
 
 from __future__ import annotations
 
+import atexit
 import glob
 import os
+import re
+import weakref
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
 from . import _C
 
 NCCL_ENV = "PYDDP_NCCL_LIBRARY"
+NVRTC_ENV = "PYDDP_NVRTC_LIBRARY"
+CUDA_ENV = "PYDDP_CUDA_LIBRARY"
 TIMEOUT_ENV = "PYDDP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -77,6 +86,67 @@ def find_nccl() -> NcclInfo:
     return info
 
 
+def nvrtc_candidates(driver_major: Optional[int] = None) -> List[str]:
+    """NVRTC libraries in the order pyddp tries them: the newest CUDA major
+    version the driver runs first (a cubin from a newer NVRTC needs a newer
+    driver), wheels before torch's and the system's."""
+    found: List[str] = []
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            found += glob.glob(os.path.join(root, "*", "lib", "libnvrtc.so.*"))
+            found += glob.glob(os.path.join(root, "*", "*", "lib", "libnvrtc.so.*"))
+    except ImportError:
+        pass
+    found += glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libnvrtc*.so*"))
+    found = [p for p in found if re.search(r"libnvrtc(-[0-9a-f]+)?\.so\.\d+$", p)]
+    found += ["libnvrtc.so.13", "libnvrtc.so.12"]
+
+    def major(path: str) -> int:
+        return int(path.rsplit(".", 1)[1])
+
+    if driver_major is not None:
+        found = [p for p in found if major(p) <= driver_major]
+    seen, out = set(), []
+    for p in sorted(found, key=lambda p: -major(p)):
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+    return out
+
+
+def find_nvrtc() -> NcclInfo:
+    """The NVRTC the shared-GPU kernel is compiled with (same shape as find_nccl)."""
+    explicit = os.environ.get(NVRTC_ENV)
+    if explicit:
+        try:
+            return NcclInfo(explicit, _C.nvrtc_version(explicit))
+        except RuntimeError as e:
+            raise RuntimeError(f"{NVRTC_ENV}={explicit!r} could not be loaded: {e}") from None
+    driver, _, _ = cuda_driver()
+    info = NcclInfo(None, None)
+    for path in nvrtc_candidates(int(driver.split(".")[0]) if driver else None):
+        if os.sep in path and not os.path.exists(path):
+            continue
+        try:
+            return NcclInfo(path, _C.nvrtc_version(path), info.tried)
+        except RuntimeError as e:
+            info.tried.append(f"{path}: {e}")
+    return info
+
+
+_live_backends: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@atexit.register
+def close_all_backends() -> None:
+    """Closes every GPU backend still alive: their watchdog threads must not
+    poll the driver while the process tears it down."""
+    for backend in list(_live_backends):
+        backend.close()
+
+
 def cuda_driver() -> tuple:
     """(driver version string or None, number of devices, why unavailable)."""
     try:
@@ -99,8 +169,11 @@ def timeout_s() -> float:
     return value
 
 
-def backend_kind(devices: Sequence[torch.device]) -> str:
-    """'cpu', 'nccl' (one replica per GPU) or 'device' (replicas share one GPU)."""
+def backend_kind(devices: Sequence[Any]) -> str:
+    """'cpu', 'nccl' (one replica per GPU) or 'device' (replicas share one GPU).
+    `devices` are torch devices, or CUDA device indices."""
+    if all(isinstance(d, int) for d in devices):
+        devices = [torch.device("cuda", d) for d in devices]
     types = {d.type for d in devices}
     if types == {"cpu"}:
         return "cpu"
@@ -119,25 +192,31 @@ def backend_kind(devices: Sequence[torch.device]) -> str:
     )
 
 
-def make_backend(devices: Sequence[torch.device], timeout: Optional[float] = None):
-    """The engine backend for these replica devices, or a clear error saying
-    what is missing."""
+def make_backend(devices: Sequence[Any], timeout: Optional[float] = None):
+    """The engine backend for these replica devices (torch devices, or CUDA
+    device indices), or a clear error saying what is missing."""
     kind = backend_kind(devices)
     if kind == "cpu":
         return _C.CpuBackend()
+    indices = [d if isinstance(d, int) else d.index for d in devices]
     timeout = timeout_s() if timeout is None else timeout
     if kind == "device":
-        if not _C.device_kernel_available():
+        nvrtc = find_nvrtc()
+        if nvrtc.path is None:
             raise RuntimeError(
-                "replicas sharing one GPU need pyddp's reduction kernel, and this build has "
-                "none (nvcc was not found when pyddp was built); reinstall with nvcc on PATH"
+                "replicas sharing one GPU compile pyddp's reduction kernel with NVRTC, and none "
+                "was found. Install it with `pip install nvidia-cuda-nvrtc-cu12` (CUDA builds of "
+                f"torch bring it), or set {NVRTC_ENV}. Tried: " + "; ".join(nvrtc.tried)
             )
-        return _C.DeviceBackend(devices[0].index, len(devices), timeout)
-    nccl = find_nccl()
-    if nccl.path is None:
-        raise RuntimeError(
-            "one replica per GPU needs NCCL, and none was found. Install it with "
-            "`pip install pyddp[cuda12]` or `[cuda13]`, or set "
-            f"{NCCL_ENV}. Tried: " + "; ".join(nccl.tried)
-        )
-    return _C.NcclBackend([d.index for d in devices], nccl.path, timeout)
+        backend = _C.DeviceBackend(indices[0], len(indices), timeout, nvrtc.path)
+    else:
+        nccl = find_nccl()
+        if nccl.path is None:
+            raise RuntimeError(
+                "one replica per GPU needs NCCL, and none was found. Install it with "
+                "`pip install pyddp[cuda12]` or `[cuda13]`, or set "
+                f"{NCCL_ENV}. Tried: " + "; ".join(nccl.tried)
+            )
+        backend = _C.NcclBackend(indices, nccl.path, timeout)
+    _live_backends.add(backend)
+    return backend

@@ -1,5 +1,8 @@
 """Persistent per-replica worker threads: replica 0 runs on the caller's thread,
-replica r > 0 on its own long-lived thread, so a step creates no threads."""
+replica r > 0 on its own long-lived thread, so a step creates no threads. The
+caller's grad mode and current CUDA streams go with every task: a replica's
+forward runs on the stream the caller chose (``with torch.cuda.stream(s)``),
+so its backward and pyddp's zeroing of its buckets stay on one stream."""
 
 from __future__ import annotations
 
@@ -25,12 +28,14 @@ class ReplicaWorkers:
         threads: Optional[int] = None,
         devices: Optional[Sequence[torch.device]] = None,
         name: str = "pyddp",
+        streams: Optional[Any] = None,
     ):
         # One single-thread executor per replica keeps that replica's work
         # ordered and on one thread (thread-local state such as CUDA streams).
         # torch's intra-op thread count is per thread: each worker sets its own
         # once, and replica 0's work on the caller's thread sets and restores it.
         self.threads = threads
+        self.streams = streams  # a pyddp._streams provider, or None (CPU)
         self._pools = [
             ThreadPoolExecutor(
                 max_workers=1,
@@ -44,11 +49,16 @@ class ReplicaWorkers:
     def run(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
         """Runs fns[r] for replica r in parallel; returns results in order. All
         replicas finish before this returns, even when one raises."""
+        if not self._pools and len(fns) > 1:
+            raise RuntimeError("pyddp: this model was closed; wrap the model again to use it")
         grad = torch.is_grad_enabled()
+        streams = self.streams.snapshot() if self.streams is not None and len(fns) > 1 else None
         futures: List[Optional[Future]] = [None]
         for r in range(1, len(fns)):
-            # Grad mode is thread-local: carry the caller's into the worker.
-            futures.append(self._pools[r - 1].submit(_with_grad_mode, grad, fns[r]))
+            # Grad mode and current streams are thread-local: carry the caller's.
+            futures.append(
+                self._pools[r - 1].submit(_with_caller_state, grad, self.streams, streams, fns[r])
+            )
         results: List[Any] = [None] * len(fns)
         first: Optional[ReplicaError] = None
         interrupt: Optional[BaseException] = None
@@ -90,6 +100,11 @@ def _init_worker(threads: Optional[int], device: Optional[torch.device]) -> None
         torch.cuda.set_device(device)  # allocations without a device land on the replica's
 
 
-def _with_grad_mode(enabled: bool, fn: Callable[[], Any]) -> Any:
+def _with_caller_state(
+    enabled: bool, provider: Optional[Any], streams: Optional[Any], fn: Callable[[], Any]
+) -> Any:
     with torch.set_grad_enabled(enabled):
-        return fn()
+        if provider is None or streams is None:
+            return fn()
+        with provider.use(streams):
+            return fn()

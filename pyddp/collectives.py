@@ -1,7 +1,9 @@
 """Collectives over a list of per-replica tensors in one process, in place:
 CPU tensors reduce in process, one tensor per GPU through NCCL, several on one
 GPU through pyddp's kernel. CuPy arrays (anything with
-``__cuda_array_interface__``) are accepted and modified in place."""
+``__cuda_array_interface__``) are accepted and modified in place, ordered
+against CuPy's current stream. Backends share the process-wide communicators
+of their devices with every wrapped model (one launch lock per device set)."""
 
 from __future__ import annotations
 
@@ -25,8 +27,12 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
     place: afterwards each holds the sum (op="sum") or the mean (op="avg") of
     all. float16/bfloat16 accumulate in float32 on the CPU and on one GPU (NCCL
     rounds at each hop). On GPUs the reduction is ordered after the work queued
-    on each device's current stream, and those streams wait for it; the host does
-    not block."""
+    on each device's current stream (CuPy's current stream for CuPy arrays),
+    and those streams wait for it; the host does not block. A tensor allocated
+    on another stream is recorded on the current one, so its memory is not
+    reused before the reduction is done. One tensor: nothing to reduce, no
+    communicator is created."""
+    cupy_streams = [_cupy_stream(t) for t in tensors]
     tensors = [_as_tensor(t, i) for i, t in enumerate(tensors)]
     if not tensors:
         raise ValueError("all_reduce: tensors is empty")
@@ -48,13 +54,18 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
         raise ValueError("all_reduce: two entries share memory; pass one buffer per replica")
     devices = [t.device for t in tensors]
     kind = backend_kind(devices)
+    if len(tensors) == 1:
+        return  # the sum and the mean of one tensor is itself
     indices = tuple(-1 if d.type == "cpu" else d.index for d in devices)
     key = (kind, indices)
     with _backends_lock:
         if key not in _backends:
             _backends[key] = (make_backend(devices), threading.Lock())
         backend, lock = _backends[key]
-    streams = [0 if d.type == "cpu" else torch.cuda.current_stream(d).cuda_stream for d in devices]
+    streams = [
+        0 if d.type == "cpu" else (cs if cs is not None else torch.cuda.current_stream(d).cuda_stream)
+        for d, cs in zip(devices, cupy_streams)
+    ]
     with lock:
         try:
             backend.reduce(
@@ -69,6 +80,21 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
             with _backends_lock:
                 _backends.pop(key, None)
             raise
+    for t, cs in zip(tensors, cupy_streams):
+        if t.device.type == "cuda" and cs is None:
+            # The caching allocator must not hand this memory out again before
+            # the current stream (which waits for the reduction) gets there.
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
+def _cupy_stream(x: Any) -> Any:
+    """CuPy's current stream on the array's device (None for torch tensors)."""
+    if isinstance(x, torch.Tensor) or not hasattr(x, "__cuda_array_interface__"):
+        return None
+    import cupy
+
+    with cupy.cuda.Device(x.device.id):
+        return cupy.cuda.get_current_stream().ptr
 
 
 def _as_tensor(x: Any, i: int) -> torch.Tensor:

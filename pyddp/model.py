@@ -38,6 +38,7 @@ class DistributedModel(nn.Module):
         threads_per_replica: Optional[int] = None,
         timeout_s: Optional[float] = None,
         timeline: Optional[int] = None,
+        _gpu: Optional[Tuple[Sequence[int], Any]] = None,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -55,6 +56,7 @@ class DistributedModel(nn.Module):
             rebuild_buckets=rebuild_buckets,
             timeout_s=timeout_s,
             timeline=timeline,
+            _gpu=_gpu,
         )
         self.broadcast_buffers = broadcast_buffers
         self._buffers_of = [list(m.buffers()) for m in replicas]
@@ -64,7 +66,9 @@ class DistributedModel(nn.Module):
             # CPU replicas compute at once: share the cores instead of every
             # replica using torch's full intra-op count (oversubscription).
             threads_per_replica = max(1, torch.get_num_threads() // len(replicas))
-        self._workers = ReplicaWorkers(len(replicas), threads_per_replica, self.devices)
+        self._workers = ReplicaWorkers(
+            len(replicas), threads_per_replica, self.devices, streams=self.sync._streams
+        )
         self.sync.run_per_replica = self._workers.run
         # CPU replicas: autograd would run every replica's backward on the one
         # calling thread, so backward is dispatched to the replica workers.

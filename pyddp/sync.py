@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from torch import nn
 from . import _C
 from ._params import dtype_name, trainable_params
 from ._runtime import make_backend
+from ._streams import TorchStreams
 from .observe import Observer, chrome_trace, timeline_from_env, write_trace
 
 ReduceError = _C.ReduceError
@@ -51,9 +52,11 @@ class GradSync:
 
     Backends: CPU replicas reduce in process; one replica per GPU uses NCCL;
     replicas sharing one GPU use pyddp's own kernel. On GPUs nothing blocks the
-    host: communication waits on events from each replica's current stream
-    (captured when its forward starts), and at the end of backward those
-    streams wait on the communication.
+    host: each gradient's reduction waits (on the GPU) for an event recorded on
+    the stream that produced it; every stream that wrote a bucket (forward
+    streams, producing streams, the caller's stream at finish) waits for the
+    reductions before it can touch the bucket again. Read gradients on the
+    stream backward ran on, or synchronize.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class GradSync:
         op: str = "sum",
         timeout_s: Optional[float] = None,
         timeline: Optional[int] = None,
+        _gpu: Optional[Tuple[Sequence[int], Any]] = None,
     ):
         replicas = list(replicas)
         if not replicas:
@@ -86,7 +90,15 @@ class GradSync:
         self.replicas = replicas
         self.names, self.params = trainable_params(replicas)
         self.devices = [params[0].device for params in self.params]
-        self._cuda = self.devices[0].type == "cuda"
+        # GPU replicas: their CUDA device indices and the stream provider. The
+        # test suite passes _gpu to run this path on a simulated driver with
+        # host tensors; with torch's CUDA it comes from the parameters.
+        if _gpu is None and self.devices[0].type == "cuda":
+            _gpu = ([d.index for d in self.devices], TorchStreams([d.index for d in self.devices]))
+        self._gpu_devices: Optional[List[int]] = None if _gpu is None else list(_gpu[0])
+        self._streams: Optional[Any] = None if _gpu is None else _gpu[1]
+        if self._gpu_devices is not None and len(self._gpu_devices) != len(replicas):
+            raise ValueError("_gpu devices must name one CUDA device per replica")
         self._cap = int(bucket_cap_mb * _MIB)
         self._first_cap = int(first_bucket_cap_mb * _MIB) if self._cap else 0
         self._engine: Optional[Any] = None
@@ -94,6 +106,7 @@ class GradSync:
         # Runs one function per replica; wrap installs its parallel workers.
         self.run_per_replica: Callable[[Sequence[Callable[[], Any]], str], List[Any]] = _in_turn
         self.adopted = 0  # gradients that arrived outside the buckets and were copied in
+        self._closed = False
         keep = timeline_from_env() if timeline is None else timeline
         if keep < 0:
             raise ValueError(f"timeline={timeline} must be >= 0 (iterations to keep)")
@@ -115,7 +128,7 @@ class GradSync:
             buckets,
             reduce_order,
             op,
-            make_backend(self.devices, timeout_s),
+            make_backend(self._gpu_devices or self.devices, timeout_s),
         )
         self._views: List[List[Optional[torch.Tensor]]] = [[None] * len(first) for _ in replicas]
         self._flat: List[List[torch.Tensor]] = [[] for _ in replicas]
@@ -148,7 +161,7 @@ class GradSync:
                         view.copy_(p.grad)
                         p.grad = view
                     self._views[r][i] = view
-                device = -1 if flat.device.type == "cpu" else flat.device.index
+                device = -1 if self._gpu_devices is None else self._gpu_devices[r]
                 self._engine.set_buffer(
                     r, b, flat.data_ptr(), count, self._dtypes[members[0]], device
                 )
@@ -170,13 +183,33 @@ class GradSync:
     def _hook(self, r: int, i: int):
         views = self._views[r]
         mark = self._engine.mark_ready
+        if self._streams is None:
 
-        def on_grad(p: torch.Tensor) -> None:
+            def on_grad(p: torch.Tensor) -> None:
+                if p.grad is not views[i]:
+                    self._adopt(p, views[i])
+                mark(r, i)
+
+            return on_grad
+        current, device = self._streams.current, self._gpu_devices[r]
+
+        def on_grad_gpu(p: torch.Tensor) -> None:
             if p.grad is not views[i]:
+                self._streams.before_host_write(device)
                 self._adopt(p, views[i])
-            mark(r, i)
+            # Autograd runs this hook on the stream that accumulated the
+            # gradient: the reduction waits for that stream, not another.
+            mark(r, i, current(device))
 
-        return on_grad
+        return on_grad_gpu
+
+    def _use_current_stream(self, r: int) -> None:
+        """The current stream is about to write replica r's buckets: order it
+        after the reductions still reading them (on the GPU)."""
+        if self._streams is not None:
+            device = self._gpu_devices[r]
+            self._engine.use_stream(r, self._streams.current(device))
+            self._streams.before_host_write(device)
 
     def _adopt(self, p: torch.Tensor, view: torch.Tensor) -> None:
         # The gradient is not the bucket view (grad was None, or replaced by the
@@ -205,10 +238,10 @@ class GradSync:
         other than 0 clear their copy, keeping sum-over-replicas exact."""
         if self._engine is None:
             return
-        if self._cuda:
-            # Backward runs on the stream its forward ran on: this one.
-            stream = torch.cuda.current_stream(self.devices[replica]).cuda_stream
-            self._engine.set_compute_stream(replica, stream)
+        self._check_open()
+        # Backward runs on the stream its forward runs on: this one. It and the
+        # zeroing below come after the last reduction of these buckets.
+        self._use_current_stream(replica)
         if self._engine.take_stale(replica) and replica > 0:
             for flat in self._flat[replica]:
                 flat.zero_()
@@ -229,9 +262,16 @@ class GradSync:
         Raises ReduceError (naming bucket and parameters) if a reduction failed."""
         if self._engine is None:
             return
+        streams: List[int] = []
+        if self._streams is not None:
+            # Unmarked slices are reconciled on these streams; their reductions
+            # wait for them, and they wait for the reductions.
+            streams = [self._streams.current(d) for d in self._gpu_devices]
+            for d in set(self._gpu_devices):
+                self._streams.before_host_write(d)
         self._reconcile_unmarked()
         try:
-            no_grad, settled = self._engine.finish()
+            no_grad, settled = self._engine.finish(streams)
         finally:
             self._observe()
         for i in no_grad:
@@ -315,6 +355,9 @@ class GradSync:
                 elif p.grad is not None:
                     p.grad.zero_()
             return
+        self._check_open()
+        for r in range(len(self.replicas)):
+            self._use_current_stream(r)
         self.run_per_replica([partial(_zero, flats) for flats in self._flat], "zero_grad")
         self._engine.clear_grads(set_to_none)
 
@@ -333,9 +376,21 @@ class GradSync:
             self._engine.set_sync(previous)
 
     def check_step(self) -> None:
-        """Raises if stepping now would let replicas diverge."""
-        if self._engine is not None and self._engine.partial:
+        """Raises if stepping now would let replicas diverge, including for a GPU
+        reduction that failed or timed out after finish() returned."""
+        if self._engine is None:
+            return
+        self._check_open()
+        try:
+            self._engine.check()
+        except ReduceError as e:
+            raise ReduceError(f"{e}; call zero_grad() and run the step again") from None
+        if self._engine.partial:
             raise RuntimeError(f"pyddp: cannot step: {self._engine.partial_reason}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("pyddp: this GradSync (or wrapped model) was closed")
 
     # ----------------------------------------------------------------- access
     def flat_grads(self, replica: int) -> List[torch.Tensor]:
@@ -376,10 +431,14 @@ class GradSync:
         self._engine.inject_fault(bucket, message)
 
     def close(self) -> None:
-        """Removes the hooks; gradients stay where they are."""
+        """Removes the hooks and releases the backend's threads and GPU
+        communicators; gradients stay where they are. Idempotent."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._engine is not None and not self._closed:
+            self._engine.close()
+        self._closed = True
 
 
 def _in_turn(fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:

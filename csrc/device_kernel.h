@@ -1,0 +1,29 @@
+// The reduction kernel for replicas sharing one GPU, compiled at run time.
+//
+// Why NVRTC and not PTX embedded at build time: PTX carries the ISA version of
+// the nvcc that wrote it (nvcc 13 writes 9.0), and a driver older than that
+// nvcc rejects it (CUDA_ERROR_UNSUPPORTED_PTX_VERSION); most users also have no
+// nvcc when they pip-install. NVRTC ships as a wheel with every CUDA build of
+// torch (nvidia-cuda-nvrtc-cu12 / -cu13), so pyddp compiles the embedded
+// source for the exact GPU it finds and loads a cubin: no JIT, and CUDA's
+// minor-version compatibility lets any driver of that major version load it.
+// Only a GPU newer than the NVRTC (not in its architecture list) gets PTX for
+// the newest architecture NVRTC knows, JIT-compiled by the driver.
+#pragma once
+
+#include <string>
+
+#include "cuda_api.h"
+
+namespace pyddp {
+
+struct DeviceKernels {
+  cuda::CUfunction fn[4] = {};  // indexed by DType
+  std::string how;              // what was built and loaded, for doctor
+};
+
+// Compiled and loaded once per device and process (later calls return the
+// cached module); throws UsageError with NVRTC's log or the driver's error.
+const DeviceKernels& device_kernels(int device, const std::string& nvrtc_path);
+
+}  // namespace pyddp

@@ -1,0 +1,1259 @@
+// A host-side simulation of the slice of the CUDA driver API, NCCL and NVRTC
+// that pyddp loads, for testing pyddp's GPU path on machines without a GPU.
+// Test double only: built by the test suite, selected through
+// PYDDP_CUDA_LIBRARY / PYDDP_NCCL_LIBRARY / PYDDP_NVRTC_LIBRARY, never shipped.
+//
+// It implements the documented semantics, and every rule it enforces cites the
+// documentation it comes from ([CUDA] = CUDA Driver API reference, [PG] = CUDA
+// C++ Programming Guide, [NCCL] = NCCL user guide / nccl.h, [NVRTC] = NVRTC
+// user guide). "Device memory" is host memory. Each stream is a host thread
+// running its queue in order, with an optional per-stream delay so a missing
+// wait produces wrong values instead of passing by luck. Kernels run a host
+// compilation of pyddp's reduce_kernels.cu over the launch's grid. Rule
+// violations return the documented error code and are also logged for the
+// tests (simgpu_violations).
+//
+// Simplifications (documented so nobody mistakes them for the real thing): the
+// legacy default stream does not synchronise implicitly with other blocking
+// streams; collectives reduce in rank order with one rounding per hop; no
+// cross-process communicators (ncclCommInitRank across processes is not
+// simulated yet).
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "kernel_shim.h"
+
+thread_local simgpu_dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+namespace simk {
+#include "reduce_kernels.cu"
+}
+
+#define API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+// ---------------------------------------------------------------- errors
+enum {
+  CUDA_SUCCESS = 0,
+  CUDA_ERROR_INVALID_VALUE = 1,
+  CUDA_ERROR_NOT_INITIALIZED = 3,
+  CUDA_ERROR_DEINITIALIZED = 4,
+  CUDA_ERROR_INVALID_IMAGE = 200,
+  CUDA_ERROR_INVALID_CONTEXT = 201,
+  CUDA_ERROR_NO_BINARY_FOR_GPU = 209,
+  CUDA_ERROR_UNSUPPORTED_PTX_VERSION = 222,
+  CUDA_ERROR_INVALID_HANDLE = 400,
+  CUDA_ERROR_NOT_FOUND = 500,
+  CUDA_ERROR_NOT_READY = 600,
+  CUDA_ERROR_INVALID_DEVICE = 101,
+};
+enum {
+  ncclSuccess = 0,
+  ncclUnhandledCudaError = 1,
+  ncclSystemError = 2,
+  ncclInternalError = 3,
+  ncclInvalidArgument = 4,
+  ncclInvalidUsage = 5,
+  ncclRemoteError = 6,
+  ncclInProgress = 7,
+};
+
+std::mutex g_log_mu;
+std::vector<std::string> g_violations;
+std::map<std::string, long> g_counters;
+std::atomic<bool> g_unloaded{false};
+
+int violation(int code, const std::string& what) {
+  std::lock_guard<std::mutex> lk(g_log_mu);
+  g_violations.push_back(what);
+  std::fprintf(stderr, "simgpu: rule violated: %s\n", what.c_str());
+  return code;
+}
+void bump(const char* name) {
+  std::lock_guard<std::mutex> lk(g_log_mu);
+  ++g_counters[name];
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+double hang_s() {
+  const char* v = std::getenv("SIMGPU_HANG_S");
+  return v && *v ? std::atof(v) : 5.0;
+}
+
+// ---------------------------------------------------------------- driver
+std::atomic<bool> g_initialized{false};
+constexpr int kMaxDevices = 8;
+
+struct Ctx {
+  int device;
+};
+Ctx g_ctx[kMaxDevices] = {{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}};
+thread_local Ctx* t_current = nullptr;  // [CUDA] "the calling CPU thread's current context"
+
+int num_devices() { return std::min(kMaxDevices, env_int("SIMGPU_DEVICES", 4)); }
+int driver_version() { return env_int("SIMGPU_DRIVER_VERSION", 12040); }
+int compute_capability() { return env_int("SIMGPU_CC", 80); }
+
+struct Event {
+  Ctx* ctx;
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t recorded = 0;   // generation of the latest cuEventRecord
+  uint64_t completed = 0;  // generation the stream reached
+};
+
+struct Op {
+  std::function<void()> run;  // a kernel, a copy, a collective
+  Event* wait = nullptr;      // cuStreamWaitEvent: wait until completed >= gen
+  Event* record = nullptr;    // cuEventRecord: completed = gen
+  uint64_t gen = 0;
+};
+
+struct Stream {
+  Ctx* ctx;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Op> queue;
+  uint64_t enqueued = 0, done = 0;
+  std::atomic<long> delay_us{0};
+  bool destroyed = false;
+  std::thread thread;
+};
+
+std::mutex g_handles_mu;
+std::set<void*> g_streams, g_events;
+Stream* g_null_stream[kMaxDevices] = {};
+std::atomic<long> g_default_delay_us{0};
+
+void stream_loop(Stream* s) {
+  for (;;) {
+    Op op;
+    {
+      std::unique_lock<std::mutex> lk(s->mu);
+      s->cv.wait(lk, [&] { return !s->queue.empty() || s->destroyed; });
+      if (s->queue.empty()) return;  // destroyed and drained: resources released
+      op = std::move(s->queue.front());
+    }
+    const long delay = s->delay_us.load();
+    if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+    if (op.wait) {
+      std::unique_lock<std::mutex> lk(op.wait->mu);
+      op.wait->cv.wait(lk, [&] { return op.wait->completed >= op.gen; });
+    }
+    if (op.run) op.run();
+    if (op.record) {
+      std::lock_guard<std::mutex> lk(op.record->mu);
+      op.record->completed = std::max(op.record->completed, op.gen);
+      op.record->cv.notify_all();
+    }
+    std::lock_guard<std::mutex> lk(s->mu);
+    s->queue.pop_front();
+    ++s->done;
+    s->cv.notify_all();
+  }
+}
+
+Stream* new_stream(Ctx* ctx) {
+  auto* s = new Stream;
+  s->ctx = ctx;
+  s->delay_us = g_default_delay_us.load();
+  s->thread = std::thread(stream_loop, s);
+  s->thread.detach();  // lives until destroyed and drained
+  std::lock_guard<std::mutex> lk(g_handles_mu);
+  g_streams.insert(s);
+  return s;
+}
+
+// Resolves a stream handle. 0 (and CU_STREAM_LEGACY = 1, CU_STREAM_PER_THREAD
+// = 2) name the default stream of the *current* context [CUDA, "Stream
+// synchronization behavior"], so they need one.
+int resolve(void* handle, Stream** out) {
+  const auto h = reinterpret_cast<uintptr_t>(handle);
+  if (h <= 2) {
+    if (t_current == nullptr) {
+      return violation(CUDA_ERROR_INVALID_CONTEXT,
+                       "the default stream (handle 0) used with no current context");
+    }
+    std::lock_guard<std::mutex> lk(g_handles_mu);
+    Stream*& s = g_null_stream[t_current->device];
+    if (s == nullptr) {
+      s = new Stream;
+      s->ctx = t_current;
+      s->delay_us = g_default_delay_us.load();
+      s->thread = std::thread(stream_loop, s);
+      s->thread.detach();
+      g_streams.insert(s);
+    }
+    *out = s;
+    return CUDA_SUCCESS;
+  }
+  std::lock_guard<std::mutex> lk(g_handles_mu);
+  if (!g_streams.count(handle)) {
+    return violation(CUDA_ERROR_INVALID_HANDLE, "unknown or destroyed stream handle");
+  }
+  *out = static_cast<Stream*>(handle);
+  return CUDA_SUCCESS;
+}
+
+int check_event(void* handle) {
+  std::lock_guard<std::mutex> lk(g_handles_mu);
+  if (!g_events.count(handle)) {
+    return violation(CUDA_ERROR_INVALID_HANDLE, "unknown or destroyed event handle");
+  }
+  return CUDA_SUCCESS;
+}
+
+void enqueue(Stream* s, Op op) {
+  std::lock_guard<std::mutex> lk(s->mu);
+  s->queue.push_back(std::move(op));
+  ++s->enqueued;
+  s->cv.notify_all();
+}
+
+int live() {
+  if (g_unloaded.load()) {
+    // Called while the process tears down its statics: [CUDA] returns
+    // CUDA_ERROR_DEINITIALIZED once the driver is shutting down.
+    return violation(CUDA_ERROR_DEINITIALIZED, "driver called during process teardown");
+  }
+  // [CUDA] cuInit: "must be called before any other function from the driver API".
+  return g_initialized.load() ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
+}
+#define LIVE()                 \
+  do {                         \
+    const int rc_ = live();    \
+    if (rc_ != 0) return rc_;  \
+  } while (0)
+
+// ---------------------------------------------------------------- kernels
+uint64_t fnv1a(const char* data, size_t n) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(data[i])) * 1099511628211ull;
+  return h;
+}
+
+using Invoke = void (*)(void** params);
+template <typename... A>
+struct Invoker {
+  template <void (*F)(A...), size_t... I>
+  static void call(void** p, std::index_sequence<I...>) {
+    F(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(p[I])...);
+  }
+};
+template <typename Sig, Sig F>
+struct Bind;
+template <typename... A, void (*F)(A...)>
+struct Bind<void (*)(A...), F> {
+  static void invoke(void** p) {
+    Invoker<A...>::template call<F>(p, std::index_sequence_for<A...>{});
+  }
+};
+#define KERNEL(name) \
+  { #name, &Bind<decltype(&simk::name), &simk::name>::invoke }
+const std::map<std::string, Invoke> kKernels = {
+    KERNEL(pyddp_reduce_f32), KERNEL(pyddp_reduce_f64), KERNEL(pyddp_reduce_f16),
+    KERNEL(pyddp_reduce_bf16)};
+
+struct Module {
+  Ctx* ctx;
+};
+struct Function {
+  Ctx* ctx;
+  Invoke invoke;
+  std::string name;
+};
+
+// Highest PTX ISA a driver of this CUDA version JIT-compiles ([PTX ISA]
+// release notes: ISA 8.0 = CUDA 12.0 ... 8.8 = 12.9, 9.0 = 13.0).
+int max_ptx_isa(int driver) {
+  const int major = driver / 1000, minor = (driver % 1000) / 10;
+  if (major >= 13) return 90;
+  if (major == 12) return std::min(88, 80 + minor - (minor >= 6 ? 1 : 0));
+  return 78;
+}
+
+// ---------------------------------------------------------------- NCCL
+struct Clique;
+struct Comm {
+  Clique* clique = nullptr;
+  int rank = 0;
+  int device = 0;
+  bool blocking = true;
+  std::atomic<int> state{ncclInProgress};
+  std::atomic<bool> aborted{false};
+  std::atomic<bool> destroyed{false};
+  std::atomic<int> pending{0};  // collectives enqueued and not finished
+  std::atomic<uint64_t> user{0};  // thread inside a call on this communicator
+  uint64_t seq = 0;
+};
+
+struct Coll {
+  size_t count = 0;
+  int dtype = -1, op = -1;
+  std::vector<void*> send, recv;
+  int arrived = 0;
+  bool done = false, mismatch = false;
+};
+
+struct Clique {
+  int nranks = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Comm*> members;
+  int joined = 0;
+  std::map<uint64_t, Coll> colls;
+  std::set<int> stalled_devices;
+};
+
+std::mutex g_nccl_mu;
+std::map<std::string, Clique*> g_cliques;
+std::set<int> g_stalled;  // devices whose ranks never arrive (fault injection)
+std::map<int, int> g_fail_next;  // device -> async error for its next collective
+
+uint64_t self_id() { return std::hash<std::thread::id>()(std::this_thread::get_id()) | 1; }
+
+// [NCCL] "Using the same communicator from multiple threads concurrently is
+// not safe": two threads inside calls on one communicator are a violation.
+struct Enter {
+  Comm* comm;
+  bool ok = true;
+  explicit Enter(Comm* c) : comm(c) {
+    uint64_t expected = 0;
+    const uint64_t me = self_id();
+    if (!comm->user.compare_exchange_strong(expected, me) && expected != me) {
+      ok = false;
+      violation(0, "two threads inside calls on one NCCL communicator at once");
+      comm = nullptr;
+    }
+  }
+  ~Enter() {
+    if (comm) comm->user.store(0);
+  }
+};
+
+size_t nccl_size(int dtype) {
+  switch (dtype) {
+    case 0: case 1: return 1;
+    case 2: case 3: return 4;
+    case 4: case 5: return 8;
+    case 6: return 2;
+    case 7: return 4;
+    case 8: return 8;
+    case 9: return 2;
+    default: return 0;
+  }
+}
+
+// Independent float16/bfloat16 conversions (IEEE 754 binary16, round to
+// nearest even), written for the simulation, not shared with pyddp.
+float h2f(uint16_t h) {
+  const int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
+  float v = e == 0 ? std::ldexp(static_cast<float>(m), -24)
+            : e == 31 ? (m ? NAN : INFINITY)
+                      : std::ldexp(static_cast<float>(m | 1024), e - 25);
+  return s ? -v : v;
+}
+uint16_t f2h(float f) {
+  _Float16 h = static_cast<_Float16>(f);  // the compiler's IEEE conversion (RNE)
+  uint16_t out;
+  std::memcpy(&out, &h, 2);
+  return out;
+}
+float b2f(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+uint16_t f2b(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40);
+  const uint64_t rounded = static_cast<uint64_t>(u) + 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(rounded >> 16);
+}
+
+// The reduction: rank order, one rounding to the element type per hop (as a
+// ring all-reduce does), then every receive buffer gets the result.
+void reduce_coll(Coll& c, int nranks) {
+  const size_t n = c.count;
+  std::vector<double> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    double acc = 0;
+    for (int r = 0; r < nranks; ++r) {
+      const char* p = static_cast<const char*>(c.send[r]);
+      double v = 0;
+      switch (c.dtype) {
+        case 6: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); v = h2f(h); break; }
+        case 7: { float f; std::memcpy(&f, p + 4 * i, 4); v = f; break; }
+        case 8: { double d; std::memcpy(&d, p + 8 * i, 8); v = d; break; }
+        case 9: { uint16_t b; std::memcpy(&b, p + 2 * i, 2); v = b2f(b); break; }
+      }
+      acc = r == 0 ? v : acc + v;
+      // Round to the element type at each hop.
+      switch (c.dtype) {
+        case 6: acc = h2f(f2h(static_cast<float>(acc))); break;
+        case 7: acc = static_cast<float>(acc); break;
+        case 9: acc = b2f(f2b(static_cast<float>(acc))); break;
+      }
+    }
+    if (c.op == 4) acc /= nranks;
+    out[i] = acc;
+  }
+  for (int r = 0; r < nranks; ++r) {
+    char* p = static_cast<char*>(c.recv[r]);
+    for (size_t i = 0; i < n; ++i) {
+      switch (c.dtype) {
+        case 6: { uint16_t h = f2h(static_cast<float>(out[i])); std::memcpy(p + 2 * i, &h, 2); break; }
+        case 7: { float f = static_cast<float>(out[i]); std::memcpy(p + 4 * i, &f, 4); break; }
+        case 8: std::memcpy(p + 8 * i, &out[i], 8); break;
+        case 9: { uint16_t b = f2b(static_cast<float>(out[i])); std::memcpy(p + 2 * i, &b, 2); break; }
+      }
+    }
+  }
+}
+
+struct Pending {  // a call deferred to ncclGroupEnd [NCCL, "Group calls"]
+  Comm* comm;
+  std::function<void()> launch;
+};
+thread_local int t_group_depth = 0;
+thread_local std::vector<Pending> t_group;
+thread_local std::vector<Comm*> t_group_inits;
+
+// Runs on the rank's stream thread: arrive, wait for every rank (like a
+// kernel spinning on its peers), the last arrival reduces.
+void run_collective(Comm* comm, uint64_t seq, size_t count, int dtype, int op, void* send,
+                    void* recv) {
+  Clique* q = comm->clique;
+  std::unique_lock<std::mutex> lk(q->mu);
+  bool stalled;
+  {
+    std::lock_guard<std::mutex> g(g_nccl_mu);
+    stalled = g_stalled.count(comm->device) > 0;
+  }
+  if (stalled) {
+    // Fault injection: this rank never arrives; only an abort frees it.
+    q->cv.wait(lk, [&] { return comm->aborted.load(); });
+    --comm->pending;
+    return;
+  }
+  Coll& c = q->colls[seq];
+  if (c.send.empty()) {
+    c.send.assign(q->nranks, nullptr);
+    c.recv.assign(q->nranks, nullptr);
+    c.count = count;
+    c.dtype = dtype;
+    c.op = op;
+  } else if (c.count != count || c.dtype != dtype || c.op != op) {
+    // [NCCL] every rank must call the collective with the same count,
+    // datatype and op; the real library hangs or corrupts, we flag it.
+    c.mismatch = true;
+  }
+  c.send[comm->rank] = send;
+  c.recv[comm->rank] = recv;
+  if (++c.arrived == q->nranks) {
+    if (c.mismatch) {
+      violation(0, "collective called with different count/datatype/op across ranks");
+      for (Comm* m : q->members) m->state = ncclInvalidUsage;
+    } else {
+      reduce_coll(c, q->nranks);
+    }
+    c.done = true;
+    q->cv.notify_all();
+  } else {
+    q->cv.wait(lk, [&] { return c.done || comm->aborted.load(); });
+  }
+  {
+    std::lock_guard<std::mutex> g(g_nccl_mu);
+    auto it = g_fail_next.find(comm->device);
+    if (it != g_fail_next.end()) {
+      comm->state = it->second;
+      g_fail_next.erase(it);
+    }
+  }
+  --comm->pending;
+}
+
+int check_comm(Comm* comm, const char* call) {
+  if (comm == nullptr) return violation(ncclInvalidArgument, std::string(call) + ": null communicator");
+  if (comm->destroyed.load()) return violation(ncclInvalidUsage, std::string(call) + " on a destroyed communicator");
+  if (comm->aborted.load()) return violation(ncclInvalidUsage, std::string(call) + " on an aborted communicator");
+  // [NCCL, "Non-blocking communicators"]: after ncclInProgress the caller
+  // must poll ncclCommGetAsyncError until ncclSuccess before the next call.
+  if (comm->state.load() == ncclInProgress) {
+    return violation(ncclInvalidUsage, std::string(call) +
+                                           " while the communicator is still in progress "
+                                           "(poll ncclCommGetAsyncError until ncclSuccess)");
+  }
+  if (comm->state.load() != ncclSuccess) return comm->state.load();
+  return ncclSuccess;
+}
+
+void finish_nonblocking(std::vector<Pending> work, std::vector<Comm*> comms) {
+  // Non-blocking communicators return ncclInProgress and finish the launch in
+  // the background; the kernels reach the streams only then.
+  std::thread([work = std::move(work), comms = std::move(comms)] {
+    std::this_thread::sleep_for(std::chrono::microseconds(env_int("SIMGPU_NCCL_ASYNC_US", 300)));
+    for (const Pending& p : work) p.launch();
+    for (Comm* c : comms) {
+      int expected = ncclInProgress;
+      c->state.compare_exchange_strong(expected, ncclSuccess);
+    }
+  }).detach();
+}
+
+// ---------------------------------------------------------------- NVRTC
+struct Program {
+  std::string src;
+  std::string log;
+  std::string cubin, ptx;
+};
+int nvrtc_major() { return env_int("SIMGPU_NVRTC_VERSION", 124) / 10; }
+int nvrtc_minor() { return env_int("SIMGPU_NVRTC_VERSION", 124) % 10; }
+std::vector<int> nvrtc_archs() {
+  std::vector<int> a = {50, 52, 53, 60, 61, 62, 70, 72, 75, 80, 86, 87, 89, 90};
+  if (nvrtc_major() >= 13) a = {75, 80, 86, 87, 89, 90, 100, 103, 120};
+  return a;
+}
+
+}  // namespace
+
+__attribute__((destructor)) static void simgpu_unload() { g_unloaded = true; }
+
+// ================================================================ driver API
+
+API int simgpu_version() { return 1; }
+
+API int cuInit(unsigned flags) {
+  if (flags != 0) return CUDA_ERROR_INVALID_VALUE;  // [CUDA] cuInit: "Flags must be 0"
+  g_initialized = true;
+  return CUDA_SUCCESS;
+}
+API int cuDriverGetVersion(int* v) {
+  if (!v) return CUDA_ERROR_INVALID_VALUE;
+  *v = driver_version();
+  return CUDA_SUCCESS;
+}
+API int cuDeviceGetCount(int* n) {
+  LIVE();
+  *n = num_devices();
+  return CUDA_SUCCESS;
+}
+API int cuDeviceGet(int* dev, int ordinal) {
+  LIVE();
+  if (ordinal < 0 || ordinal >= num_devices()) return CUDA_ERROR_INVALID_DEVICE;
+  *dev = ordinal;
+  return CUDA_SUCCESS;
+}
+API int cuDeviceGetName(char* name, int len, int dev) {
+  LIVE();
+  if (dev < 0 || dev >= num_devices()) return CUDA_ERROR_INVALID_DEVICE;
+  std::snprintf(name, len, "pyddp simulated GPU (sm_%d)", compute_capability());
+  return CUDA_SUCCESS;
+}
+API int cuDeviceGetAttribute(int* v, int attr, int dev) {
+  LIVE();
+  if (dev < 0 || dev >= num_devices()) return CUDA_ERROR_INVALID_DEVICE;
+  if (attr == 75) *v = compute_capability() / 10;       // COMPUTE_CAPABILITY_MAJOR
+  else if (attr == 76) *v = compute_capability() % 10;  // COMPUTE_CAPABILITY_MINOR
+  else return CUDA_ERROR_INVALID_VALUE;
+  return CUDA_SUCCESS;
+}
+API int cuDevicePrimaryCtxRetain(void** ctx, int dev) {
+  LIVE();
+  if (dev < 0 || dev >= num_devices()) return CUDA_ERROR_INVALID_DEVICE;
+  *ctx = &g_ctx[dev];
+  return CUDA_SUCCESS;
+}
+API int cuCtxSetCurrent(void* ctx) {
+  LIVE();
+  if (ctx != nullptr && (ctx < static_cast<void*>(&g_ctx[0]) || ctx >= static_cast<void*>(&g_ctx[kMaxDevices]))) {
+    return violation(CUDA_ERROR_INVALID_CONTEXT, "cuCtxSetCurrent with an invalid context");
+  }
+  t_current = static_cast<Ctx*>(ctx);  // NULL unbinds [CUDA cuCtxSetCurrent]
+  return CUDA_SUCCESS;
+}
+API int cuCtxGetCurrent(void** ctx) {
+  LIVE();
+  *ctx = t_current;
+  return CUDA_SUCCESS;
+}
+API int cuStreamCreate(void** out, unsigned flags) {
+  LIVE();
+  // [CUDA] cuStreamCreate creates the stream "in the current context".
+  if (t_current == nullptr) return violation(CUDA_ERROR_INVALID_CONTEXT, "cuStreamCreate without a current context");
+  if (flags > 1) return CUDA_ERROR_INVALID_VALUE;
+  *out = new_stream(t_current);
+  bump("stream_create");
+  return CUDA_SUCCESS;
+}
+API int cuStreamDestroy_v2(void* handle) {
+  LIVE();
+  Stream* s = nullptr;
+  if (reinterpret_cast<uintptr_t>(handle) <= 2) return CUDA_ERROR_INVALID_HANDLE;
+  if (int rc = resolve(handle, &s)) return rc;
+  {
+    std::lock_guard<std::mutex> lk(g_handles_mu);
+    g_streams.erase(handle);
+  }
+  // [CUDA] cuStreamDestroy: with work still queued it "returns immediately"
+  // and the resources are released once the work completes.
+  std::lock_guard<std::mutex> lk(s->mu);
+  s->destroyed = true;
+  s->cv.notify_all();
+  return CUDA_SUCCESS;
+}
+API int cuStreamQuery(void* handle) {
+  LIVE();
+  Stream* s = nullptr;
+  if (int rc = resolve(handle, &s)) return rc;
+  std::lock_guard<std::mutex> lk(s->mu);
+  return s->done == s->enqueued ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+API int cuStreamSynchronize(void* handle) {
+  LIVE();
+  Stream* s = nullptr;
+  if (int rc = resolve(handle, &s)) return rc;
+  std::unique_lock<std::mutex> lk(s->mu);
+  const uint64_t target = s->enqueued;
+  s->cv.wait(lk, [&] { return s->done >= target; });
+  return CUDA_SUCCESS;
+}
+API int cuEventCreate(void** out, unsigned flags) {
+  LIVE();
+  // [CUDA] cuEventCreate: "Creates an event ... for the current context".
+  if (t_current == nullptr) return violation(CUDA_ERROR_INVALID_CONTEXT, "cuEventCreate without a current context");
+  if (flags > 0xf) return CUDA_ERROR_INVALID_VALUE;
+  auto* e = new Event;
+  e->ctx = t_current;
+  std::lock_guard<std::mutex> lk(g_handles_mu);
+  g_events.insert(e);
+  *out = e;
+  return CUDA_SUCCESS;
+}
+API int cuEventDestroy_v2(void* handle) {
+  LIVE();
+  if (int rc = check_event(handle)) return rc;
+  std::lock_guard<std::mutex> lk(g_handles_mu);
+  g_events.erase(handle);  // memory kept: a queued record may still complete it
+  return CUDA_SUCCESS;
+}
+API int cuEventRecord(void* ev, void* stream) {
+  LIVE();
+  if (int rc = check_event(ev)) return rc;
+  Stream* s = nullptr;
+  if (int rc = resolve(stream, &s)) return rc;
+  auto* e = static_cast<Event*>(ev);
+  // [CUDA] cuEventRecord / cudaEventRecord: "hStream and hEvent must be on the
+  // same context" (CUDA_ERROR_INVALID_HANDLE otherwise).
+  if (e->ctx != s->ctx) {
+    return violation(CUDA_ERROR_INVALID_HANDLE,
+                     "cuEventRecord: event of cuda:" + std::to_string(e->ctx->device) +
+                         " recorded on a stream of cuda:" + std::to_string(s->ctx->device));
+  }
+  Op op;
+  {
+    std::lock_guard<std::mutex> lk(e->mu);
+    op.gen = ++e->recorded;
+  }
+  op.record = e;
+  enqueue(s, std::move(op));
+  bump("event_record");
+  return CUDA_SUCCESS;
+}
+API int cuStreamWaitEvent(void* stream, void* ev, unsigned flags) {
+  LIVE();
+  if (int rc = check_event(ev)) return rc;
+  if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+  Stream* s = nullptr;
+  if (int rc = resolve(stream, &s)) return rc;
+  auto* e = static_cast<Event*>(ev);
+  // [CUDA] cuStreamWaitEvent: waits on "the most recent call to cuEventRecord"
+  // at the time of this call; the event may be from another context. An event
+  // never recorded is complete, so the wait is empty.
+  uint64_t gen;
+  {
+    std::lock_guard<std::mutex> lk(e->mu);
+    gen = e->recorded;
+  }
+  if (gen == 0) return CUDA_SUCCESS;
+  Op op;
+  op.wait = e;
+  op.gen = gen;
+  enqueue(s, std::move(op));
+  bump("stream_wait");
+  return CUDA_SUCCESS;
+}
+API int cuEventQuery(void* ev) {
+  LIVE();
+  if (int rc = check_event(ev)) return rc;
+  auto* e = static_cast<Event*>(ev);
+  std::lock_guard<std::mutex> lk(e->mu);
+  // [CUDA] cuEventQuery: CUDA_SUCCESS if the captured work completed or the
+  // event was never recorded, CUDA_ERROR_NOT_READY otherwise.
+  return e->completed >= e->recorded ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+API int cuEventSynchronize(void* ev) {
+  LIVE();
+  if (int rc = check_event(ev)) return rc;
+  auto* e = static_cast<Event*>(ev);
+  std::unique_lock<std::mutex> lk(e->mu);
+  const uint64_t target = e->recorded;
+  e->cv.wait(lk, [&] { return e->completed >= target; });
+  return CUDA_SUCCESS;
+}
+API int cuGetErrorString(int code, const char** out) {
+  switch (code) {
+    case 0: *out = "no error"; break;
+    case 1: *out = "invalid argument"; break;
+    case 3: *out = "initialization error"; break;
+    case 4: *out = "driver shutting down"; break;
+    case 101: *out = "invalid device ordinal"; break;
+    case 200: *out = "device kernel image is invalid"; break;
+    case 201: *out = "invalid device context"; break;
+    case 209: *out = "no kernel image is available for execution on the device"; break;
+    case 222: *out = "the provided PTX was compiled with an unsupported toolchain."; break;
+    case 400: *out = "invalid resource handle"; break;
+    case 500: *out = "named symbol not found"; break;
+    case 600: *out = "device not ready"; break;
+    default: *out = nullptr; return CUDA_ERROR_INVALID_VALUE;
+  }
+  return CUDA_SUCCESS;
+}
+API int cuModuleLoadData(void** module, const void* image) {
+  LIVE();
+  // [CUDA] cuModuleLoadData "loads ... into the current context".
+  if (t_current == nullptr) return violation(CUDA_ERROR_INVALID_CONTEXT, "cuModuleLoadData without a current context");
+  const std::string text(static_cast<const char*>(image));
+  const std::string hash = std::to_string(SIMGPU_KERNEL_HASH);
+  if (text.rfind("SIMGPU-CUBIN ", 0) == 0) {
+    int arch = 0;
+    char src[64] = {0};
+    std::sscanf(text.c_str(), "SIMGPU-CUBIN sm_%d src=%63s", &arch, src);
+    if (hash != src) return violation(CUDA_ERROR_INVALID_IMAGE, "cubin not built from reduce_kernels.cu");
+    // [CUDA] a cubin runs only on its SM major (and minor >= it): else
+    // CUDA_ERROR_NO_BINARY_FOR_GPU.
+    if (arch / 10 != compute_capability() / 10 || arch > compute_capability()) {
+      return CUDA_ERROR_NO_BINARY_FOR_GPU;
+    }
+  } else if (text.find(".version") != std::string::npos) {
+    int major = 0, minor = 0, target = 0;
+    std::sscanf(text.c_str() + text.find(".version"), ".version %d.%d", &major, &minor);
+    if (text.find(".target sm_") != std::string::npos) {
+      std::sscanf(text.c_str() + text.find(".target sm_"), ".target sm_%d", &target);
+    }
+    // [PTX ISA] a driver JIT-compiles PTX up to the ISA of its CUDA version:
+    // newer PTX fails with CUDA_ERROR_UNSUPPORTED_PTX_VERSION.
+    if (major * 10 + minor > max_ptx_isa(driver_version())) return CUDA_ERROR_UNSUPPORTED_PTX_VERSION;
+    if (target > compute_capability()) return CUDA_ERROR_NO_BINARY_FOR_GPU;
+    for (const auto& k : kKernels) {
+      if (text.find(".entry " + k.first) == std::string::npos) {
+        return violation(CUDA_ERROR_INVALID_IMAGE, "PTX lacks pyddp's entry " + k.first);
+      }
+    }
+  } else {
+    return violation(CUDA_ERROR_INVALID_IMAGE, "cuModuleLoadData: not a cubin or PTX image");
+  }
+  *module = new Module{t_current};
+  bump("module_load");
+  return CUDA_SUCCESS;
+}
+API int cuModuleGetFunction(void** fn, void* module, const char* name) {
+  LIVE();
+  auto it = kKernels.find(name);
+  if (it == kKernels.end()) return CUDA_ERROR_NOT_FOUND;
+  *fn = new Function{static_cast<Module*>(module)->ctx, it->second, name};
+  return CUDA_SUCCESS;
+}
+API int cuLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                       unsigned bz, unsigned shmem, void* stream, void** params, void** extra) {
+  LIVE();
+  auto* f = static_cast<Function*>(fn);
+  Stream* s = nullptr;
+  if (int rc = resolve(stream, &s)) return rc;
+  // [PG, "Stream and Event Behavior"]: "A kernel launch will fail if it is
+  // issued to a stream that is not associated to the current device"; a
+  // function belongs to the context its module was loaded in.
+  if (t_current == nullptr) return violation(CUDA_ERROR_INVALID_CONTEXT, "cuLaunchKernel without a current context");
+  if (s->ctx != t_current || f->ctx != t_current) {
+    return violation(CUDA_ERROR_INVALID_HANDLE,
+                     "cuLaunchKernel: kernel of cuda:" + std::to_string(f->ctx->device) +
+                         " on a stream of cuda:" + std::to_string(s->ctx->device) +
+                         " with cuda:" + std::to_string(t_current->device) + " current");
+  }
+  // [CUDA] cuLaunchKernel: at most 1024 threads per block; params or extra.
+  if (gx == 0 || gy == 0 || gz == 0 || bx * by * bz == 0 || bx * by * bz > 1024 || shmem > 49152 ||
+      (params == nullptr && extra == nullptr)) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  // The kernel parameters are copied at launch [CUDA]: keep the bytes now.
+  // Our kernels take (Ptrs by value, int, long long, int).
+  struct Args {
+    simk::Ptrs ptrs;
+    int n;
+    long long count;
+    int avg;
+  } a;
+  std::memcpy(&a.ptrs, params[0], sizeof a.ptrs);
+  std::memcpy(&a.n, params[1], sizeof a.n);
+  std::memcpy(&a.count, params[2], sizeof a.count);
+  std::memcpy(&a.avg, params[3], sizeof a.avg);
+  Invoke invoke = f->invoke;
+  Op op;
+  op.run = [invoke, a, gx, bx] {
+    Args copy = a;
+    void* p[] = {&copy.ptrs, &copy.n, &copy.count, &copy.avg};
+    gridDim.x = gx;
+    blockDim.x = bx;
+    for (unsigned b = 0; b < gx; ++b) {
+      blockIdx.x = b;
+      for (unsigned t = 0; t < bx; ++t) {
+        threadIdx.x = t;
+        invoke(p);
+      }
+    }
+  };
+  enqueue(s, std::move(op));
+  bump("kernel_launch");
+  return CUDA_SUCCESS;
+}
+API int cuLaunchHostFunc(void* stream, void (*fn)(void*), void* data) {
+  LIVE();
+  Stream* s = nullptr;
+  if (int rc = resolve(stream, &s)) return rc;
+  Op op;
+  op.run = [fn, data] { fn(data); };
+  enqueue(s, std::move(op));
+  return CUDA_SUCCESS;
+}
+
+// ================================================================ NCCL
+
+API int ncclGetVersion(int* v) {
+  *v = 21903;  // reports 2.19.3
+  return ncclSuccess;
+}
+API const char* ncclGetErrorString(int r) {
+  static const char* names[] = {"no error", "unhandled cuda error", "unhandled system error",
+                                "internal error", "invalid argument", "invalid usage",
+                                "remote process exited or there was a network error",
+                                "NCCL operation in progress", "timeout"};
+  return r >= 0 && r <= 8 ? names[r] : "unknown result code";
+}
+API int ncclGetUniqueId(char* id) {
+  static std::atomic<uint64_t> next{1};
+  std::memset(id, 0, 128);
+  std::snprintf(id, 128, "simgpu:%d:%llu", static_cast<int>(getpid()),
+                static_cast<unsigned long long>(next++));
+  return ncclSuccess;
+}
+
+namespace {
+struct ConfigV {  // NCCL 2.14 ncclConfig_t prefix
+  size_t size;
+  unsigned magic, version;
+  int blocking;
+};
+
+int init_rank(Comm** out, int nranks, const char* id, int rank, const ConfigV* config) {
+  if (nranks < 1 || rank < 0 || rank >= nranks) return ncclInvalidArgument;
+  bool blocking = true;
+  if (config != nullptr) {
+    // [NCCL] ncclConfig_t must come from NCCL_CONFIG_INITIALIZER.
+    if (config->magic != 0xcafebeef || config->version < 21400 || config->size < sizeof(ConfigV)) {
+      return violation(ncclInvalidArgument, "ncclConfig_t not from NCCL_CONFIG_INITIALIZER");
+    }
+    blocking = config->blocking != 0;
+  }
+  // [NCCL] ncclCommInitRank: the communicator uses "the current CUDA device".
+  const int device = t_current ? t_current->device : 0;
+  auto* comm = new Comm;
+  comm->rank = rank;
+  comm->device = device;
+  comm->blocking = blocking;
+  Clique* q;
+  {
+    std::lock_guard<std::mutex> lk(g_nccl_mu);
+    Clique*& slot = g_cliques[std::string(id, strnlen(id, 128))];
+    if (slot == nullptr) {
+      slot = new Clique;
+      slot->nranks = nranks;
+      slot->members.assign(nranks, nullptr);
+    }
+    q = slot;
+  }
+  {
+    std::lock_guard<std::mutex> lk(q->mu);
+    if (q->nranks != nranks || q->members[rank] != nullptr) {
+      return violation(ncclInvalidArgument, "ncclCommInitRank: rank joined twice or nranks differs");
+    }
+    for (Comm* m : q->members) {
+      if (m != nullptr && m->device == device) {
+        // [NCCL] "Duplicate GPU detected": two ranks of one clique on one GPU.
+        return violation(ncclInvalidUsage, "two ranks of one communicator on cuda:" + std::to_string(device) +
+                                                " (is the current device set before each init?)");
+      }
+    }
+    comm->clique = q;
+    q->members[rank] = comm;
+    if (++q->joined == nranks) {
+      for (Comm* m : q->members) m->state = ncclSuccess;
+      q->cv.notify_all();
+    }
+  }
+  *out = comm;
+  if (t_group_depth > 0) {
+    t_group_inits.push_back(comm);
+    return blocking ? ncclSuccess : ncclInProgress;
+  }
+  if (!blocking) return ncclInProgress;
+  std::unique_lock<std::mutex> lk(q->mu);
+  if (!q->cv.wait_for(lk, std::chrono::duration<double>(hang_s()),
+                      [&] { return q->joined == q->nranks; })) {
+    return violation(ncclInternalError,
+                     "blocking ncclCommInitRank never completed: peers initialised from this "
+                     "thread must be inside ncclGroupStart/End");
+  }
+  return ncclSuccess;
+}
+}  // namespace
+
+API int ncclCommInitRankConfig(Comm** out, int nranks, char id[128], int rank, ConfigV* config) {
+  if (live() == CUDA_ERROR_DEINITIALIZED) return ncclUnhandledCudaError;
+  return init_rank(out, nranks, id, rank, config);
+}
+API int ncclCommInitRank(Comm** out, int nranks, char id[128], int rank) {
+  return init_rank(out, nranks, id, rank, nullptr);
+}
+API int ncclCommGetAsyncError(Comm* comm, int* err) {
+  // Documented as callable while another thread waits on the communicator.
+  if (comm == nullptr) return ncclInvalidArgument;
+  if (comm->destroyed.load()) return violation(ncclInvalidUsage, "ncclCommGetAsyncError on a destroyed communicator");
+  *err = comm->aborted.load() ? ncclSystemError : comm->state.load();
+  return ncclSuccess;
+}
+API int ncclGroupStart() {
+  ++t_group_depth;
+  return ncclSuccess;
+}
+API int ncclAllReduce(const void* send, void* recv, size_t count, int dtype, int op, Comm* comm,
+                      void* stream) {
+  if (int rc = check_comm(comm, "ncclAllReduce")) return rc;
+  Enter enter(comm);
+  if (!enter.ok) return ncclInvalidUsage;
+  // [NCCL] ncclDataType_t / ncclRedOp_t: built-in values only here.
+  if (nccl_size(dtype) == 0 || op < 0 || op > 4) {
+    return violation(ncclInvalidArgument, "ncclAllReduce: invalid datatype or op enum");
+  }
+  if (count > 0 && (send == nullptr || recv == nullptr)) return ncclInvalidArgument;
+  Stream* s = nullptr;
+  {
+    Ctx* saved = t_current;
+    t_current = &g_ctx[comm->device];  // NCCL launches on the communicator's device
+    const int rc = resolve(stream, &s);
+    t_current = saved;
+    if (rc) return ncclInvalidArgument;
+  }
+  if (s->ctx->device != comm->device) {
+    return violation(ncclInvalidArgument, "ncclAllReduce: stream of cuda:" + std::to_string(s->ctx->device) +
+                                              " for a communicator of cuda:" + std::to_string(comm->device));
+  }
+  if (t_group_depth > 0) {
+    // Held until ncclGroupEnd: no other thread may use it in between.
+    Pending p{comm, nullptr};
+    p.launch = [comm, send, recv, count, dtype, op, s] {
+      const uint64_t seq = comm->seq++;
+      ++comm->pending;
+      Op o;
+      o.run = [comm, seq, count, dtype, op, send, recv] {
+        run_collective(comm, seq, count, dtype, op, const_cast<void*>(send), recv);
+      };
+      enqueue(s, std::move(o));
+    };
+    t_group.push_back(std::move(p));
+    comm->user.store(0);
+    enter.comm = nullptr;
+    bump("nccl_allreduce");
+    return ncclSuccess;
+  }
+  const uint64_t seq = comm->seq++;
+  ++comm->pending;
+  Op o;
+  o.run = [comm, seq, count, dtype, op, send, recv] {
+    run_collective(comm, seq, count, dtype, op, const_cast<void*>(send), recv);
+  };
+  enqueue(s, std::move(o));
+  bump("nccl_allreduce");
+  return ncclSuccess;
+}
+API int ncclGroupEnd() {
+  if (t_group_depth == 0) return violation(ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
+  if (--t_group_depth > 0) return ncclSuccess;
+  std::vector<Pending> work;
+  work.swap(t_group);
+  std::vector<Comm*> inits;
+  inits.swap(t_group_inits);
+  // Blocking inits in a group complete at ncclGroupEnd [NCCL, "Group calls"].
+  for (Comm* c : inits) {
+    if (!c->blocking) continue;
+    std::unique_lock<std::mutex> lk(c->clique->mu);
+    if (!c->clique->cv.wait_for(lk, std::chrono::duration<double>(hang_s()),
+                                [&] { return c->clique->joined == c->clique->nranks; })) {
+      return violation(ncclInternalError, "ncclGroupEnd: communicator init never completed");
+    }
+  }
+  bool nonblocking = false;
+  std::vector<Comm*> comms;
+  for (const Pending& p : work) {
+    if (!p.comm->blocking) nonblocking = true;
+    if (std::find(comms.begin(), comms.end(), p.comm) == comms.end()) comms.push_back(p.comm);
+  }
+  for (Comm* c : inits) nonblocking = nonblocking || !c->blocking;
+  if (!nonblocking) {
+    for (const Pending& p : work) p.launch();
+    return ncclSuccess;
+  }
+  for (Comm* c : comms) c->state = ncclInProgress;
+  finish_nonblocking(std::move(work), comms);
+  return ncclInProgress;
+}
+API int ncclCommFinalize(Comm* comm) {
+  if (int rc = check_comm(comm, "ncclCommFinalize")) return rc;
+  Enter enter(comm);
+  if (!enter.ok) return ncclInvalidUsage;
+  if (comm->blocking) {
+    while (comm->pending.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    return ncclSuccess;
+  }
+  comm->state = ncclInProgress;
+  std::thread([comm] {
+    while (comm->pending.load() > 0 && !comm->aborted.load()) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    int expected = ncclInProgress;
+    comm->state.compare_exchange_strong(expected, ncclSuccess);
+  }).detach();
+  return ncclInProgress;
+}
+API int ncclCommDestroy(Comm* comm) {
+  if (comm == nullptr) return ncclInvalidArgument;
+  if (comm->destroyed.load()) return violation(ncclInvalidUsage, "ncclCommDestroy twice");
+  Enter enter(comm);
+  if (!enter.ok) return ncclInvalidUsage;
+  // [NCCL] ncclCommDestroy waits for the communicator's outstanding
+  // operations: with one stuck it never returns. Flag it instead of hanging.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(hang_s());
+  while (comm->pending.load() > 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      return violation(ncclInternalError, "ncclCommDestroy with a collective in flight (would hang)");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  comm->destroyed = true;
+  bump("nccl_destroy");
+  return ncclSuccess;
+}
+API int ncclCommAbort(Comm* comm) {
+  if (comm == nullptr) return ncclInvalidArgument;
+  // [NCCL] freeing a communicator another thread is inside is unsafe.
+  const uint64_t inside = comm->user.load();
+  if (inside != 0 && inside != self_id()) {
+    violation(0, "ncclCommAbort while another thread is inside a call on the communicator");
+  }
+  comm->aborted = true;
+  std::lock_guard<std::mutex> lk(comm->clique->mu);
+  comm->clique->cv.notify_all();  // its kernels exit
+  bump("nccl_abort");
+  return ncclSuccess;
+}
+
+// ================================================================ NVRTC
+
+API int nvrtcVersion(int* major, int* minor) {
+  *major = nvrtc_major();
+  *minor = nvrtc_minor();
+  return 0;
+}
+API int nvrtcGetNumSupportedArchs(int* n) {
+  *n = static_cast<int>(nvrtc_archs().size());
+  return 0;
+}
+API int nvrtcGetSupportedArchs(int* out) {
+  const auto a = nvrtc_archs();
+  std::copy(a.begin(), a.end(), out);
+  return 0;
+}
+API int nvrtcCreateProgram(Program** prog, const char* src, const char*, int n, const char* const*,
+                           const char* const*) {
+  if (prog == nullptr || src == nullptr || n < 0) return 4;  // NVRTC_ERROR_INVALID_INPUT
+  *prog = new Program{src, "", "", ""};
+  return 0;
+}
+API int nvrtcCompileProgram(Program* p, int n, const char* const* options) {
+  std::string arch;
+  for (int i = 0; i < n; ++i) {
+    const std::string o = options[i];
+    for (const char* prefix : {"--gpu-architecture=", "-arch="}) {
+      if (o.rfind(prefix, 0) == 0) arch = o.substr(std::strlen(prefix));
+    }
+  }
+  int number = 0;
+  const bool cubin = arch.rfind("sm_", 0) == 0;
+  if (!(cubin || arch.rfind("compute_", 0) == 0) ||
+      std::sscanf(arch.c_str() + arch.find('_') + 1, "%d", &number) != 1) {
+    p->log = "nvrtc: error: no or invalid --gpu-architecture";
+    return 5;  // NVRTC_ERROR_INVALID_OPTION
+  }
+  const auto archs = nvrtc_archs();
+  if (std::find(archs.begin(), archs.end(), number) == archs.end()) {
+    p->log = "nvrtc: error: invalid value for --gpu-architecture (-arch)";
+    return 5;
+  }
+  const uint64_t h = fnv1a(p->src.data(), p->src.size());
+  if (h != SIMGPU_KERNEL_HASH) {
+    // Only the kernel this simulation compiled on the host can "run".
+    p->log = "simgpu: the source differs from the reduce_kernels.cu this simulation was built from";
+    return 6;  // NVRTC_ERROR_COMPILATION
+  }
+  const std::string hs = std::to_string(h);
+  // [NVRTC] sm_XX gives a cubin (and PTX); compute_XX gives PTX only.
+  if (cubin) p->cubin = "SIMGPU-CUBIN sm_" + std::to_string(number) + " src=" + hs;
+  p->ptx = "// simulated NVRTC output\n.version " + std::to_string(nvrtc_major() == 13 ? 9 : 8) +
+           "." + std::to_string(nvrtc_major() == 13 ? 0 : nvrtc_minor()) + "\n.target sm_" +
+           std::to_string(number) + "\n";
+  for (const auto& k : kKernels) p->ptx += ".visible .entry " + k.first + "()\n";
+  return 0;
+}
+API int nvrtcGetProgramLogSize(Program* p, size_t* n) {
+  *n = p->log.size() + 1;
+  return 0;
+}
+API int nvrtcGetProgramLog(Program* p, char* out) {
+  std::memcpy(out, p->log.c_str(), p->log.size() + 1);
+  return 0;
+}
+API int nvrtcGetCUBINSize(Program* p, size_t* n) {
+  *n = p->cubin.empty() ? 0 : p->cubin.size() + 1;
+  return 0;
+}
+API int nvrtcGetCUBIN(Program* p, char* out) {
+  std::memcpy(out, p->cubin.c_str(), p->cubin.size() + 1);
+  return 0;
+}
+API int nvrtcGetPTXSize(Program* p, size_t* n) {
+  *n = p->ptx.size() + 1;
+  return 0;
+}
+API int nvrtcGetPTX(Program* p, char* out) {
+  std::memcpy(out, p->ptx.c_str(), p->ptx.size() + 1);
+  return 0;
+}
+API int nvrtcDestroyProgram(Program** p) {
+  delete *p;
+  *p = nullptr;
+  return 0;
+}
+API const char* nvrtcGetErrorString(int r) {
+  switch (r) {
+    case 0: return "NVRTC_SUCCESS";
+    case 4: return "NVRTC_ERROR_INVALID_INPUT";
+    case 5: return "NVRTC_ERROR_INVALID_OPTION";
+    case 6: return "NVRTC_ERROR_COMPILATION";
+    default: return "NVRTC_ERROR";
+  }
+}
+
+// ================================================================ test controls
+
+// Every operation on `stream` (0: every stream created from now on) first
+// sleeps `us`: the GPU is slow there, so a missing wait reads stale data.
+API int simgpu_set_delay_us(void* stream, long us) {
+  if (stream == nullptr) {
+    g_default_delay_us = us;
+    return 0;
+  }
+  Stream* s = nullptr;
+  if (int rc = resolve(stream, &s)) return rc;
+  s->delay_us = us;
+  return 0;
+}
+// Like torch.cuda._sleep: occupies the stream for `us`.
+API int simgpu_sleep(void* stream, long us) {
+  Stream* s = nullptr;
+  if (int rc = resolve(stream, &s)) return rc;
+  Op op;
+  op.run = [us] { std::this_thread::sleep_for(std::chrono::microseconds(us)); };
+  enqueue(s, std::move(op));
+  return 0;
+}
+// A stream-ordered copy (a "kernel" writing dst).
+API int simgpu_copy(void* stream, void* dst, const void* src, size_t bytes) {
+  Stream* s = nullptr;
+  if (int rc = resolve(stream, &s)) return rc;
+  Op op;
+  op.run = [dst, src, bytes] { std::memcpy(dst, src, bytes); };
+  enqueue(s, std::move(op));
+  return 0;
+}
+API void simgpu_nccl_stall(int device, int on) {
+  std::lock_guard<std::mutex> lk(g_nccl_mu);
+  if (on) g_stalled.insert(device);
+  else g_stalled.erase(device);
+}
+API void simgpu_nccl_fail_next(int device, int code) {
+  std::lock_guard<std::mutex> lk(g_nccl_mu);
+  g_fail_next[device] = code;
+}
+API int simgpu_violations(char* buf, size_t size) {
+  std::lock_guard<std::mutex> lk(g_log_mu);
+  std::string all;
+  for (const auto& v : g_violations) all += v + "\n";
+  if (buf && size) {
+    std::strncpy(buf, all.c_str(), size - 1);
+    buf[size - 1] = 0;
+  }
+  return static_cast<int>(g_violations.size());
+}
+API long simgpu_counter(const char* name) {
+  std::lock_guard<std::mutex> lk(g_log_mu);
+  auto it = g_counters.find(name);
+  return it == g_counters.end() ? 0 : it->second;
+}
+API void simgpu_reset() {
+  {
+    std::lock_guard<std::mutex> lk(g_log_mu);
+    g_violations.clear();
+    g_counters.clear();
+  }
+  std::lock_guard<std::mutex> lk(g_nccl_mu);
+  g_stalled.clear();
+  g_fail_next.clear();
+  g_default_delay_us = 0;
+}
