@@ -58,6 +58,7 @@ CommSet::~CommSet() {
   try {
     std::lock_guard<std::mutex> lk(launch_mu);
     ContextRestore restore;
+    comms.erase(std::remove(comms.begin(), comms.end(), nullptr), comms.end());
     if (!comms.empty() && !aborted) {
       const NcclApi& n = nccl(nccl_path);
       bool idle = streams_idle(*this);
@@ -494,30 +495,39 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, in
   std::unique_lock<std::mutex> lk = lock_for_launch();
   const NcclApi& n = nccl(set().nccl_path);
   ContextRestore restore;
-  wait_ready_locked(key);
-  // Several devices driven from one thread: the calls form one group, or the
-  // first would wait for peers that are never launched.
-  PYDDP_NCCL(n.ncclGroupStart());
-  ncclResult_t launched = kNcclSuccess;
-  for (size_t r = 0; r < bufs.size() && (launched == kNcclSuccess || launched == kNcclInProgress);
-       ++r) {
-    set_device(devices_[r]);
-    launched = n.ncclAllReduce(bufs[r].data, bufs[r].data, static_cast<size_t>(bufs[r].count),
-                               dtype, op == ReduceOp::kSum ? kNcclSum : kNcclAvg, set().comms[r],
-                               comm_stream(static_cast<int>(r)));
+  try {
+    wait_ready_locked(key);
+    // Several devices driven from one thread: the calls form one group, or
+    // the first would wait for peers that are never launched.
+    PYDDP_NCCL(n.ncclGroupStart());
+    ncclResult_t launched = kNcclSuccess;
+    for (size_t r = 0;
+         r < bufs.size() && (launched == kNcclSuccess || launched == kNcclInProgress); ++r) {
+      set_device(devices_[r]);
+      launched = n.ncclAllReduce(bufs[r].data, bufs[r].data, static_cast<size_t>(bufs[r].count),
+                                 dtype, op == ReduceOp::kSum ? kNcclSum : kNcclAvg,
+                                 set().comms[r], comm_stream(static_cast<int>(r)));
+    }
+    const ncclResult_t ended = n.ncclGroupEnd();
+    if (launched != kNcclInProgress) PYDDP_NCCL(launched);
+    if (ended != kNcclInProgress) PYDDP_NCCL(ended);
+    // Non-blocking: the kernels are on the streams only once every
+    // communicator leaves ncclInProgress; the done events must come after.
+    wait_comms(n, set().comms,
+               std::chrono::steady_clock::now() +
+                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                       std::chrono::duration<double>(timeout_s())),
+               "all-reduce launch");
+    watch_locked(detail::concat("NCCL all-reduce of ", bufs[0].count, " ",
+                                dtype_name(bufs[0].dtype), " elements"));
+  } catch (const ReduceError& e) {
+    // A communicator in error cannot be trusted again: fail, abort (outside
+    // the launch lock, which the abort takes), and let recover() rebuild.
+    lk.unlock();
+    fail(e.what());
+    abort_communication();
+    throw;
   }
-  const ncclResult_t ended = n.ncclGroupEnd();
-  if (launched != kNcclInProgress) PYDDP_NCCL(launched);
-  if (ended != kNcclInProgress) PYDDP_NCCL(ended);
-  // Non-blocking: the kernels are on the streams only once every
-  // communicator leaves ncclInProgress; the done events must come after them.
-  wait_comms(n, set().comms,
-             std::chrono::steady_clock::now() +
-                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                     std::chrono::duration<double>(timeout_s())),
-             "all-reduce launch");
-  watch_locked(detail::concat("NCCL all-reduce of ", bufs[0].count, " ",
-                              dtype_name(bufs[0].dtype), " elements"));
 }
 
 void NcclBackend::check() {

@@ -176,6 +176,12 @@ class GradSync:
         buckets = _C.plan_buckets(numels, self._dtypes, order, self._first_cap, self._cap)
         if buckets == self._engine.buckets:
             return
+        if self._streams is not None:
+            # The old buffers are freed below: their last reductions must be
+            # done in stream order first (torch's caching allocator gives that
+            # for free; the simulated driver's host memory does not).
+            for d in set(self._gpu_devices):
+                self._streams.before_host_write(d)
         self._engine.set_buckets(buckets)
         self._layout(buckets)
 

@@ -945,12 +945,15 @@ int init_rank(Comm** out, int nranks, const char* id, int rank, const ConfigV* c
 }
 }  // namespace
 
-API int ncclCommInitRankConfig(Comm** out, int nranks, char id[128], int rank, ConfigV* config) {
+struct UniqueId {  // ncclUniqueId is passed by value (128 bytes)
+  char internal[128];
+};
+API int ncclCommInitRankConfig(Comm** out, int nranks, UniqueId id, int rank, ConfigV* config) {
   if (live() == CUDA_ERROR_DEINITIALIZED) return ncclUnhandledCudaError;
-  return init_rank(out, nranks, id, rank, config);
+  return init_rank(out, nranks, id.internal, rank, config);
 }
-API int ncclCommInitRank(Comm** out, int nranks, char id[128], int rank) {
-  return init_rank(out, nranks, id, rank, nullptr);
+API int ncclCommInitRank(Comm** out, int nranks, UniqueId id, int rank) {
+  return init_rank(out, nranks, id.internal, rank, nullptr);
 }
 API int ncclCommGetAsyncError(Comm* comm, int* err) {
   // Documented as callable while another thread waits on the communicator.

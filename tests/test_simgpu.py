@@ -1,0 +1,324 @@
+"""pyddp's GPU path on the simulated CUDA driver, NCCL and NVRTC (tests/simgpu):
+the real NcclBackend, DeviceBackend, Engine, GradSync and wrap, with host
+tensors standing in for device memory. Each test runs in a subprocess with
+PYDDP_CUDA_LIBRARY/PYDDP_NCCL_LIBRARY/PYDDP_NVRTC_LIBRARY pointing at the
+simulation, so a real driver is never shadowed; every scenario ends by
+asserting the simulation saw no broken rule."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.simgpu
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+PRELUDE = '''
+import copy, os, sys, threading, time
+sys.path.insert(0, {simdir!r}); sys.path.insert(0, {testdir!r})
+import torch, torch.nn.functional as F
+from torch import nn
+import pyddp
+from pyddp import _runtime, _C
+from simgpu import Sim, SimStreams
+from conftest import Mixed, make_batches
+sim = Sim(os.environ["PYDDP_CUDA_LIBRARY"])
+streams = SimStreams(sim)
+
+def gpu_wrap(model, devices, **kw):
+    return pyddp.wrap(model, ["cpu"] * len(devices), _gpu=(devices, streams), **kw)
+
+def check_equal_to_single_device(devices, cap, steps=4, stream_map=None, **kw):
+    torch.manual_seed(0)
+    model = Mixed()
+    ref = copy.deepcopy(model)
+    dm = gpu_wrap(model, devices, bucket_cap_mb=cap, **kw)
+    opt = dm.optimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    for x, y in make_batches(steps, 13):
+        with streams.stream(stream_map or {{}}):
+            F.cross_entropy(dm(x), y).backward()
+            streams.synchronize_all(devices)  # the optimizer "kernel" runs in stream order
+            opt.step()
+            opt.zero_grad()
+            streams.synchronize_all(devices)
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for rep in dm.replicas[1:]:
+            for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+                assert torch.equal(p, p0), "replicas differ"
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    dm.close()
+'''
+
+EPILOGUE = '''
+v = sim.violations()
+assert not v, "simulation rules broken:\\n" + v
+print("SIMGPU-OK")
+'''
+
+
+@pytest.fixture(scope="session")
+def simlib():
+    sys.path.insert(0, os.path.join(HERE, "simgpu"))
+    from simgpu import build
+
+    return build()
+
+
+def run_sim(simlib, body, timeout=120, env=None, expect_ok=True):
+    code = PRELUDE.format(simdir=os.path.join(HERE, "simgpu"), testdir=HERE)
+    code += textwrap.dedent(body) + EPILOGUE
+    full = dict(os.environ, PYDDP_CUDA_LIBRARY=simlib, PYDDP_NCCL_LIBRARY=simlib,
+                PYDDP_NVRTC_LIBRARY=simlib, **(env or {}))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=timeout, env=full, cwd=os.path.expanduser("~"))
+    if expect_ok:
+        assert out.returncode == 0 and "SIMGPU-OK" in out.stdout, out.stdout + out.stderr
+    return out
+
+
+@pytest.mark.parametrize("kind", ["device", "nccl"])
+def test_collectives_closed_form_all_dtypes(simlib, kind):
+    run_sim(simlib, f'''
+    for n in (2, 3):
+        devs = [0] * n if "{kind}" == "device" else list(range(n))
+        backend = _runtime.make_backend(devs, timeout=30)
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            for size in (0, 1, 7, (1 << 16) + 3):
+                ts = [torch.full((size,), float(r + 1), dtype=dtype) for r in range(n)]
+                backend.reduce([t.data_ptr() for t in ts], devs, [0] * n, size,
+                               str(dtype).split(".")[1].replace("bfloat16", "bfloat16"), "sum")
+                for d in set(devs):
+                    sim.synchronize(0, d)
+                for t in ts:
+                    assert torch.equal(t, torch.full_like(t, n * (n + 1) / 2)), (dtype, size, t[:3])
+        backend.close()
+    ''')
+
+
+def test_kernel_16bit_rounding_matches_torch(simlib):
+    # The kernel sums in float32 in replica order and rounds once: exactly
+    # torch's float32 sum cast back, for random values (subnormals included).
+    run_sim(simlib, '''
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        for n in (2, 3):
+            backend = _runtime.make_backend([0] * n, timeout=30)
+            vals = [(torch.randn(4099, generator=g) * 10.0 ** torch.randint(-7, 4, (4099,), generator=g)).to(dtype) for _ in range(n)]
+            want = vals[0].float()
+            for v in vals[1:]:
+                want = want + v.float()
+            for op, expect in (("sum", want.to(dtype)), ("avg", (want / n).to(dtype))):
+                ts = [v.clone() for v in vals]
+                backend.reduce([t.data_ptr() for t in ts], [0] * n, [0] * n, 4099,
+                               str(dtype).split(".")[1], op)
+                sim.synchronize(0, 0)
+                for t in ts:
+                    assert torch.equal(t, expect), (dtype, n, op, (t.float() - expect.float()).abs().max())
+            backend.close()
+    ''')
+
+
+@pytest.mark.parametrize("cap", [0, 25])
+@pytest.mark.parametrize("devices", [[0, 0], [0, 0, 0], [0, 1], [0, 1, 2]])
+def test_wrap_equals_single_device_with_slow_streams(simlib, devices, cap):
+    # Every simulated stream (compute and communication) is slowed down: a
+    # missing wait or fence reads stale buffers instead of passing by luck.
+    run_sim(simlib, f'''
+    sim.lib.simgpu_set_delay_us(None, 150)
+    check_equal_to_single_device({devices}, {cap})
+    ''')
+
+
+def test_custom_streams_under_wrap(simlib):
+    # `with torch.cuda.stream(s)`: forward, backward, zeroing and the step all
+    # on user streams; the workers must run replicas on them too.
+    run_sim(simlib, '''
+    sim.lib.simgpu_set_delay_us(None, 150)
+    s0, s1 = sim.stream(0), sim.stream(1)
+    check_equal_to_single_device([0, 1], 0, stream_map={0: s0, 1: s1})
+    t0 = sim.stream(0)
+    check_equal_to_single_device([0, 0], 25, stream_map={0: t0})
+    ''')
+
+
+def test_reduction_waits_for_the_stream_that_produced_each_gradient(simlib):
+    # The true gradient is written late on the producing stream (after a
+    # sleep), as a slow backward kernel would: the reduction must wait for
+    # an event recorded on that stream in the hook, not on another stream.
+    run_sim(simlib, '''
+    torch.manual_seed(0)
+    base = nn.Linear(64, 64)
+    reps = [base, copy.deepcopy(base)]
+    prod = {0: sim.stream(0), 1: sim.stream(1)}
+    late = {}
+    for r, m in enumerate(reps):
+        for i, p in enumerate(m.parameters()):
+            def hook(p, r=r, i=i):
+                true = p.grad.clone(); late[r, i] = true
+                p.grad.zero_()
+                s = streams.current(r)
+                sim.lib.simgpu_sleep(s, 30000)
+                sim.lib.simgpu_copy(s, p.grad.data_ptr(), true.data_ptr(), true.numel() * 4)
+            p.register_post_accumulate_grad_hook(hook)
+    sync = pyddp.GradSync(reps, bucket_cap_mb=0, _gpu=([0, 1], streams))
+    x = torch.randn(8, 64)
+    want = []
+    for r, m in enumerate(reps):
+        with streams.stream({r: prod[r]}):
+            sync.prepare(r)
+            m(x[r * 4:(r + 1) * 4]).pow(2).sum().backward()
+    with streams.stream(prod):
+        sync.finish()
+        streams.synchronize_all([0, 1])
+    for i, p in enumerate(reps[0].parameters()):
+        expect = late[0, i] + late[1, i]
+        assert torch.equal(p.grad, expect), (p.grad - expect).abs().max()
+        assert torch.equal(list(reps[1].parameters())[i].grad, expect)
+    sync.close()
+    ''')
+
+
+def test_two_models_and_collectives_at_once_share_one_communicator_set(simlib):
+    run_sim(simlib, '''
+    sim.lib.simgpu_set_delay_us(None, 50)
+    errors = []
+    def train():
+        try:
+            check_equal_to_single_device([0, 1], 0, steps=3)
+        except BaseException as e:
+            errors.append(e)
+    def collectives():
+        try:
+            backend = _runtime.make_backend([0, 1], timeout=30)
+            for _ in range(20):
+                ts = [torch.full((1000,), float(r + 1)) for r in range(2)]
+                backend.reduce([t.data_ptr() for t in ts], [0, 1], [0, 0], 1000, "float32")
+                sim.synchronize(0, 0); sim.synchronize(0, 1)
+                assert all(torch.equal(t, torch.full_like(t, 3.0)) for t in ts)
+            backend.close()
+        except BaseException as e:
+            errors.append(e)
+    threads = [threading.Thread(target=f) for f in (train, train, collectives)]
+    [t.start() for t in threads]; [t.join() for t in threads]
+    assert not errors, errors
+    assert sim.counter("stream_create") <= 2 + 4, sim.counter("stream_create")  # one set, not three
+    ''')
+
+
+def test_timeout_names_the_reduction_then_zero_grad_recovers(simlib):
+    run_sim(simlib, '''
+    torch.manual_seed(0)
+    model = Mixed(); ref = copy.deepcopy(model)
+    dm = gpu_wrap(model, [0, 1], bucket_cap_mb=0, rebuild_buckets=False, timeout_s=0.3)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    (x, y), (x2, y2) = make_batches(2, 8)
+    sim.lib.simgpu_nccl_stall(1, 1)           # cuda:1's rank never arrives
+    F.cross_entropy(dm(x), y).backward()     # returns: nothing blocks the host
+    time.sleep(1.0)
+    try:
+        opt.step()
+        raise AssertionError("stepped on a timed-out reduction")
+    except pyddp.ReduceError as e:
+        msg = str(e)
+        assert "did not complete within 0.3 s" in msg and "cuda:0, cuda:1" in msg, msg
+        assert "NCCL all-reduce of" in msg and "aborted" in msg, msg
+    sim.lib.simgpu_nccl_stall(1, 0)
+    opt.zero_grad()                          # rebuilds the aborted communicators
+    streams.synchronize_all([0, 1])
+    with torch.no_grad():                    # the failed step left no trace to compare
+        for p, q in zip(dm.module.parameters(), ref.parameters()):
+            q.copy_(p)
+    F.cross_entropy(dm(x2), y2).backward()
+    streams.synchronize_all([0, 1])
+    opt.step()
+    F.cross_entropy(ref(x2), y2).backward(); ref_opt.step()
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    assert sim.counter("nccl_abort") == 2
+    dm.close()
+    ''')
+
+
+def test_async_nccl_error_is_seen_by_the_next_step(simlib):
+    run_sim(simlib, '''
+    model = Mixed()
+    dm = gpu_wrap(model, [0, 1], bucket_cap_mb=0)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    (x, y), = make_batches(1, 8)
+    sim.lib.simgpu_nccl_fail_next(0, 6)      # ncclRemoteError on cuda:0's next collective
+    try:
+        # Seen by the next launch of this backward, or else by the step.
+        F.cross_entropy(dm(x), y).backward()
+        streams.synchronize_all([0, 1])
+        opt.step()
+        raise AssertionError("stepped after an asynchronous NCCL error")
+    except pyddp.ReduceError as e:
+        assert "remote process exited" in str(e), str(e)
+    opt.zero_grad()                          # rebuilds the communicators
+    assert sim.counter("nccl_abort") == 2
+    F.cross_entropy(dm(x), y).backward()
+    streams.synchronize_all([0, 1])
+    opt.step()
+    dm.close()
+    ''')
+
+
+def test_close_and_exit_with_a_reduction_in_flight_do_not_hang(simlib):
+    # A stuck reduction at close(): communicators are aborted, not destroyed
+    # (ncclCommDestroy would wait forever). Then a second model is left alive
+    # at exit: the atexit hook closes it before the driver's teardown.
+    out = run_sim(simlib, '''
+    dm = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0, timeout_s=60)
+    (x, y), = make_batches(1, 8)
+    sim.lib.simgpu_nccl_stall(1, 1)
+    F.cross_entropy(dm(x), y).backward()
+    t0 = time.time(); dm.close(); assert time.time() - t0 < 3, time.time() - t0
+    assert sim.counter("nccl_abort") == 2 and sim.counter("nccl_destroy") == 0
+    try:
+        dm(x)
+        raise AssertionError("a closed model ran")
+    except RuntimeError as e:
+        assert "closed" in str(e)
+    sim.lib.simgpu_nccl_stall(1, 0)
+    keep = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0)
+    F.cross_entropy(keep(x), y).backward()
+    ''', timeout=60)
+    assert "teardown" not in out.stderr, out.stderr
+
+
+def test_kernel_loads_on_a_cuda_12_driver_and_newer_gpus(simlib):
+    # Defect: PTX from nvcc 13 (.version 9.0) is rejected by every CUDA 12
+    # driver. The NVRTC route gives a cubin for the device, and PTX at the
+    # NVRTC's own ISA only for a GPU newer than it knows.
+    for cc, how in (("80", "cubin for sm_80"), ("75", "cubin for sm_75"),
+                    ("100", "PTX (driver JIT) for compute_90")):
+        out = run_sim(simlib, f'''
+        print(_C.load_device_kernel(0, os.environ["PYDDP_NVRTC_LIBRARY"]))
+        ''', env={"SIMGPU_DRIVER_VERSION": "12020" if cc != "100" else "12040",
+                  "SIMGPU_CC": cc, "SIMGPU_NVRTC_VERSION": "124"})
+        assert how in out.stdout, out.stdout
+    # An NVRTC newer than the driver (PTX path): a clear error, not a crash.
+    out = run_sim(simlib, '''
+    try:
+        _C.load_device_kernel(0, os.environ["PYDDP_NVRTC_LIBRARY"])
+        raise AssertionError("loaded PTX newer than the driver")
+    except RuntimeError as e:
+        assert "rejected" in str(e) and "222" in str(e) and "PYDDP_NVRTC_LIBRARY" in str(e), e
+    ''', env={"SIMGPU_DRIVER_VERSION": "12040", "SIMGPU_CC": "110", "SIMGPU_NVRTC_VERSION": "130"})
+
+
+def test_doctor_names_the_simulation(simlib):
+    env = dict(os.environ, PYDDP_CUDA_LIBRARY=simlib, PYDDP_NCCL_LIBRARY=simlib,
+               PYDDP_NVRTC_LIBRARY=simlib)
+    out = subprocess.run([sys.executable, "-m", "pyddp.doctor"], capture_output=True, text=True,
+                         env=env, timeout=60, cwd=os.path.expanduser("~"))
+    assert out.returncode == 0, out.stderr
+    assert "SIMULATED" in out.stdout
+    assert "on-device kernel on cuda:0: loaded (cubin for sm_80" in out.stdout
