@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.simgpu
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-PRELUDE = '''
+PRELUDE = """
 import copy, os, sys, threading, time
 sys.path.insert(0, {simdir!r}); sys.path.insert(0, {testdir!r})
 import torch, torch.nn.functional as F
@@ -53,13 +53,13 @@ def check_equal_to_single_device(devices, cap, steps=4, stream_map=None, **kw):
     for p, q in zip(dm.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
     dm.close()
-'''
+"""
 
-EPILOGUE = '''
+EPILOGUE = """
 v = sim.violations()
 assert not v, "simulation rules broken:\\n" + v
 print("SIMGPU-OK")
-'''
+"""
 
 
 @pytest.fixture(scope="session")
@@ -73,10 +73,21 @@ def simlib():
 def run_sim(simlib, body, timeout=120, env=None, expect_ok=True):
     code = PRELUDE.format(simdir=os.path.join(HERE, "simgpu"), testdir=HERE)
     code += textwrap.dedent(body) + EPILOGUE
-    full = dict(os.environ, PYDDP_CUDA_LIBRARY=simlib, PYDDP_NCCL_LIBRARY=simlib,
-                PYDDP_NVRTC_LIBRARY=simlib, **(env or {}))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=timeout, env=full, cwd=os.path.expanduser("~"))
+    full = dict(
+        os.environ,
+        PYDDP_CUDA_LIBRARY=simlib,
+        PYDDP_NCCL_LIBRARY=simlib,
+        PYDDP_NVRTC_LIBRARY=simlib,
+        **(env or {}),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full,
+        cwd=os.path.expanduser("~"),
+    )
     if expect_ok:
         assert out.returncode == 0 and "SIMGPU-OK" in out.stdout, out.stdout + out.stderr
     return out
@@ -84,7 +95,9 @@ def run_sim(simlib, body, timeout=120, env=None, expect_ok=True):
 
 @pytest.mark.parametrize("kind", ["device", "nccl"])
 def test_collectives_closed_form_all_dtypes(simlib, kind):
-    run_sim(simlib, f'''
+    run_sim(
+        simlib,
+        f'''
     for n in (2, 3):
         devs = [0] * n if "{kind}" == "device" else list(range(n))
         backend = _runtime.make_backend(devs, timeout=30)
@@ -98,13 +111,16 @@ def test_collectives_closed_form_all_dtypes(simlib, kind):
                 for t in ts:
                     assert torch.equal(t, torch.full_like(t, n * (n + 1) / 2)), (dtype, size, t[:3])
         backend.close()
-    ''')
+    ''',
+    )
 
 
 def test_kernel_16bit_rounding_matches_torch(simlib):
     # The kernel sums in float32 in replica order and rounds once: exactly
     # torch's float32 sum cast back, for random values (subnormals included).
-    run_sim(simlib, '''
+    run_sim(
+        simlib,
+        """
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float16, torch.bfloat16):
         for n in (2, 3):
@@ -121,7 +137,8 @@ def test_kernel_16bit_rounding_matches_torch(simlib):
                 for t in ts:
                     assert torch.equal(t, expect), (dtype, n, op, (t.float() - expect.float()).abs().max())
             backend.close()
-    ''')
+    """,
+    )
 
 
 @pytest.mark.parametrize("cap", [0, 25])
@@ -129,29 +146,37 @@ def test_kernel_16bit_rounding_matches_torch(simlib):
 def test_wrap_equals_single_device_with_slow_streams(simlib, devices, cap):
     # Every simulated stream (compute and communication) is slowed down: a
     # missing wait or fence reads stale buffers instead of passing by luck.
-    run_sim(simlib, f'''
+    run_sim(
+        simlib,
+        f"""
     sim.lib.simgpu_set_delay_us(None, 150)
     check_equal_to_single_device({devices}, {cap})
-    ''')
+    """,
+    )
 
 
 def test_custom_streams_under_wrap(simlib):
     # `with torch.cuda.stream(s)`: forward, backward, zeroing and the step all
     # on user streams; the workers must run replicas on them too.
-    run_sim(simlib, '''
+    run_sim(
+        simlib,
+        """
     sim.lib.simgpu_set_delay_us(None, 150)
     s0, s1 = sim.stream(0), sim.stream(1)
     check_equal_to_single_device([0, 1], 0, stream_map={0: s0, 1: s1})
     t0 = sim.stream(0)
     check_equal_to_single_device([0, 0], 25, stream_map={0: t0})
-    ''')
+    """,
+    )
 
 
 def test_reduction_waits_for_the_stream_that_produced_each_gradient(simlib):
     # The true gradient is written late on the producing stream (after a
     # sleep), as a slow backward kernel would: the reduction must wait for
     # an event recorded on that stream in the hook, not on another stream.
-    run_sim(simlib, '''
+    run_sim(
+        simlib,
+        """
     torch.manual_seed(0)
     base = nn.Linear(64, 64)
     reps = [base, copy.deepcopy(base)]
@@ -181,11 +206,14 @@ def test_reduction_waits_for_the_stream_that_produced_each_gradient(simlib):
         assert torch.equal(p.grad, expect), (p.grad - expect).abs().max()
         assert torch.equal(list(reps[1].parameters())[i].grad, expect)
     sync.close()
-    ''')
+    """,
+    )
 
 
 def test_two_models_and_collectives_at_once_share_one_communicator_set(simlib):
-    run_sim(simlib, '''
+    run_sim(
+        simlib,
+        """
     sim.lib.simgpu_set_delay_us(None, 50)
     errors = []
     def train():
@@ -208,11 +236,14 @@ def test_two_models_and_collectives_at_once_share_one_communicator_set(simlib):
     [t.start() for t in threads]; [t.join() for t in threads]
     assert not errors, errors
     assert sim.counter("stream_create") <= 2 + 4, sim.counter("stream_create")  # one set, not three
-    ''')
+    """,
+    )
 
 
 def test_timeout_names_the_reduction_then_zero_grad_recovers(simlib):
-    run_sim(simlib, '''
+    run_sim(
+        simlib,
+        """
     torch.manual_seed(0)
     model = Mixed(); ref = copy.deepcopy(model)
     dm = gpu_wrap(model, [0, 1], bucket_cap_mb=0, rebuild_buckets=False, timeout_s=0.3)
@@ -243,11 +274,14 @@ def test_timeout_names_the_reduction_then_zero_grad_recovers(simlib):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
     assert sim.counter("nccl_abort") == 2
     dm.close()
-    ''')
+    """,
+    )
 
 
 def test_async_nccl_error_is_seen_by_the_next_step(simlib):
-    run_sim(simlib, '''
+    run_sim(
+        simlib,
+        """
     model = Mixed()
     dm = gpu_wrap(model, [0, 1], bucket_cap_mb=0)
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
@@ -267,14 +301,17 @@ def test_async_nccl_error_is_seen_by_the_next_step(simlib):
     streams.synchronize_all([0, 1])
     opt.step()
     dm.close()
-    ''')
+    """,
+    )
 
 
 def test_close_and_exit_with_a_reduction_in_flight_do_not_hang(simlib):
     # A stuck reduction at close(): communicators are aborted, not destroyed
     # (ncclCommDestroy would wait forever). Then a second model is left alive
     # at exit: the atexit hook closes it before the driver's teardown.
-    out = run_sim(simlib, '''
+    out = run_sim(
+        simlib,
+        """
     dm = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0, timeout_s=60)
     (x, y), = make_batches(1, 8)
     sim.lib.simgpu_nccl_stall(1, 1)
@@ -289,7 +326,9 @@ def test_close_and_exit_with_a_reduction_in_flight_do_not_hang(simlib):
     sim.lib.simgpu_nccl_stall(1, 0)
     keep = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0)
     F.cross_entropy(keep(x), y).backward()
-    ''', timeout=60)
+    """,
+        timeout=60,
+    )
     assert "teardown" not in out.stderr, out.stderr
 
 
@@ -297,28 +336,49 @@ def test_kernel_loads_on_a_cuda_12_driver_and_newer_gpus(simlib):
     # Defect: PTX from nvcc 13 (.version 9.0) is rejected by every CUDA 12
     # driver. The NVRTC route gives a cubin for the device, and PTX at the
     # NVRTC's own ISA only for a GPU newer than it knows.
-    for cc, how in (("80", "cubin for sm_80"), ("75", "cubin for sm_75"),
-                    ("100", "PTX (driver JIT) for compute_90")):
-        out = run_sim(simlib, f'''
+    for cc, how in (
+        ("80", "cubin for sm_80"),
+        ("75", "cubin for sm_75"),
+        ("100", "PTX (driver JIT) for compute_90"),
+    ):
+        out = run_sim(
+            simlib,
+            """
         print(_C.load_device_kernel(0, os.environ["PYDDP_NVRTC_LIBRARY"]))
-        ''', env={"SIMGPU_DRIVER_VERSION": "12020" if cc != "100" else "12040",
-                  "SIMGPU_CC": cc, "SIMGPU_NVRTC_VERSION": "124"})
+        """,
+            env={
+                "SIMGPU_DRIVER_VERSION": "12020" if cc != "100" else "12040",
+                "SIMGPU_CC": cc,
+                "SIMGPU_NVRTC_VERSION": "124",
+            },
+        )
         assert how in out.stdout, out.stdout
     # An NVRTC newer than the driver (PTX path): a clear error, not a crash.
-    out = run_sim(simlib, '''
+    out = run_sim(
+        simlib,
+        """
     try:
         _C.load_device_kernel(0, os.environ["PYDDP_NVRTC_LIBRARY"])
         raise AssertionError("loaded PTX newer than the driver")
     except RuntimeError as e:
         assert "rejected" in str(e) and "222" in str(e) and "PYDDP_NVRTC_LIBRARY" in str(e), e
-    ''', env={"SIMGPU_DRIVER_VERSION": "12040", "SIMGPU_CC": "110", "SIMGPU_NVRTC_VERSION": "130"})
+    """,
+        env={"SIMGPU_DRIVER_VERSION": "12040", "SIMGPU_CC": "110", "SIMGPU_NVRTC_VERSION": "130"},
+    )
 
 
 def test_doctor_names_the_simulation(simlib):
-    env = dict(os.environ, PYDDP_CUDA_LIBRARY=simlib, PYDDP_NCCL_LIBRARY=simlib,
-               PYDDP_NVRTC_LIBRARY=simlib)
-    out = subprocess.run([sys.executable, "-m", "pyddp.doctor"], capture_output=True, text=True,
-                         env=env, timeout=60, cwd=os.path.expanduser("~"))
+    env = dict(
+        os.environ, PYDDP_CUDA_LIBRARY=simlib, PYDDP_NCCL_LIBRARY=simlib, PYDDP_NVRTC_LIBRARY=simlib
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "pyddp.doctor"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=os.path.expanduser("~"),
+    )
     assert out.returncode == 0, out.stderr
     assert "SIMULATED" in out.stdout
     assert "on-device kernel on cuda:0: loaded (cubin for sm_80" in out.stdout

@@ -25,10 +25,15 @@ def fnv1a(data: bytes) -> int:
     return h
 
 
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def build() -> str:
     """Compiles libsimgpu.so (cached by source hash) and returns its path."""
     sources = [os.path.join(HERE, "simgpu.cpp"), os.path.join(HERE, "kernel_shim.h"), KERNEL]
-    digest = hashlib.sha256(b"".join(open(p, "rb").read() for p in sources)).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(_read(p) for p in sources)).hexdigest()[:16]
     out_dir = os.path.join(tempfile.gettempdir(), f"pyddp-simgpu-{digest}")
     lib = os.path.join(out_dir, "libsimgpu.so")
     if os.path.exists(lib):
@@ -36,10 +41,21 @@ def build() -> str:
     os.makedirs(out_dir, exist_ok=True)
     tmp = lib + f".{os.getpid()}.tmp"
     subprocess.run(
-        ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden",
-         f"-I{os.path.join(ROOT, 'csrc')}", f"-I{HERE}",
-         f"-DSIMGPU_KERNEL_HASH={fnv1a(open(KERNEL, 'rb').read())}ull",
-         sources[0], "-o", tmp],
+        [
+            "g++",
+            "-std=c++17",
+            "-O1",
+            "-shared",
+            "-fPIC",
+            "-pthread",
+            "-fvisibility=hidden",
+            f"-I{os.path.join(ROOT, 'csrc')}",
+            f"-I{HERE}",
+            f"-DSIMGPU_KERNEL_HASH={fnv1a(_read(KERNEL))}ull",
+            sources[0],
+            "-o",
+            tmp,
+        ],
         check=True,
     )
     os.replace(tmp, lib)
