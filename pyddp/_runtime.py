@@ -136,7 +136,7 @@ def find_nvrtc() -> NcclInfo:
     return info
 
 
-_live_backends: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_live_backends: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 @atexit.register

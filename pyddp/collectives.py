@@ -63,7 +63,9 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
             _backends[key] = (make_backend(devices), threading.Lock())
         backend, lock = _backends[key]
     streams = [
-        0 if d.type == "cpu" else (cs if cs is not None else torch.cuda.current_stream(d).cuda_stream)
+        0
+        if d.type == "cpu"
+        else (cs if cs is not None else torch.cuda.current_stream(d).cuda_stream)
         for d, cs in zip(devices, cupy_streams)
     ]
     with lock:

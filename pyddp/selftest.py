@@ -22,7 +22,10 @@ def _check_collectives(devices: List[str]) -> str:
 
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         for size in (0, 1, 7, (1 << 20) + 3):
-            ts = [torch.full((size,), float(r + 1), dtype=dtype, device=d) for r, d in enumerate(devices)]
+            ts = [
+                torch.full((size,), float(r + 1), dtype=dtype, device=d)
+                for r, d in enumerate(devices)
+            ]
             pyddp.all_reduce(ts)
             n = len(devices)
             for t in ts:
@@ -43,8 +46,15 @@ def _check_equivalence(devices: List[str], stream: bool = False) -> str:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator(device="cpu").manual_seed(1)
     for _ in range(5):
-        x, y = torch.randn(12, 32, generator=g).cuda(), torch.randint(0, 5, (12,), generator=g).cuda()
-        ctx = torch.cuda.stream(side) if side is not None else torch.cuda.stream(torch.cuda.current_stream())
+        x, y = (
+            torch.randn(12, 32, generator=g).cuda(),
+            torch.randint(0, 5, (12,), generator=g).cuda(),
+        )
+        ctx = (
+            torch.cuda.stream(side)
+            if side is not None
+            else torch.cuda.stream(torch.cuda.current_stream())
+        )
         with ctx:
             if side is not None:
                 side.wait_stream(torch.cuda.default_stream())
@@ -55,7 +65,9 @@ def _check_equivalence(devices: List[str], stream: bool = False) -> str:
         F.cross_entropy(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    worst = max((p - q).abs().max().item() for p, q in zip(dm.module.parameters(), ref.parameters()))
+    worst = max(
+        (p - q).abs().max().item() for p, q in zip(dm.module.parameters(), ref.parameters())
+    )
     dm.close()
     if worst > 1e-4:
         raise AssertionError(f"parameters differ from single-device training by {worst:.2e}")
