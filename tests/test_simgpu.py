@@ -172,8 +172,10 @@ def test_custom_streams_under_wrap(simlib):
 
 def test_reduction_waits_for_the_stream_that_produced_each_gradient(simlib):
     # The true gradient is written late on the producing stream (after a
-    # sleep), as a slow backward kernel would: the reduction must wait for
-    # an event recorded on that stream in the hook, not on another stream.
+    # sleep), as a slow backward kernel would: the reduction must wait for an
+    # event recorded on that stream in the hook, not on another stream. The
+    # second backward accumulates straight into the bucket views (no adopt
+    # copy, so nothing on the host drains the stream on pyddp's behalf).
     run_sim(
         simlib,
         """
@@ -181,26 +183,32 @@ def test_reduction_waits_for_the_stream_that_produced_each_gradient(simlib):
     base = nn.Linear(64, 64)
     reps = [base, copy.deepcopy(base)]
     prod = {0: sim.stream(0), 1: sim.stream(1)}
-    late = {}
+    late, delay = {}, [False]
     for r, m in enumerate(reps):
         for i, p in enumerate(m.parameters()):
             def hook(p, r=r, i=i):
+                if not delay[0]:
+                    return
                 true = p.grad.clone(); late[r, i] = true
                 p.grad.zero_()
                 s = streams.current(r)
-                sim.lib.simgpu_sleep(s, 30000)
+                sim.lib.simgpu_sleep(s, 50000)
                 sim.lib.simgpu_copy(s, p.grad.data_ptr(), true.data_ptr(), true.numel() * 4)
             p.register_post_accumulate_grad_hook(hook)
     sync = pyddp.GradSync(reps, bucket_cap_mb=0, _gpu=([0, 1], streams))
     x = torch.randn(8, 64)
-    want = []
-    for r, m in enumerate(reps):
-        with streams.stream({r: prod[r]}):
-            sync.prepare(r)
-            m(x[r * 4:(r + 1) * 4]).pow(2).sum().backward()
-    with streams.stream(prod):
-        sync.finish()
-        streams.synchronize_all([0, 1])
+    for step in range(2):
+        delay[0] = step == 1
+        for r, m in enumerate(reps):
+            with streams.stream({r: prod[r]}):
+                sync.prepare(r)
+                m(x[r * 4:(r + 1) * 4]).pow(2).sum().backward()
+        with streams.stream(prod):
+            sync.finish()
+            streams.synchronize_all([0, 1])
+            if step == 0:
+                sync.zero_grad()
+    assert sync.adopted == 4, sync.adopted  # the first backward only
     for i, p in enumerate(reps[0].parameters()):
         expect = late[0, i] + late[1, i]
         assert torch.equal(p.grad, expect), (p.grad - expect).abs().max()

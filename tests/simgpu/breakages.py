@@ -1,0 +1,174 @@
+"""Shows that the simulated-GPU tests bite: applies one deliberate defect at a
+time to a copy of the repository, builds it into a temporary directory (the
+installed pyddp is not touched), runs `pytest -m simgpu` against it, and
+prints which tests failed. Every breakage must fail at least one test.
+
+    python tests/simgpu/breakages.py            # all breakages, ~2 min each
+    python tests/simgpu/breakages.py no-fence   # one
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# name -> (file, exact text, replacement, what the defect is)
+BREAKAGES = {
+    "no-wait-on-ready-events": (
+        "csrc/gpu_backend.cpp",
+        "for (int i = 0; i < s.used; ++i) PYDDP_CU(d.cuStreamWaitEvent(comm_stream(r), "
+        "s.events[i], 0));",
+        "for (int i = 0; i < 0; ++i) PYDDP_CU(d.cuStreamWaitEvent(comm_stream(r), "
+        "s.events[i], 0));",
+        "the communication stream does not wait for the producing streams' events",
+    ),
+    "ready-event-on-wrong-stream": (
+        "pyddp/sync.py",
+        "            mark(r, i, current(device))",
+        "            mark(r, i, 0)",
+        "the ready event is recorded on the default stream, not the producing one",
+    ),
+    "no-fence": (
+        "csrc/gpu_backend.cpp",
+        "      PYDDP_CU(d.cuStreamWaitEvent(reinterpret_cast<CUstream>(w), "
+        "fence_[comm_index_[r]], 0));",
+        "      (void)w;",
+        "writing streams do not wait for the reductions at the end of backward",
+    ),
+    "no-context-switch-in-record": (
+        "csrc/gpu_backend.cpp",
+        "  set_device(devices_[replica]);\n  Slot& s = slot(replica, key);",
+        "  Slot& s = slot(replica, key);",
+        "the producing thread records events without making the replica's context current",
+    ),
+    "swapped-f16-bf16-enums": (
+        "csrc/cuda_api.h",
+        "kNcclFloat16 = 6, kNcclFloat32 = 7, kNcclFloat64 = 8, kNcclBfloat16 = 9",
+        "kNcclFloat16 = 9, kNcclFloat32 = 7, kNcclFloat64 = 8, kNcclBfloat16 = 6",
+        "ncclFloat16 and ncclBfloat16 swapped",
+    ),
+    "no-poll-after-in-progress": (
+        "csrc/gpu_backend.cpp",
+        '               "all-reduce launch");',
+        '               "all-reduce launch");\n    if (bufs.size() > 0) goto skip_poll;',
+        "no poll of ncclCommGetAsyncError after a non-blocking launch returned ncclInProgress",
+    ),
+    "workers-ignore-caller-stream": (
+        "pyddp/_workers.py",
+        "        with provider.use(streams):\n            return fn()",
+        "        return fn()",
+        "replica workers do not inherit the caller's current streams",
+    ),
+    "no-recovery-on-zero-grad": (
+        "csrc/engine.cpp",
+        "  if (partial_kind_.load() == kFailed) backend_->recover();",
+        "",
+        "a failed GPU backend is never rebuilt",
+    ),
+}
+
+
+def copy_tree(dst: str) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    for f in files:
+        if not os.path.exists(os.path.join(ROOT, f)):
+            continue
+        os.makedirs(os.path.dirname(os.path.join(dst, f)) or dst, exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, f), os.path.join(dst, f))
+
+
+def apply(src: str, name: str) -> None:
+    path, old, new, _ = BREAKAGES[name]
+    full = os.path.join(src, path)
+    with open(full) as f:
+        text = f.read()
+    if old not in text:
+        raise SystemExit(f"{name}: the code it breaks changed ({path}); update BREAKAGES")
+    if name == "no-poll-after-in-progress":
+        # jump over the wait: the label goes right before watch_locked
+        text = text.replace(old, '               "all-reduce launch");', 1)
+        text = text.replace(
+            "    wait_comms(n, set().comms,\n               std::chrono::steady_clock::now() +\n"
+            "                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(\n"
+            "                       std::chrono::duration<double>(timeout_s())),\n"
+            '               "all-reduce launch");',
+            "    (void)0;",
+            1,
+        )
+    else:
+        text = text.replace(old, new, 1)
+    with open(full, "w") as f:
+        f.write(text)
+
+
+def run(name: str) -> list:
+    with tempfile.TemporaryDirectory(prefix=f"pyddp-break-{name}-") as tmp:
+        src, site = os.path.join(tmp, "src"), os.path.join(tmp, "site")
+        copy_tree(src)
+        apply(src, name)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-build-isolation",
+                "--no-deps",
+                "--target",
+                site,
+                src,
+            ],
+            check=True,
+            capture_output=True,
+        )
+        env = dict(os.environ, PYTHONPATH=site + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-m",
+                "simgpu",
+                "-p",
+                "no:cacheprovider",
+                os.path.join(src, "tests", "test_simgpu.py"),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp,
+        )
+        return [
+            line.split("::", 1)[1].split(" ")[0]
+            for line in out.stdout.splitlines()
+            if line.startswith("FAILED")
+        ]
+
+
+def main(names: list) -> int:
+    names = names or list(BREAKAGES)
+    missed = 0
+    for name in names:
+        failed = run(name)
+        missed += not failed
+        print(f"{name}: {BREAKAGES[name][3]}")
+        listed = ", ".join(failed) if failed else "NONE (the tests miss it)"
+        print(f"  {len(failed)} failed: {listed}", flush=True)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
