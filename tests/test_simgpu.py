@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -166,6 +167,20 @@ def test_custom_streams_under_wrap(simlib):
     check_equal_to_single_device([0, 1], 0, stream_map={0: s0, 1: s1})
     t0 = sim.stream(0)
     check_equal_to_single_device([0, 0], 25, stream_map={0: t0})
+
+    # Every replica's forward (on its worker thread) runs on the caller's
+    # streams: its backward accumulates where pyddp zeroed the buckets.
+    seen = []
+    class Probe(nn.Linear):
+        def forward(self, x):
+            seen.append(streams.snapshot())
+            return super().forward(x)
+    dm = gpu_wrap(Probe(4, 2), [0, 1])
+    with streams.stream({0: s0, 1: s1}):
+        dm(torch.randn(4, 4)).sum().backward()
+        streams.synchronize_all([0, 1])
+    assert seen == [{0: s0, 1: s1}] * 2, seen
+    dm.close()
     """,
     )
 
@@ -390,3 +405,55 @@ def test_doctor_names_the_simulation(simlib):
     assert out.returncode == 0, out.stderr
     assert "SIMULATED" in out.stdout
     assert "on-device kernel on cuda:0: loaded (cubin for sm_80" in out.stdout
+
+
+XPROC = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1]); rank = int(sys.argv[2]); uid = sys.argv[3].encode()
+mismatch = sys.argv[4] == "1"
+vp = ctypes.c_void_p
+class Id(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
+lib.cuCtxSetCurrent.argtypes = [vp]
+lib.cuStreamSynchronize.argtypes = [vp]
+lib.ncclCommInitRank.argtypes = [ctypes.POINTER(vp), ctypes.c_int, Id, ctypes.c_int]
+lib.ncclAllReduce.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, vp, vp]
+lib.ncclCommGetAsyncError.argtypes = [vp, ctypes.POINTER(ctypes.c_int)]
+assert lib.cuInit(0) == 0
+ctx = vp(); lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), rank); lib.cuCtxSetCurrent(ctx)
+comm = vp()
+assert lib.ncclCommInitRank(ctypes.byref(comm), 2, Id(uid), rank) == 0
+n = 300_001  # several shared-memory chunks
+buf = (ctypes.c_float * n)(*([rank + 1.0] * n))
+count = n - rank if mismatch else n
+assert lib.ncclAllReduce(buf, buf, count, 7, 0, comm, None) == 0
+assert lib.cuStreamSynchronize(None) == 0
+err = ctypes.c_int()
+lib.ncclCommGetAsyncError(comm, ctypes.byref(err))
+if mismatch:
+    assert err.value == 5, err.value  # ncclInvalidUsage
+else:
+    assert err.value == 0 and buf[0] == 3.0 and buf[n - 1] == 3.0, (err.value, buf[0], buf[n - 1])
+print("RANK-OK")
+"""
+
+
+@pytest.mark.parametrize("mismatch", [False, True])
+def test_simulated_nccl_spans_processes(simlib, mismatch):
+    # ncclCommInitRank with the unique id passed to another process (what
+    # multi-process pyddp needs): closed form, and mismatched counts flagged.
+    uid = f"simgpu:xproc:{os.getpid()}:{time.time_ns()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", XPROC, simlib, str(r), uid, "1" if mismatch else "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and "RANK-OK" in out, out + err
+    assert ("different count" in outs[0][1]) == mismatch

@@ -15,13 +15,17 @@
 //
 // Simplifications (documented so nobody mistakes them for the real thing): the
 // legacy default stream does not synchronise implicitly with other blocking
-// streams; collectives reduce in rank order with one rounding per hop; no
-// cross-process communicators (ncclCommInitRank across processes is not
-// simulated yet).
+// streams; collectives reduce in rank order with one rounding per hop.
+// Communicators meet through POSIX shared memory named after the unique id, so
+// ncclCommInitRank works across processes as well as within one.
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <atomic>
 #include <chrono>
@@ -299,40 +303,44 @@ int max_ptx_isa(int driver) {
 }
 
 // ---------------------------------------------------------------- NCCL
-struct Clique;
+// Ranks meet in a POSIX shared-memory segment named after the unique id, so a
+// communicator's ranks may live in one process or in several (NCCL's
+// ncclCommInitRank with the id passed between processes). Data moves through
+// per-rank chunks; every rank computes the same reduction in rank order.
+constexpr int kMaxRanks = 8;
+constexpr size_t kChunk = 256 * 1024;  // bytes per rank per step
+
+struct ShmSlot {
+  std::atomic<uint64_t> arrived;   // last step whose chunk this rank posted
+  std::atomic<uint64_t> departed;  // last step this rank finished reading
+  std::atomic<int> device;
+  uint64_t count;
+  int dtype, op;
+};
+struct Shm {
+  std::atomic<int> ready;  // the creator initialised the header
+  std::atomic<int> nranks;
+  std::atomic<int> joined;
+  ShmSlot slot[kMaxRanks];
+  char data[kMaxRanks][kChunk];
+};
+
 struct Comm {
-  Clique* clique = nullptr;
+  Shm* shm = nullptr;
+  std::string name;
   int rank = 0;
+  int nranks = 0;
   int device = 0;
   bool blocking = true;
+  uint64_t step = 0;  // touched by this rank's stream thread only
   std::atomic<int> state{ncclInProgress};
   std::atomic<bool> aborted{false};
   std::atomic<bool> destroyed{false};
   std::atomic<int> pending{0};  // collectives enqueued and not finished
   std::atomic<uint64_t> user{0};  // thread inside a call on this communicator
-  uint64_t seq = 0;
-};
-
-struct Coll {
-  size_t count = 0;
-  int dtype = -1, op = -1;
-  std::vector<void*> send, recv;
-  int arrived = 0;
-  bool done = false, mismatch = false;
-};
-
-struct Clique {
-  int nranks = 0;
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<Comm*> members;
-  int joined = 0;
-  std::map<uint64_t, Coll> colls;
-  std::set<int> stalled_devices;
 };
 
 std::mutex g_nccl_mu;
-std::map<std::string, Clique*> g_cliques;
 std::set<int> g_stalled;  // devices whose ranks never arrive (fault injection)
 std::map<int, int> g_fail_next;  // device -> async error for its next collective
 
@@ -399,43 +407,40 @@ uint16_t f2b(float f) {
   return static_cast<uint16_t>(rounded >> 16);
 }
 
-// The reduction: rank order, one rounding to the element type per hop (as a
-// ring all-reduce does), then every receive buffer gets the result.
-void reduce_coll(Coll& c, int nranks) {
-  const size_t n = c.count;
-  std::vector<double> out(n);
-  for (size_t i = 0; i < n; ++i) {
-    double acc = 0;
-    for (int r = 0; r < nranks; ++r) {
-      const char* p = static_cast<const char*>(c.send[r]);
-      double v = 0;
-      switch (c.dtype) {
-        case 6: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); v = h2f(h); break; }
-        case 7: { float f; std::memcpy(&f, p + 4 * i, 4); v = f; break; }
-        case 8: { double d; std::memcpy(&d, p + 8 * i, 8); v = d; break; }
-        case 9: { uint16_t b; std::memcpy(&b, p + 2 * i, 2); v = b2f(b); break; }
-      }
-      acc = r == 0 ? v : acc + v;
-      // Round to the element type at each hop.
-      switch (c.dtype) {
-        case 6: acc = h2f(f2h(static_cast<float>(acc))); break;
-        case 7: acc = static_cast<float>(acc); break;
-        case 9: acc = b2f(f2b(static_cast<float>(acc))); break;
-      }
-    }
-    if (c.op == 4) acc /= nranks;
-    out[i] = acc;
+double load_elem(const char* p, int dtype, size_t i) {
+  switch (dtype) {
+    case 6: { uint16_t h; std::memcpy(&h, p + 2 * i, 2); return h2f(h); }
+    case 7: { float f; std::memcpy(&f, p + 4 * i, 4); return f; }
+    case 8: { double d; std::memcpy(&d, p + 8 * i, 8); return d; }
+    default: { uint16_t b; std::memcpy(&b, p + 2 * i, 2); return b2f(b); }
   }
-  for (int r = 0; r < nranks; ++r) {
-    char* p = static_cast<char*>(c.recv[r]);
-    for (size_t i = 0; i < n; ++i) {
-      switch (c.dtype) {
-        case 6: { uint16_t h = f2h(static_cast<float>(out[i])); std::memcpy(p + 2 * i, &h, 2); break; }
-        case 7: { float f = static_cast<float>(out[i]); std::memcpy(p + 4 * i, &f, 4); break; }
-        case 8: std::memcpy(p + 8 * i, &out[i], 8); break;
-        case 9: { uint16_t b = f2b(static_cast<float>(out[i])); std::memcpy(p + 2 * i, &b, 2); break; }
-      }
-    }
+}
+double round_to(double v, int dtype) {
+  switch (dtype) {
+    case 6: return h2f(f2h(static_cast<float>(v)));
+    case 7: return static_cast<float>(v);
+    case 9: return b2f(f2b(static_cast<float>(v)));
+    default: return v;
+  }
+}
+void store_elem(char* p, int dtype, size_t i, double v) {
+  switch (dtype) {
+    case 6: { uint16_t h = f2h(static_cast<float>(v)); std::memcpy(p + 2 * i, &h, 2); break; }
+    case 7: { float f = static_cast<float>(v); std::memcpy(p + 4 * i, &f, 4); break; }
+    case 8: std::memcpy(p + 8 * i, &v, 8); break;
+    default: { uint16_t b = f2b(static_cast<float>(v)); std::memcpy(p + 2 * i, &b, 2); break; }
+  }
+}
+
+// Polls (as a kernel spins on its peers) until every rank's `field` reached
+// `step`; false if this rank's communicator was aborted meanwhile.
+bool wait_all(Comm* c, std::atomic<uint64_t> ShmSlot::*field, uint64_t step) {
+  for (int spins = 0;; ++spins) {
+    bool all = true;
+    for (int r = 0; r < c->nranks && all; ++r) all = (c->shm->slot[r].*field).load() >= step;
+    if (all) return true;
+    if (c->aborted.load()) return false;
+    if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
 
@@ -447,12 +452,10 @@ thread_local int t_group_depth = 0;
 thread_local std::vector<Pending> t_group;
 thread_local std::vector<Comm*> t_group_inits;
 
-// Runs on the rank's stream thread: arrive, wait for every rank (like a
-// kernel spinning on its peers), the last arrival reduces.
-void run_collective(Comm* comm, uint64_t seq, size_t count, int dtype, int op, void* send,
-                    void* recv) {
-  Clique* q = comm->clique;
-  std::unique_lock<std::mutex> lk(q->mu);
+// Runs on the rank's stream thread: post a chunk, wait for every rank, reduce
+// all chunks in rank order with one rounding to the element type per hop (as
+// a ring all-reduce does), wait until everyone has read, next chunk.
+void run_collective(Comm* comm, size_t count, int dtype, int op, const void* send, void* recv) {
   bool stalled;
   {
     std::lock_guard<std::mutex> g(g_nccl_mu);
@@ -460,35 +463,48 @@ void run_collective(Comm* comm, uint64_t seq, size_t count, int dtype, int op, v
   }
   if (stalled) {
     // Fault injection: this rank never arrives; only an abort frees it.
-    q->cv.wait(lk, [&] { return comm->aborted.load(); });
+    while (!comm->aborted.load()) std::this_thread::sleep_for(std::chrono::microseconds(200));
     --comm->pending;
     return;
   }
-  Coll& c = q->colls[seq];
-  if (c.send.empty()) {
-    c.send.assign(q->nranks, nullptr);
-    c.recv.assign(q->nranks, nullptr);
-    c.count = count;
-    c.dtype = dtype;
-    c.op = op;
-  } else if (c.count != count || c.dtype != dtype || c.op != op) {
-    // [NCCL] every rank must call the collective with the same count,
-    // datatype and op; the real library hangs or corrupts, we flag it.
-    c.mismatch = true;
-  }
-  c.send[comm->rank] = send;
-  c.recv[comm->rank] = recv;
-  if (++c.arrived == q->nranks) {
-    if (c.mismatch) {
-      violation(0, "collective called with different count/datatype/op across ranks");
-      for (Comm* m : q->members) m->state = ncclInvalidUsage;
-    } else {
-      reduce_coll(c, q->nranks);
+  Shm* shm = comm->shm;
+  ShmSlot& mine = shm->slot[comm->rank];
+  const size_t es = nccl_size(dtype), per_step = kChunk / es;
+  size_t off = 0;
+  bool first = true, mismatch = false;
+  while (!mismatch && (first || off < count)) {
+    const size_t n = std::min(per_step, count - off);
+    const uint64_t step = ++comm->step;
+    std::memcpy(shm->data[comm->rank], static_cast<const char*>(send) + off * es, n * es);
+    mine.count = count;
+    mine.dtype = dtype;
+    mine.op = op;
+    mine.arrived.store(step);
+    if (!wait_all(comm, &ShmSlot::arrived, step)) break;
+    for (int r = 0; r < comm->nranks; ++r) {
+      const ShmSlot& s = shm->slot[r];
+      // [NCCL] every rank must call the collective with the same count,
+      // datatype and op; the real library hangs or corrupts, we flag it.
+      if (s.count != count || s.dtype != dtype || s.op != op) mismatch = true;
     }
-    c.done = true;
-    q->cv.notify_all();
-  } else {
-    q->cv.wait(lk, [&] { return c.done || comm->aborted.load(); });
+    if (mismatch) {
+      if (comm->rank == 0) violation(0, "collective called with different count/datatype/op across ranks");
+      comm->state = ncclInvalidUsage;
+    } else {
+      char* out = static_cast<char*>(recv) + off * es;
+      for (size_t i = 0; i < n; ++i) {
+        double acc = load_elem(shm->data[0], dtype, i);
+        for (int r = 1; r < comm->nranks; ++r) {
+          acc = round_to(acc + load_elem(shm->data[r], dtype, i), dtype);
+        }
+        if (op == 4) acc /= comm->nranks;  // ncclAvg
+        store_elem(out, dtype, i, acc);
+      }
+    }
+    mine.departed.store(step);
+    if (!wait_all(comm, &ShmSlot::departed, step)) break;
+    off += n;
+    first = false;
   }
   {
     std::lock_guard<std::mutex> g(g_nccl_mu);
@@ -892,55 +908,78 @@ int init_rank(Comm** out, int nranks, const char* id, int rank, const ConfigV* c
     }
     blocking = config->blocking != 0;
   }
+  if (nranks > kMaxRanks) return violation(ncclInvalidArgument, "simgpu supports up to 8 ranks");
   // [NCCL] ncclCommInitRank: the communicator uses "the current CUDA device".
   const int device = t_current ? t_current->device : 0;
+  std::string name = "/simgpu-";
+  for (const char* c = id; *c && c < id + 100; ++c) name += std::isalnum(*c) ? *c : '-';
+  int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  const bool creator = fd >= 0;
+  if (!creator) fd = shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) return violation(ncclSystemError, "shm_open " + name + " failed (id already used up?)");
+  if (creator && ftruncate(fd, sizeof(Shm)) != 0) return ncclSystemError;
+  struct stat st {};
+  for (int i = 0; i < 10000 && (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(sizeof(Shm))); ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  void* mem = mmap(nullptr, sizeof(Shm), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (mem == MAP_FAILED) return ncclSystemError;
+  auto* shm = static_cast<Shm*>(mem);
+  if (creator) {
+    shm->nranks = nranks;
+    shm->ready = 1;
+  }
+  while (shm->ready.load() == 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  if (shm->nranks.load() != nranks) {
+    return violation(ncclInvalidArgument, "ncclCommInitRank: nranks differs across ranks");
+  }
+  for (int r = 0; r < nranks; ++r) {
+    if (r != rank && shm->slot[r].device.load() == device + 1) {
+      // [NCCL] "Duplicate GPU detected": two ranks of one clique on one GPU.
+      return violation(ncclInvalidUsage, "two ranks of one communicator on cuda:" + std::to_string(device) +
+                                              " (is the current device set before each init?)");
+    }
+  }
+  if (shm->slot[rank].device.exchange(device + 1) != 0) {
+    return violation(ncclInvalidArgument, "ncclCommInitRank: rank " + std::to_string(rank) + " joined twice");
+  }
   auto* comm = new Comm;
+  comm->shm = shm;
+  comm->name = name;
   comm->rank = rank;
+  comm->nranks = nranks;
   comm->device = device;
   comm->blocking = blocking;
-  Clique* q;
-  {
-    std::lock_guard<std::mutex> lk(g_nccl_mu);
-    Clique*& slot = g_cliques[std::string(id, strnlen(id, 128))];
-    if (slot == nullptr) {
-      slot = new Clique;
-      slot->nranks = nranks;
-      slot->members.assign(nranks, nullptr);
-    }
-    q = slot;
-  }
-  {
-    std::lock_guard<std::mutex> lk(q->mu);
-    if (q->nranks != nranks || q->members[rank] != nullptr) {
-      return violation(ncclInvalidArgument, "ncclCommInitRank: rank joined twice or nranks differs");
-    }
-    for (Comm* m : q->members) {
-      if (m != nullptr && m->device == device) {
-        // [NCCL] "Duplicate GPU detected": two ranks of one clique on one GPU.
-        return violation(ncclInvalidUsage, "two ranks of one communicator on cuda:" + std::to_string(device) +
-                                                " (is the current device set before each init?)");
-      }
-    }
-    comm->clique = q;
-    q->members[rank] = comm;
-    if (++q->joined == nranks) {
-      for (Comm* m : q->members) m->state = ncclSuccess;
-      q->cv.notify_all();
-    }
-  }
+  if (shm->joined.fetch_add(1) + 1 == nranks) shm_unlink(name.c_str());  // mappings stay valid
   *out = comm;
+  auto complete = [comm] {
+    // Initialisation completes once every rank has joined.
+    return comm->shm->joined.load() >= comm->nranks;
+  };
   if (t_group_depth > 0) {
     t_group_inits.push_back(comm);
-    return blocking ? ncclSuccess : ncclInProgress;
+    if (blocking) return ncclSuccess;
   }
-  if (!blocking) return ncclInProgress;
-  std::unique_lock<std::mutex> lk(q->mu);
-  if (!q->cv.wait_for(lk, std::chrono::duration<double>(hang_s()),
-                      [&] { return q->joined == q->nranks; })) {
-    return violation(ncclInternalError,
-                     "blocking ncclCommInitRank never completed: peers initialised from this "
-                     "thread must be inside ncclGroupStart/End");
+  if (!blocking) {
+    std::thread([comm, complete] {
+      while (!complete() && !comm->aborted.load()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      int expected = ncclInProgress;
+      comm->state.compare_exchange_strong(expected, ncclSuccess);
+    }).detach();
+    return ncclInProgress;
   }
+  if (t_group_depth > 0) return ncclSuccess;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(hang_s());
+  while (!complete()) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      return violation(ncclInternalError,
+                       "blocking ncclCommInitRank never completed: peers initialised from this "
+                       "thread must be inside ncclGroupStart/End");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  comm->state = ncclSuccess;
   return ncclSuccess;
 }
 }  // namespace
@@ -992,11 +1031,10 @@ API int ncclAllReduce(const void* send, void* recv, size_t count, int dtype, int
     // Held until ncclGroupEnd: no other thread may use it in between.
     Pending p{comm, nullptr};
     p.launch = [comm, send, recv, count, dtype, op, s] {
-      const uint64_t seq = comm->seq++;
       ++comm->pending;
       Op o;
-      o.run = [comm, seq, count, dtype, op, send, recv] {
-        run_collective(comm, seq, count, dtype, op, const_cast<void*>(send), recv);
+      o.run = [comm, count, dtype, op, send, recv] {
+        run_collective(comm, count, dtype, op, send, recv);
       };
       enqueue(s, std::move(o));
     };
@@ -1006,12 +1044,9 @@ API int ncclAllReduce(const void* send, void* recv, size_t count, int dtype, int
     bump("nccl_allreduce");
     return ncclSuccess;
   }
-  const uint64_t seq = comm->seq++;
   ++comm->pending;
   Op o;
-  o.run = [comm, seq, count, dtype, op, send, recv] {
-    run_collective(comm, seq, count, dtype, op, const_cast<void*>(send), recv);
-  };
+  o.run = [comm, count, dtype, op, send, recv] { run_collective(comm, count, dtype, op, send, recv); };
   enqueue(s, std::move(o));
   bump("nccl_allreduce");
   return ncclSuccess;
@@ -1026,11 +1061,14 @@ API int ncclGroupEnd() {
   // Blocking inits in a group complete at ncclGroupEnd [NCCL, "Group calls"].
   for (Comm* c : inits) {
     if (!c->blocking) continue;
-    std::unique_lock<std::mutex> lk(c->clique->mu);
-    if (!c->clique->cv.wait_for(lk, std::chrono::duration<double>(hang_s()),
-                                [&] { return c->clique->joined == c->clique->nranks; })) {
-      return violation(ncclInternalError, "ncclGroupEnd: communicator init never completed");
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(hang_s());
+    while (c->shm->joined.load() < c->nranks) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        return violation(ncclInternalError, "ncclGroupEnd: communicator init never completed");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
+    c->state = ncclSuccess;
   }
   bool nonblocking = false;
   std::vector<Comm*> comms;
@@ -1080,6 +1118,7 @@ API int ncclCommDestroy(Comm* comm) {
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   comm->destroyed = true;
+  munmap(comm->shm, sizeof(Shm));
   bump("nccl_destroy");
   return ncclSuccess;
 }
@@ -1090,9 +1129,7 @@ API int ncclCommAbort(Comm* comm) {
   if (inside != 0 && inside != self_id()) {
     violation(0, "ncclCommAbort while another thread is inside a call on the communicator");
   }
-  comm->aborted = true;
-  std::lock_guard<std::mutex> lk(comm->clique->mu);
-  comm->clique->cv.notify_all();  // its kernels exit
+  comm->aborted = true;  // its kernels (pollers) exit
   bump("nccl_abort");
   return ncclSuccess;
 }
