@@ -149,11 +149,14 @@ GpuBackend::GpuBackend(std::vector<int> devices, double timeout_s, std::string n
     PYDDP_ENFORCE(dev >= 0 && dev < count, "cuda:", dev, " does not exist (", count,
                   " CUDA devices)");
   }
-  std::vector<int> distinct;
+  // The set is keyed by the sorted devices: [1, 0] and [0, 1] share it
+  // (NCCL rank i = the i-th smallest device); comm_index_ maps replicas.
+  std::vector<int> distinct = devices_;
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
   for (int dev : devices_) {
-    auto it = std::find(distinct.begin(), distinct.end(), dev);
-    comm_index_.push_back(static_cast<int>(it - distinct.begin()));
-    if (it == distinct.end()) distinct.push_back(dev);
+    comm_index_.push_back(
+        static_cast<int>(std::find(distinct.begin(), distinct.end(), dev) - distinct.begin()));
   }
   set_ = acquire_comm_set(distinct, nccl_path_, timeout_s_);
   ContextRestore restore;
@@ -506,7 +509,8 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, in
       set_device(devices_[r]);
       launched = n.ncclAllReduce(bufs[r].data, bufs[r].data, static_cast<size_t>(bufs[r].count),
                                  dtype, op == ReduceOp::kSum ? kNcclSum : kNcclAvg,
-                                 set().comms[r], comm_stream(static_cast<int>(r)));
+                                 set().comms[comm_index(static_cast<int>(r))],
+                                 comm_stream(static_cast<int>(r)));
     }
     const ncclResult_t ended = n.ncclGroupEnd();
     if (launched != kNcclInProgress) PYDDP_NCCL(launched);

@@ -78,6 +78,7 @@ class GpuBackend : public Backend {
   // lock) and notes what it did in the error message.
   void abort_communication();
   cuda::CUstream comm_stream(int replica) const { return set_->streams[comm_index_[replica]]; }
+  int comm_index(int replica) const { return comm_index_[replica]; }
   CommSet& set() const { return *set_; }
 
   const std::vector<int> devices_;

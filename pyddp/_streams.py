@@ -33,9 +33,13 @@ class TorchStreams:
         # one context per device.
         import torch
 
+        device = torch.cuda.current_device()
         with contextlib.ExitStack() as stack:
             for stream in snapshot.values():
                 stack.enter_context(torch.cuda.stream(stream))
+            # torch.cuda.stream also makes its stream's device current: keep
+            # this worker's own device (each context restores it on exit).
+            torch.cuda.set_device(device)
             yield
 
     def before_host_write(self, device: int) -> None:

@@ -120,6 +120,8 @@ class GradSync:
         buckets = _C.plan_buckets(
             numels, self._dtypes, list(reversed(range(len(first)))), self._first_cap, self._cap
         )
+        # Held here too: _runtime closes every live backend at interpreter exit.
+        self._backend = make_backend(self._gpu_devices or self.devices, timeout_s)
         self._engine = _C.Engine(
             len(replicas),
             self.names,
@@ -128,7 +130,7 @@ class GradSync:
             buckets,
             reduce_order,
             op,
-            make_backend(self._gpu_devices or self.devices, timeout_s),
+            self._backend,
         )
         self._views: List[List[Optional[torch.Tensor]]] = [[None] * len(first) for _ in replicas]
         self._flat: List[List[torch.Tensor]] = [[] for _ in replicas]

@@ -259,6 +259,15 @@ def test_two_models_and_collectives_at_once_share_one_communicator_set(simlib):
     [t.start() for t in threads]; [t.join() for t in threads]
     assert not errors, errors
     assert sim.counter("stream_create") <= 2 + 4, sim.counter("stream_create")  # one set, not three
+    # Same GPUs in another order: the same set (NCCL ranks follow device order).
+    created = sim.counter("stream_create")
+    a, b = _runtime.make_backend([1, 0], timeout=30), _runtime.make_backend([0, 1], timeout=30)
+    assert sim.counter("stream_create") - created <= 2
+    ts = [torch.full((5,), float(r + 1)) for r in range(2)]
+    a.reduce([t.data_ptr() for t in ts], [1, 0], [0, 0], 5, "float32")
+    sim.synchronize(0, 0); sim.synchronize(0, 1)
+    assert all(torch.equal(t, torch.full_like(t, 3.0)) for t in ts)
+    a.close(); b.close()
     """,
     )
 
