@@ -36,6 +36,13 @@ def test_doctor_runs_without_a_gpu():
         assert "cuda driver: not available" in out.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
+def test_selftest_without_a_gpu_says_there_is_nothing_to_test():
+    out = run_python("-m", "pyddp.doctor", "--selftest")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "nothing to test" in out.stdout
+
+
 def test_missing_nccl_library_from_env_is_a_clear_error():
     out = run_python(
         "-c",

@@ -156,6 +156,33 @@ def test_wrap_equals_single_device_with_slow_streams(simlib, devices, cap):
     )
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_training_through_the_kernel_and_nccl(simlib, dtype):
+    # 16-bit gradients reduced by the kernel (replicas sharing a GPU) and by
+    # NCCL: equal to single-device gradients within 16-bit rounding (the
+    # reference reduces in one order, the replicas in another).
+    run_sim(
+        simlib,
+        f"""
+    for devices in ([0, 0], [0, 1]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(torch.{dtype})
+        ref = copy.deepcopy(model)
+        dm = gpu_wrap(model, devices)
+        x = torch.randn(8, 16).to(torch.{dtype})
+        y = torch.randint(0, 4, (8,))
+        F.cross_entropy(dm(x).float(), y).backward()
+        streams.synchronize_all(devices)
+        F.cross_entropy(ref(x).float(), y).backward()
+        tol = 1e-2 if "{dtype}" == "bfloat16" else 2e-3  # 8 / 11 mantissa bits
+        for p, q in zip(dm.module.parameters(), ref.parameters()):
+            assert p.grad.dtype == torch.{dtype}
+            torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=tol, rtol=tol)
+        dm.close()
+    """,
+    )
+
+
 def test_custom_streams_under_wrap(simlib):
     # `with torch.cuda.stream(s)`: forward, backward, zeroing and the step all
     # on user streams; the workers must run replicas on them too.
