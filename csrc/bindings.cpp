@@ -104,7 +104,13 @@ PYBIND11_MODULE(_C, m) {
               self.use_stream(static_cast<int>(i), streams[i]);
               self.record_ready(static_cast<int>(i), -1, {streams[i]});
             }
-            self.all_reduce(bufs, rop, -1);
+            try {
+              self.all_reduce(bufs, rop, -1);
+            } catch (...) {
+              // Kernels may be queued already: order the streams after them.
+              self.fence();
+              throw;
+            }
             self.fence();
             self.check();
           },
@@ -193,7 +199,9 @@ PYBIND11_MODULE(_C, m) {
       .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>())
       .def("set_sync", &Engine::set_sync, py::arg("enabled"))
       .def_property_readonly("sync_enabled", &Engine::sync_enabled)
-      .def("clear_grads", &Engine::clear_grads, py::arg("set_to_none"))
+      // May rebuild NCCL communicators (seconds): other threads keep running.
+      .def("clear_grads", &Engine::clear_grads, py::arg("set_to_none"),
+           py::call_guard<py::gil_scoped_release>())
       .def("note_grad", &Engine::note_grad, py::arg("param"), py::arg("has_grad"))
       .def("unmarked", &Engine::unmarked)
       .def_property_readonly("active", &Engine::active)

@@ -278,6 +278,9 @@ Engine::Settled Engine::finish(const std::vector<uintptr_t>& streams) {
   const int64_t t_start = now_ns();
   Settled out;
   if (async_) {
+    // The caller's streams read the reduced gradients next (optimizer step,
+    // clipping): fenced with the rest, whatever else happens below.
+    for (int r = 0; r < num_replicas_; ++r) backend_->use_stream(r, streams[r]);
     // Slices no replica marked were reconciled on streams[r]: the reduction
     // of their bucket waits for that too.
     for (int r = 0; r < num_replicas_; ++r) {
@@ -398,9 +401,10 @@ void Engine::set_sync(bool enabled) {
 
 void Engine::clear_grads(bool set_to_none) {
   PYDDP_ENFORCE(!active_.load(), "zero_grad() during a synced backward");
-  // A failed iteration is dropped here: the backend rebuilds what the failure
-  // broke (aborted NCCL communicators) so the next step runs normally.
-  if (partial_kind_.load() == kFailed) backend_->recover();
+  // A failed iteration is dropped here: the backend rebuilds what a failure
+  // broke (aborted NCCL communicators, also aborted by another model sharing
+  // the GPUs) so the next step runs normally. A no-op when healthy.
+  backend_->recover();
   if (set_to_none) {
     for (int p = 0; p < num_params(); ++p) has_grad_[p].store(0);
   }

@@ -42,6 +42,11 @@ void wait_comms(const NcclApi& n, const std::vector<ncclComm_t>& comms,
   }
 }
 
+std::mutex& nccl_launch_mutex() {
+  static auto* mu = new std::mutex;  // never destroyed: outlives every set
+  return *mu;
+}
+
 bool streams_idle(const CommSet& s) {
   for (CUstream st : s.streams) {
     if (driver().cuStreamQuery(st) != kCudaSuccess) return false;
@@ -50,6 +55,8 @@ bool streams_idle(const CommSet& s) {
 }
 
 }  // namespace
+
+CommSet::CommSet(bool nccl) : launch_mu(nccl ? nccl_launch_mutex() : own_mu) {}
 
 CommSet::~CommSet() {
   // Best effort, never throws: destroy communicators only when nothing is in
@@ -61,10 +68,14 @@ CommSet::~CommSet() {
     comms.erase(std::remove(comms.begin(), comms.end(), nullptr), comms.end());
     if (!comms.empty() && !aborted) {
       const NcclApi& n = nccl(nccl_path);
-      bool idle = streams_idle(*this);
+      // Never initialised, or work in flight: abort (destroy would wait).
+      bool idle = ready && streams_idle(*this);
       if (idle) {
         try {
-          for (ncclComm_t c : comms) PYDDP_NCCL(n.ncclCommFinalize(c));
+          for (ncclComm_t c : comms) {
+            const ncclResult_t r = n.ncclCommFinalize(c);  // non-blocking: may be in progress
+            if (r != kNcclInProgress) PYDDP_NCCL(r);
+          }
           wait_comms(n, comms, std::chrono::steady_clock::now() + std::chrono::seconds(10),
                      "finalize");
         } catch (const std::exception&) {
@@ -94,7 +105,7 @@ std::shared_ptr<CommSet> acquire_comm_set(const std::vector<int>& devices,
       if (!live->aborted) return live;
     }
   }
-  auto set = std::make_shared<CommSet>();
+  auto set = std::make_shared<CommSet>(!nccl_path.empty());
   set->key = key;
   set->devices = devices;
   set->nccl_path = nccl_path;
@@ -109,6 +120,8 @@ std::shared_ptr<CommSet> acquire_comm_set(const std::vector<int>& devices,
     set->streams.push_back(s);
   }
   if (!nccl_path.empty()) {
+    // Init is a call into NCCL on these GPUs too: under the launch lock.
+    std::lock_guard<std::mutex> launch(set->launch_mu);
     const NcclApi& n = nccl(nccl_path);
     ncclUniqueId id{};
     PYDDP_NCCL(n.ncclGetUniqueId(&id));
@@ -134,6 +147,7 @@ std::shared_ptr<CommSet> acquire_comm_set(const std::vector<int>& devices,
                        std::chrono::duration<double>(timeout_s)),
                "communicator initialisation");
   }
+  set->ready = true;
   g_sets[key] = set;
   return set;
 }
@@ -244,35 +258,44 @@ void GpuBackend::use_stream(int replica, uintptr_t stream) {
   add_writer_locked(replica, stream);
 }
 
-std::unique_lock<std::mutex> GpuBackend::lock_for_launch() {
+void GpuBackend::note_abort(const CommSet& set) {
+  fail("pyddp: the NCCL communicators on " + devices_text(set.devices) +
+       " were aborted after a failure (here or in another model or all_reduce on these GPUs); "
+       "reductions in flight were cut short. Call zero_grad() to rebuild them");
+}
+
+GpuBackend::Launch GpuBackend::lock_for_launch() {
   throw_if_failed();
-  std::shared_ptr<CommSet> set;
+  Launch launch;
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) throw UsageError("pyddp: the GPU backend was closed");
-    set = set_;
+    launch.set = set_;
   }
-  std::unique_lock<std::mutex> lk(set->launch_mu);
-  if (set->aborted) {
-    throw ReduceError("pyddp: the NCCL communicators on " + devices_text(set->devices) +
-                      " were aborted after an earlier failure; call zero_grad() to rebuild them");
+  launch.lock = std::unique_lock<std::mutex>(launch.set->launch_mu);
+  if (launch.set->aborted) {
+    launch.lock.unlock();
+    note_abort(*launch.set);
+    throw_if_failed();
   }
-  return lk;
+  return launch;
 }
 
-void GpuBackend::wait_ready_locked(int key) {
+void GpuBackend::wait_ready_locked(const CommSet& set, int key) {
   const DriverApi& d = driver();
   for (size_t r = 0; r < devices_.size(); ++r) {
     set_device(devices_[r]);
     Slot& s = slot(static_cast<int>(r), key);
     // cuStreamWaitEvent captures the event's latest record now, so the slot's
     // events can be recorded again for the next iteration right after.
-    for (int i = 0; i < s.used; ++i) PYDDP_CU(d.cuStreamWaitEvent(comm_stream(r), s.events[i], 0));
+    for (int i = 0; i < s.used; ++i) {
+      PYDDP_CU(d.cuStreamWaitEvent(comm_stream(set, static_cast<int>(r)), s.events[i], 0));
+    }
     s.used = 0;
   }
 }
 
-CUevent GpuBackend::take_event_locked(int stream_index) {
+CUevent GpuBackend::take_event_locked(const CommSet& set, int stream_index) {
   auto& pool = free_events_[stream_index];
   if (!pool.empty()) {
     CUevent e = pool.back();
@@ -280,22 +303,22 @@ CUevent GpuBackend::take_event_locked(int stream_index) {
     return e;
   }
   CUevent e = nullptr;
-  set_device(set_->devices[stream_index]);
+  set_device(set.devices[stream_index]);
   PYDDP_CU(driver().cuEventCreate(&e, kEventDisableTiming));
   return e;
 }
 
-void GpuBackend::watch_locked(const std::string& what) {
+void GpuBackend::watch_locked(const CommSet& set, const std::string& what) {
   InFlight f;
   f.what = what;
   f.deadline = std::chrono::steady_clock::now() +
                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                    std::chrono::duration<double>(timeout_s_));
   std::lock_guard<std::mutex> lk(mu_);
-  for (size_t s = 0; s < set_->streams.size(); ++s) {
-    CUevent e = take_event_locked(static_cast<int>(s));
-    set_device(set_->devices[s]);
-    PYDDP_CU(driver().cuEventRecord(e, set_->streams[s]));
+  for (size_t s = 0; s < set.streams.size(); ++s) {
+    CUevent e = take_event_locked(set, static_cast<int>(s));
+    set_device(set.devices[s]);
+    PYDDP_CU(driver().cuEventRecord(e, set.streams[s]));
     f.done.push_back(e);
   }
   in_flight_.push_back(std::move(f));
@@ -349,12 +372,22 @@ void GpuBackend::throw_if_failed() const {
 
 void GpuBackend::check() {
   bool timed_out = false;
+  std::shared_ptr<CommSet> set;
   {
     ContextRestore restore;
     std::lock_guard<std::mutex> lk(mu_);
     if (!closed_) timed_out = poll_locked();
+    set = set_;
   }
   if (timed_out) abort_communication();
+  if (set) {
+    bool aborted = false;
+    {
+      std::lock_guard<std::mutex> launch(set->launch_mu);
+      aborted = set->aborted;
+    }
+    if (aborted) note_abort(*set);
+  }
   throw_if_failed();
 }
 
@@ -388,16 +421,19 @@ void GpuBackend::abort_communication() {
 void GpuBackend::recover() {
   // Lock order everywhere: a set's launch_mu before mu_, never the reverse.
   std::shared_ptr<CommSet> set;
+  bool failed = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (closed_ || error_.empty()) return;
+    if (closed_) return;
     set = set_;
+    failed = !error_.empty();
   }
   bool aborted = false;
   {
     std::lock_guard<std::mutex> launch(set->launch_mu);
     aborted = set->aborted;
   }
+  if (!failed && !aborted) return;
   // Aborted communicators cannot be used again: take a fresh set (the
   // registry builds one, since this one is marked aborted).
   std::shared_ptr<CommSet> fresh =
@@ -495,11 +531,12 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, in
     PYDDP_ENFORCE(bufs[r].device == devices_[r], "replica ", r, " buffer is on device ",
                   bufs[r].device, ", expected cuda:", devices_[r]);
   }
-  std::unique_lock<std::mutex> lk = lock_for_launch();
-  const NcclApi& n = nccl(set().nccl_path);
+  Launch launch = lock_for_launch();
+  const CommSet& set = *launch.set;
+  const NcclApi& n = nccl(set.nccl_path);
   ContextRestore restore;
   try {
-    wait_ready_locked(key);
+    wait_ready_locked(set, key);
     // Several devices driven from one thread: the calls form one group, or
     // the first would wait for peers that are never launched.
     PYDDP_NCCL(n.ncclGroupStart());
@@ -509,25 +546,25 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, in
       set_device(devices_[r]);
       launched = n.ncclAllReduce(bufs[r].data, bufs[r].data, static_cast<size_t>(bufs[r].count),
                                  dtype, op == ReduceOp::kSum ? kNcclSum : kNcclAvg,
-                                 set().comms[comm_index(static_cast<int>(r))],
-                                 comm_stream(static_cast<int>(r)));
+                                 set.comms[comm_index(static_cast<int>(r))],
+                                 comm_stream(set, static_cast<int>(r)));
     }
     const ncclResult_t ended = n.ncclGroupEnd();
     if (launched != kNcclInProgress) PYDDP_NCCL(launched);
     if (ended != kNcclInProgress) PYDDP_NCCL(ended);
     // Non-blocking: the kernels are on the streams only once every
     // communicator leaves ncclInProgress; the done events must come after.
-    wait_comms(n, set().comms,
+    wait_comms(n, set.comms,
                std::chrono::steady_clock::now() +
                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                        std::chrono::duration<double>(timeout_s())),
                "all-reduce launch");
-    watch_locked(detail::concat("NCCL all-reduce of ", bufs[0].count, " ",
+    watch_locked(set, detail::concat("NCCL all-reduce of ", bufs[0].count, " ",
                                 dtype_name(bufs[0].dtype), " elements"));
   } catch (const ReduceError& e) {
     // A communicator in error cannot be trusted again: fail, abort (outside
     // the launch lock, which the abort takes), and let recover() rebuild.
-    lk.unlock();
+    launch.lock.unlock();
     fail(e.what());
     abort_communication();
     throw;
@@ -537,13 +574,14 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, in
 void NcclBackend::check() {
   std::string failure;
   try {
-    std::unique_lock<std::mutex> lk = lock_for_launch();
-    const NcclApi& n = nccl(set().nccl_path);
-    for (size_t r = 0; r < set().comms.size() && failure.empty(); ++r) {
+    Launch launch = lock_for_launch();
+    const CommSet& set = *launch.set;
+    const NcclApi& n = nccl(set.nccl_path);
+    for (size_t r = 0; r < set.comms.size() && failure.empty(); ++r) {
       ncclResult_t async = kNcclSuccess;
-      PYDDP_NCCL(n.ncclCommGetAsyncError(set().comms[r], &async));
+      PYDDP_NCCL(n.ncclCommGetAsyncError(set.comms[r], &async));
       if (async != kNcclSuccess && async != kNcclInProgress) {
-        failure = detail::concat("pyddp: NCCL communicator of cuda:", set().devices[r],
+        failure = detail::concat("pyddp: NCCL communicator of cuda:", set.devices[r],
                                  " failed asynchronously: ", n.ncclGetErrorString(async));
       }
     }
@@ -590,9 +628,10 @@ void DeviceBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, 
   int n = static_cast<int>(bufs.size());
   long long count = bufs[0].count;
   int avg = op == ReduceOp::kAvg ? 1 : 0;
-  std::unique_lock<std::mutex> lk = lock_for_launch();
+  Launch launch = lock_for_launch();
+  const CommSet& set = *launch.set;
   ContextRestore restore;
-  wait_ready_locked(key);
+  wait_ready_locked(set, key);
   if (count > 0) {
     void* args[] = {&ptrs, &n, &count, &avg};
     const unsigned threads = 256;
@@ -601,9 +640,9 @@ void DeviceBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, 
     set_device(devices_[0]);
     PYDDP_CU(driver().cuLaunchKernel(kernels_->fn[static_cast<int>(bufs[0].dtype)],
                                      static_cast<unsigned>(blocks), 1, 1, threads, 1, 1, 0,
-                                     comm_stream(0), args, nullptr));
+                                     comm_stream(set, 0), args, nullptr));
   }
-  watch_locked(detail::concat("on-device all-reduce of ", count, " ", dtype_name(bufs[0].dtype),
+  watch_locked(set, detail::concat("on-device all-reduce of ", count, " ", dtype_name(bufs[0].dtype),
                               " elements across ", n, " replicas"));
 }
 

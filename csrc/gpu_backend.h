@@ -30,16 +30,22 @@ namespace pyddp {
 
 // Streams (one per distinct device) and, for NCCL, one communicator per device.
 struct CommSet {
+  explicit CommSet(bool nccl);
   std::string key;
   std::vector<int> devices;
   std::vector<cuda::CUstream> streams;
   std::vector<cuda::ncclComm_t> comms;  // empty for the device kernel
   std::string nccl_path;
   // Serializes every call into these communicators and streams: launches,
-  // async-error polls, abort and destroy. NCCL forbids two threads inside one
-  // communicator; the communicators are non-blocking, so no holder waits long.
-  std::mutex launch_mu;
+  // async-error polls, init, abort and destroy. For NCCL sets it is one
+  // process-wide lock: NCCL forbids two threads inside one communicator, and
+  // warns that communicators sharing GPUs (also overlapping sets, [0,1] and
+  // [1,2]) driven from different threads can deadlock. The communicators are
+  // non-blocking, so no holder waits long.
+  std::mutex own_mu;
+  std::mutex& launch_mu;
   bool aborted = false;  // guarded by launch_mu
+  bool ready = false;    // communicators initialised
   ~CommSet();
 };
 
@@ -65,21 +71,29 @@ class GpuBackend : public Backend {
  protected:
   // devices[r]: replica r's GPU. nccl_path empty: the device kernel's set.
   GpuBackend(std::vector<int> devices, double timeout_s, std::string nccl_path);
-  // Under the set's launch lock: the communication stream of each replica
-  // waits for the events record_ready captured under `key`.
-  void wait_ready_locked(int key);
-  // Under the set's launch lock, after the launch: starts the timeout clock.
-  void watch_locked(const std::string& what);
-  // Holds the set's launch lock; throws if closed, failed or aborted.
-  std::unique_lock<std::mutex> lock_for_launch();
+  // A launch holds its set (close() may drop the backend's reference
+  // meanwhile) and the set's launch lock; the lock is released first.
+  struct Launch {
+    std::shared_ptr<CommSet> set;
+    std::unique_lock<std::mutex> lock;
+  };
+  // Throws if closed, failed or aborted (an abort by another backend sharing
+  // the set counts as this backend's failure too).
+  Launch lock_for_launch();
+  // Under the launch lock: the communication stream of each replica waits
+  // for the events record_ready captured under `key`.
+  void wait_ready_locked(const CommSet& set, int key);
+  // Under the launch lock, after the launch: starts the timeout clock.
+  void watch_locked(const CommSet& set, const std::string& what);
   void fail(const std::string& message);
   void throw_if_failed() const;
   // Frees a hung collective (NCCL: abort the communicators under the launch
   // lock) and notes what it did in the error message.
   void abort_communication();
-  cuda::CUstream comm_stream(int replica) const { return set_->streams[comm_index_[replica]]; }
+  cuda::CUstream comm_stream(const CommSet& set, int replica) const {
+    return set.streams[comm_index_[replica]];
+  }
   int comm_index(int replica) const { return comm_index_[replica]; }
-  CommSet& set() const { return *set_; }
 
   const std::vector<int> devices_;
 
@@ -97,7 +111,9 @@ class GpuBackend : public Backend {
   void watchdog_loop();
   bool poll_locked();  // true: the oldest launch passed its deadline
   void stop_watchdog();
-  cuda::CUevent take_event_locked(int stream_index);
+  cuda::CUevent take_event_locked(const CommSet& set, int stream_index);
+  // The set was aborted (by this backend or another sharing it): fail.
+  void note_abort(const CommSet& set);
   void fail_locked(const std::string& message);
   void add_writer_locked(int replica, uintptr_t stream);
 

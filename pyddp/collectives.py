@@ -70,6 +70,7 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
     ]
     with lock:
         try:
+            _record_streams(tensors, cupy_streams)
             backend.reduce(
                 [t.data_ptr() for t in tensors],
                 list(indices),
@@ -82,10 +83,14 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
             with _backends_lock:
                 _backends.pop(key, None)
             raise
+
+
+def _record_streams(tensors: Sequence[torch.Tensor], cupy_streams: Sequence[Any]) -> None:
+    """Before the launch, so a failed one is covered too: the caching
+    allocator must not hand this memory out again before the current stream
+    (which waits for the reduction) gets there."""
     for t, cs in zip(tensors, cupy_streams):
         if t.device.type == "cuda" and cs is None:
-            # The caching allocator must not hand this memory out again before
-            # the current stream (which waits for the reduction) gets there.
             t.record_stream(torch.cuda.current_stream(t.device))
 
 

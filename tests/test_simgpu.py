@@ -306,6 +306,7 @@ def test_timeout_names_the_reduction_then_zero_grad_recovers(simlib):
     torch.manual_seed(0)
     model = Mixed(); ref = copy.deepcopy(model)
     dm = gpu_wrap(model, [0, 1], bucket_cap_mb=0, rebuild_buckets=False, timeout_s=0.3)
+    other = gpu_wrap(Mixed(), [1, 0], bucket_cap_mb=0)  # shares the communicators
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     (x, y), (x2, y2) = make_batches(2, 8)
@@ -331,8 +332,17 @@ def test_timeout_names_the_reduction_then_zero_grad_recovers(simlib):
     F.cross_entropy(ref(x2), y2).backward(); ref_opt.step()
     for p, q in zip(dm.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    # The other model on these GPUs learns of the abort and recovers too.
+    try:
+        F.cross_entropy(other(x2), y2).backward()
+        raise AssertionError("launched on aborted communicators")
+    except pyddp.ReduceError as e:
+        assert "aborted" in str(e), str(e)
+    other.zero_grad()
+    F.cross_entropy(other(x2), y2).backward()
+    streams.synchronize_all([0, 1])
     assert sim.counter("nccl_abort") == 2
-    dm.close()
+    dm.close(); other.close()
     """,
     )
 
@@ -371,12 +381,17 @@ def test_close_and_exit_with_a_reduction_in_flight_do_not_hang(simlib):
     out = run_sim(
         simlib,
         """
-    dm = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0, timeout_s=60)
     (x, y), = make_batches(1, 8)
+    idle = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0)
+    F.cross_entropy(idle(x), y).backward()
+    streams.synchronize_all([0, 1])
+    idle.close()  # nothing in flight: finalized and destroyed, not aborted
+    assert sim.counter("nccl_destroy") == 2 and sim.counter("nccl_abort") == 0
+    dm = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0, timeout_s=60)
     sim.lib.simgpu_nccl_stall(1, 1)
     F.cross_entropy(dm(x), y).backward()
     t0 = time.time(); dm.close(); assert time.time() - t0 < 3, time.time() - t0
-    assert sim.counter("nccl_abort") == 2 and sim.counter("nccl_destroy") == 0
+    assert sim.counter("nccl_abort") == 2 and sim.counter("nccl_destroy") == 2
     try:
         dm(x)
         raise AssertionError("a closed model ran")
