@@ -591,7 +591,7 @@ API int cuDeviceGet(int* dev, int ordinal) {
 API int cuDeviceGetName(char* name, int len, int dev) {
   LIVE();
   if (dev < 0 || dev >= num_devices()) return CUDA_ERROR_INVALID_DEVICE;
-  std::snprintf(name, len, "pyddp simulated GPU (sm_%d)", compute_capability());
+  std::snprintf(name, len, "pyddp simulated GPU");
   return CUDA_SUCCESS;
 }
 API int cuDeviceGetAttribute(int* v, int attr, int dev) {
