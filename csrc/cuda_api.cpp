@@ -31,6 +31,25 @@ void* open_library(const std::string& path, const std::string& what) {
   return lib;
 }
 
+// Loads `path` into `api` the first time, binding its symbols with `bind_all`;
+// later calls get the same table, and another path in one process is refused
+// (two copies of NCCL or NVRTC would not share state). Caller holds g_mu.
+template <typename Api, typename BindAll>
+const Api& load_once(Api& api, std::string& loaded, const std::string& path, const char* what,
+                     BindAll bind_all) {
+  if (!loaded.empty()) {
+    PYDDP_ENFORCE(loaded == path, what, " already loaded from ", loaded, "; cannot also load ",
+                  path, " in one process");
+    return api;
+  }
+  void* lib = open_library(path, what);
+  Api fresh{};
+  bind_all(lib, fresh, "'" + path + "'");
+  api = fresh;
+  loaded = path;
+  return api;
+}
+
 template <typename Fn>
 void bind(void* lib, Fn& slot, const char* symbol, const std::string& what) {
   void* p = dlsym(lib, symbol);
@@ -99,56 +118,40 @@ const DriverApi& driver() {
 
 const NcclApi& nccl(const std::string& path) {
   std::lock_guard<std::mutex> lk(g_mu);
-  if (!g_nccl_path.empty()) {
-    PYDDP_ENFORCE(g_nccl_path == path, "NCCL already loaded from ", g_nccl_path,
-                  "; cannot also load ", path, " in one process");
-    return g_nccl;
-  }
-  void* lib = open_library(path, "NCCL");
-  NcclApi n{};
-  const std::string what = "'" + path + "'";
-  bind(lib, n.ncclGetVersion, "ncclGetVersion", what);
-  bind(lib, n.ncclGetUniqueId, "ncclGetUniqueId", what);
-  bind(lib, n.ncclCommInitRankConfig, "ncclCommInitRankConfig", what);
-  bind(lib, n.ncclCommFinalize, "ncclCommFinalize", what);
-  bind(lib, n.ncclCommDestroy, "ncclCommDestroy", what);
-  bind(lib, n.ncclCommAbort, "ncclCommAbort", what);
-  bind(lib, n.ncclCommGetAsyncError, "ncclCommGetAsyncError", what);
-  bind(lib, n.ncclGetErrorString, "ncclGetErrorString", what);
-  bind(lib, n.ncclAllReduce, "ncclAllReduce", what);
-  bind(lib, n.ncclGroupStart, "ncclGroupStart", what);
-  bind(lib, n.ncclGroupEnd, "ncclGroupEnd", what);
-  g_nccl = n;
-  g_nccl_path = path;
-  return g_nccl;
+  return load_once(g_nccl, g_nccl_path, path, "NCCL",
+                   [](void* lib, NcclApi& n, const std::string& what) {
+                     bind(lib, n.ncclGetVersion, "ncclGetVersion", what);
+                     bind(lib, n.ncclGetUniqueId, "ncclGetUniqueId", what);
+                     bind(lib, n.ncclCommInitRankConfig, "ncclCommInitRankConfig", what);
+                     bind(lib, n.ncclCommFinalize, "ncclCommFinalize", what);
+                     bind(lib, n.ncclCommDestroy, "ncclCommDestroy", what);
+                     bind(lib, n.ncclCommAbort, "ncclCommAbort", what);
+                     bind(lib, n.ncclCommGetAsyncError, "ncclCommGetAsyncError", what);
+                     bind(lib, n.ncclGetErrorString, "ncclGetErrorString", what);
+                     bind(lib, n.ncclAllReduce, "ncclAllReduce", what);
+                     bind(lib, n.ncclGroupStart, "ncclGroupStart", what);
+                     bind(lib, n.ncclGroupEnd, "ncclGroupEnd", what);
+                   });
 }
 
 const NvrtcApi& nvrtc(const std::string& path) {
   std::lock_guard<std::mutex> lk(g_mu);
-  if (!g_nvrtc_path.empty()) {
-    PYDDP_ENFORCE(g_nvrtc_path == path, "NVRTC already loaded from ", g_nvrtc_path,
-                  "; cannot also load ", path, " in one process");
-    return g_nvrtc;
-  }
-  void* lib = open_library(path, "NVRTC");
-  NvrtcApi n{};
-  const std::string what = "'" + path + "'";
-  bind(lib, n.nvrtcVersion, "nvrtcVersion", what);
-  bind(lib, n.nvrtcGetNumSupportedArchs, "nvrtcGetNumSupportedArchs", what);
-  bind(lib, n.nvrtcGetSupportedArchs, "nvrtcGetSupportedArchs", what);
-  bind(lib, n.nvrtcCreateProgram, "nvrtcCreateProgram", what);
-  bind(lib, n.nvrtcCompileProgram, "nvrtcCompileProgram", what);
-  bind(lib, n.nvrtcGetProgramLogSize, "nvrtcGetProgramLogSize", what);
-  bind(lib, n.nvrtcGetProgramLog, "nvrtcGetProgramLog", what);
-  bind(lib, n.nvrtcGetCUBINSize, "nvrtcGetCUBINSize", what);
-  bind(lib, n.nvrtcGetCUBIN, "nvrtcGetCUBIN", what);
-  bind(lib, n.nvrtcGetPTXSize, "nvrtcGetPTXSize", what);
-  bind(lib, n.nvrtcGetPTX, "nvrtcGetPTX", what);
-  bind(lib, n.nvrtcDestroyProgram, "nvrtcDestroyProgram", what);
-  bind(lib, n.nvrtcGetErrorString, "nvrtcGetErrorString", what);
-  g_nvrtc = n;
-  g_nvrtc_path = path;
-  return g_nvrtc;
+  return load_once(g_nvrtc, g_nvrtc_path, path, "NVRTC",
+                   [](void* lib, NvrtcApi& n, const std::string& what) {
+                     bind(lib, n.nvrtcVersion, "nvrtcVersion", what);
+                     bind(lib, n.nvrtcGetNumSupportedArchs, "nvrtcGetNumSupportedArchs", what);
+                     bind(lib, n.nvrtcGetSupportedArchs, "nvrtcGetSupportedArchs", what);
+                     bind(lib, n.nvrtcCreateProgram, "nvrtcCreateProgram", what);
+                     bind(lib, n.nvrtcCompileProgram, "nvrtcCompileProgram", what);
+                     bind(lib, n.nvrtcGetProgramLogSize, "nvrtcGetProgramLogSize", what);
+                     bind(lib, n.nvrtcGetProgramLog, "nvrtcGetProgramLog", what);
+                     bind(lib, n.nvrtcGetCUBINSize, "nvrtcGetCUBINSize", what);
+                     bind(lib, n.nvrtcGetCUBIN, "nvrtcGetCUBIN", what);
+                     bind(lib, n.nvrtcGetPTXSize, "nvrtcGetPTXSize", what);
+                     bind(lib, n.nvrtcGetPTX, "nvrtcGetPTX", what);
+                     bind(lib, n.nvrtcDestroyProgram, "nvrtcDestroyProgram", what);
+                     bind(lib, n.nvrtcGetErrorString, "nvrtcGetErrorString", what);
+                   });
 }
 
 std::string nvrtc_version(const std::string& path) {

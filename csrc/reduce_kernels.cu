@@ -69,18 +69,16 @@ __device__ inline pyddp_u16 pyddp_float_to_bf16(float f) {
   return (pyddp_u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-struct F32 {
-  typedef float T;
-  typedef float A;
+// Element type T, accumulated in A, converted by load/store.
+template <typename E>
+struct Plain {
+  typedef E T;
+  typedef E A;
   __device__ static A load(T v) { return v; }
   __device__ static T store(A v) { return v; }
 };
-struct F64 {
-  typedef double T;
-  typedef double A;
-  __device__ static A load(T v) { return v; }
-  __device__ static T store(A v) { return v; }
-};
+typedef Plain<float> F32;
+typedef Plain<double> F64;
 struct F16 {
   typedef pyddp_u16 T;
   typedef float A;

@@ -15,7 +15,7 @@ import os
 import re
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 @dataclass
-class NcclInfo:
+class LibraryInfo:
     path: Optional[str]
     version: Optional[str]
     tried: List[str] = field(default_factory=list)  # "where: why not"
@@ -62,28 +62,37 @@ def _version(code: int) -> str:
     return f"{major}.{rest // 100}.{rest % 100}"
 
 
-def find_nccl() -> NcclInfo:
-    """Loads the first NCCL that works. An explicit PYDDP_NCCL_LIBRARY that does
-    not load is an error, not a reason to pick another library silently."""
-    explicit = os.environ.get(NCCL_ENV)
+def _find_library(
+    env: str, candidates: List[str], version: Callable[[str], str], hint: str
+) -> LibraryInfo:
+    """Loads the first candidate that works. An explicit `env` that does not
+    load is an error, not a reason to pick another library silently."""
+    explicit = os.environ.get(env)
     if explicit:
         try:
-            return NcclInfo(explicit, _version(_C.nccl_version(explicit)))
+            return LibraryInfo(explicit, version(explicit))
         except RuntimeError as e:
             raise RuntimeError(
-                f"{NCCL_ENV}={explicit!r} could not be loaded: {e}. Point it at a "
-                f"libnccl.so.2, or unset it to let pyddp search ({', '.join(nccl_candidates())})"
+                f"{env}={explicit!r} could not be loaded: {e}. Point it at a {hint}, or unset "
+                f"it to let pyddp search ({', '.join(candidates)})"
             ) from None
-    info = NcclInfo(None, None)
-    for path in nccl_candidates():
+    info = LibraryInfo(None, None)
+    for path in candidates:
         if os.sep in path and not os.path.exists(path):
             info.tried.append(f"{path}: not there")
             continue
         try:
-            return NcclInfo(path, _version(_C.nccl_version(path)), info.tried)
+            return LibraryInfo(path, version(path), info.tried)
         except RuntimeError as e:
             info.tried.append(f"{path}: {e}")
     return info
+
+
+def find_nccl() -> LibraryInfo:
+    """The NCCL one replica per GPU reduces with."""
+    return _find_library(
+        NCCL_ENV, nccl_candidates(), lambda p: _version(_C.nccl_version(p)), "libnccl.so.2"
+    )
 
 
 def nvrtc_candidates(driver_major: Optional[int] = None) -> List[str]:
@@ -116,24 +125,20 @@ def nvrtc_candidates(driver_major: Optional[int] = None) -> List[str]:
     return out
 
 
-def find_nvrtc() -> NcclInfo:
-    """The NVRTC the shared-GPU kernel is compiled with (same shape as find_nccl)."""
-    explicit = os.environ.get(NVRTC_ENV)
-    if explicit:
-        try:
-            return NcclInfo(explicit, _C.nvrtc_version(explicit))
-        except RuntimeError as e:
-            raise RuntimeError(f"{NVRTC_ENV}={explicit!r} could not be loaded: {e}") from None
+def find_nvrtc() -> LibraryInfo:
+    """The NVRTC the shared-GPU kernel is compiled with."""
     driver, _, _ = cuda_driver()
-    info = NcclInfo(None, None)
-    for path in nvrtc_candidates(int(driver.split(".")[0]) if driver else None):
-        if os.sep in path and not os.path.exists(path):
-            continue
-        try:
-            return NcclInfo(path, _C.nvrtc_version(path), info.tried)
-        except RuntimeError as e:
-            info.tried.append(f"{path}: {e}")
-    return info
+    candidates = nvrtc_candidates(int(driver.split(".")[0]) if driver else None)
+    return _find_library(NVRTC_ENV, candidates, _C.nvrtc_version, "libnvrtc.so.12 or .13")
+
+
+def _require(info: LibraryInfo, need: str, install: str, env: str) -> str:
+    if info.path is None:
+        raise RuntimeError(
+            f"{need}, and none was found. Install it with {install}, or set {env}. Tried: "
+            + "; ".join(info.tried)
+        )
+    return info.path
 
 
 _live_backends: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -201,22 +206,20 @@ def make_backend(devices: Sequence[Any], timeout: Optional[float] = None):
     indices = [d if isinstance(d, int) else d.index for d in devices]
     timeout = timeout_s() if timeout is None else timeout
     if kind == "device":
-        nvrtc = find_nvrtc()
-        if nvrtc.path is None:
-            raise RuntimeError(
-                "replicas sharing one GPU compile pyddp's reduction kernel with NVRTC, and none "
-                "was found. Install it with `pip install nvidia-cuda-nvrtc-cu12` (CUDA builds of "
-                f"torch bring it), or set {NVRTC_ENV}. Tried: " + "; ".join(nvrtc.tried)
-            )
-        backend = _C.DeviceBackend(indices[0], len(indices), timeout, nvrtc.path)
+        nvrtc = _require(
+            find_nvrtc(),
+            "replicas sharing one GPU compile pyddp's reduction kernel with NVRTC",
+            "`pip install nvidia-cuda-nvrtc-cu12` (CUDA builds of torch bring it)",
+            NVRTC_ENV,
+        )
+        backend = _C.DeviceBackend(indices[0], len(indices), timeout, nvrtc)
     else:
-        nccl = find_nccl()
-        if nccl.path is None:
-            raise RuntimeError(
-                "one replica per GPU needs NCCL, and none was found. Install it with "
-                "`pip install pyddp[cuda12]` or `[cuda13]`, or set "
-                f"{NCCL_ENV}. Tried: " + "; ".join(nccl.tried)
-            )
-        backend = _C.NcclBackend(indices, nccl.path, timeout)
+        nccl = _require(
+            find_nccl(),
+            "one replica per GPU needs NCCL",
+            "`pip install pyddp[cuda12]` or `[cuda13]`",
+            NCCL_ENV,
+        )
+        backend = _C.NcclBackend(indices, nccl, timeout)
     _live_backends.add(backend)
     return backend

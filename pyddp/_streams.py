@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Dict, Iterator, Sequence
 
+import torch
+
 
 class TorchStreams:
     """torch.cuda's current streams; handles are raw CUstream integers."""
@@ -18,21 +20,15 @@ class TorchStreams:
         self.devices = list(devices)
 
     def current(self, device: int) -> int:
-        import torch
-
         return torch.cuda.current_stream(device).cuda_stream
 
     def snapshot(self) -> Dict[int, Any]:
-        import torch
-
         return {d: torch.cuda.current_stream(d) for d in set(self.devices)}
 
     @contextlib.contextmanager
     def use(self, snapshot: Dict[int, Any]) -> Iterator[None]:
         # torch.cuda.stream sets the current stream of the stream's device only:
         # one context per device.
-        import torch
-
         device = torch.cuda.current_device()
         with contextlib.ExitStack() as stack:
             for stream in snapshot.values():

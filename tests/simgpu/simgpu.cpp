@@ -436,10 +436,10 @@ void store_elem(char* p, int dtype, size_t i, double v) {
 // `step`; false if this rank's communicator was aborted meanwhile.
 bool wait_all(Comm* c, std::atomic<uint64_t> ShmSlot::*field, uint64_t step) {
   for (int spins = 0;; ++spins) {
+    if (c->aborted.load()) return false;
     bool all = true;
     for (int r = 0; r < c->nranks && all; ++r) all = (c->shm->slot[r].*field).load() >= step;
     if (all) return true;
-    if (c->aborted.load()) return false;
     if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
@@ -456,6 +456,12 @@ thread_local std::vector<Comm*> t_group_inits;
 // all chunks in rank order with one rounding to the element type per hop (as
 // a ring all-reduce does), wait until everyone has read, next chunk.
 void run_collective(Comm* comm, size_t count, int dtype, int op, const void* send, void* recv) {
+  if (comm->aborted.load()) {
+    // [NCCL, ncclCommAbort] the abort kills the communicator's kernels: a
+    // queued collective no longer runs (it must not pair with a stale peer).
+    --comm->pending;
+    return;
+  }
   bool stalled;
   {
     std::lock_guard<std::mutex> g(g_nccl_mu);
@@ -860,14 +866,21 @@ API int cuLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned
   bump("kernel_launch");
   return CUDA_SUCCESS;
 }
-API int cuLaunchHostFunc(void* stream, void (*fn)(void*), void* data) {
-  LIVE();
+namespace {
+// Queues host work on a stream: it runs in stream order, like a kernel.
+int enqueue_run(void* stream, std::function<void()> run) {
   Stream* s = nullptr;
   if (int rc = resolve(stream, &s)) return rc;
   Op op;
-  op.run = [fn, data] { fn(data); };
+  op.run = std::move(run);
   enqueue(s, std::move(op));
   return CUDA_SUCCESS;
+}
+}  // namespace
+
+API int cuLaunchHostFunc(void* stream, void (*fn)(void*), void* data) {
+  LIVE();
+  return enqueue_run(stream, [fn, data] { fn(data); });
 }
 
 // ================================================================ NCCL
@@ -1246,21 +1259,11 @@ API int simgpu_set_delay_us(void* stream, long us) {
 }
 // Like torch.cuda._sleep: occupies the stream for `us`.
 API int simgpu_sleep(void* stream, long us) {
-  Stream* s = nullptr;
-  if (int rc = resolve(stream, &s)) return rc;
-  Op op;
-  op.run = [us] { std::this_thread::sleep_for(std::chrono::microseconds(us)); };
-  enqueue(s, std::move(op));
-  return 0;
+  return enqueue_run(stream, [us] { std::this_thread::sleep_for(std::chrono::microseconds(us)); });
 }
 // A stream-ordered copy (a "kernel" writing dst).
 API int simgpu_copy(void* stream, void* dst, const void* src, size_t bytes) {
-  Stream* s = nullptr;
-  if (int rc = resolve(stream, &s)) return rc;
-  Op op;
-  op.run = [dst, src, bytes] { std::memcpy(dst, src, bytes); };
-  enqueue(s, std::move(op));
-  return 0;
+  return enqueue_run(stream, [dst, src, bytes] { std::memcpy(dst, src, bytes); });
 }
 API void simgpu_nccl_stall(int device, int on) {
   std::lock_guard<std::mutex> lk(g_nccl_mu);
