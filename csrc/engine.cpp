@@ -6,7 +6,7 @@
 namespace pyddp {
 
 namespace {
-enum PartialKind { kNoSync = 1, kCleared = 2, kFailed = 3 };
+enum PartialKind { kNoSync = 1, kCleared = 2, kFailed = 3, kLate = 4 };
 }
 
 int64_t now_ns() {
@@ -135,10 +135,16 @@ void Engine::mark_ready(int replica, int param, uintptr_t stream) {
   PYDDP_ENFORCE(param >= 0 && param < num_params(), "parameter ", param, " out of range [0, ",
                 num_params(), ")");
   if (stale_[replica].load(std::memory_order_relaxed)) {
+    // The gradient was already added to a bucket that holds the reduced sum:
+    // this replica now differs, so stepping is refused until zero_grad().
+    partial_kind_.store(kLate);
+    partial_.store(true);
     fail_mark(replica, param,
-              "backward reached a gradient that still holds the previous backward's reduced "
-              "sum, with no forward in between (a second backward over the same graph?). Run "
-              "forward before each backward, or call zero_grad() first.");
+              "a gradient arrived after the previous backward was reduced: finish() was called "
+              "before this replica's backward returned, or a second backward ran over the same "
+              "graph with no forward in between. Call finish() only once every replica's "
+              "backward has returned, run forward before each backward, and call zero_grad() "
+              "before the next step.");
   }
   has_grad_[param].store(1, std::memory_order_relaxed);
   if (!sync_.load(std::memory_order_relaxed)) {
@@ -400,7 +406,11 @@ void Engine::set_sync(bool enabled) {
 }
 
 void Engine::clear_grads(bool set_to_none) {
-  PYDDP_ENFORCE(!active_.load(), "zero_grad() during a synced backward");
+  if (active_.load()) {
+    throw UsageError(
+        "pyddp: zero_grad() while a backward is still open: call finish() once every "
+        "replica's backward has returned (or abort() if one raised), then zero_grad()");
+  }
   // A failed iteration is dropped here: the backend rebuilds what a failure
   // broke (aborted NCCL communicators, also aborted by another model sharing
   // the GPUs) so the next step runs normally. A no-op when healthy.
@@ -448,6 +458,10 @@ std::string Engine::partial_reason() const {
     case kCleared:
       return "a forward ran after the last backward and cleared the other replicas' copies of "
              "the reduced gradients: call step() between backward and the next forward";
+    case kLate:
+      return "a gradient arrived after finish() reduced its bucket (finish() called while a "
+             "replica was still in backward?), so the replicas' gradients differ: call "
+             "zero_grad() and run the step again";
     case kFailed:
       return "the last backward failed, so gradients are incomplete: call zero_grad() and run "
              "the step again";

@@ -7,7 +7,13 @@ loop), `all_reduce` (collectives), errors."""
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._workers import ReplicaError
+from ._source_tree import use_installed_build
+
+# Run from a clone's root, `import pyddp` finds this source folder, which has no
+# compiled _C: the rest of the package then comes from the installed build.
+__path__ = use_installed_build(__path__)
+
+from ._workers import ReplicaError  # noqa: E402  (after the build is located)
 from .callbacks import Callback, MetricsLogger, ProgressBar
 from .collectives import all_reduce
 from .config import TrainConfig

@@ -1,33 +1,46 @@
 """Joining per-replica tensors into one on devices[0] (gathered outputs, the
-summed loss) as an autograd node whose backward hands each replica its slice of
-the gradient and lets the owning model run the replicas' backward."""
+summed loss) as an autograd node whose backward hands each replica its share of
+the gradient and calls back the owner to run the replicas' backward.
+
+How a column (one output position, one tensor per replica) is joined:
+"cat" concatenates along dim 0; "mean" takes the shard-size-weighted mean of
+0-dim tensors (a per-shard mean loss becomes the full-batch mean); "sum" adds."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-if TYPE_CHECKING:
-    from .model import DistributedModel
+RunBackward = Callable[[List[List[torch.Tensor]], List[List[Any]]], None]
 
 
 class Join:
-    """Joins per-replica tensors into tensors on devices[0] ("cat": along dim 0,
-    0-dim ones stacked; "sum": added) with a backward that hands each replica
-    its slice of the gradient."""
-
-    def __init__(self, owner: DistributedModel, tensors: List[List[torch.Tensor]], kind: str):
-        self.owner = owner
+    def __init__(
+        self,
+        tensors: List[List[torch.Tensor]],
+        kinds: Sequence[str],
+        device: torch.device,
+        weights: Sequence[float],
+        run_backward: RunBackward,
+        detached: bool,
+    ):
+        """tensors[r][j]: replica r's tensor for column j, joined as kinds[j].
+        run_backward(tensors, grads) is called from this node's backward;
+        `detached`: the replicas' graphs are run by the owner's workers, so the
+        outer graph must not reach them."""
         self.tensors = tensors
-        self.kind = kind
+        self.kinds = list(kinds)
+        self.device = device
+        self.weights = list(weights)
+        self.run_backward = run_backward
+        self.detached = detached
 
     def apply(self) -> Tuple[torch.Tensor, ...]:
         flat = [t for ts in self.tensors for t in ts]
-        if self.owner._parallel_backward:
-            # Detached: the outer autograd graph must not reach the replicas'
-            # graphs, which the workers run. The anchor keeps the output
-            # differentiable so this node's backward is called.
+        if self.detached:
+            # The anchor keeps the output differentiable so this node's
+            # backward is called.
             flat = [t.detach() for t in flat]
         anchor = torch.empty(0, requires_grad=True)
         return JoinFn.apply(self, anchor, *flat)
@@ -35,21 +48,21 @@ class Join:
     def combine(self, flat: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
         width = len(self.tensors[0])
         columns = [[flat[r * width + j] for r in range(len(self.tensors))] for j in range(width)]
-        device = self.owner.devices[0]
-        if self.kind == "sum":
-            return tuple(sum_on(c, device) for c in columns)
-        return tuple(concat(c, device) for c in columns)
+        return tuple(
+            join_column(c, k, self.device, self.weights) for c, k in zip(columns, self.kinds)
+        )
 
     def split(self, grads: Sequence[Optional[torch.Tensor]]) -> List[List[Any]]:
         out: List[List[Any]] = [[] for _ in self.tensors]
         for j, g in enumerate(grads):
             column = [ts[j] for ts in self.tensors]
+            kind = self.kinds[j]
             if g is None:
                 parts: List[Any] = [None] * len(column)
-            elif self.kind == "sum":
+            elif kind == "sum":
                 parts = [g] * len(column)
-            elif column[0].dim() == 0:
-                parts = list(g.unbind(0))
+            elif kind == "mean":
+                parts = [g * w for w in self.weights]
             else:
                 parts = list(g.split([t.shape[0] for t in column]))
             for r, (t, part) in enumerate(zip(column, parts)):
@@ -68,20 +81,23 @@ class JoinFn(torch.autograd.Function):
     def backward(ctx: Any, *grads: Optional[torch.Tensor]):
         join = ctx.join
         per_replica = join.split(grads)
-        join.owner._backward(join.tensors, per_replica)
-        if join.owner._parallel_backward:
+        join.run_backward(join.tensors, per_replica)
+        if join.detached:
             flat_grads: List[Any] = [None] * sum(len(ts) for ts in join.tensors)
         else:
             flat_grads = [g for gs in per_replica for g in gs]
         return (None, None, *flat_grads)
 
 
-def concat(column: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    moved = [t.to(device) for t in column]
-    return torch.stack(moved) if moved[0].dim() == 0 else torch.cat(moved)
-
-
-def sum_on(column: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+def join_column(
+    column: Sequence[torch.Tensor], kind: str, device: torch.device, weights: Sequence[float]
+) -> torch.Tensor:
+    """The value of one joined column (also for columns that need no gradient)."""
+    if kind == "cat":
+        moved = [t.to(device) for t in column]
+        return torch.stack(moved) if moved[0].dim() == 0 else torch.cat(moved)
+    if kind == "mean":
+        column = [t * w for t, w in zip(column, weights)]
     total = column[0].to(device)
     for t in column[1:]:
         total = total + t.to(device)

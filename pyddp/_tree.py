@@ -47,6 +47,25 @@ def _flatten(obj: Any, leaves: List[torch.Tensor]) -> Callable[[Any], Any]:
     return lambda it: obj  # non-tensors are replicated as they are
 
 
+def other_leaves(obj: Any, path: str = "output") -> List[Tuple[str, Any]]:
+    """The non-tensor leaves of `obj` with their paths (e.g. "output[1]['n']"),
+    walking the same containers as `flatten`."""
+    if isinstance(obj, torch.Tensor):
+        return []
+    if isinstance(obj, (list, tuple)):
+        return [leaf for k, x in enumerate(obj) for leaf in other_leaves(x, f"{path}[{k}]")]
+    if isinstance(obj, dict):
+        return [leaf for k, x in obj.items() for leaf in other_leaves(x, f"{path}[{k!r}]")]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [
+            leaf
+            for f in dataclasses.fields(obj)
+            if f.init
+            for leaf in other_leaves(getattr(obj, f.name), f"{path}.{f.name}")
+        ]
+    return [(path, obj)]
+
+
 def shard_sizes(batch: int, parts: int) -> List[int]:
     """Splits `batch` rows over `parts` shards as evenly as possible, larger first."""
     base, extra = divmod(batch, parts)

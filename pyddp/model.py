@@ -9,13 +9,25 @@ from __future__ import annotations
 import contextlib
 import copy
 from functools import partial
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple, Type
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Type,
+)
 
 import torch
 from torch import nn
 
-from ._join import Join, concat, sum_on
-from ._tree import flatten, shard_sizes
+from ._join import Join, join_column
+from ._mirror import ReplicaMirror
+from ._tree import flatten, other_leaves, shard_sizes
 from ._workers import ReplicaError, ReplicaWorkers
 from .devices import DeviceLike, parse_devices
 from .optim import ParamsFn, replicated_optimizer
@@ -41,6 +53,11 @@ class DistributedModel(nn.Module):
         _gpu: Optional[Tuple[Sequence[int], Any]] = None,
     ):
         super().__init__()
+        if isinstance(module, DistributedModel):
+            raise TypeError(
+                "the model is already wrapped (a pyddp DistributedModel): use it as it is, or "
+                "wrap its .module after closing it"
+            )
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
         self.devices: List[torch.device] = parse_devices(devices)
@@ -56,8 +73,10 @@ class DistributedModel(nn.Module):
             rebuild_buckets=rebuild_buckets,
             timeout_s=timeout_s,
             timeline=timeline,
+            check_replicas=False,  # deep copies of replica 0, identical by construction
             _gpu=_gpu,
         )
+        self._mirror = ReplicaMirror(replicas, self.sync.names) if len(replicas) > 1 else None
         self.broadcast_buffers = broadcast_buffers
         self._buffers_of = [list(m.buffers()) for m in replicas]
         if threads_per_replica is not None and threads_per_replica < 1:
@@ -139,24 +158,47 @@ class DistributedModel(nn.Module):
         return result
 
     def close(self) -> None:
-        """Stops the worker threads and removes the gradient hooks."""
+        """Stops the worker threads, removes the gradient hooks and releases the
+        backend (threads, GPU communicators). The model (`.module`) stays usable
+        on its own; this wrapper raises if used again. Idempotent; dropping the
+        last reference, or leaving a `with pyddp.wrap(...) as dmodel:` block,
+        does the same."""
         self._workers.close()
         self.sync.close()
+
+    def __enter__(self) -> DistributedModel:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a wrapped model holds threads and per-replica state and cannot be pickled, copied "
+            "or torch.save()d: save dmodel.state_dict() (or dmodel.module), copy dmodel.module"
+        )
+
+    def _check_open(self) -> None:
+        if self.sync.closed:
+            raise RuntimeError(
+                "pyddp: this wrapped model was closed; use .module on its own, or wrap it again"
+            )
 
     # --------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Scatters tensors along dim 0, runs the replicas in parallel, gathers
         outputs on devices[0]. Reduce the loss with a mean over the whole batch and
         gradients equal single-device training on it."""
+        self._check_open()
         if len(self._replicas) == 1:
             return self.module(*args, **kwargs)
-        shards, _ = self._start((args, kwargs))
+        shards, sizes = self._start((args, kwargs))
         outs = self._workers.run(
             [self._call(r, a, kw) for r, (a, kw) in enumerate(shards)], "forward"
         )
         if torch.is_grad_enabled():
             self.sync.note_forward_end()
-        return self._gather(outs)
+        return self._gather(outs, sizes)
 
     def loss(
         self,
@@ -171,12 +213,14 @@ class DistributedModel(nn.Module):
         loss on devices[0]. With reduction="mean" (loss_fn averages over its shard)
         shards are weighted by their sizes, so uneven shards give the full-batch
         mean; with "sum" (loss_fn sums) the shard losses are added. `inputs` is the
-        model's argument, or a tuple of its positional arguments."""
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        model's argument, a tuple of its positional arguments, or a dict of its
+        keyword arguments (pass a dict argument as a 1-tuple: `(d,)`)."""
+        self._check_open()
+        args, kwargs = _as_call(inputs)  # checked here, not on every replica
         if len(self._replicas) == 1:
             _check_reduction(reduction)
-            return _checked(loss_fn(self.module(*args), targets))
-        shards, _ = self._scatter((args, targets))
+            return _checked(loss_fn(self.module(*args, **kwargs), targets))
+        shards, _ = self._scatter((inputs, targets))
         return self.loss_on_shards(loss_fn, shards, reduction=reduction)
 
     def loss_on_shards(
@@ -188,10 +232,12 @@ class DistributedModel(nn.Module):
         context: Optional[Callable[[], ContextManager[Any]]] = None,
     ) -> torch.Tensor:
         """Like `loss`, for batches already split and placed on the replicas'
-        devices (per-device data loading): shards[r] = (args tuple, targets) for
-        replica r; fewer shards than replicas leaves the rest out. `context`, if
+        devices (per-device data loading): shards[r] = (inputs, targets) for
+        replica r, inputs as in `loss`; fewer shards than replicas leaves the rest
+        out. `context`, if
         given, is entered on each replica's thread around its forward and loss
         (e.g. autocast, which is thread-local)."""
+        self._check_open()
         _check_reduction(reduction)
         if not 1 <= len(shards) <= len(self._replicas):
             raise ValueError(f"got {len(shards)} shards for {len(self._replicas)} replicas")
@@ -201,9 +247,11 @@ class DistributedModel(nn.Module):
 
         def replica_loss(r: int) -> Callable[[], torch.Tensor]:
             def run() -> torch.Tensor:
-                shard_args, shard_targets = shards[r]
+                shard_inputs, shard_targets = shards[r]
+                args, kwargs = _as_call(shard_inputs)
                 with context() if context is not None else contextlib.nullcontext():
-                    value = _checked(loss_fn(self._replicas[r](*shard_args), shard_targets))
+                    out = self._replicas[r](*args, **kwargs)
+                    value = _checked(loss_fn(out, shard_targets))
                 return value * (sizes[r] / total) if reduction == "mean" else value
 
             return run
@@ -212,14 +260,22 @@ class DistributedModel(nn.Module):
         if torch.is_grad_enabled():
             self.sync.note_forward_end()
         if len(self._replicas) == 1 or not any(v.requires_grad for v in losses):
-            return losses[0] if len(losses) == 1 else sum_on(losses, self.devices[0])
-        return Join(self, [[v] for v in losses], "sum").apply()[0]
+            return join_column(losses, "sum", self.devices[0], [])
+        return self._join([[v] for v in losses], ["sum"], []).apply()[0]
+
+    def _join(self, tensors: List[List[torch.Tensor]], kinds: List[str], weights: Any) -> Join:
+        return Join(
+            tensors, kinds, self.devices[0], weights, self._backward, self._parallel_backward
+        )
 
     def map_replicas(
         self, fn: Callable[[int, nn.Module, Any], Any], shards: Sequence[Any], what: str = "map"
     ) -> List[Any]:
         """Runs fn(r, replica r, shards[r]) on every replica's worker, in parallel
         (e.g. sharded evaluation); returns the results in replica order."""
+        self._check_open()
+        if self._mirror is not None:
+            self._mirror.follow()
         return self._workers.run(
             [partial(fn, r, self._replicas[r], shard) for r, shard in enumerate(shards)], what
         )
@@ -234,16 +290,18 @@ class DistributedModel(nn.Module):
         """Readies the replicas for a forward that may be followed by backward."""
         if len(self._replicas) == 1:
             return
+        self._mirror.follow()
         if torch.is_grad_enabled():
             self._finish_queued = False  # a backward that raised never ran its callback
             self.sync.prepare_all()
-        if self.training:
-            self.broadcast_buffers_now()
+        # Training forwards (DDP's default) and eval forwards alike: replicas > 0
+        # updated their own BatchNorm statistics in their last training forward.
+        self.broadcast_buffers_now()
 
     def broadcast_buffers_now(self) -> None:
         """Copies replica 0's buffers (BatchNorm statistics) to the others, if
         broadcast_buffers is on: DDP's default before every training forward;
-        the Trainer also does it before evaluating."""
+        eval-mode forwards too, so every replica evaluates with replica 0's."""
         if not self.broadcast_buffers:
             return
         with torch.no_grad():
@@ -279,22 +337,33 @@ class DistributedModel(nn.Module):
             shards.append(rebuild([parts[r].to(device, non_blocking=True) for parts in split]))
         return shards, sizes
 
-    def _gather(self, outs: List[Any]) -> Any:
+    def _gather(self, outs: List[Any], sizes: List[int]) -> Any:
+        """Batch tensors are concatenated; 0-dim floating tensors (a loss the
+        model computes itself) become the shard-size-weighted mean; other 0-dim
+        tensors are stacked, one per replica. Non-tensor values are refused
+        unless every replica returned the same None, str or bytes."""
         flat = [flatten(o) for o in outs]
         leaves = [f[0] for f in flat]
         rebuild = flat[0][1]
         if any(len(ls) != len(leaves[0]) for ls in leaves):
             raise RuntimeError("replicas returned outputs of different structure")
+        _check_other_leaves(outs)
+        weights = [n / sum(sizes) for n in sizes]
         results: List[Optional[torch.Tensor]] = [None] * len(leaves[0])
+        kinds = [_gather_kind(t) for t in leaves[0]]
         differentiable = []
         for j in range(len(results)):
             column = [ls[j] for ls in leaves]
             if any(t.requires_grad for t in column):
                 differentiable.append(j)
             else:
-                results[j] = concat(column, self.devices[0])
+                results[j] = join_column(column, kinds[j], self.devices[0], weights)
         if differentiable:
-            join = Join(self, [[ls[j] for j in differentiable] for ls in leaves], "cat")
+            join = self._join(
+                [[ls[j] for j in differentiable] for ls in leaves],
+                [kinds[j] for j in differentiable],
+                weights,
+            )
             for j, t in zip(differentiable, join.apply()):
                 results[j] = t
         return rebuild(results)
@@ -334,6 +403,46 @@ class DistributedModel(nn.Module):
     def _end_of_backward(self) -> None:
         self._finish_queued = False
         self.sync.finish()
+
+
+def _gather_kind(t: torch.Tensor) -> str:
+    if t.dim() > 0:
+        return "cat"
+    return "mean" if t.is_floating_point() or t.is_complex() else "cat"
+
+
+_SAME_ON_EVERY_REPLICA = (type(None), str, bytes)
+
+
+def _check_other_leaves(outs: List[Any]) -> None:
+    """One replica's non-tensor value is not the batch's: refuse it, unless it
+    is a None, str or bytes equal on every replica (a constant)."""
+    per_replica = [other_leaves(o) for o in outs]
+    for k, (path, value) in enumerate(per_replica[0]):
+        values = [leaves[k][1] if k < len(leaves) else None for leaves in per_replica]
+        if isinstance(value, _SAME_ON_EVERY_REPLICA) and all(
+            type(v) is type(value) and v == value for v in values
+        ):
+            continue
+        raise TypeError(
+            f"pyddp: the model returned a {type(value).__name__} at {path} "
+            f"(replica values: {', '.join(repr(v)[:40] for v in values)}); each replica "
+            "computes on its own shard, so one replica's value is not the batch's. Return "
+            "tensors: batch tensors are concatenated, 0-dim floating tensors (a loss) become "
+            "the shard-size-weighted mean"
+        )
+
+
+def _as_call(inputs: Any) -> Tuple[tuple, Dict[str, Any]]:
+    """The model's call arguments from `inputs`: a tuple (positional), a dict
+    (keywords) or one argument."""
+    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
+        return inputs, {}
+    if isinstance(inputs, Mapping):
+        if not all(isinstance(k, str) for k in inputs):
+            raise TypeError("a dict of inputs is taken as keyword arguments: its keys must be str")
+        return (), dict(inputs)
+    return (inputs,), {}
 
 
 def _check_reduction(reduction: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Type
 import torch
 from torch import nn
 
+from ._workers import ReplicaError
 from .sync import GradSync
 
 ParamsFn = Callable[[nn.Module], Iterable[Any]]
@@ -30,6 +31,7 @@ def replicated_optimizer(
         return cls(groups[0], **kwargs)  # one replica: the plain optimizer, no overhead
     opt = _replicated_class(cls)(groups[0], **kwargs)
     opt._pyddp_sync = sync
+    opt._pyddp_broken = ""
     opt._pyddp_others = [cls(g, **kwargs) for g in groups[1:]]
     mine = {id(p) for group in opt.param_groups for p in group["params"]}
     opt._pyddp_owns_all = mine >= {id(p) for p in sync.params[0]}
@@ -66,8 +68,36 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                     for key, value in mine.items():
                         if key != "params":
                             theirs[key] = value
+            if self._pyddp_broken:
+                raise RuntimeError(self._pyddp_broken)
             steps = [super().step] + [other.step for other in self._pyddp_others]
-            return self._pyddp_sync.run_per_replica(steps, "optimizer step")[0]
+            try:
+                return self._pyddp_sync.run_per_replica(steps, "optimizer step")[0]
+            except ReplicaError as e:
+                # Some replicas stepped and some did not: make them all replica
+                # 0 again (the user's model) before anything else runs.
+                raise ReplicaError(e.replica, self._pyddp_resync(e.replica), e.cause) from e.cause
+
+        def _pyddp_resync(self, failed: int) -> str:
+            done = "did not complete" if failed == 0 else "completed"
+            try:
+                with torch.no_grad():
+                    for other in self._pyddp_others:
+                        for mine, theirs in zip(self.param_groups, other.param_groups):
+                            for p0, p in zip(mine["params"], theirs["params"]):
+                                p.copy_(p0)
+                        other.load_state_dict(copy.deepcopy(self.state_dict()))
+            except Exception as e:  # the replicas now differ: refuse every later step
+                self._pyddp_broken = (
+                    f"pyddp: an optimizer step failed on replica {failed} and copying replica "
+                    f"0's parameters and optimizer state to the other replicas failed too "
+                    f"({type(e).__name__}: {e}); the replicas differ: wrap the model again"
+                )
+                return f"optimizer step; the replicas now differ ({self._pyddp_broken})"
+            return (
+                "optimizer step; every replica's parameters and optimizer state were reset to "
+                f"replica 0's, which {done} its step"
+            )
 
         # The parent's step is already wrapped with the optimizer's step hooks;
         # marking this one as wrapped keeps each hook to one call per step.

@@ -7,6 +7,8 @@ bookkeeping (unused parameters, bucket rebuild)."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from collections import Counter
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -48,7 +50,14 @@ class GradSync:
     ``timeout_s`` (GPU: a reduction not done after this long aborts communication
     and raises; default $PYDDP_TIMEOUT_S or 300), ``timeline`` (keep the last N
     iterations' bucket and parameter events for `export_timeline`; default
-    $PYDDP_TIMELINE or 0 = off).
+    $PYDDP_TIMELINE or 0 = off), ``check_replicas`` (True: refuse replicas whose
+    parameters differ from replica 0's at construction; False if you make them
+    equal yourself).
+
+    Lifecycle: ``close()`` (or ``with GradSync(...) as sync:``, or dropping the
+    last reference) removes the hooks and releases threads and communicators.
+    The modules stay usable, copyable and picklable: they carry no live pyddp
+    state. A parameter can be synchronised by one open GradSync at a time.
 
     Backends: CPU replicas reduce in process; one replica per GPU uses NCCL;
     replicas sharing one GPU use pyddp's own kernel. On GPUs nothing blocks the
@@ -70,11 +79,15 @@ class GradSync:
         op: str = "sum",
         timeout_s: Optional[float] = None,
         timeline: Optional[int] = None,
+        check_replicas: bool = True,
         _gpu: Optional[Tuple[Sequence[int], Any]] = None,
     ):
         replicas = list(replicas)
         if not replicas:
             raise ValueError("replicas is empty: pass at least one module")
+        for m in replicas:
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"replicas must be torch.nn.Module objects, got {type(m).__name__}")
         if bucket_cap_mb < 0 or first_bucket_cap_mb < 0:
             raise ValueError(
                 f"bucket_cap_mb={bucket_cap_mb} and first_bucket_cap_mb={first_bucket_cap_mb} "
@@ -89,6 +102,9 @@ class GradSync:
             raise ValueError(f"op={op!r}: use 'sum' or 'avg'")
         self.replicas = replicas
         self.names, self.params = trainable_params(replicas)
+        _refuse_synced_twice(self.names, self.params)
+        if check_replicas:
+            _check_identical(self.names, self.params)
         self.devices = [params[0].device for params in self.params]
         # GPU replicas: their CUDA device indices and the stream provider. The
         # test suite passes _gpu to run this path on a simulated driver with
@@ -103,6 +119,9 @@ class GradSync:
         self._first_cap = int(first_bucket_cap_mb * _MIB) if self._cap else 0
         self._engine: Optional[Any] = None
         self._handles: List[Any] = []
+        # Run when close() is called or this object is dropped: removes the
+        # hooks (which hold the engine, not this object) and closes the engine.
+        self._finalizer = weakref.finalize(self, _release, self._handles, None)
         # Runs one function per replica; wrap installs its parallel workers.
         self.run_per_replica: Callable[[Sequence[Callable[[], Any]], str], List[Any]] = _in_turn
         self.adopted = 0  # gradients that arrived outside the buckets and were copied in
@@ -140,10 +159,13 @@ class GradSync:
                 self._engine.note_grad(i, True)
         self._rebuild_pending = rebuild_buckets and self._cap > 0
         self._engine.set_timeline(keep > 0)
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _release, self._handles, self._engine)
         for r, (module, params) in enumerate(zip(replicas, self.params)):
             for i, p in enumerate(params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(r, i)))
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(r)))
+            self._handles.append(module.register_forward_pre_hook(_PrepareHook(self, r)))
+        _note_synced(self)
 
     # ----------------------------------------------------------------- layout
     def _layout(self, buckets: Sequence[Sequence[int]]) -> None:
@@ -189,22 +211,26 @@ class GradSync:
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, r: int, i: int):
-        views = self._views[r]
+        # The hooks live on the replicas' parameters, replica 0's being the
+        # user's model: they hold this object weakly, so dropping the wrapped
+        # model releases it (its finalizer then removes them).
+        views, owner = self._views[r], weakref.ref(self)
         mark = self._engine.mark_ready
         if self._streams is None:
 
             def on_grad(p: torch.Tensor) -> None:
                 if p.grad is not views[i]:
-                    self._adopt(p, views[i])
+                    _adopt(owner, p, views[i])
                 mark(r, i)
 
             return on_grad
-        current, device = self._streams.current, self._gpu_devices[r]
+        streams, device = self._streams, self._gpu_devices[r]
+        current = streams.current
 
         def on_grad_gpu(p: torch.Tensor) -> None:
             if p.grad is not views[i]:
-                self._streams.before_host_write(device)
-                self._adopt(p, views[i])
+                streams.before_host_write(device)
+                _adopt(owner, p, views[i])
             # Autograd runs this hook on the stream that accumulated the
             # gradient: the reduction waits for that stream, not another.
             mark(r, i, current(device))
@@ -231,13 +257,6 @@ class GradSync:
         view.copy_(g)
         p.grad = view
         self.adopted += 1
-
-    def _pre_forward_hook(self, r: int):
-        def on_forward(module: nn.Module, args: Any) -> None:
-            if torch.is_grad_enabled():
-                self.prepare(r)
-
-        return on_forward
 
     # ------------------------------------------------------------- iteration
     def prepare(self, replica: int) -> None:
@@ -389,6 +408,12 @@ class GradSync:
         if self._engine is None:
             return
         self._check_open()
+        if self._engine.active:
+            raise RuntimeError(
+                "pyddp: cannot step: a backward ran but finish() was not called, so its "
+                "gradients are not fully reduced; call finish() once every replica's backward "
+                "has returned (abort() and zero_grad() if one raised)"
+            )
         try:
             self._engine.check()
         except ReduceError as e:
@@ -440,13 +465,104 @@ class GradSync:
 
     def close(self) -> None:
         """Removes the hooks and releases the backend's threads and GPU
-        communicators; gradients stay where they are. Idempotent."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        if self._engine is not None and not self._closed:
-            self._engine.close()
+        communicators; gradients stay where they are. Idempotent; dropping the
+        last reference does the same."""
         self._closed = True
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> GradSync:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a GradSync (or a wrapped model) holds threads and communicators and cannot be "
+            "pickled or copied; save or copy the model (dmodel.module) and wrap the copy"
+        )
+
+
+class _PrepareHook:
+    """Replica r's forward pre-hook: prepare(r) before a forward that may be
+    followed by backward. Holds the GradSync weakly. A copy of the module
+    (copy.deepcopy, pickle, torch.save) must not carry a live pyddp hook, nor
+    need pyddp to load: this hook copies as `functools.partial(dict.pop, {})`,
+    a standard-library callable that returns the forward's arguments unchanged."""
+
+    def __init__(self, sync: GradSync, replica: int):
+        self.owner = weakref.ref(sync)
+        self.replica = replica
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        sync = self.owner()
+        if sync is not None and torch.is_grad_enabled():
+            sync.prepare(self.replica)
+
+    def __reduce__(self) -> Any:
+        return functools.partial, (dict.pop, {})
+
+
+# Parameters synchronised by a live GradSync, by id (tensors cannot be weak
+# dictionary keys: their == is elementwise): a second GradSync on the same
+# parameters would reduce every gradient twice and fight over `param.grad`.
+_SYNCED: Dict[int, Tuple[Any, Any]] = {}
+
+
+def _note_synced(sync: GradSync) -> None:
+    for key in [k for k, (p, s) in _SYNCED.items() if p() is None or s() is None]:
+        del _SYNCED[key]
+    for params in sync.params:
+        for p in params:
+            _SYNCED[id(p)] = (weakref.ref(p), weakref.ref(sync))
+
+
+def _refuse_synced_twice(names: Sequence[str], params: Sequence[Sequence[torch.Tensor]]) -> None:
+    for replica in params:
+        for name, p in zip(names, replica):
+            p_ref, sync_ref = _SYNCED.get(id(p), (None, None))
+            other = sync_ref() if p_ref is not None and p_ref() is p else None
+            if other is not None and not other.closed:
+                raise ValueError(
+                    f"parameter {name!r} is already synchronised by a live pyddp model or "
+                    "GradSync (a model wrapped twice?): close() the first one, or wrap a copy "
+                    "(copy.deepcopy(model))"
+                )
+
+
+def _check_identical(names: Sequence[str], params: Sequence[Sequence[torch.Tensor]]) -> None:
+    """GradSync sums gradients of identical replicas: replicas that start apart
+    stay apart, silently. A one-time comparison of every parameter."""
+    with torch.no_grad():
+        for r, replica in enumerate(params[1:], start=1):
+            for name, p, p0 in zip(names, replica, params[0]):
+                other = p0.to(p.device)
+                if not torch.equal(p, other):
+                    gap = (p.double() - other.double()).abs().max().item()
+                    raise ValueError(
+                        f"replica {r}'s parameter {name!r} differs from replica 0's (max abs "
+                        f"difference {gap:.3g}): GradSync needs identical replicas. Copy replica "
+                        "0's state to the others (m.load_state_dict(m0.state_dict())), or pass "
+                        "check_replicas=False if you make them equal yourself"
+                    )
+
+
+def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor) -> None:
+    sync = owner()
+    if sync is not None:
+        sync._adopt(p, view)
+
+
+def _release(handles: List[Any], engine: Optional[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+    if engine is not None:
+        engine.close()
 
 
 def _in_turn(fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:

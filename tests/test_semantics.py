@@ -206,7 +206,7 @@ class Structured(nn.Module):
 
     def forward(self, x, *, scale=1.0):
         h = self.lin(x) * scale
-        return Out(h, {"pair": Pair(h.sum(1), x.argmax(1)), "n": 3})
+        return Out(h, {"pair": Pair(h.sum(1), x.argmax(1)), "none": None})
 
 
 def test_structured_outputs_are_gathered():
@@ -217,7 +217,7 @@ def test_structured_outputs_are_gathered():
     x = torch.randn(7, 3)
     out = dm(x, scale=2.0)
     want = ref(x, scale=2.0)
-    assert isinstance(out, Out) and out.tag == "x" and out.extra["n"] == 3
+    assert isinstance(out, Out) and out.tag == "x" and out.extra["none"] is None
     assert isinstance(out.extra["pair"], Pair)
     torch.testing.assert_close(out.logits, want.logits)
     assert torch.equal(out.extra["pair"].b, want.extra["pair"].b)

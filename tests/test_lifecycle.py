@@ -1,0 +1,149 @@
+"""Lifecycle of a wrapped model: dropping it releases everything, close() and
+context managers, a closed model refuses use, and the user's model stays
+copyable and saveable with no live pyddp state attached."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import Mixed, make_batches
+from torch import nn
+
+import pyddp
+
+
+def step(dm, opt, x, y):
+    F.cross_entropy(dm(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def settle_threads(limit: int, timeout: float = 10.0) -> int:
+    deadline = time.time() + timeout
+    while threading.active_count() > limit and time.time() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    return threading.active_count()
+
+
+def pyddp_hooks(model: nn.Module) -> int:
+    count = sum(len(m._forward_pre_hooks) for m in model.modules())
+    for p in model.parameters():
+        count += len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+    return count
+
+
+def test_dropping_a_wrapped_model_releases_threads_memory_and_hooks():
+    ((x, y),) = make_batches(1, 8)
+    baseline = threading.active_count()
+    models = []
+    syncs = []
+    for _ in range(12):
+        model = Mixed()
+        dm = pyddp.wrap(model, ["cpu", "cpu", "cpu"])
+        opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+        step(dm, opt, x, y)
+        syncs.append(weakref.ref(dm.sync))
+        replica = weakref.ref(dm.replicas[1])
+        models.append(model)  # the user keeps the model, drops the wrapper
+        del dm, opt
+    gc.collect()
+    assert all(s() is None for s in syncs), "a dropped wrap is still alive"
+    assert replica() is None, "a dropped wrap's replica copy is still alive"
+    assert settle_threads(baseline) <= baseline, threading.enumerate()
+    for model in models:
+        assert pyddp_hooks(model) == 0
+        model(x).sum().backward()  # plain torch again
+
+
+def test_close_and_context_managers():
+    ((x, y),) = make_batches(1, 8)
+    baseline = threading.active_count()
+    model = Mixed()
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        step(dm, dm.optimizer(torch.optim.SGD, lr=0.1), x, y)
+    assert pyddp_hooks(model) == 0
+    for use in (lambda: dm(x), lambda: dm.loss(F.cross_entropy, x, y), lambda: dm.zero_grad()):
+        with pytest.raises(RuntimeError, match="closed"):
+            use()
+    dm.close()  # idempotent
+    assert settle_threads(baseline) <= baseline
+    model(x)  # the model itself stays usable
+    with pyddp.GradSync([Mixed(), Mixed()], check_replicas=False) as sync:
+        pass
+    with pytest.raises(RuntimeError, match="closed"):
+        sync.check_step()
+
+
+def test_wrapping_twice_is_refused_until_closed():
+    model = Mixed()
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    with pytest.raises(TypeError, match="already wrapped"):
+        pyddp.wrap(dm, ["cpu", "cpu"])
+    with pytest.raises(ValueError, match="already synchronised"):
+        pyddp.wrap(model, ["cpu", "cpu"])
+    with pytest.raises(ValueError, match="already synchronised"):
+        pyddp.GradSync([model.head, copy.deepcopy(model.head)])
+    dm.close()
+    pyddp.wrap(model, ["cpu", "cpu"]).close()
+
+
+def test_the_wrapper_refuses_pickling_and_copying_clearly():
+    dm = pyddp.wrap(Mixed(), ["cpu", "cpu"])
+    for attempt in (
+        lambda: pickle.dumps(dm),
+        lambda: copy.deepcopy(dm),
+        lambda: torch.save(dm, io.BytesIO()),
+    ):
+        with pytest.raises(TypeError, match=r"dmodel\.module"):
+            attempt()
+    dm.close()
+
+
+def test_the_users_model_stays_copyable_and_saveable():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    clone = copy.deepcopy(model)
+    blob = pickle.dumps(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    # The copies are plain models: training one leaves the wrapped model alone.
+    for m in (clone, pickle.loads(blob)):
+        F.cross_entropy(m(x), y).backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    for _ in range(2):
+        F.cross_entropy(dm(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+    # A saved model loads where pyddp cannot be imported at all.
+    code = (
+        "import io, sys; sys.modules['pyddp'] = None; import torch\n"
+        "m = torch.load(io.BytesIO(sys.stdin.buffer.read()), weights_only=False)\n"
+        "print(m(torch.ones(1, 4)).shape)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=buf.getvalue(), capture_output=True, timeout=120
+    )
+    assert out.returncode == 0 and b"[1, 2]" in out.stdout, out.stderr.decode()
+    dm.close()

@@ -1,0 +1,216 @@
+"""The replicas never silently differ from the user's model: what the user
+does to `dmodel.module` after wrap is followed by every replica or refused at
+the next forward; a failed optimizer step leaves the replicas equal; GradSync
+misuse is caught with messages that name the fix."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pyddp
+
+
+class Net(nn.Module):
+    """BatchNorm (norm=True) normalises per shard, as in torch DDP: only the
+    tests comparing with one device leave it out."""
+
+    def __init__(self, norm: bool = True):
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.norm = nn.BatchNorm1d(8) if norm else nn.Identity()
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.drop(torch.relu(self.norm(self.body(x)))))
+
+
+def data(steps=3, batch=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(batch, 6, generator=g), torch.randint(0, 3, (batch,), generator=g))
+        for _ in range(steps)
+    ]
+
+
+def same_replicas(dm):
+    for rep in dm.replicas[1:]:
+        for (n, p), p0 in zip(rep.named_parameters(), dm.module.parameters()):
+            assert torch.equal(p, p0), n
+            assert p.requires_grad == p0.requires_grad, n
+
+
+def test_eval_mode_and_buffers_follow_replica_0():
+    torch.manual_seed(0)
+    model = Net()
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    for x, y in data():
+        F.cross_entropy(dm(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    x = data(1, 8, seed=5)[0][0]
+    model.eval()  # on the user's object, not on dm
+    out = dm(x)
+    assert all(not m.training for m in dm.replicas[1].modules())
+    # Every row, replica 1's included: eval-mode dropout off and replica 0's BN statistics.
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    dm.train()
+    dm.eval()
+    torch.testing.assert_close(dm(x), dm.module(x), rtol=0, atol=0)
+    dm.close()
+
+
+def test_freezing_after_wrap_is_followed_and_unfreezing_a_wrap_time_frozen_one_raises():
+    torch.manual_seed(0)
+    model = Net(norm=False)
+    model.drop.p = 0.0
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for k, (x, y) in enumerate(data(4)):
+        frozen = k in (1, 2)
+        model.body.requires_grad_(not frozen)
+        ref.body.requires_grad_(not frozen)
+        F.cross_entropy(dm(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        same_replicas(dm)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    dm.close()
+
+    model = Net()
+    model.head.weight.requires_grad_(False)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    model.head.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"'head\.weight' was frozen when the model was wrapped"):
+        dm(torch.randn(4, 6))
+    dm.close()
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda m: m.add_module("extra", nn.Linear(3, 3)), "gained or lost"),
+        (lambda m: setattr(m.head, "bias", nn.Parameter(torch.zeros(3))), "replaced"),
+        (lambda m: m.double(), "changed from torch.float32"),
+    ],
+    ids=["add_module", "replaced", "dtype"],
+)
+def test_changes_replicas_cannot_follow_raise(change, match):
+    model = Net()
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    change(model)
+    with pytest.raises(RuntimeError, match=match):
+        dm(torch.randn(4, 6))
+    dm.close()
+
+
+def test_values_changed_on_the_users_model_reach_every_replica():
+    torch.manual_seed(0)
+    model = Net(norm=False)
+    model.drop.p = 0.0
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    # A state loaded into the user's object, not through dm.
+    other = Net(norm=False).state_dict()
+    model.load_state_dict(other)
+    ref.load_state_dict(other)
+    # An optimizer the user built over the model's own parameters: only
+    # replica 0 steps, the others are brought along at the next forward.
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for x, y in data(3):
+        F.cross_entropy(dm(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    dm(data(1)[0][0])
+    same_replicas(dm)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    dm.close()
+
+
+def test_a_step_failing_on_one_replica_leaves_the_replicas_equal():
+    torch.manual_seed(0)
+    dm = pyddp.wrap(Net(), ["cpu", "cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.Adam, lr=0.01)
+    (x, y), (x2, y2) = data(2)
+    F.cross_entropy(dm(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    F.cross_entropy(dm(x2), y2).backward()
+
+    def boom():
+        raise RuntimeError("out of memory (simulated)")
+
+    opt._pyddp_others[1].step = boom  # replica 2's step fails; 0 and 1 step
+    with pytest.raises(pyddp.ReplicaError, match="reset to replica 0's, which completed") as e:
+        opt.step()
+    assert e.value.replica == 2
+    same_replicas(dm)
+    state0 = opt.state_dict()["state"]
+    for other in opt._pyddp_others:
+        for k, s in other.state_dict()["state"].items():
+            for key in s:
+                assert torch.equal(torch.as_tensor(s[key]), torch.as_tensor(state0[k][key])), key
+    del opt._pyddp_others[1].step
+    opt.zero_grad()
+    F.cross_entropy(dm(x), y).backward()
+    opt.step()
+    same_replicas(dm)
+    dm.close()
+
+
+def replicas_pair():
+    torch.manual_seed(0)
+    m0 = Net()
+    m0.drop.p = 0.0
+    return m0, copy.deepcopy(m0)
+
+
+def test_gradsync_refuses_replicas_that_differ():
+    m0, m1 = replicas_pair()
+    with torch.no_grad():
+        m1.head.weight.add_(0.5)
+    with pytest.raises(ValueError, match=r"replica 1's parameter 'head\.weight' differs.*0\.5"):
+        pyddp.GradSync([m0, m1])
+    pyddp.GradSync([m0, m1], check_replicas=False).close()
+
+
+def test_gradsync_forgotten_finish_and_finish_too_early_are_caught():
+    m0, m1 = replicas_pair()
+    ((x, y),) = data(1)
+    sync = pyddp.GradSync([m0, m1])
+    for m, xs, ys in ((m0, x[:4], y[:4]), (m1, x[4:], y[4:])):
+        F.cross_entropy(m(xs), ys).backward()
+    with pytest.raises(RuntimeError, match=r"finish\(\) was not called"):
+        sync.check_step()
+    with pytest.raises(RuntimeError, match=r"call finish\(\)") as e:
+        sync.zero_grad()
+    assert "failed at" not in str(e.value) and ".cpp" not in str(e.value)
+    sync.finish()
+    sync.zero_grad()
+    # finish() while replica 1 has not run its backward yet.
+    F.cross_entropy(m0(x[:4]), y[:4]).backward()
+    loss1 = F.cross_entropy(m1(x[4:]), y[4:])
+    sync.finish()
+    with pytest.raises(RuntimeError, match=r"finish\(\) was called before this replica's backward"):
+        loss1.backward()
+    with pytest.raises(RuntimeError, match=r"after finish\(\)"):
+        sync.check_step()
+    sync.zero_grad()
+    sync.close()
