@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import filecmp
 import glob
+import importlib.util
 import os
 import sys
 import warnings
@@ -22,7 +23,11 @@ def _installed_copy(source: str) -> str:
     """The first pyddp on sys.path, other than `source`, that holds `_C`."""
     for entry in sys.path:
         folder = os.path.join(entry or os.getcwd(), "pyddp")
-        if os.path.realpath(folder) != os.path.realpath(source) and _has_extension(folder):
+        if (
+            os.path.realpath(folder) != os.path.realpath(source)
+            and _has_extension(folder)
+            and os.path.exists(os.path.join(folder, "__init__.py"))
+        ):
             return folder
     return ""
 
@@ -46,7 +51,9 @@ def use_installed_build(path: List[str]) -> List[str]:
     extension, else the installed build's folder. Raises ImportError naming the
     fix when there is no build at all."""
     source = path[0]
-    if _has_extension(source):
+    # In the folder itself (an in-place build), or mapped there by an editable
+    # install's import hook.
+    if _has_extension(source) or importlib.util.find_spec("pyddp._C") is not None:
         return path
     installed = _installed_copy(source)
     if not installed:

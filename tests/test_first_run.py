@@ -1,0 +1,70 @@
+"""Running from a clone's root: `python -m pyddp...` there imports the source
+folder, which has no compiled `_C` after `pip install .`; pyddp must then run
+the installed build (and say so when the two differ), or name the fix."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def source_copy(tmp_path: Path) -> Path:
+    """A clone's root: the package's Python files without the compiled `_C`
+    (taken from the installed build, so the two agree until edited)."""
+    (tmp_path / "empty").mkdir()
+    installed = run(tmp_path / "empty", "import os, pyddp; print(os.path.dirname(pyddp.__file__))")
+    assert installed.returncode == 0, installed.stderr
+    shutil.copytree(
+        installed.stdout.strip(),
+        tmp_path / "pyddp",
+        ignore=shutil.ignore_patterns("_C.*", "__pycache__"),
+    )
+    return tmp_path
+
+
+def run(cwd: Path, code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_source_folder_without_the_extension_runs_the_installed_build(tmp_path):
+    root = source_copy(tmp_path)
+    out = run(
+        root, "import pyddp, pyddp._C, pyddp.model as m; print(pyddp._C.__file__, m.__file__)"
+    )
+    assert out.returncode == 0, out.stderr
+    ext, model = out.stdout.split()
+    assert not ext.startswith(str(root)) and not model.startswith(str(root))
+    # `python -m` from the root, as the README's quickstart runs it.
+    doctor = subprocess.run(
+        [sys.executable, "-m", "pyddp.doctor"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert doctor.returncode == 0 and "cpu backend" in doctor.stdout, doctor.stderr
+
+
+def test_an_edited_source_folder_is_named_in_a_warning(tmp_path):
+    root = source_copy(tmp_path)
+    with open(root / "pyddp" / "model.py", "a") as f:
+        f.write("\n# an edit not installed yet\n")
+    out = run(root, "import pyddp")
+    assert out.returncode == 0, out.stderr
+    assert "running the installed build" in out.stderr and "model.py" in out.stderr
+
+
+def test_no_build_anywhere_names_the_fix(tmp_path):
+    root = source_copy(tmp_path)
+    code = (
+        "import glob, os, sys\n"
+        "sys.path = [p for p in sys.path if not glob.glob(os.path.join(p, 'pyddp', '_C.*'))]\n"
+        "import pyddp"
+    )
+    out = run(root, code)
+    assert out.returncode != 0
+    assert "pip install ." in out.stderr and "_C" in out.stderr
