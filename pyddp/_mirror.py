@@ -14,7 +14,8 @@ O(modules + parameters) attribute reads:
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import operator
+from typing import List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -26,77 +27,112 @@ class ReplicaMirror:
     def __init__(self, replicas: Sequence[nn.Module], synced: Sequence[str]):
         self.modules: List[List[nn.Module]] = [list(m.modules()) for m in replicas]
         self.module_names = [n or "(the model)" for n, _ in replicas[0].named_modules()]
-        self.layout = [_layout(m) for m in self.modules[0]]
+        self.layout = self._layout()
         # Every parameter slot (module, local name) of replica 0, frozen ones included.
-        self.slots: List[Tuple[int, str, nn.Parameter]] = [
-            (j, name, p)
-            for j, m in enumerate(self.modules[0])
+        slots = [
+            (m._parameters, f"{where}.{name}" if where != "(the model)" else name, p)
+            for m, where in zip(self.modules[0], self.module_names)
             for name, p in m._parameters.items()
             if p is not None
         ]
+        self.slot_labels = [label for _, label, _ in slots]
+        self.slot_dicts = [d for d, _, _ in slots]
+        self.slot_names = [label.rpartition(".")[2] for _, label, _ in slots]
+        self.slot_params = [p for _, _, p in slots]
         named = [dict(m.named_parameters()) for m in replicas]
         self.names = list(named[0])
         self.params: List[List[nn.Parameter]] = [[d[n] for n in self.names] for d in named]
         self.meta = [(p.dtype, p.device, p.shape) for p in self.params[0]]
         self.synced = set(synced)
-        self.versions: List[List[int]] = [[p._version for p in ps] for ps in self.params]
+        self.training = [m.training for m in self.modules[0]]
+        self.storage = [p.data_ptr() for p in self.params[0]]
+        self.head = list(map(_version_and_grad, self.params[0]))
+        self.versions = [list(map(_version, ps)) for ps in self.params[1:]]
 
     def follow(self) -> None:
-        """Before a forward: brings replicas > 0 in line with replica 0, or raises."""
-        self._check_structure()
-        flags = [m.training for m in self.modules[0]]
-        for mods in self.modules[1:]:
-            for m, flag in zip(mods, flags):
-                m.training = flag
+        """Before a forward: brings replicas > 0 in line with replica 0, or
+        raises. Each check is one pass over replica 0 (and the version counters
+        of every replica) with work only where something changed."""
+        if self._layout() != self.layout:
+            self._raise_structure()
+        if not all(
+            map(operator.is_, map(dict.get, self.slot_dicts, self.slot_names), self.slot_params)
+        ):
+            self._raise_replaced()
         first = self.params[0]
-        drifted: Dict[int, None] = {}
-        for k, (p, name, (dtype, device, shape)) in enumerate(zip(first, self.names, self.meta)):
-            if p.dtype != dtype or p.device != device or p.shape != shape:
-                raise RuntimeError(
-                    f"pyddp: parameter {name!r} of the wrapped model changed from {dtype} "
-                    f"{tuple(shape)} on {device} to {p.dtype} {tuple(p.shape)} on {p.device} "
-                    f"after wrap; the other replicas cannot follow: {_REWRAP}"
-                )
-            wants = p.requires_grad
-            if wants and name not in self.synced:
-                raise RuntimeError(
-                    f"pyddp: parameter {name!r} was frozen when the model was wrapped and now "
-                    "requires grad; its gradient is not reduced, so the replicas would "
-                    f"diverge: {_REWRAP}. Freezing after wrap is followed."
-                )
-            for ps in self.params[1:]:
-                if ps[k].requires_grad is not wants:
-                    ps[k].requires_grad_(wants)
-        for r, ps in enumerate(self.params):
-            seen = self.versions[r]
-            base = self.versions[0]
-            for k, p in enumerate(ps):
-                if p._version - seen[k] != first[k]._version - base[k]:
-                    drifted[k] = None
+        training = [m.training for m in self.modules[0]]
+        if training != self.training:
+            for mods in self.modules[1:]:
+                for m, flag in zip(mods, training):
+                    m.training = flag
+            self.training = training
+        drifted = set()
+        storage = list(map(_data_ptr, first))
+        if storage != self.storage:
+            # New tensors behind the parameters (`.data =`, `.to()`, `.half()`):
+            # the same dtype, device and shape is a value change, else refused.
+            for k, (p, (dtype, device, shape)) in enumerate(zip(first, self.meta)):
+                if p.dtype != dtype or p.device != device or p.shape != shape:
+                    raise RuntimeError(
+                        f"pyddp: parameter {self.names[k]!r} of the wrapped model changed from "
+                        f"{dtype} {tuple(shape)} on {device} to {p.dtype} {tuple(p.shape)} on "
+                        f"{p.device} after wrap; the other replicas cannot follow: {_REWRAP}"
+                    )
+            drifted.update(k for k, (a, b) in enumerate(zip(storage, self.storage)) if a != b)
+            self.storage = storage
+        head = list(map(_version_and_grad, first))  # one pass: version, requires_grad
+        requires_grad = [wants for _, wants in head]
+        if requires_grad != [wants for _, wants in self.head]:
+            for k, wants in enumerate(requires_grad):
+                if wants and self.names[k] not in self.synced:
+                    raise RuntimeError(
+                        f"pyddp: parameter {self.names[k]!r} was frozen when the model was "
+                        "wrapped and now requires grad; its gradient is not reduced, so the "
+                        f"replicas would diverge: {_REWRAP}. Freezing after wrap is followed."
+                    )
+                for ps in self.params[1:]:
+                    if ps[k].requires_grad is not wants:
+                        ps[k].requires_grad_(wants)
+        versions = [list(map(_version, ps)) for ps in self.params[1:]]
+        if head != self.head or versions != self.versions:
+            # In-place changes must have reached every replica alike (the
+            # replicated optimizer, dmodel.load_state_dict); where they did not,
+            # replica 0's value is the model's.
+            moved0 = [v - before for (v, _), (before, _) in zip(head, self.head)]
+            for now, before in zip(versions, self.versions):
+                moved = list(map(operator.sub, now, before))
+                if moved != moved0:
+                    drifted.update(k for k, (a, b) in enumerate(zip(moved, moved0)) if a != b)
         if drifted:
             with torch.no_grad():
                 for k in drifted:
                     for ps in self.params[1:]:
                         ps[k].copy_(first[k])
-        self.versions = [[p._version for p in ps] for ps in self.params]
+            versions = [list(map(_version, ps)) for ps in self.params[1:]]
+        self.head, self.versions = head, versions
 
-    def _check_structure(self) -> None:
-        for j, m in enumerate(self.modules[0]):
-            if _layout(m) != self.layout[j]:
+    def _layout(self) -> List[Tuple[int, int, int]]:
+        return [(len(m._parameters), len(m._modules), len(m._buffers)) for m in self.modules[0]]
+
+    def _raise_structure(self) -> None:
+        j = next(j for j, (a, b) in enumerate(zip(self._layout(), self.layout)) if a != b)
+        raise RuntimeError(
+            f"pyddp: the wrapped model's module {self.module_names[j]!r} gained or lost "
+            "submodules, parameters or buffers after wrap (add_module, register_parameter, "
+            f"...); the other replicas cannot follow: {_REWRAP}"
+        )
+
+    def _raise_replaced(self) -> None:
+        slots = zip(self.slot_dicts, self.slot_names, self.slot_params, self.slot_labels)
+        for d, name, p, label in slots:
+            if d.get(name) is not p:
                 raise RuntimeError(
-                    f"pyddp: the wrapped model's module {self.module_names[j]!r} gained or lost "
-                    "submodules, parameters or buffers after wrap (add_module, "
-                    f"register_parameter, ...); the other replicas cannot follow: {_REWRAP}"
-                )
-        for j, name, p in self.slots:
-            if self.modules[0][j]._parameters.get(name) is not p:
-                where = self.module_names[j]
-                raise RuntimeError(
-                    f"pyddp: parameter {name!r} of module {where!r} was replaced after wrap; "
+                    f"pyddp: parameter {label!r} of the wrapped model was replaced after wrap; "
                     f"the other replicas cannot follow: {_REWRAP} (to change values, assign in "
                     "place, e.g. with torch.no_grad(): p.copy_(new), or load_state_dict)"
                 )
 
 
-def _layout(m: nn.Module) -> Tuple[int, int, int]:
-    return len(m._parameters), len(m._modules), len(m._buffers)
+_version = operator.attrgetter("_version")
+_version_and_grad = operator.attrgetter("_version", "requires_grad")
+_data_ptr = operator.methodcaller("data_ptr")
