@@ -13,7 +13,8 @@ from ._source_tree import use_installed_build
 # compiled _C: the rest of the package then comes from the installed build.
 __path__ = use_installed_build(__path__)
 
-from ._workers import ReplicaError  # noqa: E402  (after the build is located)
+from ._files import UnsafePathError
+from ._workers import ReplicaError
 from .callbacks import Callback, MetricsLogger, ProgressBar
 from .collectives import all_reduce
 from .config import TrainConfig
@@ -37,6 +38,7 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "TrainingError",
+    "UnsafePathError",
     "GradSync",
     "ReduceError",
     "ReplicaError",

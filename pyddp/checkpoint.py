@@ -1,11 +1,12 @@
-"""Checkpoints a crash cannot corrupt: written to a temporary file, fsynced,
-then renamed over (atomic on POSIX); loaded with torch.load(weights_only=True),
-so loading runs no code from the file; a corrupt or truncated newest checkpoint
-is reported and the previous one used."""
+"""Checkpoints a crash or a Ctrl-C cannot corrupt: written to a temporary file
+with an unguessable name, fsynced, then renamed over (atomic on POSIX), with
+Ctrl-C held back until the rename is done; never written or read through a
+symbolic link; loaded with torch.load(weights_only=True), so loading runs no
+code from the file; a corrupt or truncated newest checkpoint is reported and
+the previous one used."""
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from pathlib import Path
@@ -13,62 +14,107 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ._files import SafeDir
+
 _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
-    return directory / f"ckpt-{step:08d}.pt"
+    return Path(directory) / f"ckpt-{step:08d}.pt"
+
+
+def _open(directory: Path, create: bool) -> Optional[SafeDir]:
+    """`directory` (a folder pyddp owns, so not a link) inside its parent."""
+    directory = Path(directory)
+    parent = SafeDir.open(directory.parent, create=create)
+    if parent is None:
+        return None
+    with parent:
+        return parent.subdir(directory.name, create=create)
+
+
+def _steps(folder: SafeDir) -> List[Tuple[int, str]]:
+    """(step, name) of every checkpoint, newest first; a link or a special
+    file under a checkpoint's name raises UnsafePathError."""
+    found = [(int(m.group(1)), n) for n in folder.names() if (m := _NAME.match(n))]
+    for _, name in found:
+        folder.check(name)
+    return sorted(found, reverse=True)
 
 
 def list_checkpoints(directory: Path) -> List[Path]:
     """Checkpoints in `directory`, newest (highest step) first."""
-    if not directory.is_dir():
+    folder = _open(directory, create=False)
+    if folder is None:
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
-    return [p for _, p in sorted(found, reverse=True)]
+    with folder:
+        return [folder.path / name for _, name in _steps(folder)]
 
 
 def save_atomic(payload: Dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # and the rename itself survives a crash
-    finally:
-        os.close(dir_fd)
+    """torch.save(payload) to `path` atomically; `path` must not be a link."""
+    path = Path(path)
+    with SafeDir.open(path.parent) as folder:
+        folder.write_atomic(path.name, lambda f: torch.save(payload, f))
 
 
 def save_checkpoint(
     payload: Dict[str, Any], directory: Path, step: int, max_to_keep: Optional[int]
 ) -> Path:
-    path = checkpoint_path(directory, step)
-    save_atomic(payload, path)
-    if max_to_keep is not None:
-        for old in list_checkpoints(directory)[max_to_keep:]:
-            old.unlink(missing_ok=True)
-    return path
+    with _open(directory, create=True) as folder:
+        name = checkpoint_path(folder.path, step).name
+        folder.write_atomic(name, lambda f: torch.save(payload, f))
+        if max_to_keep is not None:
+            for _, old in _steps(folder)[max_to_keep:]:
+                folder.remove(old)
+        return folder.path / name
+
+
+def check_classes(
+    path: Path, saved: Optional[Dict[str, Optional[str]]], mine: Dict[str, Optional[str]]
+) -> None:
+    """A checkpoint's optimizer state fits only the optimizer class that wrote
+    it (Adam's lacks SGD's momentum, SGD's lacks Adam's betas): refuse another
+    class at load rather than fail at the first step; likewise a scheduler of
+    another class (adding or dropping a scheduler on resume is allowed).
+    `saved`/`mine` map "optimizer" and "scheduler" to module.Class names."""
+    if saved is None:  # written before pyddp recorded the classes
+        return
+    for kind, want in mine.items():
+        if kind == "scheduler" and (want is None or saved.get(kind) is None):
+            continue
+        if saved.get(kind) != want:
+            raise ValueError(
+                f"pyddp: checkpoint {path} was written with {kind} {saved.get(kind)}, this "
+                f"Trainer uses {want}: resume with the same {kind}, or start afresh with "
+                "resume=False or another output_dir"
+            )
 
 
 def load_latest(directory: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
     """The newest checkpoint that loads, or None. Unreadable ones are skipped
     with a warning naming the file and the reason."""
-    for path in list_checkpoints(directory):
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # corrupt, truncated or not a checkpoint: try the previous one
-            warnings.warn(
-                f"pyddp: checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
-                "falling back to the previous one",
-                stacklevel=2,
-            )
-            continue
-        if not isinstance(payload, dict) or "loop" not in payload:
-            warnings.warn(f"pyddp: {path} is not a pyddp checkpoint; skipping it", stacklevel=2)
-            continue
-        return path, payload
+    folder = _open(directory, create=False)
+    if folder is None:
+        return None
+    with folder:
+        for _, name in _steps(folder):
+            path = folder.path / name
+            f = folder.open_read(name)  # a link swapped in meanwhile raises, not skipped
+            if f is None:
+                continue
+            try:
+                with f:
+                    payload = torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as e:  # corrupt, truncated or not a checkpoint: try the previous one
+                warnings.warn(
+                    f"pyddp: checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
+                    "falling back to the previous one",
+                    stacklevel=2,
+                )
+                continue
+            if not isinstance(payload, dict) or "loop" not in payload:
+                warnings.warn(f"pyddp: {path} is not a pyddp checkpoint; skipping it", stacklevel=2)
+                continue
+            return path, payload
     return None

@@ -1,10 +1,19 @@
 """TrainConfig: the Trainer's settings as a typed dataclass that validates
-itself at construction (a wrong field raises ValueError naming it)."""
+itself at construction (a wrong field raises ValueError naming it, the value
+given and what it must be). Types are checked, not coerced: `resume="no"` is
+an error, not True."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import math
+import numbers
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+_SEED_LIMIT = 2**32  # the loader seeds torch generators with seed * 1_000_003 + epoch
 
 
 @dataclass
@@ -19,11 +28,11 @@ class TrainConfig:
     scheduler_interval: str = "step"  # when the LR scheduler steps: "step" or "epoch"
     clip_grad_norm: Optional[float] = None  # max global gradient norm
     precision: str = "fp32"  # "fp32", "bf16" (autocast), "fp16" (autocast + loss scaling, GPU)
-    seed: int = 0
+    seed: int = 0  # in [0, 2**32)
     shuffle: bool = True
     drop_last: bool = False
     prefetch: int = 2  # batches prepared ahead per epoch
-    output_dir: Optional[str] = None  # checkpoints, metrics; None: keep nothing on disk
+    output_dir: Optional[PathLike] = None  # checkpoints, metrics; None: keep nothing on disk
     checkpoint_every_steps: Optional[int] = None
     checkpoint_every_epochs: Optional[int] = 1
     max_to_keep: Optional[int] = 3
@@ -33,40 +42,106 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        _positive(self, "batch_size")
-        _positive(self, "grad_accum_steps")
-        for name in (
-            "max_epochs",
-            "max_steps",
-            "eval_every_epochs",
-            "eval_every_steps",
-            "eval_batch_size",
-            "checkpoint_every_steps",
-            "checkpoint_every_epochs",
-            "max_to_keep",
-            "early_stopping_patience",
-        ):
-            if getattr(self, name) is not None:
-                _positive(self, name)
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks every field (the Trainer calls it again, in case one was
+        assigned after construction); raises ValueError naming the field."""
+        for f in fields(self):
+            check = _CHECKS[f.name]
+            value = getattr(self, f.name)
+            normal = check(f.name, value)
+            if normal is not value:
+                setattr(self, f.name, normal)
         if self.max_epochs is None and self.max_steps is None:
             raise ValueError("max_epochs and max_steps are both None: set at least one")
-        if self.scheduler_interval not in ("step", "epoch"):
-            raise ValueError(
-                f"scheduler_interval={self.scheduler_interval!r}: use 'step' or 'epoch'"
-            )
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"precision={self.precision!r}: use 'fp32', 'bf16' or 'fp16'")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm={self.clip_grad_norm!r} must be > 0")
-        if not 0 <= self.smoothing < 1:
-            raise ValueError(f"smoothing={self.smoothing!r} must be in [0, 1)")
-        if self.prefetch < 1:
-            raise ValueError(f"prefetch={self.prefetch!r} must be >= 1")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed={self.seed!r} must be an int")
 
 
-def _positive(cfg: TrainConfig, name: str) -> None:
-    value = getattr(cfg, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
+def _fail(name: str, value: Any, must: str) -> ValueError:
+    return ValueError(f"TrainConfig.{name}={value!r} ({type(value).__name__}): must be {must}")
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise _fail(name, value, "a positive int")
+    return value if type(value) is int else int(value)
+
+
+def _optional(check):
+    def optional(name: str, value: Any) -> Any:
+        return None if value is None else check(name, value)
+
+    return optional
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(name, value, "True or False")
+    return value
+
+
+def _choice(*choices: str):
+    def choice(name: str, value: Any) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise _fail(name, value, "one of " + ", ".join(repr(c) for c in choices))
+        return value
+
+    return choice
+
+
+def _positive_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(name, value, "a positive number")
+    if not (math.isfinite(value) and value > 0):
+        raise _fail(name, value, "a positive finite number")
+    return value if type(value) is float else float(value)
+
+
+def _smoothing(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
+        raise _fail(name, value, "a number in [0, 1)")
+    return value if type(value) is float else float(value)
+
+
+def _seed(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _fail(name, value, "an int")
+    if not 0 <= value < _SEED_LIMIT:
+        raise _fail(name, value, "in [0, 2**32)")
+    return value if type(value) is int else int(value)
+
+
+def _directory(name: str, value: Any) -> Optional[PathLike]:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise _fail(name, value, "None, a str or a path (os.PathLike)")
+    if not os.fspath(value):
+        raise _fail(name, value, "a non-empty path (None keeps nothing on disk)")
+    return value
+
+
+_CHECKS = {
+    "batch_size": _positive_int,
+    "max_epochs": _optional(_positive_int),
+    "max_steps": _optional(_positive_int),
+    "grad_accum_steps": _positive_int,
+    "eval_every_epochs": _optional(_positive_int),
+    "eval_every_steps": _optional(_positive_int),
+    "eval_batch_size": _optional(_positive_int),
+    "scheduler_interval": _choice("step", "epoch"),
+    "clip_grad_norm": _optional(_positive_float),
+    "precision": _choice("fp32", "bf16", "fp16"),
+    "seed": _seed,
+    "shuffle": _flag,
+    "drop_last": _flag,
+    "prefetch": _positive_int,
+    "output_dir": _directory,
+    "checkpoint_every_steps": _optional(_positive_int),
+    "checkpoint_every_epochs": _optional(_positive_int),
+    "max_to_keep": _optional(_positive_int),
+    "resume": _flag,
+    "smoothing": _smoothing,
+    "early_stopping_patience": _optional(_positive_int),
+    "progress": _flag,
+}

@@ -65,6 +65,7 @@ class DistributedModel(nn.Module):
         replicas = [self.module] + [copy.deepcopy(self.module).to(d) for d in self.devices[1:]]
         # A plain list, not submodules: parameters() and state_dict() show one copy.
         self._replicas: List[nn.Module] = replicas
+        self._callables: List[Callable[..., Any]] = list(replicas)  # compiled by compile()
         self.sync = GradSync(
             replicas,
             bucket_cap_mb=bucket_cap_mb,
@@ -75,6 +76,9 @@ class DistributedModel(nn.Module):
             timeline=timeline,
             check_replicas=False,  # deep copies of replica 0, identical by construction
             _gpu=_gpu,
+            # _begin prepares every replica; no hook on the user's model (a hook
+            # there would also sit inside `dmodel.compile()`'s graphs).
+            _prepare_on_forward=False,
         )
         self._mirror = ReplicaMirror(replicas, self.sync.names) if len(replicas) > 1 else None
         self.broadcast_buffers = broadcast_buffers
@@ -156,6 +160,15 @@ class DistributedModel(nn.Module):
         for m in self._replicas[1:]:
             m.load_state_dict(state_dict, strict=strict)
         return result
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Runs every replica through `torch.compile(replica, *args, **kwargs)`
+        from now on; the scatter, threads and gather stay eager, and calling
+        `.module` directly stays uncompiled. Equivalent to wrapping a compiled
+        model, and the way to compile after wrap: `torch.compile(dmodel)` would
+        trace pyddp's own threads and break its graph there."""
+        self._check_open()
+        self._callables = [torch.compile(m, *args, **kwargs) for m in self._replicas]
 
     def close(self) -> None:
         """Stops the worker threads, removes the gradient hooks and releases the
@@ -250,7 +263,7 @@ class DistributedModel(nn.Module):
                 shard_inputs, shard_targets = shards[r]
                 args, kwargs = _as_call(shard_inputs)
                 with context() if context is not None else contextlib.nullcontext():
-                    out = self._replicas[r](*args, **kwargs)
+                    out = self._callables[r](*args, **kwargs)
                     value = _checked(loss_fn(out, shard_targets))
                 return value * (sizes[r] / total) if reduction == "mean" else value
 
@@ -277,7 +290,7 @@ class DistributedModel(nn.Module):
         if self._mirror is not None:
             self._mirror.follow()
         return self._workers.run(
-            [partial(fn, r, self._replicas[r], shard) for r, shard in enumerate(shards)], what
+            [partial(fn, r, self._callables[r], shard) for r, shard in enumerate(shards)], what
         )
 
     def _start(self, tree: Any) -> Tuple[List[Any], List[int]]:
@@ -310,7 +323,7 @@ class DistributedModel(nn.Module):
                     mine.copy_(src)
 
     def _call(self, r: int, args: Any, kwargs: Any) -> Callable[[], Any]:
-        return lambda: self._replicas[r](*args, **kwargs)
+        return lambda: self._callables[r](*args, **kwargs)
 
     def _scatter(self, tree: Any) -> Tuple[List[Any], List[int]]:
         leaves, rebuild = flatten(tree)

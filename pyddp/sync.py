@@ -81,6 +81,7 @@ class GradSync:
         timeline: Optional[int] = None,
         check_replicas: bool = True,
         _gpu: Optional[Tuple[Sequence[int], Any]] = None,
+        _prepare_on_forward: bool = True,
     ):
         replicas = list(replicas)
         if not replicas:
@@ -164,7 +165,8 @@ class GradSync:
         for r, (module, params) in enumerate(zip(replicas, self.params)):
             for i, p in enumerate(params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._hook(r, i)))
-            self._handles.append(module.register_forward_pre_hook(_PrepareHook(self, r)))
+            if _prepare_on_forward:  # wrap prepares all replicas itself, hook-free
+                self._handles.append(module.register_forward_pre_hook(_PrepareHook(self, r)))
         _note_synced(self)
 
     # ----------------------------------------------------------------- layout

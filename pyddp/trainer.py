@@ -8,24 +8,28 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import signal
-import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Type, Union
 
 import torch
 from torch import nn
 
+from ._arguments import check_arguments, optimizer_spec, qualname
+from ._interrupt import CtrlC, sigint_deferred
+from ._scaler import LossScaler
+from ._state import LoopState
 from ._tree import flatten
 from ._workers import ReplicaError
 from .callbacks import Callback, MetricsLogger, ProgressBar
-from .checkpoint import load_latest, save_atomic, save_checkpoint
+from .checkpoint import check_classes, list_checkpoints, load_latest, save_atomic, save_checkpoint
 from .config import TrainConfig
 from .data import ShardedLoader
 from .devices import DeviceLike, default_devices
 from .model import wrap
 from .sync import ReduceError
+
+__all__ = ["FitResult", "LoopState", "Trainer", "TrainingError"]
 
 OptimizerSpec = Union[Type[torch.optim.Optimizer], functools.partial]
 Metric = Callable[[Any, Any], torch.Tensor]  # (outputs, targets) -> mean over the shard
@@ -33,19 +37,6 @@ Metric = Callable[[Any, Any], torch.Tensor]  # (outputs, targets) -> mean over t
 
 class TrainingError(RuntimeError):
     """A step failed; names the replica, epoch and step. The last checkpoint is intact."""
-
-
-@dataclass
-class LoopState:
-    epoch: int = 0  # epochs completed
-    batch_in_epoch: int = 0  # batches of the current epoch consumed
-    step: int = 0  # optimizer steps taken
-    history: List[Dict[str, Any]] = field(default_factory=list)  # one row per validation
-    smoothed_valid_loss: Optional[float] = None
-    best_smoothed_valid_loss: Optional[float] = None
-    best_step: Optional[int] = None
-    evals_without_improvement: int = 0
-    stop_reason: Optional[str] = None
 
 
 @dataclass
@@ -64,6 +55,10 @@ class Trainer:
     loss_fn(outputs, targets): mean over a shard; metrics: name -> fn(outputs,
     targets) giving a mean over the shard (e.g. accuracy); scheduler: a function
     optimizer -> LR scheduler; wrap_options go to pyddp.wrap.
+
+    The Trainer owns the wrapped model's worker threads: `close()` (or leaving
+    `with Trainer(...) as trainer:`) stops them; a closed Trainer refuses fit
+    and evaluate.
     """
 
     def __init__(
@@ -75,22 +70,31 @@ class Trainer:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         config: Optional[TrainConfig] = None,
         scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
-        metrics: Optional[Dict[str, Metric]] = None,
+        metrics: Optional[Mapping[str, Metric]] = None,
         callbacks: Sequence[Callback] = (),
         **wrap_options: Any,
     ):
+        self._closed = True  # until the model is wrapped: close() has nothing to release
+        self._busy = False
         self.config = config if config is not None else TrainConfig()
+        if not isinstance(self.config, TrainConfig):
+            raise TypeError(f"config must be a pyddp.TrainConfig, got {type(config).__name__}")
+        self.config.validate()
+        self._optimizer_class, optimizer_args, optimizer_kwargs = optimizer_spec(optimizer)
+        check_arguments(loss_fn, scheduler, metrics, callbacks)
         torch.manual_seed(self.config.seed)
         self.model = wrap(model, default_devices() if devices is None else devices, **wrap_options)
-        if self.config.precision == "fp16" and self.model.devices[0].type != "cuda":
-            raise ValueError("precision='fp16' needs CUDA replicas; use 'bf16' on CPU")
-        if isinstance(optimizer, functools.partial):
+        self._closed = False
+        try:
+            if self.config.precision == "fp16" and self.model.devices[0].type != "cuda":
+                raise ValueError("precision='fp16' needs CUDA replicas; use 'bf16' on CPU")
             self.optimizer = self.model.optimizer(
-                optimizer.func, *optimizer.args, **optimizer.keywords
+                self._optimizer_class, *optimizer_args, **optimizer_kwargs
             )
-        else:
-            self.optimizer = self.model.optimizer(optimizer)
-        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+            self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        except BaseException:
+            self.close()  # no worker threads left behind by a failed constructor
+            raise
         self.loss_fn = loss_fn
         self.metrics = dict(metrics or {})
         self.output_dir = Path(self.config.output_dir) if self.config.output_dir else None
@@ -102,15 +106,72 @@ class Trainer:
         self.state = LoopState()
         self.best_state_dict: Optional[Dict[str, torch.Tensor]] = None
         self.steps_per_epoch = 0
-        self._scale = 2.0**16 if self.config.precision == "fp16" else 1.0
-        self._interrupted = False
-        self._good_steps = 0  # fp16 steps since the loss scale last changed
-        self._validated_at: Optional[int] = None  # step of the last validation
-        self._train_losses: List[float] = []  # since the last validation
+        self._scaler = LossScaler(enabled=self.config.precision == "fp16")
+        self._ctrl_c = CtrlC()
+        # The batch index where the open accumulation window began (None
+        # between windows). An exception (a second Ctrl-C, a failing replica)
+        # that leaves fit() inside a window leaves partial gradients: the next
+        # fit clears them and redoes the window ("window"). One that leaves it
+        # inside the optimizer step ("step") may have stepped some replicas
+        # only, which only a checkpoint repairs.
+        self._window: Optional[int] = None
+        self._torn: Optional[str] = None
 
     # -------------------------------------------------------------- public
     def fit(self, train_data: Any, valid_data: Any = None) -> FitResult:
+        with self._use("fit"):
+            return self._fit(train_data, valid_data)
+
+    @torch.no_grad()
+    def evaluate(self, data: Any) -> Dict[str, float]:
+        """Loss and metrics over `data`, sharded over every replica and reduced:
+        means over all rows, as one device would compute them."""
+        with self._use("evaluate", reentrant=True):
+            return self._evaluate(data)
+
+    def close(self) -> None:
+        """Stops the replicas' worker threads and removes the gradient hooks
+        (DistributedModel.close). `model.module` keeps its weights. Safe to
+        call twice; fit and evaluate raise afterwards."""
+        if self._busy:
+            raise RuntimeError(
+                "pyddp: Trainer.close() called during fit() (from a callback?); "
+                "stop training first, e.g. set trainer.state.stop_reason"
+            )
+        if self._closed:
+            return
+        self._closed = True
+        self.model.close()
+
+    def __enter__(self) -> Trainer:
+        self._check_open("__enter__")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"pyddp: Trainer.{what}: this Trainer was closed; create a new one "
+                "(with resume=True it continues from the last checkpoint)"
+            )
+
+    @contextlib.contextmanager
+    def _use(self, what: str, reentrant: bool = False):
+        self._check_open(what)
+        if self._busy and not reentrant:
+            raise RuntimeError(f"pyddp: Trainer.{what} called while fit() is running")
+        was_busy, self._busy = self._busy, True
+        try:
+            yield
+        finally:
+            self._busy = was_busy
+
+    # ------------------------------------------------------------------ fit
+    def _fit(self, train_data: Any, valid_data: Any) -> FitResult:
         cfg = self.config
+        cfg.validate()
         loader = ShardedLoader(
             train_data,
             cfg.batch_size,
@@ -121,8 +182,12 @@ class Trainer:
             prefetch=cfg.prefetch,
         )
         self.steps_per_epoch = -(-len(loader) // cfg.grad_accum_steps)
+        self._mend()
         if cfg.resume and self.output_dir is not None:
             self._resume()
+        # A fit starts at a window boundary: no gradient is carried into it
+        # (an aborted backward's, or one the model held when it was wrapped).
+        self.model.zero_grad()
         state = self.state
         # Early stopping is final; any other reason is re-judged against this
         # config, so re-running a finished script does not train further.
@@ -133,19 +198,46 @@ class Trainer:
             elif cfg.max_steps is not None and state.step >= cfg.max_steps:
                 state.stop_reason = "max_steps"
         start_step = state.step
-        with self._sigint():
-            self._emit("on_train_start")
-            while state.stop_reason is None:
-                self._run_epoch(loader, valid_data)
-            if self.output_dir is not None and state.step != start_step:
-                self._checkpoint()
-            self._emit("on_train_end")
+        with self._ctrl_c:
+            try:
+                self._emit("on_train_start")
+                while state.stop_reason is None:
+                    self._run_epoch(loader, valid_data)
+                self._ctrl_c.check()
+                if self.output_dir is not None and state.step != start_step:
+                    self._checkpoint()
+                self._emit("on_train_end")
+            except BaseException:
+                if self._window is not None and self._torn is None:
+                    self._torn = "window"
+                raise
         return FitResult(self.state, self.best_state_dict, self.state.stop_reason, self.output_dir)
 
-    @torch.no_grad()
-    def evaluate(self, data: Any) -> Dict[str, float]:
-        """Loss and metrics over `data`, sharded over every replica and reduced:
-        means over all rows, as one device would compute them."""
+    def _mend(self) -> None:
+        """After a fit that raised mid-step: drop partial gradients and redo the
+        accumulation window, or insist on a checkpoint if replicas may differ."""
+        if self._torn is None:
+            return
+        if self._torn == "step" and not (
+            self.config.resume
+            and self.output_dir is not None
+            and list_checkpoints(self.output_dir / "checkpoints")
+        ):
+            raise RuntimeError(
+                "pyddp: the previous fit() failed inside the optimizer step, so the replicas "
+                "may hold different weights; resume from a checkpoint (output_dir with "
+                "resume=True) or create a new Trainer"
+            )
+        # Replica work still queued from the aborted step (a Ctrl-C leaves the
+        # other replicas' backward running) ends before fit() zeroes the
+        # gradients it writes.
+        n = len(self.model.replicas)
+        self.model.map_replicas(lambda r, m, s: None, [None] * n, "wait")
+        self.model.sync.abort()  # a backward cut short is still open in the engine
+        self.state.batch_in_epoch = self._window
+        self._window = self._torn = None
+
+    def _evaluate(self, data: Any) -> Dict[str, float]:
         cfg = self.config
         loader = ShardedLoader(
             data,
@@ -171,54 +263,60 @@ class Trainer:
             return torch.stack([v.detach().float() * n for v in values])
 
         try:
-            for shards in loader.epoch(0):
-                sums = self.model.map_replicas(shard_sums, shards, "evaluate")
-                batch = sum(s.to(self.model.devices[0]) for s in sums)
-                totals = batch if totals is None else totals + batch
-                rows += sum(_rows(s) for s in shards)
+            with contextlib.closing(loader.epoch(0)) as batches:
+                for shards in batches:
+                    sums = self.model.map_replicas(shard_sums, shards, "evaluate")
+                    batch = sum(s.to(self.model.devices[0]) for s in sums)
+                    totals = batch if totals is None else totals + batch
+                    rows += sum(_rows(s) for s in shards)
         finally:
             self.model.train(was_training)
         values = (totals / rows).tolist()  # one host sync for the whole evaluation
         return {f"valid_{n}" if n == "loss" else n: v for n, v in zip(names, values)}
 
-    # ---------------------------------------------------------------- loop
     def _run_epoch(self, loader: ShardedLoader, valid_data: Any) -> None:
         cfg, state = self.config, self.state
         n_batches = len(loader)
         window_loss = torch.zeros((), device=self.model.devices[0])
-        for shards in loader.epoch(state.epoch, start=state.batch_in_epoch):
-            index = state.batch_in_epoch
-            start = index - index % cfg.grad_accum_steps
-            window = min(cfg.grad_accum_steps, n_batches - start)
-            last = index == start + window - 1
-            try:
-                with contextlib.nullcontext() if last else self.model.no_sync():
-                    loss = self.model.loss_on_shards(self.loss_fn, shards, context=self._autocast)
-                    (loss * (self._scale / window)).backward()
-                window_loss += loss.detach() / window
-                state.batch_in_epoch += 1
-                stepped = last and self._optimizer_step()
-            except (ReplicaError, ReduceError) as e:
-                self.model.zero_grad()
-                where = f"epoch {state.epoch + 1}, step {state.step + 1}"
-                who = f"replica {e.replica}" if isinstance(e, ReplicaError) else "all-reduce"
-                raise TrainingError(f"training failed at {where} ({who}): {e}") from e
-            if not stepped:  # mid-window, or an fp16 overflow skipped the step
-                if last:
-                    window_loss.zero_()
-                continue
-            metrics = {
-                "epoch": state.epoch + 1,
-                "step": state.step,
-                "train_loss": window_loss.item(),
-                "lr": self.optimizer.param_groups[0]["lr"],
-            }
-            window_loss.zero_()
-            self._train_losses.append(metrics["train_loss"])
-            self._emit("on_step_end", metrics)
-            self._after_step(valid_data, metrics)
-            if state.stop_reason is not None:
-                return
+        # closing(): the loader's clean-up runs here, where a Ctrl-C raised in
+        # it propagates, not in a generator finalizer that would only print it.
+        with contextlib.closing(loader.epoch(state.epoch, start=state.batch_in_epoch)) as batches:
+            for shards in batches:
+                self._ctrl_c.check()
+                index = state.batch_in_epoch
+                start = index - index % cfg.grad_accum_steps
+                window = min(cfg.grad_accum_steps, n_batches - start)
+                last = index == start + window - 1
+                self._window = start
+                try:
+                    with contextlib.nullcontext() if last else self.model.no_sync():
+                        loss = self.model.loss_on_shards(
+                            self.loss_fn, shards, context=self._autocast
+                        )
+                        (loss * (self._scaler.scale / window)).backward()
+                    window_loss += loss.detach() / window
+                    state.batch_in_epoch += 1
+                    stepped = last and self._optimizer_step()
+                except (ReplicaError, ReduceError) as e:
+                    where = f"epoch {state.epoch + 1}, step {state.step + 1}"
+                    who = f"replica {e.replica}" if isinstance(e, ReplicaError) else "all-reduce"
+                    raise TrainingError(f"training failed at {where} ({who}): {e}") from e
+                if not stepped:  # mid-window, or an fp16 overflow skipped the step
+                    if last:
+                        window_loss.zero_()
+                    continue
+                metrics = {
+                    "epoch": state.epoch + 1,
+                    "step": state.step,
+                    "train_loss": window_loss.item(),
+                    "lr": self.optimizer.param_groups[0]["lr"],
+                }
+                window_loss.zero_()
+                state.train_losses.append(metrics["train_loss"])
+                self._emit("on_step_end", metrics)
+                self._after_step(valid_data, metrics)
+                if state.stop_reason is not None:
+                    return
         state.epoch += 1
         state.batch_in_epoch = 0
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
@@ -234,37 +332,31 @@ class Trainer:
         )
 
     def _optimizer_step(self) -> bool:
-        """Steps every replica; False if an fp16 overflow skipped the step."""
+        """Steps every replica; False if an fp16 overflow skipped the step. A
+        Ctrl-C lands before or after this, never between two replicas' steps."""
         cfg = self.config
-        if self._scale != 1.0 and not self._unscale():
-            self.optimizer.zero_grad()  # overflow: skip this step, retry with a smaller scale
-            return False
-        if cfg.clip_grad_norm is not None:
-            self.model.clip_grad_norm_(cfg.clip_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        if self.scheduler is not None and cfg.scheduler_interval == "step":
-            self.scheduler.step()
-        self.state.step += 1
+        with sigint_deferred():
+            if self._scaler.enabled and not self._unscale():
+                self.optimizer.zero_grad()  # overflow: skip this step, retry with a smaller scale
+                self._window = None
+                return False
+            if cfg.clip_grad_norm is not None:
+                self.model.clip_grad_norm_(cfg.clip_grad_norm)
+            try:
+                self.optimizer.step()
+            except BaseException:
+                self._torn = "step"
+                raise
+            self.optimizer.zero_grad()
+            if self.scheduler is not None and cfg.scheduler_interval == "step":
+                self.scheduler.step()
+            self.state.step += 1
+            self._window = None
         return True
 
     def _unscale(self) -> bool:
-        """fp16: divides every replica's gradients by the loss scale; False (and
-        a halved scale) if they overflowed. Replicas hold the same reduced
-        values, so the check on replica 0 decides for all."""
         flats = [self.model.sync.flat_grads(r) for r in range(len(self.model.replicas))]
-        finite = all(bool(torch.isfinite(f).all()) for f in flats[0])
-        if not finite:
-            self._scale /= 2
-            self._good_steps = 0
-            return False
-        for grads in flats:
-            torch._foreach_mul_(grads, 1.0 / self._scale)
-        self._good_steps += 1
-        if self._good_steps >= 2000:  # GradScaler's schedule: grow back after a calm stretch
-            self._scale *= 2
-            self._good_steps = 0
-        return True
+        return self._scaler.unscale_(flats)
 
     def _after_step(self, valid_data: Any, metrics: Dict[str, Any]) -> None:
         cfg, state = self.config, self.state
@@ -276,7 +368,7 @@ class Trainer:
             cfg.max_steps,
             "max_steps",
         )
-        if self._interrupted:
+        if self._ctrl_c.stop_requested:
             state.stop_reason = "interrupted"  # fit() writes the checkpoint on the way out
 
     def _boundary(
@@ -295,8 +387,8 @@ class Trainer:
             valid_data is not None
             and eval_every
             and count % eval_every == 0
-            and self._validated_at != state.step
-        ):  # not twice for one model
+            and not state.validated_here
+        ):  # not twice for one model, also across a resume
             self._validate(valid_data)
         if self.output_dir is not None and checkpoint_every and count % checkpoint_every == 0:
             self._checkpoint()
@@ -305,7 +397,6 @@ class Trainer:
 
     def _validate(self, valid_data: Any) -> None:
         cfg, state = self.config, self.state
-        self._validated_at = state.step
         result = self.evaluate(valid_data)
         loss = result["valid_loss"]
         past = state.smoothed_valid_loss
@@ -318,9 +409,9 @@ class Trainer:
             **result,
             "smoothed_valid_loss": state.smoothed_valid_loss,
         }
-        if self._train_losses:  # the learning curve's training side: mean since last time
-            row["train_loss"] = sum(self._train_losses) / len(self._train_losses)
-            self._train_losses = []
+        if state.train_losses:  # the learning curve's training side: mean since last time
+            row["train_loss"] = sum(state.train_losses) / len(state.train_losses)
+            state.train_losses = []
         state.history.append(row)
         best = state.best_smoothed_valid_loss
         if best is None or state.smoothed_valid_loss < best:
@@ -345,9 +436,10 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "classes": self._classes(),
             "loop": asdict(self.state),
             "best": self.best_state_dict,
-            "loss_scale": self._scale,
+            "loss_scaler": self._scaler.state_dict(),
             "rng": {
                 "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -363,17 +455,26 @@ class Trainer:
         if found is None:
             return
         path, payload = found
+        check_classes(path, payload.get("classes"), self._classes())
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         if self.scheduler is not None and payload["scheduler"] is not None:
             self.scheduler.load_state_dict(payload["scheduler"])
         self.state = LoopState(**payload["loop"])
         self.best_state_dict = payload["best"]
-        self._scale = payload["loss_scale"]
+        if "loss_scaler" in payload:
+            self._scaler.load_state_dict(payload["loss_scaler"])
+        else:  # written before the clean-step count was kept
+            self._scaler.scale = payload["loss_scale"]
         torch.set_rng_state(payload["rng"]["torch"])
         if payload["rng"]["cuda"]:
             torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
         print(f"pyddp: resumed from {path} (epoch {self.state.epoch}, step {self.state.step})")
+
+    def _classes(self) -> Dict[str, Optional[str]]:
+        """What wrote a checkpoint: its optimizer state fits only that class."""
+        scheduler = type(self.scheduler) if self.scheduler is not None else None
+        return {"optimizer": qualname(self._optimizer_class), "scheduler": qualname(scheduler)}
 
     # --------------------------------------------------------------- misc
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -386,27 +487,6 @@ class Trainer:
     def _emit(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(self, *args)
-
-    @contextlib.contextmanager
-    def _sigint(self):
-        """First Ctrl-C: stop at the next step boundary, checkpoint, return.
-        Second Ctrl-C: abort (KeyboardInterrupt)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        self._interrupted = False
-
-        def on_sigint(signum: int, frame: Any) -> None:
-            self._interrupted = True
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            print("\npyddp: interrupted; stopping after this step (Ctrl-C again to abort)")
-
-        previous = signal.signal(signal.SIGINT, on_sigint)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
 
 
 def _rows(shard: Any) -> int:

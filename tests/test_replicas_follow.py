@@ -102,7 +102,10 @@ def test_freezing_after_wrap_is_followed_and_unfreezing_a_wrap_time_frozen_one_r
     "change,match",
     [
         (lambda m: m.add_module("extra", nn.Linear(3, 3)), "gained or lost"),
-        (lambda m: setattr(m.head, "bias", nn.Parameter(torch.zeros(3))), r"'head\.bias' .* replaced"),
+        (
+            lambda m: setattr(m.head, "bias", nn.Parameter(torch.zeros(3))),
+            r"'head\.bias' .* replaced",
+        ),
         (lambda m: m.double(), "changed from torch.float32"),
     ],
     ids=["add_module", "replaced", "dtype"],

@@ -1,11 +1,19 @@
 """pyddp.Trainer: equals single-device training for the same data and seed,
 accumulation, exact resume, corrupt-checkpoint fallback, Ctrl-C, early
-stopping and the best model, uneven data, a raising replica, config checks."""
+stopping and the best model, uneven data, a raising replica, config and
+argument checks, close() and the with-block, a second Ctrl-C (mid-backward,
+mid-checkpoint-write, while the loader winds down) and bitwise resume after it."""
 
 import functools
+import gc
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -228,11 +236,54 @@ def test_a_raising_replica_names_replica_and_step_and_keeps_the_checkpoint(tmp_p
         ("smoothing", 1.0),
         ("early_stopping_patience", 0),
         ("checkpoint_every_steps", 0),
+        ("resume", "no"),  # a truthy string is not True
+        ("progress", "no"),
+        ("shuffle", None),
+        ("drop_last", 1),
+        ("output_dir", 123),
+        ("output_dir", ""),
+        ("batch_size", 32.0),
+        ("max_steps", True),
+        ("seed", -1),
+        ("seed", "0"),
+        ("smoothing", "0.5"),
+        ("smoothing", float("nan")),
+        ("clip_grad_norm", float("inf")),
+        ("prefetch", 0),
+        ("precision", ["fp32"]),
     ],
 )
 def test_config_validation_names_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=f"TrainConfig.{field}="):
         pyddp.TrainConfig(**{field: value})
+
+
+def test_config_assigned_after_construction_is_checked_by_the_trainer():
+    t = trainer(max_epochs=1)
+    t.config.resume = "no"
+    with pytest.raises(ValueError, match="resume"):
+        t.fit(data(64))
+    t.close()
+
+
+@pytest.mark.parametrize(
+    "argument, value, message",
+    [
+        ("optimizer", "adam", "optimizer must be a torch.optim.Optimizer subclass"),
+        ("loss_fn", None, "loss_fn must be a function"),
+        ("config", {"batch_size": 8}, "config must be a pyddp.TrainConfig"),
+        ("callbacks", [object()], "callbacks must be a list of pyddp.Callback"),
+        ("metrics", {"loss": lambda o, t: o.sum()}, "taken by the Trainer"),
+        ("scheduler", 5, "scheduler must be a function"),
+    ],
+)
+def test_trainer_arguments_are_checked_before_threads_start(argument, value, message):
+    before = set(threading.enumerate())
+    kwargs = dict(optimizer=SGD, loss_fn=F.cross_entropy, config=pyddp.TrainConfig())
+    kwargs[argument] = value
+    with pytest.raises((TypeError, ValueError), match=message):
+        pyddp.Trainer(model(), ["cpu", "cpu"], **kwargs)
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("pyddp")]
 
 
 def test_config_needs_a_limit_and_fp16_needs_a_gpu():
@@ -314,3 +365,244 @@ def test_shuffled_dataloader_resume_is_exact(tmp_path):
     rest.fit(loader())
     for p, q in zip(rest.model.module.parameters(), full.model.module.parameters()):
         assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------ lifecycle
+def _new_pyddp_threads(before):
+    return [t for t in set(threading.enumerate()) - before if t.name.startswith("pyddp")]
+
+
+def test_close_and_with_release_the_workers_and_refuse_later_use():
+    x, y = data(64)
+    before = set(threading.enumerate())
+    with trainer(max_epochs=1) as t:
+        t.fit((x, y))
+        assert _new_pyddp_threads(before)  # replica 1's worker
+    assert not _new_pyddp_threads(before)
+    with pytest.raises(RuntimeError, match="this Trainer was closed"):
+        t.fit((x, y))
+    with pytest.raises(RuntimeError, match="this Trainer was closed"):
+        t.evaluate((x, y))
+    t.close()  # twice is harmless
+    assert t.model.module[0].weight.shape == (16, 6)  # the trained weights stay readable
+
+
+def test_close_from_a_callback_during_fit_is_refused():
+    class Closer(pyddp.Callback):
+        def on_step_end(self, trainer, metrics):
+            trainer.close()
+
+    t = pyddp.Trainer(
+        model(),
+        ["cpu", "cpu"],
+        optimizer=SGD,
+        loss_fn=F.cross_entropy,
+        callbacks=[Closer()],
+        config=pyddp.TrainConfig(batch_size=32, progress=False),
+    )
+    with pytest.raises(RuntimeError, match="during fit"):
+        t.fit(data(64))
+    t.close()
+
+
+def test_a_dropped_trainer_is_freed_without_the_cycle_collector(tmp_path):
+    x, y = data(97)
+    gc.collect()
+    gc.disable()  # only reference counting: no cycle may hold the Trainer
+    try:
+        t = interrupted_trainer(max_epochs=2, output_dir=str(tmp_path))
+        t.fit((x, y), (x, y))
+        t.evaluate((x, y))
+        ref = weakref.ref(t)
+        del t
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+# --------------------------------------------------- Ctrl-C and bitwise resume
+class _InterruptBackward(torch.autograd.Function):
+    """Identity whose backward on the main thread (replica 0) raises
+    KeyboardInterrupt at the `armed`-th call: a second Ctrl-C landing mid-backward,
+    after the other replica's backward has started."""
+
+    armed = None
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if threading.current_thread() is threading.main_thread():
+            _InterruptBackward.calls += 1
+            if _InterruptBackward.calls == _InterruptBackward.armed:
+                raise KeyboardInterrupt
+        return grad
+
+
+class _Interruptible(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, 16), nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.b(_InterruptBackward.apply(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_fit_again_after_an_abort_mid_backward_is_bitwise(accum):
+    """The aborted step left partial gradients (replica 1 finished its
+    backward, replica 0 did not): the next fit() clears them and redoes the
+    accumulation window, so the result is the uninterrupted one."""
+    x, y = data(97)
+
+    def make():
+        cfg = pyddp.TrainConfig(batch_size=16, max_epochs=2, grad_accum_steps=accum, progress=False)
+        return pyddp.Trainer(
+            _Interruptible(), ["cpu", "cpu"], optimizer=SGD, loss_fn=F.cross_entropy, config=cfg
+        )
+
+    _InterruptBackward.armed, _InterruptBackward.calls = None, 0
+    with make() as full:
+        full.fit((x, y))
+    _InterruptBackward.armed, _InterruptBackward.calls = 6, 0  # accum 2: mid-window
+    with make() as t:
+        with pytest.raises(KeyboardInterrupt):
+            t.fit((x, y))
+        t.fit((x, y))
+        assert t.state.step == full.state.step
+        for p, q in zip(t.model.module.parameters(), full.model.module.parameters()):
+            assert torch.equal(p, q)
+
+
+_SCRIPT = """
+import functools, os, signal, sys, threading
+import torch, torch.nn.functional as F
+from torch import nn
+import pyddp
+
+def trainer(out, **cfg):
+    torch.manual_seed(0)
+    return pyddp.Trainer(
+        nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2)), ["cpu", "cpu"],
+        optimizer=functools.partial(torch.optim.AdamW, lr=1e-2), loss_fn=F.cross_entropy,
+        config=pyddp.TrainConfig(batch_size=32, progress=False, output_dir=out, **cfg))
+
+g = torch.Generator().manual_seed(0)
+x = torch.randn(97, 6, generator=g)
+y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()  # data(97) of the test module
+"""
+
+
+def _python(tmp_path, body, *args):
+    """Runs `body` after _SCRIPT in a new interpreter importing this pyddp."""
+    import pyddp.trainer
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pyddp.trainer.__file__)))
+    code = _SCRIPT + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_second_ctrl_c_during_a_checkpoint_write_lands_after_it_and_resume_is_bitwise(tmp_path):
+    out = tmp_path / "run"
+    aborted = _python(
+        tmp_path,
+        """
+        real_save = torch.save
+
+        class Interrupting:  # the file the checkpoint is written to: Ctrl-C twice mid-write
+            def __init__(self, f):
+                self.f, self.writes = f, 0
+
+            def write(self, data):
+                self.writes += 1
+                if self.writes <= 2:  # one per write: two signals at once would merge
+                    os.kill(os.getpid(), signal.SIGINT)
+                return self.f.write(data)
+
+            def flush(self):
+                self.f.flush()
+
+        def save(obj, f, *args, **kwargs):
+            if isinstance(obj, dict) and obj.get("loop", {}).get("step") == 6:
+                f = Interrupting(f)
+            return real_save(obj, f, *args, **kwargs)
+
+        torch.save = save
+        trainer(sys.argv[1], max_epochs=3, checkpoint_every_steps=3).fit((x, y), (x, y))
+        print("fit returned")
+        """,
+        str(out),
+    )
+    assert "KeyboardInterrupt" in aborted.stderr, aborted.stderr
+    assert "fit returned" not in aborted.stdout and "inline_container" not in aborted.stderr
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["ckpt-00000003.pt", "ckpt-00000004.pt", "ckpt-00000006.pt"]  # no temporary
+    ckpt = torch.load(out / "checkpoints" / names[-1], weights_only=True)
+    assert ckpt["loop"]["step"] == 6
+
+    # Resumed here, a process other than the aborted one, and against a full run:
+    def run(folder):
+        cfg = pyddp.TrainConfig(
+            batch_size=32, max_epochs=3, checkpoint_every_steps=3, progress=False, output_dir=folder
+        )
+        adamw = functools.partial(torch.optim.AdamW, lr=1e-2)
+        with pyddp.Trainer(
+            model(), ["cpu", "cpu"], optimizer=adamw, loss_fn=F.cross_entropy, config=cfg
+        ) as t:
+            t.fit(data(97), data(97))
+            return t.model.module.state_dict(), t.state.history
+
+    (want, want_history), (got, got_history) = run(str(tmp_path / "full")), run(str(out))
+    assert got_history == want_history
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_second_ctrl_c_while_the_loader_winds_down_is_not_swallowed(tmp_path):
+    """The second Ctrl-C arrives while fit() closes the epoch's batch producer
+    after the first one stopped it: it must abort, not vanish into a generator
+    finalizer (which only prints it)."""
+    run = _python(
+        tmp_path,
+        """
+        import time
+        from torch.utils.data import Dataset
+
+        armed, sent = threading.Event(), []
+
+        class Slow(Dataset):  # the producer is inside __getitem__ while fit() closes it
+            def __len__(self):
+                return 320
+
+            def __getitem__(self, i):
+                if armed.is_set() and not sent:
+                    sent.append(i)
+                    time.sleep(0.3)
+                    os.kill(os.getpid(), signal.SIGINT)
+                return x[i % 97], y[i % 97]
+
+        class First(pyddp.Callback):
+            def on_step_end(self, trainer, metrics):
+                if metrics["step"] == 3:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    armed.set()
+
+        t = trainer(None, max_epochs=1)
+        t.callbacks.append(First())
+        t.fit(Slow())
+        print("fit returned", t.state.stop_reason)
+        """,
+    )
+    assert "fit returned" not in run.stdout, run.stdout + run.stderr
+    assert "KeyboardInterrupt" in run.stderr and "Exception ignored" not in run.stderr

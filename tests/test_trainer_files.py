@@ -1,0 +1,166 @@
+"""The Trainer's files in a shared output directory: nothing written through a
+planted symbolic link, temporaries that cannot be predicted, metrics that
+match the loop state after a resume (no repeated validation, no replayed step
+logged twice, a column for a metric added on resume), and a checkpoint of
+another optimizer class refused at load."""
+
+import csv
+import functools
+import json
+import os
+import signal
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pyddp
+from pyddp._files import UnsafePathError
+from pyddp.checkpoint import list_checkpoints
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
+def data(rows=97):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 6, generator=g)
+    return x, (x[:, 0] > 0).long()
+
+
+def trainer(out, optimizer=SGD, callbacks=(), metrics=None, **cfg):
+    torch.manual_seed(0)
+    cfg.setdefault("batch_size", 32)  # 97 rows: 4 steps per epoch
+    return pyddp.Trainer(
+        nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)),
+        ["cpu", "cpu"],
+        optimizer=optimizer,
+        loss_fn=F.cross_entropy,
+        metrics=metrics,
+        callbacks=list(callbacks),
+        config=pyddp.TrainConfig(progress=False, output_dir=str(out), **cfg),
+    )
+
+
+def jsonl(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------ links
+@pytest.mark.parametrize(
+    "name", ["metrics.csv", "metrics.jsonl", "best.pt", "checkpoints/ckpt-00000004.pt"]
+)
+def test_a_link_at_a_file_pyddp_writes_is_refused(tmp_path, name):
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    victim.write_text("not yours")
+    (out / "checkpoints").mkdir(parents=True)
+    (out / name).symlink_to(victim)
+    x, y = data()
+    with trainer(out, max_epochs=1) as t, pytest.raises(UnsafePathError) as caught:
+        t.fit((x, y), (x, y))
+    assert str(out / name) in str(caught.value) and "symbolic link" in str(caught.value)
+    assert victim.read_text() == "not yours"
+
+
+def test_links_at_the_old_temporary_names_are_left_alone(tmp_path):
+    """Temporaries get unguessable names and O_EXCL: a link planted where a
+    predictable temporary would go is never written through."""
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    victim.write_text("not yours")
+    (out / "checkpoints").mkdir(parents=True)
+    for name in ("best.pt.tmp", "checkpoints/ckpt-00000004.pt.tmp", "metrics.csv.tmp"):
+        (out / name).symlink_to(victim)
+    x, y = data()
+    with trainer(out, max_epochs=1) as t:
+        t.fit((x, y), (x, y))
+    assert victim.read_text() == "not yours"
+    assert torch.load(out / "best.pt", weights_only=True).keys() == t.best_state_dict.keys()
+    leftovers = [p.name for p in (out / "checkpoints").iterdir() if not p.is_symlink()]
+    assert leftovers == ["ckpt-00000004.pt"]  # no temporary left behind
+
+
+def test_a_linked_checkpoints_folder_is_refused(tmp_path):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out.mkdir()
+    (out / "checkpoints").symlink_to(elsewhere, target_is_directory=True)
+    x, y = data()
+    with trainer(out, max_epochs=1) as t, pytest.raises(UnsafePathError, match="checkpoints"):
+        t.fit((x, y))
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_linked_checkpoint_is_refused_at_resume(tmp_path):
+    out = tmp_path / "out"
+    x, y = data()
+    with trainer(out, max_epochs=1) as t:
+        t.fit((x, y))
+    planted = out / "checkpoints" / "ckpt-00000099.pt"
+    planted.symlink_to(list_checkpoints(out / "checkpoints")[0])
+    with trainer(out, max_epochs=2) as t, pytest.raises(UnsafePathError, match="ckpt-00000099"):
+        t.fit((x, y))
+
+
+# ---------------------------------------------------------------- resume
+class _StopAt(pyddp.Callback):
+    """Sends SIGINT (a first Ctrl-C: stop after this step) at `step`."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, trainer, metrics):
+        if metrics["step"] == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_resume_after_ctrl_c_at_the_end_of_an_epoch_validates_once(tmp_path):
+    x, y = data()
+    with trainer(tmp_path / "full", max_epochs=2, eval_every_steps=2) as full:
+        want = full.fit((x, y), (x, 1 - y)).state.history
+    cut = tmp_path / "cut"
+    with trainer(cut, max_epochs=2, eval_every_steps=2, callbacks=[_StopAt(4)]) as t:
+        assert t.fit((x, y), (x, 1 - y)).stop_reason == "interrupted"
+    with trainer(cut, max_epochs=2, eval_every_steps=2) as t:
+        got = t.fit((x, y), (x, 1 - y)).state.history
+    assert [r["step"] for r in got] == [2, 4, 6, 8]
+    assert got == want  # smoothed loss and the training side of the curve included
+    rows = list(csv.DictReader((cut / "metrics.csv").open()))
+    assert [int(r["step"]) for r in rows] == [2, 4, 6, 8]
+
+
+def test_replayed_steps_are_logged_once(tmp_path):
+    x, y = data()
+    with trainer(tmp_path, max_epochs=3, checkpoint_every_steps=2, max_steps=5) as t:
+        t.fit((x, y), (x, y))
+    # A crash after step 5 was logged but before its checkpoint was written:
+    (tmp_path / "checkpoints" / "ckpt-00000005.pt").unlink()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 6, "trunc')  # and a line cut short
+    with trainer(tmp_path, max_epochs=2, checkpoint_every_steps=2) as t:
+        t.fit((x, y), (x, y))
+    rows = jsonl(tmp_path)
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 9))
+    assert [r["step"] for r in rows if r["kind"] == "valid"] == [4, 8]
+
+
+def test_a_metric_added_on_resume_gets_its_column(tmp_path):
+    x, y = data()
+    with trainer(tmp_path, max_epochs=1) as t:
+        t.fit((x, y), (x, y))
+    accuracy = {"accuracy": lambda out, t: (out.argmax(1) == t).float().mean()}
+    with trainer(tmp_path, max_epochs=2, metrics=accuracy) as t:
+        t.fit((x, y), (x, y))
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [r["step"] for r in rows] == ["4", "8"]
+    assert rows[0]["accuracy"] == "" and 0 <= float(rows[1]["accuracy"]) <= 1
+
+
+def test_a_checkpoint_of_another_optimizer_class_is_refused_at_load(tmp_path):
+    x, y = data()
+    with trainer(tmp_path, max_epochs=1) as t:
+        t.fit((x, y))
+    adam = functools.partial(torch.optim.Adam, lr=1e-3)
+    with trainer(tmp_path, max_epochs=2, optimizer=adam) as t:
+        with pytest.raises(ValueError, match=r"optimizer torch\.optim\.sgd\.SGD.*adam\.Adam"):
+            t.fit((x, y))
+        assert t.state.step == 0  # nothing loaded
