@@ -157,8 +157,10 @@ void Engine::mark_ready(int replica, int param, uintptr_t stream) {
   if (marked_[slot].exchange(1, std::memory_order_acq_rel)) {
     fail_mark(replica, param,
               "gradient produced twice in one synced backward. A parameter used outside the "
-              "replica's forward (e.g. a loss term on dmodel.parameters()) or a second backward "
-              "before the first finished cannot be reduced once; use weight_decay or no_sync().");
+              "replica's forward (e.g. a loss term on dmodel.parameters()), a second backward "
+              "before the first finished, or (GradSync) a missing finish() after the previous "
+              "backward: each gradient is reduced once per backward. Use weight_decay or "
+              "no_sync(), and call finish() once every replica's backward has returned.");
   }
   active_.store(true, std::memory_order_relaxed);
   if (async_) replica_part_done(replica, bucket_of_[param], stream);

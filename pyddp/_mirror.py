@@ -28,6 +28,7 @@ class ReplicaMirror:
         self.modules: List[List[nn.Module]] = [list(m.modules()) for m in replicas]
         self.module_names = [n or "(the model)" for n, _ in replicas[0].named_modules()]
         self.layout = self._layout()
+        self.members = self._members()
         # Every parameter slot (module, local name) of replica 0, frozen ones included.
         slots = [
             (m._parameters, f"{where}.{name}" if where != "(the model)" else name, p)
@@ -49,12 +50,19 @@ class ReplicaMirror:
         self.head = list(map(_version_and_grad, self.params[0]))
         self.versions = [list(map(_version, ps)) for ps in self.params[1:]]
 
-    def follow(self) -> None:
+    def follow(self) -> bool:
         """Before a forward: brings replicas > 0 in line with replica 0, or
         raises. Each check is one pass over replica 0 (and the version counters
-        of every replica) with work only where something changed."""
+        of every replica) with work only where something changed. Returns
+        whether replica 0's parameters got new storage (their gradients may
+        have too: the caller re-attaches them)."""
         if self._layout() != self.layout:
             self._raise_structure()
+        if not all(map(operator.is_, self._members(), self.members)):
+            raise RuntimeError(
+                "pyddp: a submodule of the wrapped model was replaced after wrap "
+                f"(model.head = ...); the other replicas cannot follow: {_REWRAP}"
+            )
         if not all(
             map(operator.is_, map(dict.get, self.slot_dicts, self.slot_names), self.slot_params)
         ):
@@ -68,7 +76,8 @@ class ReplicaMirror:
             self.training = training
         drifted = set()
         storage = list(map(_data_ptr, first))
-        if storage != self.storage:
+        moved = storage != self.storage
+        if moved:
             # New tensors behind the parameters (`.data =`, `.to()`, `.half()`):
             # the same dtype, device and shape is a value change, else refused.
             for k, (p, (dtype, device, shape)) in enumerate(zip(first, self.meta)):
@@ -110,9 +119,15 @@ class ReplicaMirror:
                         ps[k].copy_(first[k])
             versions = [list(map(_version, ps)) for ps in self.params[1:]]
         self.head, self.versions = head, versions
+        return moved
 
     def _layout(self) -> List[Tuple[int, int, int]]:
         return [(len(m._parameters), len(m._modules), len(m._buffers)) for m in self.modules[0]]
+
+    def _members(self) -> List[object]:
+        """Every child module of replica 0, by identity. (Buffers are copied
+        from replica 0 before each forward, replaced ones included.)"""
+        return [x for m in self.modules[0] for x in m._modules.values()]
 
     def _raise_structure(self) -> None:
         j = next(j for j, (a, b) in enumerate(zip(self._layout(), self.layout)) if a != b)

@@ -7,7 +7,7 @@ differ (an install older than the source being edited)."""
 from __future__ import annotations
 
 import filecmp
-import glob
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -16,7 +16,12 @@ from typing import List
 
 
 def _has_extension(folder: str) -> bool:
-    return bool(glob.glob(os.path.join(folder, "_C.*")))
+    """An extension module this interpreter can load (not a .pyi stub, not
+    another Python version's build)."""
+    return any(
+        os.path.exists(os.path.join(folder, "_C" + suffix))
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES
+    )
 
 
 def _installed_copy(source: str) -> str:

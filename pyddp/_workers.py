@@ -1,13 +1,14 @@
 """Persistent per-replica worker threads: replica 0 runs on the caller's thread,
 replica r > 0 on its own long-lived thread, so a step creates no threads. The
-caller's grad mode and current CUDA streams go with every task: a replica's
+caller's grad mode, autocast regions and current CUDA streams go with every task: a replica's
 forward runs on the stream the caller chose (``with torch.cuda.stream(s)``),
 so its backward and pyddp's zeroing of its buckets stay on one stream."""
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,12 +53,15 @@ class ReplicaWorkers:
         if not self._pools and len(fns) > 1:
             raise RuntimeError("pyddp: this model was closed; wrap the model again to use it")
         grad = torch.is_grad_enabled()
+        autocast = _autocast_state() if len(fns) > 1 else ()
         streams = self.streams.snapshot() if self.streams is not None and len(fns) > 1 else None
         futures: List[Optional[Future]] = [None]
         for r in range(1, len(fns)):
             # Grad mode and current streams are thread-local: carry the caller's.
             futures.append(
-                self._pools[r - 1].submit(_with_caller_state, grad, self.streams, streams, fns[r])
+                self._pools[r - 1].submit(
+                    _with_caller_state, grad, autocast, self.streams, streams, fns[r]
+                )
             )
         results: List[Any] = [None] * len(fns)
         first: Optional[ReplicaError] = None
@@ -100,11 +104,25 @@ def _init_worker(threads: Optional[int], device: Optional[torch.device]) -> None
         torch.cuda.set_device(device)  # allocations without a device land on the replica's
 
 
+def _autocast_state() -> Tuple[Tuple[str, torch.dtype, bool], ...]:
+    """The caller's autocast regions (thread-local, like grad mode)."""
+    return tuple(
+        (kind, torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled())
+        for kind in ("cpu", "cuda")
+        if torch.is_autocast_enabled(kind)
+    )
+
+
 def _with_caller_state(
-    enabled: bool, provider: Optional[Any], streams: Optional[Any], fn: Callable[[], Any]
+    enabled: bool,
+    autocast: Tuple[Tuple[str, torch.dtype, bool], ...],
+    provider: Optional[Any],
+    streams: Optional[Any],
+    fn: Callable[[], Any],
 ) -> Any:
-    with torch.set_grad_enabled(enabled):
-        if provider is None or streams is None:
-            return fn()
-        with provider.use(streams):
-            return fn()
+    with torch.set_grad_enabled(enabled), contextlib.ExitStack() as stack:
+        for kind, dtype, cache in autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=cache))
+        if provider is not None and streams is not None:
+            stack.enter_context(provider.use(streams))
+        return fn()

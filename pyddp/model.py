@@ -27,7 +27,7 @@ from torch import nn
 
 from ._join import Join, join_column
 from ._mirror import ReplicaMirror
-from ._tree import flatten, other_leaves, shard_sizes
+from ._tree import flatten, other_leaves, shard_sizes, structure
 from ._workers import ReplicaError, ReplicaWorkers
 from .devices import DeviceLike, parse_devices
 from .optim import ParamsFn, replicated_optimizer
@@ -61,6 +61,10 @@ class DistributedModel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
         self.devices: List[torch.device] = parse_devices(devices)
+        if threads_per_replica is not None and (
+            not isinstance(threads_per_replica, int) or threads_per_replica < 1
+        ):
+            raise ValueError(f"threads_per_replica={threads_per_replica!r} must be an int >= 1")
         self.module = module.to(self.devices[0])
         replicas = [self.module] + [copy.deepcopy(self.module).to(d) for d in self.devices[1:]]
         # A plain list, not submodules: parameters() and state_dict() show one copy.
@@ -80,11 +84,12 @@ class DistributedModel(nn.Module):
             # there would also sit inside `dmodel.compile()`'s graphs).
             _prepare_on_forward=False,
         )
-        self._mirror = ReplicaMirror(replicas, self.sync.names) if len(replicas) > 1 else None
+        try:
+            self._mirror = ReplicaMirror(replicas, self.sync.names) if len(replicas) > 1 else None
+        except BaseException:
+            self.sync.close()  # no hooks left behind on the user's model
+            raise
         self.broadcast_buffers = broadcast_buffers
-        self._buffers_of = [list(m.buffers()) for m in replicas]
-        if threads_per_replica is not None and threads_per_replica < 1:
-            raise ValueError(f"threads_per_replica={threads_per_replica} must be >= 1")
         if threads_per_replica is None and len(replicas) > 1 and self.devices[0].type == "cpu":
             # CPU replicas compute at once: share the cores instead of every
             # replica using torch's full intra-op count (oversubscription).
@@ -109,11 +114,13 @@ class DistributedModel(nn.Module):
     ) -> torch.optim.Optimizer:
         """One optimizer stepping every replica (an instance of `cls`'s subclass).
         `params`, if given, maps a replica module to its parameters or groups."""
+        self._check_open()
         return replicated_optimizer(self.sync, cls, params, **kwargs)
 
     def no_sync(self):
         """Backwards inside accumulate without reducing; the next synced backward
         reduces the accumulated sum."""
+        self._check_open()
         return self.sync.no_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -130,10 +137,16 @@ class DistributedModel(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips every replica's gradients by their global norm and returns that
         norm: the norm of the full-batch gradient, not sqrt(N) times it."""
+        self._check_open()
         if len(self._replicas) == 1:
             return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
         flats = self.sync.flat_grads(0)  # replicas hold the same reduced values
-        norms = [torch.linalg.vector_norm(f, norm_type, dtype=torch.float32) for f in flats]
+        norms = [
+            torch.linalg.vector_norm(
+                f, norm_type, dtype=torch.promote_types(f.dtype, torch.float32)
+            )
+            for f in flats
+        ]
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for r in range(len(self._replicas)):
@@ -154,6 +167,7 @@ class DistributedModel(nn.Module):
     def load_state_dict(
         self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False
     ):
+        self._check_open()
         if assign:
             raise ValueError("assign=True would detach the replicas from their gradient buffers")
         result = self.module.load_state_dict(state_dict, strict=strict)
@@ -287,8 +301,8 @@ class DistributedModel(nn.Module):
         """Runs fn(r, replica r, shards[r]) on every replica's worker, in parallel
         (e.g. sharded evaluation); returns the results in replica order."""
         self._check_open()
-        if self._mirror is not None:
-            self._mirror.follow()
+        if self._mirror is not None and self._mirror.follow():
+            self.sync.reattach()
         return self._workers.run(
             [partial(fn, r, self._callables[r], shard) for r, shard in enumerate(shards)], what
         )
@@ -303,10 +317,16 @@ class DistributedModel(nn.Module):
         """Readies the replicas for a forward that may be followed by backward."""
         if len(self._replicas) == 1:
             return
-        self._mirror.follow()
+        self.training = self.module.training
+        moved = self._mirror.follow()
         if torch.is_grad_enabled():
             self._finish_queued = False  # a backward that raised never ran its callback
             self.sync.prepare_all()
+        if moved:
+            # Module._apply gave parameters new storage (share_memory(),
+            # .to(memory_format=...), .half().float()), and their gradients
+            # with them: the gradients must point into the buckets again.
+            self.sync.reattach()
         # Training forwards (DDP's default) and eval forwards alike: replicas > 0
         # updated their own BatchNorm statistics in their last training forward.
         self.broadcast_buffers_now()
@@ -317,9 +337,11 @@ class DistributedModel(nn.Module):
         eval-mode forwards too, so every replica evaluates with replica 0's."""
         if not self.broadcast_buffers:
             return
+        self._check_open()
         with torch.no_grad():
-            for bufs in self._buffers_of[1:]:
-                for mine, src in zip(bufs, self._buffers_of[0]):
+            sources = list(self.module.buffers())
+            for m in self._replicas[1:]:
+                for mine, src in zip(m.buffers(), sources):
                     mine.copy_(src)
 
     def _call(self, r: int, args: Any, kwargs: Any) -> Callable[[], Any]:
@@ -355,11 +377,17 @@ class DistributedModel(nn.Module):
         model computes itself) become the shard-size-weighted mean; other 0-dim
         tensors are stacked, one per replica. Non-tensor values are refused
         unless every replica returned the same None, str or bytes."""
+        shapes = [structure(o) for o in outs]
+        for r, shape in enumerate(shapes[1:], start=1):
+            if shape != shapes[0]:
+                raise RuntimeError(
+                    f"pyddp: replicas 0 and {r} returned outputs of different structure "
+                    "(containers, keys, or which values are tensors), which cannot be joined "
+                    f"into one batch: {_short(shapes[0])} vs {_short(shape)}"
+                )
         flat = [flatten(o) for o in outs]
         leaves = [f[0] for f in flat]
         rebuild = flat[0][1]
-        if any(len(ls) != len(leaves[0]) for ls in leaves):
-            raise RuntimeError("replicas returned outputs of different structure")
         _check_other_leaves(outs)
         weights = [n / sum(sizes) for n in sizes]
         results: List[Optional[torch.Tensor]] = [None] * len(leaves[0])
@@ -400,7 +428,13 @@ class DistributedModel(nn.Module):
 
         def run(r: int) -> Callable[[], None]:
             def backward() -> None:
-                pairs = [(t, g) for t, g in zip(tensors[r], grads[r]) if g is not None]
+                # An output that needs no gradient on this replica (a constant
+                # auxiliary loss on a shard without the case) has nothing to run.
+                pairs = [
+                    (t, g)
+                    for t, g in zip(tensors[r], grads[r])
+                    if g is not None and t.requires_grad
+                ]
                 if pairs:
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
@@ -416,6 +450,11 @@ class DistributedModel(nn.Module):
     def _end_of_backward(self) -> None:
         self._finish_queued = False
         self.sync.finish()
+
+
+def _short(shape: Any) -> str:
+    text = repr(shape).replace("<class '", "").replace("'>", "")
+    return text if len(text) < 200 else text[:200] + "..."
 
 
 def _gather_kind(t: torch.Tensor) -> str:

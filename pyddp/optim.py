@@ -77,9 +77,22 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                 # Some replicas stepped and some did not: make them all replica
                 # 0 again (the user's model) before anything else runs.
                 raise ReplicaError(e.replica, self._pyddp_resync(e.replica), e.cause) from e.cause
+            except BaseException:  # Ctrl-C: the replicas may have stepped unevenly too
+                self._pyddp_resync(0)
+                raise
+
+        def __reduce_ex__(self, protocol: Any) -> Any:
+            raise TypeError(
+                "a pyddp optimizer steps live replicas and cannot be pickled or copied: save "
+                "opt.state_dict() and load it into a new dmodel.optimizer(...)"
+            )
 
         def _pyddp_resync(self, failed: int) -> str:
-            done = "did not complete" if failed == 0 else "completed"
+            done = (
+                "raised part-way (its parameters and state as they were then)"
+                if failed == 0
+                else "completed its step"
+            )
             try:
                 with torch.no_grad():
                     for other in self._pyddp_others:
@@ -96,7 +109,7 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                 return f"optimizer step; the replicas now differ ({self._pyddp_broken})"
             return (
                 "optimizer step; every replica's parameters and optimizer state were reset to "
-                f"replica 0's, which {done} its step"
+                f"replica 0's, which {done}"
             )
 
         # The parent's step is already wrapped with the optimizer's step hooks;

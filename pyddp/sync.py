@@ -105,7 +105,7 @@ class GradSync:
         self.names, self.params = trainable_params(replicas)
         _refuse_synced_twice(self.names, self.params)
         if check_replicas:
-            _check_identical(self.names, self.params)
+            _check_identical(replicas)
         self.devices = [params[0].device for params in self.params]
         # GPU replicas: their CUDA device indices and the stream provider. The
         # test suite passes _gpu to run this path on a simulated driver with
@@ -126,6 +126,7 @@ class GradSync:
         # Runs one function per replica; wrap installs its parallel workers.
         self.run_per_replica: Callable[[Sequence[Callable[[], Any]], str], List[Any]] = _in_turn
         self.adopted = 0  # gradients that arrived outside the buckets and were copied in
+        self._grad_versions: Optional[List[List[int]]] = None  # the buckets' at finish()
         self._closed = False
         keep = timeline_from_env() if timeline is None else timeline
         if keep < 0:
@@ -315,6 +316,43 @@ class GradSync:
         if self._rebuild_pending and self._engine.sync_enabled:
             self._rebuild_pending = False
             self._rebuild()
+        self._grad_versions = [[f._version for f in flats] for flats in self._flat]
+
+    def _align_grads(self) -> None:
+        """Before a step: gradients changed on replica 0 only since finish()
+        (torch's clip_grad_norm_ or a GradScaler's unscale_ over the model's own
+        parameters) are copied to the other replicas, so every replica steps
+        on the same values. Seen through the buckets' version counters."""
+        if self._grad_versions is None:
+            return
+        now = [[f._version for f in flats] for flats in self._flat]
+        if now == self._grad_versions:
+            return
+        moved0 = [a - b for a, b in zip(now[0], self._grad_versions[0])]
+        for r in range(1, len(self._flat)):
+            moved = [a - b for a, b in zip(now[r], self._grad_versions[r])]
+            for b, (m, m0) in enumerate(zip(moved, moved0)):
+                if m != m0:
+                    if self._streams is not None:
+                        self._streams.before_host_write(self._gpu_devices[r])
+                    with torch.no_grad():
+                        self._flat[r][b].copy_(self._flat[0][b])
+        self._grad_versions = [[f._version for f in flats] for flats in self._flat]
+
+    def reattach(self) -> None:
+        """Points every gradient into fresh bucket buffers again, keeping the
+        values: after `Module._apply` (share_memory(), .to(memory_format=...),
+        .half().float()) replaced parameter and gradient storage."""
+        if self._engine is None:
+            return
+        self._check_open()
+        if self._engine.active:
+            self._engine.abort()
+        if self._streams is not None:
+            for d in set(self._gpu_devices):
+                self._streams.before_host_write(d)
+        self._layout(self._engine.buckets)
+        self._grad_versions = None
 
     def _observe(self) -> None:
         raw = self._engine.last_stats()
@@ -389,6 +427,7 @@ class GradSync:
             self._use_current_stream(r)
         self.run_per_replica([partial(_zero, flats) for flats in self._flat], "zero_grad")
         self._engine.clear_grads(set_to_none)
+        self._grad_versions = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -422,6 +461,7 @@ class GradSync:
             raise ReduceError(f"{e}; call zero_grad() and run the step again") from None
         if self._engine.partial:
             raise RuntimeError(f"pyddp: cannot step: {self._engine.partial_reason}")
+        self._align_grads()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -536,19 +576,35 @@ def _refuse_synced_twice(names: Sequence[str], params: Sequence[Sequence[torch.T
                 )
 
 
-def _check_identical(names: Sequence[str], params: Sequence[Sequence[torch.Tensor]]) -> None:
+def _check_identical(replicas: Sequence[nn.Module]) -> None:
     """GradSync sums gradients of identical replicas: replicas that start apart
-    stay apart, silently. A one-time comparison of every parameter."""
+    stay apart, silently. A one-time comparison of every parameter (frozen ones
+    included) and buffer."""
+
+    def state(m: nn.Module) -> Dict[str, torch.Tensor]:
+        return {**dict(m.named_parameters()), **dict(m.named_buffers())}
+
+    first = state(replicas[0])
     with torch.no_grad():
-        for r, replica in enumerate(params[1:], start=1):
-            for name, p, p0 in zip(names, replica, params[0]):
-                other = p0.to(p.device)
-                if not torch.equal(p, other):
-                    gap = (p.double() - other.double()).abs().max().item()
+        for r, replica in enumerate(replicas[1:], start=1):
+            mine = state(replica)
+            if list(mine) != list(first):
+                raise ValueError(
+                    f"replica {r} has parameters and buffers {list(mine)[:5]}..., replica 0 has "
+                    f"{list(first)[:5]}...: replicas must be copies of one model"
+                )
+            for name, t in mine.items():
+                other = first[name].to(t.device)
+                if t.shape != other.shape or not torch.equal(t, other):
+                    gap = (
+                        (t.double() - other.double()).abs().max().item()
+                        if t.shape == other.shape
+                        else float("nan")
+                    )
                     raise ValueError(
-                        f"replica {r}'s parameter {name!r} differs from replica 0's (max abs "
-                        f"difference {gap:.3g}): GradSync needs identical replicas. Copy replica "
-                        "0's state to the others (m.load_state_dict(m0.state_dict())), or pass "
+                        f"replica {r}'s {name!r} differs from replica 0's (max abs difference "
+                        f"{gap:.3g}): GradSync needs identical replicas. Copy replica 0's state "
+                        "to the others (m.load_state_dict(m0.state_dict())), or pass "
                         "check_replicas=False if you make them equal yourself"
                     )
 

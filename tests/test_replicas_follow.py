@@ -107,8 +107,9 @@ def test_freezing_after_wrap_is_followed_and_unfreezing_a_wrap_time_frozen_one_r
             r"'head\.bias' .* replaced",
         ),
         (lambda m: m.double(), "changed from torch.float32"),
+        (lambda m: setattr(m, "head", nn.Linear(8, 3)), "submodule .* replaced"),
     ],
-    ids=["add_module", "replaced", "dtype"],
+    ids=["add_module", "replaced", "dtype", "submodule"],
 )
 def test_changes_replicas_cannot_follow_raise(change, match):
     model = Net()
@@ -161,7 +162,9 @@ def test_a_step_failing_on_one_replica_leaves_the_replicas_equal():
         raise RuntimeError("out of memory (simulated)")
 
     opt._pyddp_others[1].step = boom  # replica 2's step fails; 0 and 1 step
-    with pytest.raises(pyddp.ReplicaError, match="reset to replica 0's, which completed") as e:
+    with pytest.raises(
+        pyddp.ReplicaError, match="reset to replica 0's, which completed its step"
+    ) as e:
         opt.step()
     assert e.value.replica == 2
     same_replicas(dm)
@@ -189,7 +192,7 @@ def test_gradsync_refuses_replicas_that_differ():
     m0, m1 = replicas_pair()
     with torch.no_grad():
         m1.head.weight.add_(0.5)
-    with pytest.raises(ValueError, match=r"replica 1's parameter 'head\.weight' differs.*0\.5"):
+    with pytest.raises(ValueError, match=r"replica 1's 'head\.weight' differs.*0\.5"):
         pyddp.GradSync([m0, m1])
     pyddp.GradSync([m0, m1], check_replicas=False).close()
 
@@ -217,3 +220,182 @@ def test_gradsync_forgotten_finish_and_finish_too_early_are_caught():
         sync.check_step()
     sync.zero_grad()
     sync.close()
+
+
+def test_torch_clipping_and_unscaling_on_the_model_reach_every_replica():
+    # torch's clip_grad_norm_ and GradScaler.unscale_ see the model's own
+    # parameters (replica 0's gradients) only: the step copies them over.
+    torch.manual_seed(0)
+    model = Net(norm=False)
+    model.drop.p = 0.0
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for x, y in data(3):
+        for m, o, sc in ((dm, opt, scaler), (ref, ref_opt, ref_scaler)):
+            sc.scale(F.cross_entropy(m(x), y)).backward()
+            sc.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(
+                model.parameters() if m is dm else ref.parameters(), 0.05
+            )
+            sc.step(o)
+            sc.update()
+            o.zero_grad()
+        same_replicas(dm)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    dm.close()
+
+
+class Conv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize(
+    "apply",
+    [
+        lambda m: m.to(memory_format=torch.channels_last),
+        lambda m: m.half().float(),
+        lambda m: m.share_memory(),
+    ],
+    ids=["channels_last", "half_float", "share_memory"],
+)
+def test_module_apply_after_wrap_keeps_gradients_reduced(apply):
+    # Module._apply gives parameters (and their gradients) new storage; the
+    # gradients must land in the buckets again, not somewhere autograd alone sees.
+    torch.manual_seed(0)
+    model = Conv()
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 2, (4,), generator=g))
+        for _ in range(3)
+    ]
+    for k, (x, y) in enumerate(batches):
+        if k == 1:
+            apply(model)
+            apply(ref)
+        for m in (dm, ref):
+            F.cross_entropy(m(x), y).backward()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        same_replicas(dm)
+    dm.close()
+
+
+def test_autocast_reaches_every_replica():
+    torch.manual_seed(0)
+    model = Net(norm=False)
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm, torch.autocast("cpu", dtype=torch.bfloat16):
+        x = torch.randn(8, 6)
+        assert dm(x).dtype == torch.bfloat16  # replica 1's rows too (else cat promotes to fp32)
+        assert dm.loss(lambda out, y: out.float().pow(2).mean(), x, None).requires_grad
+
+
+def test_outputs_needing_no_gradient_on_some_replicas():
+    class Aux(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            out = self.lin(x)
+            mask = x[:, 0] > 0
+            aux = out[mask].pow(2).mean() if bool(mask.any()) else torch.zeros(())
+            return out, aux
+
+    torch.manual_seed(0)
+    model = Aux()
+    ref = copy.deepcopy(model)
+    x = torch.tensor([[1.0, 0, 0], [2, 1, 0], [-1, 0, 0], [-2, 1, 1]])  # replica 1: no positives
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        out, aux = dm(x)
+        (out.sum() + aux).backward()
+        r_out, _ = ref(x)
+        (r_out.sum() + 0.5 * ref(x[:2])[1]).backward()  # the shard-weighted mean of aux
+        for p, r in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_structure_that_differs_between_replicas_is_refused():
+    class Keys(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            h = self.lin(x)
+            if bool(x[0, 0] > 0):
+                return {"pos": h, "neg": -h}
+            return {"neg": -h, "pos": h}
+
+    with (
+        pyddp.wrap(Keys(), ["cpu", "cpu"]) as dm,
+        pytest.raises(RuntimeError, match="different structure"),
+    ):
+        dm(torch.tensor([[1.0, 0], [1, 0], [-1, 0], [-1, 0]]))
+
+
+def test_misuse_of_the_wrapper_is_refused_clearly():
+    model = Net(norm=False).double()
+    with pytest.raises(ValueError, match="threads_per_replica"):
+        pyddp.wrap(model, ["cpu", "cpu"], threads_per_replica=0)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])  # the failed wrap left nothing behind
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    F.cross_entropy(dm(x), torch.tensor([0, 1, 2, 0])).backward()
+    assert dm.clip_grad_norm_(1.0).dtype == torch.float64  # float64 models clip too
+    import pickle
+
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(opt)
+    dm.close()
+    for use in (
+        lambda: dm.optimizer(torch.optim.SGD, lr=0.1),
+        lambda: dm.no_sync(),
+        lambda: dm.clip_grad_norm_(1.0),
+        lambda: dm.load_state_dict(model.state_dict()),
+    ):
+        with pytest.raises(RuntimeError, match="closed"):
+            use()
+
+
+def test_a_ctrl_c_during_the_step_leaves_the_replicas_equal():
+    torch.manual_seed(0)
+    with pyddp.wrap(Net(norm=False), ["cpu", "cpu"]) as dm:
+        opt = dm.optimizer(torch.optim.Adam, lr=0.01)
+        ((x, y),) = data(1)
+        F.cross_entropy(dm(x), y).backward()
+
+        def interrupted():
+            raise KeyboardInterrupt
+
+        opt._pyddp_others[0].step = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        same_replicas(dm)
+        assert opt._pyddp_others[0].state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+
+
+def test_gradsync_compares_frozen_parameters_and_buffers():
+    m0 = Net()
+    m1 = copy.deepcopy(m0)
+    m1.norm.running_mean.add_(1.0)
+    with pytest.raises(ValueError, match=r"'norm\.running_mean' differs"):
+        pyddp.GradSync([m0, m1])
