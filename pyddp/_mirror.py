@@ -29,6 +29,7 @@ class ReplicaMirror:
         self.module_names = [n or "(the model)" for n, _ in replicas[0].named_modules()]
         self.layout = self._layout()
         self.members = self._members()
+        self.hooks = self._hooks()
         # Every parameter slot (module, local name) of replica 0, frozen ones included.
         slots = [
             (m._parameters, f"{where}.{name}" if where != "(the model)" else name, p)
@@ -50,6 +51,14 @@ class ReplicaMirror:
         self.head = list(map(_version_and_grad, self.params[0]))
         self.versions = [list(map(_version, ps)) for ps in self.params[1:]]
 
+    def copy_all(self) -> None:
+        """Copies replica 0's parameters to the others, unconditionally."""
+        with torch.no_grad():
+            for ps in self.params[1:]:
+                for p, p0 in zip(ps, self.params[0]):
+                    p.copy_(p0)
+        self.versions = [list(map(_version, ps)) for ps in self.params[1:]]
+
     def follow(self) -> bool:
         """Before a forward: brings replicas > 0 in line with replica 0, or
         raises. Each check is one pass over replica 0 (and the version counters
@@ -58,6 +67,14 @@ class ReplicaMirror:
         have too: the caller re-attaches them)."""
         if self._layout() != self.layout:
             self._raise_structure()
+        hooks = self._hooks()
+        if hooks != self.hooks:
+            j = next(j for j, (a, b) in enumerate(zip(hooks, self.hooks)) if a != b)
+            raise RuntimeError(
+                f"pyddp: hooks of the wrapped model's module {self.module_names[j]!r} changed "
+                "after wrap; only replica 0 would run them, so the replicas' rows would be "
+                f"computed differently: {_REWRAP}, with the hooks registered first"
+            )
         if not all(map(operator.is_, self._members(), self.members)):
             raise RuntimeError(
                 "pyddp: a submodule of the wrapped model was replaced after wrap "
@@ -123,6 +140,17 @@ class ReplicaMirror:
 
     def _layout(self) -> List[Tuple[int, int, int]]:
         return [(len(m._parameters), len(m._modules), len(m._buffers)) for m in self.modules[0]]
+
+    def _hooks(self) -> List[Tuple[int, int, int, int]]:
+        return [
+            (
+                len(m._forward_hooks),
+                len(m._forward_pre_hooks),
+                len(m._backward_hooks),
+                len(m._backward_pre_hooks),
+            )
+            for m in self.modules[0]
+        ]
 
     def _members(self) -> List[object]:
         """Every child module of replica 0, by identity. (Buffers are copied

@@ -331,6 +331,20 @@ class DistributedModel(nn.Module):
         # updated their own BatchNorm statistics in their last training forward.
         self.broadcast_buffers_now()
 
+    def sync_replicas(self) -> None:
+        """Copies replica 0's parameters and buffers to every other replica.
+        Needed only after changing values where torch's version counters do not
+        see it (`p.data.normal_()`, writes through `.data` or numpy); every other
+        change to the model is followed at the next forward."""
+        self._check_open()
+        if self._mirror is not None:
+            self._mirror.copy_all()
+            was, self.broadcast_buffers = self.broadcast_buffers, True
+            try:
+                self.broadcast_buffers_now()
+            finally:
+                self.broadcast_buffers = was
+
     def broadcast_buffers_now(self) -> None:
         """Copies replica 0's buffers (BatchNorm statistics) to the others, if
         broadcast_buffers is on: DDP's default before every training forward;

@@ -108,8 +108,9 @@ def test_freezing_after_wrap_is_followed_and_unfreezing_a_wrap_time_frozen_one_r
         ),
         (lambda m: m.double(), "changed from torch.float32"),
         (lambda m: setattr(m, "head", nn.Linear(8, 3)), "submodule .* replaced"),
+        (lambda m: m.head.register_forward_hook(lambda *a: None), "hooks .* 'head' changed"),
     ],
-    ids=["add_module", "replaced", "dtype", "submodule"],
+    ids=["add_module", "replaced", "dtype", "submodule", "hook"],
 )
 def test_changes_replicas_cannot_follow_raise(change, match):
     model = Net()
@@ -399,3 +400,11 @@ def test_gradsync_compares_frozen_parameters_and_buffers():
     m1.norm.running_mean.add_(1.0)
     with pytest.raises(ValueError, match=r"'norm\.running_mean' differs"):
         pyddp.GradSync([m0, m1])
+
+
+def test_sync_replicas_covers_writes_torch_cannot_see():
+    model = Net(norm=False)
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        model.head.weight.data.normal_()  # .data has its own version counter
+        dm.sync_replicas()
+        same_replicas(dm)
