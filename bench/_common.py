@@ -11,15 +11,14 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import numpy as np
 import torch
 
 import pyddp
-from pyddp.bench._util import summary, table  # noqa: F401  (re-exported to the scripts)
+from pyddp.bench._util import cpu_busy, rotated, summary, table  # noqa: F401  (re-exported)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -41,7 +40,7 @@ _busy_at_start: Dict[str, float] = {}
 
 def header() -> str:
     """One line naming what is measured and how busy the machine was at the start."""
-    busy = _cpu_busy()
+    busy = cpu_busy()
     _busy_at_start["cpu_busy_fraction"] = busy
     note = " (other work is running: figures will be noisy)" if busy > 0.1 else ""
     return (
@@ -49,25 +48,6 @@ def header() -> str:
         f"{torch.get_num_threads()} torch threads, {os.cpu_count()} cores, "
         f"CPU busy before start {busy:.0%}{note}"
     )
-
-
-def _cpu_busy(seconds: float = 0.5) -> float:
-    """Fraction of all cores busy over `seconds` while this process sleeps: the
-    other work that will share a small machine with the benchmark."""
-
-    def ticks() -> List[int]:
-        with open("/proc/stat") as f:
-            return [int(v) for v in f.readline().split()[1:]]
-
-    try:
-        a = ticks()
-        time.sleep(seconds)
-        b = ticks()
-    except OSError:
-        return float("nan")
-    delta = [y - x for x, y in zip(a, b)]
-    idle = delta[3] + (delta[4] if len(delta) > 4 else 0)  # idle + iowait
-    return 1.0 - idle / max(1, sum(delta))
 
 
 def machine() -> Dict[str, Any]:
@@ -133,10 +113,3 @@ def write_results(name: str, args: argparse.Namespace, results: Dict[str, Any]) 
     path.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"\nresults: {path}")
     return path
-
-
-def rotated(items: List[Any], k: int) -> List[Any]:
-    """`items` starting at position k: interleaved runs change who goes first
-    each round, so no variant always follows the same neighbour."""
-    k %= len(items)
-    return items[k:] + items[:k]

@@ -99,6 +99,12 @@ class ReplicaWorkers:
 
 def _init_worker(threads: Optional[int], device: Optional[torch.device]) -> None:
     if threads is not None:
+        # torch re-applies, at a thread's first parallel op, the count the last
+        # set_num_threads in *any* thread chose, unless this thread already
+        # made one: get_num_threads() initialises it, so this worker keeps its
+        # own count instead of the caller's (a second OpenMP team at 2 threads
+        # oversubscribes the cores and stops libgomp spinning process-wide).
+        torch.get_num_threads()
         torch.set_num_threads(threads)
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)  # allocations without a device land on the replica's

@@ -23,9 +23,10 @@ _backends_lock = threading.Lock()
 
 
 def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
-    """Reduces `tensors` (one per replica; same shape and dtype; contiguous) in
-    place: afterwards each holds the sum (op="sum") or the mean (op="avg") of
-    all. float16/bfloat16 accumulate in float32 on the CPU and on one GPU (NCCL
+    """Reduces `tensors` (one per replica; same shape and dtype; dense,
+    contiguous and sharing no memory with each other) in place: afterwards
+    each holds the sum (op="sum") or the mean (op="avg") of all.
+    float16/bfloat16 accumulate in float32 on the CPU and on one GPU (NCCL
     rounds at each hop). On GPUs the reduction is ordered after the work queued
     on each device's current stream (CuPy's current stream for CuPy arrays),
     and those streams wait for it; the host does not block. A tensor allocated
@@ -40,6 +41,11 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
         raise ValueError(f"all_reduce: op={op!r}, use 'sum' or 'avg'")
     first = tensors[0]
     for i, t in enumerate(tensors):
+        if t.layout != torch.strided:
+            raise ValueError(
+                f"all_reduce: tensors[{i}] is {t.layout}; sparse tensors are not supported, "
+                "pass dense ones (.to_dense())"
+            )
         if t.shape != first.shape or t.dtype != first.dtype:
             raise ValueError(
                 f"all_reduce: tensors[{i}] is {tuple(t.shape)} {t.dtype}, tensors[0] is "
@@ -49,9 +55,7 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
             raise ValueError(f"all_reduce: tensors[{i}] is not contiguous; call .contiguous()")
     if first.dtype not in DTYPE_NAMES:
         raise ValueError(f"all_reduce: dtype {first.dtype} is not supported")
-    nonempty = [t.data_ptr() for t in tensors if t.numel()]
-    if len(set(nonempty)) < len(nonempty):
-        raise ValueError("all_reduce: two entries share memory; pass one buffer per replica")
+    _check_disjoint(tensors)
     devices = [t.device for t in tensors]
     kind = backend_kind(devices)
     if len(tensors) == 1:
@@ -83,6 +87,29 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
             with _backends_lock:
                 _backends.pop(key, None)
             raise
+
+
+def _check_disjoint(tensors: Sequence[torch.Tensor]) -> None:
+    """Every replica reads all others while writing its own, so two entries that
+    share a byte (the same tensor twice, or views like buf[0:4] and buf[2:6])
+    would give wrong sums: refuse them. Entries are contiguous here, so each
+    covers the bytes [data_ptr, data_ptr + nbytes); addresses are unique across
+    CPU and GPUs (CUDA's unified virtual addressing), so devices need no
+    separate check. Sorted by start, any overlap shows between neighbours."""
+    spans = sorted((t.data_ptr(), t.nbytes, i) for i, t in enumerate(tensors) if t.nbytes)
+    for (start_a, size_a, a), (start_b, size_b, b) in zip(spans, spans[1:]):
+        if start_b < start_a + size_a:
+            i, j = min(a, b), max(a, b)
+            common = min(start_a + size_a, start_b + size_b) - start_b
+            what = (
+                "are the same tensor"
+                if tensors[i] is tensors[j]
+                else f"overlap in memory ({common} bytes in common)"
+            )
+            raise ValueError(
+                f"all_reduce: tensors[{i}] and tensors[{j}] {what}; pass one separate "
+                "buffer per replica"
+            )
 
 
 def _record_streams(tensors: Sequence[torch.Tensor], cupy_streams: Sequence[Any]) -> None:

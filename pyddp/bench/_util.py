@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
@@ -23,6 +24,13 @@ def summary(values: Sequence[float]) -> Dict[str, float]:
     return {"median": statistics.median(v), "p10": q[0], "p90": q[-1], "n": len(v)}
 
 
+def rotated(items: List[Any], k: int) -> List[Any]:
+    """`items` starting at position k: interleaved runs change who goes first
+    each round, so no variant always follows the same neighbour."""
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
 def table(headers: List[str], rows: List[List[Any]]) -> str:
     cells = [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
@@ -36,6 +44,25 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value)
+
+
+def cpu_busy(seconds: float = 0.5) -> float:
+    """Fraction of all cores busy over `seconds` while this process sleeps: the
+    other work that will share a small machine with the benchmark."""
+
+    def ticks() -> List[int]:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:]]
+
+    try:
+        a = ticks()
+        time.sleep(seconds)
+        b = ticks()
+    except OSError:
+        return float("nan")
+    delta = [y - x for x, y in zip(a, b)]
+    idle = delta[3] + (delta[4] if len(delta) > 4 else 0)  # idle + iowait
+    return 1.0 - idle / max(1, sum(delta))
 
 
 def machine() -> Dict[str, Any]:

@@ -1,20 +1,34 @@
 """`pyddp-bench {allreduce,overlap,simulate}`: see each module's docstring.
 Every command prints a table, writes JSON (and overlap a PNG chart) into
---out, and has --quick for a smoke run of a few seconds."""
+--out, and has --quick for a smoke run of a few seconds. The common options
+go after the subcommand (`pyddp-bench overlap --quick`) or before it."""
 
 from __future__ import annotations
 
 import argparse
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 import pyddp
 
 from . import allreduce, overlap, simulate
-from ._util import machine, make_input, make_model, table, write_json
+from ._util import cpu_busy, machine, make_input, make_model, table, write_json
+
+_OUT = "pyddp-bench-results"
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help (but for flags, and None, where the
+    help says what happens); the module docstrings that describe each
+    subcommand keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def _size(text: str) -> int:
@@ -25,146 +39,291 @@ def _size(text: str) -> int:
     return int(text)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="pyddp-bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="pyddp-bench-results", help="folder for JSON/PNG")
-    parser.add_argument("--quick", action="store_true", help="a few-second smoke run")
-    parser.add_argument("--no-progress", action="store_true")
+def _common(parser: argparse.ArgumentParser, top: bool) -> None:
+    """The options every subcommand takes. On the top-level parser they carry
+    the defaults; on a subcommand they default to SUPPRESS, so a value given
+    before the subcommand is not overwritten by the subcommand's default."""
+
+    def default(value: Any) -> Any:
+        return value if top else argparse.SUPPRESS
+
+    parser.add_argument(
+        "--out", default=default(_OUT), help=f"folder for the JSON/PNG results (default: {_OUT})"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        default=default(False),
+        help="a few-second smoke run on tiny sizes: checks the command, its figures are noise",
+    )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        default=default(False),
+        help="no progress bar (for logs and CI)",
+    )
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", choices=["mlp", "conv", "transformer"], default="mlp", help="model to train"
+    )
+    p.add_argument("--width", type=int, default=1024, help="hidden width (channels for conv)")
+    p.add_argument("--depth", type=int, default=6, help="hidden layers")
+    p.add_argument("--batch", type=int, default=128, help="global batch, split over the replicas")
+    p.add_argument(
+        "--devices", nargs="+", default=["cpu", "cpu"], metavar="DEVICE", help="one per replica"
+    )
+    p.add_argument("--caps", default="1,25", help="bucket caps in MiB, comma separated")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pyddp-bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _common(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    a = sub.add_parser("allreduce", help="all-reduce bandwidth table vs a memory copy")
-    a.add_argument("--devices", nargs="+", default=["cpu", "cpu"])
-    a.add_argument("--min-bytes", type=_size, default=_size("1K"))
-    a.add_argument("--max-bytes", type=_size, default=_size("256M"))
-    a.add_argument("--factor", type=int, default=4)
-    a.add_argument("--dtype", choices=sorted(allreduce.DTYPES), default="float32")
-    a.add_argument("--reps", type=int, default=15)
+    def add(name: str, module: Any, helptext: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name, help=helptext, description=module.__doc__, formatter_class=_Formatter
+        )
+        _common(p, top=False)
+        return p
 
-    for name, helptext in (
-        ("overlap", "step time and overlap vs baselines and torch DDP"),
-        ("simulate", "alpha-beta prediction for n devices"),
-    ):
-        p = sub.add_parser(name, help=helptext)
-        p.add_argument("--model", choices=["mlp", "conv", "transformer"], default="mlp")
-        p.add_argument("--width", type=int, default=1024)
-        p.add_argument("--depth", type=int, default=6)
-        p.add_argument("--batch", type=int, default=128)
-        p.add_argument("--devices", nargs="+", default=["cpu", "cpu"])
-        p.add_argument("--caps", default="1,25", help="bucket caps in MiB, comma separated")
-    o = sub.choices["overlap"]
-    o.add_argument("--rounds", type=int, default=10)
-    o.add_argument("--steps", type=int, default=3)
-    o.add_argument("--no-ddp", action="store_true", help="skip the torch DDP processes")
-    s = sub.choices["simulate"]
-    s.add_argument("--link", choices=sorted(simulate.LINKS), default="nvlink-h100")
-    s.add_argument("--alpha-us", type=float, default=None)
-    s.add_argument("--beta-gbps", type=float, default=None, help="GB/s per direction")
-    s.add_argument("--n", default="2,4,8,16,64", help="device counts, comma separated")
-
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    suffix = "-quick" if args.quick else ""
-    progress = not args.no_progress
-    header = (
-        f"pyddp {pyddp.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    a = add("allreduce", allreduce, "all-reduce bandwidth table vs a memory copy")
+    a.add_argument(
+        "--devices",
+        nargs="+",
+        default=["cpu", "cpu"],
+        metavar="DEVICE",
+        help="devices to reduce over",
     )
-    print(header)
+    a.add_argument(
+        "--replicas",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="reduce over the first N of --devices, for each N given (default: all of them)",
+    )
+    a.add_argument("--min-bytes", type=_size, default="1K", help="smallest buffer per replica")
+    a.add_argument("--max-bytes", type=_size, default="256M", help="largest buffer per replica")
+    a.add_argument("--factor", type=int, default=4, help="size step between rows")
+    a.add_argument("--dtype", choices=sorted(allreduce.DTYPES), default="float32", help="dtype")
+    a.add_argument("--op", choices=["sum", "avg"], default="avg", help="reduction")
+    a.add_argument("--reps", type=int, default=15, help="timed samples per size and operation")
 
+    o = add("overlap", overlap, "step time and overlap vs baselines and torch DDP")
+    _model_options(o)
+    o.add_argument("--rounds", type=int, default=10, help="timed samples per variant")
+    o.add_argument("--steps", type=int, default=3, help="steps per sample")
+    o.add_argument("--no-ddp", action="store_true", help="skip the torch DDP processes")
+
+    s = add("simulate", simulate, "alpha-beta prediction for n devices")
+    _model_options(s)
+    s.add_argument(
+        "--link", choices=sorted(simulate.LINKS), default="nvlink-h100", help="link preset"
+    )
+    s.add_argument(
+        "--alpha-us", type=float, default=None, help="latency per hop, us (default: the link's)"
+    )
+    s.add_argument(
+        "--beta-gbps", type=float, default=None, help="GB/s per direction (default: the link's)"
+    )
+    s.add_argument("--n", default="2,4,8,16,64", help="device counts, comma separated")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.command == "allreduce":
-        max_bytes = min(args.max_bytes, _size("64K")) if args.quick else args.max_bytes
-        sizes = allreduce.sizes(args.min_bytes, max_bytes, args.factor)
-        rows = allreduce.run(
-            args.devices, sizes, args.dtype, 3 if args.quick else args.reps, progress
-        )
-        print(f"all-reduce over {args.devices} ({args.dtype}), reference: memory copy, same run")
-        print(
-            table(
-                [
-                    "bytes",
-                    "count",
-                    "dtype",
-                    "time us",
-                    "p10",
-                    "p90",
-                    "algbw GB/s",
-                    "busbw GB/s",
-                    "copy GB/s",
-                    "algbw/copy",
-                ],
-                [
-                    [
-                        r["bytes"],
-                        r["count"],
-                        r["dtype"],
-                        r["time_s"]["median"] * 1e6,
-                        r["time_s"]["p10"] * 1e6,
-                        r["time_s"]["p90"] * 1e6,
-                        r["algbw_GBps"],
-                        r["busbw_GBps"],
-                        r["copy_GBps"],
-                        r["algbw_over_copy"],
-                    ]
-                    for r in rows
-                ],
+        args.replicas = args.replicas or [len(args.devices)]
+        bad = [n for n in args.replicas if not 1 <= n <= len(args.devices)]
+        if bad:
+            parser.error(
+                f"allreduce --replicas {bad}: each must be 1..{len(args.devices)}, "
+                "the number of --devices"
             )
-        )
-        path = write_json(
-            out / f"allreduce{suffix}.json",
-            {"machine": machine(), "devices": args.devices, "rows": rows},
-        )
-        print(f"wrote {path}")
-        return 0
+    busy = cpu_busy()  # before anything of ours runs: other work on the machine
+    noisy = " (other work is running: figures will be noisy)" if busy > 0.1 else ""
+    print(
+        f"pyddp {pyddp.__version__}, torch {torch.__version__}, {torch.get_num_threads()} "
+        f"threads, CPU busy before start {busy:.0%}{noisy}"
+    )
+    command = {"allreduce": _allreduce, "overlap": _overlap, "simulate": _simulate}
+    payload = command[args.command](args)
+    path = _path(args, args.command)
+    info = {**machine(), "cpu_busy_before_start": busy}
+    write_json(path, {"args": vars(args), "machine": info, **payload})
+    print(f"wrote {path}")
+    return 0
 
-    caps = [float(c) for c in args.caps.split(",") if c]
-    width, depth, batch = args.width, args.depth, args.batch
-    if args.quick:
-        width, depth, batch = min(width, 64), min(depth, 2), min(batch, 16)
 
-    if args.command == "overlap":
-        rounds, steps = (2, 1) if args.quick else (args.rounds, args.steps)
-        result = overlap.run(
-            args.model,
-            width,
-            depth,
-            batch,
-            args.devices,
-            caps,
-            rounds,
-            steps,
-            ddp=not args.no_ddp,
-            progress=progress,
-        )
-        rows = []
-        for r in result["results"]:
-            rows.append(
+def _path(args: argparse.Namespace, name: str) -> Path:
+    """<out>/<name>.json, or <name>-quick.json so that a smoke run never
+    overwrites the figures of a real one."""
+    return Path(args.out) / f"{name}{'-quick' if args.quick else ''}.json"
+
+
+def _allreduce(args: argparse.Namespace) -> Dict[str, Any]:
+    max_bytes = min(args.max_bytes, _size("64K")) if args.quick else args.max_bytes
+    sizes = allreduce.sizes(args.min_bytes, max_bytes, args.factor)
+    reps = 3 if args.quick else args.reps
+    rows = allreduce.run(
+        args.devices, args.replicas, sizes, args.dtype, args.op, reps, not args.no_progress
+    )
+    threads = ""
+    if any(d == "cpu" for d in args.devices):
+        threads = f", pyddp CPU backend {pyddp._C.CpuBackend().threads} threads"
+    print(
+        f"all-reduce ({args.op}, {args.dtype}) over the first N of {args.devices}{threads}; "
+        f"references in the same run: torch copy_ ({torch.get_num_threads()} threads), "
+        f"np.copyto (1 thread); {reps} interleaved samples"
+    )
+    print(
+        table(
+            [
+                "bytes",
+                "N",
+                "count",
+                "time us",
+                "p10",
+                "p90",
+                "algbw GB/s",
+                "busbw GB/s",
+                "traffic GB/s",
+                "copy GB/s",
+                "np copy GB/s",
+                "algbw/copy",
+            ],
+            [
                 [
-                    r["variant"],
-                    r["step_s"]["median"] * 1e3,
-                    r["step_s"]["p10"] * 1e3,
-                    r["step_s"]["p90"] * 1e3,
-                    r["over_lower_bound"],
-                    "-" if r["overlap_fraction"] is None else f"{100 * r['overlap_fraction']:.0f}%",
-                    "-" if r["exposed_comm_s"] is None else r["exposed_comm_s"] * 1e3,
+                    r["bytes"],
+                    r["replicas"],
+                    r["count"],
+                    r["time_s"]["median"] * 1e6,
+                    r["time_s"]["p10"] * 1e6,
+                    r["time_s"]["p90"] * 1e6,
+                    r["algbw_GBps"],
+                    r["busbw_GBps"],
+                    r["traffic_GBps"],
+                    r["copy_GBps"],
+                    r["np_copy_GBps"],
+                    r["algbw_over_copy"],
                 ]
-            )
-        print(f"{args.model} width {width} depth {depth}, global batch {batch}, on {args.devices}")
-        print(
-            table(
-                ["variant", "step ms", "p10", "p90", "/lower bound", "overlap", "exposed comm ms"],
-                rows,
-            )
+                for r in rows
+            ],
         )
-        result["machine"] = machine()
-        path = write_json(out / f"overlap{suffix}.json", result)
-        png = _chart(result, out / f"overlap{suffix}.png")
-        print(f"wrote {path} and {png}")
-        return 0
+    )
+    print(
+        "algbw = bytes / time; busbw = algbw x 2(N-1)/N (NCCL's convention); traffic = "
+        "2 x N x bytes / time\n(the reduction reads N buffers and writes N; a copy reads 1 and "
+        "writes 1). GB = 1e9 bytes.\nSmall sizes repeat calls on the same buffers per sample: "
+        "they measure per-call cost with the data in cache."
+    )
+    for r in rows:
+        if r["bytes"] == rows[-1]["bytes"]:
+            n, ratio = r["replicas"], r["algbw_over_copy"]
+            print(
+                f"{r['bytes']} bytes, N={n}: algbw {ratio:.2f}x the copy's (1/N = {1 / n:.2f} "
+                f"is memory speed), memory traffic {n * ratio:.2f}x the copy's"
+            )
+    return {"devices": args.devices, "rows": rows}
 
-    # simulate
+
+def _model_size(args: argparse.Namespace) -> Dict[str, int]:
+    if args.quick:
+        return {
+            "width": min(args.width, 64),
+            "depth": min(args.depth, 2),
+            "batch": min(args.batch, 16),
+        }
+    return {"width": args.width, "depth": args.depth, "batch": args.batch}
+
+
+def _overlap(args: argparse.Namespace) -> Dict[str, Any]:
+    caps = [float(c) for c in args.caps.split(",") if c]
+    size = _model_size(args)
+    # --quick: the tiny model's step takes about a millisecond, so each sample
+    # averages several steps; still far too little work to rank the variants.
+    rounds, steps = (5, 8) if args.quick else (args.rounds, args.steps)
+    result = overlap.run(
+        args.model,
+        size["width"],
+        size["depth"],
+        size["batch"],
+        args.devices,
+        caps,
+        rounds,
+        steps,
+        ddp=not args.no_ddp,
+        progress=not args.no_progress,
+    )
+    rows = []
+    for r in result["results"]:
+        if r["variant"] == "no reduction":
+            versus = "-"
+        elif r["within_bound_spread"]:
+            versus = "within noise"
+        else:
+            versus = "above" if r["over_lower_bound"] > 1 else "below"
+        rows.append(
+            [
+                r["variant"],
+                r["step_s"]["median"] * 1e3,
+                r["step_s"]["p10"] * 1e3,
+                r["step_s"]["p90"] * 1e3,
+                r["over_lower_bound"],
+                versus,
+                "-" if r["overlap_fraction"] is None else f"{100 * r['overlap_fraction']:.0f}%",
+                "-" if r["exposed_comm_s"] is None else r["exposed_comm_s"] * 1e3,
+            ]
+        )
+    print(
+        f"{args.model} width {size['width']} depth {size['depth']}, global batch "
+        f"{size['batch']}, on {args.devices}; {rounds} samples of {steps} steps per variant"
+    )
+    print(
+        table(
+            [
+                "variant",
+                "step ms",
+                "p10",
+                "p90",
+                "/lower bound",
+                "vs bound",
+                "overlap",
+                "exposed comm ms",
+            ],
+            rows,
+        )
+    )
+    print(
+        "/lower bound: median step over the median of 'no reduction' (pyddp's hooks, no "
+        "reductions),\nmeasured in this run, interleaved, not computed. 'within noise': the "
+        "median lies inside\nthe bound's p10-p90, so which side of 1 the ratio falls on means "
+        "nothing."
+    )
+    if args.quick:
+        print(
+            "--quick: a tiny model whose reductions cost microseconds, and few samples: this "
+            "checks\nthat the command runs; do not read its ratios as results."
+        )
+    print(f"chart {overlap.chart(result, _path(args, 'overlap').with_suffix('.png'))}")
+    return result
+
+
+def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
+    caps = [float(c) for c in args.caps.split(",") if c]
+    size = _model_size(args)
     alpha, beta = simulate.LINKS[args.link]
     alpha = alpha if args.alpha_us is None else args.alpha_us * 1e-6
     beta = beta if args.beta_gbps is None else args.beta_gbps * 1e9
-    profile = measure_profile(args.model, width, depth, batch, args.devices)
+    profile = measure_profile(args.model, size["width"], size["depth"], size["batch"], args.devices)
     counts = [int(n) for n in args.n.split(",") if n]
     rows = simulate.table_rows(profile, counts, alpha, beta, [0.0, *caps])
     print(
@@ -197,19 +356,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ],
         )
     )
-    path = write_json(
-        out / f"simulate{suffix}.json",
-        {
-            "machine": machine(),
-            "link": args.link,
-            "alpha_s": alpha,
-            "beta_Bps": beta,
-            "profile": profile.__dict__,
-            "rows": rows,
-        },
-    )
-    print(f"wrote {path}")
-    return 0
+    payload = {
+        "link": args.link,
+        "alpha_s": alpha,
+        "beta_Bps": beta,
+        "profile": profile.__dict__,
+        "rows": rows,
+    }
+    return payload
 
 
 def measure_profile(
@@ -238,30 +392,3 @@ def measure_profile(
     sizes = [p.numel() * p.element_size() for p in dm.sync.params[0]]
     dm.close()
     return simulate.Profile(forward_s, backward_s, sizes, ready)
-
-
-def _chart(result, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["results"]
-    names = [r["variant"] for r in rows]
-    med = [r["step_s"]["median"] * 1e3 for r in rows]
-    low = [m - r["step_s"]["p10"] * 1e3 for m, r in zip(med, rows)]
-    high = [r["step_s"]["p90"] * 1e3 - m for m, r in zip(med, rows)]
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
-    ax.barh(names, med, xerr=[low, high], color="C0", capsize=3)
-    ax.invert_yaxis()
-    ax.set_xlabel("step time, ms (median, p10-p90)")
-    cfg = result["config"]
-    ax.set_title(
-        f"pyddp overlap: {cfg['model']} w{cfg['width']} d{cfg['depth']}, "
-        f"batch {cfg['batch']}, {len(cfg['devices'])} replicas"
-    )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
