@@ -93,8 +93,8 @@ class ReplicaMirror:
             self.training = training
         drifted = set()
         storage = list(map(_data_ptr, first))
-        moved = storage != self.storage
-        if moved:
+        new_storage = storage != self.storage
+        if new_storage:
             # New tensors behind the parameters (`.data =`, `.to()`, `.half()`):
             # the same dtype, device and shape is a value change, else refused.
             for k, (p, (dtype, device, shape)) in enumerate(zip(first, self.meta)):
@@ -126,9 +126,9 @@ class ReplicaMirror:
             # replica 0's value is the model's.
             moved0 = [v - before for (v, _), (before, _) in zip(head, self.head)]
             for now, before in zip(versions, self.versions):
-                moved = list(map(operator.sub, now, before))
-                if moved != moved0:
-                    drifted.update(k for k, (a, b) in enumerate(zip(moved, moved0)) if a != b)
+                delta = list(map(operator.sub, now, before))
+                if delta != moved0:
+                    drifted.update(k for k, (a, b) in enumerate(zip(delta, moved0)) if a != b)
         if drifted:
             with torch.no_grad():
                 for k in drifted:
@@ -136,7 +136,7 @@ class ReplicaMirror:
                         ps[k].copy_(first[k])
             versions = [list(map(_version, ps)) for ps in self.params[1:]]
         self.head, self.versions = head, versions
-        return moved
+        return new_storage
 
     def _layout(self) -> List[Tuple[int, int, int]]:
         return [(len(m._parameters), len(m._modules), len(m._buffers)) for m in self.modules[0]]

@@ -408,3 +408,17 @@ def test_sync_replicas_covers_writes_torch_cannot_see():
         model.head.weight.data.normal_()  # .data has its own version counter
         dm.sync_replicas()
         same_replicas(dm)
+
+
+def test_ordinary_training_never_reattaches_gradients():
+    # Re-attaching allocates fresh buckets: only for Module._apply-like storage
+    # changes, never for the replicated optimizer's in-place steps.
+    with pyddp.wrap(Net(norm=False), ["cpu", "cpu"]) as dm:
+        calls = []
+        dm.sync.reattach = lambda: calls.append(1)
+        opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+        for x, y in data(3):
+            F.cross_entropy(dm(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert calls == []
