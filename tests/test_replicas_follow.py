@@ -290,8 +290,12 @@ def test_module_apply_after_wrap_keeps_gradients_reduced(apply):
             apply(ref)
         for m in (dm, ref):
             F.cross_entropy(m(x), y).backward()
+        # float32 reassociation: each conv weight-gradient element sums 4 x 16
+        # products with cancellation, split over two shards and computed at
+        # other thread counts than the reference (seen up to 1e-5 absolute);
+        # a gradient left out of the reduction is off by ~5e-2.
         for p, r in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=5e-5)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
