@@ -301,8 +301,9 @@ class DistributedModel(nn.Module):
         """Runs fn(r, replica r, shards[r]) on every replica's worker, in parallel
         (e.g. sharded evaluation); returns the results in replica order."""
         self._check_open()
-        if self._mirror is not None and self._mirror.follow():
+        if self._mirror is not None and (self._mirror.follow() or self.sync.grads_moved()):
             self.sync.reattach()
+            self._mirror.copy_all()
         return self._workers.run(
             [partial(fn, r, self._callables[r], shard) for r, shard in enumerate(shards)], what
         )
@@ -322,11 +323,14 @@ class DistributedModel(nn.Module):
         if torch.is_grad_enabled():
             self._finish_queued = False  # a backward that raised never ran its callback
             self.sync.prepare_all()
-        if moved:
+        if moved or self.sync.grads_moved():
             # Module._apply gave parameters new storage (share_memory(),
             # .to(memory_format=...), .half().float()), and their gradients
-            # with them: the gradients must point into the buckets again.
+            # with them: the gradients must point into the buckets again, and
+            # every parameter is copied (a new tensor may reuse the old
+            # address, so pointers alone do not show which ones changed).
             self.sync.reattach()
+            self._mirror.copy_all()
         # Training forwards (DDP's default) and eval forwards alike: replicas > 0
         # updated their own BatchNorm statistics in their last training forward.
         self.broadcast_buffers_now()

@@ -194,6 +194,20 @@ class GradSync:
                 )
                 flats.append(flat)
             self._flat[r] = flats
+        self._view_ptrs = [v.data_ptr() for v in self._views[0]]
+
+    def grads_moved(self) -> bool:
+        """Whether replica 0's gradients left their bucket views (Module._apply
+        replaced their storage, or a gradient was assigned): reattach() then.
+        Reliable where parameter pointers are not: the buckets stay allocated,
+        so a replaced gradient cannot reuse their addresses."""
+        if self._engine is None:
+            return False
+        for p, ptr in zip(self.params[0], self._view_ptrs):
+            g = p.grad
+            if g is not None and g.data_ptr() != ptr:
+                return True
+        return False
 
     def _rebuild(self) -> None:
         order = self._engine.ready_order()
