@@ -426,3 +426,24 @@ def test_ordinary_training_never_reattaches_gradients():
             opt.step()
             opt.zero_grad()
         assert calls == []
+
+
+def test_gradients_given_new_storage_are_reattached_and_parameters_copied():
+    # What Module._apply does when a new tensor reuses a parameter's old
+    # address: only the gradients show it. Simulated directly.
+    torch.manual_seed(0)
+    model = Net(norm=False)
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+        (x, y), (x2, y2) = data(2)
+        F.cross_entropy(dm(x), y).backward()
+        opt.step()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad.data = p.grad.clone()
+                p.data.mul_(0.5)  # invisible to version counters and pointers
+        F.cross_entropy(dm(x2), y2).backward()
+        same_replicas(dm)
+        assert not dm.sync.grads_moved()  # the gradients are bucket views again
+        opt.step()
+        same_replicas(dm)
