@@ -29,7 +29,6 @@ class ReplicaMirror:
         self.module_names = [n or "(the model)" for n, _ in replicas[0].named_modules()]
         self.layout = self._layout()
         self.members = self._members()
-        self.hooks = self._hooks()
         # Every parameter slot (module, local name) of replica 0, frozen ones included.
         slots = [
             (m._parameters, f"{where}.{name}" if where != "(the model)" else name, p)
@@ -65,16 +64,9 @@ class ReplicaMirror:
         of every replica) with work only where something changed. Returns
         whether replica 0's parameters got new storage (their gradients may
         have too: the caller re-attaches them)."""
-        if self._layout() != self.layout:
-            self._raise_structure()
-        hooks = self._hooks()
-        if hooks != self.hooks:
-            j = next(j for j, (a, b) in enumerate(zip(hooks, self.hooks)) if a != b)
-            raise RuntimeError(
-                f"pyddp: hooks of the wrapped model's module {self.module_names[j]!r} changed "
-                "after wrap; only replica 0 would run them, so the replicas' rows would be "
-                f"computed differently: {_REWRAP}, with the hooks registered first"
-            )
+        layout = self._layout()
+        if layout != self.layout:
+            self._raise_structure(layout)
         if not all(map(operator.is_, self._members(), self.members)):
             raise RuntimeError(
                 "pyddp: a submodule of the wrapped model was replaced after wrap "
@@ -138,12 +130,14 @@ class ReplicaMirror:
         self.head, self.versions = head, versions
         return new_storage
 
-    def _layout(self) -> List[Tuple[int, int, int]]:
-        return [(len(m._parameters), len(m._modules), len(m._buffers)) for m in self.modules[0]]
-
-    def _hooks(self) -> List[Tuple[int, int, int, int]]:
+    def _layout(self) -> List[Tuple[int, ...]]:
+        """Per module of replica 0: how many parameters, submodules and buffers,
+        then how many forward, forward-pre, backward and backward-pre hooks."""
         return [
             (
+                len(m._parameters),
+                len(m._modules),
+                len(m._buffers),
                 len(m._forward_hooks),
                 len(m._forward_pre_hooks),
                 len(m._backward_hooks),
@@ -157,12 +151,19 @@ class ReplicaMirror:
         from replica 0 before each forward, replaced ones included.)"""
         return [x for m in self.modules[0] for x in m._modules.values()]
 
-    def _raise_structure(self) -> None:
-        j = next(j for j, (a, b) in enumerate(zip(self._layout(), self.layout)) if a != b)
+    def _raise_structure(self, layout: List[Tuple[int, ...]]) -> None:
+        j = next(j for j, (a, b) in enumerate(zip(layout, self.layout)) if a != b)
+        where = self.module_names[j]
+        if layout[j][:3] == self.layout[j][:3]:
+            raise RuntimeError(
+                f"pyddp: hooks of the wrapped model's module {where!r} changed after wrap; "
+                "only replica 0 would run them, so the replicas' rows would be computed "
+                f"differently: {_REWRAP}, with the hooks registered first"
+            )
         raise RuntimeError(
-            f"pyddp: the wrapped model's module {self.module_names[j]!r} gained or lost "
-            "submodules, parameters or buffers after wrap (add_module, register_parameter, "
-            f"...); the other replicas cannot follow: {_REWRAP}"
+            f"pyddp: the wrapped model's module {where!r} gained or lost submodules, "
+            "parameters or buffers after wrap (add_module, register_parameter, ...); the other "
+            f"replicas cannot follow: {_REWRAP}"
         )
 
     def _raise_replaced(self) -> None:

@@ -301,9 +301,8 @@ class DistributedModel(nn.Module):
         """Runs fn(r, replica r, shards[r]) on every replica's worker, in parallel
         (e.g. sharded evaluation); returns the results in replica order."""
         self._check_open()
-        if self._mirror is not None and (self._mirror.follow() or self.sync.grads_moved()):
-            self.sync.reattach()
-            self._mirror.copy_all()
+        if self._mirror is not None:
+            self._follow_model()
         return self._workers.run(
             [partial(fn, r, self._callables[r], shard) for r, shard in enumerate(shards)], what
         )
@@ -319,11 +318,17 @@ class DistributedModel(nn.Module):
         if len(self._replicas) == 1:
             return
         self.training = self.module.training
-        moved = self._mirror.follow()
         if torch.is_grad_enabled():
             self._finish_queued = False  # a backward that raised never ran its callback
             self.sync.prepare_all()
-        if moved or self.sync.grads_moved():
+        self._follow_model()
+        # Training forwards (DDP's default) and eval forwards alike: replicas > 0
+        # updated their own BatchNorm statistics in their last training forward.
+        self.broadcast_buffers_now()
+
+    def _follow_model(self) -> None:
+        """Brings the other replicas in line with the user's model (replica 0)."""
+        if self._mirror.follow() or self.sync.grads_moved():
             # Module._apply gave parameters new storage (share_memory(),
             # .to(memory_format=...), .half().float()), and their gradients
             # with them: the gradients must point into the buckets again, and
@@ -331,9 +336,6 @@ class DistributedModel(nn.Module):
             # address, so pointers alone do not show which ones changed).
             self.sync.reattach()
             self._mirror.copy_all()
-        # Training forwards (DDP's default) and eval forwards alike: replicas > 0
-        # updated their own BatchNorm statistics in their last training forward.
-        self.broadcast_buffers_now()
 
     def sync_replicas(self) -> None:
         """Copies replica 0's parameters and buffers to every other replica.
@@ -343,18 +345,16 @@ class DistributedModel(nn.Module):
         self._check_open()
         if self._mirror is not None:
             self._mirror.copy_all()
-            was, self.broadcast_buffers = self.broadcast_buffers, True
-            try:
-                self.broadcast_buffers_now()
-            finally:
-                self.broadcast_buffers = was
+            self._copy_buffers()
 
     def broadcast_buffers_now(self) -> None:
         """Copies replica 0's buffers (BatchNorm statistics) to the others, if
         broadcast_buffers is on: DDP's default before every training forward;
         eval-mode forwards too, so every replica evaluates with replica 0's."""
-        if not self.broadcast_buffers:
-            return
+        if self.broadcast_buffers:
+            self._copy_buffers()
+
+    def _copy_buffers(self) -> None:
         self._check_open()
         with torch.no_grad():
             sources = list(self.module.buffers())
@@ -489,7 +489,7 @@ def _check_other_leaves(outs: List[Any]) -> None:
     is a None, str or bytes equal on every replica (a constant)."""
     per_replica = [other_leaves(o) for o in outs]
     for k, (path, value) in enumerate(per_replica[0]):
-        values = [leaves[k][1] if k < len(leaves) else None for leaves in per_replica]
+        values = [leaves[k][1] for leaves in per_replica]  # same structure: checked first
         if isinstance(value, _SAME_ON_EVERY_REPLICA) and all(
             type(v) is type(value) and v == value for v in values
         ):

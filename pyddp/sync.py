@@ -217,12 +217,7 @@ class GradSync:
         buckets = _C.plan_buckets(numels, self._dtypes, order, self._first_cap, self._cap)
         if buckets == self._engine.buckets:
             return
-        if self._streams is not None:
-            # The old buffers are freed below: their last reductions must be
-            # done in stream order first (torch's caching allocator gives that
-            # for free; the simulated driver's host memory does not).
-            for d in set(self._gpu_devices):
-                self._streams.before_host_write(d)
+        self._settle_host_writes()
         self._engine.set_buckets(buckets)
         self._layout(buckets)
 
@@ -311,8 +306,7 @@ class GradSync:
             # Unmarked slices are reconciled on these streams; their reductions
             # wait for them, and they wait for the reductions.
             streams = [self._streams.current(d) for d in self._gpu_devices]
-            for d in set(self._gpu_devices):
-                self._streams.before_host_write(d)
+        self._settle_host_writes()
         self._reconcile_unmarked()
         try:
             no_grad, settled = self._engine.finish(streams)
@@ -353,6 +347,14 @@ class GradSync:
                         self._flat[r][b].copy_(self._flat[0][b])
         self._grad_versions = [[f._version for f in flats] for flats in self._flat]
 
+    def _settle_host_writes(self) -> None:
+        """Before the host writes or frees bucket memory: the reductions still
+        using it must be done in stream order (torch's caching allocator gives
+        that for free; the simulated driver's host memory does not)."""
+        if self._streams is not None:
+            for d in set(self._gpu_devices):
+                self._streams.before_host_write(d)
+
     def reattach(self) -> None:
         """Points every gradient into fresh bucket buffers again, keeping the
         values: after `Module._apply` (share_memory(), .to(memory_format=...),
@@ -362,9 +364,7 @@ class GradSync:
         self._check_open()
         if self._engine.active:
             self._engine.abort()
-        if self._streams is not None:
-            for d in set(self._gpu_devices):
-                self._streams.before_host_write(d)
+        self._settle_host_writes()
         self._layout(self._engine.buckets)
         self._grad_versions = None
 
