@@ -1,5 +1,6 @@
 // pybind11 glue for pyddp._C: no logic here. C++ exceptions map to Python ones
 // and the GIL is released around every call that can wait.
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -9,6 +10,7 @@
 #include "device_kernel.h"
 #include "engine.h"
 #include "gpu_backend.h"
+#include "group_backend.h"
 #include "stress.h"
 
 namespace py = pybind11;
@@ -151,6 +153,31 @@ PYBIND11_MODULE(_C, m) {
       "Compiles (NVRTC) and loads (cuModuleLoadData) the reduction kernel on a device; "
       "returns what was built.");
 
+  py::class_<GroupBackend, Backend, std::shared_ptr<GroupBackend>>(m, "GroupBackend")
+      .def(py::init([](std::shared_ptr<Backend> local, py::function launch, std::string name) {
+             // Runs on the engine's launcher thread: takes the GIL for the
+             // Python launch, and turns its exception into a ReduceError (the
+             // engine names the bucket) instead of a Python error object
+             // crossing threads.
+             std::shared_ptr<py::function> held(new py::function(std::move(launch)),
+                                                [](py::function* f) {
+                                                  py::gil_scoped_acquire gil;
+                                                  delete f;
+                                                });
+             std::function<void(int)> call = [held](int key) {
+               py::gil_scoped_acquire gil;
+               try {
+                 (*held)(key);
+               } catch (py::error_already_set& e) {
+                 throw ReduceError(e.what());
+               }
+             };
+             return std::make_shared<GroupBackend>(std::move(local), std::move(call),
+                                                   std::move(name));
+           }),
+           py::arg("local"), py::arg("launch"), py::arg("name"),
+           "Local reduction, then launch(bucket) starts the cross-process one (Python).");
+
   py::class_<Engine>(m, "Engine")
       .def(py::init([](int num_replicas, const std::vector<std::string>& names,
                        const std::vector<int64_t>& numels, const std::vector<std::string>& dtypes,
@@ -203,6 +230,7 @@ PYBIND11_MODULE(_C, m) {
       .def("clear_grads", &Engine::clear_grads, py::arg("set_to_none"),
            py::call_guard<py::gil_scoped_release>())
       .def("note_grad", &Engine::note_grad, py::arg("param"), py::arg("has_grad"))
+      .def("has_grad", &Engine::has_grad, py::arg("param"))
       .def("unmarked", &Engine::unmarked)
       .def_property_readonly("active", &Engine::active)
       .def("take_stale", &Engine::take_stale, py::arg("replica"))

@@ -40,13 +40,16 @@ Engine::Engine(int num_replicas, std::vector<ParamInfo> params,
   launcher_ = std::thread([this] { launcher_loop(); });
 }
 
-Engine::~Engine() {
+Engine::~Engine() { stop_launcher(); }
+
+void Engine::stop_launcher() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
   }
   work_cv_.notify_all();
-  launcher_.join();
+  done_cv_.notify_all();
+  if (launcher_.joinable() && launcher_.get_id() != std::this_thread::get_id()) launcher_.join();
 }
 
 void Engine::set_buckets(std::vector<std::vector<int>> buckets) {
@@ -190,7 +193,9 @@ void Engine::complete_param(int param, std::unique_lock<std::mutex>* held) {
 }
 
 void Engine::enqueue_locked(int bucket) {
-  if (order_ != LaunchOrder::kIndex) {
+  // kAfterBackward flushes in index order too: deterministic, so it also
+  // holds across processes (every rank launches the same sequence).
+  if (order_ == LaunchOrder::kReady) {
     ready_queue_.push_back(bucket);
   } else {
     bucket_ready_[bucket] = 1;
@@ -199,12 +204,12 @@ void Engine::enqueue_locked(int bucket) {
 
 bool Engine::has_launchable_locked() const {
   if (order_ == LaunchOrder::kReady) return !ready_queue_.empty();
-  if (order_ == LaunchOrder::kAfterBackward) return flushing_ && !ready_queue_.empty();
+  if (order_ == LaunchOrder::kAfterBackward && !flushing_) return false;
   return static_cast<size_t>(next_index_) < buckets_.size() && bucket_ready_[next_index_];
 }
 
 int Engine::pop_launchable_locked() {
-  if (order_ != LaunchOrder::kIndex) {
+  if (order_ == LaunchOrder::kReady) {
     const int b = ready_queue_.front();
     ready_queue_.pop_front();
     return b;
@@ -319,9 +324,10 @@ Engine::Settled Engine::finish(const std::vector<uintptr_t>& streams) {
   // Host wait, not a stream wait: on the CPU backend the reduced values are
   // read by the optimizer on this thread right after.
   done_cv_.wait(lk, [&] {
-    return !busy_ && (static_cast<size_t>(done_) == buckets_.size() || !error_.empty());
+    return stop_ ||
+           (!busy_ && (static_cast<size_t>(done_) == buckets_.size() || !error_.empty()));
   });
-  std::string err = error_;
+  std::string err = stop_ ? std::string("pyddp: the engine was closed during finish()") : error_;
   try {
     // Asynchronous backends: every reduction is enqueued; order the compute
     // streams after them (no host wait), on failure too, so nothing rewrites a
@@ -430,6 +436,12 @@ void Engine::note_grad(int param, bool has_grad) {
   has_grad_[param].store(has_grad ? 1 : 0);
 }
 
+bool Engine::has_grad(int param) const {
+  PYDDP_ENFORCE(param >= 0 && param < num_params(), "parameter ", param, " out of range [0, ",
+                num_params(), ")");
+  return has_grad_[param].load() != 0;
+}
+
 std::vector<std::pair<int, int>> Engine::unmarked() const {
   std::vector<std::pair<int, int>> out;
   if (!sync_.load()) return out;
@@ -502,7 +514,13 @@ void Engine::check() {
   }
 }
 
-void Engine::close() { backend_->close(); }
+void Engine::close() {
+  // The backend first: it unblocks a launch stuck in communication (an aborted
+  // NCCL communicator, a closed cross-process callback); then the launcher,
+  // whose launch callback may need the GIL this call released.
+  backend_->close();
+  stop_launcher();
+}
 
 void Engine::inject_fault(int bucket, std::string message) {
   std::lock_guard<std::mutex> lk(mu_);

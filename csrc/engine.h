@@ -88,6 +88,7 @@ class Engine {
   // Whether the parameter holds a gradient, when it changed behind the
   // engine's back (grads present at construction, or set to None by torch).
   void note_grad(int param, bool has_grad);
+  bool has_grad(int param) const;
   // (replica, param) pairs not marked in the current synced backward: the
   // caller reconciles their buffer slices before finish() reduces them.
   std::vector<std::pair<int, int>> unmarked() const;
@@ -139,6 +140,7 @@ class Engine {
   bool has_launchable_locked() const;
   int pop_launchable_locked();
   void launcher_loop();
+  void stop_launcher();
   std::vector<BufferRef> bucket_buffers(int bucket) const;
   bool bucket_has_grad(int bucket) const;
   [[noreturn]] void fail_mark(int replica, int param, const std::string& why) const;

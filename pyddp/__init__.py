@@ -3,7 +3,8 @@ engine that reduces each gradient during backward, as soon as every replica has 
 
 Public API: `wrap` / `DistributedModel` (one-line data parallelism), `GradSync`
 (gradient sync for other training loops), `Trainer` / `TrainConfig` (the training
-loop), `all_reduce` (collectives), errors."""
+loop), `all_reduce` (collectives), `init`/`rank`/`world` (across processes under
+torchrun), errors."""
 
 from importlib.metadata import PackageNotFoundError, version
 
@@ -19,6 +20,7 @@ from .callbacks import Callback, MetricsLogger, ProgressBar
 from .collectives import all_reduce
 from .config import TrainConfig
 from .devices import default_devices, parse_devices
+from .dist import init, is_main, local_rank, rank, world
 from .model import DistributedModel, wrap
 from .sync import GradSync, ReduceError
 from .trainer import FitResult, LoopState, Trainer, TrainingError
@@ -44,6 +46,11 @@ __all__ = [
     "ReplicaError",
     "all_reduce",
     "default_devices",
+    "init",
+    "is_main",
+    "local_rank",
+    "rank",
+    "world",
     "parse_devices",
     "wrap",
     "__version__",

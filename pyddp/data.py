@@ -11,7 +11,7 @@ import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 from torch.utils.data._utils.collate import default_collate
 
 from ._tree import flatten, shard_sizes
@@ -31,6 +31,15 @@ class ShardedLoader:
     The last batch of an epoch may be smaller (drop_last=False):
     shards are then uneven and the trainer weights them by size, which keeps the
     step equal to single-device training on that batch.
+
+    Across processes (`world` > 1) every rank draws the same global batches and
+    takes its own contiguous slice of each (rank r gets rows
+    shard_sizes(rows, world)[r]), then splits it over its devices: every rank
+    takes the same number of steps, and the run equals single-device training
+    on the same global batches. A last batch with fewer rows than processes is
+    dropped (a rank would get none). A DataLoader whose sampler is a
+    DistributedSampler already yields this rank's batches: they are used as
+    they are.
     """
 
     def __init__(
@@ -43,8 +52,11 @@ class ShardedLoader:
         drop_last: bool = False,
         seed: int = 0,
         prefetch: int = 2,
+        rank: int = 0,
+        world: int = 1,
     ):
         self.devices = list(devices)
+        self.rank, self.world = rank, world
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.drop_last = drop_last
@@ -75,12 +87,39 @@ class ShardedLoader:
             )
         if self._loader is None and self._rows == 0:
             raise ValueError("data is empty")
+        # A DistributedSampler already gives each rank its own batches.
+        self._sliced = world > 1 and not (
+            self._loader is not None and isinstance(self._loader.sampler, DistributedSampler)
+        )
+        if self._sliced and len(self) == 0:
+            raise ValueError(
+                f"data: no batch has at least {world} rows, one per process; use a smaller "
+                "world or a larger batch_size"
+            )
 
     def __len__(self) -> int:
         if self._loader is not None:
-            return len(self._loader)
+            n = len(self._loader)
+            # Every rank must take the same number of steps: a short last
+            # batch that some rank would get no rows of is dropped.
+            last = self._last_loader_rows()
+            return n - 1 if self._sliced_loader_drops(last) else n
         full, rest = divmod(self._rows, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
+        if rest and not self.drop_last and (self.world == 1 or rest >= self.world):
+            return full + 1
+        return full
+
+    def _last_loader_rows(self) -> Optional[int]:
+        loader = self._loader
+        if loader.batch_size is None or not hasattr(loader.dataset, "__len__"):
+            return None
+        rest = len(loader.dataset) % loader.batch_size
+        return rest if rest and not loader.drop_last else None
+
+    def _sliced_loader_drops(self, last: Optional[int]) -> bool:
+        return self.world > 1 and getattr(self, "_sliced", False) and last is not None and (
+            last < self.world
+        )
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[List[Shard]]:
         """The shards of every batch of `epoch`, from batch index `start`."""
@@ -121,10 +160,12 @@ class ShardedLoader:
                 sampler.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)  # DistributedSampler and friends
-            for batch in self._loader:
+            for i, batch in enumerate(self._loader):
+                if i >= len(self):
+                    return
                 if not isinstance(batch, (tuple, list)) or len(batch) != 2:
                     raise ValueError("DataLoader batches must be (inputs, targets) pairs")
-                yield batch[0], batch[1]
+                yield self._mine(batch[0], batch[1]) if self._sliced else (batch[0], batch[1])
             return
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -133,6 +174,8 @@ class ShardedLoader:
             order = torch.arange(self._rows)
         for i in range(len(self)):
             idx = order[i * self.batch_size : (i + 1) * self.batch_size]
+            if self._sliced:  # this rank's rows only: it loads nothing else
+                idx = idx.split(shard_sizes(len(idx), self.world))[self.rank]
             if self._tensors is not None:
                 x, y = self._tensors
                 yield _index(x, idx), _index(y, idx)
@@ -140,6 +183,12 @@ class ShardedLoader:
                 items = [self._dataset[int(j)] for j in idx]
                 x, y = default_collate(items)
                 yield x, y
+
+    def _mine(self, inputs: Any, targets: Any) -> Tuple[Any, Any]:
+        leaves, rebuild = flatten((inputs, targets))
+        rows = next(t.shape[0] for t in leaves if t.dim() > 0)
+        sizes = shard_sizes(rows, self.world)
+        return rebuild([t.split(sizes)[self.rank] if t.dim() > 0 else t for t in leaves])
 
     def _split(self, batch: Tuple[Any, Any]) -> List[Shard]:
         inputs, targets = batch

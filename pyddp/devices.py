@@ -51,3 +51,18 @@ def default_devices() -> List[torch.device]:
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     return [torch.device("cpu"), torch.device("cpu")]
+
+
+def process_devices(group: object = None) -> List[torch.device]:
+    """wrap's default: across processes (torch.distributed initialised), this
+    process's own GPU (cuda:LOCAL_RANK) or one CPU replica; in one process,
+    default_devices()."""
+    import torch.distributed as dist
+
+    from .dist import local_rank
+
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return default_devices()
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return [_check_available(torch.device("cuda", local_rank()))]
+    return [torch.device("cpu")]

@@ -29,7 +29,7 @@ from ._join import Join, join_column
 from ._mirror import ReplicaMirror
 from ._tree import flatten, other_leaves, shard_sizes, structure
 from ._workers import ReplicaError, ReplicaWorkers
-from .devices import DeviceLike, parse_devices
+from .devices import DeviceLike, parse_devices, process_devices
 from .optim import ParamsFn, replicated_optimizer
 from .sync import GradSync
 
@@ -40,16 +40,17 @@ class DistributedModel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        devices: Sequence[DeviceLike],
+        devices: Optional[Sequence[DeviceLike]] = None,
         *,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
-        reduce_order: str = "ready",
+        reduce_order: Optional[str] = None,
         rebuild_buckets: bool = True,
         broadcast_buffers: bool = True,
         threads_per_replica: Optional[int] = None,
         timeout_s: Optional[float] = None,
         timeline: Optional[int] = None,
+        group: Any = None,
         _gpu: Optional[Tuple[Sequence[int], Any]] = None,
     ):
         super().__init__()
@@ -60,7 +61,9 @@ class DistributedModel(nn.Module):
             )
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
-        self.devices: List[torch.device] = parse_devices(devices)
+        self.devices: List[torch.device] = (
+            process_devices(group) if devices is None else parse_devices(devices)
+        )
         if threads_per_replica is not None and (
             not isinstance(threads_per_replica, int) or threads_per_replica < 1
         ):
@@ -78,6 +81,7 @@ class DistributedModel(nn.Module):
             rebuild_buckets=rebuild_buckets,
             timeout_s=timeout_s,
             timeline=timeline,
+            group=group,
             check_replicas=False,  # deep copies of replica 0, identical by construction
             _gpu=_gpu,
             # _begin prepares every replica; no hook on the user's model (a hook
@@ -102,6 +106,8 @@ class DistributedModel(nn.Module):
         # calling thread, so backward is dispatched to the replica workers.
         # CUDA replicas get a thread per device from autograd itself.
         self._parallel_backward = len(replicas) > 1 and self.devices[0].type == "cpu"
+        # One replica and one process: nothing to scatter, join or reduce.
+        self._alone = len(replicas) == 1 and self.sync._xproc is None
         self._finish_queued = False
 
     # ---------------------------------------------------------------- access
@@ -217,7 +223,7 @@ class DistributedModel(nn.Module):
         outputs on devices[0]. Reduce the loss with a mean over the whole batch and
         gradients equal single-device training on it."""
         self._check_open()
-        if len(self._replicas) == 1:
+        if self._alone:
             return self.module(*args, **kwargs)
         shards, sizes = self._start((args, kwargs))
         outs = self._workers.run(
@@ -244,7 +250,7 @@ class DistributedModel(nn.Module):
         keyword arguments (pass a dict argument as a 1-tuple: `(d,)`)."""
         self._check_open()
         args, kwargs = _as_call(inputs)  # checked here, not on every replica
-        if len(self._replicas) == 1:
+        if self._alone:
             _check_reduction(reduction)
             return _checked(loss_fn(self.module(*args, **kwargs), targets))
         shards, _ = self._scatter((inputs, targets))
@@ -284,11 +290,25 @@ class DistributedModel(nn.Module):
             return run
 
         losses = self._workers.run([replica_loss(r) for r in range(len(shards))], "forward/loss")
+        if self.sync._xproc is not None and reduction == "mean" and torch.is_grad_enabled():
+            losses = self._weigh_across_processes(losses, total)
         if torch.is_grad_enabled():
             self.sync.note_forward_end()
-        if len(self._replicas) == 1 or not any(v.requires_grad for v in losses):
+        if self._alone or not any(v.requires_grad for v in losses):
             return join_column(losses, "sum", self.devices[0], [])
         return self._join([[v] for v in losses], ["sum"], []).apply()[0]
+
+    def _weigh_across_processes(self, losses: List[torch.Tensor], rows: int) -> List[torch.Tensor]:
+        """Gradients are averaged over processes, so this rank's are scaled by
+        world * rows here / rows everywhere: an uneven global batch stays
+        exact. One small exchange, which also gives the global batch's loss
+        (`last_global_loss`); the returned loss stays this process's mean."""
+        xp = self.sync._xproc
+        local = sum(float(v.detach()) for v in losses)
+        rows_all, loss_sum = xp.sum_over_ranks([float(rows), local * rows])
+        self.last_global_loss = loss_sum / rows_all
+        scale = xp.world * rows / rows_all
+        return [_ScaleGrad.apply(v, scale) for v in losses]
 
     def _join(self, tensors: List[List[torch.Tensor]], kinds: List[str], weights: Any) -> Join:
         return Join(
@@ -315,7 +335,7 @@ class DistributedModel(nn.Module):
 
     def _begin(self) -> None:
         """Readies the replicas for a forward that may be followed by backward."""
-        if len(self._replicas) == 1:
+        if self._alone:
             return
         self.training = self.module.training
         if torch.is_grad_enabled():
@@ -328,6 +348,8 @@ class DistributedModel(nn.Module):
 
     def _follow_model(self) -> None:
         """Brings the other replicas in line with the user's model (replica 0)."""
+        if self._mirror is None:
+            return
         if self._mirror.follow() or self.sync.grads_moved():
             # Module._apply gave parameters new storage (share_memory(),
             # .to(memory_format=...), .half().float()), and their gradients
@@ -352,6 +374,11 @@ class DistributedModel(nn.Module):
         broadcast_buffers is on: DDP's default before every training forward;
         eval-mode forwards too, so every replica evaluates with replica 0's."""
         if self.broadcast_buffers:
+            xp = self.sync._xproc
+            if xp is not None and self.module.training and torch.is_grad_enabled():
+                # Across processes only before training forwards, as torch DDP:
+                # an evaluation may run on some ranks only.
+                xp.broadcast(list(self.module.buffers()))
             self._copy_buffers()
 
     def _copy_buffers(self) -> None:
@@ -529,6 +556,19 @@ def _checked(value: Any) -> torch.Tensor:
     return value
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 def _batch_size(args: Any) -> int:
     for t in flatten(args)[0]:
         if t.dim() > 0:
@@ -536,17 +576,30 @@ def _batch_size(args: Any) -> int:
     raise ValueError("a shard holds no tensor with a batch dimension")
 
 
-def wrap(model: nn.Module, devices: Sequence[DeviceLike], **options: Any) -> DistributedModel:
+def wrap(
+    model: nn.Module, devices: Optional[Sequence[DeviceLike]] = None, **options: Any
+) -> DistributedModel:
     """Replicates `model` over `devices` (duplicates allowed: several replicas on
     one device). Replica 0 is `model` itself, moved to devices[0]; the others are
-    deep copies. `options` are DistributedModel's keywords, with defaults
-    bucket_cap_mb=25, first_bucket_cap_mb=1, reduce_order="ready",
-    rebuild_buckets=True, broadcast_buffers=True, threads_per_replica=None,
+    deep copies. Default devices: every GPU (else two CPU replicas); after
+    `pyddp.init()`, this process's `cuda:LOCAL_RANK` (else one CPU replica).
+
+    Across processes (torch.distributed initialised, or `group=` a process
+    group): every rank must wrap the same model (checked: a ValueError names
+    the first difference); rank 0's parameters and buffers are broadcast at
+    wrap and its buffers before each training forward; gradients are summed
+    over this process's replicas and averaged over processes, as torch DDP.
+
+    `options` are DistributedModel's keywords, with defaults
+    bucket_cap_mb=25, first_bucket_cap_mb=1, reduce_order=None ("ready" in one
+    process, "index" across processes), rebuild_buckets=True, broadcast_buffers=True, threads_per_replica=None,
     timeout_s=None, timeline=None (see GradSync for the first four); an unknown
     one raises TypeError. broadcast_buffers copies replica 0's
     buffers to the others before each training-mode forward (torch DDP's default);
     threads_per_replica is each replica's torch intra-op thread count (default for
     CPU replicas: torch.get_num_threads() // number of replicas, at least 1);
-    timeout_s bounds a GPU reduction (default $PYDDP_TIMEOUT_S or 300 s);
-    timeline keeps the last N iterations for export_timeline (or $PYDDP_TIMELINE)."""
+    timeout_s bounds a GPU or cross-process reduction (default $PYDDP_TIMEOUT_S
+    or 300 s); timeline keeps the last N iterations for export_timeline (or
+    $PYDDP_TIMELINE); group is the torch.distributed process group to span
+    (default: every process, once torch.distributed is initialised)."""
     return DistributedModel(model, devices, **options)

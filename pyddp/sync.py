@@ -18,7 +18,8 @@ from torch import nn
 
 from . import _C
 from ._params import dtype_name, trainable_params
-from ._runtime import make_backend
+from ._runtime import make_backend, timeout_s as _default_timeout
+from ._xproc import CrossProcess, ProcessGroupError, model_signature, resolve_group
 from ._streams import TorchStreams
 from .observe import Observer, chrome_trace, timeline_from_env, write_trace
 
@@ -74,12 +75,13 @@ class GradSync:
         *,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
-        reduce_order: str = "ready",
+        reduce_order: Optional[str] = None,
         rebuild_buckets: bool = True,
         op: str = "sum",
         timeout_s: Optional[float] = None,
         timeline: Optional[int] = None,
         check_replicas: bool = True,
+        group: Any = None,
         _gpu: Optional[Tuple[Sequence[int], Any]] = None,
         _prepare_on_forward: bool = True,
     ):
@@ -94,6 +96,9 @@ class GradSync:
                 f"bucket_cap_mb={bucket_cap_mb} and first_bucket_cap_mb={first_bucket_cap_mb} "
                 "must be >= 0 (0 = one bucket per parameter)"
             )
+        xgroup = resolve_group(group)
+        if reduce_order is None:
+            reduce_order = "ready" if xgroup is None else "index"
         if reduce_order not in ("ready", "index", "after_backward"):
             raise ValueError(
                 f"reduce_order={reduce_order!r}: use 'ready', 'index' or 'after_backward' "
@@ -101,6 +106,11 @@ class GradSync:
             )
         if op not in ("sum", "avg"):
             raise ValueError(f"op={op!r}: use 'sum' or 'avg'")
+        if xgroup is not None and reduce_order == "ready":
+            raise ValueError(
+                "reduce_order='ready' across processes: every rank must launch the same "
+                "sequence, so buckets launch in index order ('index', the default there)"
+            )
         self.replicas = replicas
         self.names, self.params = trainable_params(replicas)
         _refuse_synced_twice(self.names, self.params)
@@ -132,7 +142,10 @@ class GradSync:
         if keep < 0:
             raise ValueError(f"timeline={timeline} must be >= 0 (iterations to keep)")
         self.observer = Observer(keep)
-        if len(replicas) == 1:
+        self._xproc: Optional[CrossProcess] = None
+        if xgroup is not None:
+            self._join_processes(xgroup, timeout_s)
+        if len(replicas) == 1 and self._xproc is None:
             return  # one replica: nothing to reduce, stay out of the way
 
         first = self.params[0]
@@ -143,6 +156,13 @@ class GradSync:
         )
         # Held here too: _runtime closes every live backend at interpreter exit.
         self._backend = make_backend(self._gpu_devices or self.devices, timeout_s)
+        if self._xproc is not None:
+            # This process's replicas sum in C++, then the launcher hands each
+            # bucket to torch.distributed (launch holds no reference to self).
+            local = self._backend
+            self._backend = _C.GroupBackend(
+                local, self._xproc.launch, f"{local.name}+{_group_backend(xgroup)}"
+            )
         self._engine = _C.Engine(
             len(replicas),
             self.names,
@@ -194,6 +214,9 @@ class GradSync:
                 )
                 flats.append(flat)
             self._flat[r] = flats
+        if self._xproc is not None:
+            self._xproc.flats = self._flat[0]
+            self._xproc.buckets = [list(b) for b in buckets]
         self._view_ptrs = [v.data_ptr() for v in self._views[0]]
 
     def grads_moved(self) -> bool:
@@ -211,6 +234,8 @@ class GradSync:
 
     def _rebuild(self) -> None:
         order = self._engine.ready_order()
+        if self._xproc is not None:  # every rank plans from rank 0's order
+            order = self._xproc.root_order(order, len(self.names)) or []
         if len(order) != len(self.names):
             return
         numels = [p.numel() for p in self.params[0]]
@@ -308,8 +333,11 @@ class GradSync:
             streams = [self._streams.current(d) for d in self._gpu_devices]
         self._settle_host_writes()
         self._reconcile_unmarked()
+        across = self._xproc is not None and self._engine.sync_enabled
         try:
             no_grad, settled = self._engine.finish(streams)
+            if across:
+                launched, unused = self._wait_across_processes()
         finally:
             self._observe()
         for i in no_grad:
@@ -321,10 +349,65 @@ class GradSync:
             for params, views in zip(self.params, self._views):
                 if params[i].grad is not views[i]:
                     params[i].grad = views[i]
+        if across:
+            self._finish_across_processes(launched, unused)
         if self._rebuild_pending and self._engine.sync_enabled:
             self._rebuild_pending = False
             self._rebuild()
         self._grad_versions = [[f._version for f in flats] for flats in self._flat]
+
+    def _join_processes(self, group: Any, timeout: Optional[float]) -> None:
+        """At construction: the same model on every rank (else a ValueError
+        naming the first difference), then rank 0's parameters and buffers
+        everywhere, as torch DDP does."""
+        if self._gpu_devices is not None:
+            raise NotImplementedError(
+                "pyddp: GPU replicas across processes need a cross-process NCCL communicator, "
+                "which this version does not build yet; use CPU replicas across processes, or "
+                "all GPUs of one machine in one process (pyddp.wrap(model, 'cuda'))"
+            )
+        if _group_backend(group) not in ("gloo",):
+            raise ValueError(
+                f"group backend {_group_backend(group)!r}: CPU replicas reduce across processes "
+                "through a gloo group (pyddp.init() creates one)"
+            )
+        seconds = _default_timeout() if timeout is None else float(timeout)
+        xp = CrossProcess(group, seconds, self.names)
+        m0 = self.replicas[0]
+        entries = [("parameter", n, p) for n, p in m0.named_parameters()]
+        entries += [("buffer", n, b) for n, b in m0.named_buffers()]
+        xp.check_same_model(model_signature(entries, self.devices[0].type), "model")
+        state = [t for _, _, t in entries]
+        xp.broadcast(state)
+        with torch.no_grad():
+            for m in self.replicas[1:]:
+                mine = [p for p in m.parameters()] + [b for b in m.buffers()]
+                for dst, src in zip(mine, state):
+                    dst.copy_(src)
+        self._xproc = xp
+
+    def _wait_across_processes(self) -> Tuple[List[int], List[int]]:
+        """After the engine: waits for the cross-process reductions and the
+        agreement on unused parameters; returns (buckets reduced, parameters
+        with a gradient on no process)."""
+        try:
+            return self._xproc.wait(), self._xproc.unused_everywhere()
+        except ProcessGroupError as e:
+            self._engine.abort()
+            raise ReduceError(str(e)) from None
+
+    def _finish_across_processes(self, launched: List[int], unused: List[int]) -> None:
+        """Gives the reduced buckets (already divided by the number of
+        processes) to this process's other replicas; unused ones return to None."""
+        if len(self._flat) > 1:
+            with torch.no_grad():
+                for b in launched:
+                    for flats in self._flat[1:]:
+                        flats[b].copy_(self._flat[0][b])
+        for i in unused:  # no gradient on any process: None, as on one device
+            self._engine.note_grad(i, False)
+            for params in self.params:
+                params[i].grad = None
 
     def _align_grads(self) -> None:
         """Before a step: gradients changed on replica 0 only since finish()
@@ -375,6 +458,18 @@ class GradSync:
         # The flat buffers are the buckets: O(buckets) per step, no walk over parameters.
         sizes = [f.numel() * f.element_size() for f in self._flat[0]]
         timeline = self._engine.last_timeline() if self.observer.keep else None
+        if self._xproc is not None:
+            # The engine saw its launches return; the reductions ended when
+            # torch.distributed's futures completed, after finish() waited.
+            done, xp = self._xproc.done_ns_last, self._xproc
+            if done:
+                raw["last_done_ns"] = max(raw["last_done_ns"], max(done.values()))
+                if timeline is not None:
+                    for b, t in done.items():
+                        timeline["bucket_done_ns"][b] = t
+            raw["wait_ns"] += xp.wait_ns
+            raw["finish_end_ns"] += xp.wait_ns
+            raw["agree_ns"] = xp.agree_ns
         self.observer.record(raw, sizes, timeline)
 
     def note_forward_end(self) -> None:
@@ -405,11 +500,26 @@ class GradSync:
         # None stays None everywhere, as on one device.
         unmarked = self._engine.unmarked()
         nowhere = {i for i, n in Counter(i for _, i in unmarked).items() if n == len(self.replicas)}
-        for i in nowhere:
-            if self.params[0][i].grad is None:
-                self._engine.note_grad(i, False)
-                for views in self._views:  # None slices read zero (clipping sums buckets)
+        none_here = [i for i in nowhere if self.params[0][i].grad is None]
+        if self._xproc is not None and self._engine.sync_enabled:
+            # Every rank must launch the same buckets: a parameter without a
+            # gradient here (None, or zeros the engine counts as none) is
+            # reduced too, with zeros from here; which of them have a gradient
+            # on no process at all is agreed meanwhile, and those return to
+            # None after the reductions (_finish_across_processes).
+            absent = sorted(
+                set(none_here) | {i for i in nowhere if not self._engine.has_grad(i)}
+            )
+            self._xproc.start_agreement(absent, len(self.names))
+            for i in absent:
+                self._engine.note_grad(i, True)
+                for views in self._views:
                     views[i].zero_()
+            none_here = []
+        for i in none_here:
+            self._engine.note_grad(i, False)
+            for views in self._views:  # None slices read zero (clipping sums buckets)
+                views[i].zero_()
         for r, i in unmarked:
             grad, view = self.params[r][i].grad, self._views[r][i]
             if grad is view:
@@ -424,6 +534,8 @@ class GradSync:
         reductions). Gradients are incomplete until the next zero_grad()."""
         if self._engine is not None:
             self._engine.abort()
+            if self._xproc is not None:
+                self._xproc.abandon("abort() after a backward raised")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeroes every replica's gradients. With set_to_none, parameters that get
@@ -627,6 +739,12 @@ def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor) -> None:
     sync = owner()
     if sync is not None:
         sync._adopt(p, view)
+
+
+def _group_backend(group: Any) -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group))
 
 
 def _release(handles: List[Any], engine: Optional[Any]) -> None:

@@ -25,7 +25,7 @@ from .callbacks import Callback, MetricsLogger, ProgressBar
 from .checkpoint import check_classes, list_checkpoints, load_latest, save_atomic, save_checkpoint
 from .config import TrainConfig
 from .data import ShardedLoader
-from .devices import DeviceLike, default_devices
+from .devices import DeviceLike, process_devices
 from .model import wrap
 from .sync import ReduceError
 
@@ -83,8 +83,13 @@ class Trainer:
         self._optimizer_class, optimizer_args, optimizer_kwargs = optimizer_spec(optimizer)
         check_arguments(loss_fn, scheduler, metrics, callbacks)
         torch.manual_seed(self.config.seed)
-        self.model = wrap(model, default_devices() if devices is None else devices, **wrap_options)
+        self.model = wrap(model, devices, **wrap_options)
         self._closed = False
+        # Across processes: this rank's place; rank 0 alone shows progress and
+        # writes files, every rank trains on its slice of each global batch.
+        xp = self.model.sync._xproc
+        self._xp = xp
+        self.rank, self.world = (xp.rank, xp.world) if xp is not None else (0, 1)
         try:
             if self.config.precision == "fp16" and self.model.devices[0].type != "cuda":
                 raise ValueError("precision='fp16' needs CUDA replicas; use 'bf16' on CPU")
@@ -99,9 +104,9 @@ class Trainer:
         self.metrics = dict(metrics or {})
         self.output_dir = Path(self.config.output_dir) if self.config.output_dir else None
         self.callbacks: List[Callback] = list(callbacks)
-        if self.config.progress:
+        if self.config.progress and self.rank == 0:
             self.callbacks.append(ProgressBar())
-        if self.output_dir is not None:
+        if self.output_dir is not None and self.rank == 0:
             self.callbacks.append(MetricsLogger(self.output_dir))
         self.state = LoopState()
         self.best_state_dict: Optional[Dict[str, torch.Tensor]] = None
@@ -180,6 +185,8 @@ class Trainer:
             drop_last=cfg.drop_last,
             seed=cfg.seed,
             prefetch=cfg.prefetch,
+            rank=self.rank,
+            world=self.world,
         )
         self.steps_per_epoch = -(-len(loader) // cfg.grad_accum_steps)
         self._mend()
@@ -246,6 +253,8 @@ class Trainer:
             shuffle=False,
             seed=cfg.seed,
             prefetch=cfg.prefetch,
+            rank=self.rank,
+            world=self.world,
         )
         was_training = self.model.training
         self.model.broadcast_buffers_now()  # evaluate replica 0's statistics everywhere
@@ -271,6 +280,9 @@ class Trainer:
                     rows += sum(_rows(s) for s in shards)
         finally:
             self.model.train(was_training)
+        if self._xp is not None:  # every rank's rows: the same figures everywhere
+            sums = self._xp.sum_over_ranks([rows, *totals.tolist()])
+            rows, totals = sums[0], torch.tensor(sums[1:], dtype=torch.float64)
         values = (totals / rows).tolist()  # one host sync for the whole evaluation
         return {f"valid_{n}" if n == "loss" else n: v for n, v in zip(names, values)}
 
@@ -294,7 +306,9 @@ class Trainer:
                             self.loss_fn, shards, context=self._autocast
                         )
                         (loss * (self._scaler.scale / window)).backward()
-                    window_loss += loss.detach() / window
+                    if self._xp is not None:  # the global batch's loss, as one device
+                        loss = torch.tensor(self.model.last_global_loss)
+                    window_loss += loss.detach().to(window_loss.device) / window
                     state.batch_in_epoch += 1
                     stepped = last and self._optimizer_step()
                 except (ReplicaError, ReduceError) as e:
@@ -421,7 +435,7 @@ class Trainer:
             self.best_state_dict = {
                 k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
             }
-            if self.output_dir is not None:
+            if self.output_dir is not None and self.rank == 0:
                 save_atomic(self.best_state_dict, self.output_dir / "best.pt")
         else:
             state.evals_without_improvement += 1
@@ -432,6 +446,8 @@ class Trainer:
 
     # ---------------------------------------------------------- checkpoints
     def _checkpoint(self) -> None:
+        if self.rank != 0:  # every rank holds the same state: rank 0 writes it
+            return
         payload = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -451,7 +467,11 @@ class Trainer:
         self._emit("on_checkpoint", path)
 
     def _resume(self) -> None:
-        found = load_latest(self.output_dir / "checkpoints")
+        found = load_latest(self.output_dir / "checkpoints") if self.rank == 0 else None
+        if self._xp is not None:
+            # Rank 0 reads, every rank gets the same checkpoint (no shared
+            # filesystem needed, no rank picking a different "latest").
+            found = self._xp.from_root(found)
         if found is None:
             return
         path, payload = found
@@ -469,7 +489,8 @@ class Trainer:
         torch.set_rng_state(payload["rng"]["torch"])
         if payload["rng"]["cuda"]:
             torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
-        print(f"pyddp: resumed from {path} (epoch {self.state.epoch}, step {self.state.step})")
+        if self.rank == 0:
+            print(f"pyddp: resumed from {path} (epoch {self.state.epoch}, step {self.state.step})")
 
     def _classes(self) -> Dict[str, Optional[str]]:
         """What wrote a checkpoint: its optimizer state fits only that class."""

@@ -1,0 +1,30 @@
+// Local reduction, then the cross-process launch: see group_backend.h.
+#include "group_backend.h"
+
+namespace pyddp {
+
+GroupBackend::GroupBackend(std::shared_ptr<Backend> local, std::function<void(int)> launch,
+                           std::string name)
+    : local_(std::move(local)), launch_(std::move(launch)), name_(std::move(name)) {
+  PYDDP_ENFORCE(local_ != nullptr, "GroupBackend needs a local backend");
+  PYDDP_ENFORCE(static_cast<bool>(launch_), "GroupBackend needs a launch callback");
+}
+
+void GroupBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {
+  PYDDP_ENFORCE(key >= 0, "cross-process reductions are per bucket, got key ", key);
+  // One replica in this process: its buffer already is the process's sum.
+  if (bufs.size() > 1) local_->all_reduce(bufs, op, key);
+  std::lock_guard<std::mutex> lk(mu_);
+  if (closed_) throw ReduceError("the cross-process backend was closed");
+  launch_(key);
+}
+
+void GroupBackend::close() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    closed_ = true;
+  }
+  local_->close();
+}
+
+}  // namespace pyddp

@@ -1,0 +1,327 @@
+"""One GradSync's link to the other processes, on torch.distributed.
+
+Per bucket, after this process's replicas are summed (in C++), the engine's
+launcher calls `launch(bucket)`: an asynchronous all-reduce of replica 0's
+bucket on the data group, in bucket-index order on every rank. `wait()` at the
+end of backward waits for them with pyddp's timeout. Everything else (the
+model check and broadcast at wrap, the per-iteration agreement on unused
+parameters, rank 0's bucket plan) runs on a second gloo group of the same
+ranks, so it never interleaves with bucket reductions still in flight."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .dist import restart_count
+
+_ids = itertools.count()  # every rank builds its GradSyncs in the same order
+_control_groups: Dict[tuple, Any] = {}
+
+
+class ProcessGroupError(RuntimeError):
+    """A collective across processes failed or timed out."""
+
+
+def resolve_group(group: Any) -> Optional[Any]:
+    """The process group to span, or None to stay in one process."""
+    if group is not None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "group= was given but torch.distributed is not initialised: call pyddp.init()"
+            )
+        return group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def _control_group(group: Any, ranks: List[int]) -> Any:
+    # A gloo group of the same ranks: small blocking exchanges must not pair
+    # with a bucket reduction that another rank launched earlier on `group`.
+    key = (id(group), tuple(ranks))
+    if key not in _control_groups:
+        _control_groups[key] = (
+            group,
+            dist.new_group(ranks, backend="gloo", use_local_synchronization=True),
+        )
+    return _control_groups[key][1]
+
+
+class CrossProcess:
+    def __init__(self, group: Any, timeout_s: float, names: Sequence[str]):
+        self.group = group
+        self.ranks = dist.get_process_group_ranks(group)
+        self.rank = dist.get_rank(group)
+        self.world = len(self.ranks)
+        self.root = self.ranks[0]  # the global rank of the group's rank 0
+        self.timeout = timeout_s
+        self.names = list(names)
+        self.ctrl = _control_group(group, self.ranks)
+        try:
+            self.store: Optional[Any] = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - the census below is then skipped
+            self.store = None
+        self.prefix = f"pyddp/{restart_count()}/{next(_ids)}"
+        self.iteration = 0
+        self.flats: List[torch.Tensor] = []  # replica 0's buckets (set by GradSync)
+        self.buckets: List[List[int]] = []
+        self.failed: Optional[str] = None
+        self._cv = threading.Condition()
+        self._pending = 0
+        self._errors: Dict[int, str] = {}
+        self.launched: List[int] = []
+        self.done_ns: Dict[int, int] = {}
+        self.agree_ns = 0  # the last iteration's unused-parameter agreement (exposed)
+        self._agree_work: Optional[Any] = None
+        self._none_here: List[int] = []
+        self._mask: Optional[torch.Tensor] = None
+        self.wait_ns = 0  # the last iteration's wait for cross-process reductions
+        self.done_ns_last: Dict[int, int] = {}
+
+    # ---------------------------------------------------------- at wrap time
+    def check_same_model(self, signature: List[tuple], what: str) -> None:
+        """Refuses, on every rank, models that differ across ranks, naming the
+        first differing entry and the rank."""
+        out: List[Any] = [None] * self.world
+        dist.all_gather_object(out, signature, group=self.ctrl)
+        ref = out[0]
+        for r, sig in enumerate(out[1:], start=1):
+            if sig == ref:
+                continue
+            for i, (a, b) in enumerate(itertools.zip_longest(ref, sig)):
+                if a != b:
+                    raise ValueError(
+                        f"pyddp: the {what} differs across processes: rank {self.ranks[r]} has "
+                        f"{_entry(b)} where rank {self.root} has {_entry(a)} (entry {i}); every "
+                        "process must wrap the same model"
+                    )
+
+    def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Overwrites `tensors` with the group root's values (one message per dtype)."""
+        by_kind: Dict[tuple, List[torch.Tensor]] = {}
+        for t in tensors:
+            if t.numel():
+                by_kind.setdefault((t.dtype, t.device), []).append(t)
+        with torch.no_grad():
+            for group in by_kind.values():
+                flat = _flatten_dense_tensors([t.detach() for t in group])
+                self._ctrl_call(dist.broadcast, flat, src=self.root, group=self.ctrl)
+                for t, v in zip(group, _unflatten_dense_tensors(flat, group)):
+                    t.copy_(v)
+
+    def root_order(self, order: Sequence[int], size: int) -> Optional[List[int]]:
+        """Rank 0's ready order, so every rank plans the same buckets (None if
+        rank 0 saw an incomplete order and nobody should rebuild)."""
+        t = torch.full((size + 1,), -1, dtype=torch.int64)
+        if len(order) == size:
+            t[0] = size
+            t[1:] = torch.tensor(list(order), dtype=torch.int64)
+        self._ctrl_call(dist.broadcast, t, src=self.root, group=self.ctrl)
+        return None if t[0].item() != size else t[1:].tolist()
+
+    # ----------------------------------------------------------- per backward
+    def start_agreement(self, none_here: Sequence[int], size: int) -> None:
+        """Starts the per-iteration exchange on which parameters hold a gradient
+        on some process (a uint8 mask, MAX over ranks). Asynchronous on the
+        control group: it travels while the bucket reductions finish, so it
+        adds latency only where it outlasts them."""
+        if self.failed is not None:
+            raise ProcessGroupError(self.failed)
+        mask = torch.ones(size, dtype=torch.uint8)
+        mask[list(none_here)] = 0
+        self._none_here = list(none_here)
+        self._mask = mask
+        self._agree_t0 = time.perf_counter_ns()
+        self._agree_work = dist.all_reduce(
+            mask, op=dist.ReduceOp.MAX, group=self.ctrl, async_op=True
+        )
+
+    def unused_everywhere(self) -> List[int]:
+        """After wait(): the parameters with a gradient on no process."""
+        work, self._agree_work = self._agree_work, None
+        if work is None:
+            return []
+        t0 = time.perf_counter_ns()
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except Exception as e:  # noqa: BLE001 - named below
+            self._fail(f"the exchange on unused parameters failed: {_first_line(e)}")
+        if ok is False:
+            self._fail(f"the exchange on unused parameters took over {self.timeout:g} s")
+        # The exposed part: what the exchange added after the buckets were done.
+        self.agree_ns = time.perf_counter_ns() - t0
+        return [i for i in self._none_here if not self._mask[i]]
+
+    def from_root(self, obj: Any) -> Any:
+        """The group root's `obj` on every rank (pickled through gloo)."""
+        box = [obj if self.rank == 0 else None]
+        self._ctrl_call(dist.broadcast_object_list, box, src=self.root, group=self.ctrl)
+        return box[0]
+
+    def sum_over_ranks(self, values: Sequence[float]) -> List[float]:
+        """Element-wise sums over ranks (float64), on the control group."""
+        t = torch.tensor(list(values), dtype=torch.float64)
+        self._ctrl_call(dist.all_reduce, t, group=self.ctrl)
+        return t.tolist()
+
+    def launch(self, bucket: int) -> None:
+        """On the engine's launcher thread, in bucket-index order."""
+        if self.failed is not None:
+            raise ProcessGroupError(self.failed)
+        flat = self.flats[bucket]
+        # Averaged across processes (torch DDP's convention), divided before the
+        # sum so 16-bit gradients do not overflow in transit.
+        flat.div_(self.world)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        with self._cv:
+            self._pending += 1
+            self.launched.append(bucket)
+        work.get_future().then(lambda fut, b=bucket: self._done(b, fut))
+
+    def _done(self, bucket: int, fut: Any) -> None:
+        err = None
+        try:
+            fut.value()
+        except Exception as e:  # noqa: BLE001 - reported by wait()
+            err = _first_line(e)
+        with self._cv:
+            self.done_ns[bucket] = time.monotonic_ns()
+            if err is not None:
+                self._errors[bucket] = err
+            self._pending -= 1
+            self._cv.notify_all()
+
+    def wait(self) -> List[int]:
+        """Waits for every launched bucket, at most timeout_s; returns them."""
+        start = time.monotonic()
+        deadline = start + self.timeout
+        while True:
+            with self._cv:
+                if self._pending == 0 or self._errors:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(min(left, 1.0))
+            if self._pending and not self._errors:
+                self._check_abandoned()
+        with self._cv:
+            launched, errors, pending = list(self.launched), dict(self._errors), self._pending
+        if errors or pending:
+            bucket = min(errors) if errors else self._first_pending()
+            why = errors.get(bucket, f"not done after {self.timeout:g} s")
+            self._fail(f"all-reduce of bucket {bucket} ({self._names(bucket)}) failed: {why}")
+        self.wait_ns = int((time.monotonic() - start) * 1e9)
+        self._next()
+        return launched
+
+    def _first_pending(self) -> int:
+        with self._cv:
+            for b in self.launched:
+                if b not in self.done_ns:
+                    return b
+        return -1
+
+    def _next(self) -> None:
+        with self._cv:
+            self.launched.clear()
+            self.done_ns_last = dict(self.done_ns)
+            self.done_ns.clear()
+        self.iteration += 1
+
+    def abandon(self, reason: str) -> None:
+        """This rank drops the step (a replica's backward raised): tell the
+        others, so they fail now instead of at the timeout."""
+        if self.failed is None:
+            self.failed = f"rank {dist.get_rank()} abandoned step {self.iteration}: {reason}"
+            if self.store is not None:
+                try:
+                    self.store.set(f"{self.prefix}/abandoned", self.failed)
+                except Exception:  # noqa: BLE001 - best effort: the others time out instead
+                    pass
+
+    def _check_abandoned(self) -> None:
+        if self.store is None:
+            return
+        key = f"{self.prefix}/abandoned"
+        try:
+            if self.store.check([key]):
+                why = self.store.get(key).decode(errors="replace")
+            else:
+                return
+        except Exception:  # noqa: BLE001 - the store is gone: the timeout decides
+            return
+        self._fail(why, census=False)
+
+    def _ctrl_call(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        if self.failed is not None:
+            raise ProcessGroupError(self.failed)
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - named and re-raised below
+            what = getattr(fn, "__name__", "collective")
+            self._fail(f"{what} on the control group: {_first_line(e)}")
+
+    def _fail(self, what: str, census: bool = True) -> None:
+        missing = self._census() if census else ""
+        self.failed = (
+            f"pyddp: across {self.world} processes (this is rank {dist.get_rank()}), step "
+            f"{self.iteration}: {what}{missing}. The process group cannot be used after this: "
+            "restart the processes (torchrun --max-restarts=K resumes a Trainer from its "
+            "last checkpoint)"
+        )
+        raise ProcessGroupError(self.failed)
+
+    def _census(self) -> str:
+        """Which ranks did not report this failure within a few seconds: the
+        ones that died or stopped arriving."""
+        if self.store is None:
+            return ""
+        key = f"{self.prefix}/fail/{self.iteration}"
+        try:
+            self.store.set(f"{key}/{self.rank}", "1")
+            others = [r for r in range(self.world) if r != self.rank]
+            deadline = time.monotonic() + min(5.0, self.timeout)
+            while others and time.monotonic() < deadline:
+                others = [r for r in others if not self.store.check([f"{key}/{r}"])]
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store's host (often rank 0) is gone
+            return "; the rendezvous store is unreachable too (its host process is gone?)"
+        if not others:
+            return ""
+        named = ", ".join(str(self.ranks[r]) for r in others)
+        return f"; missing: rank {named} (died or stopped arriving)"
+
+    def _names(self, bucket: int) -> str:
+        if 0 <= bucket < len(self.buckets):
+            members = [self.names[i] for i in self.buckets[bucket][:3]]
+            return ", ".join(members) + (", ..." if len(self.buckets[bucket]) > 3 else "")
+        return "?"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _entry(e: Any) -> str:
+    if e is None:
+        return "nothing (fewer entries)"
+    return " ".join(str(x) for x in e)
+
+
+def model_signature(modules_params: Sequence[tuple], device_type: str) -> List[tuple]:
+    """What must match across ranks: every parameter's and buffer's name,
+    shape and dtype, and the kind of device."""
+    sig: List[tuple] = [("device type", device_type)]
+    for kind, name, t in modules_params:
+        sig.append((kind, name, tuple(t.shape), str(t.dtype).replace("torch.", "")))
+    return sig

@@ -1,0 +1,126 @@
+"""pyddp across processes and hosts, on torch.distributed: `init()` joins the
+group torchrun started (its environment, the c10d store, gloo for CPUs and
+NCCL for GPUs), and `rank()`/`world()`/`local_rank()` say where this process
+is. Without `init()` and with torch.distributed uninitialised, pyddp runs in
+one process as it always did: every helper here then answers for one process.
+
+Launch: ``torchrun --nproc-per-node=P [--nnodes=N --rdzv-backend=c10d
+--rdzv-endpoint=HOST:PORT] train.py``, where train.py calls ``pyddp.init()``
+and then ``pyddp.wrap(model, devices)`` with this process's devices."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ._runtime import TIMEOUT_ENV
+from ._runtime import timeout_s as _default_timeout
+
+# What torchrun (and torch.distributed's env:// rendezvous) sets for every worker.
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> None:
+    """Joins the process group torchrun set up, once; later calls do nothing
+    (and a group the caller initialised is kept as is).
+
+    ``backend`` defaults to gloo for CPU work plus NCCL for CUDA tensors when
+    this machine has a GPU (``"cpu:gloo,cuda:nccl"``); GPU processes also
+    select ``cuda:LOCAL_RANK`` as their current device. ``timeout_s`` bounds
+    every collective (default $PYDDP_TIMEOUT_S or 300 s, not gloo's 30 min):
+    a rank that stops arriving is an error naming it, not a hang."""
+    if not dist.is_available():
+        raise RuntimeError("pyddp.init(): this torch build has no torch.distributed")
+    if dist.is_initialized():
+        return
+    missing = [k for k in _TORCHRUN_ENV if not os.environ.get(k)]
+    if missing:
+        raise RuntimeError(
+            f"pyddp.init(): environment variables {', '.join(missing)} are not set. Launch "
+            "with `torchrun --nproc-per-node=N script.py` (it sets RANK, WORLD_SIZE, "
+            "LOCAL_RANK, MASTER_ADDR and MASTER_PORT), or call "
+            "torch.distributed.init_process_group yourself before pyddp.init()"
+        )
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        if not os.environ[k].isdigit():
+            raise RuntimeError(f"pyddp.init(): {k}={os.environ[k]!r} is not a non-negative int")
+    rank_, world_ = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_ < 1 or rank_ >= world_:
+        raise RuntimeError(f"pyddp.init(): RANK={rank_} is not below WORLD_SIZE={world_}")
+    seconds = _timeout(timeout_s)
+    gpu = torch.cuda.is_available()
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"
+    if gpu:
+        local = local_rank()
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"pyddp.init(): LOCAL_RANK={local} but this machine has "
+                f"{torch.cuda.device_count()} GPU(s): start at most that many processes per node"
+            )
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=seconds))
+
+
+def is_distributed(group: Any = None) -> bool:
+    """Whether torch.distributed is initialised with more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def rank(group: Any = None) -> int:
+    """This process's rank in `group` (default: every process); 0 without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def world(group: Any = None) -> int:
+    """The number of processes in `group` (default: all); 1 without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def local_rank() -> int:
+    """This process's index on its machine (torchrun's LOCAL_RANK; 0 if unset)."""
+    raw = os.environ.get("LOCAL_RANK", "0")
+    return int(raw) if raw.isdigit() else 0
+
+
+def is_main() -> bool:
+    """Rank 0: the process that prints, shows progress and writes files."""
+    return rank() == 0
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted this group (scopes pyddp's store keys:
+    a restarted group must not read the previous round's)."""
+    raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(raw) if raw.isdigit() else 0
+
+
+def barrier(group: Any = None) -> None:
+    """Waits for every process of `group`; does nothing in one process."""
+    if is_distributed(group):
+        dist.barrier(group=group)
+
+
+def all_gather_object(obj: Any, group: Any = None) -> List[Any]:
+    """Every process's `obj`, in rank order ([obj] in one process)."""
+    if not is_distributed(group):
+        return [obj]
+    out: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _timeout(seconds: Optional[float]) -> float:
+    if seconds is None:
+        return _default_timeout()
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
+        raise ValueError(f"timeout_s={seconds!r} must be a number of seconds > 0 ({TIMEOUT_ENV})")
+    return float(seconds)

@@ -1,0 +1,318 @@
+"""Run under torchrun by tests/test_multiprocess.py: `torchrun ... scenarios.py
+NAME OUT_DIR`. Each rank checks what it can and writes OUT_DIR/NAME.rankR.json;
+the test reads those. References are computed in every process (single-device
+training on the global batch; torch DDP on the same split)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pyddp
+
+TOL = 1e-6  # float32: sums over shards and processes associate differently
+
+
+class Net(nn.Module):
+    """`rare` is used only for rows whose first feature is > 1 (so on some
+    ranks and steps only); `never` is never used; BatchNorm has buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.rare = nn.Linear(16, 16)
+        self.never = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.inp(x)))
+        mask = x[:, 0] > 1.0
+        if bool(mask.any()):
+            h = torch.where(mask[:, None], self.rare(h), h)
+        return self.out(h)
+
+
+def net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def data(steps: int, batch: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 6, generator=g), torch.randn(batch, 3, generator=g)) for _ in range(steps)]
+
+
+def my_rows(n: int, rank: int, world: int) -> slice:
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def eval_norm(model: nn.Module) -> nn.Module:
+    # BatchNorm in training mode normalises by the shard's statistics, which
+    # no data-parallel scheme reproduces; compare in eval mode (running stats
+    # fixed at their initial values) so the gradients are comparable.
+    model.norm.eval()
+    return model
+
+
+# ------------------------------------------------------------------ scenarios
+def equivalence(out: dict) -> None:
+    rank, world = pyddp.rank(), pyddp.world()
+    local = int(os.environ.get("LOCAL_REPLICAS", "1"))
+    batches = data(4, 12)
+    ref = eval_norm(net())  # single-device training on the global batches
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+
+    for cap in (0.0, 25.0):  # per-parameter and bucketed
+        model = eval_norm(net(seed=rank))  # different init per rank: the broadcast fixes it
+        with pyddp.wrap(model, ["cpu"] * local, bucket_cap_mb=cap) as dm:
+            dm.module.norm.eval()
+            for m in dm.replicas:
+                m.norm.eval()
+            dopt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3)
+            for x, y in batches:
+                rows = my_rows(len(x), rank, world)
+                dopt.zero_grad()
+                loss = dm.loss(nn.functional.mse_loss, x[rows], y[rows])
+                loss.backward()
+                dopt.step()
+            out[f"wrap_loss_cap{cap:g}"] = max_diff(dm.module, ref)
+            grads = {n: p.grad is None for n, p in dm.module.named_parameters()}
+            out[f"never_none_cap{cap:g}"] = grads["never.weight"]
+            out[f"stats_cap{cap:g}"] = dm.stats()["mean"].get("agree_s", -1.0)
+
+    # Uneven global batch (13 rows over the ranks): dmodel.loss weighs by rows.
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(13, 6, generator=g), torch.randn(13, 3, generator=g)
+    ref2 = eval_norm(net())
+    nn.functional.mse_loss(ref2(x), y).backward()
+    model = eval_norm(net())
+    with pyddp.wrap(model, ["cpu"] * local) as dm:
+        for m in dm.replicas:
+            m.norm.eval()
+        rows = my_rows(13, rank, world)
+        dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
+        out["uneven_grad"] = max(
+            (p.grad - q.grad).abs().max().item()
+            for p, q in zip(dm.module.parameters(), ref2.parameters())
+            if q.grad is not None
+        )
+        out["uneven_global_loss"] = abs(dm.last_global_loss - nn.functional.mse_loss(ref2(x), y).item())
+
+    # Low-level GradSync with per-replica losses, no_sync accumulation, and a
+    # parameter used on rank 0 only.
+    model = eval_norm(net())
+    reps = [model] + [eval_norm(copy.deepcopy(model)) for _ in range(local - 1)]
+    with pyddp.GradSync(reps, bucket_cap_mb=0.0005) as sync:
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(9))
+        x[:, 0] = 0.0
+        x[0, 0] = 5.0  # row 0 uses `rare`: only the rank holding it
+        y = torch.zeros(8, 3)
+        for accum in range(2):
+            ctx = sync.no_sync() if accum == 0 else _null()
+            with ctx:
+                rows = my_rows(8, rank, world)
+                xs, ys = x[rows], y[rows]
+                parts = [my_rows(len(xs), r, local) for r in range(local)]
+                for r, m in enumerate(reps):
+                    loss = nn.functional.mse_loss(m(xs[parts[r]]), ys[parts[r]], reduction="sum")
+                    (loss / (8 * 3)).backward()
+                if accum == 1:
+                    sync.finish()
+        ref3 = eval_norm(net())
+        for _ in range(2):
+            (nn.functional.mse_loss(ref3(x), y, reduction="sum") / (8 * 3)).backward()
+        # Across processes gradients average: each rank's loss above is a sum
+        # over its rows / global rows, so the average is 1/world of the sum.
+        out["gradsync_rare"] = max(
+            (p.grad * world - q.grad).abs().max().item()
+            for p, q in zip(model.parameters(), ref3.parameters())
+            if q.grad is not None
+        )
+        out["gradsync_rare_has_grad"] = model.rare.weight.grad is not None
+        out["gradsync_never_none"] = model.never.weight.grad is None
+        out["replicas_equal"] = all(
+            torch.equal(p.grad, q.grad)
+            for m in reps[1:]
+            for p, q in zip(model.parameters(), m.parameters())
+            if p.grad is not None
+        )
+
+    # Buffers: rank 0's BatchNorm statistics reach every rank before each
+    # training forward, as in torch DDP (each rank's own batch moved them).
+    model = net(seed=rank)
+    seen = []
+    model.norm.register_forward_pre_hook(lambda m, a: seen.append(m.running_mean.clone()))
+    with pyddp.wrap(model, ["cpu"] * local) as dm:
+        for _ in range(2):
+            dm(torch.randn(4, 6) + rank).sum().backward()
+    gathered = [torch.zeros(16) for _ in range(world)]
+    dist.all_gather(gathered, seen[-1])  # what replica 0 saw entering forward 2
+    out["buffers_equal_across_ranks"] = all(torch.equal(g, gathered[0]) for g in gathered)
+    out["buffers_moved"] = bool(seen[-1].abs().sum() > 0)
+
+    # torch DDP (gloo) on the same split, gathered-output style loss.
+    ddp_model = eval_norm(net())
+    ddp = nn.parallel.DistributedDataParallel(
+        ddp_model, broadcast_buffers=False, find_unused_parameters=True
+    )
+    dopt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    model = eval_norm(net())
+    with pyddp.wrap(model, ["cpu"] * local) as dm:
+        for m in dm.replicas:
+            m.norm.eval()
+        popt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3)
+        for xg, yg in batches:
+            rows = my_rows(len(xg), rank, world)
+            dopt.zero_grad()
+            popt.zero_grad()
+            nn.functional.mse_loss(ddp(xg[rows]), yg[rows]).backward()
+            dopt.step()
+            nn.functional.mse_loss(dm(xg[rows]), yg[rows]).backward()
+            popt.step()
+        out["vs_ddp"] = max_diff(dm.module, ddp_model)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def mismatch(out: dict) -> None:
+    model = nn.Linear(4, 3 if pyddp.rank() == 0 else 5)
+    try:
+        pyddp.wrap(model, ["cpu"])
+    except ValueError as e:
+        out["error"] = str(e)
+
+
+def killed(out: dict) -> None:
+    """Rank 1 dies in its second backward; the others must fail fast, naming it."""
+    rank = pyddp.rank()
+    model = net()
+    dm = pyddp.wrap(model, ["cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    for step in range(3):
+        if rank == 1 and step == 1:
+            os._exit(3)
+        t0 = time.monotonic()
+        try:
+            nn.functional.mse_loss(dm(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out["error"] = f"{type(e).__name__}: {e}"
+            out["seconds"] = time.monotonic() - t0
+            return
+    out["error"] = None
+
+
+def stalled(out: dict) -> None:
+    """Rank 1 stops arriving (sleeps); rank 0 fails within PYDDP_TIMEOUT_S."""
+    rank = pyddp.rank()
+    dm = pyddp.wrap(net(), ["cpu"])
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    nn.functional.mse_loss(dm(x), y).backward()
+    if rank == 1:
+        time.sleep(float(os.environ["PYDDP_TIMEOUT_S"]) + 8)
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        nn.functional.mse_loss(dm(x), y).backward()
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - t0
+    _write(out)
+    os._exit(0)  # the group is broken: no clean shutdown to wait for
+
+
+def trainer(out: dict) -> None:
+    """Trainer across processes: equals single-device training on the same
+    global batches; checkpoints from rank 0; exact resume; a restart by
+    torchrun (KILL_AT_STEP) resumes from the last checkpoint."""
+    outdir = os.environ["TRAIN_DIR"]
+    max_steps = int(os.environ.get("MAX_STEPS", "6"))
+    kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(50, 6, generator=g), torch.randn(50, 3, generator=g)
+
+    class Killer(pyddp.Callback):
+        def on_step_end(self, trainer, metrics):
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if kill_at and not restarted and pyddp.rank() == 1 and metrics["step"] == kill_at:
+                os._exit(7)
+
+    cfg = pyddp.TrainConfig(
+        batch_size=10,
+        max_steps=max_steps,
+        output_dir=outdir,
+        checkpoint_every_steps=2,
+        eval_every_steps=3,
+        progress=False,
+        resume=True,
+        shuffle=True,
+        seed=4,
+    )
+    model = eval_norm(net())
+    with pyddp.Trainer(
+        model,
+        ["cpu"] * int(os.environ.get("LOCAL_REPLICAS", "1")),
+        optimizer=torch.optim.Adam,
+        loss_fn=nn.functional.mse_loss,
+        config=cfg,
+        callbacks=[Killer()],
+    ) as t:
+        for m in t.model.replicas:
+            m.norm.eval()
+        result = t.fit((x, y), (x[:20], y[:20]))
+        out["steps"] = result.state.step
+        out["valid"] = t.evaluate((x[:20], y[:20]))["valid_loss"]
+        out["params"] = [p.detach().flatten().tolist() for p in t.model.module.parameters()]
+        out["files"] = sorted(os.listdir(outdir))
+    out["restart"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _write(out: dict) -> None:
+    path = os.path.join(sys.argv[2], f"{sys.argv[1]}.rank{pyddp.rank()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f)
+    os.replace(path + ".tmp", path)
+
+
+def main() -> None:
+    name = sys.argv[1]
+    pyddp.init()
+    out: dict = {"world": pyddp.world()}
+    try:
+        globals()[name](out)
+    except Exception:  # noqa: BLE001 - the test shows it
+        out["exception"] = traceback.format_exc()
+    _write(out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
