@@ -10,6 +10,7 @@ ranks, so it never interleaves with bucket reductions still in flight."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import threading
@@ -20,18 +21,27 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from . import _C
 from .dist import restart_count
 
 _ids = itertools.count()  # every rank builds its GradSyncs in the same order
-_control_groups: Dict[tuple, Any] = {}
+_groups: Dict[tuple, Any] = {}
+# Released while the interpreter is whole: a gloo group destroyed during
+# interpreter teardown can end the process in std::terminate.
+atexit.register(_groups.clear)
 
 
-class ProcessGroupError(RuntimeError):
-    """A collective across processes failed or timed out."""
+class ProcessGroupError(_C.ReduceError):
+    """A collective across processes failed or timed out (a ReduceError)."""
+
+
+ONE_PROCESS = object()  # group= value that keeps a call inside this process
 
 
 def resolve_group(group: Any) -> Optional[Any]:
     """The process group to span, or None to stay in one process."""
+    if group is ONE_PROCESS:
+        return None
     if group is not None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -43,28 +53,40 @@ def resolve_group(group: Any) -> Optional[Any]:
     return None
 
 
-def _control_group(group: Any, ranks: List[int]) -> Any:
-    # A gloo group of the same ranks: small blocking exchanges must not pair
-    # with a bucket reduction that another rank launched earlier on `group`.
-    key = (id(group), tuple(ranks))
-    if key not in _control_groups:
-        _control_groups[key] = (
+def _own_group(group: Any, ranks: List[int], timeout_s: float, role: str) -> Any:
+    """A gloo group of the same ranks, for pyddp alone, with pyddp's timeout.
+    "control": small blocking exchanges must not pair with a bucket reduction
+    another rank launched earlier. "data": bucket reductions must not pair with
+    the user's own collectives on the default group (a rank that ran out of
+    batches and waits in a barrier must time out, not feed a reduction)."""
+    key = (id(group), tuple(ranks), timeout_s, role)
+    if key not in _groups:
+        _groups[key] = (
             group,
-            dist.new_group(ranks, backend="gloo", use_local_synchronization=True),
+            dist.new_group(
+                ranks,
+                backend="gloo",
+                timeout=datetime.timedelta(seconds=timeout_s),
+                use_local_synchronization=True,
+            ),
         )
-    return _control_groups[key][1]
+    return _groups[key][1]
 
 
 class CrossProcess:
     def __init__(self, group: Any, timeout_s: float, names: Sequence[str]):
-        self.group = group
         self.ranks = dist.get_process_group_ranks(group)
+        # A group the caller passed is used as given; the default one is not
+        # shared with the caller's own collectives.
+        if group is dist.group.WORLD:
+            group = _own_group(group, self.ranks, timeout_s, "data")
+        self.group = group
         self.rank = dist.get_rank(group)
         self.world = len(self.ranks)
         self.root = self.ranks[0]  # the global rank of the group's rank 0
         self.timeout = timeout_s
         self.names = list(names)
-        self.ctrl = _control_group(group, self.ranks)
+        self.ctrl = _own_group(group, self.ranks, timeout_s, "control")
         try:
             self.store: Optional[Any] = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - the census below is then skipped
@@ -81,6 +103,7 @@ class CrossProcess:
         self.done_ns: Dict[int, int] = {}
         self.agree_ns = 0  # the last iteration's unused-parameter agreement (exposed)
         self._agree_work: Optional[Any] = None
+        self._agree_launch_ns = 0
         self._none_here: List[int] = []
         self._mask: Optional[torch.Tensor] = None
         self.wait_ns = 0  # the last iteration's wait for cross-process reductions
@@ -104,7 +127,7 @@ class CrossProcess:
                         "process must wrap the same model"
                     )
 
-    def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+    def broadcast(self, tensors: Sequence[torch.Tensor], what: str = "broadcast") -> None:
         """Overwrites `tensors` with the group root's values (one message per dtype)."""
         by_kind: Dict[tuple, List[torch.Tensor]] = {}
         for t in tensors:
@@ -113,7 +136,7 @@ class CrossProcess:
         with torch.no_grad():
             for group in by_kind.values():
                 flat = _flatten_dense_tensors([t.detach() for t in group])
-                self._ctrl_call(dist.broadcast, flat, src=self.root, group=self.ctrl)
+                self._ctrl_call(what, dist.broadcast, flat, src=self.root, group=self.ctrl)
                 for t, v in zip(group, _unflatten_dense_tensors(flat, group)):
                     t.copy_(v)
 
@@ -124,7 +147,9 @@ class CrossProcess:
         if len(order) == size:
             t[0] = size
             t[1:] = torch.tensor(list(order), dtype=torch.int64)
-        self._ctrl_call(dist.broadcast, t, src=self.root, group=self.ctrl)
+        self._ctrl_call(
+            "the bucket plan broadcast", dist.broadcast, t, src=self.root, group=self.ctrl
+        )
         return None if t[0].item() != size else t[1:].tolist()
 
     # ----------------------------------------------------------- per backward
@@ -135,14 +160,15 @@ class CrossProcess:
         adds latency only where it outlasts them."""
         if self.failed is not None:
             raise ProcessGroupError(self.failed)
+        t0 = time.perf_counter_ns()
         mask = torch.ones(size, dtype=torch.uint8)
         mask[list(none_here)] = 0
         self._none_here = list(none_here)
         self._mask = mask
-        self._agree_t0 = time.perf_counter_ns()
         self._agree_work = dist.all_reduce(
             mask, op=dist.ReduceOp.MAX, group=self.ctrl, async_op=True
         )
+        self._agree_launch_ns = time.perf_counter_ns() - t0
 
     def unused_everywhere(self) -> List[int]:
         """After wait(): the parameters with a gradient on no process."""
@@ -156,20 +182,27 @@ class CrossProcess:
             self._fail(f"the exchange on unused parameters failed: {_first_line(e)}")
         if ok is False:
             self._fail(f"the exchange on unused parameters took over {self.timeout:g} s")
-        # The exposed part: what the exchange added after the buckets were done.
-        self.agree_ns = time.perf_counter_ns() - t0
+        # The exposed part: launching it, and waiting for it once the buckets
+        # were done.
+        self.agree_ns = time.perf_counter_ns() - t0 + self._agree_launch_ns
         return [i for i in self._none_here if not self._mask[i]]
 
     def from_root(self, obj: Any) -> Any:
         """The group root's `obj` on every rank (pickled through gloo)."""
         box = [obj if self.rank == 0 else None]
-        self._ctrl_call(dist.broadcast_object_list, box, src=self.root, group=self.ctrl)
+        self._ctrl_call(
+            "the broadcast from rank 0",
+            dist.broadcast_object_list,
+            box,
+            src=self.root,
+            group=self.ctrl,
+        )
         return box[0]
 
     def sum_over_ranks(self, values: Sequence[float]) -> List[float]:
         """Element-wise sums over ranks (float64), on the control group."""
         t = torch.tensor(list(values), dtype=torch.float64)
-        self._ctrl_call(dist.all_reduce, t, group=self.ctrl)
+        self._ctrl_call("a sum over ranks", dist.all_reduce, t, group=self.ctrl)
         return t.tolist()
 
     def launch(self, bucket: int) -> None:
@@ -261,14 +294,13 @@ class CrossProcess:
             return
         self._fail(why, census=False)
 
-    def _ctrl_call(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+    def _ctrl_call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         if self.failed is not None:
             raise ProcessGroupError(self.failed)
         try:
             fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - named and re-raised below
-            what = getattr(fn, "__name__", "collective")
-            self._fail(f"{what} on the control group: {_first_line(e)}")
+            self._fail(f"{what} failed: {_first_line(e)}")
 
     def _fail(self, what: str, census: bool = True) -> None:
         missing = self._census() if census else ""
@@ -298,7 +330,10 @@ class CrossProcess:
         if not others:
             return ""
         named = ", ".join(str(self.ranks[r]) for r in others)
-        return f"; missing: rank {named} (died or stopped arriving)"
+        return (
+            f"; missing: rank {named} (died, stalled, or ran out of batches: every rank must "
+            "run the same number of steps)"
+        )
 
     def _names(self, bucket: int) -> str:
         if 0 <= bucket < len(self.buckets):
@@ -309,7 +344,11 @@ class CrossProcess:
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    if not text:
+        return type(e).__name__
+    line = text.splitlines()[0]
+    # gloo appends advice that does not apply here ("... GLHF!").
+    return line.split(" This is typically caused")[0]
 
 
 def _entry(e: Any) -> str:

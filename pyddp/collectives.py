@@ -14,6 +14,8 @@ import torch
 
 from ._params import DTYPE_NAMES
 from ._runtime import backend_kind, make_backend
+from ._xproc import ONE_PROCESS as _ONE_PROCESS
+from ._xproc import resolve_group
 from .sync import ReduceError
 
 # (kind, devices) -> (backend, lock). A backend is not re-entrant: one call at
@@ -22,7 +24,7 @@ _backends: Dict[Tuple[str, Tuple[int, ...]], Tuple[Any, threading.Lock]] = {}
 _backends_lock = threading.Lock()
 
 
-def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
+def all_reduce(tensors: Sequence[Any], op: str = "sum", group: Any = None) -> None:
     """Reduces `tensors` (one per replica; same shape and dtype; dense,
     contiguous and sharing no memory with each other) in place: afterwards
     each holds the sum (op="sum") or the mean (op="avg") of all.
@@ -32,7 +34,12 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
     and those streams wait for it; the host does not block. A tensor allocated
     on another stream is recorded on the current one, so its memory is not
     reused before the reduction is done. One tensor: nothing to reduce, no
-    communicator is created."""
+    communicator is created.
+
+    Across processes (torch.distributed initialised with several processes,
+    or `group=` a process group; every rank must call it): the tensors of
+    every process are reduced, "avg" dividing by their total count. CPU
+    tensors only for now; this blocks until done."""
     cupy_streams = [_cupy_stream(t) for t in tensors]
     tensors = [_as_tensor(t, i) for i, t in enumerate(tensors)]
     if not tensors:
@@ -58,6 +65,10 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
     _check_disjoint(tensors)
     devices = [t.device for t in tensors]
     kind = backend_kind(devices)
+    xgroup = resolve_group(group)
+    if xgroup is not None:
+        _all_reduce_across(tensors, op, xgroup)
+        return
     if len(tensors) == 1:
         return  # the sum and the mean of one tensor is itself
     indices = tuple(-1 if d.type == "cpu" else d.index for d in devices)
@@ -87,6 +98,25 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum") -> None:
             with _backends_lock:
                 _backends.pop(key, None)
             raise
+
+
+def _all_reduce_across(tensors: Sequence[torch.Tensor], op: str, group: Any) -> None:
+    import torch.distributed as dist
+
+    if tensors[0].device.type != "cpu":
+        raise NotImplementedError(
+            "all_reduce across processes: GPU tensors need a cross-process NCCL communicator, "
+            "which this version does not build yet; use torch.distributed.all_reduce"
+        )
+    if len(tensors) > 1:
+        all_reduce(tensors, "sum", group=_ONE_PROCESS)
+    count = torch.tensor([float(len(tensors))], dtype=torch.float64)
+    dist.all_reduce(tensors[0], group=group)
+    if op == "avg":
+        dist.all_reduce(count, group=group)
+        tensors[0].div_(count.item())
+    for t in tensors[1:]:
+        t.copy_(tensors[0])
 
 
 def _check_disjoint(tensors: Sequence[torch.Tensor]) -> None:

@@ -117,8 +117,11 @@ class ShardedLoader:
         return rest if rest and not loader.drop_last else None
 
     def _sliced_loader_drops(self, last: Optional[int]) -> bool:
-        return self.world > 1 and getattr(self, "_sliced", False) and last is not None and (
-            last < self.world
+        return (
+            self.world > 1
+            and getattr(self, "_sliced", False)
+            and last is not None
+            and (last < self.world)
         )
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[List[Shard]]:

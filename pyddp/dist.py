@@ -63,7 +63,16 @@ def init(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> No
                 f"{torch.cuda.device_count()} GPU(s): start at most that many processes per node"
             )
         torch.cuda.set_device(local)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=seconds))
+    timeout = datetime.timedelta(seconds=seconds)
+    # torchrun's store outlives a restart of the group (--max-restarts): the
+    # previous round's rendezvous keys are still in it, and gloo would connect
+    # to the dead peers they name ("connectFullMesh ... Connection refused").
+    # Every round gets its own key space.
+    store, rank_, world_ = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"pyddp/round{restart_count()}", store)
+    dist.init_process_group(
+        backend=backend, store=store, rank=rank_, world_size=world_, timeout=timeout
+    )
 
 
 def is_distributed(group: Any = None) -> bool:

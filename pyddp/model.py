@@ -378,7 +378,7 @@ class DistributedModel(nn.Module):
             if xp is not None and self.module.training and torch.is_grad_enabled():
                 # Across processes only before training forwards, as torch DDP:
                 # an evaluation may run on some ranks only.
-                xp.broadcast(list(self.module.buffers()))
+                xp.broadcast(list(self.module.buffers()), "the broadcast of rank 0's buffers")
             self._copy_buffers()
 
     def _copy_buffers(self) -> None:

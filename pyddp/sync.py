@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import weakref
 from collections import Counter
 from functools import partial
@@ -326,6 +327,9 @@ class GradSync:
         Raises ReduceError (naming bucket and parameters) if a reduction failed."""
         if self._engine is None:
             return
+        # Autograd is done here: what follows (settling unused parameters, the
+        # agreement across processes) counts as finish, not backward compute.
+        self._finish_called_ns = time.monotonic_ns()
         streams: List[int] = []
         if self._streams is not None:
             # Unmarked slices are reconciled on these streams; their reductions
@@ -378,7 +382,7 @@ class GradSync:
         entries += [("buffer", n, b) for n, b in m0.named_buffers()]
         xp.check_same_model(model_signature(entries, self.devices[0].type), "model")
         state = [t for _, _, t in entries]
-        xp.broadcast(state)
+        xp.broadcast(state, "the broadcast of rank 0's parameters and buffers")
         with torch.no_grad():
             for m in self.replicas[1:]:
                 mine = [p for p in m.parameters()] + [b for b in m.buffers()]
@@ -467,6 +471,8 @@ class GradSync:
                 if timeline is not None:
                     for b, t in done.items():
                         timeline["bucket_done_ns"][b] = t
+            # The engine's clock is the steady clock: time.monotonic_ns here.
+            raw["finish_start_ns"] = min(raw["finish_start_ns"], self._finish_called_ns)
             raw["wait_ns"] += xp.wait_ns
             raw["finish_end_ns"] += xp.wait_ns
             raw["agree_ns"] = xp.agree_ns
@@ -507,9 +513,7 @@ class GradSync:
             # reduced too, with zeros from here; which of them have a gradient
             # on no process at all is agreed meanwhile, and those return to
             # None after the reductions (_finish_across_processes).
-            absent = sorted(
-                set(none_here) | {i for i in nowhere if not self._engine.has_grad(i)}
-            )
+            absent = sorted(set(none_here) | {i for i in nowhere if not self._engine.has_grad(i)})
             self._xproc.start_agreement(absent, len(self.names))
             for i in absent:
                 self._engine.note_grad(i, True)

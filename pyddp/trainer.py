@@ -256,7 +256,9 @@ class Trainer:
             rank=self.rank,
             world=self.world,
         )
-        was_training = self.model.training
+        # Each module's own mode comes back afterwards (a user may keep, say,
+        # BatchNorm in eval mode while training the rest).
+        modes = [(m, m.training) for m in self.model.module.modules()]
         self.model.broadcast_buffers_now()  # evaluate replica 0's statistics everywhere
         self.model.eval()
         names = ["loss", *self.metrics]
@@ -279,7 +281,9 @@ class Trainer:
                     totals = batch if totals is None else totals + batch
                     rows += sum(_rows(s) for s in shards)
         finally:
-            self.model.train(was_training)
+            for m, mode in modes:
+                m.train(mode)
+            self.model.training = self.model.module.training
         if self._xp is not None:  # every rank's rows: the same figures everywhere
             sums = self._xp.sum_over_ranks([rows, *totals.tolist()])
             rows, totals = sums[0], torch.tensor(sums[1:], dtype=torch.float64)

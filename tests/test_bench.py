@@ -1,7 +1,8 @@
 """pyddp-bench: every subcommand end to end in quick mode with its options
 after the subcommand (and before it), the help text, the folded all-reduce
-columns, and the overlap lower bound's warm-up. No timing assertions: only
-structure, arithmetic, and fake clocks."""
+columns, the overlap lower bound's warm-up, and overlap across processes
+(torchrun, 2 workers). No timing assertions: only structure, arithmetic, and
+fake clocks."""
 
 import json
 import subprocess
@@ -122,3 +123,54 @@ def test_overlap_lower_bound_is_not_charged_the_cold_start(monkeypatch):
     for r in result["results"]:
         assert r["samples_s"] == [1.0, 1.0], r["variant"]
         assert r["over_lower_bound"] == 1.0 and r["within_bound_spread"]
+
+
+def test_overlap_across_processes_quick_writes_consistent_results(tmp_path):
+    # torchrun, 2 workers, a tiny model: checks the command and the arithmetic
+    # of its results, never the timings.
+    out = subprocess.run(
+        [sys.executable, "-m", "pyddp.bench", "overlap", "--processes", "2", "--quick"]
+        + ["--threads", "1", "--width", "16", "--depth", "1", "--batch", "6"]
+        + ["--no-progress", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "1 intra-op thread per process (--threads" in out.stdout
+    data = json.loads((tmp_path / "overlap-2proc-quick.json").read_text())
+    cfg = data["config"]
+    assert (cfg["processes"], cfg["threads"], cfg["width"], cfg["batch"]) == (2, 1, 16, 6)
+    rounds = cfg["rounds"]
+    pyddp_r, ddp_r = data["results"]
+    assert (pyddp_r["variant"], ddp_r["variant"]) == ("pyddp", "torch DDP")
+    for r in (pyddp_r, ddp_r):
+        assert r["step_s"]["n"] == len(r["samples_s"]) == rounds
+        assert [len(s) for s in r["per_rank_samples_s"]] == [rounds, rounds]
+        # A sample is the slowest rank's.
+        assert r["samples_s"] == [max(a, b) for a, b in zip(*r["per_rank_samples_s"])]
+        assert 0.0 <= r["overlap_fraction"] <= 1.0
+        assert r["exposed_comm_s"] == pytest.approx(r["comm_s"] - r["overlap_s"])
+        assert r["comm_s"] > 0  # both engines reduced something in every sample
+    ratio = data["ratio"]
+    medians = pyddp_r["step_s"]["median"] / ddp_r["step_s"]["median"]
+    assert ratio["pyddp_over_ddp"] == pytest.approx(medians)
+    assert ratio["paired"]["n"] == rounds
+    assert ratio["paired"]["p10"] <= ratio["paired"]["median"] <= ratio["paired"]["p90"]
+    agree = data["agreement"]
+    assert agree["mean_us"] == pytest.approx(agree["mean_s"] * 1e6)
+    assert agree["fraction_of_step"] == pytest.approx(agree["mean_s"] / pyddp_r["step_s"]["median"])
+    assert (tmp_path / "overlap-2proc-quick.png").is_file()
+
+
+def test_overlap_processes_refuses_no_ddp_and_bad_counts(capsys):
+    for argv, message in (
+        (["--processes", "2", "--no-ddp"], "this mode measures pyddp against DDP"),
+        (["--processes", "0"], "--processes 0: give 1"),
+        (["--processes", "2", "--threads", "0"], "--threads 0: give 1 or more"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["overlap", *argv])
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err

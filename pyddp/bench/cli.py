@@ -14,7 +14,7 @@ import torch
 
 import pyddp
 
-from . import allreduce, overlap, simulate
+from . import allreduce, multiproc, overlap, simulate
 from ._util import cpu_busy, machine, make_input, make_model, table, write_json
 
 _OUT = "pyddp-bench-results"
@@ -121,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--rounds", type=int, default=10, help="timed samples per variant")
     o.add_argument("--steps", type=int, default=3, help="steps per sample")
     o.add_argument("--no-ddp", action="store_true", help="skip the torch DDP processes")
+    multiproc.add_options(o)
 
     s = add("simulate", simulate, "alpha-beta prediction for n devices")
     _model_options(s)
@@ -148,6 +149,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"allreduce --replicas {bad}: each must be 1..{len(args.devices)}, "
                 "the number of --devices"
             )
+    if args.command == "overlap":
+        multiproc.check_args(parser, args)
     busy = cpu_busy()  # before anything of ours runs: other work on the machine
     noisy = " (other work is running: figures will be noisy)" if busy > 0.1 else ""
     print(
@@ -156,11 +159,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     command = {"allreduce": _allreduce, "overlap": _overlap, "simulate": _simulate}
     payload = command[args.command](args)
-    path = _path(args, args.command)
+    path = _path(args, _result_name(args))
     info = {**machine(), "cpu_busy_before_start": busy}
     write_json(path, {"args": vars(args), "machine": info, **payload})
     print(f"wrote {path}")
     return 0
+
+
+def _result_name(args: argparse.Namespace) -> str:
+    """The results' file name: the multi-process mode's never overwrite the others'."""
+    if args.command == "overlap" and args.processes > 1:
+        return f"overlap-{args.processes}proc"
+    return args.command
 
 
 def _path(args: argparse.Namespace, name: str) -> Path:
@@ -246,8 +256,11 @@ def _model_size(args: argparse.Namespace) -> Dict[str, int]:
 
 
 def _overlap(args: argparse.Namespace) -> Dict[str, Any]:
-    caps = [float(c) for c in args.caps.split(",") if c]
     size = _model_size(args)
+    if args.processes > 1:
+        chart = _path(args, _result_name(args)).with_suffix(".png")
+        return multiproc.command(args, size, chart)
+    caps = [float(c) for c in args.caps.split(",") if c]
     # --quick: the tiny model's step takes about a millisecond, so each sample
     # averages several steps; still far too little work to rank the variants.
     rounds, steps = (5, 8) if args.quick else (args.rounds, args.steps)

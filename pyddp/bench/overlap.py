@@ -10,6 +10,11 @@ Step-time medians with p10-p90, ratios to the lower bound, overlap and exposed
 communication from pyddp's own statistics. DataParallel does not run on CPU
 replicas and is left out there.
 
+With --processes N (N > 1): pyddp across N processes (1 CPU replica each,
+started through torchrun) against torch DDP (gloo) in the same processes,
+interleaved; step time, the ratio pyddp / DDP, overlap for both and the cost
+of the per-step agreement across processes (see pyddp.bench.multiproc).
+
 The lower bound is measured in the same run, interleaved with the others, not
 computed: it carries the same noise, so a variant whose reductions cost less
 than that noise (a tiny model, as with --quick) can come out below it. A ratio
@@ -231,9 +236,13 @@ def chart(result: Dict[str, Any], path: Path) -> Path:
     ax.invert_yaxis()
     ax.set_xlabel("step time, ms (median, p10-p90)")
     cfg = result["config"]
+    if "processes" in cfg:  # pyddp.bench.multiproc's results
+        where = f"{cfg['processes']} processes x 1 replica"
+    else:
+        where = f"{len(cfg['devices'])} replicas"
     ax.set_title(
         f"pyddp overlap: {cfg['model']} w{cfg['width']} d{cfg['depth']}, "
-        f"batch {cfg['batch']}, {len(cfg['devices'])} replicas"
+        f"batch {cfg['batch']}, {where}"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

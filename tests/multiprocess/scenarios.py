@@ -48,7 +48,10 @@ def net(seed: int = 0) -> Net:
 
 def data(steps: int, batch: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 6, generator=g), torch.randn(batch, 3, generator=g)) for _ in range(steps)]
+    return [
+        (torch.randn(batch, 6, generator=g), torch.randn(batch, 3, generator=g))
+        for _ in range(steps)
+    ]
 
 
 def my_rows(n: int, rank: int, world: int) -> slice:
@@ -115,7 +118,9 @@ def equivalence(out: dict) -> None:
             for p, q in zip(dm.module.parameters(), ref2.parameters())
             if q.grad is not None
         )
-        out["uneven_global_loss"] = abs(dm.last_global_loss - nn.functional.mse_loss(ref2(x), y).item())
+        out["uneven_global_loss"] = abs(
+            dm.last_global_loss - nn.functional.mse_loss(ref2(x), y).item()
+        )
 
     # Low-level GradSync with per-replica losses, no_sync accumulation, and a
     # parameter used on rank 0 only.
@@ -199,6 +204,16 @@ class _null:
         return False
 
 
+def collectives(out: dict) -> None:
+    rank = pyddp.rank()
+    ts = [torch.full((3,), 2.0 * rank + 1), torch.full((3,), 2.0 * rank + 2)]
+    pyddp.all_reduce(ts)
+    out["sum"] = ts[1].tolist()
+    ts = [torch.full((3,), 2.0 * rank + 1), torch.full((3,), 2.0 * rank + 2)]
+    pyddp.all_reduce(ts, op="avg")
+    out["avg"] = ts[0].tolist()
+
+
 def mismatch(out: dict) -> None:
     model = nn.Linear(4, 3 if pyddp.rank() == 0 else 5)
     try:
@@ -208,21 +223,24 @@ def mismatch(out: dict) -> None:
 
 
 def killed(out: dict) -> None:
-    """Rank 1 dies in its second backward; the others must fail fast, naming it."""
+    """Rank 1 dies inside its second backward; the others must fail fast,
+    naming it and the bucket they were reducing."""
     rank = pyddp.rank()
-    model = net()
-    dm = pyddp.wrap(model, ["cpu"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
+    step = [0]
+    if rank == 1:
+        model[0].weight.register_hook(lambda g: os._exit(3) if step[0] == 1 else g)
+    dm = pyddp.wrap(model, ["cpu"], bucket_cap_mb=0)
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     x, y = torch.randn(8, 6), torch.randn(8, 3)
-    for step in range(3):
-        if rank == 1 and step == 1:
-            os._exit(3)
+    for step[0] in range(3):
         t0 = time.monotonic()
         try:
             nn.functional.mse_loss(dm(x), y).backward()
             opt.step()
             opt.zero_grad()
-        except Exception as e:  # noqa: BLE001 - reported to the test
+        except pyddp.ReduceError as e:
             out["error"] = f"{type(e).__name__}: {e}"
             out["seconds"] = time.monotonic() - t0
             return
@@ -232,7 +250,8 @@ def killed(out: dict) -> None:
 def stalled(out: dict) -> None:
     """Rank 1 stops arriving (sleeps); rank 0 fails within PYDDP_TIMEOUT_S."""
     rank = pyddp.rank()
-    dm = pyddp.wrap(net(), ["cpu"])
+    torch.manual_seed(0)
+    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
     x, y = torch.randn(8, 6), torch.randn(8, 3)
     nn.functional.mse_loss(dm(x), y).backward()
     if rank == 1:
@@ -241,6 +260,27 @@ def stalled(out: dict) -> None:
     t0 = time.monotonic()
     try:
         nn.functional.mse_loss(dm(x), y).backward()
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - t0
+    _write(out)
+    os._exit(0)  # the group is broken: no clean shutdown to wait for
+
+
+def uneven(out: dict) -> None:
+    """Rank 1 has one batch fewer and then waits in a barrier of its own:
+    rank 0 fails within the timeout naming it; nothing pairs the barrier
+    with a bucket reduction (pyddp reduces on a group of its own)."""
+    rank = pyddp.rank()
+    torch.manual_seed(0)
+    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), ["cpu"])
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    t0 = time.monotonic()
+    try:
+        for _ in range(3 if rank == 0 else 2):
+            nn.functional.mse_loss(dm(x), y).backward()
+        dist.barrier()
         out["error"] = None
     except Exception as e:  # noqa: BLE001 - reported to the test
         out["error"] = f"{type(e).__name__}: {e}"
@@ -268,6 +308,7 @@ def trainer(out: dict) -> None:
     cfg = pyddp.TrainConfig(
         batch_size=10,
         max_steps=max_steps,
+        max_epochs=100,
         output_dir=outdir,
         checkpoint_every_steps=2,
         eval_every_steps=3,

@@ -1,0 +1,375 @@
+"""`pyddp-bench overlap --processes N`: pyddp across processes against torch
+DDP, N processes x 1 CPU replica each, same model and global batch.
+
+The command starts the processes itself through torchrun (`python -m
+torch.distributed.run`); each one runs this module's `worker`. Every process
+holds both engines side by side: `pyddp.wrap(model, ["cpu"])` (spanning the
+processes after `pyddp.init()`) and `DistributedDataParallel` (gloo,
+`find_unused_parameters=False`) on its own gloo group, and times them in
+interleaved A/B rounds (who goes first alternates each round, so drift hits
+both) after an untimed warm-up round. A sample's step time is the slowest
+rank's mean over `steps` steps. Rank 0 gathers the samples and writes them to
+the file the parent reads; the parent prints the table and writes the JSON.
+
+Overlap figures use the same definitions for both engines (comm = first
+launch -> last reduction done, overlap = first launch -> autograd done):
+pyddp's from `dm.stats()` over every timed step, DDP's from
+`ddp._get_ddp_logging_data()` per iteration, one per sample (DDP records an
+iteration's figures at the next forward, with the sample rate set to 1).
+pyddp's per-iteration agreement cost is `agree_s`: the wait for the exchange
+on unused parameters left after the bucket reductions are done. The launch
+order needs no per-iteration exchange: it is the bucket index, on rank 0's
+bucket plan agreed once after the first (warm-up) iteration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+import pyddp
+
+from ._util import make_input, make_model, rotated, summary, table
+
+PYDDP, DDP = "pyddp", "torch DDP"
+
+
+def cores() -> int:
+    """The cores this process may run on (the machine's, less any affinity mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_threads(processes: int) -> int:
+    return max(1, cores() // processes)
+
+
+# --------------------------------------------------------------- parent side
+def add_options(p: argparse.ArgumentParser) -> None:
+    """The overlap subcommand's options for this mode."""
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="N > 1: pyddp across N processes (1 CPU replica each, started through torchrun) "
+        "against torch DDP in the same processes; --devices and --caps are then unused",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="with --processes: intra-op threads per process (default: cores // processes)",
+    )
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.processes < 1:
+        parser.error(f"overlap --processes {args.processes}: give 1 (one process) or more")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"overlap --threads {args.threads}: give 1 or more")
+    if args.processes > 1 and args.no_ddp:
+        parser.error("overlap --processes N with --no-ddp: this mode measures pyddp against DDP")
+
+
+def command(args: argparse.Namespace, size: Dict[str, int], chart: Path) -> Dict[str, Any]:
+    """`pyddp-bench overlap --processes N` (args from pyddp.bench.cli): runs,
+    prints the table, draws the chart; returns the results for the JSON."""
+    from . import overlap
+
+    # --quick: a few samples of a few steps; process start-up dominates anyway.
+    rounds, steps = (5, 4) if args.quick else (args.rounds, args.steps)
+    config = {
+        "model": args.model,
+        **size,
+        "processes": args.processes,
+        "threads": args.threads or default_threads(args.processes),
+        "threads_from": "--threads" if args.threads else "cores // processes",
+        "cores": cores(),
+        "rounds": rounds,
+        "steps": steps,
+        "progress": not args.no_progress,
+    }
+    result = run(config, args.processes)
+    print(report(result))
+    if args.quick:
+        print("--quick: a tiny model and few samples: this checks that the command runs.")
+    print(f"chart {overlap.chart(result, chart)}")
+    return result
+
+
+def run(config: Dict[str, Any], processes: int) -> Dict[str, Any]:
+    """Starts `processes` workers under torchrun and returns rank 0's results."""
+    env = dict(os.environ)
+    # The workers import the same pyddp as this process, wherever it lives.
+    root = str(Path(pyddp.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    # Set before torch starts in the workers (torchrun would set 1 and say so).
+    env["OMP_NUM_THREADS"] = str(config["threads"])
+    with tempfile.TemporaryDirectory(prefix="pyddp-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={processes}",
+            f"--master-port={_free_port()}",
+            "-m",
+            "pyddp.bench.multiproc",
+            json.dumps(config),
+            str(out),
+        ]
+        done = subprocess.run(cmd, env=env)
+        if done.returncode != 0 or not out.is_file():
+            raise RuntimeError(
+                f"pyddp-bench overlap --processes {processes}: the workers failed (torchrun "
+                f"exit status {done.returncode}; their errors are printed above). Command: "
+                + " ".join(cmd[:7])
+            )
+        return json.loads(out.read_text())
+
+
+def _free_port() -> int:
+    # The OS picks an unused port; torchrun binds it a moment later. Another
+    # program could take it in between, which then fails loudly, never silently.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def report(result: Dict[str, Any]) -> str:
+    """The table and its notes, as the parent prints them."""
+    cfg = result["config"]
+    rows = [
+        [
+            r["variant"],
+            r["step_s"]["median"] * 1e3,
+            r["step_s"]["p10"] * 1e3,
+            r["step_s"]["p90"] * 1e3,
+            f"{100 * r['overlap_fraction']:.0f}%",
+            r["comm_s"] * 1e3,
+            r["exposed_comm_s"] * 1e3,
+            r["backward_compute_s"] * 1e3,
+        ]
+        for r in result["results"]
+    ]
+    ratio, agree = result["ratio"], result["agreement"]
+    paired = ratio["paired"]
+    lines = [
+        f"{cfg['model']} width {cfg['width']} depth {cfg['depth']}, global batch "
+        f"{cfg['batch']}, {cfg['processes']} processes x 1 CPU replica (torchrun), "
+        f"{_plural(cfg['threads'], 'intra-op thread')} per process ({cfg['threads_from']}, "
+        f"{cfg['cores']} cores); "
+        f"{cfg['rounds']} interleaved A/B samples of {cfg['steps']} steps after a warm-up round",
+        table(
+            [
+                "variant",
+                "step ms",
+                "p10",
+                "p90",
+                "overlap",
+                "comm ms",
+                "exposed comm ms",
+                "bwd compute ms",
+            ],
+            rows,
+        ),
+        f"pyddp / torch DDP step time: {ratio['pyddp_over_ddp']:.3f}x (ratio of the medians); "
+        f"per-round paired ratios p10-p90 {paired['p10']:.3f}-{paired['p90']:.3f}",
+        f"cross-process agreement on unused parameters (pyddp, exposed part, mean over ranks "
+        f"and timed steps): {agree['mean_us']:.1f} us per step, "
+        f"{100 * agree['fraction_of_step']:.2f}% of pyddp's median step; launch order: "
+        "bucket index on rank 0's plan, agreed once at the first iteration (no per-step cost)",
+        "step: the slowest rank's mean per sample. overlap = overlap / comm (torch DDP's "
+        "definitions): pyddp from dm.stats()\nover every timed step, torch DDP from "
+        "_get_ddp_logging_data() per iteration, one per sample.",
+    ]
+    if cfg["processes"] * cfg["threads"] > cfg["cores"]:
+        lines.append(
+            f"{cfg['processes']} processes x {cfg['threads']} threads exceed the "
+            f"{cfg['cores']} cores: the processes compete for them"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- rank side
+def worker(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """One rank's benchmark; returns the combined results on rank 0, else None."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from tqdm.auto import tqdm
+
+    torch.set_num_threads(cfg["threads"])
+    pyddp.init()
+    rank, world = pyddp.rank(), pyddp.world()
+    # The benchmark's own barriers and gathers, and DDP, each on a gloo group
+    # of their own: none shares a queue with pyddp's reductions on WORLD.
+    bench_group = dist.new_group(backend="gloo")
+    ddp_group = dist.new_group(backend="gloo")
+    x, y = make_input(cfg["model"], cfg["width"], cfg["batch"])
+    rows = _rows(cfg["batch"], rank, world)
+    xs, ys = x[rows], y[rows]
+    build = (cfg["model"], cfg["width"], cfg["depth"])
+    dm = pyddp.wrap(make_model(*build), ["cpu"])
+    ddp = DistributedDataParallel(
+        make_model(*build), process_group=ddp_group, find_unused_parameters=False
+    )
+    ddp._set_ddp_runtime_logging_sample_rate(1)  # every iteration's figures, not 1 in 100
+
+    def pyddp_step() -> None:
+        F.cross_entropy(dm(xs), ys).backward()
+        dm.zero_grad()
+
+    def ddp_step() -> None:
+        F.cross_entropy(ddp(xs), ys).backward()
+        ddp.zero_grad()
+
+    cases: List[tuple] = [(PYDDP, pyddp_step), (DDP, ddp_step)]
+    times: Dict[str, List[float]] = {PYDDP: [], DDP: []}
+    stats: Dict[str, List[Dict[str, float]]] = {PYDDP: [], DDP: []}
+    rounds, steps = cfg["rounds"], cfg["steps"]
+    bar = tqdm(
+        total=rounds * len(cases),
+        desc=f"overlap rounds ({world} processes)",
+        disable=rank != 0 or not cfg["progress"],
+        leave=False,
+    )
+    # Round 0 is warm-up (thread pools, allocator, both engines' bucket
+    # rebuild after their first iteration): untimed.
+    for r in range(rounds + 1):
+        for name, step in rotated(cases, r):
+            step()  # untimed: brings this engine's weights back into cache
+            # Why: every rank starts the sample together, so no rank's clock
+            # includes waiting for another to arrive from the previous sample.
+            dist.barrier(group=bench_group)
+            dm.sync.observer.reset()  # pyddp's means cover exactly the timed steps
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            elapsed = (time.perf_counter() - start) / steps
+            if r:
+                times[name].append(elapsed)
+                stats[name].append(_pyddp_stats(dm) if name == PYDDP else _ddp_stats(ddp))
+                bar.update(1)
+    bar.close()
+    mine = {"times": times, "stats": stats, "ddp_logging": _ddp_averages(ddp)}
+    gathered: Optional[List[Any]] = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0, group=bench_group)
+    dm.close()
+    dist.destroy_process_group()
+    return combine(cfg, gathered) if rank == 0 else None
+
+
+def _rows(n: int, rank: int, world: int) -> slice:
+    """This rank's rows of the global batch (the first n % world ranks get one more)."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+def _pyddp_stats(dm: pyddp.DistributedModel) -> Dict[str, float]:
+    mean = dm.stats()["mean"]
+    keys = ("backward_compute_s", "comm_s", "overlap_s", "agree_s")
+    return {k: float(mean.get(k, 0.0)) for k in keys}
+
+
+def _ddp_stats(ddp: Any) -> Dict[str, float]:
+    # The iteration before the last forward: DDP records at the next forward.
+    d = ddp._get_ddp_logging_data()
+    comm = d.get("backward_comm_time", 0) / 1e9
+    overlap = d.get("backward_compute_comm_overlap_time", 0) / 1e9
+    return {
+        "backward_compute_s": d.get("backward_compute_time", 0) / 1e9,
+        "comm_s": comm,
+        "overlap_s": min(max(overlap, 0.0), comm),  # clipped as pyddp's (pyddp.observe)
+        "iteration": d.get("iteration", 0),
+    }
+
+
+def _ddp_averages(ddp: Any) -> Dict[str, int]:
+    """DDP's own running averages (ns), warm-up included: kept for reference."""
+    d = ddp._get_ddp_logging_data()
+    return {k: v for k, v in d.items() if k.startswith("avg_") and isinstance(v, int)}
+
+
+def combine(cfg: Dict[str, Any], per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per-rank samples -> the results payload (rank 0, or a test)."""
+    results = []
+    step: Dict[str, List[float]] = {}
+    for name in (PYDDP, DDP):
+        # A sample lasts as long as its slowest rank: the others waited for it.
+        step[name] = [max(s) for s in zip(*(p["times"][name] for p in per_rank))]
+        pooled = [s for p in per_rank for s in p["stats"][name]]
+        means = {k: _mean([s[k] for s in pooled]) for k in ("backward_compute_s", "comm_s")}
+        overlap = _mean([s["overlap_s"] for s in pooled])
+        results.append(
+            {
+                "variant": name,
+                "step_s": summary(step[name]),
+                "samples_s": step[name],
+                "overlap_fraction": overlap / means["comm_s"] if means["comm_s"] > 0 else 0.0,
+                "overlap_s": overlap,
+                "exposed_comm_s": means["comm_s"] - overlap,
+                **means,
+                "per_rank_samples_s": [p["times"][name] for p in per_rank],
+                "per_rank_stats": [p["stats"][name] for p in per_rank],
+            }
+        )
+    median_p, median_d = results[0]["step_s"]["median"], results[1]["step_s"]["median"]
+    agree = _mean([s["agree_s"] for p in per_rank for s in p["stats"][PYDDP]])
+    return {
+        "config": dict(cfg),
+        "results": results,
+        "ratio": {
+            "pyddp_over_ddp": median_p / median_d,
+            # Same-round pairs: the spread of the ratio itself, drift cancelled.
+            "paired": summary([a / b for a, b in zip(step[PYDDP], step[DDP])]),
+        },
+        "agreement": {
+            "mean_s": agree,
+            "mean_us": agree * 1e6,
+            "fraction_of_step": agree / median_p,
+        },
+        "ddp_logging_avg_ns": [p["ddp_logging"] for p in per_rank],
+    }
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _record(fn: Callable[[], None]) -> Callable[[], None]:
+    # torchrun's error files: a failing rank's traceback in torchrun's summary.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(fn)
+
+
+@_record
+def _main() -> None:
+    parser = argparse.ArgumentParser(description="one rank of `pyddp-bench overlap --processes`")
+    parser.add_argument("config", help="JSON: the run's configuration")
+    parser.add_argument("out", help="where rank 0 writes the results (JSON)")
+    args = parser.parse_args()
+    result = worker(json.loads(args.config))
+    if result is not None:
+        Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,237 @@
+"""pyddp across processes on localhost: torchrun (torch.distributed.run) starts
+2-3 processes running tests/multiprocess/scenarios.py; each rank writes what
+it measured, checked here against single-device training and torch DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+
+import pyddp
+
+SCENARIOS = Path(__file__).parent / "multiprocess" / "scenarios.py"
+TOL = 1e-6  # float32 sums over shards and processes associate differently
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ)
+    # The package under test: the installed one, or this checkout's when it
+    # holds a build (tests run from the repository root).
+    root = str(Path(pyddp.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("PYDDP_TIMEOUT_S", "60")
+    env.update(extra or {})
+    return env
+
+
+def torchrun(
+    scenario: str,
+    out: Path,
+    nproc: int = 2,
+    env: Optional[Dict[str, str]] = None,
+    extra_args: Optional[List[str]] = None,
+    timeout: float = 240,
+) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    args += extra_args or [f"--master-port={_free_port()}"]
+    args += [str(SCENARIOS), scenario, str(out)]
+    return subprocess.run(
+        args, env=_env(env), capture_output=True, text=True, timeout=timeout, cwd=out
+    )
+
+
+def env_launch(scenario: str, out: Path, nproc: int, env: Dict[str, str]) -> List[int]:
+    """Starts the ranks with torch.distributed's env:// variables set, without
+    torchrun: its agent would stop the survivors as soon as one rank dies,
+    and these tests check what the survivors see. Returns the exit codes."""
+    port = str(_free_port())
+    procs = []
+    for r in range(nproc):
+        rank_env = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc)}
+        rank_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **env})
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCENARIOS), scenario, str(out)],
+                env=_env(rank_env),
+                cwd=out,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return [p.wait(timeout=240) for p in procs]
+
+
+def results(out: Path, scenario: str, world: int) -> List[dict]:
+    got = []
+    for r in range(world):
+        path = out / f"{scenario}.rank{r}.json"
+        assert path.exists(), f"rank {r} wrote nothing"
+        data = json.loads(path.read_text())
+        assert "exception" not in data, data["exception"]
+        got.append(data)
+    return got
+
+
+@pytest.mark.parametrize("nproc,local", [(2, 1), (2, 2), (3, 1)])
+def test_processes_equal_single_device_and_torch_ddp(tmp_path, nproc, local):
+    run = torchrun("equivalence", tmp_path, nproc, {"LOCAL_REPLICAS": str(local)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in results(tmp_path, "equivalence", nproc):
+        assert r["world"] == nproc
+        for cap in ("0", "25"):  # per-parameter and bucketed
+            assert r[f"wrap_loss_cap{cap}"] <= TOL
+            assert r[f"never_none_cap{cap}"], "unused everywhere must stay None"
+            assert r[f"stats_cap{cap}"] >= 0.0  # the agreement's cost is measured
+        assert r["uneven_grad"] <= TOL, "dmodel.loss must weigh an uneven global batch"
+        assert r["uneven_global_loss"] <= TOL
+        assert r["gradsync_rare"] <= TOL, "used on one rank only: reduced everywhere"
+        assert r["gradsync_rare_has_grad"] and r["gradsync_never_none"]
+        assert r["replicas_equal"]
+        assert r["buffers_equal_across_ranks"] and r["buffers_moved"]
+        assert r["vs_ddp"] <= TOL
+
+
+def test_different_models_are_refused_at_wrap_naming_rank_and_parameter(tmp_path):
+    run = torchrun("mismatch", tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in results(tmp_path, "mismatch", 2):
+        assert "rank 1" in r["error"] and "weight" in r["error"], r["error"]
+        assert "(3, 4)" in r["error"] and "(5, 4)" in r["error"], r["error"]
+
+
+def test_a_killed_rank_is_named_quickly(tmp_path):
+    codes = env_launch("killed", tmp_path, 2, {"PYDDP_TIMEOUT_S": "60"})
+    assert codes[1] == 3  # rank 1 died on purpose
+    r0 = json.loads((tmp_path / "killed.rank0.json").read_text())
+    assert r0["error"] is not None, "rank 0 must not hang or succeed"
+    assert "rank 1" in r0["error"] and "bucket" in r0["error"], r0["error"]
+    assert r0["seconds"] < 30, "a dead peer is seen long before the timeout"
+
+
+def test_a_stalled_rank_is_an_error_within_the_timeout(tmp_path):
+    env_launch("stalled", tmp_path, 2, {"PYDDP_TIMEOUT_S": "4"})
+    r0 = json.loads((tmp_path / "stalled.rank0.json").read_text())
+    assert r0["error"] is not None
+    assert "rank 1" in r0["error"] and "not done after 4 s" in r0["error"], r0["error"]
+    assert 3.5 < r0["seconds"] < 4 + 5 + 5  # timeout + census (<= 5 s) + slack
+
+
+def test_uneven_inputs_fail_within_the_timeout_naming_the_rank(tmp_path):
+    env_launch("uneven", tmp_path, 2, {"PYDDP_TIMEOUT_S": "4"})
+    r0 = json.loads((tmp_path / "uneven.rank0.json").read_text())
+    r1 = json.loads((tmp_path / "uneven.rank1.json").read_text())
+    assert r0["error"] and "rank 1" in r0["error"] and "same number of steps" in r0["error"]
+    assert r1["error"], "rank 1's barrier must not be fed by rank 0's reduction"
+    assert r0["seconds"] < 4 + 5 + 5
+
+
+def test_all_reduce_across_processes(tmp_path):
+    run = torchrun("collectives", tmp_path, 2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in results(tmp_path, "collectives", 2):
+        assert (
+            r["sum"] == [1.0 + 2.0 + 3.0 + 4.0] * 3
+        )  # 2 tensors per rank, rank r fills 2r+1, 2r+2
+        assert r["avg"] == [2.5] * 3
+
+
+def test_init_without_torchrun_environment_says_how_to_launch(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match="torchrun"):
+        pyddp.init()
+    assert pyddp.rank() == 0 and pyddp.world() == 1  # one process, as before
+
+
+def _trainer(tmp_path: Path, name: str, env: Dict[str, str], args=None, nproc=2, train_dir=None):
+    out = tmp_path / name
+    out.mkdir()
+    train_dir = train_dir or out / "run"
+    run = torchrun("trainer", out, nproc, {"TRAIN_DIR": str(train_dir), **env}, args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return results(out, "trainer", nproc), out
+
+
+def test_trainer_across_processes_resumes_exactly_and_writes_from_rank_0(tmp_path):
+    straight, _ = _trainer(tmp_path, "straight", {"MAX_STEPS": "6"})
+    assert straight[0]["steps"] == 6
+    assert straight[0]["params"] == straight[1]["params"], "ranks must hold the same model"
+    assert straight[0]["valid"] == straight[1]["valid"]
+    # Every file is rank 0's: one metrics log, checkpoints every 2 steps.
+    files = sorted(os.listdir(tmp_path / "straight" / "run"))
+    assert "metrics.jsonl" in files and "checkpoints" in files, files
+    rows = (tmp_path / "straight" / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len([r for r in rows if '"train_loss"' in r and '"lr"' in r]) == 6
+
+    # Same run in two fits: 4 steps, then resumed to 6 in new processes.
+    _trainer(tmp_path, "split", {"MAX_STEPS": "4"})
+    resumed, _ = _trainer(
+        tmp_path, "split2", {"MAX_STEPS": "6"}, train_dir=tmp_path / "split" / "run"
+    )
+    assert resumed[0]["params"] == straight[0]["params"], "resume must be exact"
+
+
+def test_single_device_reference_matches_the_trainer(tmp_path):
+    got, _ = _trainer(tmp_path, "two", {"MAX_STEPS": "3", "LOCAL_REPLICAS": "2"})
+    one, _ = _trainer(tmp_path, "one", {"MAX_STEPS": "3"}, nproc=1)
+    for a, b in zip(got[0]["params"], one[0]["params"]):
+        assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5  # Adam: 3 steps of 1e-6 noise
+
+
+def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
+    straight, _ = _trainer(tmp_path, "straight", {"MAX_STEPS": "6"})
+    restarted, _ = _trainer(
+        tmp_path, "restarted", {"MAX_STEPS": "6", "KILL_AT_STEP": "3"}, ["--max-restarts=1"]
+    )
+    assert restarted[0]["restart"] == 1, "rank 1 was killed once and the group restarted"
+    assert restarted[0]["params"] == straight[0]["params"]
+
+
+def test_two_nodes_on_localhost_through_the_c10d_rendezvous(tmp_path):
+    port = _free_port()
+    common = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=pyddp-test",
+        str(SCENARIOS),
+        "equivalence",
+        str(tmp_path),
+    ]
+    nodes = [
+        subprocess.Popen(
+            common,
+            env=_env(),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [n.communicate(timeout=240)[0] for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), outs[0][-2000:] + outs[1][-2000:]
+    for r in results(tmp_path, "equivalence", 2):
+        assert r["wrap_loss_cap25"] <= TOL and r["vs_ddp"] <= TOL
