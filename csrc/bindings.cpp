@@ -127,8 +127,22 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("threads", &CpuBackend::threads);
 
   py::class_<NcclBackend, Backend, std::shared_ptr<NcclBackend>>(m, "NcclBackend")
-      .def(py::init<std::vector<int>, std::string, double>(), py::arg("devices"),
-           py::arg("nccl_path"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>());
+      .def(py::init([](std::vector<int> devices, std::string nccl_path, double timeout_s,
+                       py::bytes id, int nranks, int first_rank) {
+             NcclRendezvous rdzv{std::string(id), nranks, first_rank};
+             py::gil_scoped_release release;  // communicator init can wait for peers
+             return std::make_shared<NcclBackend>(std::move(devices), nccl_path, timeout_s,
+                                                  std::move(rdzv));
+           }),
+           py::arg("devices"), py::arg("nccl_path"), py::arg("timeout_s"),
+           py::arg("id") = py::bytes(), py::arg("nranks") = 0, py::arg("first_rank") = 0,
+           "One replica per GPU. With `id` (nccl_unique_id() from one process, given to "
+           "all): one communicator across processes, this process's GPUs being ranks "
+           "first_rank.. of nranks.");
+  m.def(
+      "nccl_unique_id",
+      [](const std::string& nccl_path) { return py::bytes(nccl_unique_id(nccl_path)); },
+      py::arg("nccl_path"), "ncclGetUniqueId, as bytes to pass to the other processes.");
   py::class_<DeviceBackend, Backend, std::shared_ptr<DeviceBackend>>(m, "DeviceBackend")
       .def(py::init<int, int, double, std::string>(), py::arg("device"), py::arg("replicas"),
            py::arg("timeout_s"), py::arg("nvrtc_path"), py::call_guard<py::gil_scoped_release>())

@@ -2,6 +2,7 @@
 #include "gpu_backend.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 
 namespace pyddp {
@@ -94,9 +95,27 @@ CommSet::~CommSet() {
   }
 }
 
+std::string nccl_unique_id(const std::string& nccl_path) {
+  ncclUniqueId id{};
+  PYDDP_NCCL(nccl(nccl_path).ncclGetUniqueId(&id));
+  return std::string(id.internal, sizeof(id.internal));
+}
+
 std::shared_ptr<CommSet> acquire_comm_set(const std::vector<int>& devices,
-                                          const std::string& nccl_path, double timeout_s) {
-  const std::string key = (nccl_path.empty() ? "device:" : "nccl:") + devices_text(devices);
+                                          const std::string& nccl_path, double timeout_s,
+                                          const NcclRendezvous& rdzv) {
+  std::string key = (nccl_path.empty() ? "device:" : "nccl:") + devices_text(devices);
+  if (rdzv.spans_processes()) {
+    PYDDP_ENFORCE(!nccl_path.empty(), "a communicator across processes needs NCCL");
+    PYDDP_ENFORCE(rdzv.id.size() == sizeof(ncclUniqueId::internal), "NCCL unique id has ",
+                  rdzv.id.size(), " bytes, expected ", sizeof(ncclUniqueId::internal));
+    PYDDP_ENFORCE(rdzv.first_rank >= 0 && rdzv.first_rank + static_cast<int>(devices.size()) <=
+                                              rdzv.nranks,
+                  "ranks ", rdzv.first_rank, "..", rdzv.first_rank + devices.size() - 1,
+                  " do not fit in ", rdzv.nranks);
+    key += detail::concat(":ranks ", rdzv.first_rank, "/", rdzv.nranks, ":id ",
+                          std::hash<std::string>{}(rdzv.id));
+  }
   std::lock_guard<std::mutex> lk(g_sets_mu);
   auto it = g_sets.find(key);
   if (it != g_sets.end()) {
@@ -124,7 +143,15 @@ std::shared_ptr<CommSet> acquire_comm_set(const std::vector<int>& devices,
     std::lock_guard<std::mutex> launch(set->launch_mu);
     const NcclApi& n = nccl(nccl_path);
     ncclUniqueId id{};
-    PYDDP_NCCL(n.ncclGetUniqueId(&id));
+    int nranks = static_cast<int>(devices.size());
+    int first_rank = 0;
+    if (rdzv.spans_processes()) {
+      std::copy(rdzv.id.begin(), rdzv.id.end(), id.internal);
+      nranks = rdzv.nranks;
+      first_rank = rdzv.first_rank;
+    } else {
+      PYDDP_NCCL(n.ncclGetUniqueId(&id));
+    }
     set->comms.assign(devices.size(), nullptr);
     ncclConfig config;
     config.blocking = 0;
@@ -134,8 +161,8 @@ std::shared_ptr<CommSet> acquire_comm_set(const std::vector<int>& devices,
     ncclResult_t first = kNcclSuccess;
     for (size_t r = 0; r < devices.size(); ++r) {
       set_device(devices[r]);  // NCCL binds a communicator to the current device
-      const ncclResult_t res = n.ncclCommInitRankConfig(
-          &set->comms[r], static_cast<int>(devices.size()), id, static_cast<int>(r), &config);
+      const ncclResult_t res = n.ncclCommInitRankConfig(&set->comms[r], nranks, id,
+                                                        first_rank + static_cast<int>(r), &config);
       if (first == kNcclSuccess && res != kNcclInProgress) first = res;
     }
     const ncclResult_t ended = n.ncclGroupEnd();
@@ -154,8 +181,12 @@ std::shared_ptr<CommSet> acquire_comm_set(const std::vector<int>& devices,
 
 // ------------------------------------------------------------- GpuBackend
 
-GpuBackend::GpuBackend(std::vector<int> devices, double timeout_s, std::string nccl_path)
-    : devices_(std::move(devices)), timeout_s_(timeout_s), nccl_path_(std::move(nccl_path)) {
+GpuBackend::GpuBackend(std::vector<int> devices, double timeout_s, std::string nccl_path,
+                       NcclRendezvous rdzv)
+    : devices_(std::move(devices)),
+      timeout_s_(timeout_s),
+      nccl_path_(std::move(nccl_path)),
+      rdzv_(std::move(rdzv)) {
   PYDDP_ENFORCE(!devices_.empty(), "no devices");
   PYDDP_ENFORCE(timeout_s_ > 0, "timeout must be > 0 seconds, got ", timeout_s_);
   const int count = device_count();
@@ -172,7 +203,7 @@ GpuBackend::GpuBackend(std::vector<int> devices, double timeout_s, std::string n
     comm_index_.push_back(
         static_cast<int>(std::find(distinct.begin(), distinct.end(), dev) - distinct.begin()));
   }
-  set_ = acquire_comm_set(distinct, nccl_path_, timeout_s_);
+  set_ = acquire_comm_set(distinct, nccl_path_, timeout_s_, rdzv_);
   ContextRestore restore;
   for (int dev : distinct) {
     set_device(dev);
@@ -436,6 +467,14 @@ void GpuBackend::recover() {
   if (!failed && !aborted) return;
   // Aborted communicators cannot be used again: take a fresh set (the
   // registry builds one, since this one is marked aborted).
+  if (aborted && rdzv_.spans_processes()) {
+    // A new communicator across processes needs a new id from every process
+    // at once: that is a restart of the processes, not a local repair.
+    throw ReduceError(
+        "the NCCL communicator across processes was aborted; it cannot be rebuilt in place: "
+        "restart the processes (torchrun --max-restarts=K resumes a Trainer from its last "
+        "checkpoint)");
+  }
   std::shared_ptr<CommSet> fresh =
       aborted ? acquire_comm_set(set->devices, nccl_path_, timeout_s_) : set;
   std::lock_guard<std::mutex> lk(mu_);
@@ -504,7 +543,8 @@ void GpuBackend::watchdog_loop() {
 
 // ------------------------------------------------------------------- NCCL
 
-NcclBackend::NcclBackend(std::vector<int> devices, const std::string& nccl_path, double timeout_s)
+NcclBackend::NcclBackend(std::vector<int> devices, const std::string& nccl_path, double timeout_s,
+                         NcclRendezvous rdzv)
     : GpuBackend(
           [&] {
             std::vector<int> sorted = devices;
@@ -515,7 +555,7 @@ NcclBackend::NcclBackend(std::vector<int> devices, const std::string& nccl_path,
             PYDDP_ENFORCE(!nccl_path.empty(), "no NCCL library path");
             return devices;
           }(),
-          timeout_s, nccl_path) {}
+          timeout_s, nccl_path, std::move(rdzv)) {}
 
 void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {
   PYDDP_ENFORCE(bufs.size() == devices_.size(), "got ", bufs.size(), " buffers for ",

@@ -49,11 +49,26 @@ struct CommSet {
   ~CommSet();
 };
 
+// Across processes: the communicator spans `nranks` GPUs of several
+// processes; this process's devices are ranks first_rank, first_rank + 1, ...
+// `id` is ncclGetUniqueId's bytes from one process, passed to the others
+// through torch.distributed's store. Empty id: this process's GPUs alone.
+struct NcclRendezvous {
+  std::string id;
+  int nranks = 0;
+  int first_rank = 0;
+  bool spans_processes() const { return !id.empty(); }
+};
+
 // The live set for (kind, devices), or a new one if there is none or it was
 // aborted. NCCL sets initialise their communicators here (one group,
 // non-blocking), waiting at most timeout_s.
 std::shared_ptr<CommSet> acquire_comm_set(const std::vector<int>& devices,
-                                          const std::string& nccl_path, double timeout_s);
+                                          const std::string& nccl_path, double timeout_s,
+                                          const NcclRendezvous& rdzv = {});
+
+// A new NCCL unique id (ncclGetUniqueId), as bytes.
+std::string nccl_unique_id(const std::string& nccl_path);
 
 class GpuBackend : public Backend {
  public:
@@ -70,7 +85,8 @@ class GpuBackend : public Backend {
 
  protected:
   // devices[r]: replica r's GPU. nccl_path empty: the device kernel's set.
-  GpuBackend(std::vector<int> devices, double timeout_s, std::string nccl_path);
+  GpuBackend(std::vector<int> devices, double timeout_s, std::string nccl_path,
+             NcclRendezvous rdzv = {});
   // A launch holds its set (close() may drop the backend's reference
   // meanwhile) and the set's launch lock; the lock is released first.
   struct Launch {
@@ -119,6 +135,7 @@ class GpuBackend : public Backend {
 
   const double timeout_s_;
   const std::string nccl_path_;
+  const NcclRendezvous rdzv_;
   std::shared_ptr<CommSet> set_;
   std::vector<int> comm_index_;        // per replica: index into set_->streams
   std::vector<cuda::CUevent> fence_;   // per communication stream
@@ -138,7 +155,8 @@ class GpuBackend : public Backend {
 
 class NcclBackend : public GpuBackend {
  public:
-  NcclBackend(std::vector<int> devices, const std::string& nccl_path, double timeout_s);
+  NcclBackend(std::vector<int> devices, const std::string& nccl_path, double timeout_s,
+              NcclRendezvous rdzv = {});
   ~NcclBackend() override { close(); }
   std::string name() const override { return "nccl"; }
   void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;

@@ -197,9 +197,12 @@ def backend_kind(devices: Sequence[Any]) -> str:
     )
 
 
-def make_backend(devices: Sequence[Any], timeout: Optional[float] = None):
+def make_backend(
+    devices: Sequence[Any], timeout: Optional[float] = None, rendezvous: Optional[Any] = None
+):
     """The engine backend for these replica devices (torch devices, or CUDA
-    device indices), or a clear error saying what is missing."""
+    device indices), or a clear error saying what is missing. `rendezvous`
+    (NCCL across processes) is a callable nccl_path -> (id, nranks, first_rank)."""
     kind = backend_kind(devices)
     if kind == "cpu":
         return _C.CpuBackend()
@@ -220,6 +223,10 @@ def make_backend(devices: Sequence[Any], timeout: Optional[float] = None):
             "`pip install pyddp[cuda12]` or `[cuda13]`",
             NCCL_ENV,
         )
-        backend = _C.NcclBackend(indices, nccl, timeout)
+        if rendezvous is None:
+            backend = _C.NcclBackend(indices, nccl, timeout)
+        else:
+            uid, nranks, first = rendezvous(nccl)
+            backend = _C.NcclBackend(indices, nccl, timeout, uid, nranks, first)
     _live_backends.add(backend)
     return backend

@@ -11,6 +11,7 @@ ranks, so it never interleaves with bucket reductions still in flight."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import itertools
 import threading
@@ -96,6 +97,7 @@ class CrossProcess:
         self.flats: List[torch.Tensor] = []  # replica 0's buckets (set by GradSync)
         self.buckets: List[List[int]] = []
         self.failed: Optional[str] = None
+        self.local_counts: List[int] = []
         self._cv = threading.Condition()
         self._pending = 0
         self._errors: Dict[int, str] = {}
@@ -139,6 +141,25 @@ class CrossProcess:
                 self._ctrl_call(what, dist.broadcast, flat, src=self.root, group=self.ctrl)
                 for t, v in zip(group, _unflatten_dense_tensors(flat, group)):
                     t.copy_(v)
+
+    def nccl_rendezvous(self, local: int) -> Any:
+        """For make_backend: one NCCL communicator over every process's GPUs.
+        Rank 0's unique id travels through torch.distributed's store; this
+        process's `local` GPUs are ranks first.. of the total."""
+        out: List[Any] = [None] * self.world
+        dist.all_gather_object(out, local, group=self.ctrl)
+        self.local_counts = [int(c) for c in out]
+        first, total = sum(self.local_counts[: self.rank]), sum(self.local_counts)
+
+        def rendezvous(nccl_path: str) -> tuple:
+            if self.store is None:
+                raise RuntimeError("NCCL across processes needs torch.distributed's store")
+            key = f"{self.prefix}/nccl_id"
+            if self.rank == 0:
+                self.store.set(key, _C.nccl_unique_id(nccl_path))
+            return bytes(self.store.get(key)), total, first
+
+        return rendezvous
 
     def root_order(self, order: Sequence[int], size: int) -> Optional[List[int]]:
         """Rank 0's ready order, so every rank plans the same buckets (None if
@@ -276,10 +297,9 @@ class CrossProcess:
         if self.failed is None:
             self.failed = f"rank {dist.get_rank()} abandoned step {self.iteration}: {reason}"
             if self.store is not None:
-                try:
+                # Best effort: if the store is gone, the others time out instead.
+                with contextlib.suppress(Exception):
                     self.store.set(f"{self.prefix}/abandoned", self.failed)
-                except Exception:  # noqa: BLE001 - best effort: the others time out instead
-                    pass
 
     def _check_abandoned(self) -> None:
         if self.store is None:

@@ -592,8 +592,9 @@ def wrap(
 
     `options` are DistributedModel's keywords, with defaults
     bucket_cap_mb=25, first_bucket_cap_mb=1, reduce_order=None ("ready" in one
-    process, "index" across processes), rebuild_buckets=True, broadcast_buffers=True, threads_per_replica=None,
-    timeout_s=None, timeline=None (see GradSync for the first four); an unknown
+    process, "index" across processes), rebuild_buckets=True,
+    broadcast_buffers=True, threads_per_replica=None, timeout_s=None,
+    timeline=None, group=None (see GradSync for the first four); an unknown
     one raises TypeError. broadcast_buffers copies replica 0's
     buffers to the others before each training-mode forward (torch DDP's default);
     threads_per_replica is each replica's torch intra-op thread count (default for

@@ -19,9 +19,10 @@ from torch import nn
 
 from . import _C
 from ._params import dtype_name, trainable_params
-from ._runtime import make_backend, timeout_s as _default_timeout
-from ._xproc import CrossProcess, ProcessGroupError, model_signature, resolve_group
+from ._runtime import backend_kind, make_backend
+from ._runtime import timeout_s as _default_timeout
 from ._streams import TorchStreams
+from ._xproc import CrossProcess, ProcessGroupError, model_signature, resolve_group
 from .observe import Observer, chrome_trace, timeline_from_env, write_trace
 
 ReduceError = _C.ReduceError
@@ -156,8 +157,13 @@ class GradSync:
             numels, self._dtypes, list(reversed(range(len(first)))), self._first_cap, self._cap
         )
         # Held here too: _runtime closes every live backend at interpreter exit.
-        self._backend = make_backend(self._gpu_devices or self.devices, timeout_s)
-        if self._xproc is not None:
+        self._post_scale = 1.0
+        rendezvous = None
+        if self._xproc is not None and self._gpu_devices is not None:
+            rendezvous = self._xproc.nccl_rendezvous(len(replicas))
+            op, self._post_scale = _nccl_op(op, self._xproc.local_counts)
+        self._backend = make_backend(self._gpu_devices or self.devices, timeout_s, rendezvous)
+        if self._xproc is not None and self._gpu_devices is None:
             # This process's replicas sum in C++, then the launcher hands each
             # bucket to torch.distributed (launch holds no reference to self).
             local = self._backend
@@ -355,6 +361,14 @@ class GradSync:
                     params[i].grad = views[i]
         if across:
             self._finish_across_processes(launched, unused)
+            if self._post_scale != 1.0:
+                # NCCL summed over every process's GPUs: average over processes.
+                # On the caller's streams, which finish() ordered after the
+                # reductions (no host wait on a GPU).
+                self._settle_host_writes()
+                with torch.no_grad():
+                    for flats in self._flat:
+                        torch._foreach_mul_(flats, self._post_scale)
         if self._rebuild_pending and self._engine.sync_enabled:
             self._rebuild_pending = False
             self._rebuild()
@@ -364,13 +378,12 @@ class GradSync:
         """At construction: the same model on every rank (else a ValueError
         naming the first difference), then rank 0's parameters and buffers
         everywhere, as torch DDP does."""
-        if self._gpu_devices is not None:
+        if self._gpu_devices is not None and backend_kind(self._gpu_devices) != "nccl":
             raise NotImplementedError(
-                "pyddp: GPU replicas across processes need a cross-process NCCL communicator, "
-                "which this version does not build yet; use CPU replicas across processes, or "
-                "all GPUs of one machine in one process (pyddp.wrap(model, 'cuda'))"
+                "pyddp: across processes, GPU replicas need one GPU each (NCCL); several "
+                "replicas sharing a GPU are supported in one process only"
             )
-        if _group_backend(group) not in ("gloo",):
+        if self._gpu_devices is None and _group_backend(group) not in ("gloo",):
             raise ValueError(
                 f"group backend {_group_backend(group)!r}: CPU replicas reduce across processes "
                 "through a gloo group (pyddp.init() creates one)"
@@ -743,6 +756,23 @@ def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor) -> None:
     sync = owner()
     if sync is not None:
         sync._adopt(p, view)
+
+
+def _nccl_op(op: str, counts: Sequence[int]) -> Tuple[str, float]:
+    """NCCL's op and the scale after it, so that gradients are summed (op
+    "sum") or averaged ("avg") over a process's replicas and averaged over
+    processes. One GPU per process: NCCL's average is exactly that."""
+    world = len(counts)
+    if all(c == 1 for c in counts):
+        return "avg", 1.0
+    if op == "sum":
+        return "sum", 1.0 / world
+    if len(set(counts)) != 1:
+        raise ValueError(
+            f"op='avg' across processes with {counts} GPUs per process: use the same number "
+            "of GPUs in every process, or op='sum'"
+        )
+    return "avg", 1.0
 
 
 def _group_backend(group: Any) -> str:

@@ -25,7 +25,7 @@ from .callbacks import Callback, MetricsLogger, ProgressBar
 from .checkpoint import check_classes, list_checkpoints, load_latest, save_atomic, save_checkpoint
 from .config import TrainConfig
 from .data import ShardedLoader
-from .devices import DeviceLike, process_devices
+from .devices import DeviceLike
 from .model import wrap
 from .sync import ReduceError
 

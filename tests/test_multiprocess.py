@@ -64,16 +64,16 @@ def env_launch(scenario: str, out: Path, nproc: int, env: Dict[str, str]) -> Lis
     for r in range(nproc):
         rank_env = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc)}
         rank_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **env})
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(SCENARIOS), scenario, str(out)],
-                env=_env(rank_env),
-                cwd=out,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
+        with open(out / f"{scenario}.rank{r}.log", "w") as log:  # a pipe could fill and block
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCENARIOS), scenario, str(out)],
+                    env=_env(rank_env),
+                    cwd=out,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
             )
-        )
     return [p.wait(timeout=240) for p in procs]
 
 
@@ -88,11 +88,25 @@ def results(out: Path, scenario: str, world: int) -> List[dict]:
     return got
 
 
-@pytest.mark.parametrize("nproc,local", [(2, 1), (2, 2), (3, 1)])
-def test_processes_equal_single_device_and_torch_ddp(tmp_path, nproc, local):
-    run = torchrun("equivalence", tmp_path, nproc, {"LOCAL_REPLICAS": str(local)})
+@pytest.fixture(scope="module")
+def basics(tmp_path_factory):
+    """One 2-process group runs all_reduce, the model mismatch check and the
+    equivalence checks (each torchrun launch costs seconds)."""
+    out = tmp_path_factory.mktemp("basics")
+    run = torchrun("basics", out, 2, {"LOCAL_REPLICAS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
-    for r in results(tmp_path, "equivalence", nproc):
+    return results(out, "basics", 2)
+
+
+@pytest.mark.parametrize("nproc,local", [(2, 1), (2, 2), (3, 1)])
+def test_processes_equal_single_device_and_torch_ddp(tmp_path, basics, nproc, local):
+    if (nproc, local) == (2, 1):
+        got = basics
+    else:
+        run = torchrun("equivalence", tmp_path, nproc, {"LOCAL_REPLICAS": str(local)})
+        assert run.returncode == 0, run.stderr[-3000:]
+        got = results(tmp_path, "equivalence", nproc)
+    for r in got:
         assert r["world"] == nproc
         for cap in ("0", "25"):  # per-parameter and bucketed
             assert r[f"wrap_loss_cap{cap}"] <= TOL
@@ -107,10 +121,8 @@ def test_processes_equal_single_device_and_torch_ddp(tmp_path, nproc, local):
         assert r["vs_ddp"] <= TOL
 
 
-def test_different_models_are_refused_at_wrap_naming_rank_and_parameter(tmp_path):
-    run = torchrun("mismatch", tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    for r in results(tmp_path, "mismatch", 2):
+def test_different_models_are_refused_at_wrap_naming_rank_and_parameter(basics):
+    for r in basics:
         assert "rank 1" in r["error"] and "weight" in r["error"], r["error"]
         assert "(3, 4)" in r["error"] and "(5, 4)" in r["error"], r["error"]
 
@@ -141,10 +153,8 @@ def test_uneven_inputs_fail_within_the_timeout_naming_the_rank(tmp_path):
     assert r0["seconds"] < 4 + 5 + 5
 
 
-def test_all_reduce_across_processes(tmp_path):
-    run = torchrun("collectives", tmp_path, 2)
-    assert run.returncode == 0, run.stderr[-3000:]
-    for r in results(tmp_path, "collectives", 2):
+def test_all_reduce_across_processes(basics):
+    for r in basics:
         assert (
             r["sum"] == [1.0 + 2.0 + 3.0 + 4.0] * 3
         )  # 2 tensors per rank, rank r fills 2r+1, 2r+2

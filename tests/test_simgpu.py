@@ -508,3 +508,24 @@ def test_simulated_nccl_spans_processes(simlib, mismatch):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and "RANK-OK" in out, out + err
     assert ("different count" in outs[0][1]) == mismatch
+
+
+@pytest.mark.parametrize("local", [1, 2])
+def test_gradsync_across_processes_on_one_nccl_communicator(simlib, tmp_path, local):
+    # Two processes x `local` simulated GPUs: one communicator across them
+    # (unique id through torch.distributed's store), equal to one device.
+    from test_multiprocess import env_launch, results
+
+    env = {
+        "PYDDP_CUDA_LIBRARY": simlib,
+        "PYDDP_NCCL_LIBRARY": simlib,
+        "PYDDP_NVRTC_LIBRARY": simlib,
+        "LOCAL_REPLICAS": str(local),
+    }
+    codes = env_launch("simgpu", tmp_path, 2, env)
+    assert codes == [0, 0], codes
+    for r in results(tmp_path, "simgpu", 2):
+        assert r["backend"] == "nccl"
+        assert r["diff_cap0"] <= 1e-6 and r["diff_cap25"] <= 1e-6, r
+        assert r["never_none_cap0"] and r["never_none_cap25"]
+        assert not r["violations"], r["violations"]

@@ -204,6 +204,50 @@ class _null:
         return False
 
 
+def simgpu(out: dict) -> None:
+    """One NCCL communicator across processes, on the simulated CUDA driver and
+    NCCL (tests/simgpu; host tensors stand in for device memory): equals
+    single-device training; the simulation reports no broken rule."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "simgpu"))
+    from simgpu import Sim, SimStreams
+
+    sim = Sim(os.environ["PYDDP_CUDA_LIBRARY"])
+    streams = SimStreams(sim)
+    rank, world = pyddp.rank(), pyddp.world()
+    local = int(os.environ.get("LOCAL_REPLICAS", "1"))
+    devices = [rank * local + i for i in range(local)]  # this process's GPUs
+    batches = data(3, 12)
+    ref = eval_norm(net())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    for cap in (0.0, 25.0):
+        model = eval_norm(net(seed=rank))
+        dm = pyddp.wrap(model, ["cpu"] * local, bucket_cap_mb=cap, _gpu=(devices, streams))
+        dopt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3)
+        for x, y in batches:
+            rows = my_rows(len(x), rank, world)
+            dopt.zero_grad()
+            dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
+            streams.synchronize_all(devices)  # the optimizer "kernel" runs in stream order
+            dopt.step()
+            streams.synchronize_all(devices)
+        out[f"diff_cap{cap:g}"] = max_diff(dm.module, ref)
+        out[f"never_none_cap{cap:g}"] = dm.module.never.weight.grad is None
+        out["backend"] = dm.sync._backend.name
+        dm.close()
+    out["violations"] = sim.violations()
+
+
+def basics(out: dict) -> None:
+    """collectives, mismatch and equivalence in one group (fewer launches)."""
+    collectives(out)
+    mismatch(out)
+    equivalence(out)
+
+
 def collectives(out: dict) -> None:
     rank = pyddp.rank()
     ts = [torch.full((3,), 2.0 * rank + 1), torch.full((3,), 2.0 * rank + 2)]
