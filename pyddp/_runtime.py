@@ -161,7 +161,12 @@ def cuda_driver() -> tuple:
         return None, 0, str(e)
 
 
+INIT_TIMEOUT_S: Optional[float] = None  # pyddp.init(timeout_s=...), if given
+
+
 def timeout_s() -> float:
+    if INIT_TIMEOUT_S is not None:
+        return INIT_TIMEOUT_S
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None:
         return DEFAULT_TIMEOUT_S

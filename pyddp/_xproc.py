@@ -77,22 +77,30 @@ def _own_group(group: Any, ranks: List[int], timeout_s: float, role: str) -> Any
 class CrossProcess:
     def __init__(self, group: Any, timeout_s: float, names: Sequence[str]):
         self.ranks = dist.get_process_group_ranks(group)
-        # A group the caller passed is used as given; the default one is not
-        # shared with the caller's own collectives.
-        if group is dist.group.WORLD:
-            group = _own_group(group, self.ranks, timeout_s, "data")
-        self.group = group
+        if dist.get_rank() not in self.ranks:
+            raise ValueError(
+                f"group=: this process (rank {dist.get_rank()}) is not in the group "
+                f"(ranks {self.ranks}); only its members may wrap with it"
+            )
+        self.id = next(_ids)  # every rank builds its GradSyncs in the same order
         self.rank = dist.get_rank(group)
+        # Bucket reductions go on a group of this GradSync's own: another
+        # model's launcher thread, or the caller's collectives, would launch
+        # on a shared group in an order that differs between ranks, and gloo
+        # would pair one model's bucket with another's.
+        self.group = _own_group(group, self.ranks, timeout_s, f"data {self.id}")
         self.world = len(self.ranks)
         self.root = self.ranks[0]  # the global rank of the group's rank 0
         self.timeout = timeout_s
         self.names = list(names)
+        # Blocking exchanges run on the caller's thread, one at a time: one
+        # control group per set of ranks is enough.
         self.ctrl = _own_group(group, self.ranks, timeout_s, "control")
         try:
             self.store: Optional[Any] = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - the census below is then skipped
             self.store = None
-        self.prefix = f"pyddp/{restart_count()}/{next(_ids)}"
+        self.prefix = f"pyddp/{restart_count()}/{self.id}"
         self.iteration = 0
         self.flats: List[torch.Tensor] = []  # replica 0's buckets (set by GradSync)
         self.buckets: List[List[int]] = []
@@ -142,13 +150,17 @@ class CrossProcess:
                 for t, v in zip(group, _unflatten_dense_tensors(flat, group)):
                     t.copy_(v)
 
+    def gather_local_counts(self, local: int) -> None:
+        """Every rank's number of replicas (they may differ)."""
+        counts = torch.zeros(self.world, dtype=torch.int64)
+        counts[self.rank] = local
+        self._ctrl_call("the exchange of replica counts", dist.all_reduce, counts, group=self.ctrl)
+        self.local_counts = counts.tolist()
+
     def nccl_rendezvous(self, local: int) -> Any:
         """For make_backend: one NCCL communicator over every process's GPUs.
         Rank 0's unique id travels through torch.distributed's store; this
         process's `local` GPUs are ranks first.. of the total."""
-        out: List[Any] = [None] * self.world
-        dist.all_gather_object(out, local, group=self.ctrl)
-        self.local_counts = [int(c) for c in out]
         first, total = sum(self.local_counts[: self.rank]), sum(self.local_counts)
 
         def rendezvous(nccl_path: str) -> tuple:
@@ -295,24 +307,32 @@ class CrossProcess:
         """This rank drops the step (a replica's backward raised): tell the
         others, so they fail now instead of at the timeout."""
         if self.failed is None:
-            self.failed = f"rank {dist.get_rank()} abandoned step {self.iteration}: {reason}"
+            self.failed = (
+                f"pyddp: rank {dist.get_rank()} abandoned synced backward {self.iteration + 1} "
+                f"({reason}); the processes can no longer agree on the step: restart them "
+                "(torchrun --max-restarts=K resumes a Trainer from its last checkpoint)"
+            )
             if self.store is not None:
                 # Best effort: if the store is gone, the others time out instead.
                 with contextlib.suppress(Exception):
                     self.store.set(f"{self.prefix}/abandoned", self.failed)
 
-    def _check_abandoned(self) -> None:
+    def _abandoned(self) -> Optional[str]:
+        """Another rank's reason for abandoning the step, if it left one."""
         if self.store is None:
-            return
+            return None
         key = f"{self.prefix}/abandoned"
         try:
             if self.store.check([key]):
-                why = self.store.get(key).decode(errors="replace")
-            else:
-                return
+                return self.store.get(key).decode(errors="replace")
         except Exception:  # noqa: BLE001 - the store is gone: the timeout decides
-            return
-        self._fail(why, census=False)
+            pass
+        return None
+
+    def _check_abandoned(self) -> None:
+        why = self._abandoned()
+        if why is not None:
+            self._fail(why, census=False)
 
     def _ctrl_call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         if self.failed is not None:
@@ -323,12 +343,15 @@ class CrossProcess:
             self._fail(f"{what} failed: {_first_line(e)}")
 
     def _fail(self, what: str, census: bool = True) -> None:
+        why = self._abandoned() if census else None
+        if why is not None:  # the root cause, rather than its echo here
+            what, census = f"{what}, because {why}", False
         missing = self._census() if census else ""
         self.failed = (
-            f"pyddp: across {self.world} processes (this is rank {dist.get_rank()}), step "
-            f"{self.iteration}: {what}{missing}. The process group cannot be used after this: "
-            "restart the processes (torchrun --max-restarts=K resumes a Trainer from its "
-            "last checkpoint)"
+            f"pyddp: across {self.world} processes (this is rank {dist.get_rank()}), synced "
+            f"backward {self.iteration + 1}: {what}{missing}. The process group cannot be "
+            "used after this: restart the processes (torchrun --max-restarts=K resumes a "
+            "Trainer from its last checkpoint)"
         )
         raise ProcessGroupError(self.failed)
 

@@ -54,9 +54,13 @@ class ShardedLoader:
         prefetch: int = 2,
         rank: int = 0,
         world: int = 1,
+        keep_short: bool = False,
     ):
         self.devices = list(devices)
         self.rank, self.world = rank, world
+        # Evaluation keeps a last batch with fewer rows than processes (its
+        # figures are sums exchanged once): some ranks then get no rows.
+        self.keep_short = keep_short
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.drop_last = drop_last
@@ -105,7 +109,11 @@ class ShardedLoader:
             last = self._last_loader_rows()
             return n - 1 if self._sliced_loader_drops(last) else n
         full, rest = divmod(self._rows, self.batch_size)
-        if rest and not self.drop_last and (self.world == 1 or rest >= self.world):
+        if (
+            rest
+            and not self.drop_last
+            and (self.world == 1 or self.keep_short or rest >= self.world)
+        ):
             return full + 1
         return full
 
@@ -119,6 +127,7 @@ class ShardedLoader:
     def _sliced_loader_drops(self, last: Optional[int]) -> bool:
         return (
             self.world > 1
+            and not self.keep_short
             and getattr(self, "_sliced", False)
             and last is not None
             and (last < self.world)
@@ -198,6 +207,8 @@ class ShardedLoader:
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         leaves, rebuild = flatten((args, targets))
         rows = next(t.shape[0] for t in leaves if t.dim() > 0)
+        if rows == 0:  # keep_short: none of this batch is this rank's
+            return []
         sizes = shard_sizes(rows, min(rows, len(self.devices)))
         pieces = [list(t.split(sizes)) if t.dim() > 0 else [t] * len(sizes) for t in leaves]
         shards = []

@@ -17,6 +17,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
+from . import _runtime
 from ._runtime import TIMEOUT_ENV
 from ._runtime import timeout_s as _default_timeout
 
@@ -63,6 +64,8 @@ def init(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> No
                 f"{torch.cuda.device_count()} GPU(s): start at most that many processes per node"
             )
         torch.cuda.set_device(local)
+    if timeout_s is not None:
+        _runtime.INIT_TIMEOUT_S = seconds  # wrap/GradSync's default from now on
     timeout = datetime.timedelta(seconds=seconds)
     # torchrun's store outlives a restart of the group (--max-restarts): the
     # previous round's rendezvous keys are still in it, and gloo would connect

@@ -14,6 +14,7 @@ from typing import (
     Callable,
     ContextManager,
     Dict,
+    Iterator,
     List,
     Mapping,
     Optional,
@@ -226,9 +227,10 @@ class DistributedModel(nn.Module):
         if self._alone:
             return self.module(*args, **kwargs)
         shards, sizes = self._start((args, kwargs))
-        outs = self._workers.run(
-            [self._call(r, a, kw) for r, (a, kw) in enumerate(shards)], "forward"
-        )
+        with self._abandon_on_error("forward"):
+            outs = self._workers.run(
+                [self._call(r, a, kw) for r, (a, kw) in enumerate(shards)], "forward"
+            )
         if torch.is_grad_enabled():
             self.sync.note_forward_end()
         return self._gather(outs, sizes)
@@ -289,14 +291,35 @@ class DistributedModel(nn.Module):
 
             return run
 
-        losses = self._workers.run([replica_loss(r) for r in range(len(shards))], "forward/loss")
-        if self.sync._xproc is not None and reduction == "mean" and torch.is_grad_enabled():
-            losses = self._weigh_across_processes(losses, total)
+        with self._abandon_on_error("forward/loss"):
+            losses = self._workers.run(
+                [replica_loss(r) for r in range(len(shards))], "forward/loss"
+            )
+        xp = self.sync._xproc
+        # Training steps only: an evaluation (eval mode) may run on some ranks alone.
+        if xp is not None and self.training and torch.is_grad_enabled():
+            if reduction == "mean":
+                losses = self._weigh_across_processes(losses, total)
+            else:  # a sum over the global batch: undo the average over processes
+                losses = [_ScaleGrad.apply(v, float(xp.world)) for v in losses]
         if torch.is_grad_enabled():
             self.sync.note_forward_end()
         if self._alone or not any(v.requires_grad for v in losses):
             return join_column(losses, "sum", self.devices[0], [])
         return self._join([[v] for v in losses], ["sum"], []).apply()[0]
+
+    @contextlib.contextmanager
+    def _abandon_on_error(self, what: str) -> Iterator[None]:
+        """Across processes, a training forward that raises here leaves the
+        other ranks waiting for this rank's step: they are told at once (and
+        this wrapper refuses further steps) instead of pairing our next step
+        with theirs."""
+        try:
+            yield
+        except BaseException as e:
+            if self.sync._xproc is not None and torch.is_grad_enabled():
+                self.sync.abort(f"its {what} raised {type(e).__name__}: {e}")
+            raise
 
     def _weigh_across_processes(self, losses: List[torch.Tensor], rows: int) -> List[torch.Tensor]:
         """Gradients are averaged over processes, so this rank's are scaled by

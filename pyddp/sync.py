@@ -55,7 +55,15 @@ class GradSync:
     iterations' bucket and parameter events for `export_timeline`; default
     $PYDDP_TIMELINE or 0 = off), ``check_replicas`` (True: refuse replicas whose
     parameters differ from replica 0's at construction; False if you make them
-    equal yourself).
+    equal yourself), ``group`` (a torch.distributed process group to span;
+    default: every process once torch.distributed is initialised, see below).
+
+    Across processes: every rank builds the same GradSync (same parameters,
+    checked); rank 0's parameters and buffers are broadcast at construction;
+    gradients are reduced over this process's replicas (``op``) and averaged
+    over processes (torch DDP's convention), buckets launching in index order
+    on rank 0's bucket plan; a reduction not done after ``timeout_s`` raises
+    ReduceError naming the bucket and the ranks that did not arrive.
 
     Lifecycle: ``close()`` (or ``with GradSync(...) as sync:``, or dropping the
     last reference) removes the hooks and releases threads and communicators.
@@ -146,7 +154,7 @@ class GradSync:
         self.observer = Observer(keep)
         self._xproc: Optional[CrossProcess] = None
         if xgroup is not None:
-            self._join_processes(xgroup, timeout_s)
+            self._join_processes(xgroup, timeout_s, op)
         if len(replicas) == 1 and self._xproc is None:
             return  # one replica: nothing to reduce, stay out of the way
 
@@ -167,9 +175,7 @@ class GradSync:
             # This process's replicas sum in C++, then the launcher hands each
             # bucket to torch.distributed (launch holds no reference to self).
             local = self._backend
-            self._backend = _C.GroupBackend(
-                local, self._xproc.launch, f"{local.name}+{_group_backend(xgroup)}"
-            )
+            self._backend = _C.GroupBackend(local, self._xproc.launch, f"{local.name}+gloo")
         self._engine = _C.Engine(
             len(replicas),
             self.names,
@@ -322,7 +328,14 @@ class GradSync:
         backward that failed without abort(), then prepares every replica."""
         if self._engine is None:
             return
+        if self._xproc is not None and self._xproc.failed is not None:
+            raise ProcessGroupError(self._xproc.failed)
         if self._engine.active:
+            if self._xproc is not None:
+                # The other ranks reduced (or wait to reduce) this backward's
+                # buckets: carrying on would pair their step with our next one.
+                self.abort("a backward did not finish (it raised?)")
+                raise ProcessGroupError(self._xproc.failed)
             self._engine.abort()
         for r in range(len(self.replicas)):
             self.prepare(r)
@@ -374,7 +387,7 @@ class GradSync:
             self._rebuild()
         self._grad_versions = [[f._version for f in flats] for flats in self._flat]
 
-    def _join_processes(self, group: Any, timeout: Optional[float]) -> None:
+    def _join_processes(self, group: Any, timeout: Optional[float], op: str) -> None:
         """At construction: the same model on every rank (else a ValueError
         naming the first difference), then rank 0's parameters and buffers
         everywhere, as torch DDP does."""
@@ -383,17 +396,20 @@ class GradSync:
                 "pyddp: across processes, GPU replicas need one GPU each (NCCL); several "
                 "replicas sharing a GPU are supported in one process only"
             )
-        if self._gpu_devices is None and _group_backend(group) not in ("gloo",):
-            raise ValueError(
-                f"group backend {_group_backend(group)!r}: CPU replicas reduce across processes "
-                "through a gloo group (pyddp.init() creates one)"
-            )
+        # The group says which ranks: pyddp reduces on gloo groups of its own
+        # over them (and NCCL for GPUs), whatever the group's backend.
         seconds = _default_timeout() if timeout is None else float(timeout)
         xp = CrossProcess(group, seconds, self.names)
         m0 = self.replicas[0]
         entries = [("parameter", n, p) for n, p in m0.named_parameters()]
         entries += [("buffer", n, b) for n, b in m0.named_buffers()]
         xp.check_same_model(model_signature(entries, self.devices[0].type), "model")
+        xp.gather_local_counts(len(self.replicas))
+        if op == "avg" and len(set(xp.local_counts)) != 1:
+            raise ValueError(
+                f"op='avg' across processes with {xp.local_counts} replicas per process: use "
+                "the same number of replicas in every process, or op='sum'"
+            )
         state = [t for _, _, t in entries]
         xp.broadcast(state, "the broadcast of rank 0's parameters and buffers")
         with torch.no_grad():
@@ -546,13 +562,15 @@ class GradSync:
             else:
                 self._adopt(self.params[r][i], view)
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "abort() after a backward raised") -> None:
         """A replica's backward raised: drop the iteration (waits for in-flight
-        reductions). Gradients are incomplete until the next zero_grad()."""
+        reductions). Gradients are incomplete until the next zero_grad().
+        Across processes the other ranks are told (they fail at once instead
+        of at the timeout) and this GradSync refuses further steps."""
         if self._engine is not None:
             self._engine.abort()
-            if self._xproc is not None:
-                self._xproc.abandon("abort() after a backward raised")
+        if self._xproc is not None:
+            self._xproc.abandon(reason)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeroes every replica's gradients. With set_to_none, parameters that get
@@ -773,12 +791,6 @@ def _nccl_op(op: str, counts: Sequence[int]) -> Tuple[str, float]:
             "of GPUs in every process, or op='sum'"
         )
     return "avg", 1.0
-
-
-def _group_backend(group: Any) -> str:
-    import torch.distributed as dist
-
-    return str(dist.get_backend(group))
 
 
 def _release(handles: List[Any], engine: Optional[Any]) -> None:

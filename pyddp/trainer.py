@@ -49,7 +49,11 @@ class FitResult:
 
 class Trainer:
     """fit(train_data, valid_data) / evaluate(data) for `model` replicated over
-    `devices` (default: every GPU, else two CPU replicas).
+    `devices` (default: every GPU, else two CPU replicas; after `pyddp.init()`
+    under torchrun, this process's GPU, else one CPU replica per process).
+    Across processes every rank trains on its slice of each global batch and
+    sees the same reduced loss and metrics; rank 0 alone shows progress and
+    writes files; resume reads rank 0's checkpoint on every rank.
 
     optimizer: an optimizer class or functools.partial(cls, **kwargs);
     loss_fn(outputs, targets): mean over a shard; metrics: name -> fn(outputs,
@@ -255,6 +259,7 @@ class Trainer:
             prefetch=cfg.prefetch,
             rank=self.rank,
             world=self.world,
+            keep_short=True,  # every row counts; a rank may get none of the last batch
         )
         # Each module's own mode comes back afterwards (a user may keep, say,
         # BatchNorm in eval mode while training the rest).
@@ -276,6 +281,8 @@ class Trainer:
         try:
             with contextlib.closing(loader.epoch(0)) as batches:
                 for shards in batches:
+                    if not shards:  # none of this batch's rows are this rank's
+                        continue
                     sums = self.model.map_replicas(shard_sums, shards, "evaluate")
                     batch = sum(s.to(self.model.devices[0]) for s in sums)
                     totals = batch if totals is None else totals + batch
@@ -285,7 +292,8 @@ class Trainer:
                 m.train(mode)
             self.model.training = self.model.module.training
         if self._xp is not None:  # every rank's rows: the same figures everywhere
-            sums = self._xp.sum_over_ranks([rows, *totals.tolist()])
+            local = totals.tolist() if totals is not None else [0.0] * len(names)
+            sums = self._xp.sum_over_ranks([rows, *local])
             rows, totals = sums[0], torch.tensor(sums[1:], dtype=torch.float64)
         values = (totals / rows).tolist()  # one host sync for the whole evaluation
         return {f"valid_{n}" if n == "loss" else n: v for n, v in zip(names, values)}
@@ -386,7 +394,10 @@ class Trainer:
             cfg.max_steps,
             "max_steps",
         )
-        if self._ctrl_c.stop_requested:
+        stop = self._ctrl_c.stop_requested
+        if self._xp is not None:  # a Ctrl-C on any rank stops every rank at this step
+            stop = self._xp.sum_over_ranks([float(stop)])[0] > 0
+        if stop:
             state.stop_reason = "interrupted"  # fit() writes the checkpoint on the way out
 
     def _boundary(

@@ -312,6 +312,52 @@ def stalled(out: dict) -> None:
     os._exit(0)  # the group is broken: no clean shutdown to wait for
 
 
+def two_models(out: dict) -> None:
+    """Two wrapped models in one backward: each GradSync reduces on a group of
+    its own, so the two launcher threads cannot pair one model's bucket with
+    the other's on another rank (they did when the group was shared)."""
+    rank, world = pyddp.rank(), pyddp.world()
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    b = copy.deepcopy(a)
+    da, db = pyddp.wrap(a, ["cpu"], bucket_cap_mb=0), pyddp.wrap(b, ["cpu"], bucket_cap_mb=0)
+    ref_a = nn.parallel.DistributedDataParallel(copy.deepcopy(a))
+    ref_b = nn.parallel.DistributedDataParallel(copy.deepcopy(b))
+    worst = 0.0
+    for step in range(60):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * world + rank))
+        (da(x).pow(2).mean() + db(x * 2).pow(2).mean()).backward()
+        (ref_a(x).pow(2).mean() + ref_b(x * 2).pow(2).mean()).backward()
+        for m, r in ((a, ref_a.module), (b, ref_b.module)):
+            for p, q in zip(m.parameters(), r.parameters()):
+                worst = max(worst, (p.grad - q.grad).abs().max().item())
+                p.grad = q.grad = None
+    out["worst"] = worst
+
+
+def raises(out: dict) -> None:
+    """Rank 1's forward raises at step 1 and the script carries on: rank 0 must
+    fail at once (not pair its step 1 with rank 1's step 2), rank 1 must refuse
+    its next step."""
+    rank = pyddp.rank()
+    torch.manual_seed(0)
+    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), ["cpu"])
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    errors = []
+    t0 = time.monotonic()
+    for step in range(3):
+        try:
+            if rank == 1 and step == 1:
+                dm(torch.randn(4, 5))  # wrong width: the forward raises
+            nn.functional.mse_loss(dm(x), y).backward()
+        except Exception as e:  # noqa: BLE001 - a user script that carries on
+            errors.append(f"{type(e).__name__}: {e}")
+    out["errors"] = errors
+    out["seconds"] = time.monotonic() - t0
+    _write(out)
+    os._exit(0)  # the group is broken: no clean shutdown to wait for
+
+
 def uneven(out: dict) -> None:
     """Rank 1 has one batch fewer and then waits in a barrier of its own:
     rank 0 fails within the timeout naming it; nothing pairs the barrier
