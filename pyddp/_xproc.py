@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import datetime
 import itertools
+import pickle
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence
@@ -54,24 +55,51 @@ def resolve_group(group: Any) -> Optional[Any]:
     return None
 
 
-def _own_group(group: Any, ranks: List[int], timeout_s: float, role: str) -> Any:
-    """A gloo group of the same ranks, for pyddp alone, with pyddp's timeout.
-    "control": small blocking exchanges must not pair with a bucket reduction
-    another rank launched earlier. "data": bucket reductions must not pair with
-    the user's own collectives on the default group (a rank that ran out of
-    batches and waits in a barrier must time out, not feed a reduction)."""
-    key = (id(group), tuple(ranks), timeout_s, role)
-    if key not in _groups:
-        _groups[key] = (
-            group,
-            dist.new_group(
-                ranks,
-                backend="gloo",
-                timeout=datetime.timedelta(seconds=timeout_s),
-                use_local_synchronization=True,
-            ),
-        )
-    return _groups[key][1]
+_made: Dict[tuple, int] = {}  # (ranks, role) -> gloo groups made so far
+
+
+def _own_group(ranks: List[int], timeout_s: float, role: str, store: Any) -> Any:
+    """A gloo process group over `ranks` for pyddp alone, with pyddp's timeout,
+    its rendezvous keys named by pyddp: (restart, ranks, role, how many such
+    groups this rank made before). Every member makes them in the same order,
+    so the names agree (torch's own names for groups made by their members
+    only depend on each rank's whole group history, and diverge after a
+    subgroup). "data": one per GradSync, so another model's launcher or the
+    caller's collectives never pair with its buckets. "control": one per set
+    of ranks, for small blocking exchanges that must not pair with a bucket
+    reduction launched earlier."""
+    key = (tuple(ranks), role)
+    if role == "control" and key in _groups:
+        return _groups[key]
+    n = _made.get(key, 0)
+    _made[key] = n + 1
+    name = f"pyddp/{restart_count()}/gloo/{'-'.join(map(str, ranks))}/{role}/{n}"
+    pg = dist.ProcessGroupGloo(
+        dist.PrefixStore(name, store),
+        ranks.index(dist.get_rank()),
+        len(ranks),
+        datetime.timedelta(seconds=timeout_s),
+    )
+    if role == "control":
+        _groups[key] = pg
+    return pg
+
+
+def _wait(work: Any) -> None:
+    work.wait()
+
+
+def _allreduce(pg: Any, t: torch.Tensor, op: Any = None) -> Any:
+    opts = dist.AllreduceOptions()
+    if op is not None:
+        opts.reduceOp = op
+    return pg.allreduce([t], opts)
+
+
+def _broadcast(pg: Any, t: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0  # the group's rank 0
+    _wait(pg.broadcast([t], opts))
 
 
 class CrossProcess:
@@ -83,23 +111,24 @@ class CrossProcess:
                 f"(ranks {self.ranks}); only its members may wrap with it"
             )
         self.id = next(_ids)  # every rank builds its GradSyncs in the same order
-        self.rank = dist.get_rank(group)
+        self.rank = self.ranks.index(dist.get_rank())
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception as e:  # noqa: BLE001 - named below
+            raise RuntimeError(f"pyddp: torch.distributed's store is not reachable: {e}") from e
+        self.store: Optional[Any] = store
         # Bucket reductions go on a group of this GradSync's own: another
         # model's launcher thread, or the caller's collectives, would launch
         # on a shared group in an order that differs between ranks, and gloo
         # would pair one model's bucket with another's.
-        self.group = _own_group(group, self.ranks, timeout_s, f"data {self.id}")
+        self.group = _own_group(self.ranks, timeout_s, "data", store)
         self.world = len(self.ranks)
         self.root = self.ranks[0]  # the global rank of the group's rank 0
         self.timeout = timeout_s
         self.names = list(names)
         # Blocking exchanges run on the caller's thread, one at a time: one
         # control group per set of ranks is enough.
-        self.ctrl = _own_group(group, self.ranks, timeout_s, "control")
-        try:
-            self.store: Optional[Any] = dist.distributed_c10d._get_default_store()
-        except Exception:  # noqa: BLE001 - the census below is then skipped
-            self.store = None
+        self.ctrl = _own_group(self.ranks, timeout_s, "control", store)
         self.prefix = f"pyddp/{restart_count()}/{self.id}"
         self.iteration = 0
         self.flats: List[torch.Tensor] = []  # replica 0's buckets (set by GradSync)
@@ -123,8 +152,7 @@ class CrossProcess:
     def check_same_model(self, signature: List[tuple], what: str) -> None:
         """Refuses, on every rank, models that differ across ranks, naming the
         first differing entry and the rank."""
-        out: List[Any] = [None] * self.world
-        dist.all_gather_object(out, signature, group=self.ctrl)
+        out = self._gather_objects(signature)
         ref = out[0]
         for r, sig in enumerate(out[1:], start=1):
             if sig == ref:
@@ -146,7 +174,7 @@ class CrossProcess:
         with torch.no_grad():
             for group in by_kind.values():
                 flat = _flatten_dense_tensors([t.detach() for t in group])
-                self._ctrl_call(what, dist.broadcast, flat, src=self.root, group=self.ctrl)
+                self._ctrl_call(what, _broadcast, self.ctrl, flat)
                 for t, v in zip(group, _unflatten_dense_tensors(flat, group)):
                     t.copy_(v)
 
@@ -154,7 +182,7 @@ class CrossProcess:
         """Every rank's number of replicas (they may differ)."""
         counts = torch.zeros(self.world, dtype=torch.int64)
         counts[self.rank] = local
-        self._ctrl_call("the exchange of replica counts", dist.all_reduce, counts, group=self.ctrl)
+        self._ctrl_call("the exchange of replica counts", self._sum, counts)
         self.local_counts = counts.tolist()
 
     def nccl_rendezvous(self, local: int) -> Any:
@@ -180,9 +208,7 @@ class CrossProcess:
         if len(order) == size:
             t[0] = size
             t[1:] = torch.tensor(list(order), dtype=torch.int64)
-        self._ctrl_call(
-            "the bucket plan broadcast", dist.broadcast, t, src=self.root, group=self.ctrl
-        )
+        self._ctrl_call("the bucket plan broadcast", _broadcast, self.ctrl, t)
         return None if t[0].item() != size else t[1:].tolist()
 
     # ----------------------------------------------------------- per backward
@@ -198,9 +224,7 @@ class CrossProcess:
         mask[list(none_here)] = 0
         self._none_here = list(none_here)
         self._mask = mask
-        self._agree_work = dist.all_reduce(
-            mask, op=dist.ReduceOp.MAX, group=self.ctrl, async_op=True
-        )
+        self._agree_work = _allreduce(self.ctrl, mask, dist.ReduceOp.MAX)
         self._agree_launch_ns = time.perf_counter_ns() - t0
 
     def unused_everywhere(self) -> List[int]:
@@ -222,20 +246,37 @@ class CrossProcess:
 
     def from_root(self, obj: Any) -> Any:
         """The group root's `obj` on every rank (pickled through gloo)."""
-        box = [obj if self.rank == 0 else None]
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self._ctrl_call("the broadcast from rank 0", _broadcast, self.ctrl, size)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if self.rank == 0:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self._ctrl_call("the broadcast from rank 0", _broadcast, self.ctrl, buf)
+        return pickle.loads(buf.numpy().tobytes()) if self.rank else obj
+
+    def _gather_objects(self, obj: Any) -> List[Any]:
+        """Every rank's `obj`, in group rank order (pickled through gloo)."""
+        data = pickle.dumps(obj)
+        sizes = torch.zeros(self.world, dtype=torch.int64)
+        sizes[self.rank] = len(data)
+        self._ctrl_call("an exchange of model descriptions", self._sum, sizes)
+        width = int(sizes.max().item())
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        outs = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.world)]
         self._ctrl_call(
-            "the broadcast from rank 0",
-            dist.broadcast_object_list,
-            box,
-            src=self.root,
-            group=self.ctrl,
+            "an exchange of model descriptions", lambda: _wait(self.ctrl.allgather([outs], [mine]))
         )
-        return box[0]
+        return [pickle.loads(o[: int(n)].numpy().tobytes()) for o, n in zip(outs, sizes.tolist())]
+
+    def _sum(self, t: torch.Tensor) -> None:
+        _wait(_allreduce(self.ctrl, t))
 
     def sum_over_ranks(self, values: Sequence[float]) -> List[float]:
         """Element-wise sums over ranks (float64), on the control group."""
         t = torch.tensor(list(values), dtype=torch.float64)
-        self._ctrl_call("a sum over ranks", dist.all_reduce, t, group=self.ctrl)
+        self._ctrl_call("a sum over ranks", self._sum, t)
         return t.tolist()
 
     def launch(self, bucket: int) -> None:
@@ -246,7 +287,7 @@ class CrossProcess:
         # Averaged across processes (torch DDP's convention), divided before the
         # sum so 16-bit gradients do not overflow in transit.
         flat.div_(self.world)
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        work = _allreduce(self.group, flat)
         with self._cv:
             self._pending += 1
             self.launched.append(bucket)

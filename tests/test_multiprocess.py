@@ -163,6 +163,15 @@ def test_all_reduce_across_processes(basics):
         assert r["avg"] == [2.5] * 3
 
 
+def test_a_subgroup_then_every_process(tmp_path):
+    run = torchrun("subgroup", tmp_path, 3, {"PYDDP_TIMEOUT_S": "20"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = results(tmp_path, "subgroup", 3)
+    assert got[0]["sub"] <= TOL and got[1]["sub"] <= TOL
+    assert "not in the group" in got[2]["not_member"]
+    assert all(r["all"] <= TOL for r in got)
+
+
 def test_two_models_in_one_backward_do_not_mix_their_buckets(tmp_path):
     run = torchrun("two_models", tmp_path, 2)
     assert run.returncode == 0, run.stderr[-3000:]

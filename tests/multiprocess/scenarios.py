@@ -312,6 +312,38 @@ def stalled(out: dict) -> None:
     os._exit(0)  # the group is broken: no clean shutdown to wait for
 
 
+def subgroup(out: dict) -> None:
+    """3 processes: ranks 0 and 1 train on a subgroup, then every rank trains
+    over all processes (pyddp's own groups are named the same on every member,
+    whatever groups each rank made before); rank 2 cannot wrap on the subgroup."""
+    rank, world = pyddp.rank(), pyddp.world()
+    sub = dist.new_group([0, 1])
+    x, y = torch.randn(12, 6, generator=torch.Generator().manual_seed(2)), torch.zeros(12, 3)
+
+    def trained(ranks):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        ref = copy.deepcopy(model)
+        group = sub if ranks == [0, 1] else None
+        with pyddp.wrap(model, ["cpu"], group=group) as dm:
+            rows = my_rows(12, ranks.index(rank), len(ranks))
+            dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
+        nn.functional.mse_loss(ref(x), y).backward()
+        return max(
+            (p.grad - q.grad).abs().max().item()
+            for p, q in zip(model.parameters(), ref.parameters())
+        )
+
+    if rank < 2:
+        out["sub"] = trained([0, 1])
+    else:
+        try:
+            pyddp.wrap(nn.Linear(2, 2), ["cpu"], group=sub)
+        except ValueError as e:
+            out["not_member"] = str(e)
+    out["all"] = trained(list(range(world)))
+
+
 def two_models(out: dict) -> None:
     """Two wrapped models in one backward: each GradSync reduces on a group of
     its own, so the two launcher threads cannot pair one model's bucket with
