@@ -170,6 +170,7 @@ class GradSync:
         if self._xproc is not None and self._gpu_devices is not None:
             rendezvous = self._xproc.nccl_rendezvous(len(replicas))
             op, self._post_scale = _nccl_op(op, self._xproc.local_counts)
+        self._op = op
         self._backend = make_backend(self._gpu_devices or self.devices, timeout_s, rendezvous)
         if self._xproc is not None and self._gpu_devices is None:
             # This process's replicas sum in C++, then the launcher hands each
@@ -319,7 +320,10 @@ class GradSync:
         # Backward runs on the stream its forward runs on: this one. It and the
         # zeroing below come after the last reduction of these buckets.
         self._use_current_stream(replica)
-        if self._engine.take_stale(replica) and replica > 0:
+        # Sum: replica 0's copy alone carries the previous sum into the next
+        # one. Average: every copy does (each holds the mean, and the next
+        # mean of (mean + new) is mean + new mean).
+        if self._engine.take_stale(replica) and replica > 0 and self._op == "sum":
             for flat in self._flat[replica]:
                 flat.zero_()
 

@@ -400,3 +400,23 @@ def test_keyboard_interrupt_on_replica_zero_waits_for_the_others():
         workers.run([interrupted, slow], "test")
     assert done == [1]  # replica 1 had finished before the interrupt propagated
     workers.close()
+
+
+def test_avg_accumulates_over_synced_backwards_without_zero_grad():
+    # After an averaged reduction every replica holds the mean: the next one
+    # must give mean + new mean (zeroing the other replicas' copies, right for
+    # a sum, halved the carried mean).
+    torch.manual_seed(0)
+    m0 = torch.nn.Linear(4, 2)
+    m1, ref = copy.deepcopy(m0), copy.deepcopy(m0)
+    x = torch.randn(8, 4)
+    with pyddp.GradSync([m0, m1], op="avg") as sync:
+        for _ in range(2):  # two synced backwards, no zero_grad between them
+            for m, xs in zip((m0, m1), (x[:4], x[4:])):
+                m(xs).pow(2).mean().backward()
+            sync.finish()
+    for _ in range(2):
+        (ref(x[:4]).pow(2).mean() + ref(x[4:]).pow(2).mean()).div(2).backward()
+    for m in (m0, m1):
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
