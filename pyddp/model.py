@@ -226,8 +226,8 @@ class DistributedModel(nn.Module):
         self._check_open()
         if self._alone:
             return self.module(*args, **kwargs)
-        shards, sizes = self._start((args, kwargs))
         with self._abandon_on_error("forward"):
+            shards, sizes = self._start((args, kwargs))
             outs = self._workers.run(
                 [self._call(r, a, kw) for r, (a, kw) in enumerate(shards)], "forward"
             )
@@ -255,7 +255,8 @@ class DistributedModel(nn.Module):
         if self._alone:
             _check_reduction(reduction)
             return _checked(loss_fn(self.module(*args, **kwargs), targets))
-        shards, _ = self._scatter((inputs, targets))
+        with self._abandon_on_error("forward/loss"):
+            shards, _ = self._scatter((inputs, targets))
         return self.loss_on_shards(loss_fn, shards, reduction=reduction)
 
     def loss_on_shards(
