@@ -325,12 +325,14 @@ class DistributedModel(nn.Module):
     def _weigh_across_processes(self, losses: List[torch.Tensor], rows: int) -> List[torch.Tensor]:
         """Gradients are averaged over processes, so this rank's are scaled by
         world * rows here / rows everywhere: an uneven global batch stays
-        exact. One small exchange, which also gives the global batch's loss
-        (`last_global_loss`); the returned loss stays this process's mean."""
+        exact. One small exchange, which on CPU replicas also gives the global
+        batch's loss (`last_global_loss`; None on GPUs, where reading the loss
+        would make the host wait); the returned loss stays this process's mean."""
         xp = self.sync._xproc
-        local = sum(float(v.detach()) for v in losses)
+        on_host = all(v.device.type == "cpu" for v in losses)
+        local = sum(float(v.detach()) for v in losses) if on_host else 0.0
         rows_all, loss_sum = xp.sum_over_ranks([float(rows), local * rows])
-        self.last_global_loss = loss_sum / rows_all
+        self.last_global_loss = loss_sum / rows_all if on_host else None
         scale = xp.world * rows / rows_all
         return [_ScaleGrad.apply(v, scale) for v in losses]
 

@@ -319,7 +319,7 @@ class Trainer:
                         )
                         (loss * (self._scaler.scale / window)).backward()
                     if self._xp is not None:  # the global batch's loss, as one device
-                        loss = torch.tensor(self.model.last_global_loss)
+                        loss = self._global_loss(loss, shards)
                     window_loss += loss.detach().to(window_loss.device) / window
                     state.batch_in_epoch += 1
                     stepped = last and self._optimizer_step()
@@ -356,6 +356,14 @@ class Trainer:
             cfg.max_epochs,
             "max_epochs",
         )
+
+    def _global_loss(self, loss: torch.Tensor, shards: Any) -> torch.Tensor:
+        g = self.model.last_global_loss  # computed with the rows exchange (CPU)
+        if g is None:  # GPU replicas: the host reads the loss here, once per step
+            rows = sum(_rows(s) for s in shards)
+            rows_all, total = self._xp.sum_over_ranks([rows, loss.item() * rows])
+            g = total / rows_all
+        return torch.tensor(g)
 
     def _optimizer_step(self) -> bool:
         """Steps every replica; False if an fp16 overflow skipped the step. A
