@@ -17,7 +17,7 @@ import itertools
 import pickle
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -177,6 +177,28 @@ class CrossProcess:
                 self._ctrl_call(what, _broadcast, self.ctrl, flat)
                 for t, v in zip(group, _unflatten_dense_tensors(flat, group)):
                     t.copy_(v)
+
+    def join_model(self, replicas: Sequence[Any], device_type: str, op: str) -> None:
+        """At construction: the same model on every rank (else a ValueError
+        naming the first difference), then rank 0's parameters and buffers on
+        every replica of every rank, as torch DDP does."""
+        m0 = replicas[0]
+        entries = [("parameter", n, p) for n, p in m0.named_parameters()]
+        entries += [("buffer", n, b) for n, b in m0.named_buffers()]
+        self.check_same_model(model_signature(entries, device_type), "model")
+        self.gather_local_counts(len(replicas))
+        if op == "avg" and len(set(self.local_counts)) != 1:
+            raise ValueError(
+                f"op='avg' across processes with {self.local_counts} replicas per process: "
+                "use the same number of replicas in every process, or op='sum'"
+            )
+        state = [t for _, _, t in entries]
+        self.broadcast(state, "the broadcast of rank 0's parameters and buffers")
+        with torch.no_grad():
+            for m in replicas[1:]:
+                mine = [p for p in m.parameters()] + [b for b in m.buffers()]
+                for dst, src in zip(mine, state):
+                    dst.copy_(src)
 
     def gather_local_counts(self, local: int) -> None:
         """Every rank's number of replicas (they may differ)."""
@@ -448,3 +470,20 @@ def model_signature(modules_params: Sequence[tuple], device_type: str) -> List[t
     for kind, name, t in modules_params:
         sig.append((kind, name, tuple(t.shape), str(t.dtype).replace("torch.", "")))
     return sig
+
+
+def nccl_op(op: str, counts: Sequence[int]) -> Tuple[str, float]:
+    """NCCL's op and the scale after it, so that gradients are summed (op
+    "sum") or averaged ("avg") over a process's replicas and averaged over
+    processes. One GPU per process: NCCL's average is exactly that."""
+    world = len(counts)
+    if all(c == 1 for c in counts):
+        return "avg", 1.0
+    if op == "sum":
+        return "sum", 1.0 / world
+    if len(set(counts)) != 1:
+        raise ValueError(
+            f"op='avg' across processes with {counts} GPUs per process: use the same number "
+            "of GPUs in every process, or op='sum'"
+        )
+    return "avg", 1.0

@@ -22,7 +22,7 @@ from ._params import dtype_name, trainable_params
 from ._runtime import backend_kind, make_backend
 from ._runtime import timeout_s as _default_timeout
 from ._streams import TorchStreams
-from ._xproc import CrossProcess, ProcessGroupError, model_signature, resolve_group
+from ._xproc import CrossProcess, ProcessGroupError, nccl_op, resolve_group
 from .observe import Observer, chrome_trace, timeline_from_env, write_trace
 
 ReduceError = _C.ReduceError
@@ -169,7 +169,7 @@ class GradSync:
         rendezvous = None
         if self._xproc is not None and self._gpu_devices is not None:
             rendezvous = self._xproc.nccl_rendezvous(len(replicas))
-            op, self._post_scale = _nccl_op(op, self._xproc.local_counts)
+            op, self._post_scale = nccl_op(op, self._xproc.local_counts)
         self._op = op
         self._backend = make_backend(self._gpu_devices or self.devices, timeout_s, rendezvous)
         if self._xproc is not None and self._gpu_devices is None:
@@ -404,23 +404,7 @@ class GradSync:
         # over them (and NCCL for GPUs), whatever the group's backend.
         seconds = _default_timeout() if timeout is None else float(timeout)
         xp = CrossProcess(group, seconds, self.names)
-        m0 = self.replicas[0]
-        entries = [("parameter", n, p) for n, p in m0.named_parameters()]
-        entries += [("buffer", n, b) for n, b in m0.named_buffers()]
-        xp.check_same_model(model_signature(entries, self.devices[0].type), "model")
-        xp.gather_local_counts(len(self.replicas))
-        if op == "avg" and len(set(xp.local_counts)) != 1:
-            raise ValueError(
-                f"op='avg' across processes with {xp.local_counts} replicas per process: use "
-                "the same number of replicas in every process, or op='sum'"
-            )
-        state = [t for _, _, t in entries]
-        xp.broadcast(state, "the broadcast of rank 0's parameters and buffers")
-        with torch.no_grad():
-            for m in self.replicas[1:]:
-                mine = [p for p in m.parameters()] + [b for b in m.buffers()]
-                for dst, src in zip(mine, state):
-                    dst.copy_(src)
+        xp.join_model(self.replicas, self.devices[0].type, op)
         self._xproc = xp
 
     def _wait_across_processes(self) -> Tuple[List[int], List[int]]:
@@ -778,23 +762,6 @@ def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor) -> None:
     sync = owner()
     if sync is not None:
         sync._adopt(p, view)
-
-
-def _nccl_op(op: str, counts: Sequence[int]) -> Tuple[str, float]:
-    """NCCL's op and the scale after it, so that gradients are summed (op
-    "sum") or averaged ("avg") over a process's replicas and averaged over
-    processes. One GPU per process: NCCL's average is exactly that."""
-    world = len(counts)
-    if all(c == 1 for c in counts):
-        return "avg", 1.0
-    if op == "sum":
-        return "sum", 1.0 / world
-    if len(set(counts)) != 1:
-        raise ValueError(
-            f"op='avg' across processes with {counts} GPUs per process: use the same number "
-            "of GPUs in every process, or op='sum'"
-        )
-    return "avg", 1.0
 
 
 def _release(handles: List[Any], engine: Optional[Any]) -> None:
