@@ -16,8 +16,8 @@ launch -> last reduction done, overlap = first launch -> autograd done):
 pyddp's from `dm.stats()` over every timed step, DDP's from
 `ddp._get_ddp_logging_data()` per iteration, one per sample (DDP records an
 iteration's figures at the next forward, with the sample rate set to 1).
-pyddp's per-iteration agreement cost is `agree_s`: the wait for the exchange
-on unused parameters left after the bucket reductions are done. The launch
+pyddp's per-iteration agreement cost is `agree_s`: launching the exchange on
+unused parameters, plus the wait for it left after the bucket reductions. The launch
 order needs no per-iteration exchange: it is the bucket index, on rank 0's
 bucket plan agreed once after the first (warm-up) iteration."""
 
