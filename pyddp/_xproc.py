@@ -37,13 +37,8 @@ class ProcessGroupError(_C.ReduceError):
     """A collective across processes failed or timed out (a ReduceError)."""
 
 
-ONE_PROCESS = object()  # group= value that keeps a call inside this process
-
-
 def resolve_group(group: Any) -> Optional[Any]:
     """The process group to span, or None to stay in one process."""
-    if group is ONE_PROCESS:
-        return None
     if group is not None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -85,10 +80,6 @@ def _own_group(ranks: List[int], timeout_s: float, role: str, store: Any) -> Any
     return pg
 
 
-def _wait(work: Any) -> None:
-    work.wait()
-
-
 def _allreduce(pg: Any, t: torch.Tensor, op: Any = None) -> Any:
     opts = dist.AllreduceOptions()
     if op is not None:
@@ -99,7 +90,7 @@ def _allreduce(pg: Any, t: torch.Tensor, op: Any = None) -> Any:
 def _broadcast(pg: Any, t: torch.Tensor) -> None:
     opts = dist.BroadcastOptions()
     opts.rootRank = 0  # the group's rank 0
-    _wait(pg.broadcast([t], opts))
+    pg.broadcast([t], opts).wait()
 
 
 class CrossProcess:
@@ -288,12 +279,12 @@ class CrossProcess:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         outs = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.world)]
         self._ctrl_call(
-            "an exchange of model descriptions", lambda: _wait(self.ctrl.allgather([outs], [mine]))
+            "an exchange of model descriptions", lambda: self.ctrl.allgather([outs], [mine]).wait()
         )
         return [pickle.loads(o[: int(n)].numpy().tobytes()) for o, n in zip(outs, sizes.tolist())]
 
     def _sum(self, t: torch.Tensor) -> None:
-        _wait(_allreduce(self.ctrl, t))
+        _allreduce(self.ctrl, t).wait()
 
     def sum_over_ranks(self, values: Sequence[float]) -> List[float]:
         """Element-wise sums over ranks (float64), on the control group."""

@@ -14,7 +14,6 @@ import torch
 
 from ._params import DTYPE_NAMES
 from ._runtime import backend_kind, make_backend
-from ._xproc import ONE_PROCESS as _ONE_PROCESS
 from ._xproc import resolve_group
 from .sync import ReduceError
 
@@ -63,14 +62,22 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum", group: Any = None) -> No
     if first.dtype not in DTYPE_NAMES:
         raise ValueError(f"all_reduce: dtype {first.dtype} is not supported")
     _check_disjoint(tensors)
-    devices = [t.device for t in tensors]
-    kind = backend_kind(devices)
     xgroup = resolve_group(group)
     if xgroup is not None:
-        _all_reduce_across(tensors, op, xgroup)
-        return
+        _all_reduce_across(tensors, cupy_streams, op, xgroup)
+    else:
+        _reduce_in_process(tensors, cupy_streams, op)
+
+
+def _reduce_in_process(
+    tensors: Sequence[torch.Tensor], cupy_streams: Sequence[Any], op: str
+) -> None:
+    """The reduction over this process's tensors (already checked)."""
     if len(tensors) == 1:
         return  # the sum and the mean of one tensor is itself
+    first = tensors[0]
+    devices = [t.device for t in tensors]
+    kind = backend_kind(devices)
     indices = tuple(-1 if d.type == "cpu" else d.index for d in devices)
     key = (kind, indices)
     with _backends_lock:
@@ -100,7 +107,9 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum", group: Any = None) -> No
             raise
 
 
-def _all_reduce_across(tensors: Sequence[torch.Tensor], op: str, group: Any) -> None:
+def _all_reduce_across(
+    tensors: Sequence[torch.Tensor], cupy_streams: Sequence[Any], op: str, group: Any
+) -> None:
     import torch.distributed as dist
 
     if tensors[0].device.type != "cpu":
@@ -108,8 +117,7 @@ def _all_reduce_across(tensors: Sequence[torch.Tensor], op: str, group: Any) -> 
             "all_reduce across processes: GPU tensors need a cross-process NCCL communicator, "
             "which this version does not build yet; use torch.distributed.all_reduce"
         )
-    if len(tensors) > 1:
-        all_reduce(tensors, "sum", group=_ONE_PROCESS)
+    _reduce_in_process(tensors, cupy_streams, "sum")
     count = torch.tensor([float(len(tensors))], dtype=torch.float64)
     dist.all_reduce(tensors[0], group=group)
     if op == "avg":

@@ -103,35 +103,23 @@ class ShardedLoader:
 
     def __len__(self) -> int:
         if self._loader is not None:
-            n = len(self._loader)
-            # Every rank must take the same number of steps: a short last
-            # batch that some rank would get no rows of is dropped.
-            last = self._last_loader_rows()
-            return n - 1 if self._sliced_loader_drops(last) else n
-        full, rest = divmod(self._rows, self.batch_size)
-        if (
-            rest
-            and not self.drop_last
-            and (self.world == 1 or self.keep_short or rest >= self.world)
-        ):
-            return full + 1
-        return full
+            full, rest = len(self._loader), self._loader_rest()
+            full -= 1 if rest else 0
+        else:
+            full, rest = divmod(self._rows, self.batch_size)
+            rest = 0 if self.drop_last else rest
+        # Across processes every rank takes the same number of steps: a short
+        # last batch that some rank would get no rows of is dropped (kept for
+        # evaluation, whose figures are exchanged once).
+        keep = rest and (not self._sliced or self.keep_short or rest >= self.world)
+        return full + (1 if keep else 0)
 
-    def _last_loader_rows(self) -> Optional[int]:
+    def _loader_rest(self) -> int:
+        """Rows in the DataLoader's short last batch (0: none, or unknown)."""
         loader = self._loader
-        if loader.batch_size is None or not hasattr(loader.dataset, "__len__"):
-            return None
-        rest = len(loader.dataset) % loader.batch_size
-        return rest if rest and not loader.drop_last else None
-
-    def _sliced_loader_drops(self, last: Optional[int]) -> bool:
-        return (
-            self.world > 1
-            and not self.keep_short
-            and getattr(self, "_sliced", False)
-            and last is not None
-            and (last < self.world)
-        )
+        if loader.batch_size is None or loader.drop_last or not hasattr(loader.dataset, "__len__"):
+            return 0
+        return len(loader.dataset) % loader.batch_size
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[List[Shard]]:
         """The shards of every batch of `epoch`, from batch index `start`."""
@@ -172,8 +160,9 @@ class ShardedLoader:
                 sampler.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)  # DistributedSampler and friends
+            n = len(self)
             for i, batch in enumerate(self._loader):
-                if i >= len(self):
+                if i >= n:  # the short last batch this rank must skip
                     return
                 if not isinstance(batch, (tuple, list)) or len(batch) != 2:
                     raise ValueError("DataLoader batches must be (inputs, targets) pairs")
@@ -197,10 +186,10 @@ class ShardedLoader:
                 yield x, y
 
     def _mine(self, inputs: Any, targets: Any) -> Tuple[Any, Any]:
+        """This rank's contiguous slice of a global batch."""
         leaves, rebuild = flatten((inputs, targets))
         rows = next(t.shape[0] for t in leaves if t.dim() > 0)
-        sizes = shard_sizes(rows, self.world)
-        return rebuild([t.split(sizes)[self.rank] if t.dim() > 0 else t for t in leaves])
+        return rebuild([p[self.rank] for p in _pieces(leaves, shard_sizes(rows, self.world))])
 
     def _split(self, batch: Tuple[Any, Any]) -> List[Shard]:
         inputs, targets = batch
@@ -210,7 +199,7 @@ class ShardedLoader:
         if rows == 0:  # keep_short: none of this batch is this rank's
             return []
         sizes = shard_sizes(rows, min(rows, len(self.devices)))
-        pieces = [list(t.split(sizes)) if t.dim() > 0 else [t] * len(sizes) for t in leaves]
+        pieces = _pieces(leaves, sizes)
         shards = []
         for r in range(len(sizes)):
             device = self.devices[r]
@@ -223,6 +212,11 @@ class ShardedLoader:
             ]
             shards.append(rebuild(moved))
         return shards
+
+
+def _pieces(leaves: List[Any], sizes: List[int]) -> List[List[Any]]:
+    """Each leaf split along dim 0 by `sizes` (0-dim leaves repeated)."""
+    return [list(t.split(sizes)) if t.dim() > 0 else [t] * len(sizes) for t in leaves]
 
 
 def _index(tree: Any, idx: torch.Tensor) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -78,11 +78,6 @@ def init(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> No
     )
 
 
-def is_distributed(group: Any = None) -> bool:
-    """Whether torch.distributed is initialised with more than one process."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
 def rank(group: Any = None) -> int:
     """This process's rank in `group` (default: every process); 0 without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -113,21 +108,6 @@ def restart_count() -> int:
     a restarted group must not read the previous round's)."""
     raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return int(raw) if raw.isdigit() else 0
-
-
-def barrier(group: Any = None) -> None:
-    """Waits for every process of `group`; does nothing in one process."""
-    if is_distributed(group):
-        dist.barrier(group=group)
-
-
-def all_gather_object(obj: Any, group: Any = None) -> List[Any]:
-    """Every process's `obj`, in rank order ([obj] in one process)."""
-    if not is_distributed(group):
-        return [obj]
-    out: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def _timeout(seconds: Optional[float]) -> float:

@@ -66,12 +66,18 @@ def test_eval_mode_and_buffers_follow_replica_0():
     dm.close()
 
 
-def test_freezing_after_wrap_is_followed_and_unfreezing_a_wrap_time_frozen_one_raises():
+def wrapped_with_reference():
+    """A dropout-free Net, an untouched copy for single-device reference
+    training, and the Net wrapped over two CPU replicas."""
     torch.manual_seed(0)
     model = Net(norm=False)
     model.drop.p = 0.0
     ref = copy.deepcopy(model)
-    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    return model, ref, pyddp.wrap(model, ["cpu", "cpu"])
+
+
+def test_freezing_after_wrap_is_followed_and_unfreezing_a_wrap_time_frozen_one_raises():
+    model, ref, dm = wrapped_with_reference()
     opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for k, (x, y) in enumerate(data(4)):
@@ -122,11 +128,7 @@ def test_changes_replicas_cannot_follow_raise(change, match):
 
 
 def test_values_changed_on_the_users_model_reach_every_replica():
-    torch.manual_seed(0)
-    model = Net(norm=False)
-    model.drop.p = 0.0
-    ref = copy.deepcopy(model)
-    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    model, ref, dm = wrapped_with_reference()
     # A state loaded into the user's object, not through dm.
     other = Net(norm=False).state_dict()
     model.load_state_dict(other)
@@ -226,11 +228,7 @@ def test_gradsync_forgotten_finish_and_finish_too_early_are_caught():
 def test_torch_clipping_and_unscaling_on_the_model_reach_every_replica():
     # torch's clip_grad_norm_ and GradScaler.unscale_ see the model's own
     # parameters (replica 0's gradients) only: the step copies them over.
-    torch.manual_seed(0)
-    model = Net(norm=False)
-    model.drop.p = 0.0
-    ref = copy.deepcopy(model)
-    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    model, ref, dm = wrapped_with_reference()
     opt = dm.optimizer(torch.optim.SGD, lr=0.5, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)

@@ -301,15 +301,7 @@ def stalled(out: dict) -> None:
     if rank == 1:
         time.sleep(2 * float(os.environ["PYDDP_TIMEOUT_S"]) + 2)  # past rank 0's census
         os._exit(0)
-    t0 = time.monotonic()
-    try:
-        nn.functional.mse_loss(dm(x), y).backward()
-        out["error"] = None
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["seconds"] = time.monotonic() - t0
-    _write(out)
-    os._exit(0)  # the group is broken: no clean shutdown to wait for
+    _expect_failure(out, lambda: nn.functional.mse_loss(dm(x), y).backward())
 
 
 def subgroup(out: dict) -> None:
@@ -386,8 +378,7 @@ def raises(out: dict) -> None:
             errors.append(f"{type(e).__name__}: {e}")
     out["errors"] = errors
     out["seconds"] = time.monotonic() - t0
-    _write(out)
-    os._exit(0)  # the group is broken: no clean shutdown to wait for
+    _write_and_exit(out)
 
 
 def uneven(out: dict) -> None:
@@ -398,17 +389,13 @@ def uneven(out: dict) -> None:
     torch.manual_seed(0)
     dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), ["cpu"])
     x, y = torch.randn(4, 6), torch.randn(4, 3)
-    t0 = time.monotonic()
-    try:
+
+    def run() -> None:
         for _ in range(3 if rank == 0 else 2):
             nn.functional.mse_loss(dm(x), y).backward()
         dist.barrier()
-        out["error"] = None
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["seconds"] = time.monotonic() - t0
-    _write(out)
-    os._exit(0)  # the group is broken: no clean shutdown to wait for
+
+    _expect_failure(out, run)
 
 
 def trainer(out: dict) -> None:
@@ -456,6 +443,24 @@ def trainer(out: dict) -> None:
         out["params"] = [p.detach().flatten().tolist() for p in t.model.module.parameters()]
         out["files"] = sorted(os.listdir(outdir))
     out["restart"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _expect_failure(out: dict, run) -> None:
+    """Runs `run`, records its error (None if it did not raise) and how long it
+    took, then writes `out` and ends the process."""
+    t0 = time.monotonic()
+    try:
+        run()
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - t0
+    _write_and_exit(out)
+
+
+def _write_and_exit(out: dict) -> None:
+    _write(out)
+    os._exit(0)  # the group is broken: no clean shutdown to wait for
 
 
 def _write(out: dict) -> None:
