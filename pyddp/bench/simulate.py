@@ -1,95 +1,225 @@
-"""`pyddp-bench simulate`: the alpha-beta model of ring all-reduce,
-    time(S, n) = 2(n-1) * alpha + 2(n-1)/n * S / beta,
-fed with the per-parameter gradient ready times measured on this machine, to
-predict step time and scaling efficiency on n devices with and without
-overlap and bucketing. Only communication is modelled: compute per device is
-this machine's (what one device does per step is the same at any n).
+"""`pyddp-bench simulate`: a data-parallel step on 1 to hundreds of GPUs,
+predicted without a GPU, for each gradient-sync policy.
 
-Link presets (assumptions, with sources; override with --alpha-us/--beta-gbps):
-  nvlink-h100: beta 450 GB/s per direction (H100 SXM NVLink 4: 900 GB/s total
-               bidirectional, NVIDIA H100 datasheet), alpha 5 us (order of NCCL
-               small-message all-reduce latency within an NVLink node).
-  ib-ndr:      beta 50 GB/s (400 Gb/s NDR InfiniBand, NVIDIA ConnectX-7
-               datasheet), alpha 10 us (inter-node latency incl. NCCL launch).
+Inputs: a Profile (costmodel.py) of one device's step, the forward, backward
+and optimizer times and each parameter's gradient size and ready time in
+backward, either priced on a GPU's roofline from the operators autograd ran
+(`costmodel.record` + `costmodel.price`) or measured (`Profile.load`, written
+from a real run by `profile_from_timeline`); and a System (hardware.py): GPU,
+node and network, with NCCL's own cost model of an all-reduce.
+
+Policies (weak scaling: the per-device batch stays the same at every count):
+- "no overlap": every gradient reduced after backward, in pyddp's buckets.
+- "pyddp per-parameter": each gradient reduced as soon as it is ready
+  (`bucket_cap_mb=0`).
+- "pyddp bucketed": pyddp's own bucket plan (`_C.plan_buckets` over the ready
+  order it records on the first iteration; 1 MiB first bucket, then 25 MiB),
+  each bucket launched as soon as it is complete (`reduce_order="ready"`).
+- "torch DDP": torch's own bucket assignment
+  (`torch.distributed._compute_bucket_assignment_by_size`, [1 MiB, 25 MiB]) over
+  the ready order its Reducer rebuilds after the first iteration, buckets
+  launched strictly in index order (a complete bucket waits for the ones
+  before it, reducer.cpp `mark_bucket_ready`).
+- "horovod" (validation): Tensor Fusion as Horovod had it in 2017-2020:
+  every 5 ms cycle, the gradients ready by then are fused into reductions of
+  at most 64 MB (docs/tensor-fusion.rst; defaults until v0.21).
+
+Reductions run one at a time on one communication stream (as NCCL on one
+stream does), each priced by hardware.System.allreduce_s; a step is
+    forward + max(backward, end of the last reduction) + optimizer
+(with gradient accumulation over k micro-batches, k - 1 more forward and
+backward passes come first and only the last overlaps the reductions).
+Efficiency = the one-device step / the step at n devices.
+
+Not modelled: compute slowed by NCCL kernels sharing SMs and memory
+bandwidth, stragglers and jitter, the input pipeline, NVLink SHARP and
+in-network reduction, gradient compression, host launch overheads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
-LINKS: Dict[str, Tuple[float, float]] = {  # name -> (alpha seconds, beta bytes/second)
-    "nvlink-h100": (5e-6, 450e9),
-    "ib-ndr": (10e-6, 50e9),
-}
+import torch
 
+from .costmodel import Profile
+from .hardware import System
 
-def ring_allreduce_time(nbytes: float, n: int, alpha: float, beta: float) -> float:
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta
+MIB = 1 << 20
+POLICIES = ("no overlap", "pyddp per-parameter", "pyddp bucketed", "torch DDP")
+HOROVOD_CYCLE_S = 5e-3
+HOROVOD_FUSION_BYTES = 64 * MIB
 
 
 @dataclass
-class Profile:
-    """One replica's step on this machine: forward time, backward time, and each
-    parameter's gradient size and ready time (seconds after backward started),
-    in the order they became ready."""
+class Step:
+    step_s: float
+    ideal_s: float
+    comm_s: float  # sum of the reductions' times
+    exposed_s: float  # step - ideal
+    reductions: int
+    algorithms: Dict[str, int]
 
-    forward_s: float
-    backward_s: float
-    param_bytes: List[int]
-    param_ready_s: List[float]
-
-
-def bucketize(
-    profile: Profile, cap_bytes: float, first_cap_bytes: float
-) -> List[Tuple[float, int]]:
-    """(ready time, bytes) per bucket, filling buckets in ready order like the
-    engine's plan; cap 0 = one bucket per parameter."""
-    order = sorted(range(len(profile.param_bytes)), key=lambda i: profile.param_ready_s[i])
-    buckets, size, ready, cap = [], 0, 0.0, first_cap_bytes if cap_bytes else 0
-    for i in order:
-        size += profile.param_bytes[i]
-        ready = max(ready, profile.param_ready_s[i])
-        if size >= max(cap, 1):
-            buckets.append((ready, size))
-            size, cap = 0, cap_bytes
-    if size:
-        buckets.append((ready, size))
-    return buckets
+    @property
+    def efficiency(self) -> float:
+        return self.ideal_s / self.step_s
 
 
-def predict(
-    profile: Profile, n: int, alpha: float, beta: float, cap_bytes: float, first_cap_bytes: float
-) -> Dict[str, float]:
-    """Step times with one launcher issuing buckets in ready order (overlap) and
-    with every bucket after backward (no overlap)."""
-    buckets = bucketize(profile, cap_bytes, first_cap_bytes)
-    compute = profile.forward_s + profile.backward_s
-    end = 0.0
-    for ready, size in buckets:
-        end = max(ready, end) + ring_allreduce_time(size, n, alpha, beta)
-    overlapped = profile.forward_s + max(profile.backward_s, end)
-    serial = compute + sum(ring_allreduce_time(s, n, alpha, beta) for _, s in buckets)
-    return {
-        "devices": n,
-        "buckets": len(buckets),
-        "compute_s": compute,
-        "step_overlap_s": overlapped,
-        "step_no_overlap_s": serial,
-        "efficiency_overlap": compute / overlapped,
-        "efficiency_no_overlap": compute / serial,
-    }
+def _numels(profile: Profile) -> List[int]:
+    sizes = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+    dtypes = profile.dtypes or ["float32"] * len(profile.param_bytes)
+    return [b // sizes.get(d, 4) for b, d in zip(profile.param_bytes, dtypes)]
 
 
-def table_rows(
-    profile: Profile, devices: Sequence[int], alpha: float, beta: float, caps_mb: Sequence[float]
-) -> List[Dict[str, float]]:
+def buckets(
+    profile: Profile, policy: str, cap_mb: float = 25.0, first_cap_mb: float = 1.0
+) -> List[List[int]]:
+    """The parameter groups `policy` reduces together, in launch-plan order."""
+    order = profile.ready_order()
+    dtypes = profile.dtypes or ["float32"] * len(order)
+    if policy == "pyddp per-parameter":
+        return [[i] for i in order]
+    if policy in ("pyddp bucketed", "no overlap"):
+        from .. import _C
+
+        return _C.plan_buckets(
+            _numels(profile), dtypes, order, int(first_cap_mb * MIB), int(cap_mb * MIB)
+        )
+    if policy == "torch DDP":
+        import torch.distributed as dist
+
+        tensors = [
+            torch.empty(n, dtype=getattr(torch, d), device="meta")
+            for n, d in zip(_numels(profile), dtypes)
+        ]
+        limits = [int(first_cap_mb * MIB), int(cap_mb * MIB)]
+        plan = dist._compute_bucket_assignment_by_size(
+            [tensors[i] for i in order], limits, [False] * len(order), order
+        )[0]
+        return [list(b) for b in plan]
+    raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}, horovod")
+
+
+def step(
+    profile: Profile,
+    system: System,
+    gpus: int,
+    policy: str,
+    accumulate: int = 1,
+    cap_mb: float = 25.0,
+) -> Step:
+    """One step of `policy` on `gpus` GPUs of `system`."""
+    if accumulate < 1:
+        raise ValueError(
+            f"accumulate={accumulate}: give the number of micro-batches per step, >= 1"
+        )
+    passes = profile.forward_s + profile.backward_s
+    ideal = accumulate * passes + profile.optimizer_s
+    if gpus == 1:
+        return Step(ideal, ideal, 0.0, 0.0, 0, {})
+    sizes = profile.param_bytes
+    if policy == "horovod":
+        groups = _fused(profile)
+    else:
+        plan = buckets(profile, policy, cap_mb)
+        ready = [max(profile.param_ready_s[i] for i in b) for b in plan]
+        if policy == "no overlap":
+            ready = [profile.backward_s] * len(plan)
+        if policy == "torch DDP":  # launched in index order
+            ready = [max(ready[: k + 1]) for k in range(len(ready))]
+        groups = sorted(
+            ((r, sum(sizes[i] for i in b)) for r, b in zip(ready, plan)), key=lambda g: g[0]
+        )
+    clock, comm, algorithms = 0.0, 0.0, {}
+    for ready_s, nbytes in groups:
+        cost = system.allreduce_s(nbytes, gpus)
+        clock = max(clock, ready_s) + cost
+        comm += cost
+        name = system.algorithm(nbytes, gpus)
+        algorithms[name] = algorithms.get(name, 0) + 1
+    total = (
+        (accumulate - 1) * passes
+        + profile.forward_s
+        + max(profile.backward_s, clock)
+        + profile.optimizer_s
+    )
+    return Step(total, ideal, comm, total - ideal, len(groups), algorithms)
+
+
+def _fused(profile: Profile) -> List[tuple]:
+    """Horovod's Tensor Fusion: (launch time, bytes) per fused reduction."""
+    pending = sorted(range(len(profile.param_bytes)), key=lambda i: profile.param_ready_s[i])
+    groups, tick = [], HOROVOD_CYCLE_S
+    while pending:
+        ready = [i for i in pending if profile.param_ready_s[i] <= tick]
+        pending = pending[len(ready) :]
+        size = 0
+        for i in ready:
+            if size and size + profile.param_bytes[i] > HOROVOD_FUSION_BYTES:
+                groups.append((tick, size))
+                size = 0
+            size += profile.param_bytes[i]
+        if size:
+            groups.append((tick, size))
+        tick += HOROVOD_CYCLE_S
+    return groups
+
+
+def sweep(
+    profile: Profile,
+    system: System,
+    gpu_counts: Sequence[int],
+    policies: Sequence[str] = POLICIES,
+    accumulate: int = 1,
+    batch: Optional[int] = None,
+    cap_mb: float = 25.0,
+) -> List[Dict[str, Any]]:
+    """One row per (policy, GPU count)."""
     rows = []
-    for cap in caps_mb:
-        for n in devices:
-            row = predict(profile, n, alpha, beta, cap * (1 << 20), min(cap, 1.0) * (1 << 20))
-            row["cap_mb"] = cap
+    for policy in policies:
+        for n in gpu_counts:
+            nodes, per_node = system.topology(n)
+            s = step(profile, system, n, policy, accumulate, cap_mb)
+            row = {
+                "policy": policy,
+                "gpus": n,
+                "nodes": nodes,
+                "gpus_per_node": per_node,
+                "step_ms": s.step_s * 1e3,
+                "ideal_ms": s.ideal_s * 1e3,
+                "efficiency": s.efficiency,
+                "exposed_comm_ms": s.exposed_s * 1e3,
+                "comm_ms": s.comm_s * 1e3,
+                "reductions": s.reductions,
+                "algorithms": s.algorithms,
+            }
+            if batch:
+                row["samples_per_s"] = n * batch * accumulate / s.step_s
             rows.append(row)
     return rows
+
+
+def chart(rows: Sequence[Dict[str, Any]], title: str, path: Any) -> Any:
+    """Efficiency vs GPU count, one line per policy (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        mine = [r for r in rows if r["policy"] == policy]
+        ax.plot(
+            [r["gpus"] for r in mine], [100 * r["efficiency"] for r in mine], "o-", label=policy
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("scaling efficiency, % of one GPU's step rate")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,228 @@
+"""Hardware presets for `pyddp-bench simulate`, each figure with its public
+source, and NCCL's own cost model of an all-reduce over them.
+
+GPUs (dense peaks; NVIDIA's "*" figures are with 2:4 sparsity, twice these):
+- P100: NVIDIA Ampere architecture blog, Table 3 (SXM2: FP32 10.6, FP16 21.2
+  TFLOPS, no tensor cores), https://developer.nvidia.com/blog/nvidia-ampere-architecture-in-depth/ ;
+  PCIe: 9.3 / 18.7 TFLOPS at 1300 MHz, NVIDIA as quoted by Tom's Hardware,
+  https://www.tomshardware.com/news/nvidia-tesla-p100-pcie-gpu,32119.html ;
+  HBM2 732 GB/s (16 GB), P100 datasheet.
+- V100 SXM2: same Table 3: FP32 15.7, FP16 tensor 125 TFLOPS, 900 GB/s.
+- A100 SXM4 80GB: NVIDIA A100 datasheet (nvidia-a100-datasheet-nvidia-us-2188504-web.pdf):
+  FP32 19.5, TF32 156, BF16/FP16 312 TFLOPS (dense), 2,039 GB/s; NVLink 600 GB/s.
+- H100 SXM5: NVIDIA H100 datasheet
+  (resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet):
+  FP32 67, TF32 989* and BF16 1,979* TFLOPS with sparsity (dense 494.7 and
+  989.4), 3.35 TB/s.
+
+Achievable fractions of those peaks (assumptions, with what they rest on):
+- compute_eff 0.6 of the tensor-core peak for matmuls, convolutions and
+  attention: between Megatron-LM's 52% of peak end to end on A100 (Narayanan
+  et al., SC'21, arXiv:2104.04473) and 69% for a large FP16 matmul on an A800
+  (mli/transformers-benchmarks#4).
+- memory_eff 0.85 of HBM bandwidth for everything else: measured copies reach
+  87% (A100 40GB, PTsolvers/gpu-workshop-JuliaCon23#7) and 89% (A800,
+  mli/transformers-benchmarks#4).
+- kernel floor 3 us per operator: back-to-back launches of a 2.9 us kernel
+  take 3.8 us each on V100 (NVIDIA blog "Getting Started with CUDA Graphs").
+
+Links (bus bandwidth an NCCL ring all-reduce reaches, GB/s, per GPU):
+- NVLink: NCCL's own effective figure per link and direction, src/graph/topo.h
+  (SM60_NVLINK_BW 18.0, SM70 20.0, SM80 20.0): "~20GB/s effective bandwidth
+  with a 128B payload size ... ~230GB/s" on A100 (S. Jeaugey, NVIDIA/nccl-tests#149).
+  V100 in DGX-1: 6 links x 20 = 120; P100 SXM2: 4 x 18 = 72; A100 NVSwitch:
+  230 (measured, same comment); H100 NVSwitch ring: 370 ("NCCL can get an
+  effective NVLink bandwidth of 370GB/s ... with NCCL_ALGO=RING",
+  NVIDIA/nccl-tests#212). NVLink SHARP (NVLS, ~480 busbw on H100) is not modelled.
+- PCIe gen3 x16: 12.0 GB/s (NCCL topo.h PCI_BW, "PCI Gen3 x16").
+- InfiniBand/RoCE NICs: 0.96 of line rate per NIC (NCCL topo.h NET_BW 12.0 for
+  100 Gbit; "12.2 GB/s (for a 100Gbps card) is as good as you can get. DGX-1
+  can get 48 GB/s because we have 4 IB adapters", NVIDIA/nccl-tests#29; DGX
+  A100 "8x200Gbit/s IB cards and we measure 192GB/s AllReduce BusBW",
+  NVIDIA/nccl#812; NDR "46-48GB/s per NIC", NVIDIA/nccl-tests#290).
+- NICs per node: DGX-1 4x EDR 100 Gb/s (Mellanox ConnectX-4 DGX-1 brief), DGX
+  A100 8x HDR 200 Gb/s (DGX A100 spec), DGX H100 8x NDR 400 Gb/s ConnectX-7
+  (NVIDIA MLPerf inference v3.1 dgx-h100.md).
+
+Collective time: NCCL's tuning model (src/graph/tuning.cc, NVIDIA/nccl),
+simplified: for ring and tree and for the LL, LL128 and Simple protocols,
+    time = latency + bytes / algorithm bandwidth
+with NCCL's base and per-hop latencies, ring latency growing with its
+2(n-1) steps (intra- and inter-node hops priced apart), tree latency with
+2((gpus per node - 1) intra + log2(nodes) inter) hops, NCCL's protocol
+bandwidth factors, and the cheapest pair chosen, as NCCL does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Dict, Tuple
+
+# NCCL src/graph/tuning.cc (the NVLS-era version, commit b6475625): latencies
+# in microseconds, [algorithm][protocol] with protocols (LL, LL128, Simple).
+_BASE_LAT = {"tree": (6.8, 14.0, 0.0), "ring": (6.6, 14.0, 8.4)}
+_HW_LAT = {
+    "nvlink": {"tree": (0.6, 1.25, 28.0), "ring": (0.6, 1.9, 3.4)},
+    "pcie": {"tree": (1.0, 1.9, 28.0), "ring": (1.0, 2.5, 5.7)},
+    "net": {"tree": (5.0, 8.5, 28.0), "ring": (2.7, 4.0, 14.0)},
+}
+_PROTOCOLS = ("LL", "LL128", "Simple")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    fp32: float  # FLOP/s, vector
+    tf32: float  # FLOP/s, tensor core (0: none)
+    half: float  # FLOP/s, FP16/BF16 tensor core (or packed FP16 without tensor cores)
+    memory_bw: float  # bytes/s
+    compute_eff: float = 0.6
+    memory_eff: float = 0.85
+    kernel_floor_s: float = 3e-6
+
+    def peaks(self, precision: str) -> Tuple[float, float]:
+        """(matmul peak, vector peak) in FLOP/s at `precision`."""
+        if precision == "fp32":
+            return self.fp32, self.fp32
+        if precision == "tf32":
+            if not self.tf32:
+                raise ValueError(f"{self.name} has no TF32 tensor cores: use fp32 or amp")
+            return self.tf32, self.fp32
+        if precision == "amp":
+            return self.half, self.fp32
+        raise ValueError(f"precision {precision!r}: one of fp32, tf32, amp")
+
+
+T = 1e12
+GPUS: Dict[str, Gpu] = {
+    "p100-pcie": Gpu("P100 PCIe 16GB", 9.3 * T, 0.0, 18.7 * T, 732e9),
+    "p100-sxm2": Gpu("P100 SXM2 16GB", 10.6 * T, 0.0, 21.2 * T, 732e9),
+    "v100": Gpu("V100 SXM2", 15.7 * T, 0.0, 125 * T, 900e9),
+    "a100": Gpu("A100 SXM4 80GB", 19.5 * T, 156 * T, 312 * T, 2039e9),
+    "h100": Gpu("H100 SXM5 80GB", 67 * T, 494.7 * T, 989.4 * T, 3350e9),
+}
+
+
+@dataclass(frozen=True)
+class System:
+    """A node type and its network: GPUs per node, the bus bandwidth of an
+    NCCL ring inside a node, its hop type, and the node's NICs."""
+
+    name: str
+    gpu: Gpu
+    gpus_per_node: int
+    intra_busbw: float  # bytes/s
+    intra_hop: str  # "nvlink" or "pcie": which NCCL latency row applies
+    nics: int
+    nic_gbit: float  # line rate per NIC, Gbit/s
+    nic_eff: float = 0.96
+    ll128: bool = True  # NCCL enables LL128 on NVLink platforms (Volta and newer)
+    about: str = ""
+
+    @property
+    def inter_busbw(self) -> float:
+        return self.nics * self.nic_gbit / 8 * 1e9 * self.nic_eff
+
+    def with_network(self, nics: int, gbit: float) -> System:
+        return replace(self, nics=nics, nic_gbit=gbit, name=f"{self.name}, {nics}x{gbit:g}Gb")
+
+    def allreduce_s(self, nbytes: float, gpus: int) -> float:
+        return _allreduce_s(self, float(nbytes), gpus)[0]
+
+    def algorithm(self, nbytes: float, gpus: int) -> str:
+        return _allreduce_s(self, float(nbytes), gpus)[1]
+
+    def topology(self, gpus: int) -> Tuple[int, int]:
+        """(nodes, GPUs per node) for `gpus` GPUs: fill nodes first."""
+        if gpus <= self.gpus_per_node:
+            return 1, gpus
+        if gpus % self.gpus_per_node:
+            raise ValueError(
+                f"{gpus} GPUs is not a whole number of {self.name}'s {self.gpus_per_node}-GPU nodes"
+            )
+        return gpus // self.gpus_per_node, self.gpus_per_node
+
+
+@lru_cache(maxsize=1 << 16)
+def _allreduce_s(system: System, nbytes: float, gpus: int) -> Tuple[float, str]:
+    if gpus <= 1 or nbytes <= 0:
+        return 0.0, "-"
+    nodes, per_node = system.topology(gpus)
+    busbw = system.intra_busbw if nodes == 1 else min(system.intra_busbw, system.inter_busbw)
+    best = (math.inf, "")
+    for algo in ("ring", "tree"):
+        for p, proto in enumerate(_PROTOCOLS):
+            if proto == "LL128" and not system.ll128:
+                continue
+            intra = _HW_LAT[system.intra_hop][algo][p]
+            inter = _HW_LAT["net"][algo][p]
+            if algo == "ring":
+                steps, inter_steps = 2 * (gpus - 1), 2 * (nodes - 1)
+                lat = _BASE_LAT[algo][p] + (steps - inter_steps) * intra + inter_steps * inter
+                bw = busbw * {"LL": 0.25, "LL128": 0.92, "Simple": 1.0}[proto]
+                algbw = bw * gpus / steps
+                if proto == "Simple" and nodes > 1:
+                    lat *= 1.9 if system.gpu.tf32 == 0 else 1.4  # NCCL: "plateau effect of ring"
+            else:
+                lat = _BASE_LAT[algo][p] + 2 * ((per_node - 1) * intra + math.log2(nodes) * inter)
+                bw = busbw * 0.92 * {"LL": 1 / 3.8, "LL128": 1.0, "Simple": 1.0}[proto]
+                algbw = bw * 0.5
+            t = lat * 1e-6 + nbytes / algbw
+            if t < best[0]:
+                best = (t, f"{algo}/{proto}")
+    return best
+
+
+GB = 1e9
+SYSTEMS: Dict[str, System] = {
+    "p100-pcie-25gbe": System(
+        "4x P100 PCIe per node, 25 Gb/s RoCE",
+        GPUS["p100-pcie"],
+        4,
+        12.0 * GB,
+        "pcie",
+        1,
+        25,
+        ll128=False,
+        about="Horovod's benchmark servers: PCIe, 2 GPUs per CPU, one RoCE-capable 25 Gb/s NIC",
+    ),
+    "p100-nvlink-50gbe": System(
+        "8x P100 SXM2 NVLink per node (Big Basin), 50 Gb/s Ethernet",
+        GPUS["p100-sxm2"],
+        8,
+        72 * GB,
+        "nvlink",
+        1,
+        50,
+        ll128=False,
+    ),
+    "v100-dgx1": System(
+        "DGX-1: 8x V100 SXM2 NVLink hybrid cube-mesh, 4x EDR 100 Gb/s IB",
+        GPUS["v100"],
+        8,
+        120 * GB,
+        "nvlink",
+        4,
+        100,
+    ),
+    "a100-dgx": System(
+        "DGX A100: 8x A100 80GB NVSwitch, 8x HDR 200 Gb/s IB",
+        GPUS["a100"],
+        8,
+        230 * GB,
+        "nvlink",
+        8,
+        200,
+    ),
+    "h100-nvlink": System(
+        "DGX H100: 8x H100 SXM5 NVSwitch, 8x NDR 400 Gb/s IB",
+        GPUS["h100"],
+        8,
+        370 * GB,
+        "nvlink",
+        8,
+        400,
+    ),
+}
