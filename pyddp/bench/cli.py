@@ -6,16 +6,17 @@ go after the subcommand (`pyddp-bench overlap --quick`) or before it."""
 from __future__ import annotations
 
 import argparse
-import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
 import pyddp
 
-from . import allreduce, multiproc, overlap, simulate
-from ._util import cpu_busy, machine, make_input, make_model, table, write_json
+from . import allreduce, costmodel, hardware, multiproc, overlap, published, simulate
+from ._util import cpu_busy, machine, table, write_json
+from .architectures import PRESETS
 
 _OUT = "pyddp-bench-results"
 
@@ -123,18 +124,54 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--no-ddp", action="store_true", help="skip the torch DDP processes")
     multiproc.add_options(o)
 
-    s = add("simulate", simulate, "alpha-beta prediction for n devices")
-    _model_options(s)
+    s = add("simulate", simulate, "predicted step time and efficiency on 1 to 256+ GPUs")
     s.add_argument(
-        "--link", choices=sorted(simulate.LINKS), default="nvlink-h100", help="link preset"
+        "--model", choices=sorted(PRESETS), default="resnet50", help="architecture to profile"
     )
     s.add_argument(
-        "--alpha-us", type=float, default=None, help="latency per hop, us (default: the link's)"
+        "--profile",
+        default=None,
+        metavar="PATH",
+        help="a measured profile (Profile.save / profile_from_timeline); replaces --model's",
     )
     s.add_argument(
-        "--beta-gbps", type=float, default=None, help="GB/s per direction (default: the link's)"
+        "--hardware", choices=sorted(hardware.SYSTEMS), default="h100-nvlink", help="system"
     )
-    s.add_argument("--n", default="2,4,8,16,64", help="device counts, comma separated")
+    s.add_argument("--nics", type=int, default=None, help="NICs per node (default: the system's)")
+    s.add_argument(
+        "--nic-gbit", type=float, default=None, help="Gbit/s per NIC (default: the system's)"
+    )
+    counts = s.add_mutually_exclusive_group()
+    counts.add_argument(
+        "--gpus", default="1,2,4,8,16,32,64,128,256", help="GPU counts, comma separated"
+    )
+    counts.add_argument(
+        "--nodes", default=None, help="node counts, comma separated (full nodes; replaces --gpus)"
+    )
+    s.add_argument("--batch", type=int, default=None, help="per-GPU batch (default: the model's)")
+    s.add_argument(
+        "--precision", choices=["fp32", "tf32", "amp"], default="amp", help="compute precision"
+    )
+    s.add_argument(
+        "--optimizer",
+        choices=sorted(costmodel.OPTIMIZER_WORDS),
+        default=None,
+        help="optimizer step priced after backward (default: the model's usual one)",
+    )
+    s.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    s.add_argument("--cap-mb", type=float, default=25.0, help="bucket cap, MiB (pyddp and DDP)")
+    s.add_argument(
+        "--step-ms",
+        type=float,
+        default=None,
+        help="calibrate: scale the profile so one GPU's step (forward, backward, optimizer) "
+        "takes this long, as measured on the real GPU",
+    )
+    s.add_argument(
+        "--validate",
+        action="store_true",
+        help="reproduce the published results in pyddp/bench/published.py instead",
+    )
     return parser
 
 
@@ -170,6 +207,8 @@ def _result_name(args: argparse.Namespace) -> str:
     """The results' file name: the multi-process mode's never overwrite the others'."""
     if args.command == "overlap" and args.processes > 1:
         return f"overlap-{args.processes}proc"
+    if args.command == "simulate" and args.validate:
+        return "simulate-validation"
     return args.command
 
 
@@ -331,77 +370,107 @@ def _overlap(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
-    caps = [float(c) for c in args.caps.split(",") if c]
-    size = _model_size(args)
-    alpha, beta = simulate.LINKS[args.link]
-    alpha = alpha if args.alpha_us is None else args.alpha_us * 1e-6
-    beta = beta if args.beta_gbps is None else args.beta_gbps * 1e9
-    profile = measure_profile(args.model, size["width"], size["depth"], size["batch"], args.devices)
-    counts = [int(n) for n in args.n.split(",") if n]
-    rows = simulate.table_rows(profile, counts, alpha, beta, [0.0, *caps])
+    if args.validate:
+        return _validate(args)
+    system = hardware.SYSTEMS[args.hardware]
+    if args.nics is not None or args.nic_gbit is not None:
+        system = system.with_network(
+            system.nics if args.nics is None else args.nics,
+            system.nic_gbit if args.nic_gbit is None else args.nic_gbit,
+        )
+    preset = PRESETS[args.model]
+    batch = args.batch or preset.batch
+    if args.profile:
+        profile = costmodel.Profile.load(args.profile)
+        what = f"measured profile {args.profile}"
+    else:
+        with torch.device("meta"):
+            model = preset.build()
+        trace = costmodel.record(model, *preset.example(batch))
+        optimizer = args.optimizer or preset.optimizer
+        profile = costmodel.price(trace, system.gpu, args.precision, optimizer)
+        what = (
+            f"{args.model} ({preset.about}), batch {batch} per GPU, {args.precision}, "
+            f"{optimizer}: {len(trace.ops)} operators, "
+            f"{(trace.flops(False) + trace.flops(True)) / 1e12:.2f} TFLOP per step"
+        )
+    if args.step_ms:
+        profile = profile.scaled(
+            args.step_ms / 1e3 / profile.compute_s, f"{profile.source}, calibrated"
+        )
+    if args.nodes:
+        counts = [int(n) * system.gpus_per_node for n in args.nodes.split(",") if n]
+    else:
+        counts = [int(n) for n in args.gpus.split(",") if n]
+    for n in counts:
+        try:
+            system.topology(n)  # a count that is not whole nodes fails here, before any output
+        except ValueError as e:
+            raise SystemExit(f"pyddp-bench simulate: {e}") from None
+        if n < 1:
+            raise SystemExit(f"pyddp-bench simulate: {n} GPUs: counts must be >= 1")
+    rows = simulate.sweep(
+        profile, system, counts, accumulate=args.accumulate, batch=batch, cap_mb=args.cap_mb
+    )
+    print(f"{what}\n{system.name}; profile: {profile.source}")
     print(
-        f"measured here: forward {profile.forward_s * 1e3:.2f} ms, backward "
-        f"{profile.backward_s * 1e3:.2f} ms, {sum(profile.param_bytes) / 1e6:.1f} MB of "
-        f"gradients; link {args.link}: alpha {alpha * 1e6:g} us, beta {beta / 1e9:g} GB/s"
+        f"one GPU: forward {profile.forward_s * 1e3:.2f} ms, backward "
+        f"{profile.backward_s * 1e3:.2f} ms, optimizer {profile.optimizer_s * 1e3:.2f} ms; "
+        f"{len(profile.param_bytes)} gradients, {sum(profile.param_bytes) / 1e6:.1f} MB"
     )
     print(
         table(
             [
-                "cap MiB",
-                "devices",
-                "buckets",
-                "step overlap ms",
-                "step no-overlap ms",
-                "eff. overlap",
-                "eff. no overlap",
+                "policy",
+                "GPUs",
+                "nodes",
+                "step ms",
+                "efficiency",
+                "exposed ms",
+                "reductions",
+                "NCCL",
             ],
             [
                 [
-                    r["cap_mb"],
-                    r["devices"],
-                    r["buckets"],
-                    r["step_overlap_s"] * 1e3,
-                    r["step_no_overlap_s"] * 1e3,
-                    r["efficiency_overlap"],
-                    r["efficiency_no_overlap"],
+                    r["policy"],
+                    r["gpus"],
+                    r["nodes"],
+                    r["step_ms"],
+                    f"{100 * r['efficiency']:.1f}%",
+                    r["exposed_comm_ms"],
+                    r["reductions"],
+                    max(r["algorithms"], key=r["algorithms"].get) if r["algorithms"] else "-",
                 ]
                 for r in rows
             ],
         )
     )
-    payload = {
-        "link": args.link,
-        "alpha_s": alpha,
-        "beta_Bps": beta,
-        "profile": profile.__dict__,
-        "rows": rows,
-    }
-    return payload
+    title = f"{args.model if not args.profile else args.profile} on {system.name}"
+    print(f"chart {simulate.chart(rows, title, _path(args, 'simulate').with_suffix('.png'))}")
+    return {"system": asdict(system), "profile": asdict(profile), "rows": rows}
 
 
-def measure_profile(
-    model: str, width: int, depth: int, batch: int, devices: List[str], iterations: int = 5
-) -> simulate.Profile:
-    """Per-parameter ready times of a real backward on this machine (per-parameter
-    mode with the timeline on), the median iteration of a few."""
-    dm = pyddp.wrap(make_model(model, width, depth), devices, bucket_cap_mb=0, timeline=1)
-    x, y = make_input(model, width, batch)
-    samples = []
-    for _ in range(iterations):
-        start = time.perf_counter_ns()
-        out = dm(x)
-        forward_ns = time.perf_counter_ns() - start
-        torch.nn.functional.cross_entropy(out, y).backward()
-        dm.zero_grad()
-        t = dm.sync.observer.timelines[-1]
-        raw = t["raw"]
-        begin = raw["forward_end_ns"]
-        ready = [0.0] * len(dm.sync.names)
-        for b, members in enumerate(dm.sync.buckets):
-            ready[members[0]] = max(0, t["bucket_ready_ns"][b] - begin) / 1e9
-        samples.append((forward_ns / 1e9, (raw["finish_start_ns"] - begin) / 1e9, ready))
-    samples.sort(key=lambda s: s[1])
-    forward_s, backward_s, ready = samples[len(samples) // 2]
-    sizes = [p.numel() * p.element_size() for p in dm.sync.params[0]]
-    dm.close()
-    return simulate.Profile(forward_s, backward_s, sizes, ready)
+def _validate(args: argparse.Namespace) -> Dict[str, Any]:
+    rows = published.run()
+    print(
+        "published vs predicted scaling efficiency, each from the publication's own setup "
+        "(calibrated: compute\nscaled to the published one-GPU rate; roofline: uncalibrated)"
+    )
+    print(
+        table(
+            ["case", "GPUs", "published", "predicted", "error pts", "roofline", "1-GPU pub/roof"],
+            [
+                [
+                    r["case"],
+                    f"{r['baseline_gpus']}->{r['gpus']}",
+                    f"{100 * r['published']:.1f}%",
+                    f"{100 * r['predicted']:.1f}%",
+                    f"{r['error_points']:+.1f}",
+                    f"{100 * r['predicted_roofline']:.1f}%",
+                    f"{r['one_gpu_published_per_s']:.0f}/{r['one_gpu_roofline_per_s']:.0f}",
+                ]
+                for r in rows
+            ],
+        )
+    )
+    return {"rows": rows}

@@ -28,7 +28,9 @@ them (they share SMs and memory bandwidth).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -36,6 +38,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+
+from ._util import write_json
 
 _aten = torch.ops.aten
 # Operators that allocate or relabel without moving data.
@@ -174,6 +178,33 @@ class Profile:
     def ready_order(self) -> List[int]:
         return sorted(range(len(self.param_bytes)), key=lambda i: self.param_ready_s[i])
 
+    def save(self, path: Any) -> Path:
+        """JSON, for `pyddp-bench simulate --profile PATH`."""
+        return write_json(Path(path), {"pyddp_profile": 1, **asdict(self)})
+
+    @classmethod
+    def load(cls, path: Any) -> Profile:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or data.pop("pyddp_profile", None) != 1:
+            raise ValueError(f"{path}: not a profile written by pyddp's Profile.save")
+        known = {f.name for f in fields(cls)}
+        extra = sorted(set(data) - known)
+        if extra:
+            raise ValueError(f"{path}: unknown profile fields {extra}")
+        profile = cls(**data)
+        n = len(profile.param_bytes)
+        lists = {
+            "param_ready_s": profile.param_ready_s,
+            "names": profile.names,
+            "dtypes": profile.dtypes,
+        }
+        for name, value in lists.items():
+            if value is not None and len(value) != n:
+                raise ValueError(f"{path}: {name} has {len(value)} entries, param_bytes {n}")
+        if n == 0 or min(profile.param_bytes) < 0 or min(profile.param_ready_s) < 0:
+            raise ValueError(f"{path}: needs at least one parameter, sizes and times >= 0")
+        return profile
+
     def scaled(self, factor: float, source: str) -> Profile:
         """All compute times times `factor` (a calibration to a measured step)."""
         return Profile(
@@ -227,3 +258,34 @@ def price(trace: Trace, gpu: Any, precision: str, optimizer: str) -> Profile:
 
 
 _MATMUL_NAMES = {str(p).split(".")[-1] for p in flop_registry}
+
+
+def profile_from_timeline(dm: Any, forward_s: float, optimizer_s: float = 0.0) -> Profile:
+    """A measured Profile from a model wrapped with `pyddp.wrap(...,
+    timeline=N)` after at least one synced step: each parameter's ready time
+    on replica 0 in the last kept iteration, relative to the end of forward,
+    and backward's length (end of forward -> autograd done). `forward_s` and
+    `optimizer_s` are what you measured for those phases. On GPUs the ready
+    times are when autograd's hooks ran on the host, which may be ahead of
+    the device: synchronize in the hooks' stream, or measure with timeline on
+    a run that is GPU-bound, for figures the simulator can trust."""
+    sync = dm.sync
+    timelines = getattr(sync.observer, "timelines", None) if sync.observer else None
+    if not timelines:
+        raise ValueError("no timeline: wrap with timeline=N (or PYDDP_TIMELINE=N) and run a step")
+    t = timelines[-1]
+    raw, begin = t["raw"], t["raw"]["forward_end_ns"]
+    n = len(sync.names)
+    marks = t["param_ready_ns"][:n]
+    if not begin or len(marks) < n or not all(marks):
+        raise ValueError("the last kept iteration has no ready time for every parameter")
+    return Profile(
+        forward_s,
+        (raw["finish_start_ns"] - begin) / 1e9,
+        [p.numel() * p.element_size() for p in sync.params[0]],
+        [max(0, m - begin) / 1e9 for m in marks],
+        optimizer_s,
+        list(sync.names),
+        [str(p.dtype).replace("torch.", "") for p in sync.params[0]],
+        "measured: pyddp timeline",
+    )

@@ -50,7 +50,11 @@ simplified: for ring and tree and for the LL, LL128 and Simple protocols,
 with NCCL's base and per-hop latencies, ring latency growing with its
 2(n-1) steps (intra- and inter-node hops priced apart), tree latency with
 2((gpus per node - 1) intra + log2(nodes) inter) hops, NCCL's protocol
-bandwidth factors, and the cheapest pair chosen, as NCCL does.
+bandwidth factors, and the cheapest pair chosen, as NCCL does. Trees
+arrived in NCCL 2.4 ("Massively Scale Your Deep Learning Training with NCCL
+2.4", NVIDIA developer blog, 2019): the 2017-era P100 presets use rings only.
+Not modelled: per-channel bandwidth caps, NVLS and CollNet (in-network
+reduction), PXN, and the tuner's per-size tree correction factors.
 """
 
 from __future__ import annotations
@@ -119,6 +123,8 @@ class System:
     nic_gbit: float  # line rate per NIC, Gbit/s
     nic_eff: float = 0.96
     ll128: bool = True  # NCCL enables LL128 on NVLink platforms (Volta and newer)
+    # NCCL before 2.4 (2019) had rings only; 2.4 added double binary trees.
+    algorithms: Tuple[str, ...] = ("ring", "tree")
     about: str = ""
 
     @property
@@ -152,7 +158,7 @@ def _allreduce_s(system: System, nbytes: float, gpus: int) -> Tuple[float, str]:
     nodes, per_node = system.topology(gpus)
     busbw = system.intra_busbw if nodes == 1 else min(system.intra_busbw, system.inter_busbw)
     best = (math.inf, "")
-    for algo in ("ring", "tree"):
+    for algo in system.algorithms:
         for p, proto in enumerate(_PROTOCOLS):
             if proto == "LL128" and not system.ll128:
                 continue
@@ -186,7 +192,9 @@ SYSTEMS: Dict[str, System] = {
         1,
         25,
         ll128=False,
-        about="Horovod's benchmark servers: PCIe, 2 GPUs per CPU, one RoCE-capable 25 Gb/s NIC",
+        algorithms=("ring",),
+        about="Horovod's 2017 benchmark servers: PCIe, 2 GPUs per CPU, one 25 Gb/s RoCE NIC, "
+        "NCCL 2.0",
     ),
     "p100-nvlink-50gbe": System(
         "8x P100 SXM2 NVLink per node (Big Basin), 50 Gb/s Ethernet",
@@ -197,6 +205,7 @@ SYSTEMS: Dict[str, System] = {
         1,
         50,
         ll128=False,
+        algorithms=("ring",),
     ),
     "v100-dgx1": System(
         "DGX-1: 8x V100 SXM2 NVLink hybrid cube-mesh, 4x EDR 100 Gb/s IB",

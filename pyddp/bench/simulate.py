@@ -39,7 +39,8 @@ in-network reduction, gradient compression, host launch overheads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -120,7 +121,7 @@ def step(
         return Step(ideal, ideal, 0.0, 0.0, 0, {})
     sizes = profile.param_bytes
     if policy == "horovod":
-        groups = _fused(profile)
+        groups = _fused(profile, lambda nbytes: system.allreduce_s(nbytes, gpus))
     else:
         plan = buckets(profile, policy, cap_mb)
         ready = [max(profile.param_ready_s[i] for i in b) for b in plan]
@@ -147,22 +148,25 @@ def step(
     return Step(total, ideal, comm, total - ideal, len(groups), algorithms)
 
 
-def _fused(profile: Profile) -> List[tuple]:
-    """Horovod's Tensor Fusion: (launch time, bytes) per fused reduction."""
+def _fused(profile: Profile, cost: Callable[[int], float]) -> List[Tuple[float, int]]:
+    """Horovod's Tensor Fusion: (launch time, bytes) per fused reduction. Its
+    background thread wakes every cycle, fuses what is ready (64 MB at most
+    per reduction) and waits for those reductions before its next cycle (as
+    Horovod's NCCL path did until its finalizer threads, v0.16)."""
     pending = sorted(range(len(profile.param_bytes)), key=lambda i: profile.param_ready_s[i])
-    groups, tick = [], HOROVOD_CYCLE_S
+    groups: List[Tuple[float, int]] = []
+    tick, busy_until = HOROVOD_CYCLE_S, 0.0
     while pending:
         ready = [i for i in pending if profile.param_ready_s[i] <= tick]
         pending = pending[len(ready) :]
         size = 0
-        for i in ready:
-            if size and size + profile.param_bytes[i] > HOROVOD_FUSION_BYTES:
+        for i in ready + [-1]:
+            if size and (i < 0 or size + profile.param_bytes[i] > HOROVOD_FUSION_BYTES):
                 groups.append((tick, size))
+                busy_until = max(busy_until, tick) + cost(size)
                 size = 0
-            size += profile.param_bytes[i]
-        if size:
-            groups.append((tick, size))
-        tick += HOROVOD_CYCLE_S
+            size += profile.param_bytes[i] if i >= 0 else 0
+        tick = max(tick + HOROVOD_CYCLE_S, busy_until)
     return groups
 
 
@@ -220,6 +224,7 @@ def chart(rows: Sequence[Dict[str, Any]], title: str, path: Any) -> Any:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
