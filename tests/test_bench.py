@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from pyddp.bench import allreduce, cli, overlap
+from pyddp.bench import allreduce, cli, overlap, simulate
 
 
 def test_every_subcommand_quick_with_options_after_it(tmp_path):
     for command in (
         ["allreduce", "--devices", "cpu", "cpu", "cpu", "--replicas", "2", "3"],
         ["overlap"],
-        ["simulate", "--n", "2,8"],
+        ["simulate", "--model", "resnet50", "--hardware", "a100-dgx", "--gpus", "2,8,16"],
     ):
         out = subprocess.run(
             [sys.executable, "-m", "pyddp.bench", *command, "--quick", "--no-progress"]
@@ -39,7 +39,10 @@ def test_every_subcommand_quick_with_options_after_it(tmp_path):
     assert all(isinstance(r["within_bound_spread"], bool) for r in results)
     assert (tmp_path / "overlap-quick.png").is_file()
     sim = json.loads((tmp_path / "simulate-quick.json").read_text())
-    assert {r["devices"] for r in sim["rows"]} == {2, 8}
+    assert {(r["policy"], r["gpus"]) for r in sim["rows"]} == {
+        (p, n) for p in simulate.POLICIES for n in (2, 8, 16)
+    }
+    assert (tmp_path / "simulate-quick.png").is_file()
 
 
 @pytest.mark.parametrize(
@@ -72,7 +75,7 @@ def test_subcommand_help_describes_it_and_shows_defaults(command, capsys, monkey
     want = {
         "allreduce": "(default: 256M)",
         "overlap": "(default: 1024)",
-        "simulate": "(default: nvlink-h100)",
+        "simulate": "(default: h100-nvlink)",
     }
     assert want[command] in text
 

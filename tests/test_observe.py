@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
-from pyddp.bench import simulate
 
 
 def mlp():
@@ -99,23 +98,3 @@ def test_timeline_off_by_default_and_env_validated(monkeypatch):
     monkeypatch.setenv("PYDDP_TIMELINE", "many")
     with pytest.raises(ValueError, match="PYDDP_TIMELINE"):
         pyddp.wrap(mlp(), ["cpu", "cpu"])
-
-
-def test_ring_allreduce_model_hand_computed():
-    # 2(n-1) alpha + 2(n-1)/n S/beta with n=4, S=1 MB, alpha=10 us, beta=1 GB/s
-    assert simulate.ring_allreduce_time(1e6, 4, 1e-5, 1e9) == pytest.approx(6e-5 + 1.5e-3)
-    assert simulate.ring_allreduce_time(1e6, 1, 1e-5, 1e9) == 0.0
-
-
-def test_overlap_schedule_hand_computed():
-    # Two 1 MB gradients ready 1 ms and 2 ms into a 3 ms backward, forward 1 ms;
-    # n=2, alpha 0, beta 1 GB/s: each all-reduce takes 1 ms.
-    profile = simulate.Profile(1e-3, 3e-3, [1_000_000, 1_000_000], [1e-3, 2e-3])
-    per_param = simulate.predict(profile, 2, 0.0, 1e9, cap_bytes=0, first_cap_bytes=0)
-    assert per_param["buckets"] == 2
-    assert per_param["step_overlap_s"] == pytest.approx(4e-3)  # hidden entirely
-    assert per_param["step_no_overlap_s"] == pytest.approx(6e-3)
-    assert per_param["efficiency_no_overlap"] == pytest.approx(4 / 6)
-    one_bucket = simulate.predict(profile, 2, 0.0, 1e9, cap_bytes=10e6, first_cap_bytes=10e6)
-    assert one_bucket["buckets"] == 1
-    assert one_bucket["step_overlap_s"] == pytest.approx(1e-3 + 2e-3 + 2e-3)  # starts at 2 ms

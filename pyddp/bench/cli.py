@@ -445,7 +445,11 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
             ],
         )
     )
-    title = f"{args.model if not args.profile else args.profile} on {system.name}"
+    title = (
+        f"{args.profile} on {system.name}"
+        if args.profile
+        else f"{args.model}, batch {batch}/GPU, {args.precision}, on {system.name}"
+    )
     print(f"chart {simulate.chart(rows, title, _path(args, 'simulate').with_suffix('.png'))}")
     return {"system": asdict(system), "profile": asdict(profile), "rows": rows}
 

@@ -20,6 +20,9 @@ Policies (weak scaling: the per-device batch stays the same at every count):
   the ready order its Reducer rebuilds after the first iteration, buckets
   launched strictly in index order (a complete bucket waits for the ones
   before it, reducer.cpp `mark_bucket_ready`).
+- "torch DDP, registration order": its first plan, in reverse order of
+  model.parameters(), which it keeps when it never rebuilds
+  (find_unused_parameters=True); same launch rule.
 - "horovod" (validation): Tensor Fusion as Horovod had it in 2017-2020:
   every 5 ms cycle, the gradients ready by then are fused into reductions of
   at most 64 MB (docs/tensor-fusion.rst; defaults until v0.21).
@@ -48,7 +51,13 @@ from .costmodel import Profile
 from .hardware import System
 
 MIB = 1 << 20
-POLICIES = ("no overlap", "pyddp per-parameter", "pyddp bucketed", "torch DDP")
+POLICIES = (
+    "no overlap",
+    "pyddp per-parameter",
+    "pyddp bucketed",
+    "torch DDP",
+    "torch DDP, registration order",
+)
 HOROVOD_CYCLE_S = 5e-3
 HOROVOD_FUSION_BYTES = 64 * MIB
 
@@ -87,7 +96,7 @@ def buckets(
         return _C.plan_buckets(
             _numels(profile), dtypes, order, int(first_cap_mb * MIB), int(cap_mb * MIB)
         )
-    if policy == "torch DDP":
+    if policy.startswith("torch DDP"):
         import torch.distributed as dist
 
         tensors = [
@@ -95,10 +104,16 @@ def buckets(
             for n, d in zip(_numels(profile), dtypes)
         ]
         limits = [int(first_cap_mb * MIB), int(cap_mb * MIB)]
-        plan = dist._compute_bucket_assignment_by_size(
-            [tensors[i] for i in order], limits, [False] * len(order), order
-        )[0]
-        return [list(b) for b in plan]
+        if policy == "torch DDP":  # the plan its Reducer rebuilds from the ready order
+            plan = dist._compute_bucket_assignment_by_size(
+                [tensors[i] for i in order], limits, [False] * len(order), order
+            )[0]
+            return [list(b) for b in plan]
+        if policy == "torch DDP, registration order":  # its first plan, never rebuilt
+            plan = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))[
+                0
+            ]
+            return [list(b) for b in reversed(plan)]
     raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}, horovod")
 
 
@@ -127,7 +142,7 @@ def step(
         ready = [max(profile.param_ready_s[i] for i in b) for b in plan]
         if policy == "no overlap":
             ready = [profile.backward_s] * len(plan)
-        if policy == "torch DDP":  # launched in index order
+        if policy.startswith("torch DDP"):  # launched in index order
             ready = [max(ready[: k + 1]) for k in range(len(ready))]
         groups = sorted(
             ((r, sum(sizes[i] for i in b)) for r, b in zip(ready, plan)), key=lambda g: g[0]
@@ -212,12 +227,19 @@ def chart(rows: Sequence[Dict[str, Any]], title: str, path: Any) -> Any:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for policy in dict.fromkeys(r["policy"] for r in rows):
+    styles = ["o-", "s-", "^-", "D--", "v:", "x-."]  # dashed/dotted: lines that coincide show
+    for k, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
         mine = [r for r in rows if r["policy"] == policy]
         ax.plot(
-            [r["gpus"] for r in mine], [100 * r["efficiency"] for r in mine], "o-", label=policy
+            [r["gpus"] for r in mine],
+            [100 * r["efficiency"] for r in mine],
+            styles[k % len(styles)],
+            label=policy,
+            markersize=5,
         )
+    counts = sorted({r["gpus"] for r in rows})
     ax.set_xscale("log", base=2)
+    ax.set_xticks(counts, [str(n) for n in counts])
     ax.set_xlabel("GPUs")
     ax.set_ylabel("scaling efficiency, % of one GPU's step rate")
     ax.set_title(title, fontsize=9)

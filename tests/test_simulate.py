@@ -1,0 +1,287 @@
+"""pyddp-bench simulate: architecture presets against their published
+parameter counts, the recorded operators against closed-form FLOPs and
+autograd's real order, the roofline and NCCL cost formulas by hand, each
+policy's schedule on hand-computed profiles, measured profiles, the CLI, and
+the committed validation table against a fresh run. No timing assertions."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pyddp
+from pyddp.bench import costmodel, hardware, published, simulate
+from pyddp.bench.architectures import PRESETS, _inception_a
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# torchvision's documented num_params (pytorch.org/vision/stable/models), and
+# transformers' own counts for the configs (BERT with its pre-training heads).
+PARAMS = {
+    "resnet50": 25_557_032,
+    "resnet101": 44_549_160,
+    "resnet152": 60_192_808,
+    "vgg16": 138_357_544,
+    "inception_v3": 27_161_264,
+}
+ABOUT = {  # published sizes in millions (Hugging Face model cards, rounded)
+    "bert-base": 110,
+    "bert-large": 336,
+    "gpt2": 124,
+    "gpt2-medium": 355,
+    "gpt2-large": 774,
+    "gpt2-xl": 1558,
+}
+
+
+def build(name):
+    with torch.device("meta"):
+        return PRESETS[name].build()
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_cnn_presets_have_torchvisions_parameter_counts(name):
+    assert sum(p.numel() for p in build(name).parameters()) == PARAMS[name]
+
+
+@pytest.mark.parametrize("name", sorted(ABOUT))
+def test_transformer_presets_have_their_published_sizes(name):
+    pytest.importorskip("transformers")
+    count = sum(p.numel() for p in build(name).parameters())
+    assert abs(count / 1e6 - ABOUT[name]) / ABOUT[name] < 0.01, count
+
+
+def test_resnet_parameter_names_follow_torchvision():
+    names = [n for n, _ in build("resnet50").named_parameters()]
+    assert names[:3] == ["conv1.weight", "bn1.weight", "bn1.bias"]
+    assert "layer1.0.downsample.0.weight" in names and names[-2:] == ["fc.weight", "fc.bias"]
+
+
+def test_recorded_flops_match_closed_form_for_linear_layers():
+    b, i, h, o = 8, 16, 32, 4
+    model = nn.Sequential(nn.Linear(i, h), nn.ReLU(), nn.Linear(h, o))
+    x = torch.empty(b, i)
+    trace = costmodel.record(model, (x,), lambda out: out.sum())
+    # forward: two matmuls; backward: weight grads of both, the input grad of
+    # the second only (the input needs no gradient).
+    assert trace.flops(False) == 2 * b * i * h + 2 * b * h * o
+    assert trace.flops(True) == 2 * b * i * h + 2 * b * h * o + 2 * b * h * o
+    assert trace.param_bytes == [h * i * 4, h * 4, o * h * 4, o * 4]
+
+
+def _hook_order(model, x):
+    """Parameters in the order a real CPU backward completes their gradients."""
+    order = []
+    params = list(model.parameters())
+    for k, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _, k=k: order.append(k))
+    model(x).sum().backward()
+    return order
+
+
+def test_ready_order_is_autograd_order_on_a_branching_model():
+    # An Inception block (four branches) on CPU with real data, against the
+    # meta recording of the same block.
+    torch.manual_seed(0)
+    real = _hook_order(_inception_a(192, 32), torch.randn(2, 192, 9, 9))
+    block = _inception_a(192, 32)
+    trace = costmodel.record(block, (torch.empty(2, 192, 9, 9),), lambda out: out.sum())
+    assert trace.ready_order == real
+    assert sorted(real) == list(range(len(list(block.parameters()))))
+    assert real != sorted(real, reverse=True)  # not merely reverse registration order
+
+
+class _HalfUsed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_record_refuses_parameters_without_gradient():
+    with pytest.raises(ValueError, match=r"unused\.weight, unused\.bias"):
+        costmodel.record(_HalfUsed(), (torch.empty(2, 4),), lambda out: out.sum())
+    with pytest.raises(ValueError, match="one-element"):
+        costmodel.record(nn.Linear(4, 4), (torch.empty(2, 4),), lambda out: out)
+
+
+def test_price_is_the_roofline_of_each_operator():
+    gpu = hardware.Gpu("test", 1e12, 0.0, 4e12, 1e11, compute_eff=0.5, memory_eff=0.5)
+    trace = costmodel.Trace(["w"], [400], ["float32"])
+    trace.ops = [
+        costmodel.Op("mm", False, 10**9, 10**6, 10**6),  # compute-bound: 1e9 / 0.5e12 = 2 ms
+        costmodel.Op("relu", False, 0, 10**8, 10**8),  # memory-bound: 1e8 / 0.5e11 = 2 ms
+        costmodel.Op("add", True, 0, 8, 8),  # kernel floor: 3 us
+        costmodel.Op("mm", True, 10**9, 10**6, 10**6),  # 2 ms
+    ]
+    trace.ready_after = [3]  # ready after the third operator
+    p = costmodel.price(trace, gpu, "fp32", "sgd")
+    assert p.forward_s == pytest.approx(4e-3)
+    assert p.backward_s == pytest.approx(2e-3 + 3e-6)
+    assert p.param_ready_s == [pytest.approx(3e-6)]
+    assert p.optimizer_s == pytest.approx(400 * 5 / 0.5e11)
+    amp = costmodel.price(trace, gpu, "amp", "none")  # matmuls at 4x peak, half the bytes
+    assert amp.forward_s == pytest.approx(0.5e-3 + 1e-3)
+    with pytest.raises(ValueError, match="no TF32"):
+        costmodel.price(trace, gpu, "tf32", "sgd")
+
+
+def test_nccl_cost_formula_by_hand():
+    a100 = hardware.SYSTEMS["a100-dgx"]
+    n, size = 8, 1e9
+    # A large message in one node: ring, Simple protocol, NCCL's latencies.
+    lat = (8.4 + 2 * (n - 1) * 3.4) * 1e-6
+    algbw = 230e9 * n / (2 * (n - 1))
+    assert a100.allreduce_s(size, n) == pytest.approx(lat + size / algbw)
+    assert a100.algorithm(size, n) == "ring/Simple"
+    assert a100.algorithm(1024, n).endswith("/LL")  # latency-bound: the low-latency protocol
+    assert a100.allreduce_s(size, 1) == 0.0
+    # Across nodes the NICs bound the bandwidth: 8 x 200 Gb/s x 0.96 = 192 GB/s.
+    assert a100.inter_busbw == pytest.approx(192e9)
+    assert a100.allreduce_s(size, 64) > a100.allreduce_s(size, 8)
+    # NCCL before 2.4 had rings only.
+    old = hardware.SYSTEMS["p100-pcie-25gbe"]
+    assert all(old.algorithm(s, 64).startswith("ring") for s in (1e3, 1e6, 1e9))
+    with pytest.raises(ValueError, match="whole number"):
+        a100.allreduce_s(size, 12)
+
+
+class _FixedLink:
+    """A link where every all-reduce of S bytes takes S / 1e9 seconds."""
+
+    def allreduce_s(self, nbytes, gpus):
+        return nbytes / 1e9
+
+    def algorithm(self, nbytes, gpus):
+        return "fixed"
+
+
+def _two_grads(ready=(1e-3, 2e-3)):
+    # Two 1 MB gradients ready 1 ms and 2 ms into a 3 ms backward; forward 1 ms.
+    return costmodel.Profile(1e-3, 3e-3, [1_000_000, 1_000_000], list(ready))
+
+
+def test_policies_schedule_by_hand():
+    profile, link = _two_grads(), _FixedLink()
+    per_param = simulate.step(profile, link, 2, "pyddp per-parameter")
+    assert per_param.reductions == 2
+    assert per_param.step_s == pytest.approx(4e-3)  # 1-2 ms and 2-3 ms: hidden
+    late = simulate.step(profile, link, 2, "no overlap")
+    assert late.step_s == pytest.approx(1e-3 + 3e-3 + 2e-3)
+    assert late.efficiency == pytest.approx(4 / 6)
+    # 25 MiB caps: one bucket (after the 1 MiB first one closes at 2 MB), ready at 2 ms.
+    for policy in ("pyddp bucketed", "torch DDP"):
+        bucketed = simulate.step(profile, link, 2, policy)
+        assert bucketed.reductions == 1
+        assert bucketed.step_s == pytest.approx(1e-3 + 2e-3 + 2e-3)
+    # Three micro-batches: two more forward+backward passes before the last.
+    acc = simulate.step(profile, link, 2, "no overlap", accumulate=3)
+    assert acc.step_s == pytest.approx(2 * 4e-3 + 6e-3)
+    assert simulate.step(profile, link, 1, "no overlap").efficiency == 1.0
+    with pytest.raises(ValueError, match="policy"):
+        simulate.step(profile, link, 2, "eager")
+
+
+def test_torch_ddp_plan_is_torchs_own_assignment():
+    # 1 MiB first bucket then 25 MiB, in ready order (its rebuilt plan).
+    sizes = [512 << 10, 6 << 20, 20 << 20, 10 << 20]  # 20 + 6 MiB fills a 25 MiB bucket
+    ready = [4e-3, 3e-3, 2e-3, 1e-3]
+    profile = costmodel.Profile(0.0, 5e-3, sizes, ready)
+    assert simulate.buckets(profile, "torch DDP") == [[3], [2, 1], [0]]
+    assert simulate.buckets(profile, "pyddp bucketed") == [[3], [2, 1], [0]]
+    assert simulate.buckets(profile, "pyddp per-parameter") == [[3], [2], [1], [0]]
+
+
+def test_horovod_cycles_wait_for_their_reductions():
+    # Ready at 1 ms and 7 ms: the first goes at the 5 ms cycle; a reduction of
+    # 20 ms holds the background thread, so the second goes at 25 ms.
+    profile = costmodel.Profile(0.0, 8e-3, [20_000_000, 1_000_000], [1e-3, 7e-3])
+    groups = simulate._fused(profile, lambda nbytes: nbytes / 1e9)
+    assert groups == [(pytest.approx(5e-3), 20_000_000), (pytest.approx(25e-3), 1_000_000)]
+    quick = simulate._fused(profile, lambda nbytes: 0.0)
+    assert [g[0] for g in quick] == [pytest.approx(5e-3), pytest.approx(10e-3)]
+
+
+def test_measured_profile_round_trip_and_precedence(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    dm = pyddp.wrap(model, ["cpu", "cpu"], bucket_cap_mb=0, timeline=2)
+    dm(torch.randn(16, 32)).sum().backward()
+    profile = costmodel.profile_from_timeline(dm, forward_s=1e-3)
+    dm.close()
+    assert profile.names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert profile.param_bytes == [64 * 32 * 4, 64 * 4, 10 * 64 * 4, 40]
+    assert all(0 <= t <= profile.backward_s for t in profile.param_ready_s)
+    # Autograd completes the last layer first.
+    assert profile.ready_order()[:2] in ([2, 3], [3, 2])
+    path = profile.save(tmp_path / "p.json")
+    assert costmodel.Profile.load(path) == profile
+    out = _cli(tmp_path, "--profile", str(path), "--hardware", "a100-dgx", "--gpus", "1,8")
+    result = json.loads((tmp_path / "simulate.json").read_text())
+    assert result["profile"]["source"] == "measured: pyddp timeline"
+    assert result["profile"]["param_bytes"] == profile.param_bytes
+    assert "measured profile" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"pyddp_profile": 1, **{**profile.__dict__, "param_ready_s": [0]}}))
+    with pytest.raises(ValueError, match="param_ready_s has 1 entries"):
+        costmodel.Profile.load(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a profile"):
+        costmodel.Profile.load(bad)
+
+
+def test_profile_from_timeline_needs_a_timeline():
+    dm = pyddp.wrap(nn.Linear(4, 4), ["cpu", "cpu"])
+    dm(torch.randn(4, 4)).sum().backward()
+    with pytest.raises(ValueError, match="timeline"):
+        costmodel.profile_from_timeline(dm, forward_s=0.0)
+    dm.close()
+
+
+def _cli(tmp_path, *args, code=0):
+    out = subprocess.run(
+        [sys.executable, "-m", "pyddp.bench", "--out", str(tmp_path), "simulate", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(tmp_path),
+    )
+    assert out.returncode == code, out.stderr
+    return out.stdout + out.stderr
+
+
+def test_cli_nodes_calibration_and_bad_counts(tmp_path):
+    text = _cli(tmp_path, "--model", "resnet50", "--hardware", "h100-nvlink", "--nodes", "1,2")
+    rows = json.loads((tmp_path / "simulate.json").read_text())["rows"]
+    assert {r["gpus"] for r in rows} == {8, 16} and "torch DDP" in text
+    assert (tmp_path / "simulate.png").is_file()
+    _cli(tmp_path, "--model", "resnet50", "--gpus", "1", "--step-ms", "100")
+    rows = json.loads((tmp_path / "simulate.json").read_text())["rows"]
+    assert rows[0]["ideal_ms"] == pytest.approx(100.0)
+    err = _cli(tmp_path, "--model", "resnet50", "--gpus", "12", code=1)
+    assert "12 GPUs is not a whole number" in err
+
+
+def test_committed_validation_table_matches_a_fresh_run():
+    """The README's table comes from bench/results/simulate-validation.json:
+    a change to the model or the cases must regenerate it."""
+    pytest.importorskip("transformers")
+    committed = json.loads((ROOT / "bench/results/simulate-validation.json").read_text())["rows"]
+    fresh = published.run()
+    assert len(fresh) == len(committed)
+    for new, old in zip(fresh, committed):
+        assert (new["case"], new["baseline_gpus"], new["gpus"]) == (
+            old["case"],
+            old["baseline_gpus"],
+            old["gpus"],
+        )
+        assert new["predicted"] == pytest.approx(old["predicted"], abs=1e-6)
+        assert new["error_points"] == pytest.approx(100 * (new["predicted"] - new["published"]))
+        assert new["source"].startswith("http") or "https://" in new["source"]
