@@ -258,6 +258,8 @@ def _cli(tmp_path, *args, code=0):
 
 
 def test_cli_nodes_calibration_and_bad_counts(tmp_path):
+    err = _cli(tmp_path, "--model", "resnet50", "--gpus", "12", code=1)  # before any work
+    assert "12 GPUs is not a whole number" in err
     text = _cli(tmp_path, "--model", "resnet50", "--hardware", "h100-nvlink", "--nodes", "1,2")
     rows = json.loads((tmp_path / "simulate.json").read_text())["rows"]
     assert {r["gpus"] for r in rows} == {8, 16} and "torch DDP" in text
@@ -265,8 +267,6 @@ def test_cli_nodes_calibration_and_bad_counts(tmp_path):
     _cli(tmp_path, "--model", "resnet50", "--gpus", "1", "--step-ms", "100")
     rows = json.loads((tmp_path / "simulate.json").read_text())["rows"]
     assert rows[0]["ideal_ms"] == pytest.approx(100.0)
-    err = _cli(tmp_path, "--model", "resnet50", "--gpus", "12", code=1)
-    assert "12 GPUs is not a whole number" in err
 
 
 def test_committed_validation_table_matches_a_fresh_run():
@@ -285,3 +285,8 @@ def test_committed_validation_table_matches_a_fresh_run():
         assert new["predicted"] == pytest.approx(old["predicted"], abs=1e-6)
         assert new["error_points"] == pytest.approx(100 * (new["predicted"] - new["published"]))
         assert new["source"].startswith("http") or "https://" in new["source"]
+
+
+def test_readme_shows_the_committed_validation_table():
+    committed = json.loads((ROOT / "bench/results/simulate-validation.json").read_text())["rows"]
+    assert published.markdown(committed) in (ROOT / "README.md").read_text()

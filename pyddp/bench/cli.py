@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -378,6 +378,7 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
             system.nics if args.nics is None else args.nics,
             system.nic_gbit if args.nic_gbit is None else args.nic_gbit,
         )
+    counts = _gpu_counts(args, system)  # bad counts fail here, before any work
     preset = PRESETS[args.model]
     batch = args.batch or preset.batch
     if args.profile:
@@ -398,17 +399,6 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
         profile = profile.scaled(
             args.step_ms / 1e3 / profile.compute_s, f"{profile.source}, calibrated"
         )
-    if args.nodes:
-        counts = [int(n) * system.gpus_per_node for n in args.nodes.split(",") if n]
-    else:
-        counts = [int(n) for n in args.gpus.split(",") if n]
-    for n in counts:
-        try:
-            system.topology(n)  # a count that is not whole nodes fails here, before any output
-        except ValueError as e:
-            raise SystemExit(f"pyddp-bench simulate: {e}") from None
-        if n < 1:
-            raise SystemExit(f"pyddp-bench simulate: {n} GPUs: counts must be >= 1")
     rows = simulate.sweep(
         profile, system, counts, accumulate=args.accumulate, batch=batch, cap_mb=args.cap_mb
     )
@@ -452,6 +442,38 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
     )
     print(f"chart {simulate.chart(rows, title, _path(args, 'simulate').with_suffix('.png'))}")
     return {"system": asdict(system), "profile": asdict(profile), "rows": rows}
+
+
+def _gpu_counts(args: argparse.Namespace, system: hardware.System) -> List[int]:
+    """Checks the numeric options; the GPU counts to simulate."""
+    bad = {
+        "--batch": args.batch is not None and args.batch < 1,
+        "--accumulate": args.accumulate < 1,
+        "--step-ms": args.step_ms is not None and args.step_ms <= 0,
+        "--nics": args.nics is not None and args.nics < 1,
+        "--nic-gbit": args.nic_gbit is not None and args.nic_gbit <= 0,
+        "--cap-mb": args.cap_mb < 0,
+    }
+    for option, wrong in bad.items():
+        if wrong:
+            raise SystemExit(f"pyddp-bench simulate: {option} must be positive")
+    text = args.nodes or args.gpus
+    try:
+        counts = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"pyddp-bench simulate: {text!r}: give whole numbers, comma separated"
+        ) from None
+    if args.nodes:
+        counts = [n * system.gpus_per_node for n in counts]
+    try:
+        if not counts or min(counts) < 1:
+            raise ValueError(f"GPU counts must be >= 1, got {counts}")
+        for n in counts:
+            system.topology(n)  # whole nodes beyond one
+    except ValueError as e:
+        raise SystemExit(f"pyddp-bench simulate: {e}") from None
+    return counts
 
 
 def _validate(args: argparse.Namespace) -> Dict[str, Any]:
