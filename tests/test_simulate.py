@@ -7,6 +7,7 @@ the committed validation table against a fresh run. No timing assertions."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -113,7 +114,7 @@ def test_record_refuses_parameters_without_gradient():
 
 
 def test_price_is_the_roofline_of_each_operator():
-    gpu = hardware.Gpu("test", 1e12, 0.0, 4e12, 1e11, compute_eff=0.5, memory_eff=0.5)
+    gpu = hardware.Gpu("test", 1e12, 0.0, 4e12, 1e11, 80, compute_eff=0.5, memory_eff=0.5)
     trace = costmodel.Trace(["w"], [400], ["float32"])
     trace.ops = [
         costmodel.Op("mm", False, 10**9, 10**6, 10**6),  # compute-bound: 1e9 / 0.5e12 = 2 ms
@@ -146,6 +147,16 @@ def test_nccl_cost_formula_by_hand():
     # Across nodes the NICs bound the bandwidth: 8 x 200 Gb/s x 0.96 = 192 GB/s.
     assert a100.inter_busbw == pytest.approx(192e9)
     assert a100.allreduce_s(size, 64) > a100.allreduce_s(size, 8)
+    # Two nodes, ring only, Simple: NCCL counts 2 x nodes network steps, the
+    # others at least the network post overhead (DGX A100's AMD hosts: 2 us,
+    # x3 for Simple), times the ring's plateau factor 1.4 (sm80); the NICs
+    # bound the bandwidth.
+    ring = replace(a100, algorithms=("ring",), ll128=False)
+    lat = (8.4 + (30 - 4) * 6.0 + 4 * 14.0) * 1.4e-6
+    assert ring.allreduce_s(size, 16) == pytest.approx(lat + size / (192e9 * 16 / 30))
+    # No NVSwitch on a DGX-1: GPUs 0-1 share one NVLink (NCCL: 20 GB/s).
+    dgx1 = hardware.SYSTEMS["v100-dgx1"]
+    assert (dgx1.busbw(2), dgx1.busbw(8), dgx1.busbw(16)) == (20e9, 120e9, 48e9)
     # NCCL before 2.4 had rings only.
     old = hardware.SYSTEMS["p100-pcie-25gbe"]
     assert all(old.algorithm(s, 64).startswith("ring") for s in (1e3, 1e6, 1e9))
@@ -228,13 +239,30 @@ def test_measured_profile_round_trip_and_precedence(tmp_path):
     assert result["profile"]["source"] == "measured: pyddp timeline"
     assert result["profile"]["param_bytes"] == profile.param_bytes
     assert "measured profile" in out
+    err = _cli(tmp_path, "--profile", str(path), "--batch", "8", code=1)
+    assert "--batch: the profile" in err  # a profile fixes model, batch, precision
+    saved = json.loads(path.read_text())
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"pyddp_profile": 1, **{**profile.__dict__, "param_ready_s": [0]}}))
-    with pytest.raises(ValueError, match="param_ready_s has 1 entries"):
+    for change, message in [
+        ({"param_ready_s": [0.0]}, "param_ready_s has 1 entries"),
+        ({"backward_s": -1.0}, "backward_s must be a finite number"),
+        ({"forward_s": float("nan")}, "forward_s must be a finite number"),
+        ({"param_ready_s": [0.0, 0.0, 0.0, 5.0]}, "must lie within backward"),
+        ({"param_bytes": [1.5, 2, 3, 4]}, "whole numbers"),
+        ({"dtypes": ["int8x"] * 4}, "dtypes"),
+        ({"forward_s": 0, "backward_s": 0, "param_ready_s": [0.0] * 4}, "takes no time"),
+    ]:
+        bad.write_text(json.dumps({**saved, **change}))
+        with pytest.raises(ValueError, match=message):
+            costmodel.Profile.load(bad)
+    bad.write_text(json.dumps({k: v for k, v in saved.items() if k != "forward_s"}))
+    with pytest.raises(ValueError, match="missing fields \\['forward_s'\\]"):
         costmodel.Profile.load(bad)
     bad.write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a profile"):
         costmodel.Profile.load(bad)
+    err = _cli(tmp_path, "--profile", str(bad), code=1)
+    assert "--profile" in err and "Traceback" not in err
 
 
 def test_profile_from_timeline_needs_a_timeline():
@@ -264,9 +292,11 @@ def test_cli_nodes_calibration_and_bad_counts(tmp_path):
     rows = json.loads((tmp_path / "simulate.json").read_text())["rows"]
     assert {r["gpus"] for r in rows} == {8, 16} and "torch DDP" in text
     assert (tmp_path / "simulate.png").is_file()
-    _cli(tmp_path, "--model", "resnet50", "--gpus", "1", "--step-ms", "100")
+    _cli(tmp_path, "--model", "resnet50", "--gpus", "1", "--step-ms", "100", "--accumulate", "4")
     rows = json.loads((tmp_path / "simulate.json").read_text())["rows"]
-    assert rows[0]["ideal_ms"] == pytest.approx(100.0)
+    assert rows[0]["ideal_ms"] == pytest.approx(100.0)  # the whole step of 4 micro-batches
+    err = _cli(tmp_path, "--hardware", "v100-dgx1", "--precision", "tf32", code=1)
+    assert "no TF32" in err and "Traceback" not in err
 
 
 def test_committed_validation_table_matches_a_fresh_run():

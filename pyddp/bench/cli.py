@@ -6,6 +6,7 @@ go after the subcommand (`pyddp-bench overlap --quick`) or before it."""
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -19,6 +20,7 @@ from ._util import cpu_busy, machine, table, write_json
 from .architectures import PRESETS
 
 _OUT = "pyddp-bench-results"
+_GPUS = "1,2,4,8,16,32,64,128,256"  # simulate's default GPU counts
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -126,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = add("simulate", simulate, "predicted step time and efficiency on 1 to 256+ GPUs")
     s.add_argument(
-        "--model", choices=sorted(PRESETS), default="resnet50", help="architecture to profile"
+        "--model", choices=sorted(PRESETS), default=None, help="architecture (default: resnet50)"
     )
     s.add_argument(
         "--profile",
@@ -143,14 +145,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     counts = s.add_mutually_exclusive_group()
     counts.add_argument(
-        "--gpus", default="1,2,4,8,16,32,64,128,256", help="GPU counts, comma separated"
+        "--gpus",
+        default=None,
+        help=f"GPU counts, comma separated (default: {_GPUS}; with --quick 1,8,64)",
     )
     counts.add_argument(
         "--nodes", default=None, help="node counts, comma separated (full nodes; replaces --gpus)"
     )
     s.add_argument("--batch", type=int, default=None, help="per-GPU batch (default: the model's)")
     s.add_argument(
-        "--precision", choices=["fp32", "tf32", "amp"], default="amp", help="compute precision"
+        "--precision",
+        choices=["fp32", "tf32", "amp"],
+        default=None,
+        help="compute precision (default: amp). fp32 prices matmuls and convolutions on "
+        "the FP32 cores; PyTorch runs convolutions in TF32 on A100/H100 unless told not "
+        "to: use tf32 for that",
     )
     s.add_argument(
         "--optimizer",
@@ -159,13 +168,19 @@ def _parser() -> argparse.ArgumentParser:
         help="optimizer step priced after backward (default: the model's usual one)",
     )
     s.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    s.add_argument("--cap-mb", type=float, default=25.0, help="bucket cap, MiB (pyddp and DDP)")
+    s.add_argument(
+        "--cap-mb",
+        type=float,
+        default=None,
+        help="bucket cap, MiB (default: each engine's, 25 after a 1 MiB first bucket; "
+        "given, torch DDP's first bucket is this size too, as in torch)",
+    )
     s.add_argument(
         "--step-ms",
         type=float,
         default=None,
-        help="calibrate: scale the profile so one GPU's step (forward, backward, optimizer) "
-        "takes this long, as measured on the real GPU",
+        help="calibrate: scale the profile so one GPU's step (--accumulate forwards and "
+        "backwards, then the optimizer) takes this long, as measured on the real GPU",
     )
     s.add_argument(
         "--validate",
@@ -188,6 +203,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
     if args.command == "overlap":
         multiproc.check_args(parser, args)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out}: exists and is not a folder")
     busy = cpu_busy()  # before anything of ours runs: other work on the machine
     noisy = " (other work is running: figures will be noisy)" if busy > 0.1 else ""
     print(
@@ -369,6 +386,13 @@ def _overlap(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+_PROFILE_FIXES = ("model", "batch", "precision", "optimizer")  # what a --profile already fixes
+
+
+def _fail(message: str) -> SystemExit:
+    return SystemExit(f"pyddp-bench simulate: {message}")
+
+
 def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
     if args.validate:
         return _validate(args)
@@ -378,27 +402,40 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
             system.nics if args.nics is None else args.nics,
             system.nic_gbit if args.nic_gbit is None else args.nic_gbit,
         )
-    counts = _gpu_counts(args, system)  # bad counts fail here, before any work
-    preset = PRESETS[args.model]
-    batch = args.batch or preset.batch
+    counts = _gpu_counts(args, system)  # the options are checked before any work
+    batch = None
     if args.profile:
-        profile = costmodel.Profile.load(args.profile)
+        given = [f"--{o}" for o in _PROFILE_FIXES if getattr(args, o) is not None]
+        if given:
+            raise _fail(f"{', '.join(given)}: the profile {args.profile} already fixes them")
+        try:
+            profile = costmodel.Profile.load(args.profile)
+        except (OSError, ValueError) as e:
+            raise _fail(f"--profile: {e}") from None
         what = f"measured profile {args.profile}"
     else:
-        with torch.device("meta"):
-            model = preset.build()
-        trace = costmodel.record(model, *preset.example(batch))
+        name, precision = args.model or "resnet50", args.precision or "amp"
+        try:
+            system.gpu.peaks(precision)
+        except ValueError as e:
+            raise _fail(str(e)) from None
+        preset = PRESETS[name]
+        batch = args.batch or preset.batch
         optimizer = args.optimizer or preset.optimizer
-        profile = costmodel.price(trace, system.gpu, args.precision, optimizer)
+        try:
+            with torch.device("meta"):
+                model = preset.build()
+            trace = costmodel.record(model, *preset.example(batch))
+        except (ImportError, RuntimeError, ValueError) as e:
+            raise _fail(f"could not record a step of {name} at batch {batch}: {e}") from None
+        profile = costmodel.price(trace, system.gpu, precision, optimizer)
         what = (
-            f"{args.model} ({preset.about}), batch {batch} per GPU, {args.precision}, "
+            f"{name} ({preset.about}), batch {batch} per GPU, {precision}, "
             f"{optimizer}: {len(trace.ops)} operators, "
             f"{(trace.flops(False) + trace.flops(True)) / 1e12:.2f} TFLOP per step"
         )
     if args.step_ms:
-        profile = profile.scaled(
-            args.step_ms / 1e3 / profile.compute_s, f"{profile.source}, calibrated"
-        )
+        profile = profile.calibrated(args.step_ms / 1e3, args.accumulate)
     rows = simulate.sweep(
         profile, system, counts, accumulate=args.accumulate, batch=batch, cap_mb=args.cap_mb
     )
@@ -407,7 +444,10 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
         f"one GPU: forward {profile.forward_s * 1e3:.2f} ms, backward "
         f"{profile.backward_s * 1e3:.2f} ms, optimizer {profile.optimizer_s * 1e3:.2f} ms; "
         f"{len(profile.param_bytes)} gradients, {sum(profile.param_bytes) / 1e6:.1f} MB"
+        + (f"; {args.accumulate} micro-batches per step" if args.accumulate > 1 else "")
     )
+    if args.quick:
+        print("--quick: fewer GPU counts by default; the figures are the full model's")
     print(
         table(
             [
@@ -438,7 +478,7 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
     title = (
         f"{args.profile} on {system.name}"
         if args.profile
-        else f"{args.model}, batch {batch}/GPU, {args.precision}, on {system.name}"
+        else f"{name}, batch {batch}/GPU, {precision}, on {system.name}"
     )
     print(f"chart {simulate.chart(rows, title, _path(args, 'simulate').with_suffix('.png'))}")
     return {"system": asdict(system), "profile": asdict(profile), "rows": rows}
@@ -446,24 +486,23 @@ def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
 
 def _gpu_counts(args: argparse.Namespace, system: hardware.System) -> List[int]:
     """Checks the numeric options; the GPU counts to simulate."""
-    bad = {
-        "--batch": args.batch is not None and args.batch < 1,
-        "--accumulate": args.accumulate < 1,
-        "--step-ms": args.step_ms is not None and args.step_ms <= 0,
-        "--nics": args.nics is not None and args.nics < 1,
-        "--nic-gbit": args.nic_gbit is not None and args.nic_gbit <= 0,
-        "--cap-mb": args.cap_mb < 0,
+    positive = {
+        "--batch": args.batch,
+        "--accumulate": args.accumulate,
+        "--step-ms": args.step_ms,
+        "--nics": args.nics,
+        "--nic-gbit": args.nic_gbit,
     }
-    for option, wrong in bad.items():
-        if wrong:
-            raise SystemExit(f"pyddp-bench simulate: {option} must be positive")
-    text = args.nodes or args.gpus
+    for option, value in positive.items():
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise _fail(f"{option} {value}: must be a positive number")
+    if args.cap_mb is not None and not (math.isfinite(args.cap_mb) and args.cap_mb >= 0):
+        raise _fail(f"--cap-mb {args.cap_mb}: must be >= 0 (0: one bucket per parameter)")
+    text = args.nodes or args.gpus or ("1,8,64" if args.quick else _GPUS)
     try:
-        counts = [int(n) for n in text.split(",") if n.strip()]
+        counts = sorted({int(n) for n in text.split(",") if n.strip()})
     except ValueError:
-        raise SystemExit(
-            f"pyddp-bench simulate: {text!r}: give whole numbers, comma separated"
-        ) from None
+        raise _fail(f"{text!r}: give whole numbers, comma separated") from None
     if args.nodes:
         counts = [n * system.gpus_per_node for n in counts]
     try:
@@ -472,11 +511,20 @@ def _gpu_counts(args: argparse.Namespace, system: hardware.System) -> List[int]:
         for n in counts:
             system.topology(n)  # whole nodes beyond one
     except ValueError as e:
-        raise SystemExit(f"pyddp-bench simulate: {e}") from None
+        raise _fail(str(e)) from None
     return counts
 
 
 def _validate(args: argparse.Namespace) -> Dict[str, Any]:
+    defaults = _parser().parse_args(["simulate"])
+    given = [
+        "--" + k.replace("_", "-")
+        for k, v in vars(args).items()
+        if k not in ("validate", "out", "quick", "no_progress", "command")
+        and v != getattr(defaults, k, v)
+    ]
+    if given:
+        raise _fail(f"--validate runs each publication's own setup: drop {', '.join(given)}")
     rows = published.run()
     print(
         "published vs predicted scaling efficiency, each from the publication's own setup "

@@ -14,11 +14,14 @@ Pricing, per operator (a roofline with stated efficiencies, see
 hardware.Gpu):
     time = max(flops / (peak x compute_eff), bytes / (memory bw x memory_eff),
                kernel floor)
-where peak is the tensor-core rate for the precision on ops torch has a FLOP
-formula for (matmuls, convolutions, attention) and the vector rate otherwise.
-Views cost nothing. Mixed precision ("amp") halves the bytes of floating
-tensors and uses the 16-bit tensor-core peak; gradients stay float32 (as
-torch.autocast keeps float32 parameters).
+FLOPs come only from torch's formulas (matmuls, convolutions, attention),
+priced at the tensor-core peak for the precision (the FP32 peak for "fp32");
+every other operator counts as memory-bound. Bytes: each distinct tensor
+argument read once and each result written once (an in-place op reads and
+writes). Views cost nothing. Mixed precision ("amp") halves the bytes of
+every floating tensor, a simplification: autocast keeps parameters, their
+gradients and some reductions in float32. Gradient sizes for the reductions
+are the parameters' own (float32 unless the model is in another dtype).
 
 What this does not model: kernel fusion (torch.compile, cuDNN's fused
 kernels), host launch overhead when the GPU runs ahead, caching-allocator
@@ -28,15 +31,17 @@ them (they share SMs and memory bandwidth).
 
 from __future__ import annotations
 
+import copy
 import json
-from dataclasses import asdict, dataclass, field, fields
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from ._util import write_json
@@ -92,17 +97,20 @@ class _Recorder(TorchDispatchMode):
         self.backward = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        # Tensors the step brings from elsewhere (a loss's CPU target, a class
+        # weight) join the meta step; moving them is not part of the step.
+        args, kwargs = tree_map(_to_meta, (args, kwargs or {}))
         out = func(*args, **kwargs)
         packet = func.overloadpacket
         if func.is_view or packet in _FREE:
             return out
         formula = flop_registry.get(packet)
         flops = int(formula(*args, **kwargs, out_val=out)) if formula else 0
-        seen, total, floating = set(), 0, 0
-        for t in tree_flatten((args, kwargs, out))[0]:
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
-                seen.add(id(t))
+        # Bytes: each distinct tensor argument read once, each result written
+        # once (an in-place op reads and writes the same tensor).
+        total, floating = 0, 0
+        for group in (_distinct(tree_flatten((args, kwargs))[0]), _distinct(tree_flatten(out)[0])):
+            for t in group:
                 n = t.numel() * t.element_size()
                 total += n
                 floating += n if t.is_floating_point() else 0
@@ -110,13 +118,41 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _to_meta(x: Any) -> Any:
+    return x.to("meta") if isinstance(x, torch.Tensor) and x.device.type != "meta" else x
+
+
+def _distinct(items: Sequence[Any]) -> List[torch.Tensor]:
+    seen: Dict[int, torch.Tensor] = {}
+    for t in items:
+        if isinstance(t, torch.Tensor):
+            seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """The model with every parameter and buffer replaced by a meta tensor of
+    its shape: the caller's model and its data are left alone, and a
+    parameter shared by two modules stays shared (one gradient)."""
+    memo: Dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
 def record(model: nn.Module, inputs: Sequence[Any], loss: Callable[[Any], torch.Tensor]) -> Trace:
-    """One training step of `model` (built on the meta device, or moved there)
-    on `inputs` (moved to meta), taking the gradient of `loss(model(*inputs))`:
-    its operators and parameter ready points."""
-    model = model.to("meta")
+    """One training step of `model` on `inputs`, taking the gradient of
+    `loss(model(*inputs))`: its operators and parameter ready points. It runs
+    on a meta copy of the model (the model itself is not touched; build big
+    ones under `with torch.device("meta"):` to skip allocating them at all),
+    in training mode; tensors in `inputs` or captured by `loss` may live
+    anywhere (only their shapes are used). Data-dependent Python control
+    flow (`if x.sum() > 0`) cannot run on shapes alone and fails."""
+    model = _meta_copy(model)
     model.train()
-    inputs = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs]
+    inputs = tree_map(_to_meta, list(inputs))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("the model has no parameters that require a gradient")
@@ -156,11 +192,15 @@ def record(model: nn.Module, inputs: Sequence[Any], loss: Callable[[Any], torch.
     return trace
 
 
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
 @dataclass
 class Profile:
     """One device's step: forward, backward and optimizer times, and each
     parameter's gradient size and ready time (seconds after backward started),
-    indexed in registration order (model.parameters())."""
+    indexed in registration order (model.parameters()). `order` is the order
+    autograd completed them in, where known (ties in time keep it)."""
 
     forward_s: float
     backward_s: float
@@ -170,12 +210,58 @@ class Profile:
     names: Optional[List[str]] = None
     dtypes: Optional[List[str]] = None
     source: str = ""
+    order: Optional[List[int]] = None
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raises ValueError, naming the field, unless this is a possible step."""
+        n = len(self.param_bytes)
+        if n == 0:
+            raise ValueError("a profile needs at least one parameter")
+        times = {"forward_s": self.forward_s, "backward_s": self.backward_s}
+        times["optimizer_s"] = self.optimizer_s
+        for name, value in times.items():
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        if self.forward_s + self.backward_s + self.optimizer_s <= 0:
+            raise ValueError("a profile's step takes no time")
+        for b in self.param_bytes:
+            if not isinstance(b, int) or isinstance(b, bool) or b < 0:
+                raise ValueError(f"param_bytes must be whole numbers >= 0, got {b!r}")
+        lists = {"param_ready_s": self.param_ready_s, "names": self.names}
+        lists.update(dtypes=self.dtypes, order=self.order)
+        for name, value in lists.items():
+            if value is not None and len(value) != n:
+                raise ValueError(f"{name} has {len(value)} entries, param_bytes {n}")
+        slack = 1e-9 + 1e-6 * self.backward_s
+        for t in self.param_ready_s:
+            if (
+                not isinstance(t, (int, float))
+                or not math.isfinite(t)
+                or not 0 <= t <= self.backward_s + slack
+            ):
+                raise ValueError(
+                    f"param_ready_s must lie within backward (0 to {self.backward_s} s), got {t!r}"
+                )
+        unknown = sorted(set(self.dtypes or []) - set(_DTYPE_BYTES))
+        if unknown:
+            raise ValueError(f"dtypes {unknown}: one of {sorted(_DTYPE_BYTES)}")
+        if self.order is not None and sorted(self.order) != list(range(n)):
+            raise ValueError("order must name every parameter once")
 
     @property
     def compute_s(self) -> float:
         return self.forward_s + self.backward_s + self.optimizer_s
 
+    def numels(self) -> List[int]:
+        dtypes = self.dtypes or ["float32"] * len(self.param_bytes)
+        return [b // _DTYPE_BYTES[d] for b, d in zip(self.param_bytes, dtypes)]
+
     def ready_order(self) -> List[int]:
+        if self.order is not None:
+            return sorted(self.order, key=lambda i: self.param_ready_s[i])  # stable: ties kept
         return sorted(range(len(self.param_bytes)), key=lambda i: self.param_ready_s[i])
 
     def save(self, path: Any) -> Path:
@@ -184,39 +270,40 @@ class Profile:
 
     @classmethod
     def load(cls, path: Any) -> Profile:
-        data = json.loads(Path(path).read_text())
+        """A saved profile; ValueError (or OSError) saying what is wrong with it."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
         if not isinstance(data, dict) or data.pop("pyddp_profile", None) != 1:
             raise ValueError(f"{path}: not a profile written by pyddp's Profile.save")
         known = {f.name for f in fields(cls)}
         extra = sorted(set(data) - known)
-        if extra:
-            raise ValueError(f"{path}: unknown profile fields {extra}")
-        profile = cls(**data)
-        n = len(profile.param_bytes)
-        lists = {
-            "param_ready_s": profile.param_ready_s,
-            "names": profile.names,
-            "dtypes": profile.dtypes,
-        }
-        for name, value in lists.items():
-            if value is not None and len(value) != n:
-                raise ValueError(f"{path}: {name} has {len(value)} entries, param_bytes {n}")
-        if n == 0 or min(profile.param_bytes) < 0 or min(profile.param_ready_s) < 0:
-            raise ValueError(f"{path}: needs at least one parameter, sizes and times >= 0")
-        return profile
+        missing = sorted(f.name for f in fields(cls) if f.default is MISSING and f.name not in data)
+        if extra or missing:
+            raise ValueError(f"{path}: unknown fields {extra}, missing fields {missing}")
+        try:
+            return cls(**data)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def scaled(self, factor: float, source: str) -> Profile:
-        """All compute times times `factor` (a calibration to a measured step)."""
-        return Profile(
-            self.forward_s * factor,
-            self.backward_s * factor,
-            list(self.param_bytes),
-            [t * factor for t in self.param_ready_s],
-            self.optimizer_s * factor,
-            self.names,
-            self.dtypes,
-            source,
+        """All compute times times `factor`."""
+        return replace(
+            self,
+            forward_s=self.forward_s * factor,
+            backward_s=self.backward_s * factor,
+            param_ready_s=[t * factor for t in self.param_ready_s],
+            optimizer_s=self.optimizer_s * factor,
+            source=source,
         )
+
+    def calibrated(self, step_s: float, accumulate: int = 1) -> Profile:
+        """Scaled so that one device's step of `accumulate` micro-batches
+        (their forwards and backwards, then the optimizer) takes `step_s`, as
+        measured on the real device."""
+        modelled = accumulate * (self.forward_s + self.backward_s) + self.optimizer_s
+        return self.scaled(step_s / modelled, f"{self.source}, calibrated to {step_s * 1e3:g} ms")
 
 
 # Tensors of a parameter's size an optimizer step reads and writes: SGD with
@@ -254,6 +341,7 @@ def price(trace: Trace, gpu: Any, precision: str, optimizer: str) -> Profile:
         list(trace.names),
         list(trace.param_dtypes),
         f"roofline: {gpu.name}, {precision}",
+        list(trace.ready_order) or None,
     )
 
 

@@ -2,9 +2,8 @@
 source, and NCCL's own cost model of an all-reduce over them.
 
 GPUs (dense peaks; NVIDIA's "*" figures are with 2:4 sparsity, twice these):
-- P100: NVIDIA Ampere architecture blog, Table 3 (SXM2: FP32 10.6, FP16 21.2
-  TFLOPS, no tensor cores), https://developer.nvidia.com/blog/nvidia-ampere-architecture-in-depth/ ;
-  PCIe: 9.3 / 18.7 TFLOPS at 1300 MHz, NVIDIA as quoted by Tom's Hardware,
+- P100 PCIe (no tensor cores): 9.3 FP32 / 18.7 FP16 TFLOPS at 1300 MHz,
+  NVIDIA as quoted by Tom's Hardware,
   https://www.tomshardware.com/news/nvidia-tesla-p100-pcie-gpu,32119.html ;
   HBM2 732 GB/s (16 GB), P100 datasheet.
 - V100 SXM2: same Table 3: FP32 15.7, FP16 tensor 125 TFLOPS, 900 GB/s.
@@ -30,7 +29,8 @@ Links (bus bandwidth an NCCL ring all-reduce reaches, GB/s, per GPU):
 - NVLink: NCCL's own effective figure per link and direction, src/graph/topo.h
   (SM60_NVLINK_BW 18.0, SM70 20.0, SM80 20.0): "~20GB/s effective bandwidth
   with a 128B payload size ... ~230GB/s" on A100 (S. Jeaugey, NVIDIA/nccl-tests#149).
-  V100 in DGX-1: 6 links x 20 = 120; P100 SXM2: 4 x 18 = 72; A100 NVSwitch:
+  V100 in DGX-1: 6 links x 20 = 120 for 8 GPUs, fewer for a subset (no
+  NVSwitch: 20 for GPUs 0-1, which share one link); A100 NVSwitch:
   230 (measured, same comment); H100 NVSwitch ring: 370 ("NCCL can get an
   effective NVLink bandwidth of 370GB/s ... with NCCL_ALGO=RING",
   NVIDIA/nccl-tests#212). NVLink SHARP (NVLS, ~480 busbw on H100) is not modelled.
@@ -53,8 +53,12 @@ with NCCL's base and per-hop latencies, ring latency growing with its
 bandwidth factors, and the cheapest pair chosen, as NCCL does. Trees
 arrived in NCCL 2.4 ("Massively Scale Your Deep Learning Training with NCCL
 2.4", NVIDIA developer blog, 2019): the 2017-era P100 presets use rings only.
-Not modelled: per-channel bandwidth caps, NVLS and CollNet (in-network
-reduction), PXN, and the tuner's per-size tree correction factors.
+Also from NCCL's model: 2 x nodes network steps per ring, the network post
+overhead on ring hops across nodes, the LL bandwidth caps, tree LL128 factors.
+Not modelled: per-channel bandwidth caps and the channel count (the ring
+plateau factor is applied to every multi-node Simple message), topology
+latencies (latencyInter), NVLS and CollNet (in-network reduction), PXN, and
+the tuner's per-size tree correction factors.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class Gpu:
     tf32: float  # FLOP/s, tensor core (0: none)
     half: float  # FLOP/s, FP16/BF16 tensor core (or packed FP16 without tensor cores)
     memory_bw: float  # bytes/s
+    arch: int  # compute capability x 10 (60 Pascal, 70 Volta, 80 Ampere, 90 Hopper)
     compute_eff: float = 0.6
     memory_eff: float = 0.85
     kernel_floor_s: float = 3e-6
@@ -101,11 +106,10 @@ class Gpu:
 
 T = 1e12
 GPUS: Dict[str, Gpu] = {
-    "p100-pcie": Gpu("P100 PCIe 16GB", 9.3 * T, 0.0, 18.7 * T, 732e9),
-    "p100-sxm2": Gpu("P100 SXM2 16GB", 10.6 * T, 0.0, 21.2 * T, 732e9),
-    "v100": Gpu("V100 SXM2", 15.7 * T, 0.0, 125 * T, 900e9),
-    "a100": Gpu("A100 SXM4 80GB", 19.5 * T, 156 * T, 312 * T, 2039e9),
-    "h100": Gpu("H100 SXM5 80GB", 67 * T, 494.7 * T, 989.4 * T, 3350e9),
+    "p100-pcie": Gpu("P100 PCIe 16GB", 9.3 * T, 0.0, 18.7 * T, 732e9, 60),
+    "v100": Gpu("V100 SXM2", 15.7 * T, 0.0, 125 * T, 900e9, 70),
+    "a100": Gpu("A100 SXM4 80GB", 19.5 * T, 156 * T, 312 * T, 2039e9, 80),
+    "h100": Gpu("H100 SXM5 80GB", 67 * T, 494.7 * T, 989.4 * T, 3350e9, 90),
 }
 
 
@@ -122,6 +126,9 @@ class System:
     nics: int
     nic_gbit: float  # line rate per NIC, Gbit/s
     nic_eff: float = 0.96
+    cpu: str = "intel"  # the hosts' CPU vendor: NCCL's LL bandwidth caps across nodes depend on it
+    # Bus bandwidth for fewer GPUs than a node where it is lower (no NVSwitch).
+    partial_busbw: Tuple[Tuple[int, float], ...] = ()
     ll128: bool = True  # NCCL enables LL128 on NVLink platforms (Volta and newer)
     # NCCL before 2.4 (2019) had rings only; 2.4 added double binary trees.
     algorithms: Tuple[str, ...] = ("ring", "tree")
@@ -133,6 +140,12 @@ class System:
 
     def with_network(self, nics: int, gbit: float) -> System:
         return replace(self, nics=nics, nic_gbit=gbit, name=f"{self.name}, {nics}x{gbit:g}Gb")
+
+    def busbw(self, gpus: int) -> float:
+        """Bus bandwidth of a ring over `gpus` GPUs (bytes/s)."""
+        nodes, per_node = self.topology(gpus)
+        intra = dict(self.partial_busbw).get(per_node, self.intra_busbw)
+        return intra if nodes == 1 else min(intra, self.inter_busbw)
 
     def allreduce_s(self, nbytes: float, gpus: int) -> float:
         return _allreduce_s(self, float(nbytes), gpus)[0]
@@ -151,12 +164,24 @@ class System:
         return gpus // self.gpus_per_node, self.gpus_per_node
 
 
+# NCCL tuning.cc (b6475625): LL bandwidth caps in GB/s, [row][column] with
+# row = GPU generation on one node (Volta, Ampere, Hopper) or the CPU vendor
+# across nodes (Intel, AMD), column = 1 node, 2 nodes, more.
+_LL_MAX_BW = ((39.0, 39.0, 20.4), (87.7, 22.5, 19.0), (87.7, 22.5, 19.0))
+
+
 @lru_cache(maxsize=1 << 16)
 def _allreduce_s(system: System, nbytes: float, gpus: int) -> Tuple[float, str]:
     if gpus <= 1 or nbytes <= 0:
         return 0.0, "-"
     nodes, per_node = system.topology(gpus)
-    busbw = system.intra_busbw if nodes == 1 else min(system.intra_busbw, system.inter_busbw)
+    busbw = system.busbw(gpus) / 1e9  # GB/s, as NCCL's tables
+    arch = system.gpu.arch
+    if nodes == 1:
+        ll_cap = _LL_MAX_BW[0 if arch < 80 else 1 if arch < 90 else 2][0]
+    else:
+        ll_cap = _LL_MAX_BW[1 if system.cpu == "amd" else 0][1 if nodes == 2 else 2]
+    net_overhead = 2.0 if system.cpu == "amd" else 1.0  # us per network post (getNetOverhead)
     best = (math.inf, "")
     for algo in system.algorithms:
         for p, proto in enumerate(_PROTOCOLS):
@@ -165,17 +190,26 @@ def _allreduce_s(system: System, nbytes: float, gpus: int) -> Tuple[float, str]:
             intra = _HW_LAT[system.intra_hop][algo][p]
             inter = _HW_LAT["net"][algo][p]
             if algo == "ring":
-                steps, inter_steps = 2 * (gpus - 1), 2 * (nodes - 1)
+                steps = 2 * (gpus - 1)
+                inter_steps = 2 * nodes if nodes > 1 else 0
+                if nodes > 1:
+                    intra = max(intra, net_overhead * (3 if proto == "Simple" else 1))
                 lat = _BASE_LAT[algo][p] + (steps - inter_steps) * intra + inter_steps * inter
-                bw = busbw * {"LL": 0.25, "LL128": 0.92, "Simple": 1.0}[proto]
-                algbw = bw * gpus / steps
                 if proto == "Simple" and nodes > 1:
-                    lat *= 1.9 if system.gpu.tf32 == 0 else 1.4  # NCCL: "plateau effect of ring"
+                    lat *= 1.9 if arch < 80 else 1.4  # NCCL: "plateau effect of ring"
+                bw = {"LL": min(ll_cap, busbw / 4), "LL128": busbw * 0.92, "Simple": busbw}[proto]
+                algbw = bw * gpus / steps
             else:
-                lat = _BASE_LAT[algo][p] + 2 * ((per_node - 1) * intra + math.log2(nodes) * inter)
-                bw = busbw * 0.92 * {"LL": 1 / 3.8, "LL128": 1.0, "Simple": 1.0}[proto]
+                log2_nodes = nodes.bit_length() - 1  # NCCL's log2i
+                lat = _BASE_LAT[algo][p] + 2 * ((per_node - 1) * intra + log2_nodes * inter)
+                tree = busbw * 0.92
+                bw = {
+                    "LL": min(tree / 3.8, ll_cap),
+                    "LL128": tree * (7 / 9 if nodes == 1 else 120 / 128),
+                    "Simple": tree,
+                }[proto]
                 algbw = bw * 0.5
-            t = lat * 1e-6 + nbytes / algbw
+            t = lat * 1e-6 + nbytes / (algbw * 1e9)
             if t < best[0]:
                 best = (t, f"{algo}/{proto}")
     return best
@@ -196,17 +230,6 @@ SYSTEMS: Dict[str, System] = {
         about="Horovod's 2017 benchmark servers: PCIe, 2 GPUs per CPU, one 25 Gb/s RoCE NIC, "
         "NCCL 2.0",
     ),
-    "p100-nvlink-50gbe": System(
-        "8x P100 SXM2 NVLink per node (Big Basin), 50 Gb/s Ethernet",
-        GPUS["p100-sxm2"],
-        8,
-        72 * GB,
-        "nvlink",
-        1,
-        50,
-        ll128=False,
-        algorithms=("ring",),
-    ),
     "v100-dgx1": System(
         "DGX-1: 8x V100 SXM2 NVLink hybrid cube-mesh, 4x EDR 100 Gb/s IB",
         GPUS["v100"],
@@ -215,6 +238,10 @@ SYSTEMS: Dict[str, System] = {
         "nvlink",
         4,
         100,
+        # Fewest NVLinks a GPU of the set has to the others x 20 GB/s: GPU0-GPU1
+        # share one link, GPUs 0-3 have 4 each among themselves (nvidia-smi topo -m
+        # of the torch DDP benchmark's DGX-1, benchmarks/distributed/ddp/README.md).
+        partial_busbw=((2, 20 * GB), (4, 80 * GB)),
     ),
     "a100-dgx": System(
         "DGX A100: 8x A100 80GB NVSwitch, 8x HDR 200 Gb/s IB",
@@ -224,6 +251,7 @@ SYSTEMS: Dict[str, System] = {
         "nvlink",
         8,
         200,
+        cpu="amd",  # DGX A100: 2x AMD EPYC 7742
     ),
     "h100-nvlink": System(
         "DGX H100: 8x H100 SXM5 NVSwitch, 8x NDR 400 Gb/s IB",

@@ -318,9 +318,8 @@ def run(cases: Sequence[Case] = CASES) -> List[Dict[str, Any]]:
             )
         # Calibration: compute (not communication) of the published step.
         k = case.one_gpu_accumulate
-        measured_step = k * case.batch / case.one_gpu_per_s
+        calibrated = roofline.calibrated(k * case.batch / case.one_gpu_per_s, k)
         modelled = k * (roofline.forward_s + roofline.backward_s) + roofline.optimizer_s
-        calibrated = roofline.scaled(measured_step / modelled, f"{roofline.source}, calibrated")
         for point in case.points:
             predicted = {}
             for label, profile in (("calibrated", calibrated), ("roofline", roofline)):

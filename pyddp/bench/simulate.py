@@ -76,44 +76,38 @@ class Step:
         return self.ideal_s / self.step_s
 
 
-def _numels(profile: Profile) -> List[int]:
-    sizes = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
-    dtypes = profile.dtypes or ["float32"] * len(profile.param_bytes)
-    return [b // sizes.get(d, 4) for b, d in zip(profile.param_bytes, dtypes)]
-
-
-def buckets(
-    profile: Profile, policy: str, cap_mb: float = 25.0, first_cap_mb: float = 1.0
-) -> List[List[int]]:
-    """The parameter groups `policy` reduces together, in launch-plan order."""
+def buckets(profile: Profile, policy: str, cap_mb: Optional[float] = None) -> List[List[int]]:
+    """The parameter groups `policy` reduces together, in launch-plan order.
+    `cap_mb` None: each engine's defaults (25 MiB buckets after a 1 MiB
+    first one). Given: pyddp keeps its 1 MiB first bucket
+    (`first_bucket_cap_mb`), torch DDP makes its first bucket that size too
+    (torch.nn.parallel.distributed `_BucketCapacityConfig`: the 1 MiB first
+    bucket only when bucket_cap_mb is left to its default)."""
     order = profile.ready_order()
     dtypes = profile.dtypes or ["float32"] * len(order)
+    cap = int((25.0 if cap_mb is None else cap_mb) * MIB)
     if policy == "pyddp per-parameter":
         return [[i] for i in order]
     if policy in ("pyddp bucketed", "no overlap"):
         from .. import _C
 
-        return _C.plan_buckets(
-            _numels(profile), dtypes, order, int(first_cap_mb * MIB), int(cap_mb * MIB)
-        )
+        return _C.plan_buckets(profile.numels(), dtypes, order, MIB if cap else 0, cap)
     if policy.startswith("torch DDP"):
         import torch.distributed as dist
 
         tensors = [
             torch.empty(n, dtype=getattr(torch, d), device="meta")
-            for n, d in zip(_numels(profile), dtypes)
+            for n, d in zip(profile.numels(), dtypes)
         ]
-        limits = [int(first_cap_mb * MIB), int(cap_mb * MIB)]
+        limits = [MIB if cap_mb is None else cap, cap]
         if policy == "torch DDP":  # the plan its Reducer rebuilds from the ready order
             plan = dist._compute_bucket_assignment_by_size(
                 [tensors[i] for i in order], limits, [False] * len(order), order
             )[0]
             return [list(b) for b in plan]
         if policy == "torch DDP, registration order":  # its first plan, never rebuilt
-            plan = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))[
-                0
-            ]
-            return [list(b) for b in reversed(plan)]
+            plan = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
+            return [list(b) for b in reversed(plan[0])]
     raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}, horovod")
 
 
@@ -123,7 +117,7 @@ def step(
     gpus: int,
     policy: str,
     accumulate: int = 1,
-    cap_mb: float = 25.0,
+    cap_mb: Optional[float] = None,
 ) -> Step:
     """One step of `policy` on `gpus` GPUs of `system`."""
     if accumulate < 1:
@@ -192,7 +186,7 @@ def sweep(
     policies: Sequence[str] = POLICIES,
     accumulate: int = 1,
     batch: Optional[int] = None,
-    cap_mb: float = 25.0,
+    cap_mb: Optional[float] = None,
 ) -> List[Dict[str, Any]]:
     """One row per (policy, GPU count)."""
     rows = []
