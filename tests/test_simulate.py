@@ -320,3 +320,18 @@ def test_committed_validation_table_matches_a_fresh_run():
 def test_readme_shows_the_committed_validation_table():
     committed = json.loads((ROOT / "bench/results/simulate-validation.json").read_text())["rows"]
     assert published.markdown(committed) in (ROOT / "README.md").read_text()
+
+
+def test_calibration_at_a_node_matches_the_published_step_with_its_communication():
+    pytest.importorskip("transformers")
+    case = next(c for c in published.CASES if c.name.endswith("1-16 DGX-1"))
+    preset = PRESETS[case.model]
+    trace = costmodel.record(build(case.model), *preset.example(case.batch))
+    system = hardware.SYSTEMS[case.system]
+    roofline = costmodel.price(trace, system.gpu, case.precision, case.optimizer)
+    measured = case.batch / case.one_gpu_per_s
+    calibrated = published._calibrate(roofline, system, case, measured)
+    at_node = simulate.step(calibrated, system, case.calibrate_gpus, case.policy)
+    assert at_node.step_s == pytest.approx(measured, rel=1e-9)
+    assert at_node.comm_s > 0  # the node's own all-reduce is part of the measured step
+    assert calibrated.compute_s < measured

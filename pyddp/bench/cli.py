@@ -532,7 +532,7 @@ def _validate(args: argparse.Namespace) -> Dict[str, Any]:
     )
     print(
         table(
-            ["case", "GPUs", "published", "predicted", "error pts", "roofline", "1-GPU pub/roof"],
+            ["case", "GPUs", "published", "predicted", "error pts", "roofline", "per-GPU pub/roof"],
             [
                 [
                     r["case"],
