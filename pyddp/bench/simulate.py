@@ -35,8 +35,10 @@ backward passes come first and only the last overlaps the reductions).
 Efficiency = the one-device step / the step at n devices.
 
 Not modelled: compute slowed by NCCL kernels sharing SMs and memory
-bandwidth, stragglers and jitter, the input pipeline, NVLink SHARP and
-in-network reduction, gradient compression, host launch overheads.
+bandwidth, per-step framework overheads, stragglers and jitter, the input
+pipeline, GPU memory capacity, NVLink SHARP and in-network reduction,
+gradient compression, host launch overheads. See the README's validation
+table for what that costs against published results.
 """
 
 from __future__ import annotations
