@@ -320,9 +320,12 @@ def test_committed_validation_table_matches_a_fresh_run():
         assert new["source"].startswith("http") or "https://" in new["source"]
 
 
-def test_readme_shows_the_committed_validation_table():
+def test_readme_shows_the_committed_validation_table_and_chart(tmp_path):
     committed = json.loads((ROOT / "bench/results/simulate-validation.json").read_text())["rows"]
-    assert published.markdown(committed) in (ROOT / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert published.markdown(committed) in readme
+    assert "bench/results/simulate-validation.png" in readme
+    assert published.chart(committed, tmp_path / "v.png").stat().st_size > 10_000
 
 
 def test_calibration_at_a_node_matches_the_published_step_with_its_communication():

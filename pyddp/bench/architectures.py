@@ -352,7 +352,11 @@ def _gpt2(width: int, layers: int, heads: int) -> Callable[[], nn.Module]:
         config = tf.GPT2Config(
             n_embd=width, n_layer=layers, n_head=heads, attn_implementation="eager"
         )
-        return tf.GPT2LMHeadModel(config)
+        model = tf.GPT2LMHeadModel(config)
+        model.loss_type = (
+            "ForCausalLM"  # what transformers falls back to, said up front: no warning
+        )
+        return model
 
     return build
 

@@ -323,4 +323,4 @@ def _overlap(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
-    return simulate_cli.run(args, _path(args, "simulate").with_suffix(".png"))
+    return simulate_cli.run(args, _path(args, _result_name(args)).with_suffix(".png"))

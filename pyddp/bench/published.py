@@ -19,6 +19,7 @@ Two predictions per point:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
@@ -414,3 +415,39 @@ def markdown(rows: Sequence[Dict[str, Any]]) -> str:
             f"| {r['one_gpu_published_per_s']:.0f} / {r['one_gpu_roofline_per_s']:.0f} |"
         )
     return "\n".join(lines)
+
+
+def chart(rows: Sequence[Dict[str, Any]], path: Any) -> Any:
+    """Predicted vs published efficiency, one point per row, with the y = x
+    line and the ±5-point band (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 5))
+    sources = dict.fromkeys(r["case"].split(",")[0] for r in rows)  # publication and setup
+    for k, source in enumerate(sources):
+        mine = [r for r in rows if r["case"].split(",")[0] == source]
+        ax.plot(
+            [100 * r["published"] for r in mine],
+            [100 * r["predicted"] for r in mine],
+            "osD^v"[k % 5],
+            label=source,
+            alpha=0.8,
+        )
+    low = min(60.0, *(100 * min(r["published"], r["predicted"]) for r in rows))
+    ax.plot([low, 102], [low, 102], "k-", lw=0.8)
+    ax.fill_between([low, 102], [low - 5, 97], [low + 5, 107], color="grey", alpha=0.15)
+    ax.set_xlim(low, 102)
+    ax.set_ylim(low, 102)
+    ax.set_xlabel("published scaling efficiency, %")
+    ax.set_ylabel("predicted (calibrated compute), %")
+    ax.set_title("pyddp-bench simulate --validate (band: ±5 points)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

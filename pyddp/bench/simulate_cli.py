@@ -94,7 +94,7 @@ def _fail(message: str) -> SystemExit:
 def run(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
     """The command: the table printed, the chart written; the JSON payload."""
     if args.validate:
-        return _validate(args)
+        return _validate(args, chart_path)
     system = hardware.SYSTEMS[args.hardware]
     if args.nics is not None or args.nic_gbit is not None:
         system = system.with_network(
@@ -214,7 +214,7 @@ def _gpu_counts(args: argparse.Namespace, system: hardware.System) -> List[int]:
     return counts
 
 
-def _validate(args: argparse.Namespace) -> Dict[str, Any]:
+def _validate(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
     given = [
         "--" + k.replace("_", "-")
         for k, v in vars(args).items()
@@ -244,4 +244,5 @@ def _validate(args: argparse.Namespace) -> Dict[str, Any]:
             ],
         )
     )
+    print(f"chart {published.chart(rows, chart_path)}")
     return {"rows": rows}
