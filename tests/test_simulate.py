@@ -157,6 +157,7 @@ def test_nccl_cost_formula_by_hand():
     # No NVSwitch on a DGX-1: GPUs 0-1 share one NVLink (NCCL: 20 GB/s).
     dgx1 = hardware.SYSTEMS["v100-dgx1"]
     assert (dgx1.busbw(2), dgx1.busbw(8), dgx1.busbw(16)) == (20e9, 120e9, 48e9)
+    assert [dgx1.busbw(n) / 1e9 for n in range(2, 8)] == [20, 40, 80, 40, 60, 80]
     # NCCL before 2.4 had rings only.
     old = hardware.SYSTEMS["p100-pcie-25gbe"]
     assert all(old.algorithm(s, 64).startswith("ring") for s in (1e3, 1e6, 1e9))
@@ -208,6 +209,8 @@ def test_torch_ddp_plan_is_torchs_own_assignment():
     assert simulate.buckets(profile, "torch DDP") == [[3], [2, 1], [0]]
     assert simulate.buckets(profile, "pyddp bucketed") == [[3], [2, 1], [0]]
     assert simulate.buckets(profile, "pyddp per-parameter") == [[3], [2], [1], [0]]
+    one = simulate.step(profile, _FixedLink(), 2, "one all-reduce")
+    assert one.reductions == 1 and one.step_s == pytest.approx(5e-3 + sum(sizes) / 1e9)
 
 
 def test_horovod_cycles_wait_for_their_reductions():
@@ -238,7 +241,7 @@ def test_measured_profile_round_trip_and_precedence(tmp_path):
     result = json.loads((tmp_path / "simulate.json").read_text())
     assert result["profile"]["source"] == "measured: pyddp timeline"
     assert result["profile"]["param_bytes"] == profile.param_bytes
-    assert "measured profile" in out
+    assert "(measured: pyddp timeline)" in out
     err = _cli(tmp_path, "--profile", str(path), "--batch", "8", code=1)
     assert "--batch: the profile" in err  # a profile fixes model, batch, precision
     saved = json.loads(path.read_text())
@@ -251,6 +254,9 @@ def test_measured_profile_round_trip_and_precedence(tmp_path):
         ({"param_bytes": [1.5, 2, 3, 4]}, "whole numbers"),
         ({"dtypes": ["int8x"] * 4}, "dtypes"),
         ({"forward_s": 0, "backward_s": 0, "param_ready_s": [0.0] * 4}, "takes no time"),
+        ({"forward_s": True}, "forward_s must be a finite number"),
+        ({"param_bytes": [2**62, 2, 3, 4]}, "0 to 2\\*\\*50"),
+        ({"order": [0.0, 1.0, 2.0, 3.0]}, "order must name every parameter"),
     ]:
         bad.write_text(json.dumps({**saved, **change}))
         with pytest.raises(ValueError, match=message):
@@ -330,14 +336,19 @@ def test_readme_shows_the_committed_validation_table_and_chart(tmp_path):
 
 def test_calibration_at_a_node_matches_the_published_step_with_its_communication():
     pytest.importorskip("transformers")
-    case = next(c for c in published.CASES if c.name.endswith("1-16 DGX-1"))
+    case = next(c for c in published.CASES if c.name.startswith("NVIDIA BERT-large on DGX-1"))
     preset = PRESETS[case.model]
     trace = costmodel.record(build(case.model), *preset.example(case.batch))
     system = hardware.SYSTEMS[case.system]
     roofline = costmodel.price(trace, system.gpu, case.precision, case.optimizer)
-    measured = case.batch / case.one_gpu_per_s
+    k = case.one_gpu_accumulate
+    measured = k * case.batch / case.one_gpu_per_s
     calibrated = published._calibrate(roofline, system, case, measured)
-    at_node = simulate.step(calibrated, system, case.calibrate_gpus, case.policy)
+    at_node = simulate.step(calibrated, system, case.calibrate_gpus, case.policy, k)
     assert at_node.step_s == pytest.approx(measured, rel=1e-9)
     assert at_node.comm_s > 0  # the node's own all-reduce is part of the measured step
-    assert calibrated.compute_s < measured
+    assert k * (calibrated.forward_s + calibrated.backward_s) + calibrated.optimizer_s < measured
+    # A network that could not have given the published step is refused.
+    slow = replace(system, nic_gbit=1e-3)
+    with pytest.raises(ValueError, match="communication alone"):
+        published._calibrate(roofline, slow, replace(case, calibrate_gpus=16), measured)

@@ -53,7 +53,8 @@ def _common(parser: argparse.ArgumentParser, top: bool) -> None:
         "--quick",
         action="store_true",
         default=default(False),
-        help="a few-second smoke run on tiny sizes: checks the command, its figures are noise",
+        help="a smoke run (tiny sizes, few samples or fewer points): checks the command; "
+        "do not read its figures as results",
     )
     parser.add_argument(
         "--no-progress",

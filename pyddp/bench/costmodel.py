@@ -192,6 +192,14 @@ def record(model: nn.Module, inputs: Sequence[Any], loss: Callable[[Any], torch.
     return trace
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _whole(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -223,13 +231,13 @@ class Profile:
         times = {"forward_s": self.forward_s, "backward_s": self.backward_s}
         times["optimizer_s"] = self.optimizer_s
         for name, value in times.items():
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if not _number(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         if self.forward_s + self.backward_s + self.optimizer_s <= 0:
             raise ValueError("a profile's step takes no time")
         for b in self.param_bytes:
-            if not isinstance(b, int) or isinstance(b, bool) or b < 0:
-                raise ValueError(f"param_bytes must be whole numbers >= 0, got {b!r}")
+            if not _whole(b) or not 0 <= b <= 1 << 50:
+                raise ValueError(f"param_bytes must be whole numbers 0 to 2**50, got {b!r}")
         lists = {"param_ready_s": self.param_ready_s, "names": self.names}
         lists.update(dtypes=self.dtypes, order=self.order)
         for name, value in lists.items():
@@ -237,18 +245,16 @@ class Profile:
                 raise ValueError(f"{name} has {len(value)} entries, param_bytes {n}")
         slack = 1e-9 + 1e-6 * self.backward_s
         for t in self.param_ready_s:
-            if (
-                not isinstance(t, (int, float))
-                or not math.isfinite(t)
-                or not 0 <= t <= self.backward_s + slack
-            ):
+            if not _number(t) or not math.isfinite(t) or not 0 <= t <= self.backward_s + slack:
                 raise ValueError(
                     f"param_ready_s must lie within backward (0 to {self.backward_s} s), got {t!r}"
                 )
         unknown = sorted(set(self.dtypes or []) - set(_DTYPE_BYTES))
         if unknown:
             raise ValueError(f"dtypes {unknown}: one of {sorted(_DTYPE_BYTES)}")
-        if self.order is not None and sorted(self.order) != list(range(n)):
+        if self.order is not None and (
+            not all(_whole(i) for i in self.order) or sorted(self.order) != list(range(n))
+        ):
             raise ValueError("order must name every parameter once")
 
     @property

@@ -6,7 +6,9 @@ GPUs (dense peaks; NVIDIA's "*" figures are with 2:4 sparsity, twice these):
   NVIDIA as quoted by Tom's Hardware,
   https://www.tomshardware.com/news/nvidia-tesla-p100-pcie-gpu,32119.html ;
   HBM2 732 GB/s (16 GB), P100 datasheet.
-- V100 SXM2: same Table 3: FP32 15.7, FP16 tensor 125 TFLOPS, 900 GB/s.
+- V100 SXM2: NVIDIA Ampere architecture blog, Table 3
+  (developer.nvidia.com/blog/nvidia-ampere-architecture-in-depth/): FP32 15.7,
+  FP16 tensor 125 TFLOPS, 900 GB/s.
 - A100 SXM4 80GB: NVIDIA A100 datasheet (nvidia-a100-datasheet-nvidia-us-2188504-web.pdf):
   FP32 19.5, TF32 156, BF16/FP16 312 TFLOPS (dense), 2,039 GB/s; NVLink 600 GB/s.
 - H100 SXM5: NVIDIA H100 datasheet
@@ -238,10 +240,18 @@ SYSTEMS: Dict[str, System] = {
         "nvlink",
         4,
         100,
-        # Fewest NVLinks a GPU of the set has to the others x 20 GB/s: GPU0-GPU1
-        # share one link, GPUs 0-3 have 4 each among themselves (nvidia-smi topo -m
-        # of the torch DDP benchmark's DGX-1, benchmarks/distributed/ddp/README.md).
-        partial_busbw=((2, 20 * GB), (4, 80 * GB)),
+        # GPUs 0..n-1: the fewest NVLinks any of them has to the others, x 20 GB/s
+        # (nvidia-smi topo -m of the torch DDP benchmark's DGX-1,
+        # benchmarks/distributed/ddp/README.md: GPU0-GPU1 share one link, GPU4
+        # reaches only GPU0 among GPUs 0-4, ...).
+        partial_busbw=(
+            (2, 20 * GB),
+            (3, 40 * GB),
+            (4, 80 * GB),
+            (5, 40 * GB),
+            (6, 60 * GB),
+            (7, 80 * GB),
+        ),
     ),
     "a100-dgx": System(
         "DGX A100: 8x A100 80GB NVSwitch, 8x HDR 200 Gb/s IB",

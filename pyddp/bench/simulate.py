@@ -23,6 +23,8 @@ Policies (weak scaling: the per-device batch stays the same at every count):
 - "torch DDP, registration order": its first plan, in reverse order of
   model.parameters(), which it keeps when it never rebuilds
   (find_unused_parameters=True); same launch rule.
+- "one all-reduce" (validation): every gradient in one flat buffer, reduced
+  after backward (NVIDIA's BERT pre-training, allreduce_post_accumulation).
 - "horovod" (validation): Tensor Fusion as Horovod had it in 2017-2020:
   every 5 ms cycle, the gradients ready by then are fused into reductions of
   at most 64 MB (docs/tensor-fusion.rst; defaults until v0.21).
@@ -110,7 +112,7 @@ def buckets(profile: Profile, policy: str, cap_mb: Optional[float] = None) -> Li
         if policy == "torch DDP, registration order":  # its first plan, never rebuilt
             plan = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
             return [list(b) for b in reversed(plan[0])]
-    raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}, horovod")
+    raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}, horovod, one all-reduce")
 
 
 def step(
@@ -133,6 +135,8 @@ def step(
     sizes = profile.param_bytes
     if policy == "horovod":
         groups = _fused(profile, lambda nbytes: system.allreduce_s(nbytes, gpus))
+    elif policy == "one all-reduce":
+        groups = [(profile.backward_s, sum(sizes))]
     else:
         plan = buckets(profile, policy, cap_mb)
         ready = [max(profile.param_ready_s[i] for i in b) for b in plan]

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
             profile = costmodel.Profile.load(args.profile)
         except (OSError, ValueError) as e:
             raise _fail(f"--profile: {e}") from None
-        what = f"measured profile {args.profile}"
+        what = f"profile {args.profile} ({profile.source or 'no source given'})"
     else:
         name, precision = args.model or "resnet50", args.precision or "amp"
         try:
