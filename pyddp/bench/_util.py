@@ -76,6 +76,26 @@ def machine() -> Dict[str, Any]:
     }
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, imported on first use: it is
+    optional (pyddp[bench]) and only the charts need it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Any, dpi: int) -> Path:
+    """Writes `fig` as a PNG (making its folder) and releases it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
 def write_json(path: Path, payload: Dict[str, Any]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -388,6 +388,26 @@ def _labelled(build: Callable[[], nn.Module], bert: bool) -> Callable[[], nn.Mod
     return lambda: _WithLabels(build(), bert)
 
 
+def _bert_preset(hidden: int, layers: int, heads: int, name: str) -> Preset:
+    return Preset(
+        _labelled(_bert(hidden, layers, heads), True),
+        _tokens(128),
+        32,
+        "adamw",
+        f"{name} pre-training (MLM + NSP), sequence 128",
+    )
+
+
+def _gpt2_preset(width: int, layers: int, heads: int, batch: int, name: str) -> Preset:
+    return Preset(
+        _labelled(_gpt2(width, layers, heads), False),
+        _tokens(1024),
+        batch,
+        "adamw",
+        f"{name}, sequence 1024",
+    )
+
+
 PRESETS: Dict[str, Preset] = {
     "resnet50": Preset(
         lambda: ResNet([3, 4, 6, 3]), _images(224), 32, "sgd", "ResNet-50 v1.5, 224x224"
@@ -402,46 +422,10 @@ PRESETS: Dict[str, Preset] = {
     "inception_v3": Preset(
         InceptionV3, _images(299), 32, "sgd", "Inception V3 with aux head, 299x299"
     ),
-    "bert-base": Preset(
-        _labelled(_bert(768, 12, 12), True),
-        _tokens(128),
-        32,
-        "adamw",
-        "BERT-base pre-training (MLM + NSP), sequence 128",
-    ),
-    "bert-large": Preset(
-        _labelled(_bert(1024, 24, 16), True),
-        _tokens(128),
-        32,
-        "adamw",
-        "BERT-large pre-training (MLM + NSP), sequence 128",
-    ),
-    "gpt2": Preset(
-        _labelled(_gpt2(768, 12, 12), False),
-        _tokens(1024),
-        8,
-        "adamw",
-        "GPT-2 124M language modelling, sequence 1024",
-    ),
-    "gpt2-medium": Preset(
-        _labelled(_gpt2(1024, 24, 16), False),
-        _tokens(1024),
-        8,
-        "adamw",
-        "GPT-2 355M, sequence 1024",
-    ),
-    "gpt2-large": Preset(
-        _labelled(_gpt2(1280, 36, 20), False),
-        _tokens(1024),
-        4,
-        "adamw",
-        "GPT-2 774M, sequence 1024",
-    ),
-    "gpt2-xl": Preset(
-        _labelled(_gpt2(1600, 48, 25), False),
-        _tokens(1024),
-        2,
-        "adamw",
-        "GPT-2 1.5B, sequence 1024",
-    ),
+    "bert-base": _bert_preset(768, 12, 12, "BERT-base"),
+    "bert-large": _bert_preset(1024, 24, 16, "BERT-large"),
+    "gpt2": _gpt2_preset(768, 12, 12, 8, "GPT-2 124M language modelling"),
+    "gpt2-medium": _gpt2_preset(1024, 24, 16, 8, "GPT-2 355M"),
+    "gpt2-large": _gpt2_preset(1280, 36, 20, 4, "GPT-2 774M"),
+    "gpt2-xl": _gpt2_preset(1600, 48, 25, 2, "GPT-2 1.5B"),
 }

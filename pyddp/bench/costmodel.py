@@ -233,7 +233,7 @@ class Profile:
         for name, value in times.items():
             if not _number(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-        if self.forward_s + self.backward_s + self.optimizer_s <= 0:
+        if self.step_s() <= 0:
             raise ValueError("a profile's step takes no time")
         for b in self.param_bytes:
             if not _whole(b) or not 0 <= b <= 1 << 50:
@@ -257,9 +257,10 @@ class Profile:
         ):
             raise ValueError("order must name every parameter once")
 
-    @property
-    def compute_s(self) -> float:
-        return self.forward_s + self.backward_s + self.optimizer_s
+    def step_s(self, accumulate: int = 1) -> float:
+        """One device's step alone: `accumulate` forwards and backwards, then
+        the optimizer."""
+        return accumulate * (self.forward_s + self.backward_s) + self.optimizer_s
 
     def numels(self) -> List[int]:
         dtypes = self.dtypes or ["float32"] * len(self.param_bytes)
@@ -304,12 +305,12 @@ class Profile:
             source=source,
         )
 
-    def calibrated(self, step_s: float, accumulate: int = 1) -> Profile:
+    def calibrated(self, measured_s: float, accumulate: int = 1) -> Profile:
         """Scaled so that one device's step of `accumulate` micro-batches
-        (their forwards and backwards, then the optimizer) takes `step_s`, as
-        measured on the real device."""
-        modelled = accumulate * (self.forward_s + self.backward_s) + self.optimizer_s
-        return self.scaled(step_s / modelled, f"{self.source}, calibrated to {step_s * 1e3:g} ms")
+        (their forwards and backwards, then the optimizer) takes `measured_s`,
+        as measured on the real device."""
+        source = f"{self.source}, calibrated to {measured_s * 1e3:g} ms"
+        return self.scaled(measured_s / self.step_s(accumulate), source)
 
 
 # Tensors of a parameter's size an optimizer step reads and writes: SGD with

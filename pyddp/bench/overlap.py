@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 import pyddp
 
-from ._util import make_input, make_model, rotated, summary
+from ._util import make_input, make_model, pyplot, rotated, save_figure, summary
 
 
 def _variants(caps: List[float]) -> List[Dict[str, Any]]:
@@ -221,11 +221,7 @@ def _ddp_rank(rank, world, init_file, model, width, depth, batch, device, steps,
 
 def chart(result: Dict[str, Any], path: Path) -> Path:
     """Bar chart of the step-time medians with p10-p90 whiskers."""
-    import matplotlib  # imported here: optional (pyddp[bench]), only the chart needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = result["results"]
     names = [r["variant"] for r in rows]
     med = [r["step_s"]["median"] * 1e3 for r in rows]
@@ -245,7 +241,4 @@ def chart(result: Dict[str, Any], path: Path) -> Path:
         f"batch {cfg['batch']}, {where}"
     )
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, 110)

@@ -19,12 +19,12 @@ Two predictions per point:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
 from . import costmodel, hardware, simulate
+from ._util import pyplot, save_figure
 from .architectures import PRESETS
 
 
@@ -80,189 +80,127 @@ _DLE_RN50 = (
     "ConvNets/resnet50v1.5/README.md (pytorch-21.03; batch from configs.yml)"
 )
 
+
+def _torch_bench(model: str, one: float, two: float, eight: float, sixteen: float) -> Case:
+    """torch DDP's own benchmark: per-GPU rates on 1 (no DDP), 2, 8 and 16 GPUs."""
+    return Case(
+        f"torch DDP benchmark, {_LABEL[model]}",
+        model,
+        32,
+        "v100-dgx1",
+        "fp32",
+        "sgd",
+        "torch DDP",
+        one,
+        1,
+        _points(
+            (1, 2, two / one), (1, 8, eight / one), (1, 16, sixteen / one), (8, 16, sixteen / eight)
+        ),
+        _DDP_BENCH,
+        _DDP_QUOTES[model],
+    )
+
+
+def _horovod(
+    model: str,
+    one: float,
+    points: Tuple[Point, ...],
+    scale: str,
+    source: str,
+    quote: str,
+    caveat: str,
+) -> Case:
+    """Horovod's benchmark on its 25 Gb/s Pascal cluster, batch 64 per GPU."""
+    return Case(
+        f"Horovod {scale} GPUs, {_LABEL[model]}",
+        model,
+        64,
+        "p100-pcie-25gbe",
+        "fp32",
+        "sgd",
+        "horovod",
+        one,
+        1,
+        points,
+        source,
+        quote,
+        caveat,
+    )
+
+
+def _rn50(
+    machine: str, system: str, precision: str, batch: int, one: float, eight: float, speedup: str
+) -> Case:
+    """NVIDIA's ResNet-50 v1.5 training rates on 1 and 8 GPUs of one machine
+    (`speedup`: its "Strong Scaling" column, verbatim)."""
+    memory = "16GB" if system == "v100-dgx1" else "80GB"
+    return Case(
+        f"NVIDIA RN50 v1.5, {machine} {precision.upper()}",
+        "resnet50",
+        batch,
+        system,
+        precision,
+        "sgd",
+        "torch DDP",
+        one,
+        1,
+        _points((1, 8, eight / 8 / one)),
+        _DLE_RN50,
+        f"{machine} {memory}: 1 GPU {one:g} img/s, 8 GPUs {eight:g} img/s ({speedup})",
+        "includes the DALI input pipeline",
+    )
+
+
+_LABEL = {
+    "resnet50": "ResNet-50",
+    "resnet101": "ResNet-101",
+    "inception_v3": "Inception V3",
+    "vgg16": "VGG-16",
+}
+_DDP_QUOTES = {
+    "resnet50": "resnet50 | 0.097s 329/s (1 GPU, no DDP) | 1M/2G 0.103s 310/s | 1M/8G 0.104s "
+    "307/s | 2M/8G 0.104s 306/s",
+    "resnet101": "resnet101 | 0.162s 197/s (1 GPU, no DDP) | 1M/2G 0.176s 182/s | 1M/8G 0.179s "
+    "179/s | 2M/8G 0.179s 178/s",
+}
+_HOROVOD_CAVEAT = (
+    "GPU model not stated (a maintainer: PCIe Pascal servers, 2 GPUs per CPU; "
+    "horovod#979); TensorFlow, synthetic data"
+)
+_HOROVOD_512_QUOTE = (
+    '"Horovod achieves 90% scaling efficiency for both Inception V3 and ResNet-101, '
+    'and 68% [512 GPUs; 79% at 128] scaling efficiency for VGG-16"'
+)
+_HOROVOD_512_CAVEAT = (
+    "single-GPU rate taken from the 16-GPU table; per-GPU batch 64 or 32 (horovod#425)"
+)
+
+
+def _horovod16(model: str, one: float, sixteen: float, speedup: str) -> Case:
+    quote = f"{_LABEL[model]}: single GPU {one:g}, 16 GPUs {sixteen:,.1f} ({speedup})"
+    points = _points((1, 16, sixteen / 16 / one))
+    return _horovod(model, one, points, "16", _HOROVOD_OLD, quote, _HOROVOD_CAVEAT)
+
+
+def _horovod512(model: str, one: float, at128: float, at512: float) -> Case:
+    points = _points((1, 128, at128), (1, 512, at512), (128, 512, at512 / at128))
+    source = _HOROVOD_DOCS + " (and its 128-GPU version)"
+    return _horovod(model, one, points, "128/512", source, _HOROVOD_512_QUOTE, _HOROVOD_512_CAVEAT)
+
+
 CASES: Sequence[Case] = (
-    Case(
-        "torch DDP benchmark, ResNet-50",
-        "resnet50",
-        32,
-        "v100-dgx1",
-        "fp32",
-        "sgd",
-        "torch DDP",
-        329,
-        1,
-        _points((1, 2, 310 / 329), (1, 8, 307 / 329), (1, 16, 306 / 329), (8, 16, 306 / 307)),
-        _DDP_BENCH,
-        "resnet50 | 0.097s 329/s (1 GPU, no DDP) | 1M/2G 0.103s 310/s | 1M/8G 0.104s 307/s "
-        "| 2M/8G 0.104s 306/s",
-    ),
-    Case(
-        "torch DDP benchmark, ResNet-101",
-        "resnet101",
-        32,
-        "v100-dgx1",
-        "fp32",
-        "sgd",
-        "torch DDP",
-        197,
-        1,
-        _points((1, 2, 182 / 197), (1, 8, 179 / 197), (1, 16, 178 / 197), (8, 16, 178 / 179)),
-        _DDP_BENCH,
-        "resnet101 | 0.162s 197/s (1 GPU, no DDP) | 1M/2G 0.176s 182/s | 1M/8G 0.179s 179/s "
-        "| 2M/8G 0.179s 178/s",
-    ),
-    Case(
-        "Horovod 16 GPUs, Inception V3",
-        "inception_v3",
-        64,
-        "p100-pcie-25gbe",
-        "fp32",
-        "sgd",
-        "horovod",
-        134.4,
-        1,
-        _points((1, 16, 2022.6 / 16 / 134.4)),
-        _HOROVOD_OLD,
-        "Inception V3: single GPU 134.4, 16 GPUs 2,022.6 (15.0x)",
-        "GPU model not stated (a maintainer: PCIe Pascal servers, 2 GPUs per CPU; "
-        "horovod#979); TensorFlow, synthetic data",
-    ),
-    Case(
-        "Horovod 16 GPUs, ResNet-101",
-        "resnet101",
-        64,
-        "p100-pcie-25gbe",
-        "fp32",
-        "sgd",
-        "horovod",
-        119.4,
-        1,
-        _points((1, 16, 1746.2 / 16 / 119.4)),
-        _HOROVOD_OLD,
-        "ResNet-101: single GPU 119.4, 16 GPUs 1,746.2 (14.6x)",
-        "as above",
-    ),
-    Case(
-        "Horovod 16 GPUs, VGG-16",
-        "vgg16",
-        64,
-        "p100-pcie-25gbe",
-        "fp32",
-        "sgd",
-        "horovod",
-        130.9,
-        1,
-        _points((1, 16, 1787.4 / 16 / 130.9)),
-        _HOROVOD_OLD,
-        "VGG-16: single GPU 130.9, 16 GPUs 1,787.4 (13.7x)",
-        "as above",
-    ),
-    Case(
-        "Horovod 128/512 GPUs, Inception V3",
-        "inception_v3",
-        64,
-        "p100-pcie-25gbe",
-        "fp32",
-        "sgd",
-        "horovod",
-        134.4,
-        1,
-        _points((1, 128, 0.90), (1, 512, 0.90), (128, 512, 1.0)),
-        _HOROVOD_DOCS + " (and its 128-GPU version)",
-        '"Horovod achieves 90% scaling efficiency for both Inception V3 and ResNet-101, '
-        'and 68% [512 GPUs; 79% at 128] scaling efficiency for VGG-16"',
-        "single-GPU rate taken from the 16-GPU table; per-GPU batch 64 or 32 (horovod#425)",
-    ),
-    Case(
-        "Horovod 128/512 GPUs, ResNet-101",
-        "resnet101",
-        64,
-        "p100-pcie-25gbe",
-        "fp32",
-        "sgd",
-        "horovod",
-        119.4,
-        1,
-        _points((1, 128, 0.90), (1, 512, 0.90), (128, 512, 1.0)),
-        _HOROVOD_DOCS,
-        "as above",
-        "as above",
-    ),
-    Case(
-        "Horovod 128/512 GPUs, VGG-16",
-        "vgg16",
-        64,
-        "p100-pcie-25gbe",
-        "fp32",
-        "sgd",
-        "horovod",
-        130.9,
-        1,
-        _points((1, 128, 0.79), (1, 512, 0.68), (128, 512, 0.68 / 0.79)),
-        _HOROVOD_DOCS,
-        "as above",
-        "as above",
-    ),
-    Case(
-        "NVIDIA RN50 v1.5, DGX-1 FP32",
-        "resnet50",
-        112,
-        "v100-dgx1",
-        "fp32",
-        "sgd",
-        "torch DDP",
-        367,
-        1,
-        _points((1, 8, 2855 / 8 / 367)),
-        _DLE_RN50,
-        "DGX-1 16GB: 1 GPU 367 img/s, 8 GPUs 2855 img/s (7.76x)",
-        "includes the DALI input pipeline",
-    ),
-    Case(
-        "NVIDIA RN50 v1.5, DGX-1 AMP",
-        "resnet50",
-        256,
-        "v100-dgx1",
-        "amp",
-        "sgd",
-        "torch DDP",
-        1200,
-        1,
-        _points((1, 8, 8322 / 8 / 1200)),
-        _DLE_RN50,
-        "DGX-1 16GB: 1 GPU 1200 img/s, 8 GPUs 8322 img/s (6.93x)",
-        "includes the DALI input pipeline",
-    ),
-    Case(
-        "NVIDIA RN50 v1.5, DGX A100 TF32",
-        "resnet50",
-        256,
-        "a100-dgx",
-        "tf32",
-        "sgd",
-        "torch DDP",
-        938,
-        1,
-        _points((1, 8, 7248 / 8 / 938)),
-        _DLE_RN50,
-        "DGX A100 80GB: 1 GPU 938 img/s, 8 GPUs 7248 img/s (7.72x)",
-        "includes the DALI input pipeline",
-    ),
-    Case(
-        "NVIDIA RN50 v1.5, DGX A100 AMP",
-        "resnet50",
-        256,
-        "a100-dgx",
-        "amp",
-        "sgd",
-        "torch DDP",
-        2470,
-        1,
-        _points((1, 8, 16621 / 8 / 2470)),
-        _DLE_RN50,
-        "DGX A100 80GB: 1 GPU 2470 img/s, 8 GPUs 16621 img/s (6.72x)",
-        "includes the DALI input pipeline",
-    ),
+    _torch_bench("resnet50", 329, 310, 307, 306),
+    _torch_bench("resnet101", 197, 182, 179, 178),
+    _horovod16("inception_v3", 134.4, 2022.6, "15.0x"),
+    _horovod16("resnet101", 119.4, 1746.2, "14.6x"),
+    _horovod16("vgg16", 130.9, 1787.4, "13.7x"),
+    _horovod512("inception_v3", 134.4, 0.90, 0.90),
+    _horovod512("resnet101", 119.4, 0.90, 0.90),
+    _horovod512("vgg16", 130.9, 0.79, 0.68),
+    _rn50("DGX-1", "v100-dgx1", "fp32", 112, 367, 2855, "7.76x"),
+    _rn50("DGX-1", "v100-dgx1", "amp", 256, 1200, 8322, "6.93x"),
+    _rn50("DGX A100", "a100-dgx", "tf32", 256, 938, 7248, "7.72x"),
+    _rn50("DGX A100", "a100-dgx", "amp", 256, 2470, 16621, "6.72x"),
     Case(
         "NVIDIA BERT-large on DGX A100, 1-32 nodes",
         "bert-large",
@@ -374,7 +312,6 @@ def run(cases: Sequence[Case] = CASES) -> List[Dict[str, Any]]:
         k = case.one_gpu_accumulate
         measured = k * case.batch / case.one_gpu_per_s
         calibrated = _calibrate(roofline, system, case, measured)
-        modelled = k * (roofline.forward_s + roofline.backward_s) + roofline.optimizer_s
         for point in case.points:
             predicted = {}
             for label, profile in (("calibrated", calibrated), ("roofline", roofline)):
@@ -402,7 +339,7 @@ def run(cases: Sequence[Case] = CASES) -> List[Dict[str, Any]]:
                     "error_points": 100 * (predicted["calibrated"] - published),
                     "predicted_roofline": predicted["roofline"],
                     "one_gpu_published_per_s": case.one_gpu_per_s,
-                    "one_gpu_roofline_per_s": k * case.batch / modelled,
+                    "one_gpu_roofline_per_s": k * case.batch / roofline.step_s(k),
                     "source": case.source,
                     "quote": case.quote,
                     "caveat": case.caveat,
@@ -431,11 +368,7 @@ def markdown(rows: Sequence[Dict[str, Any]]) -> str:
 def chart(rows: Sequence[Dict[str, Any]], path: Any) -> Any:
     """Predicted vs published efficiency, one point per row, with the y = x
     line and the ±5-point band (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 5))
     sources = dict.fromkeys(r["case"].split(",")[0] for r in rows)  # publication and setup
     for k, source in enumerate(sources):
@@ -458,7 +391,4 @@ def chart(rows: Sequence[Dict[str, Any]], path: Any) -> Any:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, 120)

@@ -46,11 +46,11 @@ table for what that costs against published results.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ._util import pyplot, save_figure
 from .costmodel import Profile
 from .hardware import System
 
@@ -128,8 +128,7 @@ def step(
         raise ValueError(
             f"accumulate={accumulate}: give the number of micro-batches per step, >= 1"
         )
-    passes = profile.forward_s + profile.backward_s
-    ideal = accumulate * passes + profile.optimizer_s
+    ideal = profile.step_s(accumulate)
     if gpus == 1:
         return Step(ideal, ideal, 0.0, 0.0, 0, {})
     sizes = profile.param_bytes
@@ -154,12 +153,7 @@ def step(
         comm += cost
         name = system.algorithm(nbytes, gpus)
         algorithms[name] = algorithms.get(name, 0) + 1
-    total = (
-        (accumulate - 1) * passes
-        + profile.forward_s
-        + max(profile.backward_s, clock)
-        + profile.optimizer_s
-    )
+    total = ideal - profile.backward_s + max(profile.backward_s, clock)
     return Step(total, ideal, comm, total - ideal, len(groups), algorithms)
 
 
@@ -221,11 +215,7 @@ def sweep(
 
 def chart(rows: Sequence[Dict[str, Any]], title: str, path: Any) -> Any:
     """Efficiency vs GPU count, one line per policy (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = ["o-", "s-", "^-", "D--", "v:", "x-."]  # dashed/dotted: lines that coincide show
     for k, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
@@ -246,7 +236,4 @@ def chart(rows: Sequence[Dict[str, Any]], title: str, path: Any) -> Any:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, 120)

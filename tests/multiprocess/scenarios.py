@@ -41,6 +41,9 @@ class Net(nn.Module):
         return self.out(h)
 
 
+SGD = dict(lr=0.1, momentum=0.9, weight_decay=1e-3)  # every equivalence scenario's optimizer
+
+
 def net(seed: int = 0) -> Net:
     torch.manual_seed(seed)
     return Net()
@@ -78,7 +81,7 @@ def equivalence(out: dict) -> None:
     local = int(os.environ.get("LOCAL_REPLICAS", "1"))
     batches = data(4, 12)
     ref = eval_norm(net())  # single-device training on the global batches
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    opt = torch.optim.SGD(ref.parameters(), **SGD)
     for x, y in batches:
         opt.zero_grad()
         nn.functional.mse_loss(ref(x), y).backward()
@@ -90,7 +93,7 @@ def equivalence(out: dict) -> None:
             dm.module.norm.eval()
             for m in dm.replicas:
                 m.norm.eval()
-            dopt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3)
+            dopt = dm.optimizer(torch.optim.SGD, **SGD)
             for x, y in batches:
                 rows = my_rows(len(x), rank, world)
                 dopt.zero_grad()
@@ -179,12 +182,12 @@ def equivalence(out: dict) -> None:
     ddp = nn.parallel.DistributedDataParallel(
         ddp_model, broadcast_buffers=False, find_unused_parameters=True
     )
-    dopt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    dopt = torch.optim.SGD(ddp.parameters(), **SGD)
     model = eval_norm(net())
     with pyddp.wrap(model, ["cpu"] * local) as dm:
         for m in dm.replicas:
             m.norm.eval()
-        popt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3)
+        popt = dm.optimizer(torch.optim.SGD, **SGD)
         for xg, yg in batches:
             rows = my_rows(len(xg), rank, world)
             dopt.zero_grad()
@@ -218,7 +221,7 @@ def simgpu(out: dict) -> None:
     devices = [rank * local + i for i in range(local)]  # this process's GPUs
     batches = data(3, 12)
     ref = eval_norm(net())
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    opt = torch.optim.SGD(ref.parameters(), **SGD)
     for x, y in batches:
         opt.zero_grad()
         nn.functional.mse_loss(ref(x), y).backward()
@@ -226,7 +229,7 @@ def simgpu(out: dict) -> None:
     for cap in (0.0, 25.0):
         model = eval_norm(net(seed=rank))
         dm = pyddp.wrap(model, ["cpu"] * local, bucket_cap_mb=cap, _gpu=(devices, streams))
-        dopt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3)
+        dopt = dm.optimizer(torch.optim.SGD, **SGD)
         for x, y in batches:
             rows = my_rows(len(x), rank, world)
             dopt.zero_grad()
