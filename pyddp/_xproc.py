@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import itertools
 import pickle
 import threading
@@ -93,6 +94,44 @@ def _broadcast(pg: Any, t: torch.Tensor) -> None:
     pg.broadcast([t], opts).wait()
 
 
+class _InFlight:
+    """The bucket reductions launched in this iteration and their completion
+    times, completed from gloo's worker threads."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.pending = 0
+        self.errors: Dict[int, str] = {}
+        self.order: List[int] = []
+        self.done_ns: Dict[int, int] = {}
+
+    def launched(self, bucket: int) -> None:
+        with self.cv:
+            self.pending += 1
+            self.order.append(bucket)
+
+    def done(self, bucket: int, fut: Any) -> None:
+        err = None
+        try:
+            fut.value()
+        except Exception as e:  # noqa: BLE001 - reported by wait()
+            err = _first_line(e)
+        with self.cv:
+            self.done_ns[bucket] = time.monotonic_ns()
+            if err is not None:
+                self.errors[bucket] = err
+            self.pending -= 1
+            self.cv.notify_all()
+
+    def next(self) -> Dict[int, int]:
+        """Starts the next iteration; returns this one's completion times."""
+        with self.cv:
+            done = dict(self.done_ns)
+            self.order.clear()
+            self.done_ns.clear()
+        return done
+
+
 class CrossProcess:
     def __init__(self, group: Any, timeout_s: float, names: Sequence[str]):
         self.ranks = dist.get_process_group_ranks(group)
@@ -126,11 +165,7 @@ class CrossProcess:
         self.buckets: List[List[int]] = []
         self.failed: Optional[str] = None
         self.local_counts: List[int] = []
-        self._cv = threading.Condition()
-        self._pending = 0
-        self._errors: Dict[int, str] = {}
-        self.launched: List[int] = []
-        self.done_ns: Dict[int, int] = {}
+        self._flight = _InFlight()
         self.agree_ns = 0  # the last iteration's unused-parameter agreement (exposed)
         self._agree_work: Optional[Any] = None
         self._agree_launch_ns = 0
@@ -301,61 +336,40 @@ class CrossProcess:
         # sum so 16-bit gradients do not overflow in transit.
         flat.div_(self.world)
         work = _allreduce(self.group, flat)
-        with self._cv:
-            self._pending += 1
-            self.launched.append(bucket)
-        work.get_future().then(lambda fut, b=bucket: self._done(b, fut))
-
-    def _done(self, bucket: int, fut: Any) -> None:
-        err = None
-        try:
-            fut.value()
-        except Exception as e:  # noqa: BLE001 - reported by wait()
-            err = _first_line(e)
-        with self._cv:
-            self.done_ns[bucket] = time.monotonic_ns()
-            if err is not None:
-                self._errors[bucket] = err
-            self._pending -= 1
-            self._cv.notify_all()
+        self._flight.launched(bucket)
+        # The callback runs on a gloo worker thread and holds only the flight
+        # record, never this object: were it to drop the last reference to
+        # the group there, the group would join that very thread
+        # (std::terminate, "Resource deadlock avoided").
+        work.get_future().then(functools.partial(self._flight.done, bucket))
 
     def wait(self) -> List[int]:
         """Waits for every launched bucket, at most timeout_s; returns them."""
         start = time.monotonic()
         deadline = start + self.timeout
+        flight = self._flight
         while True:
-            with self._cv:
-                if self._pending == 0 or self._errors:
+            with flight.cv:
+                if flight.pending == 0 or flight.errors:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cv.wait(min(left, 1.0))
-            if self._pending and not self._errors:
+                flight.cv.wait(min(left, 1.0))
+            if flight.pending and not flight.errors:
                 self._check_abandoned()
-        with self._cv:
-            launched, errors, pending = list(self.launched), dict(self._errors), self._pending
+        with flight.cv:
+            launched, errors = list(flight.order), dict(flight.errors)
+            pending = flight.pending
+            first_pending = next((b for b in flight.order if b not in flight.done_ns), -1)
         if errors or pending:
-            bucket = min(errors) if errors else self._first_pending()
+            bucket = min(errors) if errors else first_pending
             why = errors.get(bucket, f"not done after {self.timeout:g} s")
             self._fail(f"all-reduce of bucket {bucket} ({self._names(bucket)}) failed: {why}")
         self.wait_ns = int((time.monotonic() - start) * 1e9)
-        self._next()
-        return launched
-
-    def _first_pending(self) -> int:
-        with self._cv:
-            for b in self.launched:
-                if b not in self.done_ns:
-                    return b
-        return -1
-
-    def _next(self) -> None:
-        with self._cv:
-            self.launched.clear()
-            self.done_ns_last = dict(self.done_ns)
-            self.done_ns.clear()
+        self.done_ns_last = flight.next()
         self.iteration += 1
+        return launched
 
     def abandon(self, reason: str) -> None:
         """This rank drops the step (a replica's backward raised): tell the
