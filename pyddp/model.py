@@ -539,21 +539,53 @@ _SAME_ON_EVERY_REPLICA = (type(None), str, bytes)
 
 def _check_other_leaves(outs: List[Any]) -> None:
     """One replica's non-tensor value is not the batch's: refuse it, unless it
-    is a None, str or bytes equal on every replica (a constant)."""
+    is a None, str or bytes equal on every replica (a constant), or describes
+    a model cache (its dtype, device, flags) and is equal on every replica.
+    With one replica its value is the batch's."""
+    if len(outs) == 1:
+        return
     per_replica = [other_leaves(o) for o in outs]
-    for k, (path, value) in enumerate(per_replica[0]):
-        values = [leaves[k][1] for leaves in per_replica]  # same structure: checked first
-        if isinstance(value, _SAME_ON_EVERY_REPLICA) and all(
-            type(v) is type(value) and v == value for v in values
+    for k, leaf in enumerate(per_replica[0]):
+        values = [leaves[k].value for leaves in per_replica]  # same structure: checked first
+        if (leaf.in_cache or isinstance(leaf.value, _SAME_ON_EVERY_REPLICA)) and all(
+            _equal(v, leaf.value) for v in values
         ):
             continue
-        raise TypeError(
-            f"pyddp: the model returned a {type(value).__name__} at {path} "
-            f"(replica values: {', '.join(repr(v)[:40] for v in values)}); each replica "
-            "computes on its own shard, so one replica's value is not the batch's. Return "
-            "tensors: batch tensors are concatenated, 0-dim floating tensors (a loss) become "
-            "the shard-size-weighted mean"
-        )
+        raise TypeError(_unjoinable(leaf, values))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - == that does not give one bool: not a constant
+        return False
+
+
+def _unjoinable(leaf: Any, values: List[Any]) -> str:
+    kind = type(leaf.value)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+    shown = ", ".join(_brief(v) for v in values)
+    return (
+        f"pyddp: cannot join the replicas' outputs: {leaf.path} is of type {name} (one per "
+        f"replica: {shown}). Each replica computed it on its own shard of the batch, so no replica's "
+        "value is the batch's, and pyddp cannot see tensors inside it to join them. Remedies: "
+        "return tensors instead (batch tensors are concatenated along dim 0, 0-dim floating "
+        "tensors such as a loss become the shard-size-weighted mean); leave the value out of "
+        "the output (for a transformers model, use_cache=False drops past_key_values); or "
+        "register its type with torch.utils._pytree.register_pytree_node so pyddp can join the "
+        "tensors it holds."
+    )
+
+
+def _brief(value: Any) -> str:
+    """A short, complete description: a scalar's repr, else only the type."""
+    if isinstance(value, (bool, int, float, complex, type(None))):
+        return repr(value)
+    if isinstance(value, (str, bytes)) and len(value) <= 40:
+        return repr(value)
+    return f"<{type(value).__name__}>"
 
 
 def _as_call(inputs: Any) -> Tuple[tuple, Dict[str, Any]]:

@@ -105,8 +105,82 @@ class Returns(nn.Module):
 )
 def test_non_tensor_outputs_are_refused(extra):
     dm = pyddp.wrap(Returns(extra), ["cpu", "cpu"])
-    with dm, pytest.raises(TypeError, match=r"output\[1\].*not the batch's"):
+    with dm, pytest.raises(TypeError, match=r"output\[1\] is of type .*no replica's value is the"):
         dm(torch.randn(8, 2))
+
+
+def test_unjoinable_output_message_is_complete_and_names_the_remedy():
+    dm = pyddp.wrap(Returns(lambda x: SimpleNamespace(n=x.shape[0])), ["cpu", "cpu"])
+    with dm, pytest.raises(TypeError) as info:
+        dm(torch.randn(5, 2))
+    text = str(info.value)
+    assert "output[1] is of type types.SimpleNamespace" in text
+    assert "<SimpleNamespace>, <SimpleNamespace>" in text
+    assert "register_pytree_node" in text and "use_cache=False" in text
+    assert text.endswith(".") and text.count("(") == text.count(")")
+
+
+def test_one_replica_returns_any_value_as_it_is():
+    # One replica computed on the whole batch: its value is the batch's.
+    marker = SimpleNamespace(n=1)
+    with pyddp.wrap(Returns(lambda x: marker), ["cpu"]) as dm:
+        assert dm(torch.randn(4, 2))[1] is marker
+
+
+class Pair:
+    """A user type registered with torch's pytree: pyddp joins its tensors."""
+
+    def __init__(self, a, b, tag):
+        self.a, self.b, self.tag = a, b, tag
+
+
+torch.utils._pytree.register_pytree_node(
+    Pair, lambda p: ([p.a, p.b], p.tag), lambda children, tag: Pair(*children, tag)
+)
+
+
+class KVCache:
+    """Shaped like a model's key/value cache (its name ends in "Cache"): batch-
+    major tensors in plain objects, with attributes describing it."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.dtype = torch.float32
+        self.seen_tokens = 3
+
+
+class Layer:
+    def __init__(self, keys):
+        self.keys = keys
+        self.initialized = True
+
+
+def test_pytree_types_and_caches_are_joined_like_any_output():
+    torch.manual_seed(0)
+    model = Returns(lambda x: (Pair(x * 2, x.sum(1), "t"), KVCache([Layer(x + 1), Layer(x - 1)])))
+    x = torch.randn(5, 2)
+    with pyddp.wrap(copy.deepcopy(model), ["cpu", "cpu"]) as dm:
+        out, (pair, cache) = dm(x)
+    ref, (want_pair, want_cache) = model(x)
+    torch.testing.assert_close(out, ref)
+    assert isinstance(pair, Pair) and pair.tag == "t"
+    torch.testing.assert_close(pair.a, want_pair.a)
+    torch.testing.assert_close(pair.b, want_pair.b)
+    assert isinstance(cache, KVCache) and cache.seen_tokens == 3 and cache.dtype is torch.float32
+    for got, want in zip(cache.layers, want_cache.layers):
+        assert isinstance(got, Layer) and got.initialized
+        torch.testing.assert_close(got.keys, want.keys)
+
+
+def test_cache_attributes_that_differ_between_replicas_are_refused():
+    model = Returns(lambda x: _with_length(KVCache([Layer(x)]), x.shape[0]))  # 3 and 2
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm, pytest.raises(TypeError, match="seen_tokens"):
+        dm(torch.randn(5, 2))
+
+
+def _with_length(cache, n):
+    cache.seen_tokens = n
+    return cache
 
 
 def test_constant_strings_and_none_pass_through():
