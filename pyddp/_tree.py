@@ -97,8 +97,7 @@ def is_cache(obj: Any) -> bool:
     """A model's key/value cache: transformers' `Cache` and its subclasses, or
     any class whose name ends in `Cache` (transformers' own rule)."""
     return any(
-        c.__name__ == "Cache" and c.__module__.startswith("transformers")
-        for c in type(obj).__mro__
+        c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(obj).__mro__
     ) or type(obj).__name__.endswith("Cache")
 
 

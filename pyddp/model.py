@@ -569,13 +569,13 @@ def _unjoinable(leaf: Any, values: List[Any]) -> str:
     shown = ", ".join(_brief(v) for v in values)
     return (
         f"pyddp: cannot join the replicas' outputs: {leaf.path} is of type {name} (one per "
-        f"replica: {shown}). Each replica computed it on its own shard of the batch, so no replica's "
-        "value is the batch's, and pyddp cannot see tensors inside it to join them. Remedies: "
-        "return tensors instead (batch tensors are concatenated along dim 0, 0-dim floating "
-        "tensors such as a loss become the shard-size-weighted mean); leave the value out of "
-        "the output (for a transformers model, use_cache=False drops past_key_values); or "
-        "register its type with torch.utils._pytree.register_pytree_node so pyddp can join the "
-        "tensors it holds."
+        f"replica: {shown}). Each replica computed it on its own shard of the batch, so no "
+        "replica's value is the batch's, and pyddp cannot see tensors inside it to join "
+        "them. Remedies: return tensors instead (batch tensors are concatenated along dim "
+        "0, 0-dim floating tensors such as a loss become the shard-size-weighted mean); "
+        "leave the value out of the output (for a transformers model, use_cache=False "
+        "drops past_key_values); or register its type with "
+        "torch.utils._pytree.register_pytree_node so pyddp can join the tensors it holds."
     )
 
 
