@@ -213,6 +213,11 @@ def make_backend(
         return _C.CpuBackend()
     indices = [d if isinstance(d, int) else d.index for d in devices]
     timeout = timeout_s() if timeout is None else timeout
+    # No driver is the first thing to say: without one, a missing NCCL or
+    # NVRTC is beside the point.
+    driver, _, why = cuda_driver()
+    if driver is None:
+        raise RuntimeError(f"pyddp: {why}")
     if kind == "device":
         nvrtc = _require(
             find_nvrtc(),

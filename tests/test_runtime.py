@@ -90,9 +90,15 @@ def test_backend_kinds():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
-def test_gpu_backend_without_a_driver_says_so():
-    with pytest.raises(RuntimeError, match="CUDA driver not found|no usable GPU"):
-        _runtime.make_backend([torch.device("cuda", 0)] * 2)
+@pytest.mark.parametrize("devices", [[0, 0], [0, 1]], ids=["shared GPU", "NCCL"])
+def test_gpu_backend_without_a_driver_says_so(monkeypatch, devices):
+    # A machine with neither NVRTC nor NCCL (a fresh venv): no driver is what
+    # the user must hear, not the missing library.
+    monkeypatch.setenv("PYDDP_NVRTC_LIBRARY", "/nonexistent/libnvrtc.so.12")
+    monkeypatch.setenv("PYDDP_NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
+    with pytest.raises(RuntimeError, match="CUDA driver not found|no usable GPU") as info:
+        _runtime.make_backend([torch.device("cuda", d) for d in devices])
+    assert "NVRTC" not in str(info.value) and "NCCL" not in str(info.value)
 
 
 def test_timeout_env_is_validated(monkeypatch):
