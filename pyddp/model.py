@@ -481,10 +481,18 @@ class DistributedModel(nn.Module):
         return rebuild(results)
 
     # -------------------------------------------------------------- backward
-    def _backward(self, tensors: List[List[torch.Tensor]], grads: List[List[Any]]) -> None:
+    def _backward(
+        self, tensors: List[List[torch.Tensor]], grads: List[List[Any]], again: bool
+    ) -> None:
         """Runs in the outer backward when it reaches the gathered output or the
         returned loss: schedules the end-of-backward bookkeeping and, for CPU
-        replicas, runs every replica's backward on its worker."""
+        replicas, runs every replica's backward on its worker. `again`: a
+        graph kept by retain_graph=True runs backward once more."""
+        if again and not self._finish_queued:
+            # As after a new forward: the last backward's gradients were
+            # reduced, so each replica accumulates on top of them afresh
+            # (replica 0 carries the sum; the others start from zero).
+            self.sync.prepare_all()
         if not self._finish_queued:
             self._finish_queued = True
             # Autograd's final callback: runs once the whole backward is done,
@@ -496,6 +504,10 @@ class DistributedModel(nn.Module):
             raise RuntimeError(
                 "pyddp: backward(create_graph=True) is not supported with CPU replicas"
             )
+        # The replicas' graphs keep their saved tensors exactly when the
+        # outer backward does (retain_graph=True), so a second backward
+        # through the same graph works as on one device.
+        retain = _keep_graph()
 
         def run(r: int) -> Callable[[], None]:
             def backward() -> None:
@@ -507,7 +519,9 @@ class DistributedModel(nn.Module):
                     if g is not None and t.requires_grad
                 ]
                 if pairs:
-                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+                    torch.autograd.backward(
+                        [t for t, _ in pairs], [g for _, g in pairs], retain_graph=retain
+                    )
 
             return backward
 
@@ -521,6 +535,12 @@ class DistributedModel(nn.Module):
     def _end_of_backward(self) -> None:
         self._finish_queued = False
         self.sync.finish()
+
+
+def _keep_graph() -> bool:
+    """Whether the backward running now keeps its graph (retain_graph=True)."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(query()) if query is not None else False
 
 
 def _short(shape: Any) -> str:

@@ -77,12 +77,39 @@ def test_second_backward_before_step_accumulates_like_one_device(path):
         assert_grads_close(grads(rep), grads(ref))
 
 
-def test_backward_twice_over_one_graph_is_an_error():
-    dm, _ = wrapped(2)
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("path", ["gather", "loss"])
+@pytest.mark.parametrize("cap", [0.0, 25.0], ids=["per-parameter", "bucketed"])
+def test_backward_twice_over_one_graph_accumulates_like_one_device(n, path, cap):
+    # loss.backward(retain_graph=True); loss.backward(): the same for every
+    # replica count, as torch does on one device (gradients doubled).
+    dm, ref = wrapped(n, bucket_cap_mb=cap)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in make_batches(2, 9, seed=3):
+        loss = dm.loss(F.cross_entropy, x, y) if path == "loss" else F.cross_entropy(dm(x), y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        want = F.cross_entropy(ref(x), y)
+        want.backward(retain_graph=True)
+        want.backward()
+        assert_grads_close(grads(dm.module), grads(ref))
+        for rep in dm.replicas:
+            assert_grads_close(grads(rep), grads(ref))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("path", ["gather", "loss"])
+def test_backward_twice_without_retain_graph_is_torchs_error(n, path):
+    dm, _ = wrapped(n)
     ((x, y),) = make_batches(1, 8)
-    loss = F.cross_entropy(dm(x), y)
-    loss.backward(retain_graph=True)
-    with pytest.raises(Exception, match="no forward in between|second time"):
+    loss = dm.loss(F.cross_entropy, x, y) if path == "loss" else F.cross_entropy(dm(x), y)
+    loss.backward()
+    with pytest.raises(RuntimeError, match="second time.*retain_graph=True"):
         loss.backward()
 
 
