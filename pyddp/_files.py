@@ -23,6 +23,16 @@ _APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
 
 
+OUTPUT_ENV = "PYDDP_OUTPUT"
+
+
+def output_root(name: str) -> str:
+    """The default folder of pyddp's examples and `pyddp-bench`: NAME under
+    $PYDDP_OUTPUT, else under `pyddp-runs/` in the working directory (one
+    root, ignored by this repository's .gitignore)."""
+    return os.path.join(os.environ.get(OUTPUT_ENV) or "pyddp-runs", name)
+
+
 class UnsafePathError(OSError):
     """A path pyddp writes or reads is a symbolic link or not a regular file."""
 

@@ -60,7 +60,7 @@ def test_common_options_before_or_after_the_subcommand(argv):
 
 def test_defaults_when_common_options_are_left_out():
     args = cli._parser().parse_args(["simulate"])
-    assert (args.quick, args.no_progress, args.out) == (False, False, "pyddp-bench-results")
+    assert (args.quick, args.no_progress, args.out) == (False, False, "pyddp-runs/bench")
 
 
 @pytest.mark.parametrize("command", ["allreduce", "overlap", "simulate"])
@@ -71,7 +71,7 @@ def test_subcommand_help_describes_it_and_shows_defaults(command, capsys, monkey
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     assert f"`pyddp-bench {command}`:" in text  # the module's docstring as description
-    assert "--quick" in text and "(default: pyddp-bench-results)" in text
+    assert "--quick" in text and "(default: pyddp-runs/bench)" in text
     want = {
         "allreduce": "(default: 256M)",
         "overlap": "(default: 1024)",
@@ -128,6 +128,7 @@ def test_overlap_lower_bound_is_not_charged_the_cold_start(monkeypatch):
         assert r["over_lower_bound"] == 1.0 and r["within_bound_spread"]
 
 
+@pytest.mark.multiprocess
 def test_overlap_across_processes_quick_writes_consistent_results(tmp_path):
     # torchrun, 2 workers, a tiny model: checks the command and the arithmetic
     # of its results, never the timings.

@@ -17,6 +17,8 @@ import torch
 
 import pyddp
 
+pytestmark = pytest.mark.multiprocess
+
 SCENARIOS = Path(__file__).parent / "multiprocess" / "scenarios.py"
 TOL = 1e-6  # float32 sums over shards and processes associate differently
 

@@ -13,10 +13,11 @@ import torch
 
 import pyddp
 
+from .._files import output_root
 from . import allreduce, multiproc, overlap, simulate, simulate_cli
 from ._util import cpu_busy, machine, table, write_json
 
-_OUT = "pyddp-bench-results"
+_OUT = output_root("bench")
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

@@ -2,7 +2,7 @@
 download) with pyddp.Trainer on every GPU, or on 2 CPU replicas; write
 checkpoints, metrics and a learning-curve PNG to an output folder.
 
-    python -m pyddp.examples.digits [--output runs/digits] [--epochs 40]"""
+    python -m pyddp.examples.digits [--output pyddp-runs/digits] [--epochs 40]"""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
-from pyddp._files import SafeDir
+from pyddp._files import SafeDir, output_root
 
 
 def load_digits(seed: int = 0):
@@ -75,7 +75,11 @@ def plot(history: List[Dict[str, Any]], path: Path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default="runs/digits", help="output folder")
+    parser.add_argument(
+        "--output",
+        default=output_root("digits"),
+        help="output folder (default: digits under $PYDDP_OUTPUT, else under pyddp-runs/)",
+    )
     parser.add_argument(
         "--devices", nargs="+", default=None, help="default: all GPUs, else cpu cpu"
     )

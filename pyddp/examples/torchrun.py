@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
+from pyddp._files import output_root
 from pyddp.examples.classifier import make_data
 
 
@@ -21,7 +22,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--replicas", type=int, default=1, help="CPU replicas per process")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--out", default="pyddp-torchrun-run", help="rank 0's run folder")
+    parser.add_argument(
+        "--out",
+        default=output_root("torchrun"),
+        help="rank 0's run folder (default: torchrun under $PYDDP_OUTPUT, else pyddp-runs/)",
+    )
     args = parser.parse_args(argv)
 
     pyddp.init()  # joins torchrun's group; every rank must run the same script
