@@ -16,7 +16,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from ._tree import flatten, shard_sizes
 
-Shard = Tuple[Tuple[Any, ...], Any]  # (model args, targets) on one replica's device
+Shard = Tuple[Any, Any]  # (model inputs, targets) on one replica's device
 
 
 class ShardedLoader:
@@ -192,9 +192,10 @@ class ShardedLoader:
         return rebuild([p[self.rank] for p in _pieces(leaves, shard_sizes(rows, self.world))])
 
     def _split(self, batch: Tuple[Any, Any]) -> List[Shard]:
-        inputs, targets = batch
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        leaves, rebuild = flatten((args, targets))
+        # Inputs are kept as they are: the model is called as dmodel.loss
+        # calls it (a tuple: positional arguments; a dict: keyword arguments,
+        # e.g. a tokenizer's batch; anything else: one argument).
+        leaves, rebuild = flatten(tuple(batch))
         rows = next(t.shape[0] for t in leaves if t.dim() > 0)
         if rows == 0:  # keep_short: none of this batch is this rank's
             return []

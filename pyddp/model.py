@@ -251,7 +251,7 @@ class DistributedModel(nn.Module):
         model's argument, a tuple of its positional arguments, or a dict of its
         keyword arguments (pass a dict argument as a 1-tuple: `(d,)`)."""
         self._check_open()
-        args, kwargs = _as_call(inputs)  # checked here, not on every replica
+        args, kwargs = call_arguments(inputs)  # checked here, not on every replica
         if self._alone:
             _check_reduction(reduction)
             return _checked(loss_fn(self.module(*args, **kwargs), targets))
@@ -284,7 +284,7 @@ class DistributedModel(nn.Module):
         def replica_loss(r: int) -> Callable[[], torch.Tensor]:
             def run() -> torch.Tensor:
                 shard_inputs, shard_targets = shards[r]
-                args, kwargs = _as_call(shard_inputs)
+                args, kwargs = call_arguments(shard_inputs)
                 with context() if context is not None else contextlib.nullcontext():
                     out = self._callables[r](*args, **kwargs)
                     value = _checked(loss_fn(out, shard_targets))
@@ -608,7 +608,7 @@ def _brief(value: Any) -> str:
     return f"<{type(value).__name__}>"
 
 
-def _as_call(inputs: Any) -> Tuple[tuple, Dict[str, Any]]:
+def call_arguments(inputs: Any) -> Tuple[tuple, Dict[str, Any]]:
     """The model's call arguments from `inputs`: a tuple (positional), a dict
     (keywords) or one argument."""
     if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):

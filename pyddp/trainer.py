@@ -26,7 +26,7 @@ from .checkpoint import check_classes, list_checkpoints, load_latest, save_atomi
 from .config import TrainConfig
 from .data import ShardedLoader
 from .devices import DeviceLike
-from .model import wrap
+from .model import call_arguments, wrap
 from .sync import ReduceError
 
 __all__ = ["FitResult", "LoopState", "Trainer", "TrainingError"]
@@ -271,9 +271,10 @@ class Trainer:
         rows = 0
 
         def shard_sums(r: int, replica: nn.Module, shard: Any) -> torch.Tensor:
-            (args, targets), n = shard, _rows(shard)
+            (inputs, targets), n = shard, _rows(shard)
+            args, kwargs = call_arguments(inputs)
             with self._autocast():
-                out = replica(*args)
+                out = replica(*args, **kwargs)
                 values = [self.loss_fn(out, targets)]
                 values += [fn(out, targets) for fn in self.metrics.values()]
             return torch.stack([v.detach().float() * n for v in values])

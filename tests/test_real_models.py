@@ -1,0 +1,222 @@
+"""The real-model matrix: transformers families users train most (decoder LMs,
+an encoder classifier, an encoder-decoder, a vision model with BatchNorm),
+small and random-init with their default configs (tests/real_models.py),
+through `dmodel(**batch)`, `dmodel.loss` and the Trainer on 2 CPU replicas,
+each equal to single-device training; plus gradient checkpointing and
+torch.compile. Across processes: tests/test_multiprocess.py (scenario
+"real_models").
+
+Tolerance: float32 with reassociation (per-shard means weighted and summed
+instead of one mean, replicas' gradients summed), accumulated over two SGD
+steps through 2-layer models: the differences measured here are at most
+6e-8 on parameters of size ~0.1, so 1e-5 absolute leaves room while a wrong
+weighting (a factor 2 in a gradient moves parameters by ~1e-2) still fails."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, Callable, Dict, List
+
+import pytest
+import torch
+import torch.nn.functional as F
+from real_models import FAMILIES, Family, max_param_diff, split_inputs
+from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+import pyddp
+
+pytestmark = pytest.mark.models
+
+ATOL = 1e-5
+ROWS, STEPS = 7, 2  # 7 rows: uneven shards (4 + 3) on two replicas
+SGD = dict(lr=0.1, momentum=0.9)
+
+
+def batches(family: Family) -> List[Dict[str, torch.Tensor]]:
+    return [family.batch(ROWS, seed) for seed in range(STEPS)]
+
+
+def per_shard_batch_norm_loss(model: nn.Module, batch: Dict[str, torch.Tensor], n: int):
+    """One device doing what data parallelism without SyncBatchNorm does:
+    BatchNorm statistics from each shard, the shard-size-weighted mean loss,
+    and replica 0's running statistics kept (torch DDP's broadcast_buffers)."""
+    sizes = pyddp._tree.shard_sizes(ROWS, n)
+    params = dict(model.named_parameters())
+    start = {k: v.clone() for k, v in model.named_buffers()}
+    total, kept = 0.0, None
+    offset = 0
+    for size in sizes:
+        shard = {k: v[offset : offset + size] for k, v in batch.items()}
+        offset += size
+        buffers = {k: v.clone() for k, v in start.items()}
+        out = functional_call(model, {**params, **buffers}, (), shard)
+        total = total + out.loss * (size / ROWS)
+        kept = kept if kept is not None else buffers
+    with torch.no_grad():
+        for k, v in model.named_buffers():
+            v.copy_(kept[k])
+    return total
+
+
+def reference(family: Family, path: str, n: int = 2) -> nn.Module:
+    model = family.build()
+    opt = torch.optim.SGD(model.parameters(), **SGD)
+    for batch in batches(family):
+        if family.batch_norm:
+            loss = per_shard_batch_norm_loss(model, batch, n)
+        elif path == "loss":
+            inputs, labels = split_inputs(batch)
+            loss = family.loss(model(**inputs), labels)
+        else:
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def wrapped_run(family: Family, path: str, build: Callable[[], nn.Module], **wrap: Any):
+    with pyddp.wrap(build(), ["cpu", "cpu"], **wrap) as dm:
+        opt = dm.optimizer(torch.optim.SGD, **SGD)
+        for batch in batches(family):
+            if path == "loss":
+                inputs, labels = split_inputs(batch)
+                loss = dm.loss(family.loss, inputs, labels)
+            else:
+                loss = dm(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        for replica in dm.replicas[1:]:
+            assert max_param_diff(replica, dm.module) == 0.0  # bitwise identical
+        return dm.module
+
+
+@pytest.mark.parametrize("path", ["call", "loss"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_two_replicas_equal_one_device(name, path):
+    family = FAMILIES[name]
+    got = wrapped_run(family, path, family.build)
+    want = reference(family, path)
+    assert max_param_diff(got, want) < ATOL
+    for (key, a), b in zip(got.named_buffers(), want.buffers()):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0, msg=key)
+
+
+def test_a_stock_causal_lm_returns_its_cache_joined():
+    # The README's idiom on GPT-2's default output: loss, logits and a
+    # DynamicCache of the whole batch.
+    family = FAMILIES["gpt2"]
+    batch = family.batch(ROWS, 0)
+    model = family.build()
+    want = copy.deepcopy(model)(**batch)
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        out = dm(**batch)
+        assert type(out) is type(want) and type(out.past_key_values) is type(want.past_key_values)
+        torch.testing.assert_close(out.logits, want.logits, atol=ATOL, rtol=0)
+        for got, ref in zip(out.past_key_values.layers, want.past_key_values.layers):
+            torch.testing.assert_close(got.keys, ref.keys, atol=ATOL, rtol=0)
+            torch.testing.assert_close(got.values, ref.values, atol=ATOL, rtol=0)
+        assert out.past_key_values.get_seq_length() == want.past_key_values.get_seq_length()
+        out.loss.backward()
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if not f.batch_norm])
+def test_trainer_on_two_replicas_equals_one(name):
+    # The Trainer on one replica is single-device training on the same
+    # batches in the same order (BatchNorm per shard is covered above).
+    family = FAMILIES[name]
+    data = split_inputs({k: torch.cat([b[k] for b in batches(family)]) for k in batches(family)[0]})
+    results = []
+    for devices in (["cpu"], ["cpu", "cpu"]):
+        config = pyddp.TrainConfig(batch_size=ROWS, max_epochs=1, progress=False)
+        trainer = pyddp.Trainer(
+            family.build(),
+            devices,
+            optimizer=functools.partial(torch.optim.SGD, **SGD),
+            loss_fn=family.loss,
+            config=config,
+        )
+        with trainer:
+            trainer.fit(data)
+            results.append(trainer.model.module)
+    assert max_param_diff(results[0], results[1]) < ATOL
+
+
+def test_transformers_gradient_checkpointing_with_its_defaults():
+    family = FAMILIES["gpt2"]
+
+    def build() -> nn.Module:
+        model = family.build()
+        model.gradient_checkpointing_enable()  # transformers' own switch, default settings
+        return model
+
+    got = wrapped_run(family, "call", build)
+    assert max_param_diff(got, reference(family, "call")) < ATOL
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, use_reentrant: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        # An input layer first: reentrant checkpointing gives parameters
+        # gradients only through inputs that require one.
+        self.inp = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16)) for _ in range(3)
+        )
+        self.head = nn.Linear(16, 4)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor, checkpointed: bool = True) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            if checkpointed:
+                x = checkpoint(block, x, use_reentrant=self.use_reentrant)
+            else:
+                x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_torch_checkpoint_in_a_plain_model(use_reentrant):
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(ROWS, 16, generator=g), torch.randint(0, 4, (ROWS,), generator=g))]
+    data *= STEPS
+    ref = Checkpointed(use_reentrant)
+    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
+    with pyddp.wrap(Checkpointed(use_reentrant), ["cpu", "cpu"]) as dm:
+        opt = dm.optimizer(torch.optim.SGD, **SGD)
+        for x, y in data:
+            F.cross_entropy(dm(x), y).backward()
+            F.cross_entropy(ref(x, checkpointed=False), y).backward()
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+        assert max_param_diff(dm.module, ref) < ATOL
+
+
+@pytest.mark.parametrize("how", ["compile then wrap", "dmodel.compile()"])
+def test_torch_compile(how):
+    # aot_eager: dynamo and AOTAutograd (the compiled backward that pyddp's
+    # hooks must see), without inductor's C++ code generation (minutes here).
+    family = FAMILIES["bert-classifier"]
+
+    def build() -> nn.Module:
+        model = family.build()
+        return torch.compile(model, backend="aot_eager") if how == "compile then wrap" else model
+
+    if how == "compile then wrap":
+        got = wrapped_run(family, "call", build)
+    else:
+        with pyddp.wrap(build(), ["cpu", "cpu"]) as dm:
+            dm.compile(backend="aot_eager")
+            opt = dm.optimizer(torch.optim.SGD, **SGD)
+            for batch in batches(family):
+                dm(**batch).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            got = dm.module
+    assert max_param_diff(got, reference(family, "call")) < ATOL
