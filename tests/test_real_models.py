@@ -174,10 +174,7 @@ class Checkpointed(nn.Module):
     def forward(self, x: torch.Tensor, checkpointed: bool = True) -> torch.Tensor:
         x = self.inp(x)
         for block in self.blocks:
-            if checkpointed:
-                x = checkpoint(block, x, use_reentrant=self.use_reentrant)
-            else:
-                x = block(x)
+            x = checkpoint(block, x, use_reentrant=self.use_reentrant) if checkpointed else block(x)
         return self.head(x)
 
 
