@@ -448,6 +448,41 @@ def trainer(out: dict) -> None:
     out["restart"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def real_models(out: dict) -> None:
+    """transformers models (tests/real_models.py) across processes, with 1
+    and 2 replicas per process, through dm(**batch) and dm.loss: equal to
+    one device on the global batch. BatchNorm is left to the in-process
+    matrix (statistics per shard are no device's full batch)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from real_models import FAMILIES, max_param_diff, split_inputs
+
+    rank, world = pyddp.rank(), pyddp.world()
+    rows, steps, sgd = 8, 2, dict(lr=0.1, momentum=0.9)
+    for name in ("gpt2", "llama", "bert-classifier", "t5"):
+        family = FAMILIES[name]
+        batches = [family.batch(rows, seed) for seed in range(steps)]
+        ref = family.build()
+        ref_opt = torch.optim.SGD(ref.parameters(), **sgd)
+        for batch in batches:
+            ref(**batch).loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for local in (1, 2):
+            for path in ("call", "loss"):
+                with pyddp.wrap(family.build(), ["cpu"] * local) as dm:
+                    opt = dm.optimizer(torch.optim.SGD, **sgd)
+                    for batch in batches:
+                        mine = {k: v[my_rows(rows, rank, world)] for k, v in batch.items()}
+                        if path == "loss":
+                            loss = dm.loss(family.loss, *split_inputs(mine))
+                        else:
+                            loss = dm(**mine).loss
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad()
+                    out[f"{name}/{local} per process/{path}"] = max_param_diff(dm.module, ref)
+
+
 def _expect_failure(out: dict, run) -> None:
     """Runs `run`, records its error (None if it did not raise) and how long it
     took, then writes `out` and ends the process."""
