@@ -37,6 +37,8 @@ class TrainConfig:
     checkpoint_every_epochs: Optional[int] = 1
     max_to_keep: Optional[int] = 3
     resume: bool = True  # continue from the newest checkpoint in output_dir
+    # ... even if it was written by a run with other settings (refused otherwise)
+    resume_if_changed: bool = False
     smoothing: float = 0.6  # weight of the past in the smoothed validation loss
     early_stopping_patience: Optional[int] = None  # evaluations without improvement
     progress: bool = True
@@ -141,6 +143,7 @@ _CHECKS = {
     "checkpoint_every_epochs": _optional(_positive_int),
     "max_to_keep": _optional(_positive_int),
     "resume": _flag,
+    "resume_if_changed": _flag,
     "smoothing": _smoothing,
     "early_stopping_patience": _optional(_positive_int),
     "progress": _flag,

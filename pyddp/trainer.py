@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Type, Union
@@ -17,6 +18,14 @@ from torch import nn
 
 from ._arguments import check_arguments, optimizer_spec, qualname
 from ._interrupt import CtrlC, sigint_deferred
+from ._run import (
+    changed_run_message,
+    existing_checkpoints,
+    fresh_run_message,
+    remove_stale_temporaries,
+    run_differences,
+    run_signature,
+)
 from ._scaler import LossScaler
 from ._state import LoopState
 from ._tree import flatten
@@ -101,6 +110,17 @@ class Trainer:
                 self._optimizer_class, *optimizer_args, **optimizer_kwargs
             )
             self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+            counts = xp.local_counts if xp is not None else [len(self.model.replicas)]
+            # What this run's result depends on: in every checkpoint, compared at resume.
+            self._signature = run_signature(
+                self.model.module,
+                self.config,
+                self._optimizer_class,
+                optimizer_args,
+                optimizer_kwargs,
+                type(self.scheduler) if self.scheduler is not None else None,
+                counts,
+            )
         except BaseException:
             self.close()  # no worker threads left behind by a failed constructor
             raise
@@ -125,6 +145,7 @@ class Trainer:
         # only, which only a checkpoint repairs.
         self._window: Optional[int] = None
         self._torn: Optional[str] = None
+        self._dir_checked = False  # the output directory holds this run's files only
 
     # -------------------------------------------------------------- public
     def fit(self, train_data: Any, valid_data: Any = None) -> FitResult:
@@ -194,8 +215,11 @@ class Trainer:
         )
         self.steps_per_epoch = -(-len(loader) // cfg.grad_accum_steps)
         self._mend()
+        if self.output_dir is not None and not self._dir_checked:
+            self._check_output_dir()
         if cfg.resume and self.output_dir is not None:
             self._resume()
+        self._dir_checked = True
         # A fit starts at a window boundary: no gradient is carried into it
         # (an aborted backward's, or one the model held when it was wrapped).
         self.model.zero_grad()
@@ -477,6 +501,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "classes": self._classes(),
+            "run": self._signature,
             "loop": asdict(self.state),
             "best": self.best_state_dict,
             "loss_scaler": self._scaler.state_dict(),
@@ -500,6 +525,15 @@ class Trainer:
             return
         path, payload = found
         check_classes(path, payload.get("classes"), self._classes())
+        changed = run_differences(payload.get("run"), self._signature)
+        if changed and not self.config.resume_if_changed:
+            raise ValueError(changed_run_message(path, changed))
+        if changed and self.rank == 0:
+            warnings.warn(
+                f"pyddp: resuming {path} with changes (resume_if_changed=True): "
+                + "; ".join(changed),
+                stacklevel=3,
+            )
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         if self.scheduler is not None and payload["scheduler"] is not None:
@@ -515,6 +549,23 @@ class Trainer:
             torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
         if self.rank == 0:
             print(f"pyddp: resumed from {path} (epoch {self.state.epoch}, step {self.state.step})")
+
+    def _check_output_dir(self) -> None:
+        """Once per Trainer, before its first files: removes pyddp's stale
+        temporaries and refuses to start afresh over another run's
+        checkpoints. Rank 0 looks; every rank gets its answer."""
+        refusal = None
+        if self.rank == 0:
+            for folder in (self.output_dir, self.output_dir / "checkpoints"):
+                remove_stale_temporaries(folder)
+            if not self.config.resume:
+                found = existing_checkpoints(self.output_dir / "checkpoints")
+                if found:
+                    refusal = fresh_run_message(self.output_dir / "checkpoints", found)
+        if self._xp is not None:
+            refusal = self._xp.from_root(refusal)
+        if refusal is not None:
+            raise ValueError(refusal)
 
     def _classes(self) -> Dict[str, Optional[str]]:
         """What wrote a checkpoint: its optimizer state fits only that class."""

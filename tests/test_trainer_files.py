@@ -164,3 +164,66 @@ def test_a_checkpoint_of_another_optimizer_class_is_refused_at_load(tmp_path):
         with pytest.raises(ValueError, match=r"optimizer torch\.optim\.sgd\.SGD.*adam\.Adam"):
             t.fit((x, y))
         assert t.state.step == 0  # nothing loaded
+
+
+# ------------------------------------------------------------ run identity
+def test_resuming_a_changed_run_is_refused_naming_what_differs(tmp_path):
+    # The torchrun example rerun with --replicas 2 used to "resume" the
+    # 1-replica run at its last step and train nothing.
+    x, y = data()
+    with trainer(tmp_path, max_epochs=1) as t:
+        t.fit((x, y))
+    changed = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+    refused = trainer(tmp_path, optimizer=changed, max_epochs=2, batch_size=16)
+    with refused as t, pytest.raises(ValueError, match="differs from this one") as info:
+        t.fit((x, y))
+    text = str(info.value)
+    assert "batch_size: checkpoint 32, now 16" in text
+    assert "lr=0.1" in text and "lr=0.05" in text
+    assert "max_epochs" not in text  # a longer run is how one continues
+    assert "resume_if_changed=True" in text
+    # Same settings with a higher limit: resumes (no refusal).
+    with trainer(tmp_path, max_epochs=2) as t:
+        assert t.fit((x, y)).state.step == 8
+    # Explicitly: continues, with a warning naming the change.
+    anyway = trainer(tmp_path, max_epochs=3, batch_size=16, resume_if_changed=True)
+    with anyway as t, pytest.warns(UserWarning, match="batch_size: checkpoint 32, now 16"):
+        assert t.fit((x, y)).state.step == 8 + 7
+
+
+def test_a_fresh_run_never_prunes_another_runs_checkpoints(tmp_path):
+    x, y = data()
+    with trainer(tmp_path, max_epochs=6, checkpoint_every_epochs=1, max_to_keep=2) as t:
+        t.fit((x, y))
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert before == ["ckpt-00000020.pt", "ckpt-00000024.pt"]
+    fresh_run = trainer(tmp_path, max_epochs=3, resume=False, max_to_keep=2)
+    with fresh_run as t, pytest.raises(ValueError, match="another run's checkpoints") as info:
+        t.fit((x, y))
+    assert "ckpt-00000020.pt, ckpt-00000024.pt" in str(info.value)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+    # One Trainer's own checkpoints are its run's: a second fit() is fine.
+    fresh = tmp_path / "fresh"
+    with trainer(fresh, max_epochs=1, resume=False) as t:
+        t.fit((x, y))
+        t.config.max_epochs = 2
+        assert t.fit((x, y)).state.step == 8  # the same run goes on (4 steps per epoch)
+
+
+def test_pyddp_temporaries_left_by_a_kill_are_removed_at_start(tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    ours = [
+        "checkpoints/.ckpt-00000004.pt.0123456789abcdef.tmp",
+        ".best.pt.fedcba9876543210.tmp",
+        ".metrics.csv.00112233445566ff.tmp",
+    ]
+    theirs = ["checkpoints/.notes.0123456789abcdef.tmp", "mine.tmp", ".ckpt-1.pt.zz.tmp"]
+    for name in ours + theirs:
+        (tmp_path / name).write_bytes(b"x" * 100)
+    x, y = data()
+    with trainer(tmp_path, max_epochs=1) as t:
+        t.fit((x, y))
+    for name in ours:
+        assert not (tmp_path / name).exists(), name
+    for name in theirs:
+        assert (tmp_path / name).exists(), name

@@ -1,0 +1,116 @@
+"""A training run's identity in its output directory: what its result depends
+on (recorded in every checkpoint and compared at resume, so a changed run is
+never "resumed" silently), the refusal to start a new run over another run's
+checkpoints (whose pruning would delete them), and the removal of pyddp's own
+temporaries left by a kill mid-write."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from ._arguments import qualname
+from ._files import SafeDir
+
+# pyddp's own temporaries: SafeDir.write_atomic's ".NAME.<16 hex>.tmp" for the
+# files the Trainer writes (checkpoints, best.pt, metrics).
+_TEMPORARY = re.compile(
+    r"^\.(ckpt-\d{8}\.pt|best\.pt|metrics\.csv|metrics\.jsonl|learning_curve\.png)"
+    r"\.[0-9a-f]{16}\.tmp$"
+)
+
+
+def run_signature(
+    model: Any,
+    config: Any,
+    optimizer: type,
+    optimizer_args: Any,
+    optimizer_kwargs: Dict[str, Any],
+    scheduler: Optional[type],
+    replicas_per_process: List[int],
+) -> Dict[str, str]:
+    """What the result of a run depends on, as comparable strings. Leaves out
+    what may change between a run and its resumption: the limits
+    (max_epochs, max_steps), evaluation and checkpoint cadence, progress."""
+    entries = [
+        f"{kind} {name} {tuple(t.shape)} {t.dtype}"
+        for kind, named in (
+            ("parameter", model.named_parameters()),
+            ("buffer", model.named_buffers()),
+        )
+        for name, t in named
+    ]
+    arguments = [
+        *map(repr, optimizer_args),
+        *(f"{k}={v!r}" for k, v in sorted(optimizer_kwargs.items())),
+    ]
+    shapes = hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
+    return {
+        "model": f"{type(model).__qualname__}, {len(entries)} tensors (layout {shapes})",
+        "replicas per process": str(replicas_per_process),
+        "batch_size": repr(config.batch_size),
+        "grad_accum_steps": repr(config.grad_accum_steps),
+        "drop_last": repr(config.drop_last),
+        "shuffle": repr(config.shuffle),
+        "seed": repr(config.seed),
+        "precision": repr(config.precision),
+        "clip_grad_norm": repr(config.clip_grad_norm),
+        "optimizer": f"{qualname(optimizer)}({', '.join(arguments)})",
+        "scheduler": str(qualname(scheduler)),
+    }
+
+
+def run_differences(saved: Optional[Dict[str, str]], mine: Dict[str, str]) -> List[str]:
+    """Lines naming each field that differs; none for a checkpoint written
+    before pyddp recorded its run (nothing to compare)."""
+    if saved is None:
+        return []
+    return [
+        f"{key}: checkpoint {saved.get(key, '(not recorded)')}, now {value}"
+        for key, value in mine.items()
+        if saved.get(key, value) != value
+    ]
+
+
+def changed_run_message(path: Path, lines: List[str]) -> str:
+    return (
+        f"pyddp: resume=True found {path}, written by a run that differs from this one:\n  "
+        + "\n  ".join(lines)
+        + "\nResuming it would continue that run with these changes. Use another output_dir "
+        "(or resume=False in an empty one) for a new run, or TrainConfig(resume_if_changed=True) "
+        "to continue it anyway."
+    )
+
+
+def existing_checkpoints(directory: Path) -> List[str]:
+    """Names of the checkpoints already in `directory` (another run's, when
+    this run starts afresh)."""
+    from .checkpoint import list_checkpoints
+
+    return [p.name for p in list_checkpoints(directory)]
+
+
+def fresh_run_message(directory: Path, names: List[str]) -> str:
+    names = sorted(names)
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (
+        f"pyddp: resume=False, but {directory} holds another run's checkpoints ({shown}). "
+        "A new run there would prune them as it writes its own, and a later resume=True "
+        "could pick up either run. pyddp never deletes another run's files: use another "
+        "output_dir, move or delete those checkpoints, or resume=True to continue that run."
+    )
+
+
+def remove_stale_temporaries(directory: Path) -> List[str]:
+    """Removes pyddp's own temporaries in `directory` (left by a process
+    killed mid-write; never a finished file); returns their names."""
+    folder = SafeDir.open(directory, create=False)
+    if folder is None:
+        return []
+    with folder:
+        stale = [n for n in folder.names() if _TEMPORARY.match(n)]
+        for name in stale:
+            folder.remove(name)
+    return stale
