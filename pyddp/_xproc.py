@@ -178,7 +178,7 @@ class CrossProcess:
     def check_same_model(self, signature: List[tuple], what: str) -> None:
         """Refuses, on every rank, models that differ across ranks, naming the
         first differing entry and the rank."""
-        out = self._gather_objects(signature)
+        out = self.gather_objects(signature, "an exchange of model descriptions")
         ref = out[0]
         for r, sig in enumerate(out[1:], start=1):
             if sig == ref:
@@ -303,19 +303,18 @@ class CrossProcess:
         self._ctrl_call("the broadcast from rank 0", _broadcast, self.ctrl, buf)
         return pickle.loads(buf.numpy().tobytes()) if self.rank else obj
 
-    def _gather_objects(self, obj: Any) -> List[Any]:
-        """Every rank's `obj`, in group rank order (pickled through gloo)."""
+    def gather_objects(self, obj: Any, what: str) -> List[Any]:
+        """Every rank's `obj`, in group rank order (pickled through gloo);
+        `what` names the exchange in errors."""
         data = pickle.dumps(obj)
         sizes = torch.zeros(self.world, dtype=torch.int64)
         sizes[self.rank] = len(data)
-        self._ctrl_call("an exchange of model descriptions", self._sum, sizes)
+        self._ctrl_call(what, self._sum, sizes)
         width = int(sizes.max().item())
         mine = torch.zeros(width, dtype=torch.uint8)
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         outs = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.world)]
-        self._ctrl_call(
-            "an exchange of model descriptions", lambda: self.ctrl.allgather([outs], [mine]).wait()
-        )
+        self._ctrl_call(what, lambda: self.ctrl.allgather([outs], [mine]).wait())
         return [pickle.loads(o[: int(n)].numpy().tobytes()) for o, n in zip(outs, sizes.tolist())]
 
     def _sum(self, t: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from ._arguments import check_arguments, optimizer_spec, qualname
 from ._interrupt import CtrlC, sigint_deferred
+from ._rng import cuda_rng_states, restore_generators, seed_generators
 from ._run import (
     changed_run_message,
     existing_checkpoints,
@@ -95,7 +96,6 @@ class Trainer:
         self.config.validate()
         self._optimizer_class, optimizer_args, optimizer_kwargs = optimizer_spec(optimizer)
         check_arguments(loss_fn, scheduler, metrics, callbacks)
-        torch.manual_seed(self.config.seed)
         self.model = wrap(model, devices, **wrap_options)
         self._closed = False
         # Across processes: this rank's place; rank 0 alone shows progress and
@@ -103,6 +103,7 @@ class Trainer:
         xp = self.model.sync._xproc
         self._xp = xp
         self.rank, self.world = (xp.rank, xp.world) if xp is not None else (0, 1)
+        seed_generators(self.config.seed, self.rank, self.model.devices)
         try:
             if self.config.precision == "fp16" and self.model.devices[0].type != "cuda":
                 raise ValueError("precision='fp16' needs CUDA replicas; use 'bf16' on CPU")
@@ -494,7 +495,11 @@ class Trainer:
 
     # ---------------------------------------------------------- checkpoints
     def _checkpoint(self) -> None:
-        if self.rank != 0:  # every rank holds the same state: rank 0 writes it
+        # Every rank's own random state (its dropout masks differ from the
+        # others'), so that a resumed rank draws what it would have drawn.
+        rng = {"torch": torch.get_rng_state(), "cuda": cuda_rng_states(self.model.devices)}
+        ranks = [rng] if self._xp is None else self._xp.gather_objects(rng, "the RNG states")
+        if self.rank != 0:  # every rank holds the same model: rank 0 writes it
             return
         payload = {
             "model": self.model.state_dict(),
@@ -505,10 +510,7 @@ class Trainer:
             "loop": asdict(self.state),
             "best": self.best_state_dict,
             "loss_scaler": self._scaler.state_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            },
+            "rng": {"ranks": ranks},
         }
         path = save_checkpoint(
             payload, self.output_dir / "checkpoints", self.state.step, self.config.max_to_keep
@@ -544,9 +546,7 @@ class Trainer:
             self._scaler.load_state_dict(payload["loss_scaler"])
         else:  # written before the clean-step count was kept
             self._scaler.scale = payload["loss_scale"]
-        torch.set_rng_state(payload["rng"]["torch"])
-        if payload["rng"]["cuda"]:
-            torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
+        restore_generators(payload["rng"], self.rank, self.model.devices)
         if self.rank == 0:
             print(f"pyddp: resumed from {path} (epoch {self.state.epoch}, step {self.state.step})")
 

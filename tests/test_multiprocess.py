@@ -290,3 +290,13 @@ def test_real_models_across_processes_equal_one_device(tmp_path):
         diffs = {k: v for k, v in got.items() if "/" in k}
         assert len(diffs) == 16, diffs
         assert max(diffs.values()) < 1e-5, diffs  # float32 reassociation; see test_real_models
+
+
+def test_ranks_draw_their_own_random_streams_and_resume_them(tmp_path):
+    # Dropout masks were the same on every rank (every rank seeded alike, and
+    # resume copied rank 0's state to all).
+    run = torchrun("rng", tmp_path, 2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = results(tmp_path, "rng", 2)
+    assert ranks[0]["draws"] != ranks[1]["draws"]
+    assert all(r["resumed_equal"] for r in ranks)

@@ -6,6 +6,7 @@ training on the global batch; torch DDP on the same split)."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import sys
@@ -481,6 +482,35 @@ def real_models(out: dict) -> None:
                         opt.step()
                         opt.zero_grad()
                     out[f"{name}/{local} per process/{path}"] = max_param_diff(dm.module, ref)
+
+
+def rng(out: dict) -> None:
+    """Dropout across processes: every rank draws from its own stream, and a
+    resumed run restores each rank's own state (bitwise equal to a straight
+    run: one CPU replica per process)."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
+
+    def run(name: str, max_steps: int, probe: bool = False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 3))
+        cfg = pyddp.TrainConfig(
+            batch_size=10, max_steps=max_steps, max_epochs=100, checkpoint_every_steps=2,
+            output_dir=os.path.join(sys.argv[2], name), progress=False, seed=5,
+        )  # fmt: skip
+        with pyddp.Trainer(
+            model, ["cpu"], optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            loss_fn=nn.functional.mse_loss, config=cfg,
+        ) as t:  # fmt: skip
+            if probe:
+                return torch.rand(4).tolist()
+            t.fit((x, y))
+            return [p.detach().flatten().tolist() for p in t.model.module.parameters()]
+
+    out["draws"] = run("probe", 1, probe=True)
+    straight = run("straight", 6)
+    run("split", 3)
+    out["resumed_equal"] = run("split", 6) == straight
 
 
 def _expect_failure(out: dict, run) -> None:
