@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import _C
-from .dist import restart_count
+from .dist import job_prefix
 
 _ids = itertools.count()  # every rank builds its GradSyncs in the same order
 _groups: Dict[tuple, Any] = {}
@@ -69,13 +69,36 @@ def _own_group(ranks: List[int], timeout_s: float, role: str, store: Any) -> Any
         return _groups[key]
     n = _made.get(key, 0)
     _made[key] = n + 1
-    name = f"pyddp/{restart_count()}/gloo/{'-'.join(map(str, ranks))}/{role}/{n}"
-    pg = dist.ProcessGroupGloo(
-        dist.PrefixStore(name, store),
-        ranks.index(dist.get_rank()),
-        len(ranks),
-        datetime.timedelta(seconds=timeout_s),
-    )
+    name = f"{job_prefix()}/gloo/{'-'.join(map(str, ranks))}/{role}/{n}"
+    # Each member says it arrived, so a timeout can name the ranks that did not.
+    me = dist.get_rank()
+    with contextlib.suppress(Exception):
+        store.set(f"{name}/arrived/{me}", "1")
+    try:
+        pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(name, store),
+            ranks.index(me),
+            len(ranks),
+            datetime.timedelta(seconds=timeout_s),
+        )
+    except Exception as e:  # noqa: BLE001 - named below
+        missing = []
+        for r in ranks:
+            try:
+                if not store.check([f"{name}/arrived/{r}"]):
+                    missing.append(r)
+            except Exception:  # noqa: BLE001 - the store is gone too: say what we know
+                break
+        who = (
+            f"rank {', '.join(map(str, missing))} never arrived (stalled or failed before "
+            "pyddp.wrap / GradSync, or running different code)"
+            if missing
+            else f"{_first_line(e)}"
+        )
+        raise ProcessGroupError(
+            f"pyddp: rank {me} could not set up pyddp's {role} group over ranks {ranks} "
+            f"within {timeout_s:g} s: {who}"
+        ) from None
     if role == "control":
         _groups[key] = pg
     return pg
@@ -159,13 +182,15 @@ class CrossProcess:
         # Blocking exchanges run on the caller's thread, one at a time: one
         # control group per set of ranks is enough.
         self.ctrl = _own_group(self.ranks, timeout_s, "control", store)
-        self.prefix = f"pyddp/{restart_count()}/{self.id}"
+        self.prefix = f"{job_prefix()}/{self.id}"
         self.iteration = 0
         self.flats: List[torch.Tensor] = []  # replica 0's buckets (set by GradSync)
         self.buckets: List[List[int]] = []
         self.failed: Optional[str] = None
         self.local_counts: List[int] = []
         self._flight = _InFlight()
+        self._store_unreachable = False
+        self.in_backward = False  # between the first launch and wait()
         self.agree_ns = 0  # the last iteration's unused-parameter agreement (exposed)
         self._agree_work: Optional[Any] = None
         self._agree_launch_ns = 0
@@ -176,20 +201,27 @@ class CrossProcess:
 
     # ---------------------------------------------------------- at wrap time
     def check_same_model(self, signature: List[tuple], what: str) -> None:
-        """Refuses, on every rank, models that differ across ranks, naming the
-        first differing entry and the rank."""
-        out = self.gather_objects(signature, "an exchange of model descriptions")
+        """Refuses, on every rank, models or settings that differ across
+        ranks, naming the first differing entry and the rank."""
+        out = self.gather_objects(signature, f"the exchange of {what} descriptions")
         ref = out[0]
         for r, sig in enumerate(out[1:], start=1):
             if sig == ref:
                 continue
             for i, (a, b) in enumerate(itertools.zip_longest(ref, sig)):
-                if a != b:
+                if a == b:
+                    continue
+                if "setting" in (a or ("",))[:1] + (b or ("",))[:1]:
                     raise ValueError(
-                        f"pyddp: the {what} differs across processes: rank {self.ranks[r]} has "
-                        f"{_entry(b)} where rank {self.root} has {_entry(a)} (entry {i}); every "
-                        "process must wrap the same model"
+                        f"pyddp: the wrap settings differ across processes: rank "
+                        f"{self.ranks[r]} has {_entry(b)} where rank {self.root} has "
+                        f"{_entry(a)}; every process must wrap with the same settings"
                     )
+                raise ValueError(
+                    f"pyddp: the {what} differs across processes: rank {self.ranks[r]} has "
+                    f"{_entry(b)} where rank {self.root} has {_entry(a)} (entry {i}); every "
+                    "process must wrap the same model"
+                )
 
     def broadcast(self, tensors: Sequence[torch.Tensor], what: str = "broadcast") -> None:
         """Overwrites `tensors` with the group root's values (one message per dtype)."""
@@ -204,14 +236,18 @@ class CrossProcess:
                 for t, v in zip(group, _unflatten_dense_tensors(flat, group)):
                     t.copy_(v)
 
-    def join_model(self, replicas: Sequence[Any], device_type: str, op: str) -> None:
-        """At construction: the same model on every rank (else a ValueError
-        naming the first difference), then rank 0's parameters and buffers on
-        every replica of every rank, as torch DDP does."""
+    def join_model(
+        self, replicas: Sequence[Any], device_type: str, op: str, settings: Dict[str, Any]
+    ) -> None:
+        """At construction: the same model and settings on every rank (else a
+        ValueError naming the first difference), then rank 0's parameters and
+        buffers on every replica of every rank, as torch DDP does."""
         m0 = replicas[0]
         entries = [("parameter", n, p) for n, p in m0.named_parameters()]
         entries += [("buffer", n, b) for n, b in m0.named_buffers()]
-        self.check_same_model(model_signature(entries, device_type), "model")
+        signature = [("setting", f"{k}={v!r}") for k, v in settings.items()]
+        signature += model_signature(entries, device_type)
+        self.check_same_model(signature, "model")
         self.gather_local_counts(len(replicas))
         if op == "avg" and len(set(self.local_counts)) != 1:
             raise ValueError(
@@ -334,6 +370,7 @@ class CrossProcess:
         # Averaged across processes (torch DDP's convention), divided before the
         # sum so 16-bit gradients do not overflow in transit.
         flat.div_(self.world)
+        self.in_backward = True
         work = _allreduce(self.group, flat)
         self._flight.launched(bucket)
         # The callback runs on a gloo worker thread and holds only the flight
@@ -368,6 +405,7 @@ class CrossProcess:
         self.wait_ns = int((time.monotonic() - start) * 1e9)
         self.done_ns_last = flight.next()
         self.iteration += 1
+        self.in_backward = False
         return launched
 
     def abandon(self, reason: str) -> None:
@@ -375,31 +413,54 @@ class CrossProcess:
         others, so they fail now instead of at the timeout."""
         if self.failed is None:
             self.failed = (
-                f"pyddp: rank {dist.get_rank()} abandoned synced backward {self.iteration + 1} "
-                f"({reason}); the processes can no longer agree on the step: restart them "
-                "(torchrun --max-restarts=K resumes a Trainer from its last checkpoint)"
+                f"pyddp: rank {dist.get_rank()} abandoned {self._where()} ({reason}); the "
+                "processes can no longer agree on the step: restart them (torchrun "
+                "--max-restarts=K resumes a Trainer from its last checkpoint)"
             )
-            if self.store is not None:
-                # Best effort: if the store is gone, the others time out instead.
-                with contextlib.suppress(Exception):
-                    self.store.set(f"{self.prefix}/abandoned", self.failed)
+            # Best effort: if the store is gone, the others time out instead.
+            # The reason is data for the others: "rank|text", bounded there.
+            self._store("set", f"{self.prefix}/abandoned", f"{dist.get_rank()}|{reason}")
 
     def _abandoned(self) -> Optional[str]:
-        """Another rank's reason for abandoning the step, if it left one."""
-        if self.store is None:
-            return None
+        """Another rank's reason for abandoning the step, if it left one: read
+        as data (anyone who reaches the store can write it), attributed to
+        the rank it names, bounded and quoted."""
         key = f"{self.prefix}/abandoned"
-        try:
-            if self.store.check([key]):
-                return self.store.get(key).decode(errors="replace")
-        except Exception:  # noqa: BLE001 - the store is gone: the timeout decides
-            pass
-        return None
+        if not self._store("check", [key]):
+            return None
+        raw = self._store("get", key)
+        if raw is None:
+            return None
+        who, _, text = bytes(raw).decode("utf-8", errors="replace").partition("|")
+        if not (who.isdigit() and int(who) in self.ranks) or int(who) == dist.get_rank():
+            return f"an unattributed note in the store, {_quoted(who + '|' + text)}"
+        return f"rank {int(who)} abandoned the step, reporting {_quoted(text)}"
 
     def _check_abandoned(self) -> None:
         why = self._abandoned()
         if why is not None:
             self._fail(why, census=False)
+
+    def _store(self, op: str, *args: Any) -> Any:
+        """A call on torch.distributed's store with a deadline: on the failure
+        path a store whose host is stopped (SIGSTOP, a hung node) would block
+        forever. None (or False for check) when it fails or does not answer
+        within a few seconds; the call is left behind on a daemon thread."""
+        if self.store is None or self._store_unreachable:
+            return False if op == "check" else None
+        result: List[Any] = []
+
+        def call() -> None:
+            with contextlib.suppress(Exception):
+                result.append(getattr(self.store, op)(*args))
+
+        thread = threading.Thread(target=call, name="pyddp-store", daemon=True)
+        thread.start()
+        thread.join(min(_STORE_DEADLINE_S, self.timeout))
+        if not result:
+            self._store_unreachable = True
+            return False if op == "check" else None
+        return result[0]
 
     def _ctrl_call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         if self.failed is not None:
@@ -409,16 +470,25 @@ class CrossProcess:
         except Exception as e:  # noqa: BLE001 - named and re-raised below
             self._fail(f"{what} failed: {_first_line(e)}")
 
+    def _where(self) -> str:
+        """Where this rank is in the run, for messages: the synced backward
+        under way, or the exchange after the last one."""
+        if self.in_backward:
+            return f"synced backward {self.iteration + 1}"
+        return f"the exchange after synced backward {self.iteration}"
+
     def _fail(self, what: str, census: bool = True) -> None:
         why = self._abandoned() if census else None
         if why is not None:  # the root cause, rather than its echo here
             what, census = f"{what}, because {why}", False
         missing = self._census() if census else ""
+        if self._store_unreachable and not missing:
+            missing = "; the rendezvous store did not answer either (its host stopped or gone?)"
         self.failed = (
-            f"pyddp: across {self.world} processes (this is rank {dist.get_rank()}), synced "
-            f"backward {self.iteration + 1}: {what}{missing}. The process group cannot be "
-            "used after this: restart the processes (torchrun --max-restarts=K resumes a "
-            "Trainer from its last checkpoint)"
+            f"pyddp: across {self.world} processes (this is rank {dist.get_rank()}), "
+            f"{self._where()}: {what}{missing}. The process group cannot be used after "
+            "this: restart the processes (torchrun --max-restarts=K resumes a Trainer from "
+            "its last checkpoint)"
         )
         raise ProcessGroupError(self.failed)
 
@@ -428,15 +498,14 @@ class CrossProcess:
         if self.store is None:
             return ""
         key = f"{self.prefix}/fail/{self.iteration}"
-        try:
-            self.store.set(f"{key}/{self.rank}", "1")
-            others = [r for r in range(self.world) if r != self.rank]
-            deadline = time.monotonic() + min(5.0, self.timeout)
-            while others and time.monotonic() < deadline:
-                others = [r for r in others if not self.store.check([f"{key}/{r}"])]
-                time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - the store's host (often rank 0) is gone
-            return "; the rendezvous store is unreachable too (its host process is gone?)"
+        self._store("set", f"{key}/{self.rank}", "1")
+        others = [r for r in range(self.world) if r != self.rank]
+        deadline = time.monotonic() + min(5.0, self.timeout)
+        while others and time.monotonic() < deadline and not self._store_unreachable:
+            others = [r for r in others if not self._store("check", [f"{key}/{r}"])]
+            time.sleep(0.05)
+        if self._store_unreachable:
+            return "; the rendezvous store is unreachable too (its host gone or stopped?)"
         if not others:
             return ""
         named = ", ".join(str(self.ranks[r]) for r in others)
@@ -450,6 +519,16 @@ class CrossProcess:
             members = [self.names[i] for i in self.buckets[bucket][:3]]
             return ", ".join(members) + (", ..." if len(self.buckets[bucket]) > 3 else "")
         return "?"
+
+
+_STORE_DEADLINE_S = 5.0  # a store call on the failure path; the store answers in ms
+
+
+def _quoted(text: str, limit: int = 300) -> str:
+    """Text from another process (the store) shown as data: printable, one
+    line, bounded, in quotes."""
+    clean = "".join(c if c.isprintable() else " " for c in text)
+    return repr(clean[:limit] + ("..." if len(clean) > limit else ""))
 
 
 def _first_line(e: BaseException) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from typing import Any, Optional
 
 import torch
@@ -72,7 +73,7 @@ def init(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> No
     # to the dead peers they name ("connectFullMesh ... Connection refused").
     # Every round gets its own key space.
     store, rank_, world_ = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"pyddp/round{restart_count()}", store)
+    store = dist.PrefixStore(job_prefix(), store)
     dist.init_process_group(
         backend=backend, store=store, rank=rank_, world_size=world_, timeout=timeout
     )
@@ -108,6 +109,14 @@ def restart_count() -> int:
     a restarted group must not read the previous round's)."""
     raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return int(raw) if raw.isdigit() else 0
+
+
+def job_prefix() -> str:
+    """The store key space of this job and round: torchrun's run id (its
+    --rdzv-id; "none" when not given) and the restart count, so neither
+    another job sharing the store nor a previous round's keys are read."""
+    job = re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("TORCHELASTIC_RUN_ID", "none"))[:64]
+    return f"pyddp/job-{job}/round{restart_count()}"
 
 
 def _timeout(seconds: Optional[float]) -> float:

@@ -88,6 +88,8 @@ class DistributedModel(nn.Module):
             # _begin prepares every replica; no hook on the user's model (a hook
             # there would also sit inside `dmodel.compile()`'s graphs).
             _prepare_on_forward=False,
+            # Must agree across processes too (checked at wrap with the rest).
+            _settings={"broadcast_buffers": broadcast_buffers},
         )
         try:
             self._mirror = ReplicaMirror(replicas, self.sync.names) if len(replicas) > 1 else None

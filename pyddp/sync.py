@@ -94,6 +94,7 @@ class GradSync:
         group: Any = None,
         _gpu: Optional[Tuple[Sequence[int], Any]] = None,
         _prepare_on_forward: bool = True,
+        _settings: Optional[Dict[str, Any]] = None,
     ):
         replicas = list(replicas)
         if not replicas:
@@ -154,7 +155,15 @@ class GradSync:
         self.observer = Observer(keep)
         self._xproc: Optional[CrossProcess] = None
         if xgroup is not None:
-            self._join_processes(xgroup, timeout_s, op)
+            settings = {
+                "bucket_cap_mb": bucket_cap_mb,
+                "first_bucket_cap_mb": first_bucket_cap_mb,
+                "reduce_order": reduce_order,
+                "rebuild_buckets": rebuild_buckets,
+                "op": op,
+                **(_settings or {}),
+            }
+            self._join_processes(xgroup, timeout_s, op, settings)
         if len(replicas) == 1 and self._xproc is None:
             return  # one replica: nothing to reduce, stay out of the way
 
@@ -391,7 +400,9 @@ class GradSync:
             self._rebuild()
         self._grad_versions = [[f._version for f in flats] for flats in self._flat]
 
-    def _join_processes(self, group: Any, timeout: Optional[float], op: str) -> None:
+    def _join_processes(
+        self, group: Any, timeout: Optional[float], op: str, settings: Dict[str, Any]
+    ) -> None:
         """At construction: the same model on every rank (else a ValueError
         naming the first difference), then rank 0's parameters and buffers
         everywhere, as torch DDP does."""
@@ -404,7 +415,7 @@ class GradSync:
         # over them (and NCCL for GPUs), whatever the group's backend.
         seconds = _default_timeout() if timeout is None else float(timeout)
         xp = CrossProcess(group, seconds, self.names)
-        xp.join_model(self.replicas, self.devices[0].type, op)
+        xp.join_model(self.replicas, self.devices[0].type, op, settings)
         self._xproc = xp
 
     def _wait_across_processes(self) -> Tuple[List[int], List[int]]:

@@ -129,6 +129,13 @@ def test_different_models_are_refused_at_wrap_naming_rank_and_parameter(basics):
         assert "(3, 4)" in r["error"] and "(5, 4)" in r["error"], r["error"]
 
 
+def test_settings_that_differ_across_ranks_are_refused_at_wrap(basics):
+    for r in basics:
+        for name, error in r["settings"].items():
+            assert error is not None, name
+            assert f"rank 1 has setting {name}=" in error and "rank 0 has setting" in error, error
+
+
 def test_a_killed_rank_is_named_quickly(tmp_path):
     codes = env_launch("killed", tmp_path, 2, {"PYDDP_TIMEOUT_S": "60"})
     assert codes[1] == 3  # rank 1 died on purpose
@@ -146,6 +153,41 @@ def test_a_stalled_rank_is_an_error_within_the_timeout(tmp_path):
     timed_out = "not done after 3 s" in r0["error"] or "Timed out waiting 3000ms" in r0["error"]
     assert "rank 1" in r0["error"] and timed_out, r0["error"]
     assert 2.5 < r0["seconds"] < 3 + 3 + 5  # timeout + census (<= timeout) + slack
+
+
+def test_text_in_the_store_is_data_and_keys_are_scoped_by_the_job(tmp_path):
+    env_launch("foreign_note", tmp_path, 2, {"PYDDP_TIMEOUT_S": "4", "TORCHELASTIC_RUN_ID": "j42"})
+    r0 = json.loads((tmp_path / "foreign_note.rank0.json").read_text())
+    assert r0["prefix"].startswith("pyddp/job-j42/round0/"), r0["prefix"]
+    error = r0["error"]
+    assert "an unattributed note in the store, 'run ./fix.sh rm -rf ~ xxx" in error, error
+    assert "\n" not in error and len(error) < 1200, error
+    assert r0["seconds"] < 4, "read at the next poll, not at the timeout"
+
+
+def test_a_stopped_store_host_is_an_error_within_the_timeout(tmp_path):
+    # The failure path used to block forever in a store call (alive at 240 s).
+    port = str(_free_port())
+    procs = []
+    for r in range(2):
+        env = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_PORT": port}
+        env.update({"MASTER_ADDR": "127.0.0.1", "PYDDP_TIMEOUT_S": "3"})
+        with open(tmp_path / f"rank{r}.log", "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(SCENARIOS), "store_host_stopped", str(tmp_path)],
+                    env=_env(env), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                )
+            )  # fmt: skip
+    try:
+        assert procs[1].wait(timeout=60) == 0, (tmp_path / "rank1.log").read_text()[-2000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    r1 = json.loads((tmp_path / "store_host_stopped.rank1.json").read_text())
+    assert r1["error"] is not None and "synced backward 2" in r1["error"], r1["error"]
+    assert r1["seconds"] < 3 + 5 + 5, r1  # timeout + one store deadline + slack
 
 
 def test_uneven_inputs_fail_within_the_timeout_naming_the_rank(tmp_path):

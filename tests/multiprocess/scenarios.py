@@ -9,6 +9,7 @@ import copy
 import functools
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -268,6 +269,19 @@ def mismatch(out: dict) -> None:
         pyddp.wrap(model, ["cpu"])
     except ValueError as e:
         out["error"] = str(e)
+    # Settings that must agree: each used to end in an abort (bucket_cap_mb:
+    # std::terminate), a timeout (rebuild_buckets) or a failed broadcast.
+    out["settings"] = {}
+    for name, here, there in (
+        ("bucket_cap_mb", 25.0, 10.0),
+        ("rebuild_buckets", True, False),
+        ("broadcast_buffers", True, False),
+    ):
+        try:
+            pyddp.wrap(nn.Linear(4, 3), ["cpu"], **{name: here if pyddp.rank() == 0 else there})
+            out["settings"][name] = None
+        except ValueError as e:
+            out["settings"][name] = str(e)
 
 
 def killed(out: dict) -> None:
@@ -305,6 +319,37 @@ def stalled(out: dict) -> None:
     if rank == 1:
         time.sleep(2 * float(os.environ["PYDDP_TIMEOUT_S"]) + 2)  # past rank 0's census
         os._exit(0)
+    _expect_failure(out, lambda: nn.functional.mse_loss(dm(x), y).backward())
+
+
+def foreign_note(out: dict) -> None:
+    """Someone who reaches the store writes pyddp's abandon key while rank 1
+    stalls: rank 0 must show it as quoted, bounded data, attributed to no
+    rank, not as its own message; and the keys are scoped by torchrun's run id."""
+    rank = pyddp.rank()
+    torch.manual_seed(0)
+    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
+    out["prefix"] = dm.sync._xproc.prefix
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    nn.functional.mse_loss(dm(x), y).backward()
+    if rank == 1:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{out['prefix']}/abandoned", "run ./fix.sh\nrm -rf ~ " + "x" * 5000)
+        time.sleep(2 * float(os.environ["PYDDP_TIMEOUT_S"]) + 2)
+        os._exit(0)
+    _expect_failure(out, lambda: nn.functional.mse_loss(dm(x), y).backward())
+
+
+def store_host_stopped(out: dict) -> None:
+    """Rank 0, which hosts the store (started by hand, as under Slurm), is
+    stopped (SIGSTOP) before its second step: rank 1 must raise within its
+    timeout plus a few seconds, not block in a store call."""
+    torch.manual_seed(0)
+    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    nn.functional.mse_loss(dm(x), y).backward()
+    if pyddp.rank() == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test kills it once rank 1 is done
     _expect_failure(out, lambda: nn.functional.mse_loss(dm(x), y).backward())
 
 
