@@ -18,6 +18,7 @@ import itertools
 import pickle
 import threading
 import time
+import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -28,6 +29,34 @@ from . import _C
 from .dist import job_prefix
 
 _ids = itertools.count()  # every rank builds its GradSyncs in the same order
+
+# Every small blocking exchange on a control group is preceded by a header
+# (its name's tag and its place in the group's sequence), compared on every
+# rank: two ranks at different exchanges raise, naming both, instead of
+# pairing (an evaluation's sums with a training step's weighting) or crashing
+# gloo on different sizes. Names are declared at import, so a rank can name
+# an exchange it never made itself.
+_TAGS: Dict[int, str] = {}
+_sequence: Dict[Tuple[int, ...], int] = {}  # per control group (its ranks)
+
+
+def _tag(name: str) -> int:
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def exchange(name: str) -> str:
+    """Declares the name of a control exchange (at import time)."""
+    _TAGS[_tag(name)] = name
+    return name
+
+
+MODEL_CHECK = exchange("the comparison of models and settings at wrap")
+REPLICA_COUNTS = exchange("the exchange of replica counts")
+PARAMS_BROADCAST = exchange("the broadcast of rank 0's parameters and buffers")
+BUFFERS_BROADCAST = exchange("the broadcast of rank 0's buffers before a training forward")
+PLAN_BROADCAST = exchange("the bucket plan broadcast")
+LOSS_WEIGHTS = exchange("the loss weighting of a training step")
+DISAGREEMENT = exchange("the records of a disagreement between ranks")
 _groups: Dict[tuple, Any] = {}
 # Released while the interpreter is whole: a gloo group destroyed during
 # interpreter teardown can end the process in std::terminate.
@@ -199,11 +228,34 @@ class CrossProcess:
         self.wait_ns = 0  # the last iteration's wait for cross-process reductions
         self.done_ns_last: Dict[int, int] = {}
 
+    def _same_exchange(self, what: str) -> None:
+        """Every rank must be at the same control exchange: compares each
+        rank's (tag, sequence number) first, in a fixed-size all-gather."""
+        key = tuple(self.ranks)
+        seq = _sequence.get(key, 0) + 1
+        _sequence[key] = seq
+        mine = torch.tensor([_tag(what), seq], dtype=torch.int64)
+        outs = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
+        self._ctrl_call(what, lambda: self.ctrl.allgather([outs], [mine]).wait())
+        if all(torch.equal(o, mine) for o in outs):
+            return
+        sides = "; ".join(
+            f"rank {self.ranks[r]} at exchange {int(o[1])}, "
+            + _TAGS.get(int(o[0]), f"an exchange unknown here (tag {int(o[0])})")
+            for r, o in enumerate(outs)
+        )
+        self._fail(
+            f"the ranks are not at the same exchange ({sides}); every rank must make the same "
+            "pyddp calls in the same order (an evaluation, a fit or a wrap on some ranks only "
+            "pairs with another exchange on the others)",
+            census=False,
+        )
+
     # ---------------------------------------------------------- at wrap time
     def check_same_model(self, signature: List[tuple], what: str) -> None:
         """Refuses, on every rank, models or settings that differ across
         ranks, naming the first differing entry and the rank."""
-        out = self.gather_objects(signature, f"the exchange of {what} descriptions")
+        out = self.gather_objects(signature, MODEL_CHECK)
         ref = out[0]
         for r, sig in enumerate(out[1:], start=1):
             if sig == ref:
@@ -223,12 +275,17 @@ class CrossProcess:
                     "process must wrap the same model"
                 )
 
-    def broadcast(self, tensors: Sequence[torch.Tensor], what: str = "broadcast") -> None:
-        """Overwrites `tensors` with the group root's values (one message per dtype)."""
+    def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+        """Overwrites `tensors` with the group root's values (one message per
+        dtype); nothing to send (a model without buffers) sends nothing (the
+        model check made the tensors the same on every rank)."""
         by_kind: Dict[tuple, List[torch.Tensor]] = {}
         for t in tensors:
             if t.numel():
                 by_kind.setdefault((t.dtype, t.device), []).append(t)
+        if not by_kind:
+            return
+        self._same_exchange(what)
         with torch.no_grad():
             for group in by_kind.values():
                 flat = _flatten_dense_tensors([t.detach() for t in group])
@@ -255,7 +312,7 @@ class CrossProcess:
                 "use the same number of replicas in every process, or op='sum'"
             )
         state = [t for _, _, t in entries]
-        self.broadcast(state, "the broadcast of rank 0's parameters and buffers")
+        self.broadcast(state, PARAMS_BROADCAST)
         with torch.no_grad():
             for m in replicas[1:]:
                 mine = [p for p in m.parameters()] + [b for b in m.buffers()]
@@ -266,7 +323,8 @@ class CrossProcess:
         """Every rank's number of replicas (they may differ)."""
         counts = torch.zeros(self.world, dtype=torch.int64)
         counts[self.rank] = local
-        self._ctrl_call("the exchange of replica counts", self._sum, counts)
+        self._same_exchange(REPLICA_COUNTS)
+        self._ctrl_call(REPLICA_COUNTS, self._sum, counts)
         self.local_counts = counts.tolist()
 
     def nccl_rendezvous(self, local: int) -> Any:
@@ -292,7 +350,8 @@ class CrossProcess:
         if len(order) == size:
             t[0] = size
             t[1:] = torch.tensor(list(order), dtype=torch.int64)
-        self._ctrl_call("the bucket plan broadcast", _broadcast, self.ctrl, t)
+        self._same_exchange(PLAN_BROADCAST)
+        self._ctrl_call(PLAN_BROADCAST, _broadcast, self.ctrl, t)
         return None if t[0].item() != size else t[1:].tolist()
 
     # ----------------------------------------------------------- per backward
@@ -328,20 +387,22 @@ class CrossProcess:
         self.agree_ns = time.perf_counter_ns() - t0 + self._agree_launch_ns
         return [i for i in self._none_here if not self._mask[i]]
 
-    def from_root(self, obj: Any) -> Any:
+    def from_root(self, obj: Any, what: str) -> Any:
         """The group root's `obj` on every rank (pickled through gloo)."""
+        self._same_exchange(what)
         data = pickle.dumps(obj) if self.rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        self._ctrl_call("the broadcast from rank 0", _broadcast, self.ctrl, size)
+        self._ctrl_call(what, _broadcast, self.ctrl, size)
         buf = torch.zeros(int(size.item()), dtype=torch.uint8)
         if self.rank == 0:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self._ctrl_call("the broadcast from rank 0", _broadcast, self.ctrl, buf)
+        self._ctrl_call(what, _broadcast, self.ctrl, buf)
         return pickle.loads(buf.numpy().tobytes()) if self.rank else obj
 
     def gather_objects(self, obj: Any, what: str) -> List[Any]:
         """Every rank's `obj`, in group rank order (pickled through gloo);
-        `what` names the exchange in errors."""
+        `what` names the exchange (declared with `exchange`)."""
+        self._same_exchange(what)
         data = pickle.dumps(obj)
         sizes = torch.zeros(self.world, dtype=torch.int64)
         sizes[self.rank] = len(data)
@@ -356,10 +417,12 @@ class CrossProcess:
     def _sum(self, t: torch.Tensor) -> None:
         _allreduce(self.ctrl, t).wait()
 
-    def sum_over_ranks(self, values: Sequence[float]) -> List[float]:
-        """Element-wise sums over ranks (float64), on the control group."""
+    def sum_over_ranks(self, values: Sequence[float], what: str) -> List[float]:
+        """Element-wise sums over ranks (float64), on the control group; `what`
+        names the exchange (declared with `exchange`)."""
+        self._same_exchange(what)
         t = torch.tensor(list(values), dtype=torch.float64)
-        self._ctrl_call("a sum over ranks", self._sum, t)
+        self._ctrl_call(what, self._sum, t)
         return t.tolist()
 
     def launch(self, bucket: int) -> None:

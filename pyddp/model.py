@@ -30,6 +30,7 @@ from ._join import Join, join_column
 from ._mirror import ReplicaMirror
 from ._tree import flatten, other_leaves, shard_sizes, structure
 from ._workers import ReplicaError, ReplicaWorkers
+from ._xproc import BUFFERS_BROADCAST, LOSS_WEIGHTS
 from .devices import DeviceLike, parse_devices, process_devices
 from .optim import ParamsFn, replicated_optimizer
 from .sync import GradSync
@@ -333,7 +334,7 @@ class DistributedModel(nn.Module):
         xp = self.sync._xproc
         on_host = all(v.device.type == "cpu" for v in losses)
         local = sum(float(v.detach()) for v in losses) if on_host else 0.0
-        rows_all, loss_sum = xp.sum_over_ranks([float(rows), local * rows])
+        rows_all, loss_sum = xp.sum_over_ranks([float(rows), local * rows], LOSS_WEIGHTS)
         self.last_global_loss = loss_sum / rows_all if on_host else None
         scale = xp.world * rows / rows_all
         return [_ScaleGrad.apply(v, scale) for v in losses]
@@ -406,7 +407,7 @@ class DistributedModel(nn.Module):
             if xp is not None and self.module.training and torch.is_grad_enabled():
                 # Across processes only before training forwards, as torch DDP:
                 # an evaluation may run on some ranks only.
-                xp.broadcast(list(self.module.buffers()), "the broadcast of rank 0's buffers")
+                xp.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
             self._copy_buffers()
 
     def _copy_buffers(self) -> None:

@@ -31,6 +31,7 @@ from ._scaler import LossScaler
 from ._state import LoopState
 from ._tree import flatten
 from ._workers import ReplicaError
+from ._xproc import exchange
 from .callbacks import Callback, MetricsLogger, ProgressBar
 from .checkpoint import check_classes, list_checkpoints, load_latest, save_atomic, save_checkpoint
 from .config import TrainConfig
@@ -43,6 +44,15 @@ __all__ = ["FitResult", "LoopState", "Trainer", "TrainingError"]
 
 OptimizerSpec = Union[Type[torch.optim.Optimizer], functools.partial]
 Metric = Callable[[Any, Any], torch.Tensor]  # (outputs, targets) -> mean over the shard
+
+
+# The Trainer's exchanges across processes (see _xproc.exchange).
+_VALID_SUMS = exchange("the sums of a validation during fit()")
+_TRAIN_LOSS = exchange("the training loss of a step (GPU replicas)")
+_STOP = exchange("the stop decision after a step (Ctrl-C on any rank)")
+_RNG = exchange("the RNG states for a checkpoint")
+_RESUME = exchange("rank 0's checkpoint at resume")
+_DIR_CHECK = exchange("rank 0's check of the output directory")
 
 
 class TrainingError(RuntimeError):
@@ -155,10 +165,14 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, data: Any) -> Dict[str, float]:
-        """Loss and metrics over `data`, sharded over every replica and reduced:
-        means over all rows, as one device would compute them."""
+        """Loss and metrics over `data`, sharded over this process's replicas
+        and reduced: means over all rows, as one device would compute them.
+        Across processes it does not communicate: each calling rank evaluates
+        all of `data` (so rank 0 may evaluate alone, and every rank that calls
+        it gets the same figures); validation inside fit() is sharded over
+        the ranks instead."""
         with self._use("evaluate", reentrant=True):
-            return self._evaluate(data)
+            return self._evaluate(data, across_ranks=False)
 
     def close(self) -> None:
         """Stops the replicas' worker threads and removes the gradient hooks
@@ -273,8 +287,11 @@ class Trainer:
         self.state.batch_in_epoch = self._window
         self._window = self._torn = None
 
-    def _evaluate(self, data: Any) -> Dict[str, float]:
+    def _evaluate(self, data: Any, across_ranks: bool) -> Dict[str, float]:
+        """`across_ranks`: every rank evaluates its slice and the sums are
+        exchanged (every rank must call it); else this rank evaluates all."""
         cfg = self.config
+        across_ranks = across_ranks and self._xp is not None
         loader = ShardedLoader(
             data,
             cfg.eval_batch_size or cfg.batch_size,
@@ -282,8 +299,8 @@ class Trainer:
             shuffle=False,
             seed=cfg.seed,
             prefetch=cfg.prefetch,
-            rank=self.rank,
-            world=self.world,
+            rank=self.rank if across_ranks else 0,
+            world=self.world if across_ranks else 1,
             keep_short=True,  # every row counts; a rank may get none of the last batch
         )
         # Each module's own mode comes back afterwards (a user may keep, say,
@@ -317,9 +334,9 @@ class Trainer:
             for m, mode in modes:
                 m.train(mode)
             self.model.training = self.model.module.training
-        if self._xp is not None:  # every rank's rows: the same figures everywhere
+        if across_ranks:  # every rank's rows: the same figures everywhere
             local = totals.tolist() if totals is not None else [0.0] * len(names)
-            sums = self._xp.sum_over_ranks([rows, *local])
+            sums = self._xp.sum_over_ranks([rows, *local], _VALID_SUMS)
             rows, totals = sums[0], torch.tensor(sums[1:], dtype=torch.float64)
         values = (totals / rows).tolist()  # one host sync for the whole evaluation
         return {f"valid_{n}" if n == "loss" else n: v for n, v in zip(names, values)}
@@ -387,7 +404,7 @@ class Trainer:
         g = self.model.last_global_loss  # computed with the rows exchange (CPU)
         if g is None:  # GPU replicas: the host reads the loss here, once per step
             rows = sum(_rows(s) for s in shards)
-            rows_all, total = self._xp.sum_over_ranks([rows, loss.item() * rows])
+            rows_all, total = self._xp.sum_over_ranks([rows, loss.item() * rows], _TRAIN_LOSS)
             g = total / rows_all
         return torch.tensor(g)
 
@@ -430,7 +447,7 @@ class Trainer:
         )
         stop = self._ctrl_c.stop_requested
         if self._xp is not None:  # a Ctrl-C on any rank stops every rank at this step
-            stop = self._xp.sum_over_ranks([float(stop)])[0] > 0
+            stop = self._xp.sum_over_ranks([float(stop)], _STOP)[0] > 0
         if stop:
             state.stop_reason = "interrupted"  # fit() writes the checkpoint on the way out
 
@@ -460,7 +477,8 @@ class Trainer:
 
     def _validate(self, valid_data: Any) -> None:
         cfg, state = self.config, self.state
-        result = self.evaluate(valid_data)
+        with torch.no_grad():
+            result = self._evaluate(valid_data, across_ranks=True)
         loss = result["valid_loss"]
         past = state.smoothed_valid_loss
         state.smoothed_valid_loss = (
@@ -498,7 +516,7 @@ class Trainer:
         # Every rank's own random state (its dropout masks differ from the
         # others'), so that a resumed rank draws what it would have drawn.
         rng = {"torch": torch.get_rng_state(), "cuda": cuda_rng_states(self.model.devices)}
-        ranks = [rng] if self._xp is None else self._xp.gather_objects(rng, "the RNG states")
+        ranks = [rng] if self._xp is None else self._xp.gather_objects(rng, _RNG)
         if self.rank != 0:  # every rank holds the same model: rank 0 writes it
             return
         payload = {
@@ -522,7 +540,7 @@ class Trainer:
         if self._xp is not None:
             # Rank 0 reads, every rank gets the same checkpoint (no shared
             # filesystem needed, no rank picking a different "latest").
-            found = self._xp.from_root(found)
+            found = self._xp.from_root(found, _RESUME)
         if found is None:
             return
         path, payload = found
@@ -563,7 +581,7 @@ class Trainer:
                 if found:
                     refusal = fresh_run_message(self.output_dir / "checkpoints", found)
         if self._xp is not None:
-            refusal = self._xp.from_root(refusal)
+            refusal = self._xp.from_root(refusal, _DIR_CHECK)
         if refusal is not None:
             raise ValueError(refusal)
 

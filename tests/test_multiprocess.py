@@ -342,3 +342,16 @@ def test_ranks_draw_their_own_random_streams_and_resume_them(tmp_path):
     ranks = results(tmp_path, "rng", 2)
     assert ranks[0]["draws"] != ranks[1]["draws"]
     assert all(r["resumed_equal"] for r in ranks)
+
+
+def test_evaluating_on_one_rank_and_exchanges_that_do_not_pair(tmp_path):
+    run = torchrun("exchanges", tmp_path, 2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r0, r1 = results(tmp_path, "exchanges", 2)
+    assert abs(r0["alone"] - r0["alone_true"]) < 1e-6, r0  # no exchange: the true figure
+    assert r0["steps"] == r1["steps"] == 8 and r0["params"] == r1["params"]
+    for r in (r0, r1):
+        error = r["mismatch"]
+        assert error is not None and "not at the same exchange" in error, error
+        assert "rank 0 at exchange" in error and "the loss weighting of a training step" in error
+        assert "rank 1 at exchange" in error and "the sums of a validation during fit()" in error

@@ -558,6 +558,43 @@ def rng(out: dict) -> None:
     out["resumed_equal"] = run("split", 6) == straight
 
 
+def exchanges(out: dict) -> None:
+    """fit, an evaluation on rank 0 alone, fit again: the evaluation used to
+    pair its exchange with the other rank's next training step (wrong
+    figures on both, then a gloo abort). Then two ranks at different
+    exchanges on purpose: both must raise, naming both."""
+    from pyddp import trainer as trainer_module
+    from pyddp._xproc import LOSS_WEIGHTS
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
+    cfg = pyddp.TrainConfig(batch_size=10, max_epochs=1, progress=False, seed=4)
+    model = eval_norm(net())
+    with pyddp.Trainer(
+        model, ["cpu"], optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+        loss_fn=nn.functional.mse_loss, config=cfg,
+    ) as t:  # fmt: skip
+        t.fit((x, y), (x[:20], y[:20]))
+        if pyddp.is_main():
+            out["alone"] = t.evaluate((x[:20], y[:20]))["valid_loss"]
+            with torch.no_grad():
+                out["alone_true"] = nn.functional.mse_loss(model.eval()(x[:20]), y[:20]).item()
+            model.train()
+            eval_norm(model)
+        t.config.max_epochs = 2
+        t.fit((x, y), (x[:20], y[:20]))
+        out["steps"] = t.state.step
+        out["params"] = [p.detach().flatten().tolist() for p in t.model.module.parameters()]
+    dm = pyddp.wrap(nn.Linear(2, 2), ["cpu"])
+    name = LOSS_WEIGHTS if pyddp.rank() == 0 else trainer_module._VALID_SUMS
+    try:
+        dm.sync._xproc.sum_over_ranks([1.0, 2.0], name)
+        out["mismatch"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["mismatch"] = str(e)
+    _write_and_exit(out)  # the group is broken after the mismatch
+
+
 def _expect_failure(out: dict, run) -> None:
     """Runs `run`, records its error (None if it did not raise) and how long it
     took, then writes `out` and ends the process."""
