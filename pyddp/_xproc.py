@@ -16,6 +16,7 @@ import datetime
 import functools
 import itertools
 import pickle
+import struct
 import threading
 import time
 import zlib
@@ -355,23 +356,33 @@ class CrossProcess:
         return None if t[0].item() != size else t[1:].tolist()
 
     # ----------------------------------------------------------- per backward
-    def start_agreement(self, none_here: Sequence[int], size: int) -> None:
+    def start_agreement(self, none_here: Sequence[int], size: int, record: Dict[str, int]) -> None:
         """Starts the per-iteration exchange on which parameters hold a gradient
-        on some process (a uint8 mask, MAX over ranks). Asynchronous on the
-        control group: it travels while the bucket reductions finish, so it
-        adds latency only where it outlasts them."""
+        on some process (a uint8 mask, MAX over ranks), carrying `record`
+        (what every rank must agree on at this synced backward: step count,
+        micro-batches, train/eval, a parameter checksum): its bytes and their
+        complements, so MAX gives both the largest and the smallest value of
+        each byte. Asynchronous on the control group: it travels while the
+        bucket reductions finish, so it adds latency only where it outlasts
+        them."""
         if self.failed is not None:
             raise ProcessGroupError(self.failed)
         t0 = time.perf_counter_ns()
-        mask = torch.ones(size, dtype=torch.uint8)
+        packed = torch.tensor([_AGREEMENT_TAG, *record.values()], dtype=torch.int64)
+        packed = packed.view(torch.uint8)
+        n = packed.numel()
+        mask = torch.ones(size + 2 * n, dtype=torch.uint8)
         mask[list(none_here)] = 0
+        mask[size : size + n] = packed
+        mask[size + n :] = 255 - packed
         self._none_here = list(none_here)
-        self._mask = mask
+        self._mask, self._record, self._size = mask, dict(record), size
         self._agree_work = _allreduce(self.ctrl, mask, dist.ReduceOp.MAX)
         self._agree_launch_ns = time.perf_counter_ns() - t0
 
     def unused_everywhere(self) -> List[int]:
-        """After wait(): the parameters with a gradient on no process."""
+        """After wait(): the parameters with a gradient on no process. Raises
+        on every rank, naming fields and ranks, if the ranks' records differ."""
         work, self._agree_work = self._agree_work, None
         if work is None:
             return []
@@ -379,13 +390,45 @@ class CrossProcess:
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except Exception as e:  # noqa: BLE001 - named below
-            self._fail(f"the exchange on unused parameters failed: {_first_line(e)}")
+            self._fail(
+                f"the exchange on unused parameters failed: {_first_line(e)}",
+                where=f"synced backward {self.iteration}",
+            )
         if ok is False:
-            self._fail(f"the exchange on unused parameters took over {self.timeout:g} s")
+            self._fail(
+                f"the exchange on unused parameters took over {self.timeout:g} s",
+                where=f"synced backward {self.iteration}",
+            )
         # The exposed part: launching it, and waiting for it once the buckets
         # were done.
         self.agree_ns = time.perf_counter_ns() - t0 + self._agree_launch_ns
-        return [i for i in self._none_here if not self._mask[i]]
+        size, mask = self._size, self._mask
+        n = (mask.numel() - size) // 2
+        if not torch.equal(mask[size : size + n], 255 - mask[size + n :]):
+            self._disagreement()
+        return [i for i in self._none_here if not mask[i]]
+
+    def _disagreement(self) -> None:
+        """The ranks' records differ (every rank sees it): exchange them and
+        name each differing field with every rank's value."""
+        records = self.gather_objects(self._record, DISAGREEMENT)
+        lines = []
+        for field in self._record:
+            values = [rec.get(field) for rec in records]
+            if len(set(values)) > 1:
+                shown = ", ".join(
+                    f"rank {self.ranks[r]} {_shown(field, v)}" for r, v in enumerate(values)
+                )
+                lines.append(f"{field}: {shown}")
+        self._fail(
+            "the ranks did different work before this synced backward ("
+            + "; ".join(lines or ["records differ (a rank paired this exchange with another)"])
+            + "): one rank stepped its optimizer more often, ran a micro-batch under no_sync() "
+            "the others did not, switched model.train()/eval() alone, or changed its "
+            "parameters outside pyddp; its replicas would differ for the rest of the run",
+            census=False,
+            where=f"synced backward {self.iteration}",  # wait() has counted it
+        )
 
     def from_root(self, obj: Any, what: str) -> Any:
         """The group root's `obj` on every rank (pickled through gloo)."""
@@ -540,7 +583,7 @@ class CrossProcess:
             return f"synced backward {self.iteration + 1}"
         return f"the exchange after synced backward {self.iteration}"
 
-    def _fail(self, what: str, census: bool = True) -> None:
+    def _fail(self, what: str, census: bool = True, where: Optional[str] = None) -> None:
         why = self._abandoned() if census else None
         if why is not None:  # the root cause, rather than its echo here
             what, census = f"{what}, because {why}", False
@@ -549,7 +592,7 @@ class CrossProcess:
             missing = "; the rendezvous store did not answer either (its host stopped or gone?)"
         self.failed = (
             f"pyddp: across {self.world} processes (this is rank {dist.get_rank()}), "
-            f"{self._where()}: {what}{missing}. The process group cannot be used after "
+            f"{where or self._where()}: {what}{missing}. The process group cannot be used after "
             "this: restart the processes (torchrun --max-restarts=K resumes a Trainer from "
             "its last checkpoint)"
         )
@@ -582,6 +625,15 @@ class CrossProcess:
             members = [self.names[i] for i in self.buckets[bucket][:3]]
             return ", ".join(members) + (", ..." if len(self.buckets[bucket]) > 3 else "")
         return "?"
+
+
+_AGREEMENT_TAG = 0x70796464  # "pydd": a record paired with another exchange shows here
+
+
+def _shown(field: str, value: Any) -> str:
+    if field == "parameter checksum" and isinstance(value, int):
+        return repr(struct.unpack("<d", struct.pack("<q", value))[0])
+    return repr(value)
 
 
 _STORE_DEADLINE_S = 5.0  # a store call on the failure path; the store answers in ms

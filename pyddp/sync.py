@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import struct
 import time
 import weakref
 from collections import Counter
@@ -28,6 +29,7 @@ from .observe import Observer, chrome_trace, timeline_from_env, write_trace
 ReduceError = _C.ReduceError
 
 _MIB = 1 << 20
+CHECKSUM_EVERY = 16  # synced backwards between parameter checksums across processes
 
 
 class GradSync:
@@ -154,6 +156,8 @@ class GradSync:
             raise ValueError(f"timeline={timeline} must be >= 0 (iterations to keep)")
         self.observer = Observer(keep)
         self._xproc: Optional[CrossProcess] = None
+        # Compared across processes at every synced backward (_agreement_record).
+        self.micro_batches = 0  # forwards prepared since the last synced backward
         if xgroup is not None:
             settings = {
                 "bucket_cap_mb": bucket_cap_mb,
@@ -326,6 +330,10 @@ class GradSync:
         if self._engine is None:
             return
         self._check_open()
+        if replica == 0 and self.replicas[0].training:
+            # Training forwards only: an evaluation with autograd on (on
+            # some ranks only, say) is not a micro-batch.
+            self.micro_batches += 1
         # Backward runs on the stream its forward runs on: this one. It and the
         # zeroing below come after the last reduction of these buckets.
         self._use_current_stream(replica)
@@ -399,6 +407,30 @@ class GradSync:
             self._rebuild_pending = False
             self._rebuild()
         self._grad_versions = [[f._version for f in flats] for flats in self._flat]
+
+    def _agreement_record(self) -> Dict[str, int]:
+        """What every rank must agree on at each synced backward (compared in
+        the unused-parameter exchange that runs anyway): ranks that stepped,
+        accumulated or switched mode differently would reduce different
+        iterations' gradients together and diverge for good. The parameter
+        checksum (the float64 sum of replica 0's parameters, as its bits; it
+        also sees writes through .data, which version counters miss) is taken
+        every CHECKSUM_EVERY synced backwards, on CPU replicas only (on GPUs
+        it would make the host wait)."""
+        checksum = 0
+        if self._gpu_devices is None and self._xproc.iteration % CHECKSUM_EVERY == 0:
+            with torch.no_grad():
+                total = sum(float(p.detach().double().sum()) for p in self.params[0])
+            checksum = struct.unpack("<q", struct.pack("<d", total))[0]
+        return {
+            "synced backward": self._xproc.iteration + 1,
+            # Every in-place write bumps a tensor's version: an optimizer step
+            # (whichever optimizer), load_state_dict, a manual edit.
+            "in-place updates of the parameters": sum(p._version for p in self.params[0]),
+            "micro-batches since the last synced backward": self.micro_batches,
+            "model in training mode": int(self.replicas[0].training),
+            "parameter checksum": checksum,
+        }
 
     def _join_processes(
         self, group: Any, timeout: Optional[float], op: str, settings: Dict[str, Any]
@@ -542,7 +574,8 @@ class GradSync:
             # on no process at all is agreed meanwhile, and those return to
             # None after the reductions (_finish_across_processes).
             absent = sorted(set(none_here) | {i for i in nowhere if not self._engine.has_grad(i)})
-            self._xproc.start_agreement(absent, len(self.names))
+            self._xproc.start_agreement(absent, len(self.names), self._agreement_record())
+            self.micro_batches = 0
             for i in absent:
                 self._engine.note_grad(i, True)
                 for views in self._views:

@@ -355,3 +355,18 @@ def test_evaluating_on_one_rank_and_exchanges_that_do_not_pair(tmp_path):
         assert error is not None and "not at the same exchange" in error, error
         assert "rank 0 at exchange" in error and "the loss weighting of a training step" in error
         assert "rank 1 at exchange" in error and "the sums of a validation during fit()" in error
+
+
+def test_ranks_doing_different_work_are_named_at_the_next_synced_backward(tmp_path):
+    run = torchrun("diverge", tmp_path, 2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    expect = {
+        "extra step": "in-place updates of the parameters: rank 0 ",
+        "extra no_sync": "micro-batches since the last synced backward: rank 0 1, rank 1 2",
+        "eval": "model in training mode: rank 0 1, rank 1 0",
+        "edited parameters": "parameter checksum: rank 0",
+    }
+    for r in results(tmp_path, "diverge", 2):
+        for case, field in expect.items():
+            assert r[case] is not None, case
+            assert "did different work" in r[case] and field in r[case], (case, r[case])

@@ -595,6 +595,46 @@ def exchanges(out: dict) -> None:
     _write_and_exit(out)  # the group is broken after the mismatch
 
 
+def diverge(out: dict) -> None:
+    """Ranks that do different work: each case used to diverge silently (torch
+    DDP misses them too). Each must raise on every rank at the next synced
+    backward, naming the field and both ranks' values."""
+    rank = pyddp.rank()
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+
+    def step(dm, opt, extra=None) -> None:
+        nn.functional.mse_loss(dm(x), y).backward()
+        opt.step()
+        if extra is not None:
+            extra()
+        opt.zero_grad()
+
+    def case(name: str, odd, steps: int = 1) -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        dm = pyddp.wrap(model, ["cpu"])
+        opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+        try:
+            step(dm, opt, extra=(lambda: odd(dm, opt, model)) if rank == 1 else None)
+            for _ in range(steps):  # the checksum is taken every CHECKSUM_EVERY
+                step(dm, opt)
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[name] = str(e)
+
+    def extra_no_sync(dm, opt, model) -> None:
+        with dm.no_sync():
+            nn.functional.mse_loss(dm(x), y).backward()
+
+    def edit(dm, opt, model) -> None:
+        model[0].weight.data.add_(1.0)  # through .data: no version bump, the checksum sees it
+
+    case("extra step", lambda dm, opt, model: opt.step())  # gradients still there
+    case("extra no_sync", extra_no_sync)
+    case("eval", lambda dm, opt, model: model.eval())
+    case("edited parameters", edit, steps=pyddp.sync.CHECKSUM_EVERY)
+
+
 def _expect_failure(out: dict, run) -> None:
     """Runs `run`, records its error (None if it did not raise) and how long it
     took, then writes `out` and ends the process."""
