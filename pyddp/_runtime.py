@@ -230,7 +230,7 @@ def make_backend(
         nccl = _require(
             find_nccl(),
             "one replica per GPU needs NCCL",
-            "`pip install pyddp[cuda12]` or `[cuda13]`",
+            '`pip install ".[cuda12]"` (or ".[cuda13]") from a clone of pyddp',
             NCCL_ENV,
         )
         if rendezvous is None:

@@ -35,7 +35,9 @@ def report() -> List[str]:
         for i in range(count):
             cc = _C.cuda_compute_capability(i)
             lines.append(f"  cuda:{i}: {_C.cuda_device_name(i)} (sm_{cc})")
-    nccl = _library_line(lines, "nccl", find_nccl, NCCL_ENV, "pip install pyddp[cuda12]")
+    nccl = _library_line(
+        lines, "nccl", find_nccl, NCCL_ENV, 'pip install ".[cuda12]" (from the clone)'
+    )
     nvrtc = _library_line(
         lines, "nvrtc", find_nvrtc, NVRTC_ENV, "pip install nvidia-cuda-nvrtc-cu12"
     )

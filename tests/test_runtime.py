@@ -73,7 +73,7 @@ def test_doctor_reports_a_bad_env_library_instead_of_crashing():
 def test_nccl_found_and_versioned_when_installed():
     info = _runtime.find_nccl()
     if info.path is None:
-        pytest.skip("no NCCL on this machine (pip install pyddp[cuda12] brings one)")
+        pytest.skip('no NCCL on this machine (pip install ".[cuda12]" brings one)')
     major, minor, patch = (int(v) for v in info.version.split("."))
     assert major == 2 and minor >= 10
 

@@ -1,7 +1,16 @@
-"""`pyddp-bench {allreduce,overlap,simulate}`: see each module's docstring.
-Every command prints a table, writes JSON (and overlap a PNG chart) into
---out, and has --quick for a smoke run of a few seconds. The common options
-go after the subcommand (`pyddp-bench overlap --quick`) or before it."""
+"""pyddp-bench: measure and predict data-parallel communication.
+
+  allreduce  all-reduce bandwidth over --devices, nccl-tests style, next to a
+             memory copy measured in the same run (a table and JSON)
+  overlap    one training step under each sync policy (no reduction, after
+             backward, per-parameter, bucketed) and torch DDP; --processes N
+             across N processes (a table, JSON and a PNG chart)
+  simulate   a step on 1 to hundreds of GPUs predicted from a model's profile,
+             without a GPU, for each policy (a table, JSON and a PNG chart)
+
+`pyddp-bench SUB --help` shows each one's options and defaults. Results go
+to --out; --quick is a smoke run of a few seconds. The common options go
+after the subcommand (`pyddp-bench overlap --quick`) or before it."""
 
 from __future__ import annotations
 
@@ -143,11 +152,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         multiproc.check_args(parser, args)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         parser.error(f"--out {args.out}: exists and is not a folder")
-    busy = cpu_busy()  # before anything of ours runs: other work on the machine
-    noisy = " (other work is running: figures will be noisy)" if busy > 0.1 else ""
+    # Before anything of ours runs: other work on the machine makes measured
+    # figures noisy. simulate measures nothing (it computes), so it is not asked.
+    busy = cpu_busy() if args.command != "simulate" else None
+    noisy = " (other work is running: figures will be noisy)" if busy and busy > 0.1 else ""
+    load = f", CPU busy before start {busy:.0%}{noisy}" if busy is not None else ""
     print(
         f"pyddp {pyddp.__version__}, torch {torch.__version__}, {torch.get_num_threads()} "
-        f"threads, CPU busy before start {busy:.0%}{noisy}"
+        f"threads{load}"
     )
     command = {"allreduce": _allreduce, "overlap": _overlap, "simulate": _simulate}
     payload = command[args.command](args)

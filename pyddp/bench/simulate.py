@@ -217,15 +217,24 @@ def chart(rows: Sequence[Dict[str, Any]], title: str, path: Any) -> Any:
     """Efficiency vs GPU count, one line per policy (PNG)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    styles = ["o-", "s-", "^-", "D--", "v:", "x-."]  # dashed/dotted: lines that coincide show
+    # Later lines are dashed or dotted with larger hollow markers, so a line
+    # drawn over an equal one leaves it visible; the legend says which are equal.
+    styles = [("o", "-", 5), ("s", "--", 7), ("^", ":", 8), ("D", "-.", 9), ("v", "--", 10)]
+    curves: Dict[str, List[float]] = {}
     for k, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
         mine = [r for r in rows if r["policy"] == policy]
+        values = [round(100 * r["efficiency"], 3) for r in mine]
+        same = [p for p, v in curves.items() if v == values]
+        curves[policy] = values
+        marker, line, size = styles[k % len(styles)]
         ax.plot(
             [r["gpus"] for r in mine],
             [100 * r["efficiency"] for r in mine],
-            styles[k % len(styles)],
-            label=policy,
-            markersize=5,
+            marker=marker,
+            linestyle=line,
+            markersize=size,
+            markerfacecolor="none" if k else None,
+            label=policy + (f" (= {same[0]})" if same else ""),
         )
     counts = sorted({r["gpus"] for r in rows})
     ax.set_xscale("log", base=2)
