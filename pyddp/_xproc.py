@@ -58,6 +58,7 @@ BUFFERS_BROADCAST = exchange("the broadcast of rank 0's buffers before a trainin
 PLAN_BROADCAST = exchange("the bucket plan broadcast")
 LOSS_WEIGHTS = exchange("the loss weighting of a training step")
 DISAGREEMENT = exchange("the records of a disagreement between ranks")
+AGREEMENT = exchange("the agreement at the end of a synced backward")
 _groups: Dict[tuple, Any] = {}
 # Released while the interpreter is whole: a gloo group destroyed during
 # interpreter teardown can end the process in std::terminate.
@@ -229,7 +230,7 @@ class CrossProcess:
         self.wait_ns = 0  # the last iteration's wait for cross-process reductions
         self.done_ns_last: Dict[int, int] = {}
 
-    def _same_exchange(self, what: str) -> None:
+    def _same_exchange(self, what: str, where: Optional[str] = None) -> None:
         """Every rank must be at the same control exchange: compares each
         rank's (tag, sequence number) first, in a fixed-size all-gather."""
         key = tuple(self.ranks)
@@ -250,6 +251,7 @@ class CrossProcess:
             "pyddp calls in the same order (an evaluation, a fit or a wrap on some ranks only "
             "pairs with another exchange on the others)",
             census=False,
+            where=where,
         )
 
     # ---------------------------------------------------------- at wrap time
@@ -368,6 +370,10 @@ class CrossProcess:
         if self.failed is not None:
             raise ProcessGroupError(self.failed)
         t0 = time.perf_counter_ns()
+        # A header first, as for every control exchange: a rank still at
+        # another exchange (a buffer broadcast before a training forward it
+        # alone ran) must not meet this mask with a message of another size.
+        self._same_exchange(AGREEMENT, where=f"synced backward {self.iteration + 1}")
         packed = torch.tensor([_AGREEMENT_TAG, *record.values()], dtype=torch.int64)
         packed = packed.view(torch.uint8)
         n = packed.numel()

@@ -428,7 +428,8 @@ class GradSync:
             # (whichever optimizer), load_state_dict, a manual edit.
             "in-place updates of the parameters": sum(p._version for p in self.params[0]),
             "micro-batches since the last synced backward": self.micro_batches,
-            "model in training mode": int(self.replicas[0].training),
+            # One BatchNorm left in eval() counts, not only the whole model.
+            "modules in training mode": sum(m.training for m in self.replicas[0].modules()),
             "parameter checksum": checksum,
         }
 

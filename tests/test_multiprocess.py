@@ -363,10 +363,16 @@ def test_ranks_doing_different_work_are_named_at_the_next_synced_backward(tmp_pa
     expect = {
         "extra step": "in-place updates of the parameters: rank 0 ",
         "extra no_sync": "micro-batches since the last synced backward: rank 0 1, rank 1 2",
-        "eval": "model in training mode: rank 0 1, rank 1 0",
+        "eval": "modules in training mode: rank 0 4, rank 1 0",
         "edited parameters": "parameter checksum: rank 0",
     }
     for r in results(tmp_path, "diverge", 2):
         for case, field in expect.items():
             assert r[case] is not None, case
             assert "did different work" in r[case] and field in r[case], (case, r[case])
+        error = r["batchnorm eval"]
+        assert error and "modules in training mode: rank 0 4, rank 1 3" in error, error
+        error = r["model eval"]
+        assert error is not None and "not at the same exchange" in error, error
+        assert "rank 0 at exchange" in error and "rank 0's buffers" in error, error
+        assert "rank 1 at exchange" in error and "end of a synced backward" in error, error

@@ -634,6 +634,25 @@ def diverge(out: dict) -> None:
     case("eval", lambda dm, opt, model: model.eval())
     case("edited parameters", edit, steps=pyddp.sync.CHECKSUM_EVERY)
 
+    # One rank in eval(): rank 0 broadcasts buffers before its training
+    # forward and rank 1 does not (this used to fail as "broadcast of rank
+    # 0's buffers failed", or abort in gloo on the sizes); or only its
+    # BatchNorm in eval().
+    for name, switch in (
+        ("model eval", lambda m: m.eval()),
+        ("batchnorm eval", lambda m: m[1].eval()),
+    ):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+        dm = pyddp.wrap(model, ["cpu"])
+        if rank == 1:
+            switch(model)
+        try:
+            nn.functional.mse_loss(dm(x), y).backward()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out[name] = str(e)
+
 
 def _expect_failure(out: dict, run) -> None:
     """Runs `run`, records its error (None if it did not raise) and how long it
