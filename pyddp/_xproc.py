@@ -238,7 +238,7 @@ class CrossProcess:
         _sequence[key] = seq
         mine = torch.tensor([_tag(what), seq], dtype=torch.int64)
         outs = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
-        self._ctrl_call(what, lambda: self.ctrl.allgather([outs], [mine]).wait())
+        self._ctrl_call(what, lambda: self._await(self.ctrl.allgather([outs], [mine])))
         if all(torch.equal(o, mine) for o in outs):
             return
         sides = "; ".join(
@@ -579,8 +579,23 @@ class CrossProcess:
             raise ProcessGroupError(self.failed)
         try:
             fn(*args, **kwargs)
+        except ProcessGroupError:
+            raise  # already named (another rank abandoned the step)
         except Exception as e:  # noqa: BLE001 - named and re-raised below
             self._fail(f"{what} failed: {_first_line(e)}")
+
+    def _await(self, work: Any) -> None:
+        """Waits for a control exchange, reading the store every second: a rank
+        that abandoned its step makes the others fail now, not at the timeout.
+        The completion callback (on a gloo thread) holds only an Event."""
+        done = threading.Event()
+        work.get_future().then(functools.partial(_set_event, done))
+        deadline = time.monotonic() + self.timeout
+        while not done.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                break
+            self._check_abandoned()
+        work.wait()  # gloo's own error, or its timeout (the same as pyddp's)
 
     def _where(self) -> str:
         """Where this rank is in the run, for messages: the synced backward
@@ -643,6 +658,10 @@ def _shown(field: str, value: Any) -> str:
 
 
 _STORE_DEADLINE_S = 5.0  # a store call on the failure path; the store answers in ms
+
+
+def _set_event(event: threading.Event, _future: Any) -> None:
+    event.set()
 
 
 def _quoted(text: str, limit: int = 300) -> str:
