@@ -39,6 +39,10 @@ _ids = itertools.count()  # every rank builds its GradSyncs in the same order
 # an exchange it never made itself.
 _TAGS: Dict[int, str] = {}
 _sequence: Dict[Tuple[int, ...], int] = {}  # per control group (its ranks)
+# Works left pending by a failure stay referenced here: dropping a pending
+# gloo work from the thread that fails (inside autograd's end-of-backward
+# callback) could block it on that work's completion.
+_in_flight: List[Any] = []
 
 
 def _tag(name: str) -> int:
@@ -233,12 +237,20 @@ class CrossProcess:
     def _same_exchange(self, what: str, where: Optional[str] = None) -> None:
         """Every rank must be at the same control exchange: compares each
         rank's (tag, sequence number) first, in a fixed-size all-gather."""
+        self._check_header(what, self._start_header(what), where)
+
+    def _start_header(self, what: str) -> tuple:
+        """Enqueues the header all-gather; _check_header waits for it."""
         key = tuple(self.ranks)
         seq = _sequence.get(key, 0) + 1
         _sequence[key] = seq
         mine = torch.tensor([_tag(what), seq], dtype=torch.int64)
         outs = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
-        self._ctrl_call(what, lambda: self._await(self.ctrl.allgather([outs], [mine])))
+        return self.ctrl.allgather([outs], [mine]), mine, outs
+
+    def _check_header(self, what: str, header: tuple, where: Optional[str] = None) -> None:
+        work, mine, outs = header
+        self._ctrl_call(what, self._await, work)
         if all(torch.equal(o, mine) for o in outs):
             return
         sides = "; ".join(
@@ -370,10 +382,13 @@ class CrossProcess:
         if self.failed is not None:
             raise ProcessGroupError(self.failed)
         t0 = time.perf_counter_ns()
-        # A header first, as for every control exchange: a rank still at
+        # A header first, as for every control exchange, enqueued without
+        # waiting (the agreement stays overlapped with the bucket reductions)
+        # and checked in unused_everywhere before the mask is read. A rank at
         # another exchange (a buffer broadcast before a training forward it
-        # alone ran) must not meet this mask with a message of another size.
-        self._same_exchange(AGREEMENT, where=f"synced backward {self.iteration + 1}")
+        # alone ran) sees the mismatch in its header and never sends that
+        # exchange's payload, so the mask never meets a message of another size.
+        self._agree_header = self._start_header(AGREEMENT)
         packed = torch.tensor([_AGREEMENT_TAG, *record.values()], dtype=torch.int64)
         packed = packed.view(torch.uint8)
         n = packed.numel()
@@ -393,6 +408,8 @@ class CrossProcess:
         if work is None:
             return []
         t0 = time.perf_counter_ns()
+        _in_flight.append(work)  # never destroyed while pending (see _in_flight)
+        self._check_header(AGREEMENT, self._agree_header, where=f"synced backward {self.iteration}")
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except Exception as e:  # noqa: BLE001 - named below
@@ -407,6 +424,7 @@ class CrossProcess:
             )
         # The exposed part: launching it, and waiting for it once the buckets
         # were done.
+        _in_flight.remove(work)
         self.agree_ns = time.perf_counter_ns() - t0 + self._agree_launch_ns
         size, mask = self._size, self._mask
         n = (mask.numel() - size) // 2
@@ -529,9 +547,14 @@ class CrossProcess:
                 "processes can no longer agree on the step: restart them (torchrun "
                 "--max-restarts=K resumes a Trainer from its last checkpoint)"
             )
-            # Best effort: if the store is gone, the others time out instead.
-            # The reason is data for the others: "rank|text", bounded there.
-            self._store("set", f"{self.prefix}/abandoned", f"{dist.get_rank()}|{reason}")
+            self._publish(reason)
+
+    def _publish(self, reason: str) -> None:
+        """Tells the other ranks through the store that this one stopped, so
+        they fail at their next poll instead of at the timeout. Best effort:
+        if the store is gone, the others time out instead. The reason is data
+        for them: "rank|text", bounded and quoted where it is read."""
+        self._store("set", f"{self.prefix}/abandoned", f"{dist.get_rank()}|{reason}")
 
     def _abandoned(self) -> Optional[str]:
         """Another rank's reason for abandoning the step, if it left one: read
@@ -608,6 +631,8 @@ class CrossProcess:
         why = self._abandoned() if census else None
         if why is not None:  # the root cause, rather than its echo here
             what, census = f"{what}, because {why}", False
+        elif "abandoned the step, reporting" not in what and "note in the store" not in what:
+            self._publish(what)  # found here: the others hear it now
         missing = self._census() if census else ""
         if self._store_unreachable and not missing:
             missing = "; the rendezvous store did not answer either (its host stopped or gone?)"

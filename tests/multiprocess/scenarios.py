@@ -527,6 +527,27 @@ def real_models(out: dict) -> None:
                         opt.step()
                         opt.zero_grad()
                     out[f"{name}/{local} per process/{path}"] = max_param_diff(dm.module, ref)
+    # The Trainer: a global batch of `rows` in order (shuffle=False), against
+    # one device on the same batches.
+    for name in ("gpt2", "bert-classifier"):
+        family = FAMILIES[name]
+        inputs, labels = split_inputs(family.batch(2 * rows, 7))
+        ref = family.build()
+        ref_opt = torch.optim.SGD(ref.parameters(), **sgd)
+        for start in range(0, 2 * rows, rows):
+            part = slice(start, start + rows)
+            family.loss(ref(**{k: v[part] for k, v in inputs.items()}), labels[part]).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for local in (1, 2):
+            cfg = pyddp.TrainConfig(batch_size=rows, max_epochs=1, shuffle=False, progress=False)
+            opt = functools.partial(torch.optim.SGD, **sgd)
+            devices = ["cpu"] * local
+            with pyddp.Trainer(
+                family.build(), devices, optimizer=opt, loss_fn=family.loss, config=cfg
+            ) as t:
+                t.fit((inputs, labels))
+                out[f"{name}/{local} per process/trainer"] = max_param_diff(t.model.module, ref)
 
 
 def rng(out: dict) -> None:
@@ -638,9 +659,11 @@ def diverge(out: dict) -> None:
     # forward and rank 1 does not (this used to fail as "broadcast of rank
     # 0's buffers failed", or abort in gloo on the sizes); or only its
     # BatchNorm in eval().
+    # The whole model last: that failure leaves exchanges pending (the group
+    # cannot be used after it, as the message says).
     for name, switch in (
-        ("model eval", lambda m: m.eval()),
         ("batchnorm eval", lambda m: m[1].eval()),
+        ("model eval", lambda m: m.eval()),
     ):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
@@ -652,6 +675,7 @@ def diverge(out: dict) -> None:
             out[name] = None
         except Exception as e:  # noqa: BLE001 - reported to the test
             out[name] = str(e)
+    _write_and_exit(out)
 
 
 def _expect_failure(out: dict, run) -> None:
