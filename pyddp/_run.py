@@ -7,6 +7,7 @@ temporaries left by a kill mid-write."""
 from __future__ import annotations
 
 import hashlib
+import numbers
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -42,10 +43,8 @@ def run_signature(
         )
         for name, t in named
     ]
-    arguments = [
-        *map(repr, optimizer_args),
-        *(f"{k}={v!r}" for k, v in sorted(optimizer_kwargs.items())),
-    ]
+    arguments = [_stable(v) for v in optimizer_args]
+    arguments += [f"{k}={_stable(v)}" for k, v in sorted(optimizer_kwargs.items())]
     shapes = hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
     return {
         "model": f"{type(model).__qualname__}, {len(entries)} tensors (layout {shapes})",
@@ -60,6 +59,22 @@ def run_signature(
         "optimizer": f"{qualname(optimizer)}({', '.join(arguments)})",
         "scheduler": str(qualname(scheduler)),
     }
+
+
+def _stable(value: Any) -> str:
+    """A value as it reads in every run: numbers as floats or ints (numpy's
+    and tensors' reprs vary), callables by name, no memory addresses."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return repr(value)
+    if isinstance(value, numbers.Number) or (hasattr(value, "numel") and value.numel() == 1):
+        number = float(value)
+        integral = isinstance(value, numbers.Integral) and number.is_integer()
+        return repr(int(number)) if integral else repr(number)
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_stable(v) for v in value) + ")"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
 
 def run_differences(saved: Optional[Dict[str, str]], mine: Dict[str, str]) -> List[str]:

@@ -16,7 +16,6 @@ import datetime
 import functools
 import itertools
 import pickle
-import struct
 import threading
 import time
 import zlib
@@ -28,8 +27,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import _C
 from .dist import job_prefix
-
-_ids = itertools.count()  # every rank builds its GradSyncs in the same order
 
 # Every small blocking exchange on a control group is preceded by a header
 # (its name's tag and its place in the group's sequence), compared on every
@@ -107,8 +104,7 @@ def _own_group(ranks: List[int], timeout_s: float, role: str, store: Any) -> Any
     name = f"{job_prefix()}/gloo/{'-'.join(map(str, ranks))}/{role}/{n}"
     # Each member says it arrived, so a timeout can name the ranks that did not.
     me = dist.get_rank()
-    with contextlib.suppress(Exception):
-        store.set(f"{name}/arrived/{me}", "1")
+    _store_call(store, "set", (f"{name}/arrived/{me}", "1"), _STORE_DEADLINE_S)
     try:
         pg = dist.ProcessGroupGloo(
             dist.PrefixStore(name, store),
@@ -119,11 +115,12 @@ def _own_group(ranks: List[int], timeout_s: float, role: str, store: Any) -> Any
     except Exception as e:  # noqa: BLE001 - named below
         missing = []
         for r in ranks:
-            try:
-                if not store.check([f"{name}/arrived/{r}"]):
-                    missing.append(r)
-            except Exception:  # noqa: BLE001 - the store is gone too: say what we know
+            answer = _store_call(store, "check", ([f"{name}/arrived/{r}"],), _STORE_DEADLINE_S)
+            if not answer:  # the store is gone or stopped too: say what we know
+                missing = []
                 break
+            if not answer[0]:
+                missing.append(r)
         who = (
             f"rank {', '.join(map(str, missing))} never arrived (stalled or failed before "
             "pyddp.wrap / GradSync, or running different code)"
@@ -198,7 +195,6 @@ class CrossProcess:
                 f"group=: this process (rank {dist.get_rank()}) is not in the group "
                 f"(ranks {self.ranks}); only its members may wrap with it"
             )
-        self.id = next(_ids)  # every rank builds its GradSyncs in the same order
         self.rank = self.ranks.index(dist.get_rank())
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -210,6 +206,10 @@ class CrossProcess:
         # on a shared group in an order that differs between ranks, and gloo
         # would pair one model's bucket with another's.
         self.group = _own_group(self.ranks, timeout_s, "data", store)
+        # Which of the models wrapped over these ranks this is: the same on
+        # every member (a count per set of ranks, unlike a count of all the
+        # GradSyncs a process made, which differs after a subgroup).
+        self.id = _made[(tuple(self.ranks), "data")] - 1
         self.world = len(self.ranks)
         self.root = self.ranks[0]  # the global rank of the group's rank 0
         self.timeout = timeout_s
@@ -217,7 +217,7 @@ class CrossProcess:
         # Blocking exchanges run on the caller's thread, one at a time: one
         # control group per set of ranks is enough.
         self.ctrl = _own_group(self.ranks, timeout_s, "control", store)
-        self.prefix = f"{job_prefix()}/{self.id}"
+        self.prefix = f"{job_prefix()}/{'-'.join(map(str, self.ranks))}/{self.id}"
         self.iteration = 0
         self.flats: List[torch.Tensor] = []  # replica 0's buckets (set by GradSync)
         self.buckets: List[List[int]] = []
@@ -225,6 +225,7 @@ class CrossProcess:
         self.local_counts: List[int] = []
         self._flight = _InFlight()
         self._store_unreachable = False
+        self._store_misses = 0
         self.in_backward = False  # between the first launch and wait()
         self.agree_ns = 0  # the last iteration's unused-parameter agreement (exposed)
         self._agree_work: Optional[Any] = None
@@ -236,7 +237,10 @@ class CrossProcess:
 
     def _same_exchange(self, what: str, where: Optional[str] = None) -> None:
         """Every rank must be at the same control exchange: compares each
-        rank's (tag, sequence number) first, in a fixed-size all-gather."""
+        rank's (tag, sequence number, wrapped model) first, in a fixed-size
+        all-gather."""
+        if self.failed is not None:  # nothing more goes on the group
+            raise ProcessGroupError(self.failed)
         self._check_header(what, self._start_header(what), where)
 
     def _start_header(self, what: str) -> tuple:
@@ -244,8 +248,10 @@ class CrossProcess:
         key = tuple(self.ranks)
         seq = _sequence.get(key, 0) + 1
         _sequence[key] = seq
-        mine = torch.tensor([_tag(what), seq], dtype=torch.int64)
-        outs = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world)]
+        # The model too: two wrapped models' exchanges of the same kind (a GAN's
+        # generator and discriminator) must not pair.
+        mine = torch.tensor([_tag(what), seq, self.id], dtype=torch.int64)
+        outs = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world)]
         return self.ctrl.allgather([outs], [mine]), mine, outs
 
     def _check_header(self, what: str, header: tuple, where: Optional[str] = None) -> None:
@@ -256,6 +262,7 @@ class CrossProcess:
         sides = "; ".join(
             f"rank {self.ranks[r]} at exchange {int(o[1])}, "
             + _TAGS.get(int(o[0]), f"an exchange unknown here (tag {int(o[0])})")
+            + f" of wrapped model #{int(o[2])}"
             for r, o in enumerate(outs)
         )
         self._fail(
@@ -583,18 +590,13 @@ class CrossProcess:
         within a few seconds; the call is left behind on a daemon thread."""
         if self.store is None or self._store_unreachable:
             return False if op == "check" else None
-        result: List[Any] = []
-
-        def call() -> None:
-            with contextlib.suppress(Exception):
-                result.append(getattr(self.store, op)(*args))
-
-        thread = threading.Thread(target=call, name="pyddp-store", daemon=True)
-        thread.start()
-        thread.join(min(_STORE_DEADLINE_S, self.timeout))
+        result = _store_call(self.store, op, args, min(_STORE_DEADLINE_S, self.timeout))
         if not result:
-            self._store_unreachable = True
+            # Twice in a row: a single slow answer does not end the polling.
+            self._store_misses += 1
+            self._store_unreachable = self._store_misses >= 2
             return False if op == "check" else None
+        self._store_misses = 0
         return result[0]
 
     def _ctrl_call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
@@ -677,12 +679,25 @@ _AGREEMENT_TAG = 0x70796464  # "pydd": a record paired with another exchange sho
 
 
 def _shown(field: str, value: Any) -> str:
-    if field == "parameter checksum" and isinstance(value, int):
-        return repr(struct.unpack("<d", struct.pack("<q", value))[0])
     return repr(value)
 
 
 _STORE_DEADLINE_S = 5.0  # a store call on the failure path; the store answers in ms
+
+
+def _store_call(store: Any, op: str, args: tuple, deadline: float) -> List[Any]:
+    """store.op(*args) on a daemon thread, waited at most `deadline` seconds:
+    [result], or [] if it failed or did not answer (the call is left behind)."""
+    result: List[Any] = []
+
+    def call() -> None:
+        with contextlib.suppress(Exception):
+            result.append(getattr(store, op)(*args))
+
+    thread = threading.Thread(target=call, name="pyddp-store", daemon=True)
+    thread.start()
+    thread.join(deadline)
+    return result
 
 
 def _set_event(event: threading.Event, _future: Any) -> None:

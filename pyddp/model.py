@@ -491,12 +491,12 @@ class DistributedModel(nn.Module):
         returned loss: schedules the end-of-backward bookkeeping and, for CPU
         replicas, runs every replica's backward on its worker. `again`: a
         graph kept by retain_graph=True runs backward once more."""
-        if again and not self._finish_queued:
-            # As after a new forward: the last backward's gradients were
-            # reduced, so each replica accumulates on top of them afresh
-            # (replica 0 carries the sum; the others start from zero).
-            self.sync.prepare_all()
         if not self._finish_queued:
+            # The first join of this backward, before any replica accumulates:
+            # after a backward over a graph kept with retain_graph=True (no
+            # forward in between), the last reduction's copies are cleared as
+            # a forward would (replica 0 carries the sum, the others restart).
+            self.sync.restart_accumulation()
             self._finish_queued = True
             # Autograd's final callback: runs once the whole backward is done,
             # whatever else the loss depended on.
@@ -570,6 +570,8 @@ def _check_other_leaves(outs: List[Any]) -> None:
     per_replica = [other_leaves(o) for o in outs]
     for k, leaf in enumerate(per_replica[0]):
         values = [leaves[k].value for leaves in per_replica]  # same structure: checked first
+        if leaf.in_cache and isinstance(leaf.value, torch.device):
+            continue  # each replica's cache names its own device; replica 0's is devices[0]
         if (leaf.in_cache or isinstance(leaf.value, _SAME_ON_EVERY_REPLICA)) and all(
             _equal(v, leaf.value) for v in values
         ):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import struct
 import time
 import weakref
 from collections import Counter
@@ -17,6 +16,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _C
 from ._params import dtype_name, trainable_params
@@ -158,6 +158,9 @@ class GradSync:
         self._xproc: Optional[CrossProcess] = None
         # Compared across processes at every synced backward (_agreement_record).
         self.micro_batches = 0  # forwards prepared since the last synced backward
+        self.steps = 0  # optimizer steps over replica 0's parameters (_count_step)
+        self._stepping: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        _syncs.add(self)
         if xgroup is not None:
             settings = {
                 "bucket_cap_mb": bucket_cap_mb,
@@ -344,6 +347,29 @@ class GradSync:
             for flat in self._flat[replica]:
                 flat.zero_()
 
+    def restart_accumulation(self) -> None:
+        """At the start of a backward: replicas whose copy of the last
+        reduction is still there (a second backward over a graph kept with
+        retain_graph=True, with no forward in between) clear it, as prepare
+        does, so the sum over replicas stays exact."""
+        if self._engine is None:
+            return
+        for r in range(len(self.replicas)):
+            if self._engine.take_stale(r) and r > 0 and self._op == "sum":
+                self._use_current_stream(r)
+                for flat in self._flat[r]:
+                    flat.zero_()
+
+    def _count_step(self, optimizer: Any) -> None:
+        """A step of `optimizer`: counted if it steps replica 0's parameters."""
+        steps_ours = self._stepping.get(optimizer)
+        if steps_ours is None:
+            mine = {id(p) for p in self.params[0]}
+            steps_ours = any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
+            self._stepping[optimizer] = steps_ours
+        if steps_ours:
+            self.steps += 1
+
     def prepare_all(self) -> None:
         """Before a step that drives every replica from one thread: drops a
         backward that failed without abort(), then prepares every replica."""
@@ -412,21 +438,20 @@ class GradSync:
         """What every rank must agree on at each synced backward (compared in
         the unused-parameter exchange that runs anyway): ranks that stepped,
         accumulated or switched mode differently would reduce different
-        iterations' gradients together and diverge for good. The parameter
-        checksum (the float64 sum of replica 0's parameters, as its bits; it
-        also sees writes through .data, which version counters miss) is taken
-        every CHECKSUM_EVERY synced backwards, on CPU replicas only (on GPUs
-        it would make the host wait)."""
+        iterations' gradients together and diverge for good. Optimizer steps
+        are counted by a hook on every optimizer stepping replica 0's
+        parameters (dmodel.optimizer's or the user's own). The parameter
+        checksum (the sum of replica 0's parameters' raw bits, as integers:
+        exact whatever the thread count) is taken every CHECKSUM_EVERY synced
+        backwards, on CPU replicas only (on GPUs it would make the host wait);
+        it sees any change, writes through .data included."""
         checksum = 0
         if self._gpu_devices is None and self._xproc.iteration % CHECKSUM_EVERY == 0:
             with torch.no_grad():
-                total = sum(float(p.detach().double().sum()) for p in self.params[0])
-            checksum = struct.unpack("<q", struct.pack("<d", total))[0]
+                checksum = sum(_bits_sum(p) for p in self.params[0]) & 0x7FFFFFFFFFFFFFFF
         return {
             "synced backward": self._xproc.iteration + 1,
-            # Every in-place write bumps a tensor's version: an optimizer step
-            # (whichever optimizer), load_state_dict, a manual edit.
-            "in-place updates of the parameters": sum(p._version for p in self.params[0]),
+            "optimizer steps": self.steps,
             "micro-batches since the last synced backward": self.micro_batches,
             # One BatchNorm left in eval() counts, not only the whole model.
             "modules in training mode": sum(m.training for m in self.replicas[0].modules()),
@@ -824,3 +849,28 @@ def _in_turn(fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
 def _zero(tensors: Sequence[torch.Tensor]) -> None:
     for t in tensors:
         t.zero_()
+
+
+_syncs: weakref.WeakSet[GradSync] = weakref.WeakSet()
+
+
+def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    # Any optimizer in the process: only GradSyncs across processes count.
+    for sync in list(_syncs):
+        if sync._xproc is not None:
+            sync._count_step(optimizer)
+
+
+register_optimizer_step_post_hook(_on_optimizer_step)
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits_sum(t: torch.Tensor) -> int:
+    """The sum of a tensor's raw bits as integers: equal for bitwise-equal
+    tensors whatever the reduction order (integer addition associates)."""
+    flat = t.detach().reshape(-1)
+    kind = _BITS.get(flat.element_size())
+    if kind is None or flat.is_complex():
+        flat, kind = flat.view(torch.uint8), torch.uint8
+    return int(flat.view(kind).sum(dtype=torch.int64))

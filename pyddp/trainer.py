@@ -53,6 +53,7 @@ _STOP = exchange("the stop decision after a step (Ctrl-C on any rank)")
 _RNG = exchange("the RNG states for a checkpoint")
 _RESUME = exchange("rank 0's checkpoint at resume")
 _DIR_CHECK = exchange("rank 0's check of the output directory")
+_OUTPUT_DIR = exchange("rank 0's output directory")
 
 
 class TrainingError(RuntimeError):
@@ -138,6 +139,11 @@ class Trainer:
         self.loss_fn = loss_fn
         self.metrics = dict(metrics or {})
         self.output_dir = Path(self.config.output_dir) if self.config.output_dir else None
+        if xp is not None:
+            # Rank 0's, on every rank: the others never touch it, but they
+            # take part in checkpoints (their RNG states) exactly when it
+            # writes them, also when a script sets output_dir on rank 0 only.
+            self.output_dir = xp.from_root(self.output_dir, _OUTPUT_DIR)
         self.callbacks: List[Callback] = list(callbacks)
         if self.config.progress and self.rank == 0:
             self.callbacks.append(ProgressBar())
@@ -536,11 +542,21 @@ class Trainer:
         self._emit("on_checkpoint", path)
 
     def _resume(self) -> None:
-        found = load_latest(self.output_dir / "checkpoints") if self.rank == 0 else None
+        found: Any = None
+        if self.rank == 0:
+            try:
+                found = load_latest(self.output_dir / "checkpoints")
+            except Exception as e:
+                if self._xp is None:
+                    raise
+                found = f"pyddp: rank 0 could not read its checkpoints: {type(e).__name__}: {e}"
         if self._xp is not None:
             # Rank 0 reads, every rank gets the same checkpoint (no shared
-            # filesystem needed, no rank picking a different "latest").
+            # filesystem needed, no rank picking a different "latest"), or
+            # rank 0's error, raised everywhere.
             found = self._xp.from_root(found, _RESUME)
+            if isinstance(found, str):
+                raise OSError(found)
         if found is None:
             return
         path, payload = found
@@ -574,12 +590,17 @@ class Trainer:
         checkpoints. Rank 0 looks; every rank gets its answer."""
         refusal = None
         if self.rank == 0:
-            for folder in (self.output_dir, self.output_dir / "checkpoints"):
-                remove_stale_temporaries(folder)
-            if not self.config.resume:
-                found = existing_checkpoints(self.output_dir / "checkpoints")
-                if found:
-                    refusal = fresh_run_message(self.output_dir / "checkpoints", found)
+            try:
+                for folder in (self.output_dir, self.output_dir / "checkpoints"):
+                    remove_stale_temporaries(folder)
+                if not self.config.resume:
+                    found = existing_checkpoints(self.output_dir / "checkpoints")
+                    if found:
+                        refusal = fresh_run_message(self.output_dir / "checkpoints", found)
+            except Exception as e:  # noqa: BLE001 - every rank raises it, below
+                refusal = (
+                    f"pyddp: rank 0 could not check {self.output_dir}: {type(e).__name__}: {e}"
+                )
         if self._xp is not None:
             refusal = self._xp.from_root(refusal, _DIR_CHECK)
         if refusal is not None:

@@ -192,6 +192,13 @@ def test_a_stopped_store_host_is_an_error_within_the_timeout(tmp_path):
     assert r1["seconds"] < 3 + 5 + 5, r1  # timeout + one store deadline + slack
 
 
+def test_a_rank_that_never_wraps_is_named(tmp_path):
+    env_launch("late_wrap", tmp_path, 2, {"PYDDP_TIMEOUT_S": "3"})
+    r0 = json.loads((tmp_path / "late_wrap.rank0.json").read_text())
+    assert r0["error"] and "rank 1 never arrived" in r0["error"], r0["error"]
+    assert r0["seconds"] < 3 + 5, r0
+
+
 def test_uneven_inputs_fail_within_the_timeout_naming_the_rank(tmp_path):
     env_launch("uneven", tmp_path, 2, {"PYDDP_TIMEOUT_S": "3"})
     r0 = json.loads((tmp_path / "uneven.rank0.json").read_text())
@@ -364,7 +371,7 @@ def test_ranks_doing_different_work_are_named_at_the_next_synced_backward(tmp_pa
     run = torchrun("diverge", tmp_path, 2)
     assert run.returncode == 0, run.stderr[-3000:]
     expect = {
-        "extra step": "in-place updates of the parameters: rank 0 ",
+        "extra step": "optimizer steps: rank 0 1, rank 1 2",
         "extra no_sync": "micro-batches since the last synced backward: rank 0 1, rank 1 2",
         "eval": "modules in training mode: rank 0 4, rank 1 0",
         "edited parameters": "parameter checksum: rank 0",

@@ -353,6 +353,15 @@ def store_host_stopped(out: dict) -> None:
     _expect_failure(out, lambda: nn.functional.mse_loss(dm(x), y).backward())
 
 
+def late_wrap(out: dict) -> None:
+    """Rank 1 stalls before wrap: rank 0's wrap must name it within the
+    timeout (it used to end in a raw DistStoreError naming store keys)."""
+    if pyddp.rank() == 1:
+        time.sleep(2 * float(os.environ["PYDDP_TIMEOUT_S"]) + 2)
+        os._exit(0)
+    _expect_failure(out, lambda: pyddp.wrap(nn.Linear(4, 3), ["cpu"]))
+
+
 def subgroup(out: dict) -> None:
     """3 processes: ranks 0 and 1 train on a subgroup, then every rank trains
     over all processes (pyddp's own groups are named the same on every member,
