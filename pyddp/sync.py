@@ -157,7 +157,7 @@ class GradSync:
         self.observer = Observer(keep)
         self._xproc: Optional[CrossProcess] = None
         # Compared across processes at every synced backward (_agreement_record).
-        self.micro_batches = 0  # forwards prepared since the last synced backward
+        self.micro_batches = 0  # backwards finished since the last synced one
         self.steps = 0  # optimizer steps over replica 0's parameters (_count_step)
         self._stepping: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         _syncs.add(self)
@@ -333,10 +333,6 @@ class GradSync:
         if self._engine is None:
             return
         self._check_open()
-        if replica == 0 and self.replicas[0].training:
-            # Training forwards only: an evaluation with autograd on (on
-            # some ranks only, say) is not a micro-batch.
-            self.micro_batches += 1
         # Backward runs on the stream its forward runs on: this one. It and the
         # zeroing below come after the last reduction of these buckets.
         self._use_current_stream(replica)
@@ -396,6 +392,7 @@ class GradSync:
         # Autograd is done here: what follows (settling unused parameters, the
         # agreement across processes) counts as finish, not backward compute.
         self._finish_called_ns = time.monotonic_ns()
+        self.micro_batches += 1  # this backward, synced or under no_sync()
         streams: List[int] = []
         if self._streams is not None:
             # Unmarked slices are reconciled on these streams; their reductions
@@ -408,6 +405,12 @@ class GradSync:
             no_grad, settled = self._engine.finish(streams)
             if across:
                 launched, unused = self._wait_across_processes()
+        except Exception as e:
+            if across and not isinstance(e, ProcessGroupError):
+                # A local failure after this rank's reductions were launched:
+                # the others hear it now instead of at the timeout.
+                self._xproc.abandon(f"its end of backward raised {type(e).__name__}: {e}")
+            raise
         finally:
             self._observe()
         for i in no_grad:
