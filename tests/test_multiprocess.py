@@ -4,6 +4,7 @@ it measured, checked here against single-device training and torch DDP."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -197,6 +198,57 @@ def test_a_rank_that_never_wraps_is_named(tmp_path):
     r0 = json.loads((tmp_path / "late_wrap.rank0.json").read_text())
     assert r0["error"] and "rank 1 never arrived" in r0["error"], r0["error"]
     assert r0["seconds"] < 3 + 5, r0
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_stopped_node_leaves_the_other_node_raising_within_the_timeout(tmp_path):
+    # Two torchrun "nodes" (c10d rendezvous, hosted by node 0's agent): node 0's
+    # agent and worker are stopped (SIGSTOP) mid-training. Node 1's worker used
+    # to be still alive at +120 s; it must raise within timeout + a few seconds.
+    import signal
+    import time
+
+    port = _free_port()
+    agents = []
+    for n in range(2):
+        args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=stop"]
+        args += [str(SCENARIOS), "node_loop", str(tmp_path)]
+        env = _env({"PYDDP_TIMEOUT_S": "4", "READY_DIR": str(tmp_path)})
+        with open(tmp_path / f"node{n}.log", "w") as log:
+            agents.append(
+                subprocess.Popen(args, env=env, cwd=tmp_path, stdout=log, stderr=log,
+                                 start_new_session=True)
+            )  # fmt: skip
+        time.sleep(1)  # node 0's agent hosts the rendezvous store
+    try:
+        deadline = time.time() + 120
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+            assert time.time() < deadline, (tmp_path / "node1.log").read_text()[-2000:]
+            time.sleep(0.2)
+        workers = [int((tmp_path / f"ready{r}").read_text()) for r in range(2)]
+        node0 = next(a for a in agents if _parent(workers[0]) == a.pid)
+        os.kill(node0.pid, signal.SIGSTOP)  # node 0's agent (hosting the store)...
+        os.kill(workers[0], signal.SIGSTOP)  # ...and its worker, rank 0
+        stopped = time.time()
+        while not (tmp_path / "error1").exists():
+            assert time.time() < stopped + 60, "the other node's worker did not raise"
+            time.sleep(0.2)
+        failure = json.loads((tmp_path / "error1").read_text())
+    finally:
+        for r in range(2):
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int((tmp_path / f"ready{r}").read_text()), signal.SIGKILL)
+        for agent in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    assert failure["time"] - stopped < 4 + 2 * 5 + 3, failure  # timeout + store deadlines
+    assert "rank 1" in failure["error"], failure
 
 
 def test_uneven_inputs_fail_within_the_timeout_naming_the_rank(tmp_path):

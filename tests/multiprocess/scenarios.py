@@ -362,6 +362,29 @@ def late_wrap(out: dict) -> None:
     _expect_failure(out, lambda: pyddp.wrap(nn.Linear(4, 3), ["cpu"]))
 
 
+def node_loop(out: dict) -> None:
+    """Trains until stopped; writes READY_DIR/ready<rank> after a few steps
+    and READY_DIR/error<rank> (JSON: time, error) when a step fails."""
+    rank, folder = pyddp.rank(), os.environ["READY_DIR"]
+    torch.manual_seed(0)
+    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.01)
+    x, y = torch.randn(16, 6), torch.randn(16, 3)
+    try:
+        for step in range(1_000_000):
+            nn.functional.mse_loss(dm(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 10:
+                with open(os.path.join(folder, f"ready{rank}"), "w") as f:
+                    f.write(str(os.getpid()))
+            time.sleep(0.01)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        with open(os.path.join(folder, f"error{rank}"), "w") as f:
+            json.dump({"time": time.time(), "error": str(e)}, f)
+        os._exit(1)
+
+
 def subgroup(out: dict) -> None:
     """3 processes: ranks 0 and 1 train on a subgroup, then every rank trains
     over all processes (pyddp's own groups are named the same on every member,
