@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def source_copy(tmp_path: Path) -> Path:
     """A clone's root: the package's Python files without the compiled `_C`
@@ -16,6 +18,11 @@ def source_copy(tmp_path: Path) -> Path:
     (tmp_path / "empty").mkdir()
     installed = run(tmp_path / "empty", "import os, pyddp; print(os.path.dirname(pyddp.__file__))")
     assert installed.returncode == 0, installed.stderr
+    if not list(Path(installed.stdout.strip()).glob("_C.*")):
+        # `pip install -e .` (README, "Build from source"): `import pyddp` is
+        # the clone itself wherever it runs, so there is no source folder
+        # shadowing an installed build; CI checks this with `pip install .`.
+        pytest.skip("an editable install imports the clone itself: no fallback to check")
     shutil.copytree(
         installed.stdout.strip(),
         tmp_path / "pyddp",
