@@ -12,9 +12,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-# run_backward(tensors, grads, again): `again` is True when this join's graph
-# was retained and runs backward once more.
-RunBackward = Callable[[List[List[torch.Tensor]], List[List[Any]], bool], None]
+RunBackward = Callable[[List[List[torch.Tensor]], List[List[Any]]], None]
 
 
 class Join:
@@ -28,7 +26,7 @@ class Join:
         detached: bool,
     ):
         """tensors[r][j]: replica r's tensor for column j, joined as kinds[j].
-        run_backward(tensors, grads, again) is called from this node's backward;
+        run_backward(tensors, grads) is called from this node's backward;
         `detached`: the replicas' graphs are run by the owner's workers, so the
         outer graph must not reach them."""
         self.tensors = tensors
@@ -37,7 +35,6 @@ class Join:
         self.weights = list(weights)
         self.run_backward = run_backward
         self.detached = detached
-        self.runs = 0  # backwards through this node (more than one: retain_graph=True)
 
     def apply(self) -> Tuple[torch.Tensor, ...]:
         flat = [t for ts in self.tensors for t in ts]
@@ -87,9 +84,8 @@ class JoinFn(torch.autograd.Function):
     def backward(ctx: Any, *grads: Optional[torch.Tensor]):
         ctx.saved_tensors  # noqa: B018 - raises if the graph was freed (see forward)
         join = ctx.join
-        join.runs += 1
         per_replica = join.split(grads)
-        join.run_backward(join.tensors, per_replica, join.runs > 1)
+        join.run_backward(join.tensors, per_replica)
         if join.detached:
             flat_grads: List[Any] = [None] * sum(len(ts) for ts in join.tensors)
         else:

@@ -29,12 +29,13 @@ def run_signature(
     optimizer: type,
     optimizer_args: Any,
     optimizer_kwargs: Dict[str, Any],
-    scheduler: Optional[type],
     replicas_per_process: List[int],
 ) -> Dict[str, str]:
     """What the result of a run depends on, as comparable strings. Leaves out
     what may change between a run and its resumption: the limits
-    (max_epochs, max_steps), evaluation and checkpoint cadence, progress."""
+    (max_epochs, max_steps), evaluation and checkpoint cadence, progress;
+    and the optimizer's and scheduler's classes, which checkpoint.check_classes
+    judges (a scheduler may be added or dropped on resume)."""
     entries = [
         f"{kind} {name} {tuple(t.shape)} {t.dtype}"
         for kind, named in (
@@ -57,7 +58,6 @@ def run_signature(
         "precision": repr(config.precision),
         "clip_grad_norm": repr(config.clip_grad_norm),
         "optimizer": f"{qualname(optimizer)}({', '.join(arguments)})",
-        "scheduler": str(qualname(scheduler)),
     }
 
 
@@ -97,14 +97,6 @@ def changed_run_message(path: Path, lines: List[str]) -> str:
         "(or resume=False in an empty one) for a new run, or TrainConfig(resume_if_changed=True) "
         "to continue it anyway."
     )
-
-
-def existing_checkpoints(directory: Path) -> List[str]:
-    """Names of the checkpoints already in `directory` (another run's, when
-    this run starts afresh)."""
-    from .checkpoint import list_checkpoints
-
-    return [p.name for p in list_checkpoints(directory)]
 
 
 def fresh_run_message(directory: Path, names: List[str]) -> str:

@@ -32,11 +32,18 @@ class _Node(NamedTuple):
     children: List[Any]
     rebuild: Callable[[List[Any]], Any]  # the same container around new children
     kind: Any  # comparable: type and keys, for the structure check
+    in_cache: bool = False  # its children belong to a model cache
 
 
 def _node(obj: Any, in_cache: bool = False) -> Optional[_Node]:
     """How to open `obj`, or None for a leaf. `in_cache`: `obj` is reached
-    from a model cache, whose plain objects (its layers) are opened too."""
+    from a model cache, whose plain objects (its layers) are opened too; the
+    node passes that on to its children."""
+    node = _open(obj, in_cache)
+    return node._replace(in_cache=True) if node is not None and in_cache else node
+
+
+def _open(obj: Any, in_cache: bool) -> Optional[_Node]:
     if isinstance(obj, torch.Tensor):
         return None
     if isinstance(obj, (list, tuple)):
@@ -89,6 +96,7 @@ def _node(obj: Any, in_cache: bool = False) -> Optional[_Node]:
             [getattr(obj, n) for n in names],
             rebuild_object,
             (type(obj), tuple(names)),
+            in_cache=True,
         )
     return None
 
@@ -99,10 +107,6 @@ def is_cache(obj: Any) -> bool:
     return any(
         c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(obj).__mro__
     ) or type(obj).__name__.endswith("Cache")
-
-
-def _opens_cache(obj: Any, in_cache: bool) -> bool:
-    return in_cache or is_cache(obj)
 
 
 def _rebuild_mapping(obj: Mapping, values: dict) -> Any:
@@ -144,8 +148,7 @@ def _flatten(obj: Any, leaves: List[torch.Tensor], in_cache: bool) -> Callable[[
     node = _node(obj, in_cache)
     if node is None:
         return lambda it: obj  # non-tensors are kept as they are
-    inner = _opens_cache(obj, in_cache)
-    parts = [_flatten(c, leaves, inner) for c in node.children]
+    parts = [_flatten(c, leaves, node.in_cache) for c in node.children]
     return lambda it: node.rebuild([p(it) for p in parts])
 
 
@@ -157,8 +160,7 @@ def structure(obj: Any, in_cache: bool = False) -> Any:
     node = _node(obj, in_cache)
     if node is None:
         return "value"
-    inner = _opens_cache(obj, in_cache)
-    return node.kind, tuple(structure(c, inner) for c in node.children)
+    return node.kind, tuple(structure(c, node.in_cache) for c in node.children)
 
 
 class OtherLeaf(NamedTuple):
@@ -175,11 +177,10 @@ def other_leaves(obj: Any, path: str = "output", in_cache: bool = False) -> List
     node = _node(obj, in_cache)
     if node is None:
         return [OtherLeaf(path, obj, in_cache)]
-    inner = _opens_cache(obj, in_cache)
     return [
         leaf
         for key, child in zip(node.keys, node.children)
-        for leaf in other_leaves(child, path + key, inner)
+        for leaf in other_leaves(child, path + key, node.in_cache)
     ]
 
 

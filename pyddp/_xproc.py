@@ -447,9 +447,7 @@ class CrossProcess:
         for field in self._record:
             values = [rec.get(field) for rec in records]
             if len(set(values)) > 1:
-                shown = ", ".join(
-                    f"rank {self.ranks[r]} {_shown(field, v)}" for r, v in enumerate(values)
-                )
+                shown = ", ".join(f"rank {self.ranks[r]} {v!r}" for r, v in enumerate(values))
                 lines.append(f"{field}: {shown}")
         self._fail(
             "the ranks did different work before this synced backward ("
@@ -676,10 +674,6 @@ class CrossProcess:
 
 
 _AGREEMENT_TAG = 0x70796464  # "pydd": a record paired with another exchange shows here
-
-
-def _shown(field: str, value: Any) -> str:
-    return repr(value)
 
 
 _STORE_DEADLINE_S = 5.0  # a store call on the failure path; the store answers in ms

@@ -484,13 +484,10 @@ class DistributedModel(nn.Module):
         return rebuild(results)
 
     # -------------------------------------------------------------- backward
-    def _backward(
-        self, tensors: List[List[torch.Tensor]], grads: List[List[Any]], again: bool
-    ) -> None:
+    def _backward(self, tensors: List[List[torch.Tensor]], grads: List[List[Any]]) -> None:
         """Runs in the outer backward when it reaches the gathered output or the
         returned loss: schedules the end-of-backward bookkeeping and, for CPU
-        replicas, runs every replica's backward on its worker. `again`: a
-        graph kept by retain_graph=True runs backward once more."""
+        replicas, runs every replica's backward on its worker."""
         if not self._finish_queued:
             # The first join of this backward, before any replica accumulates:
             # after a backward over a graph kept with retain_graph=True (no

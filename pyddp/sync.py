@@ -157,10 +157,9 @@ class GradSync:
         self.observer = Observer(keep)
         self._xproc: Optional[CrossProcess] = None
         # Compared across processes at every synced backward (_agreement_record).
-        self.micro_batches = 0  # backwards finished since the last synced one
+        self.backwards_since_sync = 0  # synced or under no_sync()
         self.steps = 0  # optimizer steps over replica 0's parameters (_count_step)
         self._stepping: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-        _syncs.add(self)
         if xgroup is not None:
             settings = {
                 "bucket_cap_mb": bucket_cap_mb,
@@ -171,6 +170,7 @@ class GradSync:
                 **(_settings or {}),
             }
             self._join_processes(xgroup, timeout_s, op, settings)
+            _across_processes.add(self)  # its optimizer steps are counted
         if len(replicas) == 1 and self._xproc is None:
             return  # one replica: nothing to reduce, stay out of the way
 
@@ -336,12 +336,20 @@ class GradSync:
         # Backward runs on the stream its forward runs on: this one. It and the
         # zeroing below come after the last reduction of these buckets.
         self._use_current_stream(replica)
-        # Sum: replica 0's copy alone carries the previous sum into the next
-        # one. Average: every copy does (each holds the mean, and the next
-        # mean of (mean + new) is mean + new mean).
-        if self._engine.take_stale(replica) and replica > 0 and self._op == "sum":
-            for flat in self._flat[replica]:
-                flat.zero_()
+        self._clear_stale(replica)
+
+    def _clear_stale(self, replica: int, fence: bool = False) -> None:
+        """Drops replica `replica`'s copy of the last reduction, if it holds
+        one. Sum: replica 0's copy alone carries the previous sum into the
+        next one. Average: every copy does (each holds the mean, and the next
+        mean of (mean + new) is mean + new mean). `fence`: order the current
+        stream after the reductions first (prepare has done it already)."""
+        if not (self._engine.take_stale(replica) and replica > 0 and self._op == "sum"):
+            return
+        if fence:
+            self._use_current_stream(replica)
+        for flat in self._flat[replica]:
+            flat.zero_()
 
     def restart_accumulation(self) -> None:
         """At the start of a backward: replicas whose copy of the last
@@ -351,10 +359,7 @@ class GradSync:
         if self._engine is None:
             return
         for r in range(len(self.replicas)):
-            if self._engine.take_stale(r) and r > 0 and self._op == "sum":
-                self._use_current_stream(r)
-                for flat in self._flat[r]:
-                    flat.zero_()
+            self._clear_stale(r, fence=True)
 
     def _count_step(self, optimizer: Any) -> None:
         """A step of `optimizer`: counted if it steps replica 0's parameters."""
@@ -392,7 +397,7 @@ class GradSync:
         # Autograd is done here: what follows (settling unused parameters, the
         # agreement across processes) counts as finish, not backward compute.
         self._finish_called_ns = time.monotonic_ns()
-        self.micro_batches += 1  # this backward, synced or under no_sync()
+        self.backwards_since_sync += 1  # this backward, synced or under no_sync()
         streams: List[int] = []
         if self._streams is not None:
             # Unmarked slices are reconciled on these streams; their reductions
@@ -455,7 +460,7 @@ class GradSync:
         return {
             "synced backward": self._xproc.iteration + 1,
             "optimizer steps": self.steps,
-            "micro-batches since the last synced backward": self.micro_batches,
+            "micro-batches since the last synced backward": self.backwards_since_sync,
             # One BatchNorm left in eval() counts, not only the whole model.
             "modules in training mode": sum(m.training for m in self.replicas[0].modules()),
             "parameter checksum": checksum,
@@ -604,7 +609,7 @@ class GradSync:
             # None after the reductions (_finish_across_processes).
             absent = sorted(set(none_here) | {i for i in nowhere if not self._engine.has_grad(i)})
             self._xproc.start_agreement(absent, len(self.names), self._agreement_record())
-            self.micro_batches = 0
+            self.backwards_since_sync = 0
             for i in absent:
                 self._engine.note_grad(i, True)
                 for views in self._views:
@@ -854,14 +859,13 @@ def _zero(tensors: Sequence[torch.Tensor]) -> None:
         t.zero_()
 
 
-_syncs: weakref.WeakSet[GradSync] = weakref.WeakSet()
+_across_processes: weakref.WeakSet[GradSync] = weakref.WeakSet()
 
 
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    # Any optimizer in the process: only GradSyncs across processes count.
-    for sync in list(_syncs):
-        if sync._xproc is not None:
-            sync._count_step(optimizer)
+    # Any optimizer in the process; in one process nothing is registered.
+    for sync in list(_across_processes):
+        sync._count_step(optimizer)
 
 
 register_optimizer_step_post_hook(_on_optimizer_step)

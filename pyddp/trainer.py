@@ -21,7 +21,6 @@ from ._interrupt import CtrlC, sigint_deferred
 from ._rng import cuda_rng_states, restore_generators, seed_generators
 from ._run import (
     changed_run_message,
-    existing_checkpoints,
     fresh_run_message,
     remove_stale_temporaries,
     run_differences,
@@ -130,7 +129,6 @@ class Trainer:
                 self._optimizer_class,
                 optimizer_args,
                 optimizer_kwargs,
-                type(self.scheduler) if self.scheduler is not None else None,
                 counts,
             )
         except BaseException:
@@ -542,21 +540,9 @@ class Trainer:
         self._emit("on_checkpoint", path)
 
     def _resume(self) -> None:
-        found: Any = None
-        if self.rank == 0:
-            try:
-                found = load_latest(self.output_dir / "checkpoints")
-            except Exception as e:
-                if self._xp is None:
-                    raise
-                found = f"pyddp: rank 0 could not read its checkpoints: {type(e).__name__}: {e}"
-        if self._xp is not None:
-            # Rank 0 reads, every rank gets the same checkpoint (no shared
-            # filesystem needed, no rank picking a different "latest"), or
-            # rank 0's error, raised everywhere.
-            found = self._xp.from_root(found, _RESUME)
-            if isinstance(found, str):
-                raise OSError(found)
+        # Rank 0 reads, every rank gets the same checkpoint (no shared
+        # filesystem needed, no rank picking a different "latest").
+        found = self._on_rank_0(lambda: load_latest(self.output_dir / "checkpoints"), _RESUME)
         if found is None:
             return
         path, payload = found
@@ -588,23 +574,37 @@ class Trainer:
         """Once per Trainer, before its first files: removes pyddp's stale
         temporaries and refuses to start afresh over another run's
         checkpoints. Rank 0 looks; every rank gets its answer."""
-        refusal = None
-        if self.rank == 0:
-            try:
-                for folder in (self.output_dir, self.output_dir / "checkpoints"):
-                    remove_stale_temporaries(folder)
-                if not self.config.resume:
-                    found = existing_checkpoints(self.output_dir / "checkpoints")
-                    if found:
-                        refusal = fresh_run_message(self.output_dir / "checkpoints", found)
-            except Exception as e:  # noqa: BLE001 - every rank raises it, below
-                refusal = (
-                    f"pyddp: rank 0 could not check {self.output_dir}: {type(e).__name__}: {e}"
-                )
-        if self._xp is not None:
-            refusal = self._xp.from_root(refusal, _DIR_CHECK)
+        checkpoints = self.output_dir / "checkpoints"
+
+        def check() -> Optional[str]:
+            for folder in (self.output_dir, checkpoints):
+                remove_stale_temporaries(folder)
+            found = [] if self.config.resume else list_checkpoints(checkpoints)
+            return fresh_run_message(checkpoints, [p.name for p in found]) if found else None
+
+        refusal = self._on_rank_0(check, _DIR_CHECK)
         if refusal is not None:
             raise ValueError(refusal)
+
+    def _on_rank_0(self, fn: Callable[[], Any], what: str) -> Any:
+        """fn() on rank 0 (the files are rank 0's), its result on every rank
+        through one exchange. An exception on rank 0 is raised there as it is
+        and, by its text, on every other rank, so none waits for the timeout."""
+        if self._xp is None:
+            return fn()
+        result: Any = None
+        error: Optional[BaseException] = None
+        if self.rank == 0:
+            try:
+                result = ("ok", fn())
+            except Exception as e:  # noqa: BLE001 - raised below, here and on every rank
+                error, result = e, ("error", f"{type(e).__name__}: {e}")
+        kind, value = self._xp.from_root(result, what)
+        if error is not None:
+            raise error
+        if kind == "error":
+            raise RuntimeError(f"pyddp: on rank 0, {what} failed: {value}")
+        return value
 
     def _classes(self) -> Dict[str, Optional[str]]:
         """What wrote a checkpoint: its optimizer state fits only that class."""

@@ -25,11 +25,14 @@ class Family(NamedTuple):
 VOCAB, SEQ = 96, 12
 
 
-def _quiet() -> Any:
+def _build(model: str, config: str, **settings: Any) -> nn.Module:
+    """transformers' `model` class on its `config` class with `settings`
+    (the rest left at the library's defaults), seeded."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    return transformers
+    torch.manual_seed(0)
+    return getattr(transformers, model)(getattr(transformers, config)(**settings))
 
 
 def _tokens(rows: int, seed: int, pad: bool = False) -> Dict[str, torch.Tensor]:
@@ -45,25 +48,21 @@ def _tokens(rows: int, seed: int, pad: bool = False) -> Dict[str, torch.Tensor]:
 
 
 def gpt2() -> nn.Module:
-    t = _quiet()
-    torch.manual_seed(0)
-    config = t.GPT2Config(
+    return _build(
+        "GPT2LMHeadModel", "GPT2Config",
         vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
-    return t.GPT2LMHeadModel(config)
 
 
 def llama() -> nn.Module:
-    t = _quiet()
-    torch.manual_seed(0)
-    config = t.LlamaConfig(
+    return _build(
+        "LlamaForCausalLM", "LlamaConfig",
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
         bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
-    return t.LlamaForCausalLM(config)
 
 
 def _causal_batch(rows: int, seed: int) -> Dict[str, torch.Tensor]:
@@ -80,14 +79,12 @@ def causal_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
 
 
 def bert() -> nn.Module:
-    t = _quiet()
-    torch.manual_seed(0)
-    config = t.BertConfig(
+    return _build(
+        "BertForSequenceClassification", "BertConfig",
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=32, num_labels=3,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
-    return t.BertForSequenceClassification(config)
 
 
 def _classifier_batch(rows: int, seed: int) -> Dict[str, torch.Tensor]:
@@ -103,13 +100,11 @@ def classifier_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
 
 
 def t5() -> nn.Module:
-    t = _quiet()
-    torch.manual_seed(0)
-    config = t.T5Config(
+    return _build(
+        "T5ForConditionalGeneration", "T5Config",
         vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
         dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
     )  # fmt: skip
-    return t.T5ForConditionalGeneration(config)
 
 
 def _seq2seq_batch(rows: int, seed: int) -> Dict[str, torch.Tensor]:
@@ -130,13 +125,11 @@ def seq2seq_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
 
 
 def resnet() -> nn.Module:
-    t = _quiet()
-    torch.manual_seed(0)
-    config = t.ResNetConfig(
+    return _build(
+        "ResNetForImageClassification", "ResNetConfig",
         num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
         layer_type="basic", num_labels=3,
     )  # fmt: skip
-    return t.ResNetForImageClassification(config)
 
 
 def _image_batch(rows: int, seed: int) -> Dict[str, torch.Tensor]:
