@@ -144,6 +144,11 @@ class DistributedModel(nn.Module):
         """Chrome trace JSON of the kept iterations (wrap(..., timeline=N))."""
         return self.sync.export_timeline(path)
 
+    def ready_times(self) -> Any:
+        """When each gradient became ready in the last kept iteration
+        (GradSync.ready_times; wrap with timeline=N)."""
+        return self.sync.ready_times()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips every replica's gradients by their global norm and returns that
         norm: the norm of the full-batch gradient, not sqrt(N) times it."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional, Sequence
 
@@ -69,6 +70,38 @@ def iteration_stats(raw: Dict[str, int], bucket_bytes: Sequence[int]) -> Dict[st
         "buckets": raw["buckets"],
         "bucket_bytes": list(bucket_bytes),
     }
+
+
+@dataclass(frozen=True)
+class ReadyTimes:
+    """When each gradient became ready in one synced iteration, on replica 0:
+    the public profile a scaling model reads (`GradSync.ready_times`)."""
+
+    names: List[str]
+    bytes: List[int]  # each parameter's gradient size
+    dtypes: List[str]  # "float32", ...
+    ready_s: List[float]  # seconds after the end of forward
+    backward_s: float  # end of forward -> autograd done
+
+
+def ready_times(
+    timelines: Sequence[Dict[str, Any]], names: Sequence[str], params: Sequence[Any]
+) -> ReadyTimes:
+    """The last kept iteration's ReadyTimes for `params` (replica 0's)."""
+    if not timelines:
+        raise ValueError("no timeline: wrap with timeline=N (or PYDDP_TIMELINE=N) and run a step")
+    t = timelines[-1]
+    raw, begin = t["raw"], t["raw"]["forward_end_ns"]
+    marks = t["param_ready_ns"][: len(names)]
+    if not begin or len(marks) < len(names) or not all(marks):
+        raise ValueError("the last kept iteration has no ready time for every parameter")
+    return ReadyTimes(
+        list(names),
+        [p.numel() * p.element_size() for p in params],
+        [str(p.dtype).replace("torch.", "") for p in params],
+        [max(0, m - begin) / 1e9 for m in marks],
+        (raw["finish_start_ns"] - begin) / 1e9,
+    )
 
 
 class Observer:

@@ -24,7 +24,7 @@ from ._runtime import backend_kind, make_backend
 from ._runtime import timeout_s as _default_timeout
 from ._streams import TorchStreams
 from ._xproc import CrossProcess, ProcessGroupError, nccl_op, resolve_group
-from .observe import Observer, chrome_trace, timeline_from_env, write_trace
+from .observe import Observer, ReadyTimes, chrome_trace, ready_times, timeline_from_env, write_trace
 
 ReduceError = _C.ReduceError
 
@@ -591,6 +591,13 @@ class GradSync:
             list(self.observer.timelines), self.names, self._engine.buckets, len(self.replicas)
         )
         return write_trace(trace, path)
+
+    def ready_times(self) -> ReadyTimes:
+        """When each of replica 0's gradients became ready in the last kept
+        iteration (needs timeline=N), relative to the end of forward, with
+        backward's length: the profile `pyddp.bench.simulator` scales up. On
+        GPUs these are when autograd's hooks ran on the host."""
+        return ready_times(self.observer.timelines, self.names, self.params[0])
 
     def _reconcile_unmarked(self) -> None:
         # A replica that produced no gradient for a parameter contributes its

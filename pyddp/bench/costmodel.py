@@ -364,23 +364,14 @@ def profile_from_timeline(dm: Any, forward_s: float, optimizer_s: float = 0.0) -
     times are when autograd's hooks ran on the host, which may be ahead of
     the device: synchronize in the hooks' stream, or measure with timeline on
     a run that is GPU-bound, for figures the simulator can trust."""
-    sync = dm.sync
-    timelines = getattr(sync.observer, "timelines", None) if sync.observer else None
-    if not timelines:
-        raise ValueError("no timeline: wrap with timeline=N (or PYDDP_TIMELINE=N) and run a step")
-    t = timelines[-1]
-    raw, begin = t["raw"], t["raw"]["forward_end_ns"]
-    n = len(sync.names)
-    marks = t["param_ready_ns"][:n]
-    if not begin or len(marks) < n or not all(marks):
-        raise ValueError("the last kept iteration has no ready time for every parameter")
+    t = dm.ready_times()
     return Profile(
         forward_s,
-        (raw["finish_start_ns"] - begin) / 1e9,
-        [p.numel() * p.element_size() for p in sync.params[0]],
-        [max(0, m - begin) / 1e9 for m in marks],
+        t.backward_s,
+        t.bytes,
+        t.ready_s,
         optimizer_s,
-        list(sync.names),
-        [str(p.dtype).replace("torch.", "") for p in sync.params[0]],
+        t.names,
+        t.dtypes,
         "measured: pyddp timeline",
     )
