@@ -8,19 +8,25 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict
 
-import numpy as np
 import torch
 
 import pyddp
-from pyddp.bench._util import cpu_busy, rotated, summary, table  # noqa: F401  (re-exported)
+from pyddp.bench._util import (  # noqa: F401  (rotated, summary, table: re-exported)
+    busy_note,
+    cpu_busy,
+    git_state,
+    machine,
+    rotated,
+    summary,
+    table,
+)
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent  # the clone the scripts measure
+RESULTS_DIR = ROOT / "bench" / "results"
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -42,60 +48,11 @@ def header() -> str:
     """One line naming what is measured and how busy the machine was at the start."""
     busy = cpu_busy()
     _busy_at_start["cpu_busy_fraction"] = busy
-    note = " (other work is running: figures will be noisy)" if busy > 0.1 else ""
     return (
-        f"pyddp {pyddp.__version__} [{_git_state()}], torch {torch.__version__}, "
+        f"pyddp {pyddp.__version__} [{git_state(ROOT)}], torch {torch.__version__}, "
         f"{torch.get_num_threads()} torch threads, {os.cpu_count()} cores, "
-        f"CPU busy before start {busy:.0%}{note}"
+        f"CPU busy before start {busy:.0%}{busy_note(busy)}"
     )
-
-
-def machine() -> Dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
-            )
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "pyddp": pyddp.__version__,
-        "platform": platform.platform(),
-        "git": _git_state(),
-        # Other work on a 2-core machine moves every figure: record how busy it was.
-        **_busy_at_start,
-    }
-
-
-def _git_state() -> str:
-    """The commit measured, marked dirty when pyddp/ or csrc/ differ from it:
-    figures only mean something next to the code they were taken on."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "pyddp", "csrc"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def write_results(name: str, args: argparse.Namespace, results: Dict[str, Any]) -> Path:
@@ -107,7 +64,8 @@ def write_results(name: str, args: argparse.Namespace, results: Dict[str, Any]) 
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": machine(),
+        # Other work on a 2-core machine moves every figure: record how busy it was.
+        "machine": {**machine(ROOT), **_busy_at_start},
         "results": results,
     }
     path.write_text(json.dumps(payload, indent=1) + "\n")

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from pyddp.bench import allreduce, cli, overlap, simulate
+from pyddp.bench import allreduce, cli, overlap
+from pyddp.bench.simulator import simulate
 
 
 def test_every_subcommand_quick_with_options_after_it(tmp_path):

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 import pyddp
-from pyddp.bench import cli, costmodel, hardware, published, simulate
-from pyddp.bench.architectures import PRESETS, _inception_a
+from pyddp.bench import cli
+from pyddp.bench.simulator import costmodel, hardware, published, simulate
+from pyddp.bench.simulator.architectures import PRESETS, _inception_a
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -211,6 +212,28 @@ def test_torch_ddp_plan_is_torchs_own_assignment():
     assert simulate.buckets(profile, "pyddp per-parameter") == [[3], [2], [1], [0]]
     one = simulate.step(profile, _FixedLink(), 2, "one all-reduce")
     assert one.reductions == 1 and one.step_s == pytest.approx(5e-3 + sum(sizes) / 1e9)
+
+
+def test_the_simulators_bucket_plan_is_the_engines():
+    # The simulator imports nothing from the engine: its plan_buckets is a
+    # copy of csrc/bucket_plan.cpp's rule, held to it here.
+    import random
+
+    from pyddp import _C
+
+    rng = random.Random(0)
+    dtypes = ["float32", "float64", "float16", "bfloat16"]
+    for _ in range(2000):
+        n = rng.randint(1, 20)
+        numels = [
+            rng.choice([0, 1, rng.randint(1, 5000), rng.randint(1, 1 << 20)]) for _ in range(n)
+        ]
+        kinds = [rng.choice(dtypes[: rng.randint(1, 4)]) for _ in range(n)]
+        order = rng.sample(range(n), n)
+        first = rng.choice([0, 1, 1024, 1 << 20, rng.randint(0, 1 << 22)])
+        cap = rng.choice([0, 1, 4096, 25 << 20, rng.randint(0, 1 << 24)])
+        args = (numels, kinds, order, first, cap)
+        assert simulate.plan_buckets(*args) == _C.plan_buckets(*args), args
 
 
 def test_horovod_cycles_wait_for_their_reductions():

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
+import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -65,15 +68,61 @@ def cpu_busy(seconds: float = 0.5) -> float:
     return 1.0 - idle / max(1, sum(delta))
 
 
-def machine() -> Dict[str, Any]:
+def busy_note(busy: Optional[float]) -> str:
+    """The warning a measured figure needs when cpu_busy() found other work."""
+    return " (other work is running: figures will be noisy)" if busy and busy > 0.1 else ""
+
+
+def machine(root: Optional[Path] = None) -> Dict[str, Any]:
+    """What a results file records of the machine and code it was measured on
+    (pyddp-bench's JSON and the bench/ scripts'); `root`: see git_state."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
     return {
-        "pyddp": pyddp.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "pyddp": pyddp.__version__,
+        "platform": platform.platform(),
+        "git": git_state(root),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def git_state(root: Optional[Path] = None) -> str:
+    """The commit measured, marked dirty when pyddp/ or csrc/ differ from it:
+    figures only mean something next to the code they were taken on. `root`:
+    the clone (default: the one this pyddp is in); "unknown" outside one."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return "unknown"
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "pyddp", "csrc"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def pyplot() -> Any:

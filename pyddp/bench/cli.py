@@ -23,8 +23,10 @@ import torch
 import pyddp
 
 from .._files import output_root
-from . import allreduce, multiproc, overlap, simulate, simulate_cli
-from ._util import cpu_busy, machine, table, write_json
+from . import allreduce, multiproc, overlap
+from ._util import busy_note, cpu_busy, machine, table, write_json
+from .simulator import cli as simulator_cli
+from .simulator import simulate
 
 _OUT = output_root("bench")
 
@@ -133,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--no-ddp", action="store_true", help="skip the torch DDP processes")
     multiproc.add_options(o)
 
-    simulate_cli.add_options(add("simulate", simulate, "predicted efficiency on 1 to 256+ GPUs"))
+    simulator_cli.add_options(add("simulate", simulate, "predicted efficiency on 1 to 256+ GPUs"))
     return parser
 
 
@@ -155,8 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Before anything of ours runs: other work on the machine makes measured
     # figures noisy. simulate measures nothing (it computes), so it is not asked.
     busy = cpu_busy() if args.command != "simulate" else None
-    noisy = " (other work is running: figures will be noisy)" if busy and busy > 0.1 else ""
-    load = f", CPU busy before start {busy:.0%}{noisy}" if busy is not None else ""
+    load = f", CPU busy before start {busy:.0%}{busy_note(busy)}" if busy is not None else ""
     print(
         f"pyddp {pyddp.__version__}, torch {torch.__version__}, {torch.get_num_threads()} "
         f"threads{load}"
@@ -337,4 +338,4 @@ def _overlap(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _simulate(args: argparse.Namespace) -> Dict[str, Any]:
-    return simulate_cli.run(args, _path(args, _result_name(args)).with_suffix(".png"))
+    return simulator_cli.run(args, _path(args, _result_name(args)).with_suffix(".png"))

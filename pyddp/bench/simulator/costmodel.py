@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from ._util import write_json
+from .._util import write_json
 
 _aten = torch.ops.aten
 # Operators that allocate or relabel without moving data.

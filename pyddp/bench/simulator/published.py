@@ -23,8 +23,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
+from .._util import pyplot, save_figure
 from . import costmodel, hardware, simulate
-from ._util import pyplot, save_figure
 from .architectures import PRESETS
 
 

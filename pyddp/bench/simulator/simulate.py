@@ -12,9 +12,10 @@ Policies (weak scaling: the per-device batch stays the same at every count):
 - "no overlap": every gradient reduced after backward, in pyddp's buckets.
 - "pyddp per-parameter": each gradient reduced as soon as it is ready
   (`bucket_cap_mb=0`).
-- "pyddp bucketed": pyddp's own bucket plan (`_C.plan_buckets` over the ready
-  order it records on the first iteration; 1 MiB first bucket, then 25 MiB),
-  each bucket launched as soon as it is complete (`reduce_order="ready"`).
+- "pyddp bucketed": pyddp's own bucket plan (`plan_buckets`, the engine's
+  csrc/bucket_plan.cpp rule, over the ready order it records on the first
+  iteration; 1 MiB first bucket, then 25 MiB), each bucket launched as soon as
+  it is complete (`reduce_order="ready"`).
 - "torch DDP": torch's own bucket assignment
   (`torch.distributed._compute_bucket_assignment_by_size`, [1 MiB, 25 MiB]) over
   the ready order its Reducer rebuilds after the first iteration, buckets
@@ -50,8 +51,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._util import pyplot, save_figure
-from .costmodel import Profile
+from .._util import pyplot, save_figure
+from .costmodel import _DTYPE_BYTES, Profile
 from .hardware import System
 
 MIB = 1 << 20
@@ -93,9 +94,7 @@ def buckets(profile: Profile, policy: str, cap_mb: Optional[float] = None) -> Li
     if policy == "pyddp per-parameter":
         return [[i] for i in order]
     if policy in ("pyddp bucketed", "no overlap"):
-        from .. import _C
-
-        return _C.plan_buckets(profile.numels(), dtypes, order, MIB if cap else 0, cap)
+        return plan_buckets(profile.numels(), dtypes, order, MIB if cap else 0, cap)
     if policy.startswith("torch DDP"):
         import torch.distributed as dist
 
@@ -113,6 +112,34 @@ def buckets(profile: Profile, policy: str, cap_mb: Optional[float] = None) -> Li
             plan = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
             return [list(b) for b in reversed(plan[0])]
     raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}, horovod, one all-reduce")
+
+
+def plan_buckets(
+    numels: Sequence[int], dtypes: Sequence[str], order: Sequence[int], first_cap: int, cap: int
+) -> List[List[int]]:
+    """pyddp's bucket plan, the rule of the engine's csrc/bucket_plan.cpp
+    (tests/test_simulate.py checks the two agree), so that the simulator needs
+    nothing from the engine. Parameters in `order`, one open bucket per dtype;
+    a bucket closes once it holds `first_cap` bytes (the first to close) or
+    `cap` (every later one); the partial buckets left at the end follow, in
+    the order of their first parameter. `cap` 0: one bucket per parameter.
+    The profile has checked `dtypes` and `order` (Profile.check)."""
+    if cap == 0:
+        return [[p] for p in order]
+    buckets: List[List[int]] = []
+    open_: Dict[str, Tuple[List[int], int]] = {}
+    first_closed = False
+    for p in order:
+        params, nbytes = open_.get(dtypes[p], ([], 0))
+        params.append(p)
+        nbytes += numels[p] * _DTYPE_BYTES[dtypes[p]]
+        if nbytes >= (cap if first_closed else max(first_cap, 1)):
+            buckets.append(params)
+            params, nbytes, first_closed = [], 0, True
+        open_[dtypes[p]] = (params, nbytes)
+    position = {p: i for i, p in enumerate(order)}
+    rest = sorted((b for b, _ in open_.values() if b), key=lambda b: position[b[0]])
+    return buckets + rest
 
 
 def step(

@@ -12,8 +12,8 @@ from typing import Any, Dict, List
 
 import torch
 
+from .._util import table
 from . import costmodel, hardware, published, simulate
-from ._util import table
 from .architectures import PRESETS
 
 _GPUS = "1,2,4,8,16,32,64,128,256"  # the default GPU counts
@@ -79,7 +79,7 @@ def add_options(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--validate",
         action="store_true",
-        help="reproduce the published results in pyddp/bench/published.py instead",
+        help="reproduce the published results in pyddp/bench/simulator/published.py instead",
     )
     _DEFAULTS.update(vars(s.parse_args([])))  # the common options default to SUPPRESS: absent
 
