@@ -1,27 +1,99 @@
-"""Every Python block in the README runs as pasted, each in a fresh
-interpreter, so the documentation cannot rot. (The bash quickstart block is run
-as written by .ci/run.)"""
+"""Every Python block in the README and in docs/*.md runs as pasted, each in a
+fresh interpreter, so the documentation cannot rot; every relative link in
+them points to a file (and heading) that exists. (The bash quickstart block is
+run as written by .ci/run; other bash blocks are not run. Output and
+pseudo-code go in ```text blocks.)"""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def test_the_readme_has_python_blocks():
-    assert len(BLOCKS) >= 3
+def _name(page: Path) -> str:
+    return "README" if page == README else page.relative_to(ROOT).as_posix()
 
 
-@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{k}" for k in range(len(BLOCKS))])
-def test_readme_block_runs_as_written(code, tmp_path):
+def _python_blocks(page: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+
+
+BLOCKS = [(f"{_name(p)}-block{k}", code) for p in PAGES for k, code in enumerate(_python_blocks(p))]
+
+
+def test_the_readme_and_the_docs_have_python_blocks():
+    assert len(_python_blocks(README)) >= 2
+    assert (ROOT / "docs").is_dir() and len(PAGES) > 1
+    assert len(BLOCKS) >= 4
+
+
+@pytest.mark.parametrize("code", [c for _, c in BLOCKS], ids=[i for i, _ in BLOCKS])
+def test_doc_block_runs_as_written(code, tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
-    assert out.returncode == 0, f"README block failed:\n{code}\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, f"block failed:\n{code}\n{out.stderr[-3000:]}"
+
+
+def _without_code(text: str) -> str:
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped (letters,
+    digits, '_', '-' and spaces kept), spaces to '-', repeats numbered."""
+    seen: dict[str, int] = {}
+    out = set()
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    for heading in re.findall(r"^#{1,6} +(.+?) *#* *$", text, flags=re.M):
+        heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+        slug = "".join(
+            c
+            for c in heading.strip().lower()
+            if c in " -_" or unicodedata.category(c)[0] in "LNM" or unicodedata.category(c) == "Pc"
+        ).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def _links(page: Path) -> list[str]:
+    text = _without_code(page.read_text())
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[_name(p) for p in PAGES])
+def test_relative_links_point_to_existing_files_and_headings(page):
+    bad = []
+    links = _links(page)
+    for link in links:
+        if re.match(r"[a-z][a-z0-9+.-]*:", link):  # https:, mailto: ...
+            continue
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists():
+            bad.append(f"{link}: no such file")
+        elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+            bad.append(f"{link}: no heading #{anchor} in {target.name}")
+    assert not bad, f"{page.name}: broken links:\n" + "\n".join(bad)
+
+
+def test_every_docs_page_is_linked_from_the_readme_and_links_back():
+    readme_links = set(_links(README))
+    for page in PAGES[1:]:
+        rel = page.relative_to(ROOT).as_posix()
+        assert rel in readme_links, f"README does not link to {rel}"
+        assert any(link.startswith("../README.md") for link in _links(page)), (
+            f"{rel} does not link back to the README"
+        )
