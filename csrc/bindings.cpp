@@ -10,7 +10,7 @@
 #include "device_kernel.h"
 #include "engine.h"
 #include "gpu_backend.h"
-#include "group_backend.h"
+#include "process_group_backend.h"
 #include "stress.h"
 
 namespace py = pybind11;
@@ -143,10 +143,10 @@ PYBIND11_MODULE(_C, m) {
       "nccl_unique_id",
       [](const std::string& nccl_path) { return py::bytes(nccl_unique_id(nccl_path)); },
       py::arg("nccl_path"), "ncclGetUniqueId, as bytes to pass to the other processes.");
-  py::class_<DeviceBackend, Backend, std::shared_ptr<DeviceBackend>>(m, "DeviceBackend")
+  py::class_<SharedGpuBackend, Backend, std::shared_ptr<SharedGpuBackend>>(m, "SharedGpuBackend")
       .def(py::init<int, int, double, std::string>(), py::arg("device"), py::arg("replicas"),
            py::arg("timeout_s"), py::arg("nvrtc_path"), py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("kernel", &DeviceBackend::kernel_description);
+      .def_property_readonly("kernel", &SharedGpuBackend::kernel_description);
 
   // Run-time discovery for pyddp.doctor and backend selection.
   m.def("cuda_driver_version", &cuda::driver_version);
@@ -167,7 +167,7 @@ PYBIND11_MODULE(_C, m) {
       "Compiles (NVRTC) and loads (cuModuleLoadData) the reduction kernel on a device; "
       "returns what was built.");
 
-  py::class_<GroupBackend, Backend, std::shared_ptr<GroupBackend>>(m, "GroupBackend")
+  py::class_<ProcessGroupBackend, Backend, std::shared_ptr<ProcessGroupBackend>>(m, "ProcessGroupBackend")
       .def(py::init([](std::shared_ptr<Backend> local, py::function launch, std::string name) {
              // Runs on the engine's launcher thread: takes the GIL for the
              // Python launch, and turns its exception into a ReduceError (the
@@ -186,7 +186,7 @@ PYBIND11_MODULE(_C, m) {
                  throw ReduceError(e.what());
                }
              };
-             return std::make_shared<GroupBackend>(std::move(local), std::move(call),
+             return std::make_shared<ProcessGroupBackend>(std::move(local), std::move(call),
                                                    std::move(name));
            }),
            py::arg("local"), py::arg("launch"), py::arg("name"),
@@ -247,7 +247,7 @@ PYBIND11_MODULE(_C, m) {
       .def("has_grad", &Engine::has_grad, py::arg("param"))
       .def("unmarked", &Engine::unmarked)
       .def_property_readonly("active", &Engine::active)
-      .def("take_stale", &Engine::take_stale, py::arg("replica"))
+      .def("take_reduced_copy", &Engine::take_reduced_copy, py::arg("replica"))
       .def_property_readonly("partial", &Engine::partial)
       .def_property_readonly("partial_reason", &Engine::partial_reason)
       .def("inject_fault", &Engine::inject_fault, py::arg("bucket"), py::arg("message"))

@@ -32,10 +32,10 @@ Engine::Engine(int num_replicas, std::vector<ParamInfo> params,
   param_count_.reset(new std::atomic<int>[p]);
   marked_.reset(new std::atomic<uint8_t>[p * num_replicas_]);
   has_grad_.reset(new std::atomic<uint8_t>[p]);
-  stale_.reset(new std::atomic<uint8_t>[num_replicas_]);
+  reduced_copy_.reset(new std::atomic<uint8_t>[num_replicas_]);
   ready_order_.reset(new std::atomic<int>[p]);
   for (size_t i = 0; i < p; ++i) has_grad_[i].store(0);
-  for (int r = 0; r < num_replicas_; ++r) stale_[r].store(0);
+  for (int r = 0; r < num_replicas_; ++r) reduced_copy_[r].store(0);
   set_buckets(std::move(buckets));
   launcher_ = std::thread([this] { launcher_loop(); });
 }
@@ -137,7 +137,7 @@ void Engine::mark_ready(int replica, int param, uintptr_t stream) {
                 " out of range [0, ", num_replicas_, ")");
   PYDDP_ENFORCE(param >= 0 && param < num_params(), "parameter ", param, " out of range [0, ",
                 num_params(), ")");
-  if (stale_[replica].load(std::memory_order_relaxed)) {
+  if (reduced_copy_[replica].load(std::memory_order_relaxed)) {
     // The gradient was already added to a bucket that holds the reduced sum:
     // this replica now differs, so stepping is refused until zero_grad().
     partial_kind_.store(kLate);
@@ -361,7 +361,7 @@ Engine::Settled Engine::finish(const std::vector<uintptr_t>& streams) {
     partial_.store(true);
     throw ReduceError(err);
   }
-  for (int r = 0; r < num_replicas_; ++r) stale_[r].store(1);
+  for (int r = 0; r < num_replicas_; ++r) reduced_copy_[r].store(1);
   partial_.store(false);
   return out;
 }
@@ -426,7 +426,7 @@ void Engine::clear_grads(bool set_to_none) {
   if (set_to_none) {
     for (int p = 0; p < num_params(); ++p) has_grad_[p].store(0);
   }
-  for (int r = 0; r < num_replicas_; ++r) stale_[r].store(0);
+  for (int r = 0; r < num_replicas_; ++r) reduced_copy_[r].store(0);
   partial_.store(false);
 }
 
@@ -453,10 +453,10 @@ std::vector<std::pair<int, int>> Engine::unmarked() const {
   return out;
 }
 
-bool Engine::take_stale(int replica) {
+bool Engine::take_reduced_copy(int replica) {
   PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica,
                 " out of range [0, ", num_replicas_, ")");
-  const bool was = stale_[replica].exchange(0);
+  const bool was = reduced_copy_[replica].exchange(0);
   if (was && replica > 0) {
     partial_kind_.store(kCleared);
     partial_.store(true);

@@ -95,8 +95,8 @@ class Engine {
   bool active() const { return active_.load(); }
   // After a reduction every replica holds the same reduced sum. Before that
   // replica accumulates again, the caller zeroes its copy (except replica 0)
-  // and calls take_stale(replica), which returns whether it held such a copy.
-  bool take_stale(int replica);
+  // and calls take_reduced_copy(replica), which returns whether it held such a copy.
+  bool take_reduced_copy(int replica);
   // Replicas hold gradients that were not reduced yet (no_sync accumulation,
   // cleared copies, or a failed backward): stepping now would diverge replicas.
   bool partial() const { return partial_.load(); }
@@ -168,7 +168,7 @@ class Engine {
   std::unique_ptr<std::mutex[]> replica_mu_;                // [replica]
   std::unique_ptr<std::atomic<uint8_t>[]> marked_;  // [replica * P + param]
   std::unique_ptr<std::atomic<uint8_t>[]> has_grad_;
-  std::unique_ptr<std::atomic<uint8_t>[]> stale_;   // [replica]
+  std::unique_ptr<std::atomic<uint8_t>[]> reduced_copy_;   // [replica]
   std::unique_ptr<std::atomic<int>[]> ready_order_;
   std::atomic<int> ready_pos_{0};
   std::vector<int> last_ready_order_;  // guarded by mu_

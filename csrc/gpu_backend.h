@@ -4,13 +4,10 @@
 // (invariant 6):
 //   NcclBackend    - one replica per GPU; non-blocking NCCL communicators,
 //                    every launch inside ncclGroupStart/End;
-//   DeviceBackend  - several replicas sharing one GPU (NCCL refuses two ranks
+//   SharedGpuBackend  - several replicas sharing one GPU (NCCL refuses two ranks
 //                    on one device): pyddp's kernel, compiled by NVRTC.
-// Communication streams and communicators belong to a process-wide CommSet per
-// device tuple, shared by every backend on those devices (GradSyncs,
-// collectives): NCCL documents that several communicators on the same GPUs
-// driven from different threads can deadlock, so there is one set and one
-// launch lock.
+// Communication streams and communicators come from the process-wide
+// registry in comm_set.h.
 #pragma once
 
 #include <chrono>
@@ -23,52 +20,11 @@
 #include <vector>
 
 #include "backend.h"
+#include "comm_set.h"
 #include "cuda_api.h"
 #include "device_kernel.h"
 
 namespace pyddp {
-
-// Streams (one per distinct device) and, for NCCL, one communicator per device.
-struct CommSet {
-  explicit CommSet(bool nccl);
-  std::string key;
-  std::vector<int> devices;
-  std::vector<cuda::CUstream> streams;
-  std::vector<cuda::ncclComm_t> comms;  // empty for the device kernel
-  std::string nccl_path;
-  // Serializes every call into these communicators and streams: launches,
-  // async-error polls, init, abort and destroy. For NCCL sets it is one
-  // process-wide lock: NCCL forbids two threads inside one communicator, and
-  // warns that communicators sharing GPUs (also overlapping sets, [0,1] and
-  // [1,2]) driven from different threads can deadlock. The communicators are
-  // non-blocking, so no holder waits long.
-  std::mutex own_mu;
-  std::mutex& launch_mu;
-  bool aborted = false;  // guarded by launch_mu
-  bool ready = false;    // communicators initialised
-  ~CommSet();
-};
-
-// Across processes: the communicator spans `nranks` GPUs of several
-// processes; this process's devices are ranks first_rank, first_rank + 1, ...
-// `id` is ncclGetUniqueId's bytes from one process, passed to the others
-// through torch.distributed's store. Empty id: this process's GPUs alone.
-struct NcclRendezvous {
-  std::string id;
-  int nranks = 0;
-  int first_rank = 0;
-  bool spans_processes() const { return !id.empty(); }
-};
-
-// The live set for (kind, devices), or a new one if there is none or it was
-// aborted. NCCL sets initialise their communicators here (one group,
-// non-blocking), waiting at most timeout_s.
-std::shared_ptr<CommSet> acquire_comm_set(const std::vector<int>& devices,
-                                          const std::string& nccl_path, double timeout_s,
-                                          const NcclRendezvous& rdzv = {});
-
-// A new NCCL unique id (ncclGetUniqueId), as bytes.
-std::string nccl_unique_id(const std::string& nccl_path);
 
 class GpuBackend : public Backend {
  public:
@@ -163,11 +119,11 @@ class NcclBackend : public GpuBackend {
   void check() override;
 };
 
-class DeviceBackend : public GpuBackend {
+class SharedGpuBackend : public GpuBackend {
  public:
   static constexpr int kMaxReplicas = 8;  // = PYDDP_MAX_REPLICAS in reduce_kernels.cu
-  DeviceBackend(int device, int replicas, double timeout_s, const std::string& nvrtc_path);
-  ~DeviceBackend() override { close(); }
+  SharedGpuBackend(int device, int replicas, double timeout_s, const std::string& nvrtc_path);
+  ~SharedGpuBackend() override { close(); }
   std::string name() const override { return "device"; }
   void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;
   std::string kernel_description() const { return kernels_->how; }

@@ -11,7 +11,7 @@
 // supplies blockIdx/threadIdx and empty qualifiers), so the indexing and the
 // rounding below are exercised on every CI run.
 
-#define PYDDP_MAX_REPLICAS 8  // = DeviceBackend::kMaxReplicas
+#define PYDDP_MAX_REPLICAS 8  // = SharedGpuBackend::kMaxReplicas
 
 struct Ptrs {
   void* p[PYDDP_MAX_REPLICAS];

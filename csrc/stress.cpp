@@ -78,7 +78,7 @@ StressResult stress_engine(int replicas, int params, int64_t cap_bytes, bool ind
   for (int it = 0; it < iterations; ++it) {
     for (int r = 0; r < replicas; ++r) {
       for (auto& buf : storage[r]) std::fill(buf.begin(), buf.end(), static_cast<float>(r + 1));
-      engine.take_stale(r);
+      engine.take_reduced_copy(r);
     }
     marks.clear();
     for (int r = 0; r < replicas; ++r) {
@@ -140,7 +140,7 @@ double bench_mark_ready(int replicas, int params, int iterations) {
   }
   int64_t marking = 0;
   for (int it = 0; it < iterations; ++it) {
-    for (int r = 0; r < replicas; ++r) engine.take_stale(r);
+    for (int r = 0; r < replicas; ++r) engine.take_reduced_copy(r);
     const int64_t t0 = now_ns();
     for (int p = 0; p < params; ++p) {
       for (int r = 0; r < replicas; ++r) engine.mark_ready(r, p);

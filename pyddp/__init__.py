@@ -14,16 +14,16 @@ from ._source_tree import use_installed_build
 # compiled _C: the rest of the package then comes from the installed build.
 __path__ = use_installed_build(__path__)
 
-from ._files import UnsafePathError
-from ._workers import ReplicaError
+from ._buckets import plan_buckets
 from .callbacks import Callback, MetricsLogger, ProgressBar
 from .collectives import all_reduce
 from .config import TrainConfig
 from .devices import default_devices, parse_devices
-from .dist import init, is_main, local_rank, rank, world
+from .errors import ReduceError, ReplicaError, TrainingError, UnsafePathError
 from .model import DistributedModel, wrap
-from .sync import GradSync, ReduceError
-from .trainer import FitResult, LoopState, Trainer, TrainingError
+from .sync import GradSync
+from .torchrun import init, is_main, local_rank, rank, world
+from .trainer import FitResult, LoopState, Trainer
 
 try:
     __version__ = version("pyddp")
@@ -52,6 +52,7 @@ __all__ = [
     "rank",
     "world",
     "parse_devices",
+    "plan_buckets",
     "wrap",
     "__version__",
 ]

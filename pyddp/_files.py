@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, List, Optional
 
+from .errors import UnsafePathError
+
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO planted at a name fails to open instead of blocking forever.
 _READ = os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW
@@ -31,10 +33,6 @@ def output_root(name: str) -> str:
     $PYDDP_OUTPUT, else under `pyddp-runs/` in the working directory (one
     root, ignored by this repository's .gitignore)."""
     return os.path.join(os.environ.get(OUTPUT_ENV) or "pyddp-runs", name)
-
-
-class UnsafePathError(OSError):
-    """A path pyddp writes or reads is a symbolic link or not a regular file."""
 
 
 @contextlib.contextmanager

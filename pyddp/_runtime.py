@@ -225,7 +225,7 @@ def make_backend(
             "`pip install nvidia-cuda-nvrtc-cu12` (CUDA builds of torch bring it)",
             NVRTC_ENV,
         )
-        backend = _C.DeviceBackend(indices[0], len(indices), timeout, nvrtc)
+        backend = _C.SharedGpuBackend(indices[0], len(indices), timeout, nvrtc)
     else:
         nccl = _require(
             find_nccl(),

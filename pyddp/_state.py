@@ -6,7 +6,7 @@ the other way round."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 
 @dataclass
@@ -28,3 +28,36 @@ class LoopState:
     def validated_here(self) -> bool:
         """True if the model at this step has been validated already."""
         return bool(self.history) and self.history[-1]["step"] == self.step
+
+    def record_validation(
+        self, result: Dict[str, float], smoothing: float, patience: Optional[int]
+    ) -> Tuple[Dict[str, Any], bool]:
+        """Books a validation at this step: the smoothed loss, the learning
+        curve's row (with the mean training loss since the last one), the
+        best so far and early stopping. Returns the row and whether this is
+        the best model yet."""
+        loss = result["valid_loss"]
+        past = self.smoothed_valid_loss
+        self.smoothed_valid_loss = (
+            loss if past is None else smoothing * past + (1 - smoothing) * loss
+        )
+        row = {
+            "epoch": self.epoch,
+            "step": self.step,
+            **result,
+            "smoothed_valid_loss": self.smoothed_valid_loss,
+        }
+        if self.train_losses:  # the learning curve's training side: mean since last time
+            row["train_loss"] = sum(self.train_losses) / len(self.train_losses)
+            self.train_losses = []
+        self.history.append(row)
+        best = self.best_smoothed_valid_loss
+        if best is None or self.smoothed_valid_loss < best:
+            self.best_smoothed_valid_loss = self.smoothed_valid_loss
+            self.best_step = self.step
+            self.evals_without_improvement = 0
+            return row, True
+        self.evals_without_improvement += 1
+        if patience is not None and self.evals_without_improvement >= patience:
+            self.stop_reason = "early_stopping"
+        return row, False

@@ -12,14 +12,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-
-class ReplicaError(RuntimeError):
-    """An exception raised on one replica, re-raised on the caller's thread."""
-
-    def __init__(self, replica: int, what: str, cause: BaseException):
-        super().__init__(f"replica {replica} failed during {what}: {type(cause).__name__}: {cause}")
-        self.replica = replica
-        self.cause = cause
+from .errors import ReplicaError
 
 
 class ReplicaWorkers:

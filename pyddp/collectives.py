@@ -12,10 +12,11 @@ from typing import Any, Dict, Sequence, Tuple
 
 import torch
 
+from ._link import resolve_group
+from ._link.transport import all_reduce_blocking
 from ._params import DTYPE_NAMES
 from ._runtime import backend_kind, make_backend
-from ._xproc import resolve_group
-from .sync import ReduceError
+from .errors import ReduceError
 
 # (kind, devices) -> (backend, lock). A backend is not re-entrant: one call at
 # a time; a backend that failed is dropped so the next call builds a fresh one.
@@ -110,19 +111,13 @@ def _reduce_in_process(
 def _all_reduce_across(
     tensors: Sequence[torch.Tensor], cupy_streams: Sequence[Any], op: str, group: Any
 ) -> None:
-    import torch.distributed as dist
-
     if tensors[0].device.type != "cpu":
         raise NotImplementedError(
             "all_reduce across processes: GPU tensors need a cross-process NCCL communicator, "
             "which this version does not build yet; use torch.distributed.all_reduce"
         )
     _reduce_in_process(tensors, cupy_streams, "sum")
-    count = torch.tensor([float(len(tensors))], dtype=torch.float64)
-    dist.all_reduce(tensors[0], group=group)
-    if op == "avg":
-        dist.all_reduce(count, group=group)
-        tensors[0].div_(count.item())
+    all_reduce_blocking(tensors[0], len(tensors), op, group)
     for t in tensors[1:]:
         t.copy_(tensors[0])
 

@@ -59,7 +59,7 @@ def process_devices(group: object = None) -> List[torch.device]:
     default_devices()."""
     import torch.distributed as dist
 
-    from .dist import local_rank
+    from .torchrun import local_rank
 
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return default_devices()

@@ -16,7 +16,6 @@ from typing import (
     Dict,
     Iterator,
     List,
-    Mapping,
     Optional,
     Sequence,
     Tuple,
@@ -27,12 +26,14 @@ import torch
 from torch import nn
 
 from ._join import Join, join_column
+from ._link.control import BUFFERS_BROADCAST
 from ._mirror import ReplicaMirror
-from ._tree import flatten, other_leaves, shard_sizes, structure
-from ._workers import ReplicaError, ReplicaWorkers
-from ._xproc import BUFFERS_BROADCAST, LOSS_WEIGHTS
+from ._scatter import batch_size, call_arguments, gather, scatter
+from ._workers import ReplicaWorkers
 from .devices import DeviceLike, parse_devices, process_devices
+from .errors import ReplicaError
 from .optim import ParamsFn, replicated_optimizer
+from .options import Options
 from .sync import GradSync
 
 
@@ -44,16 +45,9 @@ class DistributedModel(nn.Module):
         module: nn.Module,
         devices: Optional[Sequence[DeviceLike]] = None,
         *,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
-        reduce_order: Optional[str] = None,
-        rebuild_buckets: bool = True,
-        broadcast_buffers: bool = True,
-        threads_per_replica: Optional[int] = None,
-        timeout_s: Optional[float] = None,
-        timeline: Optional[int] = None,
-        group: Any = None,
         _gpu: Optional[Tuple[Sequence[int], Any]] = None,
+        _options: Optional[Options] = None,
+        **options: Any,
     ):
         super().__init__()
         if isinstance(module, DistributedModel):
@@ -63,13 +57,10 @@ class DistributedModel(nn.Module):
             )
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
+        opts = _options if _options is not None else Options.for_wrap(options)
         self.devices: List[torch.device] = (
-            process_devices(group) if devices is None else parse_devices(devices)
+            process_devices(opts.group) if devices is None else parse_devices(devices)
         )
-        if threads_per_replica is not None and (
-            not isinstance(threads_per_replica, int) or threads_per_replica < 1
-        ):
-            raise ValueError(f"threads_per_replica={threads_per_replica!r} must be an int >= 1")
         self.module = module.to(self.devices[0])
         replicas = [self.module] + [copy.deepcopy(self.module).to(d) for d in self.devices[1:]]
         # A plain list, not submodules: parameters() and state_dict() show one copy.
@@ -77,27 +68,19 @@ class DistributedModel(nn.Module):
         self._callables: List[Callable[..., Any]] = list(replicas)  # compiled by compile()
         self.sync = GradSync(
             replicas,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_cap_mb=first_bucket_cap_mb,
-            reduce_order=reduce_order,
-            rebuild_buckets=rebuild_buckets,
-            timeout_s=timeout_s,
-            timeline=timeline,
-            group=group,
-            check_replicas=False,  # deep copies of replica 0, identical by construction
+            _options=opts,  # check_replicas=False: deep copies of replica 0
             _gpu=_gpu,
             # _begin prepares every replica; no hook on the user's model (a hook
             # there would also sit inside `dmodel.compile()`'s graphs).
             _prepare_on_forward=False,
-            # Must agree across processes too (checked at wrap with the rest).
-            _settings={"broadcast_buffers": broadcast_buffers},
         )
         try:
             self._mirror = ReplicaMirror(replicas, self.sync.names) if len(replicas) > 1 else None
         except BaseException:
             self.sync.close()  # no hooks left behind on the user's model
             raise
-        self.broadcast_buffers = broadcast_buffers
+        self.broadcast_buffers = opts.broadcast_buffers
+        threads_per_replica = opts.threads_per_replica
         if threads_per_replica is None and len(replicas) > 1 and self.devices[0].type == "cpu":
             # CPU replicas compute at once: share the cores instead of every
             # replica using torch's full intra-op count (oversubscription).
@@ -111,7 +94,8 @@ class DistributedModel(nn.Module):
         # CUDA replicas get a thread per device from autograd itself.
         self._parallel_backward = len(replicas) > 1 and self.devices[0].type == "cpu"
         # One replica and one process: nothing to scatter, join or reduce.
-        self._alone = len(replicas) == 1 and self.sync._xproc is None
+        self._passthrough = not self.sync.reduces
+        self.last_global_loss: Optional[float] = None  # of the last training step, if on the host
         self._finish_queued = False
 
     # ---------------------------------------------------------------- access
@@ -232,7 +216,7 @@ class DistributedModel(nn.Module):
         outputs on devices[0]. Reduce the loss with a mean over the whole batch and
         gradients equal single-device training on it."""
         self._check_open()
-        if self._alone:
+        if self._passthrough:
             return self.module(*args, **kwargs)
         with self._abandon_on_error("forward"):
             shards, sizes = self._start((args, kwargs))
@@ -241,7 +225,7 @@ class DistributedModel(nn.Module):
             )
         if torch.is_grad_enabled():
             self.sync.note_forward_end()
-        return self._gather(outs, sizes)
+        return gather(outs, sizes, self.devices[0], self._join)
 
     def loss(
         self,
@@ -260,11 +244,11 @@ class DistributedModel(nn.Module):
         keyword arguments (pass a dict argument as a 1-tuple: `(d,)`)."""
         self._check_open()
         args, kwargs = call_arguments(inputs)  # checked here, not on every replica
-        if self._alone:
+        if self._passthrough:
             _check_reduction(reduction)
             return _checked(loss_fn(self.module(*args, **kwargs), targets))
         with self._abandon_on_error("forward/loss"):
-            shards, _ = self._scatter((inputs, targets))
+            shards, _ = scatter((inputs, targets), self.devices)
         return self.loss_on_shards(loss_fn, shards, reduction=reduction)
 
     def loss_on_shards(
@@ -285,7 +269,7 @@ class DistributedModel(nn.Module):
         _check_reduction(reduction)
         if not 1 <= len(shards) <= len(self._replicas):
             raise ValueError(f"got {len(shards)} shards for {len(self._replicas)} replicas")
-        sizes = [_batch_size(args) for args, _ in shards]
+        sizes = [batch_size(args) for args, _ in shards]
         total = sum(sizes)
         self._begin()
 
@@ -304,18 +288,14 @@ class DistributedModel(nn.Module):
             losses = self._workers.run(
                 [replica_loss(r) for r in range(len(shards))], "forward/loss"
             )
-        xp = self.sync._xproc
         # Training steps only: an evaluation (eval mode) may run on some ranks alone.
-        if xp is not None and self.training and torch.is_grad_enabled():
-            if reduction == "mean":
-                losses = self._weigh_across_processes(losses, total)
-            else:  # a sum over the global batch: undo the average over processes
-                losses = [_ScaleGrad.apply(v, float(xp.world)) for v in losses]
+        if self.training and torch.is_grad_enabled():
+            losses, self.last_global_loss = self.sync.link.weigh_losses(losses, total, reduction)
         if torch.is_grad_enabled():
             self.sync.note_forward_end()
-        if self._alone or not any(v.requires_grad for v in losses):
+        if self._passthrough or not any(v.requires_grad for v in losses):
             return join_column(losses, "sum", self.devices[0], [])
-        return self._join([[v] for v in losses], ["sum"], []).apply()[0]
+        return self._join([[v] for v in losses], ["sum"], [])[0]
 
     @contextlib.contextmanager
     def _abandon_on_error(self, what: str) -> Iterator[None]:
@@ -326,28 +306,19 @@ class DistributedModel(nn.Module):
         try:
             yield
         except BaseException as e:
-            if self.sync._xproc is not None and torch.is_grad_enabled():
+            if self.sync.link.spans_processes and torch.is_grad_enabled():
                 self.sync.abort(f"its {what} raised {type(e).__name__}: {e}")
             raise
 
-    def _weigh_across_processes(self, losses: List[torch.Tensor], rows: int) -> List[torch.Tensor]:
-        """Gradients are averaged over processes, so this rank's are scaled by
-        world * rows here / rows everywhere: an uneven global batch stays
-        exact. One small exchange, which on CPU replicas also gives the global
-        batch's loss (`last_global_loss`; None on GPUs, where reading the loss
-        would make the host wait); the returned loss stays this process's mean."""
-        xp = self.sync._xproc
-        on_host = all(v.device.type == "cpu" for v in losses)
-        local = sum(float(v.detach()) for v in losses) if on_host else 0.0
-        rows_all, loss_sum = xp.sum_over_ranks([float(rows), local * rows], LOSS_WEIGHTS)
-        self.last_global_loss = loss_sum / rows_all if on_host else None
-        scale = xp.world * rows / rows_all
-        return [_ScaleGrad.apply(v, scale) for v in losses]
-
-    def _join(self, tensors: List[List[torch.Tensor]], kinds: List[str], weights: Any) -> Join:
-        return Join(
+    def _join(
+        self, tensors: List[List[torch.Tensor]], kinds: List[str], weights: Any
+    ) -> List[torch.Tensor]:
+        """Joins per-replica tensors on devices[0] through autograd: backward
+        through the result runs every replica's backward (_backward)."""
+        join = Join(
             tensors, kinds, self.devices[0], weights, self._backward, self._parallel_backward
         )
+        return list(join.apply())
 
     def map_replicas(
         self, fn: Callable[[int, nn.Module, Any], Any], shards: Sequence[Any], what: str = "map"
@@ -363,13 +334,13 @@ class DistributedModel(nn.Module):
 
     def _start(self, tree: Any) -> Tuple[List[Any], List[int]]:
         """Scatters `tree` and readies the replicas for a new iteration."""
-        shards, sizes = self._scatter(tree)
+        shards, sizes = scatter(tree, self.devices)
         self._begin()
         return shards, sizes
 
     def _begin(self) -> None:
         """Readies the replicas for a forward that may be followed by backward."""
-        if self._alone:
+        if self._passthrough:
             return
         self.training = self.module.training
         if torch.is_grad_enabled():
@@ -408,11 +379,10 @@ class DistributedModel(nn.Module):
         broadcast_buffers is on: DDP's default before every training forward;
         eval-mode forwards too, so every replica evaluates with replica 0's."""
         if self.broadcast_buffers:
-            xp = self.sync._xproc
-            if xp is not None and self.module.training and torch.is_grad_enabled():
+            if self.module.training and torch.is_grad_enabled():
                 # Across processes only before training forwards, as torch DDP:
                 # an evaluation may run on some ranks only.
-                xp.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
+                self.sync.link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
             self._copy_buffers()
 
     def _copy_buffers(self) -> None:
@@ -425,68 +395,6 @@ class DistributedModel(nn.Module):
 
     def _call(self, r: int, args: Any, kwargs: Any) -> Callable[[], Any]:
         return lambda: self._callables[r](*args, **kwargs)
-
-    def _scatter(self, tree: Any) -> Tuple[List[Any], List[int]]:
-        leaves, rebuild = flatten(tree)
-        batched = [t for t in leaves if t.dim() > 0]
-        if not batched:
-            raise ValueError(
-                "the inputs hold no tensor with a batch dimension: nothing to split over replicas"
-            )
-        batch = batched[0].shape[0]
-        if batch == 0:
-            raise ValueError("the batch is empty (dim 0 has size 0)")
-        for t in batched:
-            if t.shape[0] != batch:
-                raise ValueError(
-                    f"input tensors disagree on the batch size (dim 0): {batch} and "
-                    f"{t.shape[0]}; every batched input must have the same first dimension"
-                )
-        # A batch smaller than the number of replicas: only the first `batch`
-        # replicas take part; the others contribute zeros to the reduction.
-        sizes = shard_sizes(batch, min(batch, len(self._replicas)))
-        split = [[t] * len(sizes) if t.dim() == 0 else list(t.split(sizes)) for t in leaves]
-        shards = []
-        for r, device in enumerate(self.devices[: len(sizes)]):
-            shards.append(rebuild([parts[r].to(device, non_blocking=True) for parts in split]))
-        return shards, sizes
-
-    def _gather(self, outs: List[Any], sizes: List[int]) -> Any:
-        """Batch tensors are concatenated; 0-dim floating tensors (a loss the
-        model computes itself) become the shard-size-weighted mean; other 0-dim
-        tensors are stacked, one per replica. Non-tensor values are refused
-        unless every replica returned the same None, str or bytes."""
-        shapes = [structure(o) for o in outs]
-        for r, shape in enumerate(shapes[1:], start=1):
-            if shape != shapes[0]:
-                raise RuntimeError(
-                    f"pyddp: replicas 0 and {r} returned outputs of different structure "
-                    "(containers, keys, or which values are tensors), which cannot be joined "
-                    f"into one batch: {_short(shapes[0])} vs {_short(shape)}"
-                )
-        flat = [flatten(o) for o in outs]
-        leaves = [f[0] for f in flat]
-        rebuild = flat[0][1]
-        _check_other_leaves(outs)
-        weights = [n / sum(sizes) for n in sizes]
-        results: List[Optional[torch.Tensor]] = [None] * len(leaves[0])
-        kinds = [_gather_kind(t) for t in leaves[0]]
-        differentiable = []
-        for j in range(len(results)):
-            column = [ls[j] for ls in leaves]
-            if any(t.requires_grad for t in column):
-                differentiable.append(j)
-            else:
-                results[j] = join_column(column, kinds[j], self.devices[0], weights)
-        if differentiable:
-            join = self._join(
-                [[ls[j] for j in differentiable] for ls in leaves],
-                [kinds[j] for j in differentiable],
-                weights,
-            )
-            for j, t in zip(differentiable, join.apply()):
-                results[j] = t
-        return rebuild(results)
 
     # -------------------------------------------------------------- backward
     def _backward(self, tensors: List[List[torch.Tensor]], grads: List[List[Any]]) -> None:
@@ -548,85 +456,6 @@ def _keep_graph() -> bool:
     return bool(query()) if query is not None else False
 
 
-def _short(shape: Any) -> str:
-    text = repr(shape).replace("<class '", "").replace("'>", "")
-    return text if len(text) < 200 else text[:200] + "..."
-
-
-def _gather_kind(t: torch.Tensor) -> str:
-    if t.dim() > 0:
-        return "cat"
-    return "mean" if t.is_floating_point() or t.is_complex() else "cat"
-
-
-_SAME_ON_EVERY_REPLICA = (type(None), str, bytes)
-
-
-def _check_other_leaves(outs: List[Any]) -> None:
-    """One replica's non-tensor value is not the batch's: refuse it, unless it
-    is a None, str or bytes equal on every replica (a constant), or describes
-    a model cache (its dtype, device, flags) and is equal on every replica.
-    With one replica its value is the batch's."""
-    if len(outs) == 1:
-        return
-    per_replica = [other_leaves(o) for o in outs]
-    for k, leaf in enumerate(per_replica[0]):
-        values = [leaves[k].value for leaves in per_replica]  # same structure: checked first
-        if leaf.in_cache and isinstance(leaf.value, torch.device):
-            continue  # each replica's cache names its own device; replica 0's is devices[0]
-        if (leaf.in_cache or isinstance(leaf.value, _SAME_ON_EVERY_REPLICA)) and all(
-            _equal(v, leaf.value) for v in values
-        ):
-            continue
-        raise TypeError(_unjoinable(leaf, values))
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if type(a) is not type(b):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - == that does not give one bool: not a constant
-        return False
-
-
-def _unjoinable(leaf: Any, values: List[Any]) -> str:
-    kind = type(leaf.value)
-    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
-    shown = ", ".join(_brief(v) for v in values)
-    return (
-        f"pyddp: cannot join the replicas' outputs: {leaf.path} is of type {name} (one per "
-        f"replica: {shown}). Each replica computed it on its own shard of the batch, so no "
-        "replica's value is the batch's, and pyddp cannot see tensors inside it to join "
-        "them. Remedies: return tensors instead (batch tensors are concatenated along dim "
-        "0, 0-dim floating tensors such as a loss become the shard-size-weighted mean); "
-        "leave the value out of the output (for a transformers model, use_cache=False "
-        "drops past_key_values); or register its type with "
-        "torch.utils._pytree.register_pytree_node so pyddp can join the tensors it holds."
-    )
-
-
-def _brief(value: Any) -> str:
-    """A short, complete description: a scalar's repr, else only the type."""
-    if isinstance(value, (bool, int, float, complex, type(None))):
-        return repr(value)
-    if isinstance(value, (str, bytes)) and len(value) <= 40:
-        return repr(value)
-    return f"<{type(value).__name__}>"
-
-
-def call_arguments(inputs: Any) -> Tuple[tuple, Dict[str, Any]]:
-    """The model's call arguments from `inputs`: a tuple (positional), a dict
-    (keywords) or one argument."""
-    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
-        return inputs, {}
-    if isinstance(inputs, Mapping):
-        if not all(isinstance(k, str) for k in inputs):
-            raise TypeError("a dict of inputs is taken as keyword arguments: its keys must be str")
-        return (), dict(inputs)
-    return (inputs,), {}
-
-
 def _check_reduction(reduction: str) -> None:
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction={reduction!r}: use 'mean' or 'sum'")
@@ -639,26 +468,6 @@ def _checked(value: Any) -> torch.Tensor:
             f"{getattr(value, 'shape', type(value).__name__)}"
         )
     return value
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by `scale`."""
-
-    @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
-
-
-def _batch_size(args: Any) -> int:
-    for t in flatten(args)[0]:
-        if t.dim() > 0:
-            return t.shape[0]
-    raise ValueError("a shard holds no tensor with a batch dimension")
 
 
 def wrap(
@@ -675,17 +484,15 @@ def wrap(
     wrap and its buffers before each training forward; gradients are summed
     over this process's replicas and averaged over processes, as torch DDP.
 
-    `options` are DistributedModel's keywords, with defaults
-    bucket_cap_mb=25, first_bucket_cap_mb=1, reduce_order=None ("ready" in one
-    process, "index" across processes), rebuild_buckets=True,
-    broadcast_buffers=True, threads_per_replica=None, timeout_s=None,
-    timeline=None, group=None (see GradSync for the first four); an unknown
-    one raises TypeError. broadcast_buffers copies replica 0's
-    buffers to the others before each training-mode forward (torch DDP's default);
-    threads_per_replica is each replica's torch intra-op thread count (default for
-    CPU replicas: torch.get_num_threads() // number of replicas, at least 1);
-    timeout_s bounds a GPU or cross-process reduction (default $PYDDP_TIMEOUT_S
-    or 300 s); timeline keeps the last N iterations for export_timeline (or
-    $PYDDP_TIMELINE); group is the torch.distributed process group to span
-    (default: every process, once torch.distributed is initialised)."""
+    `options` (pyddp.options.Options, checked there; an unknown one raises
+    TypeError): bucket_cap_mb=25, first_bucket_cap_mb=1, reduce_order=None
+    ("ready" in one process, "index" across processes), rebuild_buckets=True,
+    broadcast_buffers=True (replica 0's buffers to the others before each
+    training-mode forward, torch DDP's default), threads_per_replica=None
+    (each replica's torch intra-op threads; CPU default:
+    torch.get_num_threads() // number of replicas, at least 1),
+    timeout_s=None ($PYDDP_TIMEOUT_S or 300 s), timeline=None (iterations
+    kept for export_timeline; $PYDDP_TIMELINE), group=None (the
+    torch.distributed process group to span; default every process once
+    torch.distributed is initialised)."""
     return DistributedModel(model, devices, **options)

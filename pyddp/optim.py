@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Type
 import torch
 from torch import nn
 
-from ._workers import ReplicaError
+from .errors import ReplicaError
 from .sync import GradSync
 
 ParamsFn = Callable[[nn.Module], Iterable[Any]]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Type, Union
@@ -18,26 +17,22 @@ from torch import nn
 
 from ._arguments import check_arguments, optimizer_spec, qualname
 from ._interrupt import CtrlC, sigint_deferred
+from ._link import exchange
 from ._rng import cuda_rng_states, restore_generators, seed_generators
-from ._run import (
-    changed_run_message,
-    fresh_run_message,
-    remove_stale_temporaries,
-    run_differences,
-    run_signature,
-)
+from ._run import run_signature
+from ._run_files import RunFiles
 from ._scaler import LossScaler
+from ._scatter import call_arguments
 from ._state import LoopState
 from ._tree import flatten
-from ._workers import ReplicaError
-from ._xproc import exchange
 from .callbacks import Callback, MetricsLogger, ProgressBar
-from .checkpoint import check_classes, list_checkpoints, load_latest, save_atomic, save_checkpoint
+from .checkpoint import save_atomic
 from .config import TrainConfig
 from .data import ShardedLoader
 from .devices import DeviceLike
-from .model import call_arguments, wrap
-from .sync import ReduceError
+from .errors import ReduceError, ReplicaError, TrainingError
+from .model import wrap
+from .options import Options
 
 __all__ = ["FitResult", "LoopState", "Trainer", "TrainingError"]
 
@@ -45,18 +40,12 @@ OptimizerSpec = Union[Type[torch.optim.Optimizer], functools.partial]
 Metric = Callable[[Any, Any], torch.Tensor]  # (outputs, targets) -> mean over the shard
 
 
-# The Trainer's exchanges across processes (see _xproc.exchange).
+# The Trainer's exchanges across processes (see pyddp._link.control).
 _VALID_SUMS = exchange("the sums of a validation during fit()")
 _TRAIN_LOSS = exchange("the training loss of a step (GPU replicas)")
 _STOP = exchange("the stop decision after a step (Ctrl-C on any rank)")
 _RNG = exchange("the RNG states for a checkpoint")
-_RESUME = exchange("rank 0's checkpoint at resume")
-_DIR_CHECK = exchange("rank 0's check of the output directory")
 _OUTPUT_DIR = exchange("rank 0's output directory")
-
-
-class TrainingError(RuntimeError):
-    """A step failed; names the replica, epoch and step. The last checkpoint is intact."""
 
 
 @dataclass
@@ -106,13 +95,13 @@ class Trainer:
         self.config.validate()
         self._optimizer_class, optimizer_args, optimizer_kwargs = optimizer_spec(optimizer)
         check_arguments(loss_fn, scheduler, metrics, callbacks)
-        self.model = wrap(model, devices, **wrap_options)
+        options = Options.for_wrap(wrap_options)  # checked before anything starts
+        self.model = wrap(model, devices, _options=options)
         self._closed = False
         # Across processes: this rank's place; rank 0 alone shows progress and
         # writes files, every rank trains on its slice of each global batch.
-        xp = self.model.sync._xproc
-        self._xp = xp
-        self.rank, self.world = (xp.rank, xp.world) if xp is not None else (0, 1)
+        self.link = self.model.sync.link
+        self.rank, self.world = self.link.rank, self.link.world
         seed_generators(self.config.seed, self.rank, self.model.devices)
         try:
             if self.config.precision == "fp16" and self.model.devices[0].type != "cuda":
@@ -121,9 +110,9 @@ class Trainer:
                 self._optimizer_class, *optimizer_args, **optimizer_kwargs
             )
             self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
-            counts = xp.local_counts if xp is not None else [len(self.model.replicas)]
+            counts = self.link.local_counts
             # What this run's result depends on: in every checkpoint, compared at resume.
-            self._signature = run_signature(
+            signature = run_signature(
                 self.model.module,
                 self.config,
                 self._optimizer_class,
@@ -137,11 +126,10 @@ class Trainer:
         self.loss_fn = loss_fn
         self.metrics = dict(metrics or {})
         self.output_dir = Path(self.config.output_dir) if self.config.output_dir else None
-        if xp is not None:
-            # Rank 0's, on every rank: the others never touch it, but they
-            # take part in checkpoints (their RNG states) exactly when it
-            # writes them, also when a script sets output_dir on rank 0 only.
-            self.output_dir = xp.from_root(self.output_dir, _OUTPUT_DIR)
+        # Rank 0's, on every rank: the others never touch it, but they take
+        # part in checkpoints (their RNG states) exactly when it writes them,
+        # also when a script sets output_dir on rank 0 only.
+        self.output_dir = self.link.from_root(self.output_dir, _OUTPUT_DIR)
         self.callbacks: List[Callback] = list(callbacks)
         if self.config.progress and self.rank == 0:
             self.callbacks.append(ProgressBar())
@@ -159,8 +147,22 @@ class Trainer:
         # inside the optimizer step ("step") may have stepped some replicas
         # only, which only a checkpoint repairs.
         self._window: Optional[int] = None
-        self._torn: Optional[str] = None
-        self._dir_checked = False  # the output directory holds this run's files only
+        self._interrupted_in: Optional[str] = None
+        scheduler_class = type(self.scheduler) if self.scheduler is not None else None
+        self._files = (
+            None
+            if self.output_dir is None
+            else RunFiles(
+                self.output_dir,
+                self.link,
+                self.config,
+                signature,
+                {
+                    "optimizer": qualname(self._optimizer_class),
+                    "scheduler": qualname(scheduler_class),
+                },
+            )
+        )
 
     # -------------------------------------------------------------- public
     def fit(self, train_data: Any, valid_data: Any = None) -> FitResult:
@@ -233,12 +235,13 @@ class Trainer:
             world=self.world,
         )
         self.steps_per_epoch = -(-len(loader) // cfg.grad_accum_steps)
-        self._mend()
-        if self.output_dir is not None and not self._dir_checked:
-            self._check_output_dir()
-        if cfg.resume and self.output_dir is not None:
-            self._resume()
-        self._dir_checked = True
+        self._recover_interrupted_fit()
+        if self._files is not None:
+            self._files.config = cfg  # this fit's resume and max_to_keep
+            self._files.check_dir()
+            if cfg.resume:
+                self._resume()
+            self._files.checked = True
         # A fit starts at a window boundary: no gradient is carried into it
         # (an aborted backward's, or one the model held when it was wrapped).
         self.model.zero_grad()
@@ -262,20 +265,18 @@ class Trainer:
                     self._checkpoint()
                 self._emit("on_train_end")
             except BaseException:
-                if self._window is not None and self._torn is None:
-                    self._torn = "window"
+                if self._window is not None and self._interrupted_in is None:
+                    self._interrupted_in = "window"
                 raise
         return FitResult(self.state, self.best_state_dict, self.state.stop_reason, self.output_dir)
 
-    def _mend(self) -> None:
+    def _recover_interrupted_fit(self) -> None:
         """After a fit that raised mid-step: drop partial gradients and redo the
         accumulation window, or insist on a checkpoint if replicas may differ."""
-        if self._torn is None:
+        if self._interrupted_in is None:
             return
-        if self._torn == "step" and not (
-            self.config.resume
-            and self.output_dir is not None
-            and list_checkpoints(self.output_dir / "checkpoints")
+        if self._interrupted_in == "step" and not (
+            self.config.resume and self._files is not None and self._files.has_checkpoints()
         ):
             raise RuntimeError(
                 "pyddp: the previous fit() failed inside the optimizer step, so the replicas "
@@ -289,13 +290,13 @@ class Trainer:
         self.model.map_replicas(lambda r, m, s: None, [None] * n, "wait")
         self.model.sync.abort()  # a backward cut short is still open in the engine
         self.state.batch_in_epoch = self._window
-        self._window = self._torn = None
+        self._window = self._interrupted_in = None
 
     def _evaluate(self, data: Any, across_ranks: bool) -> Dict[str, float]:
         """`across_ranks`: every rank evaluates its slice and the sums are
         exchanged (every rank must call it); else this rank evaluates all."""
         cfg = self.config
-        across_ranks = across_ranks and self._xp is not None
+        across_ranks = across_ranks and self.link.spans_processes
         loader = ShardedLoader(
             data,
             cfg.eval_batch_size or cfg.batch_size,
@@ -340,7 +341,7 @@ class Trainer:
             self.model.training = self.model.module.training
         if across_ranks:  # every rank's rows: the same figures everywhere
             local = totals.tolist() if totals is not None else [0.0] * len(names)
-            sums = self._xp.sum_over_ranks([rows, *local], _VALID_SUMS)
+            sums = self.link.sum_over_ranks([rows, *local], _VALID_SUMS)
             rows, totals = sums[0], torch.tensor(sums[1:], dtype=torch.float64)
         values = (totals / rows).tolist()  # one host sync for the whole evaluation
         return {f"valid_{n}" if n == "loss" else n: v for n, v in zip(names, values)}
@@ -365,7 +366,7 @@ class Trainer:
                             self.loss_fn, shards, context=self._autocast
                         )
                         (loss * (self._scaler.scale / window)).backward()
-                    if self._xp is not None:  # the global batch's loss, as one device
+                    if self.link.spans_processes:  # the global batch's loss, as one device
                         loss = self._global_loss(loss, shards)
                     window_loss += loss.detach().to(window_loss.device) / window
                     state.batch_in_epoch += 1
@@ -408,7 +409,7 @@ class Trainer:
         g = self.model.last_global_loss  # computed with the rows exchange (CPU)
         if g is None:  # GPU replicas: the host reads the loss here, once per step
             rows = sum(_rows(s) for s in shards)
-            rows_all, total = self._xp.sum_over_ranks([rows, loss.item() * rows], _TRAIN_LOSS)
+            rows_all, total = self.link.sum_over_ranks([rows, loss.item() * rows], _TRAIN_LOSS)
             g = total / rows_all
         return torch.tensor(g)
 
@@ -426,7 +427,7 @@ class Trainer:
             try:
                 self.optimizer.step()
             except BaseException:
-                self._torn = "step"
+                self._interrupted_in = "step"
                 raise
             self.optimizer.zero_grad()
             if self.scheduler is not None and cfg.scheduler_interval == "step":
@@ -450,8 +451,8 @@ class Trainer:
             "max_steps",
         )
         stop = self._ctrl_c.stop_requested
-        if self._xp is not None:  # a Ctrl-C on any rank stops every rank at this step
-            stop = self._xp.sum_over_ranks([float(stop)], _STOP)[0] > 0
+        # A Ctrl-C on any rank stops every rank at this step.
+        stop = self.link.sum_over_ranks([float(stop)], _STOP)[0] > 0
         if stop:
             state.stop_reason = "interrupted"  # fit() writes the checkpoint on the way out
 
@@ -480,39 +481,16 @@ class Trainer:
             state.stop_reason = state.stop_reason or reason
 
     def _validate(self, valid_data: Any) -> None:
-        cfg, state = self.config, self.state
+        cfg = self.config
         with torch.no_grad():
             result = self._evaluate(valid_data, across_ranks=True)
-        loss = result["valid_loss"]
-        past = state.smoothed_valid_loss
-        state.smoothed_valid_loss = (
-            loss if past is None else cfg.smoothing * past + (1 - cfg.smoothing) * loss
-        )
-        row = {
-            "epoch": state.epoch,
-            "step": state.step,
-            **result,
-            "smoothed_valid_loss": state.smoothed_valid_loss,
-        }
-        if state.train_losses:  # the learning curve's training side: mean since last time
-            row["train_loss"] = sum(state.train_losses) / len(state.train_losses)
-            state.train_losses = []
-        state.history.append(row)
-        best = state.best_smoothed_valid_loss
-        if best is None or state.smoothed_valid_loss < best:
-            state.best_smoothed_valid_loss = state.smoothed_valid_loss
-            state.best_step = state.step
-            state.evals_without_improvement = 0
+        row, best = self.state.record_validation(result, cfg.smoothing, cfg.early_stopping_patience)
+        if best:
             self.best_state_dict = {
                 k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
             }
             if self.output_dir is not None and self.rank == 0:
                 save_atomic(self.best_state_dict, self.output_dir / "best.pt")
-        else:
-            state.evals_without_improvement += 1
-            patience = cfg.early_stopping_patience
-            if patience is not None and state.evals_without_improvement >= patience:
-                state.stop_reason = "early_stopping"
         self._emit("on_validation_end", row)
 
     # ---------------------------------------------------------- checkpoints
@@ -520,42 +498,25 @@ class Trainer:
         # Every rank's own random state (its dropout masks differ from the
         # others'), so that a resumed rank draws what it would have drawn.
         rng = {"torch": torch.get_rng_state(), "cuda": cuda_rng_states(self.model.devices)}
-        ranks = [rng] if self._xp is None else self._xp.gather_objects(rng, _RNG)
+        ranks = self.link.gather_objects(rng, _RNG)
         if self.rank != 0:  # every rank holds the same model: rank 0 writes it
             return
         payload = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "classes": self._classes(),
-            "run": self._signature,
             "loop": asdict(self.state),
             "best": self.best_state_dict,
             "loss_scaler": self._scaler.state_dict(),
             "rng": {"ranks": ranks},
         }
-        path = save_checkpoint(
-            payload, self.output_dir / "checkpoints", self.state.step, self.config.max_to_keep
-        )
-        self._emit("on_checkpoint", path)
+        self._emit("on_checkpoint", self._files.save(payload, self.state.step))
 
     def _resume(self) -> None:
-        # Rank 0 reads, every rank gets the same checkpoint (no shared
-        # filesystem needed, no rank picking a different "latest").
-        found = self._on_rank_0(lambda: load_latest(self.output_dir / "checkpoints"), _RESUME)
+        found = self._files.latest()
         if found is None:
             return
         path, payload = found
-        check_classes(path, payload.get("classes"), self._classes())
-        changed = run_differences(payload.get("run"), self._signature)
-        if changed and not self.config.resume_if_changed:
-            raise ValueError(changed_run_message(path, changed))
-        if changed and self.rank == 0:
-            warnings.warn(
-                f"pyddp: resuming {path} with changes (resume_if_changed=True): "
-                + "; ".join(changed),
-                stacklevel=3,
-            )
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         if self.scheduler is not None and payload["scheduler"] is not None:
@@ -569,47 +530,6 @@ class Trainer:
         restore_generators(payload["rng"], self.rank, self.model.devices)
         if self.rank == 0:
             print(f"pyddp: resumed from {path} (epoch {self.state.epoch}, step {self.state.step})")
-
-    def _check_output_dir(self) -> None:
-        """Once per Trainer, before its first files: removes pyddp's stale
-        temporaries and refuses to start afresh over another run's
-        checkpoints. Rank 0 looks; every rank gets its answer."""
-        checkpoints = self.output_dir / "checkpoints"
-
-        def check() -> Optional[str]:
-            for folder in (self.output_dir, checkpoints):
-                remove_stale_temporaries(folder)
-            found = [] if self.config.resume else list_checkpoints(checkpoints)
-            return fresh_run_message(checkpoints, [p.name for p in found]) if found else None
-
-        refusal = self._on_rank_0(check, _DIR_CHECK)
-        if refusal is not None:
-            raise ValueError(refusal)
-
-    def _on_rank_0(self, fn: Callable[[], Any], what: str) -> Any:
-        """fn() on rank 0 (the files are rank 0's), its result on every rank
-        through one exchange. An exception on rank 0 is raised there as it is
-        and, by its text, on every other rank, so none waits for the timeout."""
-        if self._xp is None:
-            return fn()
-        result: Any = None
-        error: Optional[BaseException] = None
-        if self.rank == 0:
-            try:
-                result = ("ok", fn())
-            except Exception as e:  # noqa: BLE001 - raised below, here and on every rank
-                error, result = e, ("error", f"{type(e).__name__}: {e}")
-        kind, value = self._xp.from_root(result, what)
-        if error is not None:
-            raise error
-        if kind == "error":
-            raise RuntimeError(f"pyddp: on rank 0, {what} failed: {value}")
-        return value
-
-    def _classes(self) -> Dict[str, Optional[str]]:
-        """What wrote a checkpoint: its optimizer state fits only that class."""
-        scheduler = type(self.scheduler) if self.scheduler is not None else None
-        return {"optimizer": qualname(self._optimizer_class), "scheduler": qualname(scheduler)}
 
     # --------------------------------------------------------------- misc
     def _autocast(self) -> contextlib.AbstractContextManager:

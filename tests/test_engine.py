@@ -90,7 +90,7 @@ def test_mark_after_reduction_without_forward_is_an_error():
     eng.finish()
     with pytest.raises(RuntimeError, match="no forward in between"):
         eng.mark_ready(0, 0)
-    assert eng.take_stale(0) and eng.take_stale(1)
+    assert eng.take_reduced_copy(0) and eng.take_reduced_copy(1)
     eng.mark_ready(0, 0)  # after the forward's prepare: fine
 
 

@@ -1,5 +1,5 @@
 """pyddp's GPU path on the simulated CUDA driver, NCCL and NVRTC (tests/simgpu):
-the real NcclBackend, DeviceBackend, Engine, GradSync and wrap, with host
+the real NcclBackend, SharedGpuBackend, Engine, GradSync and wrap, with host
 tensors standing in for device memory. Each test runs in a subprocess with
 PYDDP_CUDA_LIBRARY/PYDDP_NCCL_LIBRARY/PYDDP_NVRTC_LIBRARY pointing at the
 simulation, so a real driver is never shadowed; every scenario ends by

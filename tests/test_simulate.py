@@ -214,28 +214,6 @@ def test_torch_ddp_plan_is_torchs_own_assignment():
     assert one.reductions == 1 and one.step_s == pytest.approx(5e-3 + sum(sizes) / 1e9)
 
 
-def test_the_simulators_bucket_plan_is_the_engines():
-    # The simulator imports nothing from the engine: its plan_buckets is a
-    # copy of csrc/bucket_plan.cpp's rule, held to it here.
-    import random
-
-    from pyddp import _C
-
-    rng = random.Random(0)
-    dtypes = ["float32", "float64", "float16", "bfloat16"]
-    for _ in range(2000):
-        n = rng.randint(1, 20)
-        numels = [
-            rng.choice([0, 1, rng.randint(1, 5000), rng.randint(1, 1 << 20)]) for _ in range(n)
-        ]
-        kinds = [rng.choice(dtypes[: rng.randint(1, 4)]) for _ in range(n)]
-        order = rng.sample(range(n), n)
-        first = rng.choice([0, 1, 1024, 1 << 20, rng.randint(0, 1 << 22)])
-        cap = rng.choice([0, 1, 4096, 25 << 20, rng.randint(0, 1 << 24)])
-        args = (numels, kinds, order, first, cap)
-        assert simulate.plan_buckets(*args) == _C.plan_buckets(*args), args
-
-
 def test_horovod_cycles_wait_for_their_reductions():
     # Ready at 1 ms and 7 ms: the first goes at the 5 ms cycle; a reduction of
     # 20 ms holds the background thread, so the second goes at 25 ms.
@@ -351,7 +329,7 @@ def test_committed_validation_table_matches_a_fresh_run():
 
 def test_readme_shows_the_committed_validation_table_and_chart(tmp_path):
     committed = json.loads((ROOT / "bench/results/simulate-validation.json").read_text())["rows"]
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs/simulator.md").read_text()
     assert published.markdown(committed) in readme
     assert "bench/results/simulate-validation.png" in readme
     assert published.chart(committed, tmp_path / "v.png").stat().st_size > 10_000

@@ -329,7 +329,7 @@ def foreign_note(out: dict) -> None:
     rank = pyddp.rank()
     torch.manual_seed(0)
     dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
-    out["prefix"] = dm.sync._xproc.prefix
+    out["prefix"] = dm.sync.link.prefix
     x, y = torch.randn(8, 6), torch.randn(8, 3)
     nn.functional.mse_loss(dm(x), y).backward()
     if rank == 1:
@@ -617,7 +617,7 @@ def exchanges(out: dict) -> None:
     figures on both, then a gloo abort). Then two ranks at different
     exchanges on purpose: both must raise, naming both."""
     from pyddp import trainer as trainer_module
-    from pyddp._xproc import LOSS_WEIGHTS
+    from pyddp._link.control import LOSS_WEIGHTS
 
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
@@ -641,7 +641,7 @@ def exchanges(out: dict) -> None:
     dm = pyddp.wrap(nn.Linear(2, 2), ["cpu"])
     name = LOSS_WEIGHTS if pyddp.rank() == 0 else trainer_module._VALID_SUMS
     try:
-        dm.sync._xproc.sum_over_ranks([1.0, 2.0], name)
+        dm.sync.link.sum_over_ranks([1.0, 2.0], name)
         out["mismatch"] = None
     except Exception as e:  # noqa: BLE001 - reported to the test
         out["mismatch"] = str(e)
@@ -685,7 +685,7 @@ def diverge(out: dict) -> None:
     case("extra step", lambda dm, opt, model: opt.step())  # gradients still there
     case("extra no_sync", extra_no_sync)
     case("eval", lambda dm, opt, model: model.eval())
-    case("edited parameters", edit, steps=pyddp.sync.CHECKSUM_EVERY)
+    case("edited parameters", edit, steps=pyddp._link.record.CHECKSUM_EVERY)
 
     # One rank in eval(): rank 0 broadcasts buffers before its training
     # forward and rank 1 does not (this used to fail as "broadcast of rank

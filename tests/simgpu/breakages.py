@@ -26,8 +26,8 @@ BREAKAGES = {
         "the communication stream does not wait for the producing streams' events",
     ),
     "ready-event-on-wrong-stream": (
-        "pyddp/sync.py",
-        "            mark(r, i, current(device))",
+        "pyddp/_hooks.py",
+        "        mark(r, i, current(device))",
         "            mark(r, i, 0)",
         "the ready event is recorded on the default stream, not the producing one",
     ),

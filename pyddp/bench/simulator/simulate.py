@@ -40,7 +40,7 @@ Efficiency = the one-device step / the step at n devices.
 Not modelled: compute slowed by NCCL kernels sharing SMs and memory
 bandwidth, per-step framework overheads, stragglers and jitter, the input
 pipeline, GPU memory capacity, NVLink SHARP and in-network reduction,
-gradient compression, host launch overheads. See the README's validation
+gradient compression, host launch overheads. See docs/simulator.md's validation
 table for what that costs against published results.
 """
 
@@ -51,8 +51,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ... import plan_buckets
 from .._util import pyplot, save_figure
-from .costmodel import _DTYPE_BYTES, Profile
+from .costmodel import Profile
 from .hardware import System
 
 MIB = 1 << 20
@@ -112,34 +113,6 @@ def buckets(profile: Profile, policy: str, cap_mb: Optional[float] = None) -> Li
             plan = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
             return [list(b) for b in reversed(plan[0])]
     raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}, horovod, one all-reduce")
-
-
-def plan_buckets(
-    numels: Sequence[int], dtypes: Sequence[str], order: Sequence[int], first_cap: int, cap: int
-) -> List[List[int]]:
-    """pyddp's bucket plan, the rule of the engine's csrc/bucket_plan.cpp
-    (tests/test_simulate.py checks the two agree), so that the simulator needs
-    nothing from the engine. Parameters in `order`, one open bucket per dtype;
-    a bucket closes once it holds `first_cap` bytes (the first to close) or
-    `cap` (every later one); the partial buckets left at the end follow, in
-    the order of their first parameter. `cap` 0: one bucket per parameter.
-    The profile has checked `dtypes` and `order` (Profile.check)."""
-    if cap == 0:
-        return [[p] for p in order]
-    buckets: List[List[int]] = []
-    open_: Dict[str, Tuple[List[int], int]] = {}
-    first_closed = False
-    for p in order:
-        params, nbytes = open_.get(dtypes[p], ([], 0))
-        params.append(p)
-        nbytes += numels[p] * _DTYPE_BYTES[dtypes[p]]
-        if nbytes >= (cap if first_closed else max(first_cap, 1)):
-            buckets.append(params)
-            params, nbytes, first_closed = [], 0, True
-        open_[dtypes[p]] = (params, nbytes)
-    position = {p: i for i, p in enumerate(order)}
-    rest = sorted((b for b, _ in open_.values() if b), key=lambda b: position[b[0]])
-    return buckets + rest
 
 
 def step(

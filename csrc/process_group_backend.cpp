@@ -1,16 +1,16 @@
-// Local reduction, then the cross-process launch: see group_backend.h.
-#include "group_backend.h"
+// Local reduction, then the cross-process launch: see process_group_backend.h.
+#include "process_group_backend.h"
 
 namespace pyddp {
 
-GroupBackend::GroupBackend(std::shared_ptr<Backend> local, std::function<void(int)> launch,
+ProcessGroupBackend::ProcessGroupBackend(std::shared_ptr<Backend> local, std::function<void(int)> launch,
                            std::string name)
     : local_(std::move(local)), launch_(std::move(launch)), name_(std::move(name)) {
-  PYDDP_ENFORCE(local_ != nullptr, "GroupBackend needs a local backend");
-  PYDDP_ENFORCE(static_cast<bool>(launch_), "GroupBackend needs a launch callback");
+  PYDDP_ENFORCE(local_ != nullptr, "ProcessGroupBackend needs a local backend");
+  PYDDP_ENFORCE(static_cast<bool>(launch_), "ProcessGroupBackend needs a launch callback");
 }
 
-void GroupBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {
+void ProcessGroupBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {
   PYDDP_ENFORCE(key >= 0, "cross-process reductions are per bucket, got key ", key);
   // One replica in this process: its buffer already is the process's sum.
   if (bufs.size() > 1) local_->all_reduce(bufs, op, key);
@@ -19,7 +19,7 @@ void GroupBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, i
   launch_(key);
 }
 
-void GroupBackend::close() {
+void ProcessGroupBackend::close() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     closed_ = true;

@@ -1,5 +1,5 @@
-"""pyddp across processes and hosts, on torch.distributed: `init()` joins the
-group torchrun started (its environment, the c10d store, gloo for CPUs and
+"""pyddp under torchrun, on torch.distributed: `init()` joins the group
+torchrun started (its environment, the c10d store, gloo for CPUs and
 NCCL for GPUs), and `rank()`/`world()`/`local_rank()` say where this process
 is. Without `init()` and with torch.distributed uninitialised, pyddp runs in
 one process as it always did: every helper here then answers for one process.

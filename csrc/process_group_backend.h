@@ -16,12 +16,12 @@
 
 namespace pyddp {
 
-class GroupBackend : public Backend {
+class ProcessGroupBackend : public Backend {
  public:
   // launch(key): starts the cross-process reduction of bucket `key` (replica
   // 0's buffer, already holding this process's sum). Called from the engine's
   // launcher thread only, in bucket-index order.
-  GroupBackend(std::shared_ptr<Backend> local, std::function<void(int)> launch, std::string name);
+  ProcessGroupBackend(std::shared_ptr<Backend> local, std::function<void(int)> launch, std::string name);
   std::string name() const override { return name_; }
   void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;
   void close() override;

@@ -1,0 +1,183 @@
+"""The bucket layout: each replica's gradients live in flat per-bucket
+buffers and every `param.grad` is a view into them, so reducing a bucket
+needs no copy (DESIGN.md, invariant 2). This object owns the buffers, the
+views, their addresses and version counters: laying them out (again, after
+a rebuild or after Module._apply moved storage), keeping replicas' copies
+in step, and settling parameters a replica produced no gradient for."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+from . import _C
+
+
+def plan_buckets(
+    numels: Sequence[int], dtypes: Sequence[str], order: Sequence[int], first_cap: int, cap: int
+) -> List[List[int]]:
+    """The engine's bucket plan (csrc/bucket_plan.cpp), public for planners
+    such as the simulator: parameters taken in `order` (their ready order),
+    one open bucket per dtype ("float32", ...); a bucket closes once it holds
+    `first_cap` bytes (the first to close) or `cap` (every later one); the
+    partial buckets left at the end follow. `cap` 0: one bucket per parameter."""
+    return _C.plan_buckets(list(numels), list(dtypes), list(order), first_cap, cap)
+
+
+class BucketLayout:
+    def __init__(
+        self,
+        params: Sequence[Sequence[torch.Tensor]],
+        dtypes: Sequence[str],
+        set_buffer: Callable[[int, int, int, int, str, int], None],
+        gpu_devices: Optional[Sequence[int]],
+        before_host_write: Callable[[int], None],
+    ):
+        """`params[r]`: replica r's trainable parameters; `set_buffer` tells
+        the engine where a bucket lives; `before_host_write(r)` orders the
+        current stream after reductions still reading replica r's buckets."""
+        self.params = params
+        self.dtypes = list(dtypes)
+        self._set_buffer = set_buffer
+        self._gpu_devices = gpu_devices
+        self._before_host_write = before_host_write
+        n = len(params[0])
+        self.views: List[List[Optional[torch.Tensor]]] = [[None] * n for _ in params]
+        self.flat: List[List[torch.Tensor]] = [[] for _ in params]
+        self._view_ptrs: List[int] = []
+        self._versions: Optional[List[List[int]]] = None  # the buffers' at finish()
+        self.adopted = 0  # gradients that arrived outside the buckets and were copied in
+
+    def allocate(self, buckets: Sequence[Sequence[int]]) -> None:
+        """Allocates flat buffers for `buckets` and points every gradient there,
+        keeping the values gradients already hold."""
+        for r, params in enumerate(self.params):
+            flats = []
+            for b, members in enumerate(buckets):
+                count = sum(params[i].numel() for i in members)
+                flat = torch.zeros(count, dtype=params[members[0]].dtype, device=params[0].device)
+                offset = 0
+                for i in members:
+                    p = params[i]
+                    view = flat[offset : offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                        p.grad = view
+                    self.views[r][i] = view
+                device = -1 if self._gpu_devices is None else self._gpu_devices[r]
+                self._set_buffer(r, b, flat.data_ptr(), count, self.dtypes[members[0]], device)
+                flats.append(flat)
+            self.flat[r] = flats
+        self._view_ptrs = [v.data_ptr() for v in self.views[0]]
+        self._versions = None
+
+    def moved(self) -> bool:
+        """Whether replica 0's gradients left their bucket views (Module._apply
+        replaced their storage, or a gradient was assigned). Reliable where
+        parameter pointers are not: the buckets stay allocated, so a replaced
+        gradient cannot reuse their addresses."""
+        for p, ptr in zip(self.params[0], self._view_ptrs):
+            g = p.grad
+            if g is not None and g.data_ptr() != ptr:
+                return True
+        return False
+
+    def bucket_bytes(self) -> List[int]:
+        return [f.numel() * f.element_size() for f in self.flat[0]]
+
+    # ------------------------------------------------------ single gradients
+    def adopt(self, p: torch.Tensor, view: torch.Tensor) -> None:
+        """The gradient is not the bucket view (grad was None, or replaced by
+        the user): copy it in once; later backwards accumulate in place."""
+        g = p.grad
+        if g.is_sparse:
+            raise RuntimeError(
+                "pyddp: a parameter produced a sparse gradient; sparse gradients are not "
+                "supported (construct nn.Embedding/EmbeddingBag with sparse=False)"
+            )
+        view.copy_(g)
+        p.grad = view
+        self.adopted += 1
+
+    def take_in(self, r: int, i: int) -> None:
+        """Replica r produced no gradient for parameter i this backward: its
+        slice takes part as is, unless its grad was reset behind pyddp's back
+        (torch's zero_grad sets None: the slice is stale and counts as zero)
+        or replaced (copied in)."""
+        grad, view = self.params[r][i].grad, self.views[r][i]
+        if grad is view:
+            return
+        if grad is None:
+            view.zero_()
+        else:
+            self.adopt(self.params[r][i], view)
+
+    def zero_param(self, i: int) -> None:
+        """Parameter i's slice reads zero on every replica."""
+        for views in self.views:
+            views[i].zero_()
+
+    def grads_to_none(self, i: int) -> None:
+        """Parameter i has no gradient anywhere: None, as on one device."""
+        for params in self.params:
+            params[i].grad = None
+
+    def point_grads(self, i: int) -> None:
+        """Parameter i was reduced without every replica producing it: a
+        replica whose grad was None must now see the reduced slice."""
+        for params, views in zip(self.params, self.views):
+            if params[i].grad is not views[i]:
+                params[i].grad = views[i]
+
+    # -------------------------------------------------------- whole buckets
+    def zero(self, r: int) -> None:
+        for flat in self.flat[r]:
+            flat.zero_()
+
+    def copy_to_others(self, buckets: Sequence[int]) -> None:
+        """Replica 0's values of `buckets` on every other replica (reduced
+        across processes through replica 0's buffers)."""
+        if len(self.flat) > 1:
+            with torch.no_grad():
+                for b in buckets:
+                    for flats in self.flat[1:]:
+                        flats[b].copy_(self.flat[0][b])
+
+    def scale(self, factor: float) -> None:
+        with torch.no_grad():
+            for flats in self.flat:
+                torch._foreach_mul_(flats, factor)
+
+    def mark_reduced(self) -> None:
+        """At the end of finish(): the buffers' versions, for align()."""
+        self._versions = [[f._version for f in flats] for flats in self.flat]
+
+    def forget_reduced(self) -> None:
+        self._versions = None
+
+    def align(self) -> None:
+        """Before a step: gradients changed on replica 0 only since finish()
+        (torch's clip_grad_norm_ or a GradScaler's unscale_ over the model's
+        own parameters) are copied to the other replicas, so every replica
+        steps on the same values. Seen through the buffers' version counters."""
+        if self._versions is None:
+            return
+        now = [[f._version for f in flats] for flats in self.flat]
+        if now == self._versions:
+            return
+        moved0 = [a - b for a, b in zip(now[0], self._versions[0])]
+        for r in range(1, len(self.flat)):
+            moved = [a - b for a, b in zip(now[r], self._versions[r])]
+            for b, (m, m0) in enumerate(zip(moved, moved0)):
+                if m != m0:
+                    self._before_host_write(r)
+                    with torch.no_grad():
+                        self.flat[r][b].copy_(self.flat[0][b])
+        self.mark_reduced()
+
+
+def zero_tensors(tensors: Sequence[Any]) -> None:
+    for t in tensors:
+        t.zero_()

@@ -1,0 +1,200 @@
+"""Control exchanges of the link: small blocking messages on a gloo group
+of their own (the model check and broadcast at wrap, sums and values from
+rank 0 for the Trainer, rank 0's bucket plan), never interleaved with
+bucket reductions still in flight.
+
+Every exchange is preceded by a header (its name's tag, its place in the
+group's sequence and the wrapped model), compared on every rank: two ranks
+at different exchanges raise, naming both, instead of pairing (an
+evaluation's sums with a training step's weighting) or crashing gloo on
+different sizes. Names are declared at import with `exchange`, so a rank
+can name an exchange it never made itself."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import zlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .failure import Failure
+from .groups import Peers, allreduce, broadcast, own_group
+
+_TAGS: Dict[int, str] = {}
+_sequence: Dict[Tuple[int, ...], int] = {}  # per control group (its ranks)
+
+
+def tag(name: str) -> int:
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def exchange(name: str) -> str:
+    """Declares the name of a control exchange (at import time)."""
+    _TAGS[tag(name)] = name
+    return name
+
+
+MODEL_CHECK = exchange("the comparison of models and settings at wrap")
+REPLICA_COUNTS = exchange("the exchange of replica counts")
+PARAMS_BROADCAST = exchange("the broadcast of rank 0's parameters and buffers")
+BUFFERS_BROADCAST = exchange("the broadcast of rank 0's buffers before a training forward")
+PLAN_BROADCAST = exchange("the bucket plan broadcast")
+LOSS_WEIGHTS = exchange("the loss weighting of a training step")
+
+
+class Control:
+    """Blocking exchanges over the peers, one at a time on the caller's
+    thread: one control group per set of ranks is enough."""
+
+    def __init__(self, peers: Peers, failure: Failure):
+        self.peers = peers
+        self.failure = failure
+        self.group = own_group(peers, "control")
+
+    # ------------------------------------------------------------- headers
+    def same_exchange(self, what: str, where: Optional[str] = None) -> None:
+        """Every rank must be at the same control exchange: compares each
+        rank's (tag, sequence number, wrapped model) first, in a fixed-size
+        all-gather."""
+        self.failure.check()  # nothing more goes on the group
+        self.check_header(what, self.start_header(what), where)
+
+    def start_header(self, what: str) -> tuple:
+        """Enqueues the header all-gather; check_header waits for it."""
+        key = tuple(self.peers.ranks)
+        seq = _sequence.get(key, 0) + 1
+        _sequence[key] = seq
+        # The model too: two wrapped models' exchanges of the same kind (a GAN's
+        # generator and discriminator) must not pair.
+        mine = torch.tensor([tag(what), seq, self.peers.id], dtype=torch.int64)
+        outs = [torch.zeros(3, dtype=torch.int64) for _ in range(self.peers.world)]
+        return self.group.allgather([outs], [mine]), mine, outs
+
+    def check_header(self, what: str, header: tuple, where: Optional[str] = None) -> None:
+        work, mine, outs = header
+        self.failure.call(what, self.failure.wait, work)
+        if all(torch.equal(o, mine) for o in outs):
+            return
+        sides = "; ".join(
+            f"rank {self.peers.ranks[r]} at exchange {int(o[1])}, "
+            + _TAGS.get(int(o[0]), f"an exchange unknown here (tag {int(o[0])})")
+            + f" of wrapped model #{int(o[2])}"
+            for r, o in enumerate(outs)
+        )
+        self.failure.fail(
+            f"the ranks are not at the same exchange ({sides}); every rank must make the same "
+            "pyddp calls in the same order (an evaluation, a fit or a wrap on some ranks only "
+            "pairs with another exchange on the others)",
+            census=False,
+            where=where,
+        )
+
+    # ----------------------------------------------------------- exchanges
+    def check_same(self, signature: List[tuple], what: str) -> None:
+        """Refuses, on every rank, models or settings that differ across
+        ranks, naming the first differing entry and the rank."""
+        out = self.gather_objects(signature, MODEL_CHECK)
+        ref, ranks = out[0], self.peers.ranks
+        for r, sig in enumerate(out[1:], start=1):
+            if sig == ref:
+                continue
+            for i, (a, b) in enumerate(itertools.zip_longest(ref, sig)):
+                if a == b:
+                    continue
+                if "setting" in (a or ("",))[:1] + (b or ("",))[:1]:
+                    raise ValueError(
+                        f"pyddp: the wrap settings differ across processes: rank "
+                        f"{ranks[r]} has {_entry(b)} where rank {ranks[0]} has "
+                        f"{_entry(a)}; every process must wrap with the same settings"
+                    )
+                raise ValueError(
+                    f"pyddp: the {what} differs across processes: rank {ranks[r]} has "
+                    f"{_entry(b)} where rank {ranks[0]} has {_entry(a)} (entry {i}); every "
+                    "process must wrap the same model"
+                )
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+        """Overwrites `tensors` with the group root's values (one message per
+        dtype); nothing to send (a model without buffers) sends nothing (the
+        model check made the tensors the same on every rank)."""
+        by_kind: Dict[tuple, List[torch.Tensor]] = {}
+        for t in tensors:
+            if t.numel():
+                by_kind.setdefault((t.dtype, t.device), []).append(t)
+        if not by_kind:
+            return
+        self.same_exchange(what)
+        with torch.no_grad():
+            for group in by_kind.values():
+                flat = _flatten_dense_tensors([t.detach() for t in group])
+                self.failure.call(what, broadcast, self.group, flat)
+                for t, v in zip(group, _unflatten_dense_tensors(flat, group)):
+                    t.copy_(v)
+
+    def from_root(self, obj: Any, what: str) -> Any:
+        """The group root's `obj` on every rank (pickled through gloo)."""
+        self.same_exchange(what)
+        root = self.peers.rank == 0
+        data = pickle.dumps(obj) if root else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.failure.call(what, broadcast, self.group, size)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if root:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.failure.call(what, broadcast, self.group, buf)
+        return obj if root else pickle.loads(buf.numpy().tobytes())
+
+    def gather_objects(self, obj: Any, what: str) -> List[Any]:
+        """Every rank's `obj`, in group rank order (pickled through gloo);
+        `what` names the exchange (declared with `exchange`)."""
+        self.same_exchange(what)
+        world = self.peers.world
+        data = pickle.dumps(obj)
+        sizes = torch.zeros(world, dtype=torch.int64)
+        sizes[self.peers.rank] = len(data)
+        self.failure.call(what, self._sum, sizes)
+        width = int(sizes.max().item())
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        outs = [torch.zeros(width, dtype=torch.uint8) for _ in range(world)]
+        self.failure.call(what, lambda: self.group.allgather([outs], [mine]).wait())
+        return [pickle.loads(o[: int(n)].numpy().tobytes()) for o, n in zip(outs, sizes.tolist())]
+
+    def sum_over_ranks(self, values: Sequence[float], what: str) -> List[float]:
+        """Element-wise sums over ranks (float64); `what` names the exchange
+        (declared with `exchange`)."""
+        self.same_exchange(what)
+        t = torch.tensor(list(values), dtype=torch.float64)
+        self.failure.call(what, self._sum, t)
+        return t.tolist()
+
+    def counts(self, local: int) -> List[int]:
+        """Every rank's number of replicas (they may differ)."""
+        counts = torch.zeros(self.peers.world, dtype=torch.int64)
+        counts[self.peers.rank] = local
+        self.same_exchange(REPLICA_COUNTS)
+        self.failure.call(REPLICA_COUNTS, self._sum, counts)
+        return counts.tolist()
+
+    def root_order(self, order: Sequence[int], size: int) -> Optional[List[int]]:
+        """Rank 0's ready order, so every rank plans the same buckets (None if
+        rank 0 saw an incomplete order and nobody should rebuild)."""
+        t = torch.full((size + 1,), -1, dtype=torch.int64)
+        if len(order) == size:
+            t[0] = size
+            t[1:] = torch.tensor(list(order), dtype=torch.int64)
+        self.same_exchange(PLAN_BROADCAST)
+        self.failure.call(PLAN_BROADCAST, broadcast, self.group, t)
+        return None if t[0].item() != size else t[1:].tolist()
+
+    def _sum(self, t: torch.Tensor) -> None:
+        allreduce(self.group, t).wait()
+
+
+def _entry(e: Any) -> str:
+    if e is None:
+        return "nothing (fewer entries)"
+    return " ".join(str(x) for x in e)

@@ -1,0 +1,165 @@
+"""Failure handling for the link: a failure found on one rank is named,
+published through the store (so the other ranks fail at their next poll,
+not at the timeout), and ends the link for good; a census names the ranks
+that stopped arriving. Store calls here have deadlines: on the failure path
+the store's host may itself be stopped."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ..errors import ProcessGroupError
+from .groups import STORE_DEADLINE_S, Peers, first_line, store_call
+
+
+class Failure:
+    """The link's failure state: None until a rank fails, then the message
+    every later use of the link raises."""
+
+    def __init__(self, peers: Peers):
+        self.peers = peers
+        self.failed: Optional[str] = None
+        self._store_unreachable = False
+        self._store_misses = 0
+
+    def check(self) -> None:
+        """Raises the failure, if there was one: nothing more goes on the groups."""
+        if self.failed is not None:
+            raise ProcessGroupError(self.failed)
+
+    def abandon(self, reason: str) -> None:
+        """This rank drops the step (a replica's backward raised): tell the
+        others, so they fail now instead of at the timeout."""
+        if self.failed is None:
+            self.failed = (
+                f"pyddp: rank {dist.get_rank()} abandoned {self.peers.where()} ({reason}); the "
+                "processes can no longer agree on the step: restart them (torchrun "
+                "--max-restarts=K resumes a Trainer from its last checkpoint)"
+            )
+            self._publish(reason)
+
+    def call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """fn(*args, **kwargs) on a group; its failure is named after `what`."""
+        self.check()
+        try:
+            fn(*args, **kwargs)
+        except ProcessGroupError:
+            raise  # already named (another rank abandoned the step)
+        except Exception as e:  # noqa: BLE001 - named and re-raised below
+            self.fail(f"{what} failed: {first_line(e)}")
+
+    def wait(self, work: Any) -> None:
+        """Waits for a control exchange, reading the store every second: a rank
+        that abandoned its step makes the others fail now, not at the timeout.
+        The completion callback (on a gloo thread) holds only an Event."""
+        done = threading.Event()
+        work.get_future().then(functools.partial(_set_event, done))
+        deadline = time.monotonic() + self.peers.timeout
+        while not done.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                break
+            self.check_abandoned()
+        work.wait()  # gloo's own error, or its timeout (the same as pyddp's)
+
+    def check_abandoned(self) -> None:
+        why = self._abandoned()
+        if why is not None:
+            self.fail(why, census=False)
+
+    def fail(self, what: str, census: bool = True, where: Optional[str] = None) -> None:
+        """Ends the link with `what`, told to the other ranks; raises."""
+        peers = self.peers
+        why = self._abandoned() if census else None
+        if why is not None:  # the root cause, rather than its echo here
+            what, census = f"{what}, because {why}", False
+        elif "abandoned the step, reporting" not in what and "note in the store" not in what:
+            self._publish(what)  # found here: the others hear it now
+        missing = self._census() if census else ""
+        if self._store_unreachable and not missing:
+            missing = "; the rendezvous store did not answer either (its host stopped or gone?)"
+        self.failed = (
+            f"pyddp: across {peers.world} processes (this is rank {dist.get_rank()}), "
+            f"{where or peers.where()}: {what}{missing}. The process group cannot be used after "
+            "this: restart the processes (torchrun --max-restarts=K resumes a Trainer from "
+            "its last checkpoint)"
+        )
+        raise ProcessGroupError(self.failed)
+
+    # ------------------------------------------------------------ the store
+    def _publish(self, reason: str) -> None:
+        """Tells the other ranks through the store that this one stopped, so
+        they fail at their next poll instead of at the timeout. Best effort:
+        if the store is gone, the others time out instead. The reason is data
+        for them: "rank|text", bounded and quoted where it is read."""
+        self._store("set", f"{self.peers.prefix}/abandoned", f"{dist.get_rank()}|{reason}")
+
+    def _abandoned(self) -> Optional[str]:
+        """Another rank's reason for abandoning the step, if it left one: read
+        as data (anyone who reaches the store can write it), attributed to
+        the rank it names, bounded and quoted."""
+        key = f"{self.peers.prefix}/abandoned"
+        if not self._store("check", [key]):
+            return None
+        raw = self._store("get", key)
+        if raw is None:
+            return None
+        who, _, text = bytes(raw).decode("utf-8", errors="replace").partition("|")
+        if not (who.isdigit() and int(who) in self.peers.ranks) or int(who) == dist.get_rank():
+            return f"an unattributed note in the store, {_quoted(who + '|' + text)}"
+        return f"rank {int(who)} abandoned the step, reporting {_quoted(text)}"
+
+    def _store(self, op: str, *args: Any) -> Any:
+        """A call on torch.distributed's store with a deadline: on the failure
+        path a store whose host is stopped (SIGSTOP, a hung node) would block
+        forever. None (or False for check) when it fails or does not answer
+        within a few seconds; the call is left behind on a daemon thread."""
+        store = self.peers.store
+        if store is None or self._store_unreachable:
+            return False if op == "check" else None
+        result = store_call(store, op, args, min(STORE_DEADLINE_S, self.peers.timeout))
+        if not result:
+            # Twice in a row: a single slow answer does not end the polling.
+            self._store_misses += 1
+            self._store_unreachable = self._store_misses >= 2
+            return False if op == "check" else None
+        self._store_misses = 0
+        return result[0]
+
+    def _census(self) -> str:
+        """Which ranks did not report this failure within a few seconds: the
+        ones that died or stopped arriving."""
+        peers = self.peers
+        if peers.store is None:
+            return ""
+        key = f"{peers.prefix}/fail/{peers.iteration}"
+        self._store("set", f"{key}/{peers.rank}", "1")
+        others = [r for r in range(peers.world) if r != peers.rank]
+        deadline = time.monotonic() + min(5.0, peers.timeout)
+        while others and time.monotonic() < deadline and not self._store_unreachable:
+            others = [r for r in others if not self._store("check", [f"{key}/{r}"])]
+            time.sleep(0.05)
+        if self._store_unreachable:
+            return "; the rendezvous store is unreachable too (its host gone or stopped?)"
+        if not others:
+            return ""
+        named = ", ".join(str(peers.ranks[r]) for r in others)
+        return (
+            f"; missing: rank {named} (died, stalled, or ran out of batches: every rank must "
+            "run the same number of steps)"
+        )
+
+
+def _set_event(event: threading.Event, _future: Any) -> None:
+    event.set()
+
+
+def _quoted(text: str, limit: int = 300) -> str:
+    """Text from another process (the store) shown as data: printable, one
+    line, bounded, in quotes."""
+    clean = "".join(c if c.isprintable() else " " for c in text)
+    return repr(clean[:limit] + ("..." if len(clean) > limit else ""))

@@ -1,0 +1,96 @@
+"""The link's contract, and the link of a single process: there is nobody to
+talk to, so every exchange returns this process's own value and every hand-off
+does nothing. GradSync always holds a link (this one, or a ProcessLink across
+processes) and never asks which."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .record import WorkRecord
+
+
+class Link:
+    spans_processes = False
+
+    def __init__(self, local_count: int):
+        self.rank = 0  # this process's index among the linked processes
+        self.world = 1  # how many processes
+        self.local_counts = [local_count]  # replicas per process, in rank order
+        self.failed: Optional[str] = None  # why the link can no longer be used
+
+    # ------------------------------------------------------- construction
+    def watch(self, record: WorkRecord) -> None:
+        """Counts `record`'s optimizer steps for the agreement (across processes)."""
+
+    def gpu_reduction(self, op: str, local: int) -> Tuple[str, float, Optional[Callable]]:
+        """For GPU replicas: NCCL's op, the scale applied after it, and the
+        rendezvous of a communicator over every process's GPUs (None: this
+        process's GPUs alone)."""
+        return op, 1.0, None
+
+    def transport_backend(self, local: Any, on_gpu: bool) -> Any:
+        """The engine's backend: `local` sums this process's replicas; across
+        processes a wrapper hands each summed bucket to the other processes."""
+        return local
+
+    def set_buckets(self, flats: Sequence[torch.Tensor], buckets: Sequence[Sequence[int]]) -> None:
+        """Replica 0's flat buckets and their members (after every re-layout)."""
+
+    def root_order(self, order: Sequence[int], size: int) -> Optional[List[int]]:
+        """The ready order every process plans its buckets from (rank 0's)."""
+        return list(order)
+
+    # -------------------------------------------------------- per backward
+    def start_agreement(
+        self, absent: Sequence[int], size: int, record: Callable[[int], Dict[str, int]]
+    ) -> List[int]:
+        """At the end of a synced backward, `absent` being the parameters with
+        no gradient here: starts agreeing on which have one nowhere; returns
+        those to reduce (with zeros from here) meanwhile. One process: none."""
+        return []
+
+    def wait(self) -> Tuple[List[int], List[int]]:
+        """After the engine's finish: (buckets this link reduced, parameters
+        with a gradient on no process). Raises ProcessGroupError."""
+        return [], []
+
+    def merge_timing(self, raw: Dict[str, int], timeline: Any, finish_called_ns: int) -> None:
+        """Adds what the link waited for to the engine's raw statistics."""
+
+    def check_usable(self) -> None:
+        """Raises if the link failed (ProcessGroupError)."""
+
+    def abandon(self, reason: str) -> None:
+        """This rank drops the step: the other processes are told at once."""
+
+    def abandon_unfinished(self) -> None:
+        """A backward did not finish: across processes the others reduced (or
+        wait to reduce) its buckets, so carrying on would pair their step with
+        our next one: abandons and raises. One process: the next step starts clean."""
+
+    # ------------------------------------------- for the model and trainer
+    def weigh_losses(
+        self, losses: List[torch.Tensor], rows: int, reduction: str
+    ) -> Tuple[List[torch.Tensor], Optional[float]]:
+        """Per-replica losses of a training step scaled so that averaging
+        gradients over processes gives the global batch's gradient, and the
+        global batch's loss when it is on the host (else None)."""
+        return losses, None
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+        """Rank 0's values into `tensors` on every process."""
+
+    def sum_over_ranks(self, values: Sequence[float], what: str) -> List[float]:
+        """Element-wise sums over processes (`what` names the exchange)."""
+        return [float(v) for v in values]
+
+    def from_root(self, obj: Any, what: str) -> Any:
+        """Rank 0's `obj` on every process."""
+        return obj
+
+    def gather_objects(self, obj: Any, what: str) -> List[Any]:
+        """Every process's `obj`, in rank order."""
+        return [obj]

@@ -1,0 +1,93 @@
+"""What every rank must agree on at each synced backward (the record the
+link's agreement compares): ranks that stepped, accumulated or switched mode
+differently would reduce different iterations' gradients together and
+diverge for good."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, Sequence
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+CHECKSUM_EVERY = 16  # synced backwards between parameter checksums across processes
+
+
+class WorkRecord:
+    """One GradSync's work since its last synced backward. Optimizer steps
+    are counted by a hook on every optimizer stepping replica 0's parameters
+    (dmodel.optimizer's or the user's own), once the link watches it."""
+
+    def __init__(self, params: Sequence[torch.Tensor], module: nn.Module, on_gpu: bool):
+        self.params = params  # replica 0's
+        self.module = module
+        self.on_gpu = on_gpu
+        self.backwards_since_sync = 0  # synced or under no_sync()
+        self.steps = 0  # optimizer steps over replica 0's parameters
+        self._stepping: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+    def backward_done(self) -> None:
+        self.backwards_since_sync += 1
+
+    def count_step(self, optimizer: Any) -> None:
+        """A step of `optimizer`: counted if it steps replica 0's parameters."""
+        steps_ours = self._stepping.get(optimizer)
+        if steps_ours is None:
+            mine = {id(p) for p in self.params}
+            steps_ours = any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
+            self._stepping[optimizer] = steps_ours
+        if steps_ours:
+            self.steps += 1
+
+    def take(self, iteration: int) -> Dict[str, int]:
+        """The record of synced backward `iteration` + 1; starts the next. The
+        parameter checksum (the sum of replica 0's parameters' raw bits, as
+        integers: exact whatever the thread count) is taken every
+        CHECKSUM_EVERY synced backwards, on CPU replicas only (on GPUs it
+        would make the host wait); it sees any change, writes through .data
+        included."""
+        checksum = 0
+        if not self.on_gpu and iteration % CHECKSUM_EVERY == 0:
+            with torch.no_grad():
+                checksum = sum(bits_sum(p) for p in self.params) & 0x7FFFFFFFFFFFFFFF
+        record = {
+            "synced backward": iteration + 1,
+            "optimizer steps": self.steps,
+            "micro-batches since the last synced backward": self.backwards_since_sync,
+            # One BatchNorm left in eval() counts, not only the whole model.
+            "modules in training mode": sum(m.training for m in self.module.modules()),
+            "parameter checksum": checksum,
+        }
+        self.backwards_since_sync = 0
+        return record
+
+
+_watched: weakref.WeakSet[WorkRecord] = weakref.WeakSet()
+
+
+def watch_steps(record: WorkRecord) -> None:
+    """Counts `record`'s optimizer steps from now on."""
+    _watched.add(record)
+
+
+def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    # Any optimizer in the process; in one process nothing is watched.
+    for record in list(_watched):
+        record.count_step(optimizer)
+
+
+register_optimizer_step_post_hook(_on_optimizer_step)
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_sum(t: torch.Tensor) -> int:
+    """The sum of a tensor's raw bits as integers: equal for bitwise-equal
+    tensors whatever the reduction order (integer addition associates)."""
+    flat = t.detach().reshape(-1)
+    kind = _BITS.get(flat.element_size())
+    if kind is None or flat.is_complex():
+        flat, kind = flat.view(torch.uint8), torch.uint8
+    return int(flat.view(kind).sum(dtype=torch.int64))

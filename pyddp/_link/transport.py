@@ -1,0 +1,138 @@
+"""The bucket transport of the link: per bucket, after this process's
+replicas are summed (in C++), the engine's launcher calls `launch(bucket)`,
+an asynchronous all-reduce of replica 0's bucket on the link's own gloo
+group, in bucket-index order on every rank; `wait()` at the end of backward
+waits for them with pyddp's timeout. Also the blocking reduction
+`pyddp.all_reduce` uses across processes."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import Any, Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .failure import Failure
+from .groups import Peers, allreduce, first_line, own_group
+
+
+class _InFlight:
+    """The bucket reductions launched in this iteration and their completion
+    times, completed from gloo's worker threads."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.pending = 0
+        self.errors: Dict[int, str] = {}
+        self.order: List[int] = []
+        self.done_ns: Dict[int, int] = {}
+
+    def launched(self, bucket: int) -> None:
+        with self.cv:
+            self.pending += 1
+            self.order.append(bucket)
+
+    def done(self, bucket: int, fut: Any) -> None:
+        err = None
+        try:
+            fut.value()
+        except Exception as e:  # noqa: BLE001 - reported by wait()
+            err = first_line(e)
+        with self.cv:
+            self.done_ns[bucket] = time.monotonic_ns()
+            if err is not None:
+                self.errors[bucket] = err
+            self.pending -= 1
+            self.cv.notify_all()
+
+    def next(self) -> Dict[int, int]:
+        """Starts the next iteration; returns this one's completion times."""
+        with self.cv:
+            done = dict(self.done_ns)
+            self.order.clear()
+            self.done_ns.clear()
+        return done
+
+
+class BucketTransport:
+    def __init__(self, peers: Peers, failure: Failure, names: Sequence[str]):
+        self.peers, self.failure = peers, failure
+        # Bucket reductions go on a group of this link's own: another model's
+        # launcher thread, or the caller's collectives, would launch on a
+        # shared group in an order that differs between ranks, and gloo would
+        # pair one model's bucket with another's.
+        self.group = own_group(peers, "data")
+        self.names = list(names)
+        self.flats: List[torch.Tensor] = []  # replica 0's buckets
+        self.buckets: List[List[int]] = []
+        self.wait_ns = 0  # the last iteration's wait for the reductions
+        self.done_ns_last: Dict[int, int] = {}
+        self._flight = _InFlight()
+
+    def launch(self, bucket: int) -> None:
+        """On the engine's launcher thread, in bucket-index order."""
+        self.failure.check()
+        flat = self.flats[bucket]
+        # Averaged across processes (torch DDP's convention), divided before the
+        # sum so 16-bit gradients do not overflow in transit.
+        flat.div_(self.peers.world)
+        self.peers.in_backward = True
+        work = allreduce(self.group, flat)
+        self._flight.launched(bucket)
+        # The callback runs on a gloo worker thread and holds only the flight
+        # record, never the link: were it to drop the last reference to the
+        # group there, the group would join that very thread (std::terminate,
+        # "Resource deadlock avoided").
+        work.get_future().then(functools.partial(self._flight.done, bucket))
+
+    def wait(self) -> List[int]:
+        """Waits for every launched bucket, at most the timeout; returns them."""
+        timeout = self.peers.timeout
+        start = time.monotonic()
+        deadline = start + timeout
+        flight = self._flight
+        while True:
+            with flight.cv:
+                if flight.pending == 0 or flight.errors:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                flight.cv.wait(min(left, 1.0))
+            if flight.pending and not flight.errors:
+                self.failure.check_abandoned()
+        with flight.cv:
+            launched, errors = list(flight.order), dict(flight.errors)
+            pending = flight.pending
+            first_pending = next((b for b in flight.order if b not in flight.done_ns), -1)
+        if errors or pending:
+            bucket = min(errors) if errors else first_pending
+            why = errors.get(bucket, f"not done after {timeout:g} s")
+            self.failure.fail(
+                f"all-reduce of bucket {bucket} ({self._names(bucket)}) failed: {why}"
+            )
+        self.wait_ns = int((time.monotonic() - start) * 1e9)
+        self.done_ns_last = flight.next()
+        self.peers.iteration += 1
+        self.peers.in_backward = False
+        return launched
+
+    def _names(self, bucket: int) -> str:
+        if 0 <= bucket < len(self.buckets):
+            members = [self.names[i] for i in self.buckets[bucket][:3]]
+            return ", ".join(members) + (", ..." if len(self.buckets[bucket]) > 3 else "")
+        return "?"
+
+
+def all_reduce_blocking(tensor: torch.Tensor, count: int, op: str, group: Any) -> None:
+    """`pyddp.all_reduce` across processes: `tensor` holds this process's sum
+    of `count` tensors; afterwards it holds the sum over every process, or
+    with op "avg" the mean over every process's tensors. Blocks."""
+    dist.all_reduce(tensor, group=group)
+    if op == "avg":
+        total = torch.tensor([float(count)], dtype=torch.float64)
+        dist.all_reduce(total, group=group)
+        tensor.div_(total.item())
