@@ -40,3 +40,42 @@ class TorchStreams:
 
     def before_host_write(self, device: int) -> None:
         """torch ops are queued on the current stream: nothing to do."""
+
+
+class StreamOrder:
+    """The stream ordering of one GradSync's buckets: before the host or a
+    stream writes a replica's buckets, the reductions still reading them come
+    first (on the GPU: an event wait, not a host sync, so the host keeps
+    queuing work). CPU replicas (no provider) need nothing: their reductions
+    are done when finish() returns."""
+
+    def __init__(self, devices: Any, provider: Any):
+        self.devices = None if devices is None else list(devices)  # CUDA index per replica
+        self.provider = provider  # TorchStreams, the simulation's, or None (CPU)
+
+    def current(self) -> list:
+        """Every replica's current stream (empty on CPU)."""
+        if self.provider is None:
+            return []
+        return [self.provider.current(d) for d in self.devices]
+
+    def use_current(self, engine: Any, replica: int) -> None:
+        """The current stream is about to write replica's buckets: order it
+        after the reductions still reading them."""
+        if self.provider is not None:
+            device = self.devices[replica]
+            engine.use_stream(replica, self.provider.current(device))
+            self.provider.before_host_write(device)
+
+    def fence(self, replica: int) -> None:
+        """The host is about to write replica's buckets."""
+        if self.provider is not None:
+            self.provider.before_host_write(self.devices[replica])
+
+    def fence_all(self) -> None:
+        """Before the host writes or frees bucket memory: the reductions still
+        using it must be done in stream order (torch's caching allocator gives
+        that for free; the simulated driver's host memory does not)."""
+        if self.provider is not None:
+            for d in set(self.devices):
+                self.provider.before_host_write(d)

@@ -86,7 +86,7 @@ class DistributedModel(nn.Module):
             # replica using torch's full intra-op count (oversubscription).
             threads_per_replica = max(1, torch.get_num_threads() // len(replicas))
         self._workers = ReplicaWorkers(
-            len(replicas), threads_per_replica, self.devices, streams=self.sync._streams
+            len(replicas), threads_per_replica, self.devices, streams=self.sync.streams
         )
         self.sync.run_per_replica = self._workers.run
         # CPU replicas: autograd would run every replica's backward on the one

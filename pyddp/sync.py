@@ -27,7 +27,7 @@ from ._link import WorkRecord, connect, resolve_group
 from ._params import dtype_name, trainable_params
 from ._replica_checks import check_identical, note_synced, refuse_synced_twice
 from ._runtime import make_backend
-from ._streams import TorchStreams
+from ._streams import StreamOrder, TorchStreams
 from .errors import ProcessGroupError, ReduceError
 from .observe import Observer, ReadyTimes, chrome_trace, ready_times, write_trace
 from .options import Options
@@ -124,6 +124,7 @@ class GradSync:
         self._streams: Optional[Any] = None if _gpu is None else _gpu[1]
         if self._gpu_devices is not None and len(self._gpu_devices) != len(replicas):
             raise ValueError("_gpu devices must name one CUDA device per replica")
+        self._order = StreamOrder(self._gpu_devices, self._streams)
         self._cap = int(opts.bucket_cap_mb * _MIB)
         self._first_cap = int(opts.first_bucket_cap_mb * _MIB) if self._cap else 0
         self._engine: Optional[Any] = None
@@ -171,7 +172,7 @@ class GradSync:
             len(replicas), self.names, numels, dtypes, buckets, opts.reduce_order, op, self._backend
         )
         self.layout = BucketLayout(
-            self.params, dtypes, self._engine.set_buffer, self._gpu_devices, self._fence
+            self.params, dtypes, self._engine.set_buffer, self._gpu_devices, self._order.fence
         )
         self._allocate(buckets)
         for i in range(len(first)):
@@ -198,6 +199,12 @@ class GradSync:
         self.link.set_buckets(self.layout.flat[0], buckets)
 
     @property
+    def streams(self) -> Optional[Any]:
+        """The CUDA stream provider of GPU replicas (None on CPU): replica
+        workers run their work on the caller's current streams through it."""
+        return self._streams
+
+    @property
     def reduces(self) -> bool:
         """Whether there is anything to reduce: False for one replica in one
         process, where GradSync stays out of the way."""
@@ -222,32 +229,9 @@ class GradSync:
         buckets = _C.plan_buckets(numels, self.layout.dtypes, order, self._first_cap, self._cap)
         if buckets == self._engine.buckets:
             return
-        self._settle_host_writes()
+        self._order.fence_all()
         self._engine.set_buckets(buckets)
         self._allocate(buckets)
-
-    # ---------------------------------------------------------------- streams
-    def _use_current_stream(self, r: int) -> None:
-        """The current stream is about to write replica r's buckets: order it
-        after the reductions still reading them (on the GPU)."""
-        if self._streams is not None:
-            device = self._gpu_devices[r]
-            self._engine.use_stream(r, self._streams.current(device))
-            self._streams.before_host_write(device)
-
-    def _fence(self, r: int) -> None:
-        """The host is about to write replica r's buckets: on the GPU, after
-        the reductions still reading them, in stream order."""
-        if self._streams is not None:
-            self._streams.before_host_write(self._gpu_devices[r])
-
-    def _settle_host_writes(self) -> None:
-        """Before the host writes or frees bucket memory: the reductions still
-        using it must be done in stream order (torch's caching allocator gives
-        that for free; the simulated driver's host memory does not)."""
-        if self._streams is not None:
-            for d in set(self._gpu_devices):
-                self._streams.before_host_write(d)
 
     # ------------------------------------------------------------- iteration
     def prepare(self, replica: int) -> None:
@@ -259,7 +243,7 @@ class GradSync:
         self._check_open()
         # Backward runs on the stream its forward runs on: this one. It and the
         # zeroing below come after the last reduction of these buckets.
-        self._use_current_stream(replica)
+        self._order.use_current(self._engine, replica)
         self._clear_reduced_copy(replica)
 
     def _clear_reduced_copy(self, replica: int, fence: bool = False) -> None:
@@ -271,7 +255,7 @@ class GradSync:
         if not (self._engine.take_reduced_copy(replica) and replica > 0 and self._op == "sum"):
             return
         if fence:
-            self._use_current_stream(replica)
+            self._order.use_current(self._engine, replica)
         self.layout.zero(replica)
 
     def restart_accumulation(self) -> None:
@@ -306,12 +290,10 @@ class GradSync:
         # agreement across processes) counts as finish, not backward compute.
         self._finish_called_ns = time.monotonic_ns()
         self._work.backward_done()  # this backward, synced or under no_sync()
-        streams: List[int] = []
-        if self._streams is not None:
-            # Unmarked slices are reconciled on these streams; their reductions
-            # wait for them, and they wait for the reductions.
-            streams = [self._streams.current(d) for d in self._gpu_devices]
-        self._settle_host_writes()
+        # Unmarked slices are reconciled on the current streams; their
+        # reductions wait for them, and they wait for the reductions.
+        streams = self._order.current()
+        self._order.fence_all()
         self._settle_unmarked()
         synced = self._engine.sync_enabled
         launched: List[int] = []
@@ -342,7 +324,7 @@ class GradSync:
             # NCCL summed over every process's GPUs: average over processes.
             # On the caller's streams, which finish() ordered after the
             # reductions (no host wait on a GPU).
-            self._settle_host_writes()
+            self._order.fence_all()
             self.layout.scale(self._post_scale)
         if self._rebuild_pending and synced:
             self._rebuild_pending = False
@@ -389,7 +371,7 @@ class GradSync:
         self._check_open()
         if self._engine.active:
             self._engine.abort()
-        self._settle_host_writes()
+        self._order.fence_all()
         self._allocate(self._engine.buckets)
 
     def _observe(self) -> None:
@@ -450,7 +432,7 @@ class GradSync:
             return
         self._check_open()
         for r in range(len(self.replicas)):
-            self._use_current_stream(r)
+            self._order.use_current(self._engine, r)
         self.run_per_replica(
             [partial(zero_tensors, flats) for flats in self.layout.flat], "zero_grad"
         )

@@ -16,15 +16,14 @@ import torch
 from torch import nn
 
 from ._arguments import check_arguments, optimizer_spec, qualname
+from ._evaluation import evaluate, shard_rows
 from ._interrupt import CtrlC, sigint_deferred
 from ._link import exchange
 from ._rng import cuda_rng_states, restore_generators, seed_generators
 from ._run import run_signature
 from ._run_files import RunFiles
 from ._scaler import LossScaler
-from ._scatter import call_arguments
 from ._state import LoopState
-from ._tree import flatten
 from .callbacks import Callback, MetricsLogger, ProgressBar
 from .checkpoint import save_atomic
 from .config import TrainConfig
@@ -41,7 +40,6 @@ Metric = Callable[[Any, Any], torch.Tensor]  # (outputs, targets) -> mean over t
 
 
 # The Trainer's exchanges across processes (see pyddp._link.control).
-_VALID_SUMS = exchange("the sums of a validation during fit()")
 _TRAIN_LOSS = exchange("the training loss of a step (GPU replicas)")
 _STOP = exchange("the stop decision after a step (Ctrl-C on any rank)")
 _RNG = exchange("the RNG states for a checkpoint")
@@ -295,56 +293,15 @@ class Trainer:
     def _evaluate(self, data: Any, across_ranks: bool) -> Dict[str, float]:
         """`across_ranks`: every rank evaluates its slice and the sums are
         exchanged (every rank must call it); else this rank evaluates all."""
-        cfg = self.config
-        across_ranks = across_ranks and self.link.spans_processes
-        loader = ShardedLoader(
+        return evaluate(
+            self.model,
             data,
-            cfg.eval_batch_size or cfg.batch_size,
-            self.model.devices,
-            shuffle=False,
-            seed=cfg.seed,
-            prefetch=cfg.prefetch,
-            rank=self.rank if across_ranks else 0,
-            world=self.world if across_ranks else 1,
-            keep_short=True,  # every row counts; a rank may get none of the last batch
+            self.config,
+            self.loss_fn,
+            self.metrics,
+            self._autocast,
+            across_ranks and self.link.spans_processes,
         )
-        # Each module's own mode comes back afterwards (a user may keep, say,
-        # BatchNorm in eval mode while training the rest).
-        modes = [(m, m.training) for m in self.model.module.modules()]
-        self.model.broadcast_buffers_now()  # evaluate replica 0's statistics everywhere
-        self.model.eval()
-        names = ["loss", *self.metrics]
-        totals: Optional[torch.Tensor] = None
-        rows = 0
-
-        def shard_sums(r: int, replica: nn.Module, shard: Any) -> torch.Tensor:
-            (inputs, targets), n = shard, _rows(shard)
-            args, kwargs = call_arguments(inputs)
-            with self._autocast():
-                out = replica(*args, **kwargs)
-                values = [self.loss_fn(out, targets)]
-                values += [fn(out, targets) for fn in self.metrics.values()]
-            return torch.stack([v.detach().float() * n for v in values])
-
-        try:
-            with contextlib.closing(loader.epoch(0)) as batches:
-                for shards in batches:
-                    if not shards:  # none of this batch's rows are this rank's
-                        continue
-                    sums = self.model.map_replicas(shard_sums, shards, "evaluate")
-                    batch = sum(s.to(self.model.devices[0]) for s in sums)
-                    totals = batch if totals is None else totals + batch
-                    rows += sum(_rows(s) for s in shards)
-        finally:
-            for m, mode in modes:
-                m.train(mode)
-            self.model.training = self.model.module.training
-        if across_ranks:  # every rank's rows: the same figures everywhere
-            local = totals.tolist() if totals is not None else [0.0] * len(names)
-            sums = self.link.sum_over_ranks([rows, *local], _VALID_SUMS)
-            rows, totals = sums[0], torch.tensor(sums[1:], dtype=torch.float64)
-        values = (totals / rows).tolist()  # one host sync for the whole evaluation
-        return {f"valid_{n}" if n == "loss" else n: v for n, v in zip(names, values)}
 
     def _run_epoch(self, loader: ShardedLoader, valid_data: Any) -> None:
         cfg, state = self.config, self.state
@@ -408,7 +365,7 @@ class Trainer:
     def _global_loss(self, loss: torch.Tensor, shards: Any) -> torch.Tensor:
         g = self.model.last_global_loss  # computed with the rows exchange (CPU)
         if g is None:  # GPU replicas: the host reads the loss here, once per step
-            rows = sum(_rows(s) for s in shards)
+            rows = sum(shard_rows(s) for s in shards)
             rows_all, total = self.link.sum_over_ranks([rows, loss.item() * rows], _TRAIN_LOSS)
             g = total / rows_all
         return torch.tensor(g)
@@ -542,8 +499,3 @@ class Trainer:
     def _emit(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(self, *args)
-
-
-def _rows(shard: Any) -> int:
-    args, _ = shard
-    return next(t.shape[0] for t in flatten(args)[0] if t.dim() > 0)

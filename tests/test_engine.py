@@ -159,3 +159,28 @@ def test_engine_argument_errors():
             "sum",
             _C.CpuBackend(1),
         )
+
+
+def test_the_type_stub_names_what_the_extension_has():
+    # pyddp/_C.pyi is what type checkers and editors see: a binding added,
+    # renamed or removed without regenerating it fails here.
+    import ast
+    from pathlib import Path
+
+    import pyddp
+
+    stub = ast.parse((Path(pyddp.__file__).parent / "_C.pyi").read_text())
+    declared = {
+        node.name for node in stub.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+    }
+    members = {}
+    for node in stub.body:
+        if isinstance(node, ast.ClassDef):
+            members[node.name] = {
+                n.name for n in node.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"
+            }
+    public = {n for n in dir(_C) if not n.startswith("_")}
+    assert declared == public
+    for cls, names in members.items():
+        mine = {n for n in vars(getattr(_C, cls)) if not n.startswith("_")}
+        assert names == mine, cls

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ def source_copy(tmp_path: Path) -> Path:
     (tmp_path / "empty").mkdir()
     installed = run(tmp_path / "empty", "import os, pyddp; print(os.path.dirname(pyddp.__file__))")
     assert installed.returncode == 0, installed.stderr
-    if not list(Path(installed.stdout.strip()).glob("_C.*")):
+    folder = Path(installed.stdout.strip())
+    if not any((folder / f"_C{suffix}").exists() for suffix in EXTENSION_SUFFIXES):
         # `pip install -e .` (README, "Build from source"): `import pyddp` is
         # the clone itself wherever it runs, so there is no source folder
         # shadowing an installed build; CI checks this with `pip install .`.
@@ -26,7 +28,7 @@ def source_copy(tmp_path: Path) -> Path:
     shutil.copytree(
         installed.stdout.strip(),
         tmp_path / "pyddp",
-        ignore=shutil.ignore_patterns("_C.*", "__pycache__"),
+        ignore=shutil.ignore_patterns(*(f"_C{s}" for s in EXTENSION_SUFFIXES), "__pycache__"),
     )
     return tmp_path
 

@@ -61,8 +61,8 @@ BREAKAGES = {
     ),
     "workers-ignore-caller-stream": (
         "pyddp/_workers.py",
-        "        with provider.use(streams):\n            return fn()",
-        "        return fn()",
+        "            stack.enter_context(provider.use(streams))\n",
+        "            pass\n",
         "replica workers do not inherit the caller's current streams",
     ),
     "no-recovery-on-zero-grad": (

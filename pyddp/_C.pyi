@@ -1,0 +1,228 @@
+# Type stub of the compiled engine (csrc/bindings.cpp), generated with
+# `pybind11-stubgen pyddp._C` and kept in step by tests/test_engine.py.
+"""
+pyddp engine (private; use the pyddp package)
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import typing
+
+__all__: list[str] = [
+    "Backend",
+    "CpuBackend",
+    "Engine",
+    "NcclBackend",
+    "ProcessGroupBackend",
+    "ReduceError",
+    "SharedGpuBackend",
+    "UsageError",
+    "bench_mark_ready",
+    "cuda_compute_capability",
+    "cuda_device_count",
+    "cuda_device_name",
+    "cuda_driver_library",
+    "cuda_driver_simulated",
+    "cuda_driver_version",
+    "load_device_kernel",
+    "nccl_loaded_path",
+    "nccl_unique_id",
+    "nccl_version",
+    "now_ns",
+    "nvrtc_version",
+    "plan_buckets",
+    "stress_engine",
+]
+
+class UsageError(RuntimeError):
+    pass
+
+class ReduceError(RuntimeError):
+    pass
+
+class Backend:
+    def check(self) -> None:
+        """
+        Raises ReduceError if a reduction failed or timed out.
+        """
+    def close(self) -> None:
+        """
+        Releases threads and communicators now; later use raises.
+        """
+    def reduce(
+        self,
+        ptrs: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        devices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        streams: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        count: typing.SupportsInt | typing.SupportsIndex,
+        dtype: str,
+        op: str = "sum",
+    ) -> None:
+        """
+        One stream-ordered in-place all-reduce outside the engine (collectives API).
+        """
+    @property
+    def name(self) -> str: ...
+
+class CpuBackend(Backend):
+    def __init__(self, threads: typing.SupportsInt | typing.SupportsIndex = 0) -> None: ...
+    @property
+    def threads(self) -> int: ...
+
+class NcclBackend(Backend):
+    def __init__(
+        self,
+        devices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        nccl_path: str,
+        timeout_s: typing.SupportsFloat | typing.SupportsIndex,
+        id: bytes = b"",
+        nranks: typing.SupportsInt | typing.SupportsIndex = 0,
+        first_rank: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None:
+        """
+        One replica per GPU. With `id` (nccl_unique_id() from one process, given to all): one communicator across processes, this process's GPUs being ranks first_rank.. of nranks.
+        """
+
+class SharedGpuBackend(Backend):
+    def __init__(
+        self,
+        device: typing.SupportsInt | typing.SupportsIndex,
+        replicas: typing.SupportsInt | typing.SupportsIndex,
+        timeout_s: typing.SupportsFloat | typing.SupportsIndex,
+        nvrtc_path: str,
+    ) -> None: ...
+    @property
+    def kernel(self) -> str: ...
+
+class ProcessGroupBackend(Backend):
+    def __init__(self, local: Backend, launch: collections.abc.Callable, name: str) -> None:
+        """
+        Local reduction, then launch(bucket) starts the cross-process one (Python).
+        """
+
+class Engine:
+    def __init__(
+        self,
+        num_replicas: typing.SupportsInt | typing.SupportsIndex,
+        names: collections.abc.Sequence[str],
+        numels: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        dtypes: collections.abc.Sequence[str],
+        buckets: collections.abc.Sequence[
+            collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]
+        ],
+        order: str,
+        op: str,
+        backend: Backend,
+    ) -> None: ...
+    def abort(self) -> None: ...
+    def check(self) -> None: ...
+    def clear_grads(self, set_to_none: bool) -> None: ...
+    def close(self) -> None: ...
+    def finish(
+        self, streams: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = []
+    ) -> tuple[list[int], list[int]]: ...
+    def has_grad(self, param: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
+    def inject_fault(
+        self, bucket: typing.SupportsInt | typing.SupportsIndex, message: str
+    ) -> None: ...
+    def last_stats(self) -> dict: ...
+    def last_timeline(self) -> dict: ...
+    def mark_ready(
+        self,
+        replica: typing.SupportsInt | typing.SupportsIndex,
+        param: typing.SupportsInt | typing.SupportsIndex,
+        stream: typing.SupportsInt | typing.SupportsIndex = 0,
+    ) -> None: ...
+    def note_forward_end(self) -> None: ...
+    def note_grad(
+        self, param: typing.SupportsInt | typing.SupportsIndex, has_grad: bool
+    ) -> None: ...
+    def ready_order(self) -> list[int]: ...
+    def set_buckets(
+        self,
+        buckets: collections.abc.Sequence[
+            collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]
+        ],
+    ) -> None: ...
+    def set_buffer(
+        self,
+        replica: typing.SupportsInt | typing.SupportsIndex,
+        bucket: typing.SupportsInt | typing.SupportsIndex,
+        ptr: typing.SupportsInt | typing.SupportsIndex,
+        count: typing.SupportsInt | typing.SupportsIndex,
+        dtype: str,
+        device: typing.SupportsInt | typing.SupportsIndex = -1,
+    ) -> None: ...
+    def set_sync(self, enabled: bool) -> None: ...
+    def set_timeline(self, enabled: bool) -> None: ...
+    def take_reduced_copy(self, replica: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
+    def unmarked(self) -> list[tuple[int, int]]: ...
+    def use_stream(
+        self,
+        replica: typing.SupportsInt | typing.SupportsIndex,
+        stream: typing.SupportsInt | typing.SupportsIndex,
+    ) -> None: ...
+    @property
+    def active(self) -> bool: ...
+    @property
+    def backend_name(self) -> str: ...
+    @property
+    def buckets(self) -> list[list[int]]: ...
+    @property
+    def num_params(self) -> int: ...
+    @property
+    def num_replicas(self) -> int: ...
+    @property
+    def partial(self) -> bool: ...
+    @property
+    def partial_reason(self) -> str: ...
+    @property
+    def sync_enabled(self) -> bool: ...
+
+def bench_mark_ready(
+    replicas: typing.SupportsInt | typing.SupportsIndex,
+    params: typing.SupportsInt | typing.SupportsIndex,
+    iterations: typing.SupportsInt | typing.SupportsIndex,
+) -> float: ...
+def cuda_compute_capability(device: typing.SupportsInt | typing.SupportsIndex) -> int: ...
+def cuda_device_count() -> int: ...
+def cuda_device_name(device: typing.SupportsInt | typing.SupportsIndex) -> str: ...
+def cuda_driver_library() -> str: ...
+def cuda_driver_simulated() -> bool: ...
+def cuda_driver_version() -> int: ...
+def load_device_kernel(device: typing.SupportsInt | typing.SupportsIndex, nvrtc_path: str) -> str:
+    """
+    Compiles (NVRTC) and loads (cuModuleLoadData) the reduction kernel on a device; returns what was built.
+    """
+
+def nccl_loaded_path() -> str: ...
+def nccl_unique_id(nccl_path: str) -> bytes:
+    """
+    ncclGetUniqueId, as bytes to pass to the other processes.
+    """
+
+def nccl_version(path: str) -> int: ...
+def now_ns() -> int:
+    """
+    Steady-clock time in nanoseconds (the engine's stats clock).
+    """
+
+def nvrtc_version(path: str) -> str: ...
+def plan_buckets(
+    numels: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    dtypes: collections.abc.Sequence[str],
+    order: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+    first_cap_bytes: typing.SupportsInt | typing.SupportsIndex,
+    cap_bytes: typing.SupportsInt | typing.SupportsIndex,
+) -> list[list[int]]: ...
+def stress_engine(
+    replicas: typing.SupportsInt | typing.SupportsIndex,
+    params: typing.SupportsInt | typing.SupportsIndex,
+    cap_bytes: typing.SupportsInt | typing.SupportsIndex,
+    index_order: bool,
+    iterations: typing.SupportsInt | typing.SupportsIndex,
+    threads: typing.SupportsInt | typing.SupportsIndex,
+    seed: typing.SupportsInt | typing.SupportsIndex,
+    skip_fraction: typing.SupportsFloat | typing.SupportsIndex,
+) -> dict: ...

@@ -1,0 +1,98 @@
+"""The package's rooms stay apart: no module-level import cycle inside
+pyddp (a room that needs another's internals shows up here first), and the
+simulator reads only pyddp's public API."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pyddp
+
+ROOT = Path(pyddp.__file__).resolve().parent
+
+
+def _modules() -> Dict[str, Path]:
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(mods: Dict[str, Path]) -> Dict[str, Set[str]]:
+    """Module-level imports of pyddp modules (the compiled _C is a leaf)."""
+    graph: Dict[str, Set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            subs = [f"{target}.{a.name}" for a in node.names]
+            if any(s in mods or s.endswith("._C") for s in subs):
+                graph[mod] |= {s for s in subs if s in mods and s != mod}
+            elif target in mods and target != mod:
+                graph[mod].add(target)
+    return graph
+
+
+def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    state: Dict[str, int] = {}
+    found: List[List[str]] = []
+
+    def visit(u: str, stack: List[str]) -> None:
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == 1:
+                found.append(stack[stack.index(v) :] + [v])
+            elif not state.get(v):
+                visit(v, stack)
+        stack.pop()
+        state[u] = 2
+
+    for m in sorted(graph):
+        if not state.get(m):
+            visit(m, [])
+    return found
+
+
+def test_no_import_cycle_between_rooms():
+    graph = _imports(_modules())
+    assert "pyddp._link.processes" in graph  # the walk sees subpackages
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_sees_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
+
+
+def test_the_simulator_reads_public_api_only():
+    graph = _imports(_modules())
+    for mod, deps in graph.items():
+        if mod.startswith("pyddp.bench.simulator"):
+            private = {d for d in deps if not d.startswith(("pyddp.bench", "pyddp.observe"))}
+            assert private <= {"pyddp"}, (mod, private)
+
+
+def test_every_deliberate_breakage_still_finds_the_code_it_breaks():
+    # tests/simgpu/breakages.py proves the simulated GPU tests bite by
+    # breaking the code on purpose; an entry whose text moved away (a
+    # refactor) would silently break nothing, so each must match once.
+    import importlib.util
+
+    tests = Path(__file__).resolve().parent
+    spec = importlib.util.spec_from_file_location("breakages", tests / "simgpu" / "breakages.py")
+    breakages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(breakages)
+    for name, (path, old, _new, _what) in breakages.BREAKAGES.items():
+        text = (tests.parent / path).read_text()
+        assert text.count(old) == 1, (name, path)
