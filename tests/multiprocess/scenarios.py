@@ -616,7 +616,7 @@ def exchanges(out: dict) -> None:
     pair its exchange with the other rank's next training step (wrong
     figures on both, then a gloo abort). Then two ranks at different
     exchanges on purpose: both must raise, naming both."""
-    from pyddp import trainer as trainer_module
+    from pyddp._evaluation import _VALID_SUMS
     from pyddp._link.control import LOSS_WEIGHTS
 
     g = torch.Generator().manual_seed(3)
@@ -639,7 +639,7 @@ def exchanges(out: dict) -> None:
         out["steps"] = t.state.step
         out["params"] = [p.detach().flatten().tolist() for p in t.model.module.parameters()]
     dm = pyddp.wrap(nn.Linear(2, 2), ["cpu"])
-    name = LOSS_WEIGHTS if pyddp.rank() == 0 else trainer_module._VALID_SUMS
+    name = LOSS_WEIGHTS if pyddp.rank() == 0 else _VALID_SUMS
     try:
         dm.sync.link.sum_over_ranks([1.0, 2.0], name)
         out["mismatch"] = None
