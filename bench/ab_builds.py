@@ -7,7 +7,7 @@ configuration, its median over rounds and the p10-p90 of the per-round ratios.
 
     pip install --no-deps --no-build-isolation --target /tmp/a <old clone>
     pip install --no-deps --no-build-isolation --target /tmp/b .
-    python bench/ab_builds.py /tmp/a /tmp/b [--rounds 20] [--block 8]
+    python bench/ab_builds.py /tmp/a /tmp/b --bench-a <old clone>/bench [--rounds 20]
 
 Each folder is put first on the worker's PYTHONPATH; an editable install
 (a meta-path finder) would shadow it, so the workers refuse to run if
@@ -27,11 +27,13 @@ HERE = Path(__file__).resolve().parent
 CONFIGS = ("bare", "wrap 1 cpu", "wrap 2 cpu gathered", "wrap 2 cpu dm.loss")
 
 
-def worker(sizes: List[int], batch: int) -> None:
-    """Reads "config n" lines, answers each with a JSON list of n step times."""
+def worker(sizes: List[int], batch: int, bench: Path) -> None:
+    """Reads "config n" lines, answers each with a JSON list of n step times.
+    The steps are `bench`'s step_time.py (the build's own clone: its
+    _common.py may need that build's pyddp)."""
     import torch
 
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(bench))
     from step_time import bare_step, make_batch, pyddp_step, timed_block
 
     import pyddp
@@ -49,9 +51,10 @@ def worker(sizes: List[int], batch: int) -> None:
         print(json.dumps(timed_block(steps[name], int(n))), flush=True)
 
 
-def start(site: Path, args: argparse.Namespace) -> Any:
+def start(site: Path, bench: Path, args: argparse.Namespace) -> Any:
     env = dict(os.environ, PYTHONPATH=str(site))
     cmd = [sys.executable, __file__, "--worker", "--sizes", args.sizes, "--batch", str(args.batch)]
+    cmd += ["--bench-a", str(bench)]
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     hello = json.loads(proc.stdout.readline())
     if not hello["pyddp"].startswith(str(site)):
@@ -84,14 +87,19 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--block", type=int, default=8, help="timed steps per configuration and turn")
+    p.add_argument("--bench-a", type=Path, default=HERE, help="bench/ folder of build A's clone")
+    p.add_argument("--bench-b", type=Path, default=HERE, help="bench/ folder of build B's clone")
     p.add_argument("--out", type=Path, default=None, help="results JSON")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        return worker([int(s) for s in args.sizes.split(",")], args.batch)
+        return worker([int(s) for s in args.sizes.split(",")], args.batch, args.bench_a)
     if args.a is None or args.b is None:
         p.error("give the two build folders")
-    procs = {"A": start(args.a.resolve(), args), "B": start(args.b.resolve(), args)}
+    procs = {
+        "A": start(args.a.resolve(), args.bench_a, args),
+        "B": start(args.b.resolve(), args.bench_b, args),
+    }
     times: Dict[str, Dict[str, List[float]]] = {k: {c: [] for c in CONFIGS} for k in procs}
     ratios: Dict[str, List[float]] = {c: [] for c in CONFIGS}
     for r in range(args.rounds):
