@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import _C
-from ._buckets import BucketLayout, zero_tensors
+from ._buckets import BucketLayout, plan_buckets, zero_tensors
 from ._hooks import PrepareHook, grad_hook
 from ._link import WorkRecord, connect, resolve_group
 from ._params import dtype_name, trainable_params
@@ -158,7 +158,7 @@ class GradSync:
         first = self.params[0]
         numels = [p.numel() for p in first]
         dtypes = [dtype_name(n, p) for n, p in zip(self.names, first)]
-        buckets = _C.plan_buckets(
+        buckets = plan_buckets(
             numels, dtypes, list(reversed(range(len(first)))), self._first_cap, self._cap
         )
         op, self._post_scale, rendezvous = opts.op, 1.0, None
@@ -226,7 +226,7 @@ class GradSync:
         if len(order) != len(self.names):
             return
         numels = [p.numel() for p in self.params[0]]
-        buckets = _C.plan_buckets(numels, self.layout.dtypes, order, self._first_cap, self._cap)
+        buckets = plan_buckets(numels, self.layout.dtypes, order, self._first_cap, self._cap)
         if buckets == self._engine.buckets:
             return
         self._order.fence_all()

@@ -70,8 +70,10 @@ def test_an_edited_source_folder_is_named_in_a_warning(tmp_path):
 def test_no_build_anywhere_names_the_fix(tmp_path):
     root = source_copy(tmp_path)
     code = (
-        "import glob, os, sys\n"
-        "sys.path = [p for p in sys.path if not glob.glob(os.path.join(p, 'pyddp', '_C.*'))]\n"
+        "import os, sys\n"
+        "from importlib.machinery import EXTENSION_SUFFIXES as S\n"
+        "built = lambda p: any(os.path.exists(os.path.join(p, 'pyddp', '_C' + s)) for s in S)\n"
+        "sys.path = [p for p in sys.path if not built(p)]\n"
         "import pyddp"
     )
     out = run(root, code)
