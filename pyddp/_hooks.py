@@ -41,6 +41,7 @@ def grad_hook(
         if p.grad is not views[i]:
             streams.before_host_write(device)
             _adopt(owner, p, views[i])
+        streams.produced(device, views[i])
         # Autograd runs this hook on the stream that accumulated the
         # gradient: the reduction waits for that stream, not another.
         mark(r, i, current(device))

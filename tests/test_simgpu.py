@@ -218,9 +218,11 @@ def test_reduction_waits_for_the_stream_that_produced_each_gradient(simlib):
     # event recorded on that stream in the hook, not on another stream. The
     # second backward accumulates straight into the bucket views (no adopt
     # copy, so nothing on the host drains the stream on pyddp's behalf).
+    # This test writes late itself: the provider's own late writes are off.
     run_sim(
         simlib,
         """
+    streams.late_us = 0
     torch.manual_seed(0)
     base = nn.Linear(64, 64)
     reps = [base, copy.deepcopy(base)]

@@ -65,6 +65,13 @@ BREAKAGES = {
         "            pass\n",
         "replica workers do not inherit the caller's current streams",
     ),
+    "fence-on-one-device": (
+        "csrc/gpu_backend.cpp",
+        "fence_[comm_index_[r]], 0));",
+        "fence_[0], 0));",
+        "every replica's writers wait for the first GPU's reductions only (caught by the "
+        "skewed completion of collectives)",
+    ),
     "no-recovery-on-zero-grad": (
         "csrc/engine.cpp",
         "  backend_->recover();",

@@ -13,9 +13,14 @@
 // violations return the documented error code and are also logged for the
 // tests (simgpu_violations).
 //
+// Ranks finish a collective at different times (SIMGPU_SKEW_US per rank), as
+// on real hardware; late gradient writes on producing streams are the test
+// stream provider's part (simgpu.py, SimStreams.produced).
+//
 // Simplifications (documented so nobody mistakes them for the real thing): the
 // legacy default stream does not synchronise implicitly with other blocking
-// streams; collectives reduce in rank order with one rounding per hop.
+// streams; collectives reduce in rank order with one rounding per hop; what is
+// not modelled at all is listed in docs/gpus.md.
 // Communicators meet through POSIX shared memory named after the unique id, so
 // ncclCommInitRank works across processes as well as within one.
 #include <dlfcn.h>
@@ -476,8 +481,15 @@ void run_collective(Comm* comm, size_t count, int dtype, int op, const void* sen
   Shm* shm = comm->shm;
   ShmSlot& mine = shm->slot[comm->rank];
   const size_t es = nccl_size(dtype), per_step = kChunk / es;
+  // Ranks finish a collective at different times on real hardware (a ring's
+  // last hop reaches each rank at its own moment, and each GPU runs its own
+  // kernel schedule): the result is written here and lands in `recv` only
+  // after a rank-dependent delay (SIMGPU_SKEW_US per rank, default 1000), so a
+  // stream that waits on another rank's completion, or on none, reads values
+  // not yet written.
+  std::vector<char> result(count * es);
   size_t off = 0;
-  bool first = true, mismatch = false;
+  bool first = true, mismatch = false, complete = false;
   while (!mismatch && (first || off < count)) {
     const size_t n = std::min(per_step, count - off);
     const uint64_t step = ++comm->step;
@@ -497,7 +509,7 @@ void run_collective(Comm* comm, size_t count, int dtype, int op, const void* sen
       if (comm->rank == 0) violation(0, "collective called with different count/datatype/op across ranks");
       comm->state = ncclInvalidUsage;
     } else {
-      char* out = static_cast<char*>(recv) + off * es;
+      char* out = result.data() + off * es;
       for (size_t i = 0; i < n; ++i) {
         double acc = load_elem(shm->data[0], dtype, i);
         for (int r = 1; r < comm->nranks; ++r) {
@@ -511,6 +523,12 @@ void run_collective(Comm* comm, size_t count, int dtype, int op, const void* sen
     if (!wait_all(comm, &ShmSlot::departed, step)) break;
     off += n;
     first = false;
+    complete = off >= count;
+  }
+  if (complete && !mismatch && count) {
+    const long skew = env_int("SIMGPU_SKEW_US", 1000) * static_cast<long>(comm->rank);
+    if (skew > 0) std::this_thread::sleep_for(std::chrono::microseconds(skew));
+    std::memcpy(recv, result.data(), count * es);
   }
   {
     std::lock_guard<std::mutex> g(g_nccl_mu);

@@ -76,6 +76,7 @@ class Sim:
         self.lib.cuStreamSynchronize.argtypes = [vp]
         self.lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
         self.lib.cuCtxSetCurrent.argtypes = [vp]
+        self.lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
         assert self.lib.cuInit(0) == 0
 
     def use_device(self, device: int) -> None:
@@ -93,6 +94,18 @@ class Sim:
         self.use_device(device)  # stream 0 is the current context's default stream
         assert self.lib.cuStreamSynchronize(stream) == 0
 
+    @contextlib.contextmanager
+    def on_device(self, device: int) -> Iterator[None]:
+        """`device`'s context current inside, the caller's again after: the
+        simulation's own calls must not do pyddp's context switches for it."""
+        saved = ctypes.c_void_p()
+        assert self.lib.cuCtxGetCurrent(ctypes.byref(saved)) == 0
+        self.use_device(device)
+        try:
+            yield
+        finally:
+            assert self.lib.cuCtxSetCurrent(saved) == 0
+
     def violations(self) -> str:
         buf = ctypes.create_string_buffer(1 << 16)
         n = self.lib.simgpu_violations(buf, len(buf))
@@ -106,11 +119,23 @@ class SimStreams:
     """pyddp's stream-provider protocol (see pyddp/_streams.py) on the
     simulated driver: thread-local current streams, 0 (the default stream)
     unless set with `stream()`. Host tensor writes stand in for kernels queued
-    on the current stream, so before one the current stream is drained."""
+    on the current stream, so before one the current stream is drained.
 
-    def __init__(self, sim: Sim):
+    Late gradient writes: on a GPU, autograd's write of a gradient is a kernel
+    on the producing stream, done some time after the hook runs on the host.
+    Here torch wrote it on the host already, so `produced` takes the value
+    back out (the buffer reads NaN) and queues its write on the current
+    stream after `late_us` (SIMGPU_LATE_US, default 100): a reduction not
+    ordered after that stream (a ready event on the wrong stream, a missing
+    wait) reads NaN in any test, not only in one built to catch it."""
+
+    def __init__(self, sim: Sim, late_us: int = -1):
         self.sim = sim
         self._local = threading.local()
+        self.late_us = int(os.environ.get("SIMGPU_LATE_US", "100")) if late_us < 0 else late_us
+        self._lock = threading.Lock()
+        self._in_flight: Dict[tuple, list] = {}  # (device, stream) -> (seq, value) being written
+        self._seq = 0
 
     def _current(self) -> Dict[int, int]:
         if not hasattr(self._local, "streams"):
@@ -135,8 +160,35 @@ class SimStreams:
     stream = use  # `with streams.stream({0: s})`, like torch.cuda.stream(s)
 
     def before_host_write(self, device: int) -> None:
-        self.sim.synchronize(self.current(device), device)
+        self._drain(self.current(device), device)
+
+    def produced(self, device: int, tensor) -> None:
+        if self.late_us <= 0 or not tensor.is_floating_point() or not tensor.numel():
+            return
+        stream = self.current(device)
+        value = tensor.detach().clone()
+        tensor.detach().fill_(float("nan"))
+        with self.sim.on_device(device):
+            assert self.sim.lib.simgpu_sleep(stream, self.late_us) == 0
+            nbytes = value.numel() * value.element_size()
+            dst, src = tensor.data_ptr(), value.data_ptr()
+            assert self.sim.lib.simgpu_copy(stream, dst, src, nbytes) == 0
+        # Kept until a drain that began after the copy was queued (below).
+        with self._lock:
+            self._seq += 1
+            self._in_flight.setdefault((device, stream), []).append((self._seq, value))
 
     def synchronize_all(self, devices) -> None:
         for d in set(devices):
-            self.sim.synchronize(self.current(d), d)
+            self._drain(self.current(d), d)
+
+    def _drain(self, stream: int, device: int) -> None:
+        # Other threads keep queuing writes meanwhile: only the values whose
+        # copies were queued before this synchronize began are written now.
+        with self._lock:
+            done = self._seq
+        with self.sim.on_device(device):
+            assert self.sim.lib.cuStreamSynchronize(stream) == 0
+        with self._lock:
+            kept = [e for e in self._in_flight.get((device, stream), ()) if e[0] > done]
+            self._in_flight[(device, stream)] = kept
