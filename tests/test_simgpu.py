@@ -142,16 +142,22 @@ def test_kernel_16bit_rounding_matches_torch(simlib):
     )
 
 
+@pytest.mark.parametrize("own_streams", [False, True])
 @pytest.mark.parametrize("cap", [0, 25])
 @pytest.mark.parametrize("devices", [[0, 0], [0, 0, 0], [0, 1], [0, 1, 2]])
-def test_wrap_equals_single_device_with_slow_streams(simlib, devices, cap):
-    # Every simulated stream (compute and communication) is slowed down: a
-    # missing wait or fence reads stale buffers instead of passing by luck.
+def test_wrap_equals_single_device_with_slow_streams(simlib, devices, cap, own_streams):
+    # Every simulated stream (compute and communication) is slowed down, and
+    # gradients land late on their producing streams: a missing wait or fence
+    # reads stale buffers instead of passing by luck. own_streams: forward,
+    # backward and the step run on a stream of each device's own, not the
+    # default one (torch.cuda.stream(...) around the training step).
+    streams = "{d: sim.stream(d) for d in set(devices)}" if own_streams else "None"
     run_sim(
         simlib,
         f"""
     sim.lib.simgpu_set_delay_us(None, 150)
-    check_equal_to_single_device({devices}, {cap})
+    devices = {devices}
+    check_equal_to_single_device(devices, {cap}, stream_map={streams})
     """,
     )
 

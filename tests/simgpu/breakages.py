@@ -28,7 +28,7 @@ BREAKAGES = {
     "ready-event-on-wrong-stream": (
         "pyddp/_hooks.py",
         "        mark(r, i, current(device))",
-        "            mark(r, i, 0)",
+        "        mark(r, i, 0)",
         "the ready event is recorded on the default stream, not the producing one",
     ),
     "no-fence": (
