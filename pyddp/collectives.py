@@ -8,7 +8,7 @@ of their devices with every wrapped model (one launch lock per device set)."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -16,6 +16,7 @@ from ._link import resolve_group
 from ._link.transport import all_reduce_blocking
 from ._params import DTYPE_NAMES
 from ._runtime import backend_kind, make_backend
+from ._streams import TorchStreams
 from .errors import ReduceError
 
 # (kind, devices) -> (backend, lock). A backend is not re-entrant: one call at
@@ -24,7 +25,13 @@ _backends: Dict[Tuple[str, Tuple[int, ...]], Tuple[Any, threading.Lock]] = {}
 _backends_lock = threading.Lock()
 
 
-def all_reduce(tensors: Sequence[Any], op: str = "sum", group: Any = None) -> None:
+def all_reduce(
+    tensors: Sequence[Any],
+    op: str = "sum",
+    group: Any = None,
+    *,
+    _gpu: Optional[Tuple[Sequence[int], Any]] = None,
+) -> None:
     """Reduces `tensors` (one per replica; same shape and dtype; dense,
     contiguous and sharing no memory with each other) in place: afterwards
     each holds the sum (op="sum") or the mean (op="avg") of all.
@@ -39,7 +46,10 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum", group: Any = None) -> No
     Across processes (torch.distributed initialised with several processes,
     or `group=` a process group; every rank must call it): the tensors of
     every process are reduced, "avg" dividing by their total count. CPU
-    tensors only for now; this blocks until done."""
+    tensors only for now; this blocks until done.
+
+    `_gpu` (the test suite): (CUDA device per tensor, stream provider), to run
+    the GPU branch with host tensors on the simulated driver, as GradSync's."""
     cupy_streams = [_cupy_stream(t) for t in tensors]
     tensors = [_as_tensor(t, i) for i, t in enumerate(tensors)]
     if not tensors:
@@ -67,29 +77,39 @@ def all_reduce(tensors: Sequence[Any], op: str = "sum", group: Any = None) -> No
     if xgroup is not None:
         _all_reduce_across(tensors, cupy_streams, op, xgroup)
     else:
-        _reduce_in_process(tensors, cupy_streams, op)
+        _reduce_in_process(tensors, cupy_streams, op, _gpu)
 
 
 def _reduce_in_process(
-    tensors: Sequence[torch.Tensor], cupy_streams: Sequence[Any], op: str
+    tensors: Sequence[torch.Tensor],
+    cupy_streams: Sequence[Any],
+    op: str,
+    gpu: Optional[Tuple[Sequence[int], Any]] = None,
 ) -> None:
-    """The reduction over this process's tensors (already checked)."""
+    """The reduction over this process's tensors (already checked), ordered
+    on each device's current stream through the stream provider GradSync
+    uses (torch's; the simulation's in the test suite)."""
     if len(tensors) == 1:
         return  # the sum and the mean of one tensor is itself
     first = tensors[0]
-    devices = [t.device for t in tensors]
-    kind = backend_kind(devices)
-    indices = tuple(-1 if d.type == "cpu" else d.index for d in devices)
+    if gpu is not None:
+        if len(gpu[0]) != len(tensors):
+            raise ValueError("all_reduce: _gpu must name one CUDA device per tensor")
+        indices, provider = tuple(gpu[0]), gpu[1]
+        places: List[Any] = list(indices)
+    else:
+        places = [t.device for t in tensors]
+        indices = tuple(-1 if d.type == "cpu" else d.index for d in places)
+        provider = None if places[0].type == "cpu" else TorchStreams(list(indices))
+    kind = backend_kind(places)
     key = (kind, indices)
     with _backends_lock:
         if key not in _backends:
-            _backends[key] = (make_backend(devices), threading.Lock())
+            _backends[key] = (make_backend(places), threading.Lock())
         backend, lock = _backends[key]
     streams = [
-        0
-        if d.type == "cpu"
-        else (cs if cs is not None else torch.cuda.current_stream(d).cuda_stream)
-        for d, cs in zip(devices, cupy_streams)
+        0 if provider is None else (cs if cs is not None else provider.current(i))
+        for i, cs in zip(indices, cupy_streams)
     ]
     with lock:
         try:

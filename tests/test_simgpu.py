@@ -537,3 +537,38 @@ def test_gradsync_across_processes_on_one_nccl_communicator(simlib, tmp_path, lo
         assert r["diff_cap0"] <= 1e-6 and r["diff_cap25"] <= 1e-6, r
         assert r["never_none_cap0"] and r["never_none_cap25"]
         assert not r["violations"], r["violations"]
+
+
+@pytest.mark.parametrize("devices", [[0, 0, 0], [0, 1, 2]])
+def test_all_reduce_gpu_branch_orders_after_late_writes_on_current_streams(simlib, devices):
+    # pyddp.all_reduce's GPU branch, through the same stream-provider seam as
+    # GradSync: inputs written late on streams of each device's own (they
+    # read NaN until those streams get there), then reduced in place; the
+    # reduction must wait for those streams and they for it. The writes land
+    # 2 ms late: later than NCCL's non-blocking launch takes to reach the
+    # streams, so a missing wait cannot pass by that luck.
+    run_sim(
+        simlib,
+        f"""
+    streams.late_us = 2000
+    devs = {devices}
+    own = {{d: sim.stream(d) for d in set(devs)}}
+    sim.lib.simgpu_set_delay_us(None, 100)
+    n = len(devs)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for size in (1, 7, (1 << 16) + 3):
+            ts = [torch.full((size,), float(r + 1), dtype=dtype) for r in range(n)]
+            with streams.stream(own):
+                for d, t in zip(devs, ts):
+                    streams.produced(d, t)  # written late on its device's current stream
+                pyddp.all_reduce(ts, _gpu=(devs, streams))
+                streams.synchronize_all(devs)
+            for t in ts:
+                assert torch.equal(t, torch.full_like(t, n * (n + 1) / 2)), (dtype, size, t[:3])
+    for r, t in enumerate(ts):
+        t.fill_(r + 1.0)
+    pyddp.all_reduce(ts, op="avg", _gpu=(devs, streams))
+    streams.synchronize_all(devs)
+    assert all(torch.equal(t, torch.full_like(t, (n + 1) / 2)) for t in ts)
+    """,
+    )
