@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+from statistics import median
 from typing import Any, Dict, List
 
 HERE = Path(__file__).resolve().parent
@@ -69,14 +71,12 @@ def ask(proc: Any, name: str, n: int) -> List[float]:
     return json.loads(proc.stdout.readline())
 
 
-def median(xs: List[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
-
-
 def pct(xs: List[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
+    """The q-quantile (a p10 or p90 of per-round ratios); the orchestrator
+    imports no pyddp (the builds' workers do), so not bench/_common.summary."""
+    if len(xs) < 2:
+        return xs[0]
+    return statistics.quantiles(xs, n=10, method="inclusive")[round(q * 10) - 1]
 
 
 def main() -> None:

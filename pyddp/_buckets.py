@@ -7,7 +7,7 @@ in step, and settling parameters a replica produced no gradient for."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -176,8 +176,3 @@ class BucketLayout:
                     with torch.no_grad():
                         self.flat[r][b].copy_(self.flat[0][b])
         self.mark_reduced()
-
-
-def zero_tensors(tensors: Sequence[Any]) -> None:
-    for t in tensors:
-        t.zero_()

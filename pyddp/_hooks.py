@@ -35,13 +35,14 @@ def grad_hook(
             mark(r, i)
 
         return on_grad
-    current = streams.current
+    current, produced = streams.current, streams.produced
 
     def on_grad_gpu(p: torch.Tensor) -> None:
         if p.grad is not views[i]:
             streams.before_host_write(device)
             _adopt(owner, p, views[i])
-        streams.produced(device, views[i])
+        if produced is not None:  # the simulation's late write (see _streams.py)
+            produced(device, views[i])
         # Autograd runs this hook on the stream that accumulated the
         # gradient: the reduction waits for that stream, not another.
         mark(r, i, current(device))

@@ -41,11 +41,12 @@ class TorchStreams:
     def before_host_write(self, device: int) -> None:
         """torch ops are queued on the current stream: nothing to do."""
 
-    def produced(self, device: int, tensor: torch.Tensor) -> None:
-        """Autograd has just queued the write of `tensor` (a gradient) on the
-        current stream: on a GPU it lands there in stream order by itself, so
-        nothing to do. (The simulated driver makes it land late, so that a
-        reduction not ordered after that stream reads the wrong values.)"""
+    # produced(device, tensor): autograd has just queued the write of a
+    # gradient on the current stream. On a GPU it lands there in stream order
+    # by itself: nothing to do, so no call per parameter per step (None). The
+    # simulated driver's provider makes it land late, so that a reduction not
+    # ordered after that stream reads the wrong values.
+    produced = None
 
 
 class StreamOrder:

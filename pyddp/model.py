@@ -379,10 +379,11 @@ class DistributedModel(nn.Module):
         broadcast_buffers is on: DDP's default before every training forward;
         eval-mode forwards too, so every replica evaluates with replica 0's."""
         if self.broadcast_buffers:
-            if self.module.training and torch.is_grad_enabled():
+            link = self.sync.link
+            if link.spans_processes and self.module.training and torch.is_grad_enabled():
                 # Across processes only before training forwards, as torch DDP:
                 # an evaluation may run on some ranks only.
-                self.sync.link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
+                link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
             self._copy_buffers()
 
     def _copy_buffers(self) -> None:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import _C
-from ._buckets import BucketLayout, plan_buckets, zero_tensors
+from ._buckets import BucketLayout, plan_buckets
 from ._hooks import PrepareHook, grad_hook
 from ._link import WorkRecord, connect, resolve_group
 from ._params import dtype_name, trainable_params
@@ -434,7 +434,7 @@ class GradSync:
         for r in range(len(self.replicas)):
             self._order.use_current(self._engine, r)
         self.run_per_replica(
-            [partial(zero_tensors, flats) for flats in self.layout.flat], "zero_grad"
+            [partial(self.layout.zero, r) for r in range(len(self.replicas))], "zero_grad"
         )
         self._engine.clear_grads(set_to_none)
         self.layout.forget_reduced()

@@ -19,7 +19,6 @@ class Link:
         self.rank = 0  # this process's index among the linked processes
         self.world = 1  # how many processes
         self.local_counts = [local_count]  # replicas per process, in rank order
-        self.failed: Optional[str] = None  # why the link can no longer be used
 
     # ------------------------------------------------------- construction
     def watch(self, record: WorkRecord) -> None:

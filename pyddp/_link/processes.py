@@ -12,7 +12,7 @@ import torch
 from .. import _C
 from ..errors import ProcessGroupError
 from .agreement import Agreement
-from .control import BUFFERS_BROADCAST, LOSS_WEIGHTS, PARAMS_BROADCAST, Control
+from .control import LOSS_WEIGHTS, PARAMS_BROADCAST, Control
 from .failure import Failure
 from .groups import Peers
 from .link import Link
@@ -31,14 +31,6 @@ class ProcessLink(Link):
         self.agreement = Agreement(self.control)
         self.rank, self.world = peers.rank, peers.world
         self.local_counts: List[int] = []
-
-    @property
-    def failed(self) -> Optional[str]:  # type: ignore[override]
-        return self.failure.failed
-
-    @property
-    def iteration(self) -> int:
-        return self.peers.iteration
 
     @property
     def prefix(self) -> str:
@@ -166,7 +158,7 @@ class ProcessLink(Link):
             loss_sum / rows_all if on_host else None
         )
 
-    def broadcast(self, tensors: Sequence[torch.Tensor], what: str = BUFFERS_BROADCAST) -> None:
+    def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         self.control.broadcast(tensors, what)
 
     def sum_over_ranks(self, values: Sequence[float], what: str) -> List[float]:
