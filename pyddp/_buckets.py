@@ -7,7 +7,7 @@ in step, and settling parameters a replica produced no gradient for."""
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
@@ -145,10 +145,13 @@ class BucketLayout:
                     for flats in self.flat[1:]:
                         flats[b].copy_(self.flat[0][b])
 
-    def scale(self, factor: float) -> None:
+    def scale(self, factor: Any) -> None:
+        """Every bucket times `factor`: a float, or one 0-dim tensor per
+        replica (on its device)."""
+        factors = factor if isinstance(factor, (list, tuple)) else [factor] * len(self.flat)
         with torch.no_grad():
-            for flats in self.flat:
-                torch._foreach_mul_(flats, factor)
+            for flats, f in zip(self.flat, factors):
+                torch._foreach_mul_(flats, f)
 
     def mark_reduced(self) -> None:
         """At the end of finish(): the buffers' versions, for align()."""

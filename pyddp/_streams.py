@@ -41,12 +41,47 @@ class TorchStreams:
     def before_host_write(self, device: int) -> None:
         """torch ops are queued on the current stream: nothing to do."""
 
+    def upload(self, device: int, host: torch.Tensor) -> torch.Tensor:
+        """A copy of `host` on `device`, queued on its current stream from
+        pinned memory: the host does not wait for it."""
+        with torch.cuda.device(device):
+            return host.pin_memory().to(torch.device("cuda", device), non_blocking=True)
+
+    def fetch(self, device: int, tensor: torch.Tensor) -> HostCopy:
+        """`tensor`'s values on their way to pinned host memory, queued on
+        the current stream of `device`; read them when ready()."""
+        with torch.cuda.device(device):
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            out.copy_(tensor, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return HostCopy(out, event.query, event.synchronize)
+
     # produced(device, tensor): autograd has just queued the write of a
     # gradient on the current stream. On a GPU it lands there in stream order
     # by itself: nothing to do, so no call per parameter per step (None). The
     # simulated driver's provider makes it land late, so that a reduction not
     # ordered after that stream reads the wrong values.
     produced = None
+
+
+class HostCopy:
+    """A device tensor's values on their way to the host: ready() asks
+    without waiting; get() waits for them if need be (a host wait)."""
+
+    def __init__(self, out: torch.Tensor, query: Any, synchronize: Any):
+        self._out, self._query, self._synchronize = out, query, synchronize
+        self._done = False
+
+    def ready(self) -> bool:
+        self._done = self._done or bool(self._query())
+        return self._done
+
+    def get(self) -> torch.Tensor:
+        if not self.ready():
+            self._synchronize()
+            self._done = True
+        return self._out
 
 
 class StreamOrder:

@@ -95,13 +95,20 @@ class DistributedModel(nn.Module):
         self._parallel_backward = len(replicas) > 1 and self.devices[0].type == "cpu"
         # One replica and one process: nothing to scatter, join or reduce.
         self._passthrough = not self.sync.reduces
-        self.last_global_loss: Optional[float] = None  # of the last training step, if on the host
         self._finish_queued = False
 
     # ---------------------------------------------------------------- access
     @property
     def replicas(self) -> List[nn.Module]:
         return list(self._replicas)
+
+    @property
+    def last_global_loss(self) -> Optional[float]:
+        """Across processes, on CPU replicas: the global batch's loss of the
+        last training step's dmodel.loss, known once its backward finished
+        (None in one process, and on GPUs, where reading it would make the
+        host wait)."""
+        return self.sync.link.global_loss
 
     def optimizer(
         self, cls: Type[torch.optim.Optimizer], params: Optional[ParamsFn] = None, **kwargs: Any
@@ -290,7 +297,7 @@ class DistributedModel(nn.Module):
             )
         # Training steps only: an evaluation (eval mode) may run on some ranks alone.
         if self.training and torch.is_grad_enabled():
-            losses, self.last_global_loss = self.sync.link.weigh_losses(losses, total, reduction)
+            losses = self.sync.link.weigh_losses(losses, total, reduction, self.sync.syncing)
         if torch.is_grad_enabled():
             self.sync.note_forward_end()
         if self._passthrough or not any(v.requires_grad for v in losses):

@@ -168,6 +168,8 @@ class GradSync:
         # Held here too: _runtime closes every live backend at interpreter exit.
         local = make_backend(self._gpu_devices or self.devices, opts.timeout_s, rendezvous)
         self._backend = self.link.transport_backend(local, self._gpu_devices is not None)
+        if self._gpu_devices is not None:
+            self.link.route_through(self._backend, self._gpu_devices, self._streams)
         self._engine = _C.Engine(
             len(replicas), self.names, numels, dtypes, buckets, opts.reduce_order, op, self._backend
         )
@@ -209,6 +211,11 @@ class GradSync:
         """Whether there is anything to reduce: False for one replica in one
         process, where GradSync stays out of the way."""
         return self._engine is not None
+
+    @property
+    def syncing(self) -> bool:
+        """Whether the next backward reduces (False under no_sync())."""
+        return self._engine is None or self._engine.sync_enabled
 
     @property
     def adopted(self) -> int:
@@ -298,10 +305,11 @@ class GradSync:
         synced = self._engine.sync_enabled
         launched: List[int] = []
         unused: List[int] = []
+        factor: Any = 1.0
         try:
             no_grad, reduced_partly = self._engine.finish(streams)
             if synced:
-                launched, unused = self._wait_for_link()
+                launched, unused, factor = self._wait_for_link()
         except Exception as e:
             if synced and not isinstance(e, ProcessGroupError):
                 # A local failure after this rank's reductions were launched:
@@ -326,12 +334,17 @@ class GradSync:
             # reductions (no host wait on a GPU).
             self._order.fence_all()
             self.layout.scale(self._post_scale)
+        if isinstance(factor, list) or factor != 1.0:
+            # dmodel.loss weighed on the rows assumed across processes: the
+            # global batch's own (a float, or per replica on its GPU).
+            self._order.fence_all()
+            self.layout.scale(factor)
         if self._rebuild_pending and synced:
             self._rebuild_pending = False
             self._rebuild()
         self.layout.mark_reduced()
 
-    def _wait_for_link(self) -> Tuple[List[int], List[int]]:
+    def _wait_for_link(self) -> Tuple[List[int], List[int], Any]:
         try:
             return self.link.wait()
         except ProcessGroupError as e:
@@ -518,9 +531,23 @@ class GradSync:
     def close(self) -> None:
         """Removes the hooks and releases the backend's threads and GPU
         communicators; gradients stay where they are. Idempotent; dropping the
-        last reference does the same."""
+        last reference does the same. Across processes on GPUs, the last
+        agreement's sums are checked first (raises if the ranks' work differed)."""
+        if self._closed:
+            return
         self._closed = True
-        self._finalizer()
+        try:
+            if self._engine is not None and self.link.spans_processes and self._link_usable():
+                self.link.settle()
+        finally:
+            self._finalizer()
+
+    def _link_usable(self) -> bool:
+        try:
+            self.link.check_usable()
+        except ProcessGroupError:
+            return False  # it failed already, and said so where it happened
+        return True
 
     @property
     def closed(self) -> bool:

@@ -75,7 +75,7 @@ class Control:
 
     def check_header(self, what: str, header: tuple, where: Optional[str] = None) -> None:
         work, mine, outs = header
-        self.failure.call(what, self.failure.wait, work)
+        self.failure.call(what, self.failure.wait, work, what)
         if all(torch.equal(o, mine) for o in outs):
             return
         sides = "; ".join(

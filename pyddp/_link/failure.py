@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
@@ -53,17 +53,23 @@ class Failure:
         except Exception as e:  # noqa: BLE001 - named and re-raised below
             self.fail(f"{what} failed: {first_line(e)}")
 
-    def wait(self, work: Any) -> None:
+    def wait(self, work: Any, activity: str) -> None:
         """Waits for a control exchange, reading the store every second: a rank
-        that abandoned its step makes the others fail now, not at the timeout.
-        The completion callback (on a gloo thread) holds only an Event."""
+        that abandoned its step, or that waits somewhere else, makes the
+        others fail now, not at the timeout. The completion callback (on a
+        gloo thread) holds only an Event."""
         done = threading.Event()
         work.get_future().then(functools.partial(_set_event, done))
         deadline = time.monotonic() + self.peers.timeout
-        while not done.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                break
-            self.check_abandoned()
+        post = WaitPost(self, activity)
+        try:
+            while not done.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    break
+                self.check_abandoned()
+                post.poll()
+        finally:
+            post.withdraw()
         work.wait()  # gloo's own error, or its timeout (the same as pyddp's)
 
     def check_abandoned(self) -> None:
@@ -91,6 +97,26 @@ class Failure:
         raise ProcessGroupError(self.failed)
 
     # ------------------------------------------------------------ the store
+    def gather_notes(self, name: str, text: str) -> Dict[int, str]:
+        """Leaves `text` in the store under `name` and reads every other
+        rank's, waiting a few seconds at most: {group rank: text} for those
+        that answered. For failure messages only (the groups may be stuck)."""
+        peers = self.peers
+        key = f"{peers.prefix}/{name}"
+        self._store("set", f"{key}/{peers.rank}", text)
+        notes = {peers.rank: text}
+        deadline = time.monotonic() + min(STORE_DEADLINE_S, peers.timeout)
+        while len(notes) < peers.world and time.monotonic() < deadline:
+            for r in range(peers.world):
+                if r not in notes and self._store("check", [f"{key}/{r}"]):
+                    raw = self._store("get", f"{key}/{r}")
+                    if raw is not None:
+                        notes[r] = bytes(raw).decode("utf-8", errors="replace")
+            if self._store_unreachable:
+                break
+            time.sleep(0.02)
+        return notes
+
     def _publish(self, reason: str) -> None:
         """Tells the other ranks through the store that this one stopped, so
         they fail at their next poll instead of at the timeout. Best effort:
@@ -136,13 +162,8 @@ class Failure:
         peers = self.peers
         if peers.store is None:
             return ""
-        key = f"{peers.prefix}/fail/{peers.iteration}"
-        self._store("set", f"{key}/{peers.rank}", "1")
-        others = [r for r in range(peers.world) if r != peers.rank]
-        deadline = time.monotonic() + min(5.0, peers.timeout)
-        while others and time.monotonic() < deadline and not self._store_unreachable:
-            others = [r for r in others if not self._store("check", [f"{key}/{r}"])]
-            time.sleep(0.05)
+        notes = self.gather_notes(f"fail/{peers.iteration}", "1")
+        others = [r for r in range(peers.world) if r not in notes]
         if self._store_unreachable:
             return "; the rendezvous store is unreachable too (its host gone or stopped?)"
         if not others:
@@ -152,6 +173,50 @@ class Failure:
             f"; missing: rank {named} (died, stalled, or ran out of batches: every rank must "
             "run the same number of steps)"
         )
+
+
+class WaitPost:
+    """A wait on a group that lasts (a second or more) says where this rank
+    waits, in the store, and reads where the others wait: two ranks waiting
+    at different places (a buffer broadcast here, the reductions of a
+    backward there: one rank in eval() alone) would only meet at the
+    timeout; seen twice in a row, every rank raises now, naming both. Waits
+    that end within the second touch the store not at all."""
+
+    def __init__(self, failure: Failure, activity: str):
+        self.failure, self.activity = failure, activity
+        self.key = f"{failure.peers.prefix}/at"
+        self.posted = False
+        self.seen: dict = {}
+
+    def poll(self) -> None:
+        failure, peers = self.failure, self.failure.peers
+        if not self.posted:
+            failure._store("set", f"{self.key}/{peers.rank}", self.activity)
+            self.posted = True
+        for r in range(peers.world):
+            if r == peers.rank or not failure._store("check", [f"{self.key}/{r}"]):
+                continue
+            raw = failure._store("get", f"{self.key}/{r}")
+            there = None if raw is None else bytes(raw).decode("utf-8", errors="replace")
+            if there is None or there == self.activity:
+                self.seen.pop(r, None)
+                continue
+            self.seen[r] = self.seen.get(r, 0) + 1
+            if self.seen[r] >= 2:
+                failure.fail(
+                    f"the ranks are not at the same exchange (rank {dist.get_rank()} waits at "
+                    f"{self.activity}; rank {peers.ranks[r]} waits at {_quoted(there)}); every "
+                    "rank must make the same pyddp calls in the same order (an evaluation, a "
+                    "train()/eval() switch or a wrap on some ranks only pairs with another "
+                    "exchange on the others)",
+                    census=False,
+                )
+
+    def withdraw(self) -> None:
+        if self.posted:
+            self.failure._store("delete_key", f"{self.key}/{self.failure.peers.rank}")
+            self.posted = False
 
 
 def _set_event(event: threading.Event, _future: Any) -> None:

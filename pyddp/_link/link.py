@@ -19,6 +19,9 @@ class Link:
         self.rank = 0  # this process's index among the linked processes
         self.world = 1  # how many processes
         self.local_counts = [local_count]  # replicas per process, in rank order
+        # The global batch's loss of the last training step's dmodel.loss, when
+        # the link learns it on the host (CPU replicas across processes).
+        self.global_loss: Optional[float] = None
 
     # ------------------------------------------------------- construction
     def watch(self, record: WorkRecord) -> None:
@@ -34,6 +37,11 @@ class Link:
         """The engine's backend: `local` sums this process's replicas; across
         processes a wrapper hands each summed bucket to the other processes."""
         return local
+
+    def route_through(self, backend: Any, devices: Sequence[int], provider: Any) -> None:
+        """GPU replicas: the engine's backend (its NCCL communicator spans the
+        processes), the replicas' CUDA devices and the stream provider, for
+        the agreement to travel on the device after the buckets."""
 
     def set_buckets(self, flats: Sequence[torch.Tensor], buckets: Sequence[Sequence[int]]) -> None:
         """Replica 0's flat buckets and their members (after every re-layout)."""
@@ -51,10 +59,15 @@ class Link:
         those to reduce (with zeros from here) meanwhile. One process: none."""
         return []
 
-    def wait(self) -> Tuple[List[int], List[int]]:
+    def wait(self) -> Tuple[List[int], List[int], Any]:
         """After the engine's finish: (buckets this link reduced, parameters
-        with a gradient on no process). Raises ProcessGroupError."""
-        return [], []
+        with a gradient on no process, the factor every gradient still needs:
+        1.0, a float, or one 0-dim tensor per replica on its device). Raises
+        ProcessGroupError."""
+        return [], [], 1.0
+
+    def settle(self) -> None:
+        """At close: checks what the link left to check later (GPUs)."""
 
     def merge_timing(self, raw: Dict[str, int], timeline: Any, finish_called_ns: int) -> None:
         """Adds what the link waited for to the engine's raw statistics."""
@@ -72,12 +85,12 @@ class Link:
 
     # ------------------------------------------- for the model and trainer
     def weigh_losses(
-        self, losses: List[torch.Tensor], rows: int, reduction: str
-    ) -> Tuple[List[torch.Tensor], Optional[float]]:
-        """Per-replica losses of a training step scaled so that averaging
-        gradients over processes gives the global batch's gradient, and the
-        global batch's loss when it is on the host (else None)."""
-        return losses, None
+        self, losses: List[torch.Tensor], rows: int, reduction: str, synced: bool
+    ) -> List[torch.Tensor]:
+        """Per-replica losses of a training step (`rows` here, `synced`: its
+        backward reduces) scaled so that averaging gradients over processes
+        gives the global batch's gradient (with wait()'s factor)."""
+        return losses
 
     def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         """Rank 0's values into `tensors` on every process."""

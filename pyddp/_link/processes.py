@@ -11,7 +11,7 @@ import torch
 
 from .. import _C
 from ..errors import ProcessGroupError
-from .agreement import Agreement
+from .agreement import LOADS, Agreement
 from .control import LOSS_WEIGHTS, PARAMS_BROADCAST, Control
 from .failure import Failure
 from .groups import Peers
@@ -31,6 +31,12 @@ class ProcessLink(Link):
         self.agreement = Agreement(self.control)
         self.rank, self.world = peers.rank, peers.world
         self.local_counts: List[int] = []
+        self.global_loss: Optional[float] = None
+        # dmodel.loss: the global batch's rows when the ranks last exchanged
+        # them, and this rank's rows then; this synced backward's weighings.
+        self._agreed_rows: Optional[Tuple[float, float]] = None
+        self._window = _Window()
+        self._route: Optional[DeviceRoute] = None
 
     @property
     def prefix(self) -> str:
@@ -93,6 +99,9 @@ class ProcessLink(Link):
         # bucket to the transport (launch holds no reference to the link).
         return _C.ProcessGroupBackend(local, self.transport.launch, f"{local.name}+gloo")
 
+    def route_through(self, backend: Any, devices: Sequence[int], provider: Any) -> None:
+        self._route = DeviceRoute(backend, devices, provider)
+
     def set_buckets(self, flats: Sequence[torch.Tensor], buckets: Sequence[Sequence[int]]) -> None:
         self.transport.flats = list(flats)
         self.transport.buckets = [list(b) for b in buckets]
@@ -106,12 +115,64 @@ class ProcessLink(Link):
     ) -> List[int]:
         # Every rank must launch the same buckets: a parameter without a
         # gradient here is reduced too, with zeros from here; which of them
-        # have a gradient on no process at all is agreed meanwhile.
-        self.agreement.start(absent, size, record(self.peers.iteration))
+        # have a gradient on no process at all travels after the buckets.
+        window = self._window
+        work = record(self.peers.iteration)
+        work["losses weighed by dmodel.loss without an exchange"] = window.assumed
+        self.agreement.start(absent, size, work, window.loads())
         return list(absent)
 
-    def wait(self) -> Tuple[List[int], List[int]]:
-        return self.transport.wait(), self.agreement.unused_everywhere()
+    def wait(self) -> Tuple[List[int], List[int], Any]:
+        window, self._window = self._window, _Window()
+        if self._route is None:
+            # CPU: the agreement follows the buckets on the data group.
+            part = self.agreement.part
+            self.transport.launch_tail(part)
+            launched = self.transport.wait()
+            sums = self.agreement.read(part, self.world, f"synced backward {self.peers.iteration}")
+            return launched, sums.unused, self._factor(window, sums)
+        # GPUs: through the NCCL communicator, after the buckets; nothing for
+        # the transport to wait for (this counts the iteration).
+        launched = self.transport.wait()
+        where = f"synced backward {self.peers.iteration}"
+        contributors = sum(self.local_counts)
+        parts = self._route.reduce(self.agreement.part, self.agreement.rows_slot)
+        fetch = self._route.fetch(parts)
+        self.agreement.poll(contributors)
+        unused: List[int] = []
+        if self.agreement.missing_here:
+            # Only a rank without some gradient can find one nobody has: it
+            # waits for the sums (as torch DDP's find_unused_parameters does).
+            unused = self.agreement.read(fetch.get(), contributors, where).unused
+        else:
+            self.agreement.defer(fetch)
+        factor: Any = 1.0
+        if window.assumed and self._agreed_rows is not None:
+            # On the device: the host does not know the global rows.
+            factor = self._route.factors(parts, self.agreement.rows_slot, self._agreed_rows[0])
+        return launched, unused, factor
+
+    def settle(self) -> None:
+        if self._route is not None:
+            self.agreement.poll(sum(self.local_counts), drain=True)
+
+    def _factor(self, window: _Window, sums: Any) -> float:
+        """CPU: what the gradients weighed without an exchange still need
+        (1.0 if the global batch had the rows assumed), and the global loss."""
+        if not window.assumed or self._agreed_rows is None:
+            return 1.0
+        assumed, rows = self._agreed_rows[0], sums.rows
+        self.global_loss = sums.loss_rows / rows if rows > 0 and window.on_host else None
+        if sums.changed == 0 or rows <= 0:
+            return 1.0
+        if sums.varied:
+            self.failure.fail(
+                "dmodel.loss weighed losses of different rows in one synced backward and the "
+                "global batch's rows changed: the gradients can no longer be weighed exactly; "
+                "weigh one batch per synced backward (no_sync() for the others)"
+            )
+        self._agreed_rows = None  # exchanged again at the next weighing
+        return assumed / rows
 
     def merge_timing(self, raw: Dict[str, int], timeline: Any, finish_called_ns: int) -> None:
         # The engine saw its launches return; the reductions ended when
@@ -140,23 +201,35 @@ class ProcessLink(Link):
 
     # ------------------------------------------- for the model and trainer
     def weigh_losses(
-        self, losses: List[torch.Tensor], rows: int, reduction: str
-    ) -> Tuple[List[torch.Tensor], Optional[float]]:
-        """Gradients are averaged over processes. "mean": this rank's are
-        scaled by world * rows here / rows everywhere, so an uneven global
-        batch stays exact; one small exchange, which on CPU replicas also
-        gives the global batch's loss (None on GPUs, where reading the loss
-        would make the host wait). "sum" (over the global batch): the
-        average over processes is undone."""
+        self, losses: List[torch.Tensor], rows: int, reduction: str, synced: bool
+    ) -> List[torch.Tensor]:
+        """Gradients are averaged over processes. "sum" (over the global
+        batch): the average over processes is undone. "mean": this rank's
+        are scaled by world * rows here / rows everywhere, so an uneven
+        global batch stays exact. The rows everywhere are exchanged once and
+        then assumed: the agreement after the buckets carries each rank's
+        rows, and finish() rescales the gradients by assumed / actual (1.0,
+        no pass, while no rank's rows change; on GPUs on the device, always).
+        Micro-batches under no_sync() exchange their rows before their
+        backward (a window's gradients can only be rescaled as a whole), and
+        so does the synced backward that ends their window. The global
+        batch's loss (CPU replicas) is in self.global_loss."""
         if reduction != "mean":
-            return [_ScaleGrad.apply(v, float(self.world)) for v in losses], None
+            return [_ScaleGrad.apply(v, float(self.world)) for v in losses]
         on_host = all(v.device.type == "cpu" for v in losses)
         local = sum(float(v.detach()) for v in losses) if on_host else 0.0
-        rows_all, loss_sum = self.sum_over_ranks([float(rows), local * rows], LOSS_WEIGHTS)
-        scale = self.world * rows / rows_all
-        return [_ScaleGrad.apply(v, scale) for v in losses], (
-            loss_sum / rows_all if on_host else None
-        )
+        window, agreed = self._window, self._agreed_rows
+        if synced and not window.exchanged and agreed is not None and agreed[0] > 0:
+            window.weigh(rows, local * rows, rows != agreed[1], on_host)
+            self.global_loss = None  # known after the backward
+            scale = self.world * rows / agreed[0]
+        else:
+            rows_all, loss_sum = self.sum_over_ranks([float(rows), local * rows], LOSS_WEIGHTS)
+            window.exchanged = True
+            self._agreed_rows = (rows_all, float(rows))
+            self.global_loss = loss_sum / rows_all if on_host and rows_all > 0 else None
+            scale = self.world * rows / rows_all if rows_all > 0 else 0.0
+        return [_ScaleGrad.apply(v, scale) for v in losses]
 
     def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         self.control.broadcast(tensors, what)
@@ -169,6 +242,82 @@ class ProcessLink(Link):
 
     def gather_objects(self, obj: Any, what: str) -> List[Any]:
         return self.control.gather_objects(obj, what)
+
+
+class _Window:
+    """The dmodel.loss weighings of one synced backward (and its no_sync()
+    micro-batches)."""
+
+    def __init__(self) -> None:
+        self.exchanged = False  # some weighing exchanged its rows
+        self.assumed = 0  # weighings on the rows agreed before
+        self.rows = 0.0  # the first such weighing's rows here
+        self.loss_rows = 0.0  # the last one's loss x rows here (CPU)
+        self.changed = False  # some had other rows here than at the exchange
+        self.varied = False  # they had different rows here
+        self.on_host = True
+
+    def weigh(self, rows: float, loss_rows: float, changed: bool, on_host: bool) -> None:
+        if not self.assumed:
+            self.rows = float(rows)
+        self.varied = self.varied or float(rows) != self.rows
+        self.assumed += 1
+        self.loss_rows = loss_rows
+        self.changed = self.changed or changed
+        self.on_host = on_host
+
+    def loads(self) -> List[float]:
+        return [self.rows, self.loss_rows, float(self.changed), float(self.varied)]
+
+
+class DeviceRoute:
+    """The agreement's way on GPUs: one more float64 sum on the engine's
+    NCCL communicator after the buckets, ordered on the replicas' current
+    streams (which wait for it); its result travels to the host on its own
+    and is read when there."""
+
+    def __init__(self, backend: Any, devices: Sequence[int], provider: Any):
+        self.backend, self.devices, self.provider = backend, list(devices), provider
+        # Parts still read or written by the GPUs: kept alive until each
+        # device's stream passed their reduction (torch's caching allocator
+        # would order a reuse after it anyway; host memory, as in the
+        # simulation, would not).
+        self._held: List[Tuple[List[torch.Tensor], List[Any]]] = []
+
+    def reduce(self, part: torch.Tensor, rows_slot: int) -> List[torch.Tensor]:
+        """Every replica's part on its device (the rows only in replica 0's:
+        they are this process's), summed over every GPU of every process."""
+        others = part.clone()
+        others[rows_slot : rows_slot + LOADS] = 0.0
+        parts = [
+            self.provider.upload(d, part if r == 0 else others) for r, d in enumerate(self.devices)
+        ]
+        self.backend.reduce(
+            [t.data_ptr() for t in parts],
+            self.devices,
+            [self.provider.current(d) for d in self.devices],
+            part.numel(),
+            "float64",
+            "sum",
+        )
+        self._held = [h for h in self._held if not all(c.ready() for c in h[1])]
+        return parts
+
+    def fetch(self, parts: List[torch.Tensor]) -> Any:
+        """Replica 0's sums on their way to the host; every part is held
+        until its device's stream is past the reduction."""
+        copies = [self.provider.fetch(d, p) for d, p in zip(self.devices, parts)]
+        self._held.append((parts, copies))
+        return copies[0]
+
+    def factors(self, parts: List[torch.Tensor], slot: int, assumed: float) -> List[torch.Tensor]:
+        """Per replica, on its device: assumed rows / the global batch's."""
+        out = []
+        for part, d in zip(parts, self.devices):
+            self.provider.before_host_write(d)  # torch: queued on the current stream
+            rows = part[slot]
+            out.append(torch.where(rows > 0, assumed / rows, torch.ones_like(rows)))
+        return out
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -15,8 +15,10 @@ from typing import Any, Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
-from .failure import Failure
+from .failure import Failure, WaitPost
 from .groups import Peers, allreduce, first_line, own_group
+
+TAIL = -1  # the agreement's reduction, after the buckets
 
 
 class _InFlight:
@@ -51,7 +53,7 @@ class _InFlight:
     def next(self) -> Dict[int, int]:
         """Starts the next iteration; returns this one's completion times."""
         with self.cv:
-            done = dict(self.done_ns)
+            done = {b: t for b, t in self.done_ns.items() if b != TAIL}
             self.order.clear()
             self.done_ns.clear()
         return done
@@ -88,39 +90,65 @@ class BucketTransport:
         # "Resource deadlock avoided").
         work.get_future().then(functools.partial(self._flight.done, bucket))
 
+    def launch_tail(self, part: torch.Tensor) -> None:
+        """After the engine's finish (every bucket launched): the agreement's
+        sums (agreement.py), in place, on the same group, so every rank
+        pairs it with the others' (it follows the same buckets)."""
+        self.failure.check()
+        work = allreduce(self.group, part)
+        self._flight.launched(TAIL)
+        work.get_future().then(functools.partial(self._flight.done, TAIL))
+
     def wait(self) -> List[int]:
-        """Waits for every launched bucket, at most the timeout; returns them."""
+        """Waits for every launched bucket (and the agreement's sums), at most
+        the timeout; returns the buckets."""
         timeout = self.peers.timeout
         start = time.monotonic()
         deadline = start + timeout
         flight = self._flight
-        while True:
-            with flight.cv:
-                if flight.pending == 0 or flight.errors:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                flight.cv.wait(min(left, 1.0))
-            if flight.pending and not flight.errors:
-                self.failure.check_abandoned()
+        post = WaitPost(
+            self.failure, f"the reductions of synced backward {self.peers.iteration + 1}"
+        )
+        try:
+            self._wait_flight(flight, deadline, post)
+        finally:
+            post.withdraw()
         with flight.cv:
-            launched, errors = list(flight.order), dict(flight.errors)
+            launched = [b for b in flight.order if b != TAIL]
+            errors = dict(flight.errors)
             pending = flight.pending
-            first_pending = next((b for b in flight.order if b not in flight.done_ns), -1)
+            done = set(flight.done_ns)
         if errors or pending:
-            bucket = min(errors) if errors else first_pending
+            failed = sorted(b for b in errors if b != TAIL)
+            waiting = [b for b in launched if b not in done]
+            bucket = failed[0] if failed else waiting[0] if waiting else TAIL
             why = errors.get(bucket, f"not done after {timeout:g} s")
-            self.failure.fail(
-                f"all-reduce of bucket {bucket} ({self._names(bucket)}) failed: {why}"
-            )
+            if "timeout" in why.lower():  # gloo's words for pyddp's timeout
+                why = f"not done after {timeout:g} s ({why})"
+            what = "the agreement after the buckets" if bucket == TAIL else f"bucket {bucket}"
+            self.failure.fail(f"all-reduce of {what} ({self._names(bucket)}) failed: {why}")
         self.wait_ns = int((time.monotonic() - start) * 1e9)
         self.done_ns_last = flight.next()
         self.peers.iteration += 1
         self.peers.in_backward = False
         return launched
 
+    def _wait_flight(self, flight: _InFlight, deadline: float, post: WaitPost) -> None:
+        while True:
+            with flight.cv:
+                if flight.pending == 0 or flight.errors:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                flight.cv.wait(min(left, 1.0))
+            if flight.pending and not flight.errors:
+                self.failure.check_abandoned()
+                post.poll()
+
     def _names(self, bucket: int) -> str:
+        if bucket == TAIL:
+            return "the agreement on unused parameters and work done"
         if 0 <= bucket < len(self.buckets):
             members = [self.names[i] for i in self.buckets[bucket][:3]]
             return ", ".join(members) + (", ..." if len(self.buckets[bucket]) > 3 else "")

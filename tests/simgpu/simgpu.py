@@ -11,6 +11,7 @@ import os
 import subprocess
 import tempfile
 import threading
+import weakref
 from typing import Dict, Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -77,6 +78,11 @@ class Sim:
         self.lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
         self.lib.cuCtxSetCurrent.argtypes = [vp]
         self.lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+        self.lib.cuEventCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+        self.lib.cuEventRecord.argtypes = [vp, vp]
+        self.lib.cuEventQuery.argtypes = [vp]
+        self.lib.cuEventSynchronize.argtypes = [vp]
+        self.lib.cuEventDestroy_v2.argtypes = [vp]
         assert self.lib.cuInit(0) == 0
 
     def use_device(self, device: int) -> None:
@@ -177,6 +183,35 @@ class SimStreams:
         with self._lock:
             self._seq += 1
             self._in_flight.setdefault((device, stream), []).append((self._seq, value))
+
+    def upload(self, device: int, host):
+        """Device memory is host memory: a fresh copy (no stream wrote it)."""
+        return host.clone()
+
+    def fetch(self, device: int, tensor):
+        """An event on the current stream stands for the copy to the host:
+        the values are read once the stream passed it."""
+        from pyddp._streams import HostCopy
+
+        lib = self.sim.lib
+        event = ctypes.c_void_p()
+        with self.sim.on_device(device):
+            assert lib.cuEventCreate(ctypes.byref(event), 0) == 0
+            assert lib.cuEventRecord(event, self.current(device)) == 0
+        out = tensor  # read only after the event
+        handle = event.value
+
+        def query() -> bool:
+            code = lib.cuEventQuery(handle)
+            assert code in (0, 600), code  # CUDA_SUCCESS, CUDA_ERROR_NOT_READY
+            return code == 0
+
+        def synchronize() -> None:
+            assert lib.cuEventSynchronize(handle) == 0
+
+        copy = HostCopy(out, query, synchronize)
+        weakref.finalize(copy, lib.cuEventDestroy_v2, handle)
+        return copy
 
     def synchronize_all(self, devices) -> None:
         for d in set(devices):
