@@ -117,6 +117,15 @@ def test_processes_equal_single_device_and_torch_ddp(tmp_path, basics, nproc, lo
             assert r[f"stats_cap{cap}"] >= 0.0  # the agreement's cost is measured
         assert r["uneven_grad"] <= TOL, "dmodel.loss must weigh an uneven global batch"
         assert r["uneven_global_loss"] <= TOL
+        # Global batches of changing size, rows assumed and corrected after
+        # the buckets: equal to one device; exchanges only where needed.
+        assert r["weighing_grad"] <= TOL and r["weighing_params"] <= TOL, r
+        assert r["weighing_loss"] <= TOL, r
+        # Per micro-batch: 1 buffer broadcast before its forward (BatchNorm),
+        # + the rows exchange at the first step, after rows changed (step 4)
+        # and in the no_sync() window (both micro-batches), + the bucket plan
+        # after the first step. Steady steps: the broadcast alone.
+        assert r["weighing_exchanges"] == [3, 1, 1, 2, 2, 2, 1], r["weighing_exchanges"]
         assert r["gradsync_rare"] <= TOL, "used on one rank only: reduced everywhere"
         assert r["gradsync_rare_has_grad"] and r["gradsync_never_none"]
         assert r["replicas_equal"]

@@ -65,6 +65,13 @@ def my_rows(n: int, rank: int, world: int) -> slice:
     return slice(start, start + base + (1 if rank < extra else 0))
 
 
+def _sequence_of(dm) -> int:
+    """Control exchanges made so far on dm's control group (header sequence)."""
+    from pyddp._link.control import _sequence
+
+    return _sequence.get(tuple(dm.sync.link.peers.ranks), 0)
+
+
 def max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
@@ -126,6 +133,51 @@ def equivalence(out: dict) -> None:
         out["uneven_global_loss"] = abs(
             dm.last_global_loss - nn.functional.mse_loss(ref2(x), y).item()
         )
+
+    # dmodel.loss over steps whose global batch changes size (13, 13, 7, 13
+    # rows, then a window of two micro-batches of 13 and 5 under no_sync):
+    # the rows are exchanged at the first step, then assumed, and the
+    # agreement after the buckets corrects the weighting when they change.
+    # Equal to one device on the whole batches, step by step.
+    g = torch.Generator().manual_seed(6)
+    steps = [[13], [13], [7], [13], [13, 5], [13]]
+    windows = [[(torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)) for n in st]
+               for st in steps]  # fmt: skip
+    ref4 = eval_norm(net())
+    ref4_opt = torch.optim.SGD(ref4.parameters(), **SGD)
+    model = eval_norm(net())
+    with pyddp.wrap(model, ["cpu"] * local) as dm:
+        for m in dm.replicas:
+            m.norm.eval()
+        dopt = dm.optimizer(torch.optim.SGD, **SGD)
+        worst, worst_loss, exchanges = 0.0, 0.0, []
+        for window in windows:
+            ref4_opt.zero_grad()
+            dopt.zero_grad()
+            for k, (x, y) in enumerate(window):
+                nn.functional.mse_loss(ref4(x), y).backward()
+                rows = my_rows(len(x), rank, world)
+                before = _sequence_of(dm)
+                with dm.no_sync() if k < len(window) - 1 else _null():
+                    dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
+                exchanges.append(_sequence_of(dm) - before)
+            true_loss = nn.functional.mse_loss(ref4(window[-1][0]), window[-1][1]).item()
+            worst_loss = max(worst_loss, abs(dm.last_global_loss - true_loss))
+            worst = max(
+                worst,
+                max((p.grad - q.grad).abs().max().item()
+                    for p, q in zip(dm.module.parameters(), ref4.parameters())
+                    if q.grad is not None),
+            )  # fmt: skip
+            ref4_opt.step()
+            dopt.step()
+        out["weighing_grad"] = worst
+        out["weighing_loss"] = worst_loss
+        out["weighing_params"] = max_diff(dm.module, ref4)
+        # Control exchanges per micro-batch: the first step exchanges rows;
+        # steady steps none; a step after rows changed exchanges again; the
+        # no_sync window exchanges each of its micro-batches.
+        out["weighing_exchanges"] = exchanges
 
     # Low-level GradSync with per-replica losses, no_sync accumulation, and a
     # parameter used on rank 0 only.
@@ -221,7 +273,9 @@ def simgpu(out: dict) -> None:
     rank, world = pyddp.rank(), pyddp.world()
     local = int(os.environ.get("LOCAL_REPLICAS", "1"))
     devices = [rank * local + i for i in range(local)]  # this process's GPUs
-    batches = data(3, 12)
+    # The third global batch is smaller: dmodel.loss's rows, assumed after
+    # the first step, are corrected on the device by the agreement's sums.
+    batches = data(2, 12) + data(1, 7, seed=2) + data(1, 12, seed=3)
     ref = eval_norm(net())
     opt = torch.optim.SGD(ref.parameters(), **SGD)
     for x, y in batches:
