@@ -536,6 +536,10 @@ def test_gradsync_across_processes_on_one_nccl_communicator(simlib, tmp_path, lo
         assert r["backend"] == "nccl"
         assert r["diff_cap0"] <= 1e-6 and r["diff_cap25"] <= 1e-6, r
         assert r["never_none_cap0"] and r["never_none_cap25"]
+        for cap in ("0", "25"):  # buffers: rank 0's, through NCCL (no gloo exchange)
+            assert r[f"buffer_exchanges_cap{cap}"] == 0, r
+            for mean, tracked, zero in r[f"buffers_cap{cap}"]:
+                assert mean[1:] == [1.0] * 15 and tracked == 7 and zero == "-0.0", r
         assert not r["violations"], r["violations"]
 
 

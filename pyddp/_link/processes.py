@@ -12,7 +12,7 @@ import torch
 from .. import _C
 from ..errors import ProcessGroupError
 from .agreement import LOADS, Agreement
-from .control import LOSS_WEIGHTS, PARAMS_BROADCAST, Control
+from .control import BUFFERS_BROADCAST, LOSS_WEIGHTS, PARAMS_BROADCAST, Control
 from .failure import Failure
 from .groups import Peers
 from .link import Link
@@ -232,7 +232,12 @@ class ProcessLink(Link):
         return [_ScaleGrad.apply(v, scale) for v in losses]
 
     def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
-        self.control.broadcast(tensors, what)
+        if self._route is not None and what == BUFFERS_BROADCAST:
+            # GPUs, before every training forward: on the device, through
+            # NCCL, as torch DDP does (no host round trip).
+            self._route.broadcast(tensors, self.rank == 0)
+        else:
+            self.control.broadcast(tensors, what)
 
     def sum_over_ranks(self, values: Sequence[float], what: str) -> List[float]:
         return self.control.sum_over_ranks(values, what)
@@ -292,23 +297,55 @@ class DeviceRoute:
         parts = [
             self.provider.upload(d, part if r == 0 else others) for r, d in enumerate(self.devices)
         ]
+        self._sum(parts)
+        return parts
+
+    def fetch(self, parts: List[torch.Tensor]) -> Any:
+        """Replica 0's sums on their way to the host."""
+        return self._hold(parts)[0]
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], root: bool) -> None:
+        """The root process's values of `tensors` (replica 0's, on
+        devices[0]) on every process, on the device: a float64 sum in which
+        every other GPU contributes -0.0 (x + -0.0 == x for every x, signed
+        zeros and NaN included; float64 holds every float32, float16 and
+        bfloat16 value and integers up to 2**53 exactly)."""
+        ts = [t for t in tensors if t.numel()]
+        if not ts:
+            return
+        self.provider.before_host_write(self.devices[0])  # the simulation: stream order
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in ts])
+            if not root:
+                flat.fill_(-0.0)
+            parts = [flat] + [torch.full_like(flat, -0.0) for _ in self.devices[1:]]
+            self._sum(parts)
+            self.provider.before_host_write(self.devices[0])
+            offset = 0
+            for t in ts:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+        self._hold(parts)
+
+    def _sum(self, parts: List[torch.Tensor]) -> None:
+        """Sums `parts` (one per replica, float64) over every GPU of every
+        process, in place, ordered on the current streams (which wait for it)."""
         self.backend.reduce(
             [t.data_ptr() for t in parts],
             self.devices,
             [self.provider.current(d) for d in self.devices],
-            part.numel(),
+            parts[0].numel(),
             "float64",
             "sum",
         )
         self._held = [h for h in self._held if not all(c.ready() for c in h[1])]
-        return parts
 
-    def fetch(self, parts: List[torch.Tensor]) -> Any:
-        """Replica 0's sums on their way to the host; every part is held
-        until its device's stream is past the reduction."""
+    def _hold(self, parts: List[torch.Tensor]) -> List[Any]:
+        """Keeps `parts` alive until every device's stream is past their
+        reduction; returns their copies on the way to the host."""
         copies = [self.provider.fetch(d, p) for d, p in zip(self.devices, parts)]
         self._held.append((parts, copies))
-        return copies[0]
+        return copies
 
     def factors(self, parts: List[torch.Tensor], slot: int, assumed: float) -> List[torch.Tensor]:
         """Per replica, on its device: assumed rows / the global batch's."""

@@ -296,6 +296,22 @@ def simgpu(out: dict) -> None:
         out[f"diff_cap{cap:g}"] = max_diff(dm.module, ref)
         out[f"never_none_cap{cap:g}"] = dm.module.never.weight.grad is None
         out["backend"] = dm.sync._backend.name
+        # Buffers before a training forward: rank 0's, on the device (NCCL),
+        # bit for bit (a signed zero and an integer counter included).
+        with torch.no_grad():
+            for m in dm.replicas:
+                m.norm.running_mean.fill_(float(rank + 1))
+                m.norm.running_mean[0] = -0.0 if rank == 0 else 5.0
+                m.norm.num_batches_tracked.fill_(7 + rank)
+        before = _sequence_of(dm)
+        dm(batches[0][0][my_rows(12, rank, world)])
+        streams.synchronize_all(devices)
+        out[f"buffer_exchanges_cap{cap:g}"] = _sequence_of(dm) - before
+        out[f"buffers_cap{cap:g}"] = [
+            [m.norm.running_mean.tolist(), int(m.norm.num_batches_tracked),
+             str(m.norm.running_mean[0].item())]
+            for m in dm.replicas
+        ]  # fmt: skip
         dm.close()
     out["violations"] = sim.violations()
 
