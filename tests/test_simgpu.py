@@ -536,6 +536,20 @@ def test_gradsync_across_processes_on_one_nccl_communicator(simlib, tmp_path, lo
         assert r["backend"] == "nccl"
         assert r["diff_cap0"] <= 1e-6 and r["diff_cap25"] <= 1e-6, r
         assert r["never_none_cap0"] and r["never_none_cap25"]
+        # Steady state, a model with every gradient everywhere: the host never
+        # waits for a GPU (driver calls counted by the simulation), never reads
+        # a device value from pyddp's code, makes no gloo exchange.
+        assert r["all_used_steady_steps"] >= 4
+        assert r["all_used_host_waits"] == 0, r
+        assert r["all_used_host_reads"] == [], r
+        assert r["all_used_exchanges"] == 0, r
+        for cap in ("0", "25"):
+            # Net's `never` has no gradient here: to leave it None (nobody has
+            # one) the host waits for the agreement's sums once per step, as
+            # torch DDP's find_unused_parameters does; nothing else.
+            assert r[f"steady_host_waits_cap{cap}"] == 2, r
+            assert r[f"steady_host_reads_cap{cap}"] == [], r
+            assert r[f"steady_exchanges_cap{cap}"] == 0, r
         for cap in ("0", "25"):  # buffers: rank 0's, through NCCL (no gloo exchange)
             assert r[f"buffer_exchanges_cap{cap}"] == 0, r
             for mean, tracked, zero in r[f"buffers_cap{cap}"]:
@@ -575,4 +589,36 @@ def test_all_reduce_gpu_branch_orders_after_late_writes_on_current_streams(simli
     streams.synchronize_all(devs)
     assert all(torch.equal(t, torch.full_like(t, (n + 1) / 2)) for t in ts)
     """,
+    )
+
+
+@pytest.mark.parametrize("devices", [[0, 1], [0, 0]])
+def test_no_host_waits_in_steady_state_in_one_process(simlib, devices):
+    # Steady-state steps (forward through dm.loss, backward, optimizer step,
+    # zero_grad) on NCCL and on the shared-GPU kernel: the host never waits
+    # for a GPU (driver calls counted by the simulation, the test's own
+    # stream drains excluded) and pyddp's code never reads a tensor's value.
+    # Across processes: test_gradsync_across_processes_on_one_nccl_communicator.
+    run_sim(
+        simlib,
+        f"""
+        from simgpu import HostReads
+        torch.manual_seed(0)
+        dm = gpu_wrap(Mixed(), {devices!r}, bucket_cap_mb=0.001)
+        opt = dm.optimizer(torch.optim.SGD, lr=0.01, momentum=0.9)
+        reads = HostReads()
+        for k, (x, y) in enumerate(make_batches(7, 13)):
+            if k == 3:
+                waits = sim.counter("host_sync")
+                reads.__enter__()
+            dm.loss(F.cross_entropy, x, y).backward()
+            streams.synchronize_all({devices!r})  # the optimizer "kernel" in stream order
+            opt.step()
+            opt.zero_grad()
+            streams.synchronize_all({devices!r})
+        reads.__exit__(None, None, None)
+        waits = sim.counter("host_sync") - waits
+        assert waits == 0 and reads.reads == [], (waits, reads.reads)
+        dm.close()
+        """,
     )

@@ -216,7 +216,8 @@ class ProcessLink(Link):
         batch's loss (CPU replicas) is in self.global_loss."""
         if reduction != "mean":
             return [_ScaleGrad.apply(v, float(self.world)) for v in losses]
-        on_host = all(v.device.type == "cpu" for v in losses)
+        # On GPUs (the simulation's too) reading the loss would make the host wait.
+        on_host = self._route is None and all(v.device.type == "cpu" for v in losses)
         local = sum(float(v.detach()) for v in losses) if on_host else 0.0
         window, agreed = self._window, self._agreed_rows
         if synced and not window.exchanged and agreed is not None and agreed[0] > 0:

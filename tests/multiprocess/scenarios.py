@@ -266,7 +266,7 @@ def simgpu(out: dict) -> None:
     NCCL (tests/simgpu; host tensors stand in for device memory): equals
     single-device training; the simulation reports no broken rule."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "simgpu"))
-    from simgpu import Sim, SimStreams
+    from simgpu import HostReads, Sim, SimStreams
 
     sim = Sim(os.environ["PYDDP_CUDA_LIBRARY"])
     streams = SimStreams(sim)
@@ -286,13 +286,21 @@ def simgpu(out: dict) -> None:
         model = eval_norm(net(seed=rank))
         dm = pyddp.wrap(model, ["cpu"] * local, bucket_cap_mb=cap, _gpu=(devices, streams))
         dopt = dm.optimizer(torch.optim.SGD, **SGD)
-        for x, y in batches:
+        reads = HostReads()
+        for k, (x, y) in enumerate(batches):
             rows = my_rows(len(x), rank, world)
+            if k == 2:  # steady state from here: count the host's waits
+                waits, exchanges = sim.counter("host_sync"), _sequence_of(dm)
+                reads.__enter__()
             dopt.zero_grad()
             dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
             streams.synchronize_all(devices)  # the optimizer "kernel" runs in stream order
             dopt.step()
             streams.synchronize_all(devices)
+        reads.__exit__(None, None, None)
+        out[f"steady_host_waits_cap{cap:g}"] = sim.counter("host_sync") - waits
+        out[f"steady_host_reads_cap{cap:g}"] = reads.reads
+        out[f"steady_exchanges_cap{cap:g}"] = _sequence_of(dm) - exchanges
         out[f"diff_cap{cap:g}"] = max_diff(dm.module, ref)
         out[f"never_none_cap{cap:g}"] = dm.module.never.weight.grad is None
         out["backend"] = dm.sync._backend.name
@@ -313,6 +321,31 @@ def simgpu(out: dict) -> None:
             for m in dm.replicas
         ]  # fmt: skip
         dm.close()
+    # A model whose every parameter gets a gradient on every rank (the common
+    # case): in steady state the host neither waits nor reads nor exchanges.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+    dm = pyddp.wrap(model, ["cpu"] * local, bucket_cap_mb=0.0005, _gpu=(devices, streams))
+    for m in dm.replicas:
+        m[1].eval()  # a 7-row batch over 4 GPUs: too few rows for batch statistics
+    dopt = dm.optimizer(torch.optim.SGD, **SGD)
+    reads = HostReads()
+    for k, (x, y) in enumerate(batches + batches):
+        rows = my_rows(len(x), rank, world)
+        if k == 3:
+            waits, exchanges = sim.counter("host_sync"), _sequence_of(dm)
+            reads.__enter__()
+        dopt.zero_grad()
+        dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
+        streams.synchronize_all(devices)
+        dopt.step()
+        streams.synchronize_all(devices)
+    reads.__exit__(None, None, None)
+    out["all_used_steady_steps"] = len(batches) * 2 - 3
+    out["all_used_host_waits"] = sim.counter("host_sync") - waits
+    out["all_used_host_reads"] = reads.reads
+    out["all_used_exchanges"] = _sequence_of(dm) - exchanges
+    dm.close()
     out["violations"] = sim.violations()
 
 

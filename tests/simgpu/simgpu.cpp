@@ -101,6 +101,10 @@ int violation(int code, const std::string& what) {
   std::fprintf(stderr, "simgpu: rule violated: %s\n", what.c_str());
   return code;
 }
+// The test harness's own waits (SimStreams draining a stream in place of
+// torch's stream order) are not the host waits pyddp makes: not counted.
+thread_local bool t_harness = false;
+
 void bump(const char* name) {
   std::lock_guard<std::mutex> lk(g_log_mu);
   ++g_counters[name];
@@ -681,6 +685,7 @@ API int cuStreamSynchronize(void* handle) {
   LIVE();
   Stream* s = nullptr;
   if (int rc = resolve(handle, &s)) return rc;
+  if (!t_harness) bump("host_sync");  // a host-blocking call (docs/gpus.md)
   std::unique_lock<std::mutex> lk(s->mu);
   const uint64_t target = s->enqueued;
   s->cv.wait(lk, [&] { return s->done >= target; });
@@ -764,6 +769,7 @@ API int cuEventSynchronize(void* ev) {
   LIVE();
   if (int rc = check_event(ev)) return rc;
   auto* e = static_cast<Event*>(ev);
+  if (!t_harness) bump("host_sync");
   std::unique_lock<std::mutex> lk(e->mu);
   const uint64_t target = e->recorded;
   e->cv.wait(lk, [&] { return e->completed >= target; });
@@ -1265,6 +1271,7 @@ API const char* nvrtcGetErrorString(int r) {
 
 // Every operation on `stream` (0: every stream created from now on) first
 // sleeps `us`: the GPU is slow there, so a missing wait reads stale data.
+API void simgpu_harness(int on) { t_harness = on != 0; }
 API int simgpu_set_delay_us(void* stream, long us) {
   if (stream == nullptr) {
     g_default_delay_us = us;

@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import hashlib
 import os
+import sys
 import subprocess
 import tempfile
 import threading
@@ -98,7 +99,17 @@ class Sim:
 
     def synchronize(self, stream: int, device: int) -> None:
         self.use_device(device)  # stream 0 is the current context's default stream
-        assert self.lib.cuStreamSynchronize(stream) == 0
+        with self.harness():
+            assert self.lib.cuStreamSynchronize(stream) == 0
+
+    @contextlib.contextmanager
+    def harness(self) -> Iterator[None]:
+        """The test's own waits inside: not counted as pyddp's host waits."""
+        self.lib.simgpu_harness(1)
+        try:
+            yield
+        finally:
+            self.lib.simgpu_harness(0)
 
     @contextlib.contextmanager
     def on_device(self, device: int) -> Iterator[None]:
@@ -222,8 +233,58 @@ class SimStreams:
         # copies were queued before this synchronize began are written now.
         with self._lock:
             done = self._seq
-        with self.sim.on_device(device):
+        with self.sim.on_device(device), self.sim.harness():
             assert self.sim.lib.cuStreamSynchronize(stream) == 0
         with self._lock:
             kept = [e for e in self._in_flight.get((device, stream), ()) if e[0] > done]
             self._in_flight[(device, stream)] = kept
+
+
+class HostReads:
+    """Counts the host's reads of tensor values made from pyddp's code while
+    inside (item(), float(), bool(), tolist(), torch.equal, .cpu() ...), on
+    every thread: on a GPU each one waits for the device. In the simulation
+    device memory is host memory, so every tensor counts, except in
+    _link/agreement.py, which reads only host copies (their arrival is a
+    driver wait the simulation counts as "host_sync")."""
+
+    METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu")
+    FUNCTIONS = ("equal", "allclose")
+    HOST_SIDE = (os.path.join("_link", "agreement.py"),)
+
+    def __init__(self):
+        self.reads = []
+        self._lock = threading.Lock()
+        self._saved = []
+
+    def _wrap(self, owner, name: str) -> None:
+        original = getattr(owner, name)
+        pkg = os.path.join(ROOT, "pyddp") + os.sep
+        torch_dir = os.sep + "torch" + os.sep
+
+        def counted(*args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None and torch_dir in frame.f_code.co_filename:
+                frame = frame.f_back
+            path = "" if frame is None else frame.f_code.co_filename
+            if path.startswith(pkg) and not path.endswith(self.HOST_SIDE):
+                with self._lock:
+                    self.reads.append(f"{path[len(pkg) :]}:{frame.f_lineno} {name}")
+            return original(*args, **kwargs)
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    def __enter__(self):
+        import torch
+
+        for name in self.METHODS:
+            self._wrap(torch.Tensor, name)
+        for name in self.FUNCTIONS:
+            self._wrap(torch, name)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
