@@ -227,13 +227,25 @@ ContextRestore::~ContextRestore() {
   driver().cuCtxSetCurrent(saved_);  // best effort: a destructor must not throw
 }
 
-void check_cu(CUresult r, const char* call, const char* file, int line) {
-  if (r == kCudaSuccess) return;
+namespace {
+constexpr const char* kStickyAdvice =
+    ": the CUDA context is unusable for the rest of the process (a kernel touched memory it "
+    "does not own, pyddp's or another); restart the process";
+}  // namespace
+
+std::string cu_error_text(CUresult r) {
   const char* msg = nullptr;
   auto get_error_string = driver().cuGetErrorString;  // loaded: a call returned r
   get_error_string(r, &msg);
-  throw ReduceError(detail::concat("CUDA error ", r, " (", msg ? msg : "unknown", ") in ", call,
-                                   " at ", file, ":", line));
+  return detail::concat("CUDA error ", r, " (", msg ? msg : "unknown", ")",
+                        cu_error_is_sticky(r) ? kStickyAdvice : "");
+}
+
+bool cu_error_is_sticky(CUresult r) { return r == 700 || (r >= 714 && r <= 719); }
+
+void check_cu(CUresult r, const char* call, const char* file, int line) {
+  if (r == kCudaSuccess) return;
+  throw ReduceError(detail::concat(cu_error_text(r), " in ", call, " at ", file, ":", line));
 }
 
 void check_nccl(ncclResult_t r, const char* call, const char* file, int line) {

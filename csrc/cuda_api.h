@@ -134,6 +134,14 @@ int driver_version();
 int device_count();
 std::string device_name(int device);
 
+// "CUDA error 700 (an illegal memory access was encountered)", with advice
+// when the error is sticky.
+std::string cu_error_text(CUresult r);
+// [CUDA, "Error handling"]: after these the context is unusable for the rest
+// of the process (every later call returns the same error): illegal address,
+// hardware stack error, illegal instruction, misaligned address, invalid
+// address space, invalid PC, launch failure.
+bool cu_error_is_sticky(CUresult r);
 void check_cu(CUresult r, const char* call, const char* file, int line);
 void check_nccl(ncclResult_t r, const char* call, const char* file, int line);
 void check_nvrtc(nvrtcResult r, const char* call, const char* file, int line);

@@ -295,6 +295,12 @@ void GpuBackend::recover() {
     aborted = set->aborted;
   }
   if (!failed && !aborted) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    // A dead context: rebuilding communicators on it would fail, or worse,
+    // seem to work.
+    if (sticky_) throw ReduceError(error_);
+  }
   // Aborted communicators cannot be used again: take a fresh set (the
   // registry builds one, since this one is marked aborted).
   if (aborted && rdzv_.spans_processes()) {
@@ -326,8 +332,9 @@ bool GpuBackend::poll_locked() {
       if (r == kCudaNotReady) {
         done = false;
       } else if (r != kCudaSuccess) {
+        sticky_ = sticky_ || cu_error_is_sticky(r);
         fail_locked(detail::concat("pyddp: ", f.what, " failed on cuda:", set_->devices[s],
-                                   " with CUDA error ", r));
+                                   " with ", cu_error_text(r)));
         return false;
       }
     }

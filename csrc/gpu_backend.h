@@ -104,6 +104,7 @@ class GpuBackend : public Backend {
   std::condition_variable cv_;
   std::deque<InFlight> in_flight_;
   std::string error_;
+  bool sticky_ = false;  // the error killed a CUDA context: recover() refuses
   bool closed_ = false;
   bool stop_ = false;
   std::thread watchdog_;

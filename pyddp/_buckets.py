@@ -33,15 +33,18 @@ class BucketLayout:
         set_buffer: Callable[[int, int, int, int, str, int], None],
         gpu_devices: Optional[Sequence[int]],
         before_host_write: Callable[[int], None],
+        zeros: Callable[[int, torch.dtype, int], torch.Tensor],
     ):
         """`params[r]`: replica r's trainable parameters; `set_buffer` tells
         the engine where a bucket lives; `before_host_write(r)` orders the
-        current stream after reductions still reading replica r's buckets."""
+        current stream after reductions still reading replica r's buckets;
+        `zeros(count, dtype, r)` allocates a bucket of replica r's."""
         self.params = params
         self.dtypes = list(dtypes)
         self._set_buffer = set_buffer
         self._gpu_devices = gpu_devices
         self._before_host_write = before_host_write
+        self._zeros = zeros
         n = len(params[0])
         self.views: List[List[Optional[torch.Tensor]]] = [[None] * n for _ in params]
         self.flat: List[List[torch.Tensor]] = [[] for _ in params]
@@ -56,7 +59,7 @@ class BucketLayout:
             flats = []
             for b, members in enumerate(buckets):
                 count = sum(params[i].numel() for i in members)
-                flat = torch.zeros(count, dtype=params[members[0]].dtype, device=params[0].device)
+                flat = self._zeros(count, params[members[0]].dtype, r)
                 offset = 0
                 for i in members:
                     p = params[i]

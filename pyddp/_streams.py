@@ -41,6 +41,10 @@ class TorchStreams:
     def before_host_write(self, device: int) -> None:
         """torch ops are queued on the current stream: nothing to do."""
 
+    def zeros(self, count: int, dtype: torch.dtype, device: int) -> torch.Tensor:
+        """A bucket's memory on `device` (the simulation adds guard zones)."""
+        return torch.zeros(count, dtype=dtype, device=torch.device("cuda", device))
+
     def upload(self, device: int, host: torch.Tensor) -> torch.Tensor:
         """A copy of `host` on `device`, queued on its current stream from
         pinned memory: the host does not wait for it."""
@@ -108,6 +112,12 @@ class StreamOrder:
             device = self.devices[replica]
             engine.use_stream(replica, self.provider.current(device))
             self.provider.before_host_write(device)
+
+    def zeros(self, count: int, dtype: torch.dtype, replica: int) -> torch.Tensor:
+        """Memory for one of replica's buckets, zeroed."""
+        if self.provider is None:
+            return torch.zeros(count, dtype=dtype)
+        return self.provider.zeros(count, dtype, self.devices[replica])
 
     def fence(self, replica: int) -> None:
         """The host is about to write replica's buckets."""

@@ -174,7 +174,12 @@ class GradSync:
             len(replicas), self.names, numels, dtypes, buckets, opts.reduce_order, op, self._backend
         )
         self.layout = BucketLayout(
-            self.params, dtypes, self._engine.set_buffer, self._gpu_devices, self._order.fence
+            self.params,
+            dtypes,
+            self._engine.set_buffer,
+            self._gpu_devices,
+            self._order.fence,
+            self._order.zeros,
         )
         self._allocate(buckets)
         for i in range(len(first)):

@@ -622,3 +622,39 @@ def test_no_host_waits_in_steady_state_in_one_process(simlib, devices):
         dm.close()
         """,
     )
+
+
+def test_an_illegal_address_kills_the_context_and_pyddp_says_restart(simlib):
+    # A kernel that touches memory it does not own (a user's here; pyddp's
+    # own would be caught by the guard zones) leaves the CUDA context dead
+    # for good: every later call on it returns the error. pyddp must report
+    # it, and zero_grad() must not rebuild communicators on it as if it were
+    # a timeout: every later step says the same, with "restart the process".
+    run_sim(
+        simlib,
+        """
+        torch.manual_seed(0)
+        dm = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0.001)
+        batches = make_batches(4, 13)
+        x, y = batches[0]
+        F.cross_entropy(dm(x), y).backward()
+        streams.synchronize_all([0, 1])
+        dm.zero_grad()
+        sim.lib.simgpu_kill_context(1)
+        errors = []
+        for x, y in batches[1:]:
+            try:
+                F.cross_entropy(dm(x), y).backward()
+                dm.sync.check_step()
+                dm.zero_grad()
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 - checked below
+                errors.append(f"{type(e).__name__}: {e}")
+        assert all(e is not None for e in errors), errors
+        for e in errors:
+            assert "illegal memory access" in e and "restart the process" in e, errors
+        assert "cuda:1's context is dead" in sim.violations()
+        sim.lib.simgpu_reset()  # the violation was injected: the epilogue checks the rest
+        """,
+        env={"SIMGPU_LATE_US": "0"},
+    )

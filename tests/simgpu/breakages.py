@@ -78,6 +78,37 @@ BREAKAGES = {
         "",
         "a failed GPU backend is never rebuilt",
     ),
+    "kernel-writes-past-the-end": (
+        "csrc/reduce_kernels.cu",
+        "i < count; i += stride",
+        "i <= count; i += stride",
+        "the reduce kernel's loop runs one element past the bucket (caught by the guard zones)",
+    ),
+    "collective-count-past-the-end": (
+        "csrc/gpu_backend.cpp",
+        "static_cast<size_t>(bufs[r].count),",
+        "static_cast<size_t>(bufs[r].count) + 1,",
+        "NCCL is given one element more than the bucket holds (caught by the bounds check)",
+    ),
+    "buffer-broadcast-adds-plus-zero": (
+        "pyddp/_link/processes.py",
+        "                flat.fill_(-0.0)",
+        "                flat.fill_(0.0)",
+        "non-root GPUs add +0.0 in the device buffer broadcast (a -0.0 becomes +0.0)",
+    ),
+    "no-agreement-wait-when-missing": (
+        "pyddp/_link/processes.py",
+        "        if self.agreement.missing_here:",
+        "        if False:",
+        "a GPU rank missing a gradient does not wait for the agreement (a parameter nobody "
+        "used keeps a zero gradient instead of None)",
+    ),
+    "recover-on-a-dead-context": (
+        "csrc/gpu_backend.cpp",
+        "    if (sticky_) throw ReduceError(error_);",
+        "",
+        "zero_grad() rebuilds communicators on a CUDA context an illegal address killed",
+    ),
 }
 
 

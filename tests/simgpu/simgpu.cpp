@@ -77,6 +77,7 @@ enum {
   CUDA_ERROR_INVALID_HANDLE = 400,
   CUDA_ERROR_NOT_FOUND = 500,
   CUDA_ERROR_NOT_READY = 600,
+  CUDA_ERROR_ILLEGAL_ADDRESS = 700,
   CUDA_ERROR_INVALID_DEVICE = 101,
 };
 enum {
@@ -249,6 +250,75 @@ void enqueue(Stream* s, Op op) {
   s->cv.notify_all();
 }
 
+// ---------------------------------------------------------------- memory
+// Guard zones: allocations made through the test stream provider
+// (SimStreams.zeros, simgpu.py) carry canary bytes before and after, checked
+// after every kernel and every collective; an access outside an allocation is
+// an illegal address. [CUDA, "Error handling"]: cudaErrorIllegalAddress /
+// CUDA_ERROR_ILLEGAL_ADDRESS "leaves the process in an inconsistent state and
+// any further CUDA work will return the same error": the device's context is
+// dead for good (sticky), every later call on it returns 700, and NCCL
+// reports ncclUnhandledCudaError.
+constexpr unsigned char kCanary = 0xA5;
+struct Guarded {
+  char* base;
+  size_t lead, body, tail;
+  int device;
+};
+std::mutex g_mem_mu;
+std::map<uintptr_t, Guarded> g_guarded;  // by body address
+std::atomic<int> g_sticky[kMaxDevices] = {};
+
+bool canary_intact(const char* p, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (static_cast<unsigned char>(p[i]) != kCanary) return false;
+  }
+  return true;
+}
+
+void kill_context(int device, const std::string& what) {
+  int expected = 0;
+  if (g_sticky[device].compare_exchange_strong(expected, CUDA_ERROR_ILLEGAL_ADDRESS)) {
+    violation(CUDA_ERROR_ILLEGAL_ADDRESS, what + " (cuda:" + std::to_string(device) +
+                                              "'s context is dead from now on)");
+  }
+}
+
+// After a kernel or a collective on `device`: every guard zone intact?
+void check_guards(int device, const char* after) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  for (auto& [addr, g] : g_guarded) {
+    if (!canary_intact(g.base, g.lead) || !canary_intact(g.base + g.lead + g.body, g.tail)) {
+      kill_context(device, std::string("illegal address: a write past an allocation of ") +
+                               std::to_string(g.body) + " bytes on cuda:" +
+                               std::to_string(g.device) + ", seen after " + after);
+      std::memset(g.base, kCanary, g.lead);  // reported once
+      std::memset(g.base + g.lead + g.body, kCanary, g.tail);
+    }
+  }
+}
+
+// Before a collective: [p, p + bytes) inside the allocation it starts in?
+bool in_bounds(int device, const void* p, size_t bytes, const char* what) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  size_t outside_of = 0;
+  {
+    std::lock_guard<std::mutex> lk(g_mem_mu);
+    for (auto& [addr, g] : g_guarded) {
+      const auto lo = reinterpret_cast<uintptr_t>(g.base), hi = lo + g.lead + g.body + g.tail;
+      if (a >= lo && a < hi && (a < addr || a + bytes > addr + g.body)) outside_of = g.body;
+    }
+  }
+  if (outside_of == 0) return true;
+  kill_context(device, std::string("illegal address: ") + what + " of " + std::to_string(bytes) +
+                           " bytes outside its allocation of " + std::to_string(outside_of) +
+                           " bytes");
+  return false;
+}
+
+int sticky(int device) { return device >= 0 && device < kMaxDevices ? g_sticky[device].load() : 0; }
+int sticky_current() { return t_current == nullptr ? 0 : sticky(t_current->device); }
+
 int live() {
   if (g_unloaded.load()) {
     // Called while the process tears down its statics: [CUDA] returns
@@ -262,6 +332,12 @@ int live() {
   do {                         \
     const int rc_ = live();    \
     if (rc_ != 0) return rc_;  \
+  } while (0)
+
+#define STICKY(device)                   \
+  do {                                   \
+    const int st_ = sticky(device);      \
+    if (st_ != 0) return st_;            \
   } while (0)
 
 // ---------------------------------------------------------------- kernels
@@ -534,6 +610,7 @@ void run_collective(Comm* comm, size_t count, int dtype, int op, const void* sen
     if (skew > 0) std::this_thread::sleep_for(std::chrono::microseconds(skew));
     std::memcpy(recv, result.data(), count * es);
   }
+  check_guards(comm->device, "an NCCL all-reduce");
   {
     std::lock_guard<std::mutex> g(g_nccl_mu);
     auto it = g_fail_next.find(comm->device);
@@ -651,6 +728,7 @@ API int cuCtxGetCurrent(void** ctx) {
 }
 API int cuStreamCreate(void** out, unsigned flags) {
   LIVE();
+  STICKY(t_current ? t_current->device : -1);
   // [CUDA] cuStreamCreate creates the stream "in the current context".
   if (t_current == nullptr) return violation(CUDA_ERROR_INVALID_CONTEXT, "cuStreamCreate without a current context");
   if (flags > 1) return CUDA_ERROR_INVALID_VALUE;
@@ -678,6 +756,7 @@ API int cuStreamQuery(void* handle) {
   LIVE();
   Stream* s = nullptr;
   if (int rc = resolve(handle, &s)) return rc;
+  STICKY(s->ctx->device);
   std::lock_guard<std::mutex> lk(s->mu);
   return s->done == s->enqueued ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
@@ -685,6 +764,7 @@ API int cuStreamSynchronize(void* handle) {
   LIVE();
   Stream* s = nullptr;
   if (int rc = resolve(handle, &s)) return rc;
+  STICKY(s->ctx->device);
   if (!t_harness) bump("host_sync");  // a host-blocking call (docs/gpus.md)
   std::unique_lock<std::mutex> lk(s->mu);
   const uint64_t target = s->enqueued;
@@ -715,6 +795,7 @@ API int cuEventRecord(void* ev, void* stream) {
   if (int rc = check_event(ev)) return rc;
   Stream* s = nullptr;
   if (int rc = resolve(stream, &s)) return rc;
+  STICKY(s->ctx->device);
   auto* e = static_cast<Event*>(ev);
   // [CUDA] cuEventRecord / cudaEventRecord: "hStream and hEvent must be on the
   // same context" (CUDA_ERROR_INVALID_HANDLE otherwise).
@@ -739,6 +820,7 @@ API int cuStreamWaitEvent(void* stream, void* ev, unsigned flags) {
   if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
   Stream* s = nullptr;
   if (int rc = resolve(stream, &s)) return rc;
+  STICKY(s->ctx->device);
   auto* e = static_cast<Event*>(ev);
   // [CUDA] cuStreamWaitEvent: waits on "the most recent call to cuEventRecord"
   // at the time of this call; the event may be from another context. An event
@@ -760,6 +842,7 @@ API int cuEventQuery(void* ev) {
   LIVE();
   if (int rc = check_event(ev)) return rc;
   auto* e = static_cast<Event*>(ev);
+  STICKY(e->ctx->device);
   std::lock_guard<std::mutex> lk(e->mu);
   // [CUDA] cuEventQuery: CUDA_SUCCESS if the captured work completed or the
   // event was never recorded, CUDA_ERROR_NOT_READY otherwise.
@@ -769,6 +852,7 @@ API int cuEventSynchronize(void* ev) {
   LIVE();
   if (int rc = check_event(ev)) return rc;
   auto* e = static_cast<Event*>(ev);
+  STICKY(e->ctx->device);
   if (!t_harness) bump("host_sync");
   std::unique_lock<std::mutex> lk(e->mu);
   const uint64_t target = e->recorded;
@@ -779,6 +863,7 @@ API int cuGetErrorString(int code, const char** out) {
   switch (code) {
     case 0: *out = "no error"; break;
     case 1: *out = "invalid argument"; break;
+    case 700: *out = "an illegal memory access was encountered"; break;
     case 3: *out = "initialization error"; break;
     case 4: *out = "driver shutting down"; break;
     case 101: *out = "invalid device ordinal"; break;
@@ -795,6 +880,7 @@ API int cuGetErrorString(int code, const char** out) {
 }
 API int cuModuleLoadData(void** module, const void* image) {
   LIVE();
+  STICKY(t_current ? t_current->device : -1);
   // [CUDA] cuModuleLoadData "loads ... into the current context".
   if (t_current == nullptr) return violation(CUDA_ERROR_INVALID_CONTEXT, "cuModuleLoadData without a current context");
   const std::string text(static_cast<const char*>(image));
@@ -841,6 +927,7 @@ API int cuModuleGetFunction(void** fn, void* module, const char* name) {
 API int cuLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                        unsigned bz, unsigned shmem, void* stream, void** params, void** extra) {
   LIVE();
+  STICKY(t_current ? t_current->device : -1);
   auto* f = static_cast<Function*>(fn);
   Stream* s = nullptr;
   if (int rc = resolve(stream, &s)) return rc;
@@ -872,8 +959,9 @@ API int cuLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned
   std::memcpy(&a.count, params[2], sizeof a.count);
   std::memcpy(&a.avg, params[3], sizeof a.avg);
   Invoke invoke = f->invoke;
+  const int device = t_current->device;
   Op op;
-  op.run = [invoke, a, gx, bx] {
+  op.run = [invoke, a, gx, bx, device] {
     Args copy = a;
     void* p[] = {&copy.ptrs, &copy.n, &copy.count, &copy.avg};
     gridDim.x = gx;
@@ -885,6 +973,7 @@ API int cuLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned
         invoke(p);
       }
     }
+    check_guards(device, "a reduce kernel");
   };
   enqueue(s, std::move(op));
   bump("kernel_launch");
@@ -948,6 +1037,7 @@ int init_rank(Comm** out, int nranks, const char* id, int rank, const ConfigV* c
   if (nranks > kMaxRanks) return violation(ncclInvalidArgument, "simgpu supports up to 8 ranks");
   // [NCCL] ncclCommInitRank: the communicator uses "the current CUDA device".
   const int device = t_current ? t_current->device : 0;
+  if (sticky(device)) return ncclUnhandledCudaError;  // [NCCL] a CUDA call failed
   std::string name = "/simgpu-";
   for (const char* c = id; *c && c < id + 100; ++c) name += std::isalnum(*c) ? *c : '-';
   int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
@@ -1032,6 +1122,10 @@ API int ncclCommInitRank(Comm** out, int nranks, UniqueId id, int rank) {
   return init_rank(out, nranks, id.internal, rank, nullptr);
 }
 API int ncclCommGetAsyncError(Comm* comm, int* err) {
+  if (comm != nullptr && err != nullptr && sticky(comm->device)) {
+    *err = ncclUnhandledCudaError;  // its kernels died with the context
+    return ncclSuccess;
+  }
   // Documented as callable while another thread waits on the communicator.
   if (comm == nullptr) return ncclInvalidArgument;
   if (comm->destroyed.load()) return violation(ncclInvalidUsage, "ncclCommGetAsyncError on a destroyed communicator");
@@ -1052,6 +1146,11 @@ API int ncclAllReduce(const void* send, void* recv, size_t count, int dtype, int
     return violation(ncclInvalidArgument, "ncclAllReduce: invalid datatype or op enum");
   }
   if (count > 0 && (send == nullptr || recv == nullptr)) return ncclInvalidArgument;
+  if (sticky(comm->device)) return ncclUnhandledCudaError;
+  if (!in_bounds(comm->device, send, count * nccl_size(dtype), "ncclAllReduce's sendbuff") ||
+      !in_bounds(comm->device, recv, count * nccl_size(dtype), "ncclAllReduce's recvbuff")) {
+    return ncclUnhandledCudaError;
+  }
   Stream* s = nullptr;
   {
     Ctx* saved = t_current;
@@ -1271,6 +1370,24 @@ API const char* nvrtcGetErrorString(int r) {
 
 // Every operation on `stream` (0: every stream created from now on) first
 // sleeps `us`: the GPU is slow there, so a missing wait reads stale data.
+API int simgpu_guard(void* base, size_t lead, size_t body, size_t tail, int device) {
+  auto* b = static_cast<char*>(base);
+  std::memset(b, kCanary, lead);
+  std::memset(b + lead + body, kCanary, tail);
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  g_guarded[reinterpret_cast<uintptr_t>(b + lead)] = Guarded{b, lead, body, tail, device};
+  return 0;
+}
+API void simgpu_unguard(void* body) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  g_guarded.erase(reinterpret_cast<uintptr_t>(body));
+}
+API int simgpu_sticky(int device) { return sticky(device); }
+// Fault injection: a kernel of the user's touched memory it does not own on
+// `device` (the context dies, as for pyddp's own).
+API void simgpu_kill_context(int device) {
+  kill_context(device, "illegal address: a user kernel (fault injection)");
+}
 API void simgpu_harness(int on) { t_harness = on != 0; }
 API int simgpu_set_delay_us(void* stream, long us) {
   if (stream == nullptr) {

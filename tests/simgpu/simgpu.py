@@ -8,8 +8,8 @@ import contextlib
 import ctypes
 import hashlib
 import os
-import sys
 import subprocess
+import sys
 import tempfile
 import threading
 import weakref
@@ -74,6 +74,9 @@ class Sim:
         self.lib.simgpu_violations.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         self.lib.simgpu_counter.argtypes = [ctypes.c_char_p]
         self.lib.simgpu_counter.restype = ctypes.c_long
+        size = ctypes.c_size_t
+        self.lib.simgpu_guard.argtypes = [vp, size, size, size, ctypes.c_int]
+        self.lib.simgpu_unguard.argtypes = [vp]
         self.lib.cuStreamCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
         self.lib.cuStreamSynchronize.argtypes = [vp]
         self.lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
@@ -195,6 +198,24 @@ class SimStreams:
             self._seq += 1
             self._in_flight.setdefault((device, stream), []).append((self._seq, value))
 
+    GUARD_BYTES = 256
+
+    def zeros(self, count: int, dtype, device: int):
+        """Bucket memory with guard zones before and after (canary bytes the
+        simulation checks after every kernel and collective)."""
+        import torch
+
+        es = torch.empty((), dtype=dtype).element_size()
+        guard = -(-self.GUARD_BYTES // es)
+        base = torch.zeros(count + 2 * guard, dtype=dtype)
+        body = base[guard : guard + count]
+        lead = guard * es
+        assert self.sim.lib.simgpu_guard(base.data_ptr(), lead, count * es, lead, device) == 0
+        # Unregistered when the body goes, before its memory can be freed (its
+        # views keep the storage alive, never the other way round).
+        weakref.finalize(body, self.sim.lib.simgpu_unguard, body.data_ptr())
+        return body
+
     def upload(self, device: int, host):
         """Device memory is host memory: a fresh copy (no stream wrote it)."""
         return host.clone()
@@ -234,7 +255,10 @@ class SimStreams:
         with self._lock:
             done = self._seq
         with self.sim.on_device(device), self.sim.harness():
-            assert self.sim.lib.cuStreamSynchronize(stream) == 0
+            code = self.sim.lib.cuStreamSynchronize(stream)
+        if code == 700:  # as torch reports a dead context
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        assert code == 0, code
         with self._lock:
             kept = [e for e in self._in_flight.get((device, stream), ()) if e[0] > done]
             self._in_flight[(device, stream)] = kept
