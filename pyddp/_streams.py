@@ -41,6 +41,11 @@ class TorchStreams:
     def before_host_write(self, device: int) -> None:
         """torch ops are queued on the current stream: nothing to do."""
 
+    def capturing(self, device: int) -> bool:
+        """Whether the current stream is capturing a CUDA graph."""
+        with torch.cuda.device(device):
+            return torch.cuda.is_current_stream_capturing()
+
     def zeros(self, count: int, dtype: torch.dtype, device: int) -> torch.Tensor:
         """A bucket's memory on `device` (the simulation adds guard zones)."""
         return torch.zeros(count, dtype=dtype, device=torch.device("cuda", device))
@@ -110,6 +115,13 @@ class StreamOrder:
         after the reductions still reading them."""
         if self.provider is not None:
             device = self.devices[replica]
+            if self.provider.capturing(device):
+                raise RuntimeError(
+                    "pyddp: a forward of a wrapped model inside CUDA graph capture "
+                    "(torch.cuda.graph, torch.compile mode='reduce-overhead'): pyddp's reductions "
+                    "are launched from another thread and watched with event queries, which a "
+                    "capture forbids; capture the model's own parts, not the wrapped model"
+                )
             engine.use_stream(replica, self.provider.current(device))
             self.provider.before_host_write(device)
 

@@ -63,7 +63,7 @@ def iteration_stats(raw: Dict[str, int], bucket_bytes: Sequence[int]) -> Dict[st
         "exposed_comm_s": comm - overlap,
         "overlap_fraction": overlap / comm if comm > 0 else 0.0,
         "finish_wait_s": raw["wait_ns"] / 1e9,
-        # Across processes: the per-iteration exchange on unused parameters.
+        # Across processes: building the agreement and reading its sums.
         "agree_s": raw.get("agree_ns", 0) / 1e9,
         "bytes": raw["bytes"],
         "launches": raw["launches"],

@@ -363,7 +363,7 @@ class Trainer:
         )
 
     def _global_loss(self, loss: torch.Tensor, shards: Any) -> torch.Tensor:
-        g = self.model.last_global_loss  # computed with the rows exchange (CPU)
+        g = self.model.last_global_loss  # from the agreement's sums (CPU)
         if g is None:  # GPU replicas: the host reads the loss here, once per step
             rows = sum(shard_rows(s) for s in shards)
             rows_all, total = self.link.sum_over_ranks([rows, loss.item() * rows], _TRAIN_LOSS)

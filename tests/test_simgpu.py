@@ -658,3 +658,26 @@ def test_an_illegal_address_kills_the_context_and_pyddp_says_restart(simlib):
         """,
         env={"SIMGPU_LATE_US": "0"},
     )
+
+
+def test_a_forward_inside_cuda_graph_capture_is_refused_by_name(simlib):
+    # Not modelled (docs/gpus.md): the simulation has no graph capture. What
+    # pyddp does under one is: refuse, naming it, before anything is queued.
+    run_sim(
+        simlib,
+        """
+        torch.manual_seed(0)
+        dm = gpu_wrap(Mixed(), [0, 1])
+        (x, y), = make_batches(1, 8)
+        streams.capture = True
+        try:
+            dm(x)
+            raise AssertionError("a forward under capture was accepted")
+        except RuntimeError as e:
+            assert "CUDA graph capture" in str(e), str(e)
+        streams.capture = False
+        F.cross_entropy(dm(x), y).backward()
+        streams.synchronize_all([0, 1])
+        dm.close()
+        """,
+    )

@@ -16,8 +16,9 @@ launch -> last reduction done, overlap = first launch -> autograd done):
 pyddp's from `dm.stats()` over every timed step, DDP's from
 `ddp._get_ddp_logging_data()` per iteration, one per sample (DDP records an
 iteration's figures at the next forward, with the sample rate set to 1).
-pyddp's per-iteration agreement cost is `agree_s`: launching the exchange on
-unused parameters, plus the wait for it left after the bucket reductions. The launch
+pyddp's per-iteration agreement cost is `agree_s`: building the agreement
+(unused parameters, the work record) and reading its sums; its reduction
+follows the last bucket on the same group and is timed with them. The launch
 order needs no per-iteration exchange: it is the bucket index, on rank 0's
 bucket plan agreed once after the first (warm-up) iteration."""
 
@@ -187,7 +188,7 @@ def report(result: Dict[str, Any]) -> str:
         ),
         f"pyddp / torch DDP step time: {ratio['pyddp_over_ddp']:.3f}x (ratio of the medians); "
         f"per-round paired ratios p10-p90 {paired['p10']:.3f}-{paired['p90']:.3f}",
-        f"cross-process agreement on unused parameters (pyddp, exposed part, mean over ranks "
+        f"cross-process agreement (pyddp: building it and reading its sums, mean over ranks "
         f"and timed steps): {agree['mean_us']:.1f} us per step, "
         f"{100 * agree['fraction_of_step']:.2f}% of pyddp's median step; launch order: "
         "bucket index on rank 0's plan, agreed once at the first iteration (no per-step cost)",

@@ -182,6 +182,11 @@ class SimStreams:
     def before_host_write(self, device: int) -> None:
         self._drain(self.current(device), device)
 
+    capture = False  # a test sets it: the current stream "captures a CUDA graph"
+
+    def capturing(self, device: int) -> bool:
+        return self.capture
+
     def produced(self, device: int, tensor) -> None:
         if self.late_us <= 0 or not tensor.is_floating_point() or not tensor.numel():
             return
