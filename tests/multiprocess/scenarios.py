@@ -76,6 +76,17 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
+def reference(batches) -> nn.Module:
+    """Single-device training on the global batches (SGD, mean squared error)."""
+    ref = eval_norm(net())
+    opt = torch.optim.SGD(ref.parameters(), **SGD)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    return ref
+
+
 def eval_norm(model: nn.Module) -> nn.Module:
     # BatchNorm in training mode normalises by the shard's statistics, which
     # no data-parallel scheme reproduces; compare in eval mode (running stats
@@ -276,12 +287,7 @@ def simgpu(out: dict) -> None:
     # The third global batch is smaller: dmodel.loss's rows, assumed after
     # the first step, are corrected on the device by the agreement's sums.
     batches = data(2, 12) + data(1, 7, seed=2) + data(1, 12, seed=3)
-    ref = eval_norm(net())
-    opt = torch.optim.SGD(ref.parameters(), **SGD)
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.mse_loss(ref(x), y).backward()
-        opt.step()
+    ref = reference(batches)
     for cap in (0.0, 25.0):
         model = eval_norm(net(seed=rank))
         dm = pyddp.wrap(model, ["cpu"] * local, bucket_cap_mb=cap, _gpu=(devices, streams))
@@ -347,6 +353,48 @@ def simgpu(out: dict) -> None:
     out["all_used_exchanges"] = _sequence_of(dm) - exchanges
     dm.close()
     out["violations"] = sim.violations()
+
+
+def gpu_processes(out: dict) -> None:
+    """Real GPUs (one per process): what the simgpu scenario checks on the
+    simulation, on hardware. Equal to one device with an uneven, changing
+    global batch (dmodel.loss), rank 0's buffers through NCCL, and in steady
+    state no host synchronisation (torch's sync debug mode counts them)."""
+    import warnings
+
+    rank, world = pyddp.rank(), pyddp.world()
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    batches = data(2, 12) + data(1, 7, seed=2) + data(3, 12, seed=3)
+    ref = reference(batches)
+    model = eval_norm(net(seed=rank)).to(dev)
+    dm = pyddp.wrap(model, [dev])
+    dopt = dm.optimizer(torch.optim.SGD, **SGD)
+    syncs = []
+    for k, (x, y) in enumerate(batches):
+        rows = my_rows(len(x), rank, world)
+        xs, ys = x[rows].to(dev), y[rows].to(dev)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn" if k >= 3 else "default")
+            dopt.zero_grad()
+            dm.loss(nn.functional.mse_loss, xs, ys).backward()
+            dopt.step()
+            torch.cuda.set_sync_debug_mode("default")
+        syncs += [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    torch.cuda.synchronize()
+    out["diff"] = max((p.detach().cpu() - q).abs().max().item()
+                      for p, q in zip(dm.module.parameters(), ref.parameters()))  # fmt: skip
+    # `never` has no gradient anywhere: the agreement's wait leaves it None,
+    # which is a host wait each step; the syncs come from there only.
+    out["never_none"] = dm.module.never.weight.grad is None
+    out["syncs"] = syncs
+    with torch.no_grad():
+        dm.module.norm.running_mean.fill_(float(rank + 1))
+    dm(batches[0][0][my_rows(12, rank, world)].to(dev))
+    out["buffer"] = dm.module.norm.running_mean.cpu().tolist()
+    dm.close()
 
 
 def basics(out: dict) -> None:
