@@ -199,7 +199,7 @@ class WaitPost:
                 continue
             raw = failure._store("get", f"{self.key}/{r}")
             there = None if raw is None else bytes(raw).decode("utf-8", errors="replace")
-            if there is None or there == self.activity:
+            if not there or there == self.activity:  # "" : withdrawn
                 self.seen.pop(r, None)
                 continue
             self.seen[r] = self.seen.get(r, 0) + 1
@@ -214,8 +214,11 @@ class WaitPost:
                 )
 
     def withdraw(self) -> None:
+        """Emptied, never deleted: a key another rank saw with `check` must
+        still be there for its `get`, which would otherwise block until the
+        store's own timeout (minutes)."""
         if self.posted:
-            self.failure._store("delete_key", f"{self.key}/{self.failure.peers.rank}")
+            self.failure._store("set", f"{self.key}/{self.failure.peers.rank}", "")
             self.posted = False
 
 
