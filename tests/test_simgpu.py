@@ -653,6 +653,14 @@ def test_an_illegal_address_kills_the_context_and_pyddp_says_restart(simlib):
         assert all(e is not None for e in errors), errors
         for e in errors:
             assert "illegal memory access" in e and "restart the process" in e, errors
+        # zero_grad() (the recovery point after a timeout) refuses too: it
+        # must not clear the error and rebuild on the dead context.
+        try:
+            dm.zero_grad()
+            refused = None
+        except Exception as e:  # noqa: BLE001 - checked below
+            refused = str(e)
+        assert refused is not None and "restart the process" in refused, refused
         assert "cuda:1's context is dead" in sim.violations()
         sim.lib.simgpu_reset()  # the violation was injected: the epilogue checks the rest
         """,
