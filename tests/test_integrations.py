@@ -43,7 +43,10 @@ def run_example(module: str, out: Path, *args: str, torchrun: bool = False) -> d
     if torchrun:
         cmd += ["-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_port()}"]
     cmd += ["-m", f"pyddp.examples.{module}", "--output", str(out), *args]
-    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=out.parent)
+    out.mkdir(parents=True, exist_ok=True)
+    run = subprocess.run(
+        cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=out.parent
+    )
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
     return json.loads((out / "summary.json").read_text())
 

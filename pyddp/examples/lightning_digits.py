@@ -2,9 +2,9 @@
 gradients: `strategy="pyddp"` after `import pyddp.lightning` is the only
 change from Lightning's own DDP (`--strategy ddp` runs that, for comparison).
 
-    python -m pyddp.examples.lightning_digits                      # 2 CPU processes, Lightning's launcher
-    torchrun --nproc-per-node=2 -m pyddp.examples.lightning_digits  # or under torchrun
-    python -m pyddp.examples.lightning_digits --strategy ddp        # Lightning's DDP, same seeds
+    python -m pyddp.examples.lightning_digits               # 2 CPU processes (its launcher)
+    torchrun --nproc-per-node=2 -m pyddp.examples.lightning_digits   # or under torchrun
+    python -m pyddp.examples.lightning_digits --strategy ddp  # Lightning's DDP, same seeds
 
 Uses gradient accumulation, clipping by global norm, a validation loop
 with `self.log(..., sync_dist=True)` and ModelCheckpoint; `--resume` goes
