@@ -54,8 +54,7 @@ def prepare(accelerator: Accelerator, *objects: Any, **options: Any) -> Any:
             f"accelerate.Accelerator, got {type(accelerator).__name__}"
         )
     out = [
-        prepare_model(accelerator, o, **options) if isinstance(o, nn.Module) else o
-        for o in objects
+        prepare_model(accelerator, o, **options) if isinstance(o, nn.Module) else o for o in objects
     ]
     rest = [i for i, o in enumerate(out) if not isinstance(o, DistributedModel)]
     if rest:

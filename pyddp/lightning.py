@@ -33,9 +33,7 @@ try:
     import lightning.pytorch.strategies as pl_strategies
     from lightning.fabric.strategies.strategy import _BackwardSyncControl
 except ImportError as e:  # pragma: no cover - the extra is missing
-    raise ImportError(
-        "pyddp.lightning needs Lightning: pip install 'pyddp[lightning]'"
-    ) from e
+    raise ImportError("pyddp.lightning needs Lightning: pip install 'pyddp[lightning]'") from e
 
 from torch import nn
 

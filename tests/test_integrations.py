@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +153,64 @@ def test_lightning_strategies_refuse_what_pyddp_does_not_do():
 
     assert StrategyRegistry["pyddp"]["strategy"] is lightning.PyddpStrategy
     assert STRATEGY_REGISTRY["pyddp"]["strategy"] is lightning.PyddpFabricStrategy
+
+
+# --------------------------------------------------- Accelerate, HF Trainer
+def test_accelerate_equals_accelerate_ddp_and_resumes_as_it(tmp_path):
+    pytest.importorskip("accelerate")
+    runs = {}
+    for engine in ("ddp", "pyddp"):
+        runs[engine] = tmp_path / engine
+        got = run_example("accelerate_digits", runs[engine], "--engine", engine, torchrun=True)
+        assert got["world"] == 2, "Accelerate must have set up 2 processes"
+    assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
+    # save_state/load_state: a run stopped after 2 epochs and resumed for
+    # the third equals Accelerate's own DDP doing the same (Accelerate's
+    # resume is not bitwise an uninterrupted run in this loop, with either
+    # engine: its data order after load_state differs).
+    resumed = {}
+    for engine in ("ddp", "pyddp"):
+        resumed[engine] = tmp_path / f"{engine}-resumed"
+        run_example("accelerate_digits", resumed[engine], "--engine", engine, "--epochs", "2",
+                    torchrun=True)  # fmt: skip
+        run_example("accelerate_digits", resumed[engine], "--engine", engine, "--resume",
+                    torchrun=True)  # fmt: skip
+    assert max_param_diff(resumed["ddp"], resumed["pyddp"]) <= TOL
+    assert max_param_diff(resumed["pyddp"], runs["pyddp"]) > 0  # the resume did run
+
+
+def test_transformers_trainer_equals_its_ddp_and_resumes_exactly(tmp_path):
+    pytest.importorskip("accelerate")
+    runs = {}
+    for engine in ("ddp", "pyddp"):
+        runs[engine] = tmp_path / engine
+        got = run_example("hf_trainer", runs[engine], "--engine", engine, torchrun=True)
+        assert got["world"] == 2 and got["steps"] == 12
+    assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
+    a, b = (json.loads((runs[e] / "summary.json").read_text()) for e in ("ddp", "pyddp"))
+    assert abs(a["eval_loss"] - b["eval_loss"]) <= TOL
+    # Resume from the step-6 checkpoint (the Trainer saves RNG states:
+    # dropout is on) equals the uninterrupted run.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(runs["pyddp"] / "checkpoint-6", resumed / "checkpoint-6")
+    run_example("hf_trainer", resumed, "--resume", torchrun=True)
+    assert max_param_diff(resumed, runs["pyddp"]) <= TOL
+
+
+def test_accelerate_adapter_refuses_misuse():
+    acc = pytest.importorskip("pyddp.accelerate")
+    from accelerate import Accelerator
+
+    with pytest.raises(TypeError, match="must be an accelerate.Accelerator"):
+        acc.prepare(object(), torch.nn.Linear(2, 2))
+    accelerator = Accelerator(cpu=True)
+    model = acc.prepare(accelerator, torch.nn.Linear(2, 2))
+    assert isinstance(model, pyddp.DistributedModel)
+    assert acc.unwrap(model) is model.module
+    # Accelerate's prepare on it again keeps it as it is (no DDP around it).
+    assert accelerator.prepare(model) is model
+    with pytest.raises(TypeError, match="already wrapped"):
+        acc.prepare_model(accelerator, model)
+    with pytest.raises(TypeError, match="unknown argument"):
+        acc.prepare(accelerator, torch.nn.Linear(2, 2), bucket_size=1)
+    model.close()

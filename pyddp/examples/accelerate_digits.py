@@ -4,7 +4,10 @@ place of `accelerator.prepare(...)` is the only change (`--engine ddp` runs
 Accelerate's own DDP, for comparison).
 
     torchrun --nproc-per-node=2 -m pyddp.examples.accelerate_digits
-    accelerate launch --cpu --num_processes 2 -m pyddp.examples.accelerate_digits
+    accelerate launch --multi_gpu --num_processes 2 -m pyddp.examples.accelerate_digits  # GPUs
+
+(On CPUs, `accelerate launch --cpu --num_processes 2` starts one process:
+Accelerate runs several CPU processes through MPI; torchrun needs none.)
 
 Uses accelerator.accumulate, accelerator.backward, accelerator.clip_grad_norm_
 and save_state/load_state (`--resume` goes on from the last state). Rank 0
