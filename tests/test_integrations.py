@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -214,3 +215,58 @@ def test_accelerate_adapter_refuses_misuse():
     with pytest.raises(TypeError, match="unknown argument"):
         acc.prepare(accelerator, torch.nn.Linear(2, 2), bucket_size=1)
     model.close()
+
+
+# ------------------------------------------------------------------ Ray Train
+def test_ray_train_equals_ray_ddp_and_a_worker_failure_resumes_exactly(tmp_path):
+    pytest.importorskip("ray.train")
+    runs = {}
+    for name, args in {
+        "ddp": ["--engine", "ddp"],
+        "pyddp": [],
+        "failed": ["--fail-at", "2"],  # worker 1 exits mid-epoch once; Ray restarts
+    }.items():
+        runs[name] = tmp_path / name
+        got = run_example("ray_digits", runs[name], *args)
+        assert got["world"] == 2 and got["epochs"] == 3
+        assert got["restarted"] == (name == "failed")
+    assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
+    assert max_param_diff(runs["failed"], runs["pyddp"]) <= TOL
+
+
+def test_ray_prepare_model_refuses_misuse():
+    ray_mod = pytest.importorskip("pyddp.ray")
+    with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+        ray_mod.prepare_model("model")
+    with pytest.raises(TypeError, match="ddp_comm_hook"):
+        ray_mod.prepare_model(torch.nn.Linear(2, 2), ddp_comm_hook=print)
+
+
+# ------------------------------------------------------ the docs, as written
+PAGES = sorted((ROOT / "docs" / "integrations").glob("*.md"))
+BLOCKS = [
+    (f"{page.stem}-{k}", launcher, code)
+    for page in PAGES
+    for k, (launcher, code) in enumerate(
+        re.findall(r"^<!-- run: (\w+) -->\n```python\n(.*?)^```", page.read_text(), re.S | re.M)
+    )
+]
+
+
+def test_every_integration_page_has_a_block_to_run():
+    assert {p.stem for p in PAGES} == {"lightning", "accelerate", "ray"}
+    assert {b[0].split("-")[0] for b in BLOCKS} == {"lightning", "accelerate", "ray"}
+
+
+@pytest.mark.parametrize("launcher,code", [b[1:] for b in BLOCKS], ids=[b[0] for b in BLOCKS])
+def test_integration_doc_block_runs_as_written(launcher, code, tmp_path):
+    """Each block saved as a script and run as its page says: `python` (the
+    framework launches its processes) or `torchrun` (2 processes)."""
+    script = tmp_path / "script.py"
+    script.write_text(code)
+    cmd = [sys.executable]
+    if launcher == "torchrun":
+        cmd += ["-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_port()}"]
+    run = subprocess.run([*cmd, str(script)], env=_env(), capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, (code, run.stdout[-2000:], run.stderr[-4000:])
