@@ -63,7 +63,12 @@ def train_loop(config: Dict[str, Any]) -> None:
         loader.sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
             first_attempt = not marker.exists()
-            if epoch == config["fail_at"] and i == 5 and ctx.get_world_rank() == 1 and first_attempt:
+            if (
+                epoch == config["fail_at"]
+                and i == 5
+                and ctx.get_world_rank() == 1
+                and first_attempt
+            ):
                 marker.write_text("worker 1 exited here\n")
                 os._exit(1)
             t0 = time.perf_counter()
