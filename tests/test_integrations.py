@@ -157,7 +157,7 @@ def test_lightning_strategies_refuse_what_pyddp_does_not_do():
 
 
 # --------------------------------------------------- Accelerate, HF Trainer
-def test_accelerate_equals_accelerate_ddp_and_resumes_as_it(tmp_path):
+def test_accelerate_equals_accelerate_ddp_and_resumes_exactly(tmp_path):
     pytest.importorskip("accelerate")
     runs = {}
     for engine in ("ddp", "pyddp"):
@@ -166,18 +166,12 @@ def test_accelerate_equals_accelerate_ddp_and_resumes_as_it(tmp_path):
         assert got["world"] == 2, "Accelerate must have set up 2 processes"
     assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
     # save_state/load_state: a run stopped after 2 epochs and resumed for
-    # the third equals Accelerate's own DDP doing the same (Accelerate's
-    # resume is not bitwise an uninterrupted run in this loop, with either
-    # engine: its data order after load_state differs).
-    resumed = {}
-    for engine in ("ddp", "pyddp"):
-        resumed[engine] = tmp_path / f"{engine}-resumed"
-        run_example("accelerate_digits", resumed[engine], "--engine", engine, "--epochs", "2",
-                    torchrun=True)  # fmt: skip
-        run_example("accelerate_digits", resumed[engine], "--engine", engine, "--resume",
-                    torchrun=True)  # fmt: skip
-    assert max_param_diff(resumed["ddp"], resumed["pyddp"]) <= TOL
-    assert max_param_diff(resumed["pyddp"], runs["pyddp"]) > 0  # the resume did run
+    # the third equals the uninterrupted run (the example's seedable sampler
+    # gives each epoch its order from the seed and the epoch).
+    resumed = tmp_path / "resumed"
+    run_example("accelerate_digits", resumed, "--epochs", "2", torchrun=True)
+    run_example("accelerate_digits", resumed, "--resume", torchrun=True)
+    assert max_param_diff(resumed, runs["pyddp"]) <= TOL
 
 
 def test_transformers_trainer_equals_its_ddp_and_resumes_exactly(tmp_path):

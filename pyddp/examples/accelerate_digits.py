@@ -44,7 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parser.parse_args(argv)
 
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration, set_seed
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
     import pyddp.accelerate
 
@@ -54,6 +54,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         gradient_accumulation_steps=args.accumulate,
         mixed_precision=args.precision,
         project_config=ProjectConfiguration(out, automatic_checkpoint_naming=True),
+        # Each epoch's order from the seed and the epoch alone: a resumed run
+        # sees the batches an uninterrupted one would.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     set_seed(0)
     (xt, yt), (xv, yv) = load_digits()

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from pyddp._files import output_root
 from pyddp.examples.digits import load_digits
@@ -51,14 +51,19 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = fabric.setup(model, optimizer)
-    train = fabric.setup_dataloaders(DataLoader(TensorDataset(xt, yt), args.batch, shuffle=True))
+    # The sampler's epoch is set here, from the epoch count a resumed run
+    # restores (fabric.setup_dataloaders would number epochs from its own
+    # count of iterations, which restarts at 0 in a resumed process).
+    sampler = DistributedSampler(TensorDataset(xt, yt), fabric.world_size, fabric.global_rank,
+                                 shuffle=True, seed=0)  # fmt: skip
+    train = DataLoader(TensorDataset(xt, yt), args.batch, sampler=sampler)
     state = {"model": model, "optimizer": optimizer, "epoch": 0}
     if args.resume:
         fabric.load(out / "state.ckpt", state)
 
     times = []
     for epoch in range(state["epoch"], args.epochs):
-        train.sampler.set_epoch(epoch)  # the DistributedSampler Fabric put in
+        sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(train):
             start = time.perf_counter()
             last = (i + 1) % args.accumulate == 0 or i + 1 == len(train)
