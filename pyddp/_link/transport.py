@@ -134,17 +134,23 @@ class BucketTransport:
         return launched
 
     def _wait_flight(self, flight: _InFlight, deadline: float, post: WaitPost) -> None:
+        """Waits for the flight; the store is read once a second of waiting,
+        not at each completion (a store call costs a round trip: a wait that
+        ends within the second touches the store not at all)."""
+        next_poll = time.monotonic() + 1.0
         while True:
             with flight.cv:
                 if flight.pending == 0 or flight.errors:
                     return
-                left = deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                if now >= deadline:
                     return
-                flight.cv.wait(min(left, 1.0))
-            if flight.pending and not flight.errors:
-                self.failure.check_abandoned()
-                post.poll()
+                if now < next_poll:
+                    flight.cv.wait(min(deadline, next_poll) - now)
+                    continue
+            next_poll = time.monotonic() + 1.0
+            self.failure.check_abandoned()
+            post.poll()
 
     def _names(self, bucket: int) -> str:
         if bucket == TAIL:

@@ -1,0 +1,65 @@
+"""torch DDP's keyword arguments, as the trainers pass them, read as pyddp's
+wrap options: one place for the Lightning strategy, the Fabric strategy and
+the Hugging Face adapter. What maps is mapped, what pyddp does anyway is
+accepted, and what pyddp does not do is refused by name."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping
+
+from .options import WRAP_OPTIONS, Options
+
+# DDP's flags that ask for what pyddp always does: accepted, no effect.
+ALWAYS = {
+    # pyddp finds the parameters a backward did not reach on every step (the
+    # agreement after the buckets), at no cost when every parameter is used.
+    "find_unused_parameters": "pyddp finds unused parameters on every step",
+    # pyddp's gradients are always views into its buckets.
+    "gradient_as_bucket_view": "pyddp's gradients are always views into its buckets",
+    # pyddp plans buckets once from the observed ready order whatever the graph.
+    "static_graph": "pyddp re-plans its buckets once from the observed order",
+    # Deprecated in DDP, where it does nothing.
+    "check_reduction": "no effect in torch DDP either",
+}
+
+# DDP's arguments that only place the module: pyddp takes the device the
+# trainer chose.
+PLACEMENT = ("device_ids", "output_device", "dim")
+
+NOT_YET = {
+    "process_group": "pass group= (a torch.distributed process group) instead",
+    "ddp_comm_hook": "communication hooks are not supported yet",
+    "ddp_comm_state": "communication hooks are not supported yet",
+    "ddp_comm_wrapper": "communication hooks are not supported yet",
+    "model_averaging_period": "post-local SGD model averaging is not supported",
+    "mixed_precision": "DDP's mixed_precision (parameters in low precision) is not "
+    "supported; use the trainer's mixed precision (autocast)",
+    "init_sync": "pyddp always broadcasts rank 0's parameters and buffers at wrap",
+    "delay_all_reduce_named_params": "not supported",
+    "param_to_hook_all_reduce": "not supported",
+    "device_mesh": "not supported",
+    "skip_all_reduce_unused_params": "not supported",
+}
+
+
+def wrap_options(kwargs: Mapping[str, Any], where: str) -> Dict[str, Any]:
+    """pyddp.wrap's options from `kwargs`, which may mix DDP's keywords with
+    pyddp's own; checked now (a TypeError or ValueError names the argument),
+    so a wrong strategy fails where it is built, not at fit time."""
+    options: Dict[str, Any] = {}
+    for name, value in kwargs.items():
+        if name in WRAP_OPTIONS:
+            options[name] = value
+        elif name in ALWAYS or name in PLACEMENT:
+            continue
+        elif name in NOT_YET:
+            raise TypeError(f"{where}: {name}= is a torch DDP argument pyddp does not take: "
+                            f"{NOT_YET[name]}")  # fmt: skip
+        else:
+            raise TypeError(
+                f"{where}: unknown argument {name}=; pyddp's options are "
+                f"{', '.join(WRAP_OPTIONS)}, and it accepts DDP's "
+                f"{', '.join(sorted(ALWAYS))} (what pyddp always does)"
+            )
+    Options.for_wrap(options)  # values checked here
+    return options

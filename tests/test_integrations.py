@@ -1,0 +1,266 @@
+"""pyddp inside the trainers people use, each against that framework's own
+DDP on the same seeds and data, across 2 CPU processes (gloo): Lightning's
+Trainer and Fabric (their own launcher and torchrun), Hugging Face
+Accelerate and the transformers Trainer, Ray Train. The examples under
+pyddp/examples are what runs, as their docs pages show them.
+
+Tolerance: the gradients are averaged over 2 processes by both engines, a
+float32 sum of two values then a halving (exact), so the runs agree to the
+bit unless a framework changes the order of its own operations; TOL allows
+float32 reassociation over a few dozen steps should one do so."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Optional
+
+import pytest
+import torch
+
+import pyddp
+
+pytestmark = pytest.mark.integrations
+
+TOL = 1e-6
+ROOT = Path(pyddp.__file__).resolve().parent.parent
+
+
+def _env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("PYDDP_TIMEOUT_S", "60")
+    env.update(extra or {})
+    return env
+
+
+def run_example(module: str, out: Path, *args: str, torchrun: bool = False) -> dict:
+    cmd = [sys.executable]
+    if torchrun:
+        cmd += ["-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_port()}"]
+    cmd += ["-m", f"pyddp.examples.{module}", "--output", str(out), *args]
+    out.mkdir(parents=True, exist_ok=True)
+    run = subprocess.run(
+        cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=out.parent
+    )
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
+    return json.loads((out / "summary.json").read_text())
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def max_param_diff(a: Path, b: Path) -> float:
+    pa, pb = torch.load(a / "params.pt"), torch.load(b / "params.pt")
+    assert list(pa) == list(pb), "the state dicts' keys differ"
+    return max((pa[k] - pb[k]).abs().max().item() for k in pa)
+
+
+def moved(out: Path, start: Dict[str, torch.Tensor]) -> bool:
+    now = torch.load(out / "params.pt")
+    return any(not torch.equal(now[k], start[k]) for k in now)
+
+
+# ------------------------------------------------------------------ Lightning
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory) -> Dict[str, Path]:
+    pytest.importorskip("lightning")
+    base = tmp_path_factory.mktemp("lightning")
+    runs = {}
+    for name, args in {
+        "ddp": ["--strategy", "ddp"],
+        "pyddp": ["--strategy", "pyddp"],
+    }.items():
+        runs[name] = base / name
+        run_example("lightning_digits", runs[name], *args)
+    return runs
+
+
+def test_lightning_trainer_equals_lightning_ddp(lightning_runs):
+    ddp, ours = lightning_runs["ddp"], lightning_runs["pyddp"]
+    assert max_param_diff(ddp, ours) <= TOL
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (ddp, ours))
+    assert a["steps"] == b["steps"] > 0 and a["world"] == b["world"] == 2
+    assert abs(a["valid_loss"] - b["valid_loss"]) <= TOL  # logged with sync_dist=True
+    # ModelCheckpoint wrote the user's keys (no wrapper prefix).
+    ckpt = torch.load(ours / "checkpoints" / "last.ckpt", weights_only=False)
+    assert set(ckpt["state_dict"]) == set(torch.load(ours / "params.pt"))
+    assert all(k.startswith("net.") for k in ckpt["state_dict"])
+
+
+def test_lightning_under_torchrun_equals_its_own_launcher(lightning_runs, tmp_path):
+    out = tmp_path / "torchrun"
+    run_example("lightning_digits", out, "--strategy", "pyddp", torchrun=True)
+    assert max_param_diff(out, lightning_runs["pyddp"]) <= TOL
+
+
+def test_lightning_resume_from_ckpt_path_equals_an_uninterrupted_run(lightning_runs, tmp_path):
+    out = tmp_path / "resumed"
+    run_example("lightning_digits", out, "--epochs", "2")
+    run_example("lightning_digits", out, "--epochs", "3", "--resume")
+    assert max_param_diff(out, lightning_runs["pyddp"]) <= TOL
+
+
+def test_lightning_bf16_mixed_precision_equals_lightning_ddp(tmp_path):
+    pytest.importorskip("lightning")
+    runs = {}
+    for strategy in ("ddp", "pyddp"):
+        runs[strategy] = tmp_path / strategy
+        run_example("lightning_digits", runs[strategy], "--strategy", strategy,
+                    "--precision", "bf16-mixed", "--epochs", "1")  # fmt: skip
+    assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
+
+
+def test_fabric_equals_fabric_ddp_and_resumes(tmp_path):
+    pytest.importorskip("lightning")
+    runs = {}
+    for strategy in ("ddp", "pyddp"):
+        runs[strategy] = tmp_path / strategy
+        run_example("fabric_digits", runs[strategy], "--strategy", strategy)
+    assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
+    resumed = tmp_path / "resumed"
+    run_example("fabric_digits", resumed, "--epochs", "2")
+    run_example("fabric_digits", resumed, "--epochs", "3", "--resume", torchrun=True)
+    assert max_param_diff(resumed, runs["pyddp"]) <= TOL
+
+
+def test_lightning_strategies_refuse_what_pyddp_does_not_do():
+    lightning = pytest.importorskip("pyddp.lightning")
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    with pytest.raises(TypeError, match="ddp_comm_hook= .*not supported"):
+        lightning.PyddpStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook)
+    with pytest.raises(TypeError, match="model_averaging_period"):
+        lightning.PyddpStrategy(model_averaging_period=4)
+    with pytest.raises(TypeError, match="unknown argument bucket_size=.*bucket_cap_mb"):
+        lightning.PyddpStrategy(bucket_size=4)
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        lightning.PyddpFabricStrategy(bucket_cap_mb=-1)
+    # DDP's flags for what pyddp always does are accepted.
+    lightning.PyddpStrategy(find_unused_parameters=True, static_graph=True, bucket_cap_mb=1)
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["pyddp"]["strategy"] is lightning.PyddpStrategy
+    assert STRATEGY_REGISTRY["pyddp"]["strategy"] is lightning.PyddpFabricStrategy
+
+
+# --------------------------------------------------- Accelerate, HF Trainer
+def test_accelerate_equals_accelerate_ddp_and_resumes_exactly(tmp_path):
+    pytest.importorskip("accelerate")
+    runs = {}
+    for engine in ("ddp", "pyddp"):
+        runs[engine] = tmp_path / engine
+        got = run_example("accelerate_digits", runs[engine], "--engine", engine, torchrun=True)
+        assert got["world"] == 2, "Accelerate must have set up 2 processes"
+    assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
+    # save_state/load_state: a run stopped after 2 epochs and resumed for
+    # the third equals the uninterrupted run (the example's seedable sampler
+    # gives each epoch its order from the seed and the epoch).
+    resumed = tmp_path / "resumed"
+    run_example("accelerate_digits", resumed, "--epochs", "2", torchrun=True)
+    run_example("accelerate_digits", resumed, "--resume", torchrun=True)
+    assert max_param_diff(resumed, runs["pyddp"]) <= TOL
+
+
+def test_transformers_trainer_equals_its_ddp_and_resumes_exactly(tmp_path):
+    pytest.importorskip("accelerate")
+    runs = {}
+    for engine in ("ddp", "pyddp"):
+        runs[engine] = tmp_path / engine
+        got = run_example("hf_trainer", runs[engine], "--engine", engine, torchrun=True)
+        assert got["world"] == 2 and got["steps"] == 12
+    assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
+    a, b = (json.loads((runs[e] / "summary.json").read_text()) for e in ("ddp", "pyddp"))
+    assert abs(a["eval_loss"] - b["eval_loss"]) <= TOL
+    # Resume from the step-6 checkpoint (the Trainer saves RNG states:
+    # dropout is on) equals the uninterrupted run.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(runs["pyddp"] / "checkpoint-6", resumed / "checkpoint-6")
+    run_example("hf_trainer", resumed, "--resume", torchrun=True)
+    assert max_param_diff(resumed, runs["pyddp"]) <= TOL
+
+
+def test_accelerate_adapter_refuses_misuse():
+    acc = pytest.importorskip("pyddp.accelerate")
+    from accelerate import Accelerator
+
+    with pytest.raises(TypeError, match="must be an accelerate.Accelerator"):
+        acc.prepare(object(), torch.nn.Linear(2, 2))
+    accelerator = Accelerator(cpu=True)
+    model = acc.prepare(accelerator, torch.nn.Linear(2, 2))
+    assert isinstance(model, pyddp.DistributedModel)
+    assert acc.unwrap(model) is model.module
+    # Accelerate's prepare on it again keeps it as it is (no DDP around it).
+    assert accelerator.prepare(model) is model
+    with pytest.raises(TypeError, match="already wrapped"):
+        acc.prepare_model(accelerator, model)
+    with pytest.raises(TypeError, match="unknown argument"):
+        acc.prepare(accelerator, torch.nn.Linear(2, 2), bucket_size=1)
+    model.close()
+
+
+# ------------------------------------------------------------------ Ray Train
+def test_ray_train_equals_ray_ddp_and_a_worker_failure_resumes_exactly(tmp_path):
+    pytest.importorskip("ray.train")
+    runs = {}
+    for name, args in {
+        "ddp": ["--engine", "ddp"],
+        "pyddp": [],
+        "failed": ["--fail-at", "2"],  # worker 1 exits mid-epoch once; Ray restarts
+    }.items():
+        runs[name] = tmp_path / name
+        got = run_example("ray_digits", runs[name], *args)
+        assert got["world"] == 2 and got["epochs"] == 3
+        assert got["restarted"] == (name == "failed")
+    assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
+    assert max_param_diff(runs["failed"], runs["pyddp"]) <= TOL
+
+
+def test_ray_prepare_model_refuses_misuse():
+    ray_mod = pytest.importorskip("pyddp.ray")
+    with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+        ray_mod.prepare_model("model")
+    with pytest.raises(TypeError, match="ddp_comm_hook"):
+        ray_mod.prepare_model(torch.nn.Linear(2, 2), ddp_comm_hook=print)
+
+
+# ------------------------------------------------------ the docs, as written
+PAGES = sorted((ROOT / "docs" / "integrations").glob("*.md"))
+BLOCKS = [
+    (f"{page.stem}-{k}", launcher, code)
+    for page in PAGES
+    for k, (launcher, code) in enumerate(
+        re.findall(r"^<!-- run: (\w+) -->\n```python\n(.*?)^```", page.read_text(), re.S | re.M)
+    )
+]
+
+
+def test_every_integration_page_has_a_block_to_run():
+    assert {p.stem for p in PAGES} == {"lightning", "accelerate", "ray"}
+    assert {b[0].split("-")[0] for b in BLOCKS} == {"lightning", "accelerate", "ray"}
+
+
+@pytest.mark.parametrize("launcher,code", [b[1:] for b in BLOCKS], ids=[b[0] for b in BLOCKS])
+def test_integration_doc_block_runs_as_written(launcher, code, tmp_path):
+    """Each block saved as a script and run as its page says: `python` (the
+    framework launches its processes) or `torchrun` (2 processes)."""
+    script = tmp_path / "script.py"
+    script.write_text(code)
+    cmd = [sys.executable]
+    if launcher == "torchrun":
+        cmd += ["-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_port()}"]
+    run = subprocess.run([*cmd, str(script)], env=_env(), capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, (code, run.stdout[-2000:], run.stderr[-4000:])
