@@ -106,9 +106,15 @@ void GpuBackend::record_ready(int replica, int key, const std::vector<uintptr_t>
   for (uintptr_t stream : streams) add_writer_locked(replica, stream);
 }
 
+void GpuBackend::throw_if_dead() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (sticky_) throw ReduceError(error_);
+}
+
 void GpuBackend::use_stream(int replica, uintptr_t stream) {
   PYDDP_ENFORCE(replica >= 0 && static_cast<size_t>(replica) < devices_.size(), "replica ",
                 replica, " out of range");
+  throw_if_dead();
   ContextRestore restore;
   set_device(devices_[replica]);
   // A stream about to write this replica's buckets waits (on the GPU) for the
@@ -295,12 +301,9 @@ void GpuBackend::recover() {
     aborted = set->aborted;
   }
   if (!failed && !aborted) return;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    // A dead context: rebuilding communicators on it would fail, or worse,
-    // seem to work.
-    if (sticky_) throw ReduceError(error_);
-  }
+  // A dead context: rebuilding communicators on it would fail, or worse,
+  // seem to work.
+  throw_if_dead();
   // Aborted communicators cannot be used again: take a fresh set (the
   // registry builds one, since this one is marked aborted).
   if (aborted && rdzv_.spans_processes()) {

@@ -88,6 +88,10 @@ class GpuBackend : public Backend {
   void note_abort(const CommSet& set);
   void fail_locked(const std::string& message);
   void add_writer_locked(int replica, uintptr_t stream);
+  // After an error that killed a CUDA context, every entry point raises the
+  // failure itself (which reduction, which GPU, restart the process) rather
+  // than whatever driver call fails next on the dead context.
+  void throw_if_dead() const;
 
   const double timeout_s_;
   const std::string nccl_path_;
@@ -104,7 +108,7 @@ class GpuBackend : public Backend {
   std::condition_variable cv_;
   std::deque<InFlight> in_flight_;
   std::string error_;
-  bool sticky_ = false;  // the error killed a CUDA context: recover() refuses
+  bool sticky_ = false;  // the error killed a CUDA context: see throw_if_dead()
   bool closed_ = false;
   bool stop_ = false;
   std::thread watchdog_;

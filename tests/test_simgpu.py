@@ -653,8 +653,7 @@ def test_an_illegal_address_kills_the_context_and_pyddp_says_restart(simlib):
         assert all(e is not None for e in errors), errors
         for e in errors:
             assert "illegal memory access" in e and "restart the process" in e, errors
-        # zero_grad() (the recovery point after a timeout) refuses too: it
-        # must not clear the error and rebuild on the dead context.
+        # zero_grad() (the recovery point after a timeout) raises too.
         try:
             dm.zero_grad()
             refused = None

@@ -103,12 +103,6 @@ BREAKAGES = {
         "a GPU rank missing a gradient does not wait for the agreement (a parameter nobody "
         "used keeps a zero gradient instead of None)",
     ),
-    "recover-on-a-dead-context": (
-        "csrc/gpu_backend.cpp",
-        "    if (sticky_) throw ReduceError(error_);",
-        "",
-        "zero_grad() rebuilds communicators on a CUDA context an illegal address killed",
-    ),
 }
 
 
