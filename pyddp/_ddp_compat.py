@@ -22,15 +22,16 @@ ALWAYS = {
     "check_reduction": "no effect in torch DDP either",
 }
 
+# Communication hooks: registered on the wrapped model by the integration
+# that takes them (pyddp.lightning), as DDP's register_comm_hook.
+HOOKS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper")
+
 # DDP's arguments that only place the module: pyddp takes the device the
 # trainer chose.
 PLACEMENT = ("device_ids", "output_device", "dim")
 
 NOT_YET = {
     "process_group": "pass group= (a torch.distributed process group) instead",
-    "ddp_comm_hook": "communication hooks are not supported yet",
-    "ddp_comm_state": "communication hooks are not supported yet",
-    "ddp_comm_wrapper": "communication hooks are not supported yet",
     "model_averaging_period": "post-local SGD model averaging is not supported",
     "mixed_precision": "DDP's mixed_precision (parameters in low precision) is not "
     "supported; use the trainer's mixed precision (autocast)",
@@ -52,6 +53,9 @@ def wrap_options(kwargs: Mapping[str, Any], where: str) -> Dict[str, Any]:
             options[name] = value
         elif name in ALWAYS or name in PLACEMENT:
             continue
+        elif name in HOOKS:
+            raise TypeError(f"{where}: {name}= is not taken here; register the hook on the "
+                            "wrapped model: model.register_comm_hook(state, hook)")  # fmt: skip
         elif name in NOT_YET:
             raise TypeError(f"{where}: {name}= is a torch DDP argument pyddp does not take: "
                             f"{NOT_YET[name]}")  # fmt: skip

@@ -21,9 +21,10 @@ Accelerate initialised. Everything that is not a module goes to
 The returned model is a `pyddp.DistributedModel`: `accelerator.unwrap_model`
 does not see through it (it knows torch's wrappers only); use
 `pyddp.accelerate.unwrap(model)` (or `model.module`), e.g. before
-`save_pretrained`. Refused by name: FSDP, DeepSpeed, Megatron, tensor
-parallelism and XLA (Accelerate's other engines), and DDP communication
-hooks in `DistributedDataParallelKwargs`."""
+`save_pretrained`. `DistributedDataParallelKwargs(comm_hook=FP16 or BF16)`
+registers the compression hook on the wrapped model. Refused by name: FSDP,
+DeepSpeed, Megatron, tensor parallelism and XLA (Accelerate's other
+engines), PowerSGD and comm wrappers."""
 
 from __future__ import annotations
 
@@ -88,13 +89,20 @@ def prepare_model(accelerator: Accelerator, model: nn.Module, **options: Any) ->
         )
     handler = accelerator.ddp_handler
     ddp_kwargs = handler.to_kwargs() if handler is not None else {}
-    hook = getattr(handler, "comm_hook", None)
-    if hook is not None and getattr(hook, "value", hook) != "no":
-        ddp_kwargs["ddp_comm_hook"] = hook  # refused below, by name
+    hook = getattr(getattr(handler, "comm_hook", None), "value", None) or "no"
+    wrapper = getattr(getattr(handler, "comm_wrapper", None), "value", None) or "no"
+    if hook not in ("no", "fp16", "bf16") or wrapper != "no":
+        raise NotImplementedError(
+            f"pyddp.accelerate: DistributedDataParallelKwargs(comm_hook={hook!r}, "
+            f"comm_wrapper={wrapper!r}): pyddp takes the fp16 and bf16 compression hooks "
+            "(no wrapper); PowerSGD is not supported yet"
+        )
     options = {**wrap_options(ddp_kwargs, "DistributedDataParallelKwargs"), **options}
     wrap_options(options, "pyddp.accelerate.prepare_model")
     prepared = accelerator.prepare_model(model, evaluation_mode=True)
     dm = wrap(prepared, [accelerator.device], **options)
+    if hook != "no":
+        dm.register_comm_hook(None, hook)  # as Accelerate's register_comm_hook does for DDP
     # Accelerate's mark for a prepared model: passing `dm` to
     # accelerator.prepare again returns it as it is instead of wrapping it
     # in DDP (which would reduce every gradient twice).

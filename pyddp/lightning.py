@@ -19,8 +19,9 @@ strategy is gone since 2.0), so there is one replica per process here.
 
 Accepted torch-DDP arguments, with pyddp's reading: bucket_cap_mb and
 broadcast_buffers (the same options), find_unused_parameters,
-gradient_as_bucket_view and static_graph (what pyddp always does). Refused
-by name: communication hooks and model averaging (not supported yet)."""
+gradient_as_bucket_view and static_graph (what pyddp always does),
+ddp_comm_hook/ddp_comm_state/ddp_comm_wrapper (registered on the wrapped
+model, CPU across processes). Refused by name: model averaging."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from .model import DistributedModel, wrap
 
 NAME = "pyddp"
 
-_REFUSED_PL = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+_HOOKS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")
 
 
 class PyddpStrategy(pl_strategies.DDPStrategy):
@@ -69,10 +70,11 @@ class PyddpStrategy(pl_strategies.DDPStrategy):
             )
             if k in kwargs
         }
-        for name in _REFUSED_PL:
-            if kwargs.get(name) is not None:
-                wrap_options({name: kwargs[name]}, "PyddpStrategy")  # raises, naming it
-            kwargs.pop(name, None)
+        # DDP's communication hook arguments, registered on the wrapped model
+        # as Lightning's DDP strategy does (the wrapper applied to the hook).
+        self._hook = {k: kwargs.pop(k, None) for k in _HOOKS}
+        if self._hook["ddp_comm_hook"] is None and self._hook["ddp_comm_wrapper"] is not None:
+            raise TypeError("PyddpStrategy: ddp_comm_wrapper= needs ddp_comm_hook=")
         self._pyddp_options: Dict[str, Any] = wrap_options(kwargs, "PyddpStrategy")
         super().__init__(**lightning_own)
 
@@ -80,7 +82,12 @@ class PyddpStrategy(pl_strategies.DDPStrategy):
         return wrap(model, [self.root_device], **self._pyddp_options)
 
     def _register_ddp_hooks(self) -> None:
-        """No DDP communication hooks: refused when the strategy is built."""
+        hook = self._hook["ddp_comm_hook"]
+        if hook is None or not isinstance(self.model, DistributedModel):
+            return
+        if self._hook["ddp_comm_wrapper"] is not None:
+            hook = self._hook["ddp_comm_wrapper"](hook)
+        self.model.register_comm_hook(self._hook["ddp_comm_state"], hook)
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

@@ -127,6 +127,12 @@ class DistributedModel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.sync.zero_grad(set_to_none)
 
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """torch DDP's register_comm_hook (see GradSync.register_comm_hook):
+        e.g. `dmodel.register_comm_hook(None, "bf16")`."""
+        self._check_open()
+        self.sync.register_comm_hook(state, hook)
+
     def stats(self) -> Dict[str, Any]:
         """Last iteration's communication figures and running means (GradSync.stats)."""
         return self.sync.stats()

@@ -203,7 +203,7 @@ class GradSync:
     # ----------------------------------------------------------------- layout
     def _allocate(self, buckets: Sequence[Sequence[int]]) -> None:
         self.layout.allocate(buckets)
-        self.link.set_buckets(self.layout.flat[0], buckets)
+        self.link.set_buckets(self.layout.flat[0], buckets, self.params[0], self.layout.views[0])
 
     @property
     def streams(self) -> Optional[Any]:
@@ -457,6 +457,27 @@ class GradSync:
         self._engine.clear_grads(set_to_none)
         self.layout.forget_reduced()
 
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """torch DDP's `register_comm_hook`, across processes on CPU replicas:
+        `hook(state, bucket)` reduces one bucket and returns a
+        torch.futures.Future of the result, averaged over processes (it
+        replaces pyddp's all-reduce of that bucket; this process's replicas
+        are summed before). `bucket` has torch's GradBucket methods (index,
+        buffer, gradients, parameters, is_last, set_buffer), so DDP's own hooks
+        work: `"fp16"` and `"bf16"` name default_hooks.fp16_compress_hook and
+        bf16_compress_hook (16 bits on the wire, divided by the world before
+        the sum so it cannot overflow, cast back into the bucket). `state`
+        None: the process group the buckets travel on. Before the first
+        backward, once."""
+        if isinstance(hook, str):
+            hook = builtin_comm_hook(hook)
+        if not callable(hook):
+            raise TypeError(
+                f"register_comm_hook: hook must be callable (state, bucket) -> Future, or "
+                f"'fp16'/'bf16', got {type(hook).__name__}"
+            )
+        self.link.register_comm_hook(state, hook)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backwards inside accumulate locally; the next synced backward reduces
@@ -577,6 +598,20 @@ def _release(handles: List[Any], engine: Optional[Any]) -> None:
     handles.clear()
     if engine is not None:
         engine.close()
+
+
+def builtin_comm_hook(name: str) -> Callable[..., Any]:
+    """torch DDP's built-in compression hooks, by short name."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hooks = {
+        "fp16": default_hooks.fp16_compress_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+        "allreduce": default_hooks.allreduce_hook,
+    }
+    if name not in hooks:
+        raise ValueError(f"register_comm_hook: unknown hook {name!r}; built in: {', '.join(hooks)}")
+    return hooks[name]
 
 
 def _in_turn(fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:

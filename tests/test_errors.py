@@ -210,3 +210,16 @@ def test_optimizer_misuse():
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
     with pytest.raises(ValueError, match="assign=True"):
         dm.load_state_dict(dm.state_dict(), assign=True)
+
+
+def test_comm_hook_in_one_process_is_said_and_unused_and_bad_hooks_are_refused():
+    model = torch.nn.Linear(4, 2)
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        with pytest.warns(UserWarning, match="communication hook is not used.*one process"):
+            dm.register_comm_hook(None, "fp16")
+        with pytest.raises(TypeError, match="must be callable"):
+            dm.register_comm_hook(None, 3)
+        with pytest.raises(ValueError, match="unknown hook 'int8'.*fp16, bf16"):
+            dm.register_comm_hook(None, "int8")
+        dm(torch.randn(4, 4)).sum().backward()  # still trains, reducing in memory
+        assert dm.replicas[1].weight.grad is not None

@@ -450,3 +450,21 @@ def test_ranks_doing_different_work_are_named_at_the_next_synced_backward(tmp_pa
         # the timeout.
         assert "rank 0's buffers" in error, error
         assert "the reductions of synced backward 1" in error, error
+
+
+def test_comm_hooks_equal_torch_ddp_with_the_same_hooks(tmp_path):
+    run = torchrun("comm_hooks", tmp_path, 2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in results(tmp_path, "comm_hooks", 2):
+        # fp16/bf16 on the wire, the same rounding as DDP's hooks: equal; and
+        # not equal to the uncompressed run (the hook did compress).
+        for name in ("none", "fp16", "bf16", "user"):
+            assert r[f"{name}_vs_ddp"] <= TOL, (name, r)
+        assert 0 < r["fp16_vs_none"] < 1e-2 and 0 < r["bf16_vs_none"] < 1e-1, r
+        assert r["user_vs_none"] == 0.0, r  # the same division and sum as pyddp's own
+        assert "already registered" in r["fp16_twice"] and "before the first backward" in r["late"]
+        # The user hook saw every bucket, the last marked, gradients filling it.
+        indices = [s[0] for s in r["user_seen"]]
+        assert indices == list(range(len(indices))) and len(indices) > 1, r["user_seen"]
+        assert all(s[3] for s in r["user_seen"]), r["user_seen"]
+        assert [s[1] for s in r["user_seen"]] == [False] * (len(indices) - 1) + [True]

@@ -5,6 +5,7 @@ processes) and never asks which."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -43,8 +44,26 @@ class Link:
         processes), the replicas' CUDA devices and the stream provider, for
         the agreement to travel on the device after the buckets."""
 
-    def set_buckets(self, flats: Sequence[torch.Tensor], buckets: Sequence[Sequence[int]]) -> None:
-        """Replica 0's flat buckets and their members (after every re-layout)."""
+    def set_buckets(
+        self,
+        flats: Sequence[torch.Tensor],
+        buckets: Sequence[Sequence[int]],
+        params: Sequence[torch.Tensor],
+        views: Sequence[Any],
+    ) -> None:
+        """Replica 0's flat buckets, their members, and its parameters and
+        gradient views by index (after every re-layout)."""
+
+    def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
+        """A communication hook for the bucket reductions across processes.
+        In one process nothing crosses a wire: said, and not used (a script
+        run on one process for a test keeps working, as under torch DDP)."""
+        warnings.warn(
+            "pyddp: the communication hook is not used: it compresses or replaces what "
+            "crosses between processes, and this model runs in one process (replicas reduce "
+            "in memory)",
+            stacklevel=3,
+        )
 
     def root_order(self, order: Sequence[int], size: int) -> Optional[List[int]]:
         """The ready order every process plans its buckets from (rank 0's)."""

@@ -70,6 +70,13 @@ class BucketTransport:
         self.names = list(names)
         self.flats: List[torch.Tensor] = []  # replica 0's buckets
         self.buckets: List[List[int]] = []
+        # A communication hook (torch DDP's signature: hook(state, bucket) ->
+        # Future of the reduced bucket) and what its buckets show: replica
+        # 0's parameters and gradient views, by parameter index.
+        self.hook: Any = None
+        self.hook_state: Any = None
+        self.params: List[torch.Tensor] = []
+        self.views: List[Any] = []
         self.wait_ns = 0  # the last iteration's wait for the reductions
         self.done_ns_last: Dict[int, int] = {}
         self._flight = _InFlight()
@@ -78,17 +85,38 @@ class BucketTransport:
         """On the engine's launcher thread, in bucket-index order."""
         self.failure.check()
         flat = self.flats[bucket]
-        # Averaged across processes (torch DDP's convention), divided before the
-        # sum so 16-bit gradients do not overflow in transit.
-        flat.div_(self.peers.world)
         self.peers.in_backward = True
-        work = allreduce(self.group, flat)
+        if self.hook is None:
+            # Averaged across processes (torch DDP's convention), divided before
+            # the sum so 16-bit gradients do not overflow in transit.
+            flat.div_(self.peers.world)
+            future = allreduce(self.group, flat).get_future()
+        else:
+            future = self._hooked(bucket, flat)
         self._flight.launched(bucket)
         # The callback runs on a gloo worker thread and holds only the flight
         # record, never the link: were it to drop the last reference to the
         # group there, the group would join that very thread (std::terminate,
         # "Resource deadlock avoided").
-        work.get_future().then(functools.partial(self._flight.done, bucket))
+        future.then(functools.partial(self._flight.done, bucket))
+
+    def _hooked(self, bucket: int, flat: torch.Tensor) -> Any:
+        """The user's hook reduces the bucket (it averages, as under DDP);
+        its result lands in the bucket unless it wrote there itself."""
+        members = self.buckets[bucket]
+        params = [self.params[i] for i in members]
+        grads = [self.views[i] for i in members]
+        view = GradBucket(bucket, bucket == len(self.flats) - 1, flat, params, grads)
+        try:
+            future = self.hook(self.hook_state, view)
+        except Exception as e:  # noqa: BLE001 - named below
+            self.failure.fail(f"the communication hook raised on bucket {bucket}: {first_line(e)}")
+        if not isinstance(future, torch._C.Future):  # torch.futures.Future subclasses it
+            self.failure.fail(
+                f"the communication hook returned {type(future).__name__} for bucket {bucket}; "
+                "it must return a torch.futures.Future of the reduced bucket (torch DDP's rule)"
+            )
+        return future.then(functools.partial(_into_bucket, view.buffer()))
 
     def launch_tail(self, part: torch.Tensor) -> None:
         """After the engine's finish (every bucket launched): the agreement's
@@ -159,6 +187,49 @@ class BucketTransport:
             members = [self.names[i] for i in self.buckets[bucket][:3]]
             return ", ".join(members) + (", ..." if len(self.buckets[bucket]) > 3 else "")
         return "?"
+
+
+class GradBucket:
+    """What a communication hook sees of a bucket: the methods of torch's
+    `dist.GradBucket` (which Python cannot build), so torch DDP's hooks
+    (default_hooks.fp16_compress_hook, bf16_compress_hook, allreduce_hook)
+    and user hooks written for DDP run unchanged."""
+
+    def __init__(self, index: int, last: bool, flat: torch.Tensor, params: list, grads: list):
+        self._index, self._last, self._flat = index, last, flat
+        self._params, self._grads = params, grads
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def buffer(self) -> torch.Tensor:
+        return self._flat
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._flat.copy_(tensor)
+
+    def gradients(self) -> List[torch.Tensor]:
+        return list(self._grads)
+
+    def parameters(self) -> List[torch.Tensor]:
+        return list(self._params)
+
+
+def _into_bucket(flat: torch.Tensor, future: Any) -> torch.Tensor:
+    value = future.value()
+    if isinstance(value, (list, tuple)):
+        value = value[0]
+    if not isinstance(value, torch.Tensor) or value.numel() != flat.numel():
+        raise RuntimeError(
+            "the communication hook's future must hold the reduced bucket, a tensor of "
+            f"{flat.numel()} elements, got {type(value).__name__}"
+        )
+    if value.data_ptr() != flat.data_ptr():
+        flat.copy_(value.view_as(flat))
+    return flat
 
 
 def all_reduce_blocking(tensor: torch.Tensor, count: int, op: str, group: Any) -> None:

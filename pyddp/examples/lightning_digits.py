@@ -110,6 +110,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--precision", default="32-true", help="32-true or bf16-mixed")
     parser.add_argument("--resume", action="store_true", help="from checkpoints/last.ckpt")
+    parser.add_argument(
+        "--comm-hook",
+        choices=("fp16", "bf16"),
+        help="compress gradients on the wire with torch DDP's hook (pyddp only: Lightning's "
+        "own DDP strategy registers hooks on CUDA devices only)",
+    )
     parser.add_argument("--output", default=output_root("lightning_digits"))
     args = parser.parse_args(argv)
 
@@ -118,6 +124,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     import pyddp.lightning  # noqa: F401 - registers strategy="pyddp"
 
+    strategy: Any = args.strategy
+    if args.comm_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        if args.strategy != "pyddp":
+            parser.error("--comm-hook: Lightning's DDP ignores comm hooks on CPU; use pyddp")
+        hook = getattr(default_hooks, f"{args.comm_hook}_compress_hook")
+        strategy = pyddp.lightning.PyddpStrategy(ddp_comm_hook=hook)
     Digits, Data, Timer = build()
     L.seed_everything(0, workers=True, verbose=False)
     out = Path(args.output)
@@ -125,7 +139,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=args.strategy,
+        strategy=strategy,
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
         gradient_clip_val=1.0,  # by global norm, over every process's reduced gradients

@@ -264,6 +264,69 @@ def equivalence(out: dict) -> None:
         out["vs_ddp"] = max_diff(dm.module, ddp_model)
 
 
+def comm_hooks(out: dict) -> None:
+    """Communication hooks: torch DDP's fp16/bf16 compression hooks under
+    pyddp equal torch DDP with the same hooks; a user hook written for DDP
+    (state = the group, GradBucket's methods) equals pyddp's own reduction."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    rank, world = pyddp.rank(), pyddp.world()
+    batches = data(4, 12)
+    trained = {}
+    seen = []
+
+    def user_hook(group, bucket):
+        fills = sum(g.numel() for g in bucket.gradients()) == bucket.buffer().numel()
+        seen.append((bucket.index(), bucket.is_last(), len(bucket.parameters()), fills))
+        work = dist.all_reduce(bucket.buffer().div_(group.size()), group=group, async_op=True)
+        return work.get_future().then(lambda f: f.value()[0])
+
+    def bf16_on_gloo(state, bucket):
+        # torch DDP refuses its bf16 hook by name without NCCL; gloo sums bf16.
+        return default_hooks.bf16_compress_hook(state, bucket)
+
+    for name, ddp_hook in (("none", None), ("fp16", default_hooks.fp16_compress_hook),
+                           ("bf16", bf16_on_gloo), ("user", None)):  # fmt: skip
+        ddp_model = eval_norm(net())
+        ddp = nn.parallel.DistributedDataParallel(
+            ddp_model, broadcast_buffers=False, find_unused_parameters=True
+        )
+        if ddp_hook is not None:
+            ddp.register_comm_hook(None, ddp_hook)
+        dopt = torch.optim.SGD(ddp.parameters(), **SGD)
+        model = eval_norm(net())
+        small = dict(bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0005, rebuild_buckets=False)
+        with pyddp.wrap(model, ["cpu"], **small) as dm:
+            if name != "none":
+                dm.register_comm_hook(None, user_hook if name == "user" else name)
+                try:
+                    dm.register_comm_hook(None, "fp16")
+                    out[f"{name}_twice"] = "accepted"
+                except RuntimeError as e:
+                    out[f"{name}_twice"] = str(e)
+            popt = dm.optimizer(torch.optim.SGD, **SGD)
+            for xg, yg in batches:
+                rows = my_rows(len(xg), rank, world)
+                dopt.zero_grad()
+                popt.zero_grad()
+                nn.functional.mse_loss(ddp(xg[rows]), yg[rows]).backward()
+                dopt.step()
+                nn.functional.mse_loss(dm(xg[rows]), yg[rows]).backward()
+                popt.step()
+            out[f"{name}_vs_ddp"] = max_diff(dm.module, ddp_model)
+            trained[name] = copy.deepcopy(dm.module)
+            if name == "none":
+                try:
+                    dm.register_comm_hook(None, "fp16")
+                    out["late"] = "accepted"
+                except RuntimeError as e:
+                    out["late"] = str(e)
+    out["fp16_vs_none"] = max_diff(trained["fp16"], trained["none"])
+    out["bf16_vs_none"] = max_diff(trained["bf16"], trained["none"])
+    out["user_vs_none"] = max_diff(trained["user"], trained["none"])
+    out["user_seen"] = sorted(set(seen))
+
+
 class _null:
     def __enter__(self):
         return self
