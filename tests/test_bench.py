@@ -130,12 +130,14 @@ def test_overlap_lower_bound_is_not_charged_the_cold_start(monkeypatch):
 
 
 @pytest.mark.multiprocess
-def test_overlap_across_processes_quick_writes_consistent_results(tmp_path):
+@pytest.mark.parametrize("hook", [None, "fp16"])
+def test_overlap_across_processes_quick_writes_consistent_results(tmp_path, hook):
     # torchrun, 2 workers, a tiny model: checks the command and the arithmetic
     # of its results, never the timings.
     out = subprocess.run(
         [sys.executable, "-m", "pyddp.bench", "overlap", "--processes", "2", "--quick"]
         + ["--threads", "1", "--width", "16", "--depth", "1", "--batch", "6"]
+        + (["--comm-hook", hook] if hook else [])
         + ["--no-progress", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
@@ -167,6 +169,9 @@ def test_overlap_across_processes_quick_writes_consistent_results(tmp_path):
     assert agree["mean_us"] == pytest.approx(agree["mean_s"] * 1e6)
     assert agree["fraction_of_step"] == pytest.approx(agree["mean_s"] / pyddp_r["step_s"]["median"])
     assert (tmp_path / "overlap-2proc-quick.png").is_file()
+    # float32 buckets; a 16-bit hook puts half their bytes on the wire.
+    assert data["wire_bytes_per_step"] == data["bucket_bytes_per_step"] / (2 if hook else 1)
+    assert cfg["comm_hook"] == hook
 
 
 def test_overlap_processes_refuses_no_ddp_and_bad_counts(capsys):

@@ -73,6 +73,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --processes: intra-op threads per process (default: cores // processes)",
     )
+    p.add_argument(
+        "--comm-hook",
+        choices=("fp16", "bf16"),
+        default=None,
+        help="with --processes: both engines compress gradients on the wire with torch DDP's "
+        "fp16/bf16 compression hook (run once without to compare)",
+    )
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -101,6 +108,7 @@ def command(args: argparse.Namespace, size: Dict[str, int], chart: Path) -> Dict
         "rounds": rounds,
         "steps": steps,
         "progress": not args.no_progress,
+        "comm_hook": args.comm_hook,
     }
     result = run(config, args.processes)
     print(report(result))
@@ -196,6 +204,13 @@ def report(result: Dict[str, Any]) -> str:
         "definitions): pyddp from dm.stats()\nover every timed step, torch DDP from "
         "_get_ddp_logging_data() per iteration, one per sample.",
     ]
+    wire = result.get("wire_bytes_per_step")
+    if wire:
+        hook = cfg.get("comm_hook")
+        lines.append(
+            f"into the all-reduce per rank and step: {wire / 2**20:.2f} MiB "
+            + (f"({hook} compression hook on both engines)" if hook else "(float32, no hook)")
+        )
     if cfg["processes"] * cfg["threads"] > cfg["cores"]:
         lines.append(
             f"{cfg['processes']} processes x {cfg['threads']} threads exceed the "
@@ -227,6 +242,11 @@ def worker(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         make_model(*build), process_group=ddp_group, find_unused_parameters=False
     )
     ddp._set_ddp_runtime_logging_sample_rate(1)  # every iteration's figures, not 1 in 100
+    wire = 1.0
+    if cfg.get("comm_hook"):
+        dm.register_comm_hook(None, cfg["comm_hook"])
+        ddp.register_comm_hook(ddp_group, _gloo_hook(cfg["comm_hook"]))
+        wire = 0.5  # float32 gradients travel as 16-bit values
 
     def pyddp_step() -> None:
         F.cross_entropy(dm(xs), ys).backward()
@@ -264,12 +284,28 @@ def worker(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
                 stats[name].append(_pyddp_stats(dm) if name == PYDDP else _ddp_stats(ddp))
                 bar.update(1)
     bar.close()
-    mine = {"times": times, "stats": stats, "ddp_logging": _ddp_averages(ddp)}
+    bucket_bytes = sum(f.numel() * f.element_size() for f in dm.sync.layout.flat[0])
+    mine = {"times": times, "stats": stats, "ddp_logging": _ddp_averages(ddp),
+            "bucket_bytes_per_step": bucket_bytes,
+            "wire_bytes_per_step": bucket_bytes * wire}  # fmt: skip
     gathered: Optional[List[Any]] = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0, group=bench_group)
     dm.close()
     dist.destroy_process_group()
     return combine(cfg, gathered) if rank == 0 else None
+
+
+def _gloo_hook(name: str) -> Callable[..., Any]:
+    """torch DDP's compression hook by name, for DDP on gloo: DDP refuses its
+    bf16 hook by name without NCCL, though gloo sums bfloat16."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hook = getattr(default_hooks, f"{name}_compress_hook")
+
+    def on_gloo(state, bucket):  # unannotated: DDP checks a hook's annotations
+        return hook(state, bucket)
+
+    return on_gloo
 
 
 def _rows(n: int, rank: int, world: int) -> slice:
@@ -343,6 +379,10 @@ def combine(cfg: Dict[str, Any], per_rank: Sequence[Dict[str, Any]]) -> Dict[str
             "fraction_of_step": agree / median_p,
         },
         "ddp_logging_avg_ns": [p["ddp_logging"] for p in per_rank],
+        # Per rank and step, into the all-reduce: the buckets' bytes, halved by
+        # a 16-bit compression hook (the same for both engines' hooks).
+        "bucket_bytes_per_step": per_rank[0].get("bucket_bytes_per_step"),
+        "wire_bytes_per_step": per_rank[0].get("wire_bytes_per_step"),
     }
 
 
