@@ -184,13 +184,16 @@ class WaitPost:
     that end within the second touch the store not at all."""
 
     def __init__(self, failure: Failure, activity: str):
+        # Made at every wait: nothing here may cost (the key is built at the
+        # first poll, a second into the wait).
         self.failure, self.activity = failure, activity
-        self.key = f"{failure.peers.prefix}/at"
+        self.key = ""
         self.posted = False
         self.seen: dict = {}
 
     def poll(self) -> None:
         failure, peers = self.failure, self.failure.peers
+        self.key = self.key or f"{peers.prefix}/at"
         if not self.posted:
             failure._store("set", f"{self.key}/{peers.rank}", self.activity)
             self.posted = True
