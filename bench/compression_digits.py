@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pyddp
+from pyddp.examples._trainers import make_model
 from pyddp.examples.digits import load_digits
-from pyddp.examples.lightning_digits import make_model
 
 HOOKS = ("none", "fp16", "bf16")
 

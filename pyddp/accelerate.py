@@ -97,8 +97,8 @@ def prepare_model(accelerator: Accelerator, model: nn.Module, **options: Any) ->
             f"comm_wrapper={wrapper!r}): pyddp takes the fp16 and bf16 compression hooks "
             "(no wrapper); PowerSGD is not supported yet"
         )
-    options = {**wrap_options(ddp_kwargs, "DistributedDataParallelKwargs"), **options}
-    wrap_options(options, "pyddp.accelerate.prepare_model")
+    options = {**wrap_options(ddp_kwargs, "DistributedDataParallelKwargs"),
+               **wrap_options(options, "pyddp.accelerate.prepare_model")}  # fmt: skip
     prepared = accelerator.prepare_model(model, evaluation_mode=True)
     dm = wrap(prepared, [accelerator.device], **options)
     if hook != "no":

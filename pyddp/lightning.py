@@ -56,20 +56,7 @@ class PyddpStrategy(pl_strategies.DDPStrategy):
     strategy_name = NAME
 
     def __init__(self, **kwargs: Any) -> None:
-        lightning_own = {
-            k: kwargs.pop(k)
-            for k in (
-                "accelerator",
-                "parallel_devices",
-                "cluster_environment",
-                "checkpoint_io",
-                "precision_plugin",
-                "process_group_backend",
-                "timeout",
-                "start_method",
-            )
-            if k in kwargs
-        }
+        lightning_own = _take(kwargs, "precision_plugin")
         # DDP's communication hook arguments, registered on the wrapped model
         # as Lightning's DDP strategy does (the wrapper applied to the hook).
         self._hook = {k: kwargs.pop(k, None) for k in _HOOKS}
@@ -129,20 +116,7 @@ class PyddpFabricStrategy(fabric_strategies.DDPStrategy):
     strategy with pyddp reducing the gradients; keywords as PyddpStrategy."""
 
     def __init__(self, **kwargs: Any) -> None:
-        lightning_own = {
-            k: kwargs.pop(k)
-            for k in (
-                "accelerator",
-                "parallel_devices",
-                "cluster_environment",
-                "checkpoint_io",
-                "precision",
-                "process_group_backend",
-                "timeout",
-                "start_method",
-            )
-            if k in kwargs
-        }
+        lightning_own = _take(kwargs, "precision")
         self._pyddp_options: Dict[str, Any] = wrap_options(kwargs, "PyddpFabricStrategy")
         super().__init__(**lightning_own)
         self._backward_sync_control = _NoSync()
@@ -163,6 +137,15 @@ class PyddpFabricStrategy(fabric_strategies.DDPStrategy):
         strategy_registry.register(
             NAME, cls, description="pyddp's engine in Fabric's DDP strategy", override=True
         )
+
+
+def _take(kwargs: Dict[str, Any], precision: str) -> Dict[str, Any]:
+    """Removes Lightning's own keywords from `kwargs` (the rest are pyddp's,
+    or DDP's); `precision`: the Trainer's "precision_plugin" or Fabric's
+    "precision"."""
+    names = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
+             precision, "process_group_backend", "timeout", "start_method")  # fmt: skip
+    return {k: kwargs.pop(k) for k in names if k in kwargs}
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:

@@ -61,6 +61,17 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def run_pair(module: str, base: Path, flag: str, *args: str, torchrun: bool = False):
+    """The example with the framework's own DDP and with pyddp (`flag`: the
+    example's --strategy or --engine), on the same seeds and data:
+    {"ddp": folder, "pyddp": folder}, and their summaries."""
+    runs = {engine: base / engine for engine in ("ddp", "pyddp")}
+    got = {
+        e: run_example(module, out, flag, e, *args, torchrun=torchrun) for e, out in runs.items()
+    }
+    return runs, got
+
+
 def max_param_diff(a: Path, b: Path) -> float:
     pa, pb = torch.load(a / "params.pt"), torch.load(b / "params.pt")
     assert list(pa) == list(pb), "the state dicts' keys differ"
@@ -77,14 +88,7 @@ def moved(out: Path, start: Dict[str, torch.Tensor]) -> bool:
 def lightning_runs(tmp_path_factory) -> Dict[str, Path]:
     pytest.importorskip("lightning")
     base = tmp_path_factory.mktemp("lightning")
-    runs = {}
-    for name, args in {
-        "ddp": ["--strategy", "ddp"],
-        "pyddp": ["--strategy", "pyddp"],
-    }.items():
-        runs[name] = base / name
-        run_example("lightning_digits", runs[name], *args)
-    return runs
+    return run_pair("lightning_digits", base, "--strategy")[0]
 
 
 def test_lightning_trainer_equals_lightning_ddp(lightning_runs):
@@ -122,20 +126,14 @@ def test_lightning_comm_hook_compresses_the_wire(lightning_runs, tmp_path):
 
 def test_lightning_bf16_mixed_precision_equals_lightning_ddp(tmp_path):
     pytest.importorskip("lightning")
-    runs = {}
-    for strategy in ("ddp", "pyddp"):
-        runs[strategy] = tmp_path / strategy
-        run_example("lightning_digits", runs[strategy], "--strategy", strategy,
-                    "--precision", "bf16-mixed", "--epochs", "1")  # fmt: skip
+    runs, _ = run_pair("lightning_digits", tmp_path, "--strategy", "--precision", "bf16-mixed",
+                       "--epochs", "1")  # fmt: skip
     assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
 
 
 def test_fabric_equals_fabric_ddp_and_resumes(tmp_path):
     pytest.importorskip("lightning")
-    runs = {}
-    for strategy in ("ddp", "pyddp"):
-        runs[strategy] = tmp_path / strategy
-        run_example("fabric_digits", runs[strategy], "--strategy", strategy)
+    runs, _ = run_pair("fabric_digits", tmp_path, "--strategy")
     assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
     resumed = tmp_path / "resumed"
     run_example("fabric_digits", resumed, "--epochs", "2")
@@ -167,11 +165,8 @@ def test_lightning_strategies_refuse_what_pyddp_does_not_do():
 # --------------------------------------------------- Accelerate, HF Trainer
 def test_accelerate_equals_accelerate_ddp_and_resumes_exactly(tmp_path):
     pytest.importorskip("accelerate")
-    runs = {}
-    for engine in ("ddp", "pyddp"):
-        runs[engine] = tmp_path / engine
-        got = run_example("accelerate_digits", runs[engine], "--engine", engine, torchrun=True)
-        assert got["world"] == 2, "Accelerate must have set up 2 processes"
+    runs, got = run_pair("accelerate_digits", tmp_path, "--engine", torchrun=True)
+    assert got["ddp"]["world"] == got["pyddp"]["world"] == 2, "Accelerate must run 2 processes"
     assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
     # save_state/load_state: a run stopped after 2 epochs and resumed for
     # the third equals the uninterrupted run (the example's seedable sampler
@@ -184,13 +179,10 @@ def test_accelerate_equals_accelerate_ddp_and_resumes_exactly(tmp_path):
 
 def test_transformers_trainer_equals_its_ddp_and_resumes_exactly(tmp_path):
     pytest.importorskip("accelerate")
-    runs = {}
-    for engine in ("ddp", "pyddp"):
-        runs[engine] = tmp_path / engine
-        got = run_example("hf_trainer", runs[engine], "--engine", engine, torchrun=True)
-        assert got["world"] == 2 and got["steps"] == 12
+    runs, got = run_pair("hf_trainer", tmp_path, "--engine", torchrun=True)
+    a, b = got["ddp"], got["pyddp"]
+    assert a["world"] == b["world"] == 2 and a["steps"] == b["steps"] == 12
     assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
-    a, b = (json.loads((runs[e] / "summary.json").read_text()) for e in ("ddp", "pyddp"))
     assert abs(a["eval_loss"] - b["eval_loss"]) <= TOL
     # Resume from the step-6 checkpoint (the Trainer saves RNG states:
     # dropout is on) equals the uninterrupted run.

@@ -17,8 +17,6 @@ writes the final parameters (params.pt) and the median time per step
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -28,8 +26,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyddp._files import output_root
+from pyddp.examples._trainers import make_model, median, report
 from pyddp.examples.digits import load_digits
-from pyddp.examples.lightning_digits import make_model
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
@@ -95,14 +93,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     summary = {
         "engine": args.engine,
         "world": accelerator.num_processes,
-        "step_s": statistics.median(times) if times else None,
+        "step_s": median(times),
         "valid_loss": float(loss),
     }
     if accelerator.is_main_process:
         inner = pyddp.accelerate.unwrap(model) if args.engine == "pyddp" else model.module
-        torch.save(inner.state_dict(), out / "params.pt")
-        (out / "summary.json").write_text(json.dumps(summary))
-        print(json.dumps(summary))
+        report(out, inner.state_dict(), summary)
     accelerator.end_training()
     return summary
 

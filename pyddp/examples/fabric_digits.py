@@ -13,8 +13,6 @@ writes the final parameters (params.pt) and the median time per step
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -24,8 +22,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from pyddp._files import output_root
+from pyddp.examples._trainers import make_model, median, report
 from pyddp.examples.digits import load_digits
-from pyddp.examples.lightning_digits import make_model
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
@@ -82,13 +80,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     summary = {
         "strategy": args.strategy,
         "world": fabric.world_size,
-        "step_s": statistics.median(times) if times else None,
+        "step_s": median(times),
         "valid_loss": float(loss),
     }
     if fabric.is_global_zero:
-        torch.save(model.state_dict(), out / "params.pt")
-        (out / "summary.json").write_text(json.dumps(summary))
-        print(json.dumps(summary))
+        report(out, model.state_dict(), summary)
     return summary
 
 

@@ -13,8 +13,6 @@ Rank 0 writes the final parameters (params.pt) and the median time per step
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
@@ -22,6 +20,7 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from pyddp._files import output_root
+from pyddp.examples._trainers import median, report
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -97,14 +96,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "engine": args.engine,
         "world": trainer.args.world_size,
         "steps": trainer.state.global_step,
-        "step_s": statistics.median(times) if times else None,
+        "step_s": median(times),
         "train_loss": result.training_loss,
         "eval_loss": metrics["eval_loss"],
     }
     if trainer.is_world_process_zero():
-        torch.save(model.state_dict(), out / "params.pt")
-        (out / "summary.json").write_text(json.dumps(summary))
-        print(json.dumps(summary))
+        report(out, model.state_dict(), summary)
     return summary
 
 

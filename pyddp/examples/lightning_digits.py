@@ -14,26 +14,17 @@ on from the last checkpoint. Rank 0 writes the final parameters
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyddp._files import output_root
+from pyddp.examples._trainers import make_model, median, report
 from pyddp.examples.digits import load_digits
-
-
-def make_model() -> nn.Module:
-    # No dropout: Lightning's checkpoints do not carry RNG state, and the
-    # resume test checks that a resumed run equals an uninterrupted one.
-    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.GELU(),
-                         nn.Linear(64, 10))  # fmt: skip
 
 
 class StepTimes:
@@ -157,14 +148,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "strategy": args.strategy,
         "world": trainer.world_size,
         "steps": trainer.global_step,
-        "step_s": statistics.median(timer.times) if timer.times else None,
+        "step_s": median(timer.times),
         "valid_loss": float(trainer.callback_metrics["valid_loss"]),
         "valid_acc": float(trainer.callback_metrics["valid_acc"]),
     }
     if trainer.is_global_zero:
-        torch.save(model.state_dict(), out / "params.pt")
-        (out / "summary.json").write_text(json.dumps(summary))
-        print(json.dumps(summary))
+        report(out, model.state_dict(), summary)
     return summary
 
 

@@ -15,9 +15,7 @@ to --output."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from pyddp._files import output_root
+from pyddp.examples._trainers import median, report
 
 
 def train_loop(config: Dict[str, Any]) -> None:
@@ -35,8 +34,8 @@ def train_loop(config: Dict[str, Any]) -> None:
     import ray.train.torch
 
     import pyddp.ray
+    from pyddp.examples._trainers import make_model
     from pyddp.examples.digits import load_digits
-    from pyddp.examples.lightning_digits import make_model
 
     torch.manual_seed(0)
     model = make_model()
@@ -76,7 +75,7 @@ def train_loop(config: Dict[str, Any]) -> None:
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
             times.append(time.perf_counter() - t0)
-        metrics = {"epoch": epoch + 1, "step_s": statistics.median(times)}
+        metrics = {"epoch": epoch + 1, "step_s": median(times)}
         with tempfile.TemporaryDirectory() as d:
             checkpoint = None
             if ctx.get_world_rank() == 0:
@@ -127,7 +126,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         ray.shutdown()
     with result.checkpoint.as_directory() as d:
         state = torch.load(Path(d) / "state.pt")
-    torch.save(state["model"], out / "params.pt")
     summary = {
         "engine": args.engine,
         "world": args.workers,
@@ -135,8 +133,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "step_s": result.metrics["step_s"],
         "restarted": (out / "failed-once").exists(),
     }
-    (out / "summary.json").write_text(json.dumps(summary))
-    print(json.dumps(summary))
+    report(out, state["model"], summary)
     return summary
 
 

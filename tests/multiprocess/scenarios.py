@@ -252,16 +252,23 @@ def equivalence(out: dict) -> None:
     with pyddp.wrap(model, ["cpu"] * local) as dm:
         for m in dm.replicas:
             m.norm.eval()
-        popt = dm.optimizer(torch.optim.SGD, **SGD)
-        for xg, yg in batches:
-            rows = my_rows(len(xg), rank, world)
-            dopt.zero_grad()
-            popt.zero_grad()
-            nn.functional.mse_loss(ddp(xg[rows]), yg[rows]).backward()
-            dopt.step()
-            nn.functional.mse_loss(dm(xg[rows]), yg[rows]).backward()
-            popt.step()
+        side_by_side(ddp, dopt, dm, batches)
         out["vs_ddp"] = max_diff(dm.module, ddp_model)
+
+
+def side_by_side(ddp, dopt, dm, batches) -> None:
+    """torch DDP and pyddp trained step by step on this rank's rows of the
+    same global batches (mean-squared error on each rank's own rows)."""
+    rank, world = pyddp.rank(), pyddp.world()
+    popt = dm.optimizer(torch.optim.SGD, **SGD)
+    for xg, yg in batches:
+        rows = my_rows(len(xg), rank, world)
+        dopt.zero_grad()
+        popt.zero_grad()
+        nn.functional.mse_loss(ddp(xg[rows]), yg[rows]).backward()
+        dopt.step()
+        nn.functional.mse_loss(dm(xg[rows]), yg[rows]).backward()
+        popt.step()
 
 
 def comm_hooks(out: dict) -> None:
@@ -270,7 +277,6 @@ def comm_hooks(out: dict) -> None:
     (state = the group, GradBucket's methods) equals pyddp's own reduction."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    rank, world = pyddp.rank(), pyddp.world()
     batches = data(4, 12)
     trained = {}
     seen = []
@@ -304,15 +310,7 @@ def comm_hooks(out: dict) -> None:
                     out[f"{name}_twice"] = "accepted"
                 except RuntimeError as e:
                     out[f"{name}_twice"] = str(e)
-            popt = dm.optimizer(torch.optim.SGD, **SGD)
-            for xg, yg in batches:
-                rows = my_rows(len(xg), rank, world)
-                dopt.zero_grad()
-                popt.zero_grad()
-                nn.functional.mse_loss(ddp(xg[rows]), yg[rows]).backward()
-                dopt.step()
-                nn.functional.mse_loss(dm(xg[rows]), yg[rows]).backward()
-                popt.step()
+            side_by_side(ddp, dopt, dm, batches)
             out[f"{name}_vs_ddp"] = max_diff(dm.module, ddp_model)
             trained[name] = copy.deepcopy(dm.module)
             if name == "none":
