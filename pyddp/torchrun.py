@@ -10,9 +10,11 @@ and then ``pyddp.wrap(model, devices)`` with this process's devices."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import re
+import time
 from typing import Any, Optional
 
 import torch
@@ -24,6 +26,29 @@ from ._runtime import timeout_s as _default_timeout
 
 # What torchrun (and torch.distributed's env:// rendezvous) sets for every worker.
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+# How long a process with a process group up gives gloo's worker threads at
+# exit (see _let_gloo_settle).
+GLOO_SETTLE_S = 0.1
+
+
+@atexit.register
+def _let_gloo_settle() -> None:
+    """At exit, with a process group up: sleep briefly, the GIL released.
+
+    A gloo worker thread drops its reference to a finished (or still
+    running) collective's tensors after the caller has its result; if that
+    happens once the interpreter has started finalizing, the tensor's
+    Python object cannot be released (the thread cannot take the GIL, and
+    is unwound through a noexcept frame) and the process aborts with
+    "terminate called without an active exception" after its work is done
+    (torch 2.13; about one exit in three for two gloo processes on a loaded
+    2-core machine; destroy_process_group() does not help while a DDP model
+    or pyddp still holds the group). atexit handlers run before
+    finalization: this one gives those threads the time to let go. Any
+    script that imports pyddp gets it, whichever trainer created the group."""
+    if dist.is_available() and dist.is_initialized():
+        time.sleep(GLOO_SETTLE_S)
 
 
 def init(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> None:

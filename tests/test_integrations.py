@@ -49,8 +49,15 @@ def run_example(module: str, out: Path, *args: str, torchrun: bool = False) -> d
     run = subprocess.run(
         cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=out.parent
     )
-    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-4000:])
+    assert run.returncode == 0, (causes(run.stderr), run.stdout[-2000:], run.stderr[-4000:])
     return json.loads((out / "summary.json").read_text())
+
+
+def causes(stderr: str) -> list:
+    """The lines that say why a rank failed, first: torchrun's own report at
+    the end of stderr names only the signal."""
+    pattern = r"terminate called|what\(\)|Error|error:|Traceback|Aborted"
+    return [line for line in stderr.splitlines() if re.search(pattern, line)][:20]
 
 
 def _port() -> int:

@@ -922,6 +922,22 @@ def diverge(out: dict) -> None:
     _write_and_exit(out)
 
 
+def exit_in_flight(out: dict) -> None:
+    """Exits with the group up and a gloo all-reduce still in flight, as a
+    script whose trainer never destroys its group does: the process must exit
+    0 (gloo's worker thread used to release the tensors during interpreter
+    finalization and abort it; pyddp's exit handler gives it the time).
+    SCENARIO_SETTLE_S overrides that time (0: the control that shows the abort)."""
+    if "SCENARIO_SETTLE_S" in os.environ:
+        pyddp.torchrun.GLOO_SETTLE_S = float(os.environ["SCENARIO_SETTLE_S"])
+    for _ in range(5):
+        dist.all_reduce(torch.ones(3))
+    for _ in range(4):
+        dist.all_reduce(torch.ones(1000), async_op=True)  # no reference kept, never waited
+    _write(out)
+    sys.exit(0)  # past main's destroy_process_group: interpreter exit with the group up
+
+
 def _expect_failure(out: dict, run) -> None:
     """Runs `run`, records its error (None if it did not raise) and how long it
     took, then writes `out` and ends the process."""
