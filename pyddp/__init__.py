@@ -22,6 +22,7 @@ from .devices import default_devices, parse_devices
 from .errors import ReduceError, ReplicaError, TrainingError, UnsafePathError
 from .model import DistributedModel, wrap
 from .sync import GradSync
+from .syncbn import convert_sync_batchnorm
 from .torchrun import init, is_main, local_rank, rank, world
 from .trainer import FitResult, LoopState, Trainer
 
@@ -45,6 +46,7 @@ __all__ = [
     "ReduceError",
     "ReplicaError",
     "all_reduce",
+    "convert_sync_batchnorm",
     "default_devices",
     "init",
     "is_main",

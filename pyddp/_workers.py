@@ -76,7 +76,9 @@ class ReplicaWorkers:
             try:
                 results[r] = futures[r].result()
             except Exception as e:
-                if first is None:
+                # The replica that failed first, not one that stopped because
+                # it did (a broken SyncBatchNorm meeting says `consequence`).
+                if first is None or getattr(first.cause, "consequence", False):
                     first = ReplicaError(r, what, e)
         if interrupt is not None:
             raise interrupt

@@ -28,6 +28,7 @@ from torch import nn
 from ._join import Join, join_column
 from ._link.control import BUFFERS_BROADCAST
 from ._mirror import ReplicaMirror
+from ._runtime import timeout_s
 from ._scatter import batch_size, call_arguments, gather, scatter
 from ._workers import ReplicaWorkers
 from .devices import DeviceLike, parse_devices, process_devices
@@ -35,6 +36,7 @@ from .errors import ReplicaError
 from .optim import ParamsFn, replicated_optimizer
 from .options import Options
 from .sync import GradSync
+from .syncbn import SyncBatchNorms, sync_layers
 
 
 class DistributedModel(nn.Module):
@@ -96,6 +98,28 @@ class DistributedModel(nn.Module):
         # One replica and one process: nothing to scatter, join or reduce.
         self._passthrough = not self.sync.reduces
         self._finish_queued = False
+        self._syncbn: Optional[SyncBatchNorms] = None
+        if sync_layers(self.module) and not self._passthrough:
+            self._syncbn = self._bind_sync_batchnorm(replicas, opts)
+
+    def _bind_sync_batchnorm(self, replicas: List[nn.Module], opts: Options) -> SyncBatchNorms:
+        if self.devices[0].type != "cpu":
+            self.sync.close()
+            raise NotImplementedError(
+                "pyddp: SyncBatchNorm runs on CPU replicas (in one process and across "
+                "processes); on GPUs it is not supported yet: use BatchNorm (statistics per "
+                "replica, as torch DDP without SyncBatchNorm) or torch DDP"
+            )
+        try:
+            return SyncBatchNorms(
+                replicas,
+                self.devices[0],
+                self.sync.link.stats_summer(),
+                opts.timeout_s or timeout_s(),
+            )
+        except BaseException:
+            self.sync.close()
+            raise
 
     # ---------------------------------------------------------------- access
     @property
@@ -204,6 +228,8 @@ class DistributedModel(nn.Module):
         does the same."""
         self._workers.close()
         self.sync.close()
+        if getattr(self, "_syncbn", None) is not None:
+            self._syncbn.release()  # torch's SyncBatchNorm again
 
     def __enter__(self) -> DistributedModel:
         return self
@@ -231,8 +257,9 @@ class DistributedModel(nn.Module):
         self._check_open()
         if self._passthrough:
             return self.module(*args, **kwargs)
-        with self._abandon_on_error("forward"):
+        with self._abandon_on_error("forward"), self._sync_batchnorm():
             shards, sizes = self._start((args, kwargs))
+            self._meet(len(shards))
             outs = self._workers.run(
                 [self._call(r, a, kw) for r, (a, kw) in enumerate(shards)], "forward"
             )
@@ -297,9 +324,11 @@ class DistributedModel(nn.Module):
 
             return run
 
-        with self._abandon_on_error("forward/loss"):
+        with self._abandon_on_error("forward/loss"), self._sync_batchnorm():
+            self._meet(len(shards))
             losses = self._workers.run(
-                [replica_loss(r) for r in range(len(shards))], "forward/loss"
+                [self._breaking_meetings(r, replica_loss(r)) for r in range(len(shards))],
+                "forward/loss",
             )
         # Training steps only: an evaluation (eval mode) may run on some ranks alone.
         if self.training and torch.is_grad_enabled():
@@ -408,7 +437,43 @@ class DistributedModel(nn.Module):
                     mine.copy_(src)
 
     def _call(self, r: int, args: Any, kwargs: Any) -> Callable[[], Any]:
-        return lambda: self._callables[r](*args, **kwargs)
+        return self._breaking_meetings(r, lambda: self._callables[r](*args, **kwargs))
+
+    @contextlib.contextmanager
+    def _sync_batchnorm(self) -> Iterator[None]:
+        """SyncBatchNorm layers meet in this forward (not in forwards outside
+        pyddp, nor in evaluation)."""
+        if self._syncbn is None:
+            yield
+            return
+        exchange = self._syncbn.exchange
+        exchange.active = True
+        try:
+            yield
+        finally:
+            exchange.active = False
+
+    def _meet(self, replicas: int) -> None:
+        """The SyncBatchNorm meetings of this forward (and its backward) are
+        between replicas 0..`replicas`-1."""
+        if self._syncbn is not None:
+            self._syncbn.exchange.reset(replicas)
+
+    def _breaking_meetings(self, r: int, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """fn, which on failure breaks SyncBatchNorm's meetings: the other
+        replicas raise instead of waiting for this one."""
+        if self._syncbn is None:
+            return fn
+        exchange = self._syncbn.exchange
+
+        def run() -> Any:
+            try:
+                return fn()
+            except BaseException as e:
+                exchange.abort(f"replica {r} raised {type(e).__name__}: {e}")
+                raise
+
+        return run
 
     # -------------------------------------------------------------- backward
     def _backward(self, tensors: List[List[torch.Tensor]], grads: List[List[Any]]) -> None:
@@ -421,6 +486,8 @@ class DistributedModel(nn.Module):
             # forward in between), the last reduction's copies are cleared as
             # a forward would (replica 0 carries the sum, the others restart).
             self.sync.restart_accumulation()
+            if self._syncbn is not None:
+                self._syncbn.exchange.reset(len(tensors))
             self._finish_queued = True
             # Autograd's final callback: runs once the whole backward is done,
             # whatever else the loss depended on.
@@ -453,7 +520,9 @@ class DistributedModel(nn.Module):
             return backward
 
         try:
-            self._workers.run([run(r) for r in range(len(tensors))], "backward")
+            self._workers.run(
+                [self._breaking_meetings(r, run(r)) for r in range(len(tensors))], "backward"
+            )
         except ReplicaError:
             self._finish_queued = False
             self.sync.abort()

@@ -125,3 +125,8 @@ class Link:
     def gather_objects(self, obj: Any, what: str) -> List[Any]:
         """Every process's `obj`, in rank order."""
         return [obj]
+
+    def stats_summer(self) -> Optional[Callable[[torch.Tensor], None]]:
+        """For SyncBatchNorm: a function that sums a CPU tensor over the
+        processes in place (None: one process, nothing to sum)."""
+        return None

@@ -14,7 +14,7 @@ from ..errors import ProcessGroupError
 from .agreement import LOADS, Agreement
 from .control import BUFFERS_BROADCAST, LOSS_WEIGHTS, PARAMS_BROADCAST, Control
 from .failure import Failure
-from .groups import Peers
+from .groups import Peers, allreduce, own_group
 from .link import Link
 from .record import WorkRecord, watch_steps
 from .transport import BucketTransport
@@ -279,6 +279,18 @@ class ProcessLink(Link):
 
     def gather_objects(self, obj: Any, what: str) -> List[Any]:
         return self.control.gather_objects(obj, what)
+
+    def stats_summer(self) -> Optional[Callable[[torch.Tensor], None]]:
+        # A gloo group of its own, made now (at wrap, on every rank): the
+        # statistics are summed mid-forward and mid-backward, while buckets
+        # are in flight on the data group and the agreement on the control one.
+        group = own_group(self.peers, "stats")
+
+        def sum_(t: torch.Tensor) -> None:
+            self.failure.check_abandoned()
+            self.failure.wait(allreduce(group, t), "SyncBatchNorm statistics")
+
+        return sum_
 
 
 class _Window:

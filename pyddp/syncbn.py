@@ -1,0 +1,304 @@
+"""SyncBatchNorm under pyddp: `torch.nn.SyncBatchNorm` layers of a wrapped
+model normalize over the global batch (every replica of every process), in
+forward and backward, as one device running BatchNorm on the whole batch.
+
+The model is converted as for torch DDP
+(`torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)`, or
+`pyddp.convert_sync_batchnorm`); `pyddp.wrap` then runs each replica's
+SyncBatchNorm layers through an `Exchange`: the replicas' threads meet in the
+middle of forward (and of backward), sum their per-channel statistics on
+devices[0], and one thread sums them over the processes on a gloo group of
+their own (so they never pair with a gradient bucket in flight). A replica
+that raises before a meeting breaks it, so the others raise instead of
+waiting. Outside a pyddp forward the layers are torch's own again."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+# Summed over the replicas and processes per layer and channel: statistics
+# travel in float64 (sums of squares of float32 activations would lose the
+# variance to cancellation in float32).
+STATS_DTYPE = torch.float64
+
+
+def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """torch's conversion (BatchNorm*d -> torch.nn.SyncBatchNorm), returned
+    for pyddp.wrap: the converted layers then synchronize over pyddp's
+    replicas and processes."""
+    return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+
+
+def sync_layers(module: nn.Module) -> List[nn.SyncBatchNorm]:
+    return [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)]
+
+
+class ExchangeBroken(RuntimeError):
+    """A replica stopped at a meeting because another failed: the workers
+    report the other's error first."""
+
+    consequence = True
+
+
+class Exchange:
+    """Sums one tensor per replica, then over the processes (`across`), and
+    hands every replica the total on its own device. Meetings happen in the
+    same order on every replica (the same layers, forward then backward
+    in reverse), so a generation count is all that pairs them."""
+
+    def __init__(
+        self,
+        replicas: int,
+        device: torch.device,
+        across: Optional[Callable[[torch.Tensor], None]],
+        timeout_s: float,
+    ):
+        self.device, self.across, self.timeout_s = device, across, timeout_s
+        self.replicas = replicas
+        self._cond = threading.Condition()
+        self._slots: List[Optional[torch.Tensor]] = [None] * replicas
+        self._arrived = 0
+        self._generation = 0
+        self._total: Optional[torch.Tensor] = None
+        self._broken: Optional[str] = None
+        self.active = False  # inside a pyddp forward or backward
+
+    def reset(self, replicas: Optional[int] = None) -> None:
+        """Before a forward or a backward: no meeting is half-way; `replicas`:
+        how many take part from now on (replicas 0.. of this process: a
+        batch with fewer shards than replicas leaves the rest out)."""
+        with self._cond:
+            if replicas is not None:
+                self.replicas = replicas
+            self._slots = [None] * self.replicas
+            self._arrived, self._broken, self._total = 0, None, None
+
+    def abort(self, why: str) -> None:
+        """A replica failed: the others raise at their meeting, now or next."""
+        with self._cond:
+            self._broken = why
+            self._cond.notify_all()
+
+    def sum(self, r: int, t: torch.Tensor, what: str) -> torch.Tensor:
+        if self.replicas == 1:
+            total = t.to(self.device)
+            if self.across is not None:
+                self.across(total)
+            return total.to(t.device)
+        with self._cond:
+            self._raise_if_broken(r, what)
+            generation = self._generation
+            self._slots[r] = t
+            self._arrived += 1
+            if self._arrived == self.replicas:
+                total = self._slots[0].to(self.device)  # type: ignore[union-attr]
+                for s in self._slots[1:]:
+                    total = total + s.to(self.device)  # type: ignore[union-attr]
+                try:
+                    if self.across is not None:
+                        self.across(total)  # one thread per process: the same order everywhere
+                except BaseException as e:
+                    self._broken = f"replica {r}'s exchange across processes raised: {e}"
+                    self._cond.notify_all()
+                    raise
+                self._total, self._slots = total, [None] * self.replicas
+                self._arrived, self._generation = 0, generation + 1
+                self._cond.notify_all()
+            else:
+                deadline = time.monotonic() + self.timeout_s
+                while self._generation == generation and self._broken is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        missing = [i for i, s in enumerate(self._slots) if s is None]
+                        raise ExchangeBroken(
+                            f"pyddp: SyncBatchNorm ({what}): replica {r} waited "
+                            f"{self.timeout_s:g} s for replica(s) {missing}, which never reached "
+                            "this layer (a replica that skipped it, or stalled)"
+                        )
+                    self._cond.wait(min(left, 1.0))
+                if self._generation == generation:
+                    self._raise_if_broken(r, what)
+            return self._total.to(t.device)  # type: ignore[union-attr]
+
+    def _raise_if_broken(self, r: int, what: str) -> None:
+        if self._broken is not None:
+            raise ExchangeBroken(
+                f"pyddp: SyncBatchNorm ({what}) on replica {r} stopped: {self._broken}"
+            )
+
+
+class _SyncBatchNormFn(torch.autograd.Function):
+    """Batch normalization with global statistics; backward sums the two
+    per-channel gradient terms over every replica and process too."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        mean: torch.Tensor,
+        invstd: torch.Tensor,
+        count: float,
+        meet: Callable[[torch.Tensor, str], torch.Tensor],
+    ) -> torch.Tensor:
+        shape = _channel_shape(x)
+        xhat = (x - mean.view(shape)) * invstd.view(shape)
+        y = xhat if weight is None else xhat * weight.view(shape)
+        if bias is not None:
+            y = y + bias.view(shape)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.count, ctx.meet = count, meet
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Tuple[Any, ...]:
+        x, weight, mean, invstd = ctx.saved_tensors
+        shape, dims = _channel_shape(x), _reduce_dims(x)
+        xhat = (x - mean.view(shape)) * invstd.view(shape)
+        sum_dy = dy.sum(dims)
+        sum_dy_xhat = (dy * xhat).sum(dims)
+        # Only the input's gradient needs the global sums; weight and bias
+        # get this replica's own, reduced with every other gradient.
+        local = torch.stack([sum_dy, sum_dy_xhat]).to(STATS_DTYPE)
+        total = ctx.meet(local, "backward").to(x.dtype)
+        scale = invstd if weight is None else invstd * weight
+        dx = dy - (total[0] / ctx.count).view(shape) - xhat * (total[1] / ctx.count).view(shape)
+        dx = dx * scale.view(shape)
+        dweight = sum_dy_xhat if weight is not None and ctx.needs_input_grad[1] else None
+        dbias = sum_dy if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dweight, dbias, None, None, None, None
+
+
+def _channel_shape(x: torch.Tensor) -> Tuple[int, ...]:
+    return (1, x.shape[1]) + (1,) * (x.dim() - 2)
+
+
+def _reduce_dims(x: torch.Tensor) -> List[int]:
+    return [0] + list(range(2, x.dim()))
+
+
+class _Binding:
+    """Which replica a layer belongs to and its Exchange. Copies and pickles
+    of a bound layer (an EMA copy, torch.save of the model) drop it: they are
+    torch's SyncBatchNorm again, never a second caller of this exchange."""
+
+    def __init__(self, r: int, exchange: Exchange):
+        self.r, self.exchange = r, exchange
+
+    def __deepcopy__(self, memo: Any) -> None:
+        return None
+
+    def __reduce__(self) -> Any:
+        return (_unbound, ())
+
+
+def _unbound() -> None:
+    return None
+
+
+class BoundSyncBatchNorm(nn.SyncBatchNorm):
+    """A torch.nn.SyncBatchNorm while its model is wrapped by pyddp (the
+    class is swapped back when the wrapper closes): global statistics in a
+    pyddp training forward, torch's own forward otherwise (evaluation, or a
+    call outside pyddp, where torch's rules apply)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        binding = self.__dict__.get("_pyddp_binding")
+        if binding is None or not (binding.exchange.active and self.training):
+            return super().forward(input)
+        return _global_forward(self, input, binding.r, binding.exchange)
+
+
+def _global_forward(
+    layer: nn.SyncBatchNorm, x: torch.Tensor, r: int, exchange: Exchange
+) -> torch.Tensor:
+    if x.dim() < 2:
+        raise ValueError(f"pyddp: SyncBatchNorm expects at least 2D input, got {x.dim()}D")
+
+    def meet(t: torch.Tensor, what: str) -> torch.Tensor:
+        return exchange.sum(r, t, what)
+
+    dims = _reduce_dims(x)
+    n = x.numel() // x.shape[1]
+    with torch.no_grad():
+        var, m = torch.var_mean(x.detach(), dims, correction=0)
+        m64, v64 = m.to(STATS_DTYPE), var.to(STATS_DTYPE)
+        stats = torch.stack([torch.full_like(m64, float(n)), n * m64, n * (v64 + m64 * m64)])
+        total = meet(stats, "forward")
+        count = float(total[0, 0])
+        if count <= 1:
+            raise ValueError(
+                "pyddp: SyncBatchNorm needs more than one value per channel over the "
+                f"global batch, got {count:g} (input of shape {tuple(x.shape)})"
+            )
+        mean64 = total[1] / count
+        var64 = (total[2] / count - mean64 * mean64).clamp_min(0)
+        mean, var = mean64.to(x.dtype), var64.to(x.dtype)
+        invstd = torch.rsqrt(var + layer.eps)
+        _update_running_stats(layer, mean, var * (count / (count - 1)))
+    return _SyncBatchNormFn.apply(x, layer.weight, layer.bias, mean, invstd, count, meet)
+
+
+def _update_running_stats(layer: nn.SyncBatchNorm, mean: torch.Tensor, unbiased: torch.Tensor):
+    """As torch's _BatchNorm: momentum, or a cumulative average when None."""
+    if not layer.track_running_stats or layer.running_mean is None:
+        return
+    if layer.num_batches_tracked is not None:
+        layer.num_batches_tracked.add_(1)
+    momentum = layer.momentum
+    factor = 1.0 / float(layer.num_batches_tracked) if momentum is None else momentum  # type: ignore[arg-type]
+    layer.running_mean.mul_(1 - factor).add_(mean.to(layer.running_mean.dtype), alpha=factor)
+    layer.running_var.mul_(1 - factor).add_(unbiased.to(layer.running_var.dtype), alpha=factor)  # type: ignore[union-attr]
+
+
+class SyncBatchNorms:
+    """The wrapped model's SyncBatchNorm layers, every replica's, bound to
+    one Exchange; `release()` makes them torch's SyncBatchNorm again."""
+
+    def __init__(
+        self,
+        replicas: Sequence[nn.Module],
+        device: torch.device,
+        across: Optional[Callable[[torch.Tensor], None]],
+        timeout_s: float,
+    ):
+        self.exchange = Exchange(len(replicas), device, across, timeout_s)
+        self._bound: List[nn.Module] = []
+        for r, replica in enumerate(replicas):
+            for layer in sync_layers(replica):
+                if layer.__dict__.get("_pyddp_binding") is not None:
+                    raise RuntimeError(
+                        "pyddp: this model's SyncBatchNorm layers belong to another pyddp "
+                        "wrapper that is still open: close it (dmodel.close()) first"
+                    )
+                if layer.process_group is not None:
+                    raise ValueError(
+                        "pyddp: a SyncBatchNorm layer has its own process_group; pyddp "
+                        "synchronizes over the wrapped model's replicas and processes (the "
+                        "group given to wrap): convert with process_group=None"
+                    )
+                if type(layer) not in (nn.SyncBatchNorm, BoundSyncBatchNorm):
+                    raise TypeError(
+                        f"pyddp: {type(layer).__name__} is a subclass of torch.nn.SyncBatchNorm, "
+                        "which pyddp cannot run on its own exchange; use torch.nn.SyncBatchNorm "
+                        "(convert_sync_batchnorm), or BatchNorm without synchronization"
+                    )
+                layer.__class__ = BoundSyncBatchNorm
+                layer._pyddp_binding = _Binding(r, self.exchange)
+                self._bound.append(layer)
+
+    def __len__(self) -> int:
+        return len(self._bound)
+
+    def release(self) -> None:
+        for layer in self._bound:
+            layer.__dict__.pop("_pyddp_binding", None)
+            layer.__class__ = nn.SyncBatchNorm
+        self._bound = []
