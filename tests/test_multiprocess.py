@@ -302,6 +302,16 @@ def test_a_forward_that_raises_on_one_rank_fails_the_others_at_once(tmp_path):
     assert len(r1["errors"]) >= 2 and "abandoned" in r1["errors"][1], r1  # refuses step 2
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_sync_batchnorm_across_processes_equals_one_device(tmp_path, replicas):
+    # torch's SyncBatchNorm refuses CPU tensors, so the reference is one
+    # device running BatchNorm on the global batch (every rank trains it).
+    run = torchrun("syncbn", tmp_path, 2, {"SCENARIO_REPLICAS": str(replicas)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in results(tmp_path, "syncbn", 2):
+        assert r["grad"] <= TOL and r["params"] <= TOL and r["buffers"] <= TOL, r
+
+
 def test_a_process_exits_cleanly_with_its_group_up_and_gloo_work_in_flight(tmp_path):
     # Without pyddp's exit handler (SCENARIO_SETTLE_S=0) both ranks abort
     # ("terminate called without an active exception") in 10 runs of 10 here.

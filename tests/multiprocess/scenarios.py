@@ -16,6 +16,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 import pyddp
@@ -920,6 +921,53 @@ def diverge(out: dict) -> None:
         except Exception as e:  # noqa: BLE001 - reported to the test
             out[name] = str(e)
     _write_and_exit(out)
+
+
+def syncbn(out: dict) -> None:
+    """SyncBatchNorm across processes (SCENARIO_REPLICAS replicas each):
+    equal to one device running BatchNorm on the global batch, which every
+    rank also trains here. Rank r's rows are its slice of each global batch
+    (the same number per rank: the gradient average over processes is then
+    the global mean, as under torch DDP). A forward in eval mode on rank 0
+    alone afterwards: evaluation never meets."""
+    replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
+    rank, world = pyddp.rank(), pyddp.world()
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 8), nn.BatchNorm1d(8, momentum=None), nn.ReLU(), nn.Linear(8, 3),
+    )  # fmt: skip
+    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(copy.deepcopy(ref)), ["cpu"] * replicas)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    rows = 7  # per rank: uneven shards over 2 replicas
+    g = torch.Generator().manual_seed(3)
+    worst_grad = 0.0
+    for _ in range(5):
+        x = torch.randn(rows * world, 2, 5, 5, generator=g) * 2 + 1
+        y = torch.randint(0, 3, (rows * world,), generator=g)
+        mine = slice(rank * rows, (rank + 1) * rows)
+        F.cross_entropy(dm(x[mine]), y[mine]).backward()
+        F.cross_entropy(ref(x), y).backward()
+        for p, q in zip(dm.module.parameters(), ref.parameters()):
+            worst_grad = max(worst_grad, (p.grad - q.grad).abs().max().item())
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    out["grad"] = worst_grad
+    out["params"] = max(
+        (p - q).abs().max().item() for p, q in zip(dm.module.parameters(), ref.parameters())
+    )
+    out["buffers"] = max(
+        (b.float() - c.float()).abs().max().item()
+        for b, c in zip(dm.module.buffers(), ref.buffers())
+    )
+    if rank == 0:
+        dm.eval()
+        with torch.no_grad():
+            dm(torch.randn(4, 2, 5, 5))
+    dm.close()
 
 
 def exit_in_flight(out: dict) -> None:
