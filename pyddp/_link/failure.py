@@ -233,4 +233,6 @@ def _quoted(text: str, limit: int = 300) -> str:
     """Text from another process (the store) shown as data: printable, one
     line, bounded, in quotes."""
     clean = "".join(c if c.isprintable() else " " for c in text)
-    return repr(clean[:limit] + ("..." if len(clean) > limit else ""))
+    # Quotes, not repr(): repr escapes the apostrophes of pyddp's own
+    # messages ("rank 0\'s buffers") once they also hold double quotes.
+    return "'" + clean[:limit] + ("..." if len(clean) > limit else "") + "'"
