@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 import weakref
 from collections import Counter
 from functools import partial
@@ -199,6 +200,16 @@ class GradSync:
             if _prepare_on_forward:  # wrap prepares all replicas itself, hook-free
                 self._handles.append(module.register_forward_pre_hook(PrepareHook(self, r)))
         note_synced(self)
+        if _prepare_on_forward and any(
+            isinstance(m, nn.SyncBatchNorm) for r in replicas for m in r.modules()
+        ):
+            # Used directly, GradSync reduces gradients only: the layers would
+            # normalize per replica (one process) or raise (torch's, on CPUs).
+            warnings.warn(
+                "pyddp.GradSync does not synchronize SyncBatchNorm statistics across its "
+                "replicas (only gradients): use pyddp.wrap, which does",
+                stacklevel=2,
+            )
 
     # ----------------------------------------------------------------- layout
     def _allocate(self, buckets: Sequence[Sequence[int]]) -> None:

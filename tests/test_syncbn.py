@@ -205,3 +205,11 @@ def test_misuse_is_refused_by_name():
     with pytest.raises(pyddp.ReplicaError, match="more than one value per channel"):
         dm = pyddp.wrap(nn.Sequential(nn.SyncBatchNorm(4)), ["cpu"] * 2)
         dm(torch.randn(1, 4))
+
+
+def test_gradsync_used_directly_says_it_does_not_synchronize_the_statistics():
+    replicas = [nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4)) for _ in range(2)]
+    replicas[1].load_state_dict(replicas[0].state_dict())
+    with pytest.warns(UserWarning, match="does not synchronize SyncBatchNorm"):
+        sync = pyddp.GradSync(replicas)
+    sync.close()
