@@ -148,6 +148,65 @@ def test_fabric_equals_fabric_ddp_and_resumes(tmp_path):
     assert max_param_diff(resumed, runs["pyddp"]) <= TOL
 
 
+LIGHTNING_SYNC_BN = """
+import json, sys
+import lightning as L, torch, torch.nn.functional as F
+import pyddp.lightning
+
+torch.manual_seed(0)
+x, y = torch.randn(32, 6) * 2 + 1, torch.randint(0, 3, (32,))
+
+
+class M(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5),
+                                       torch.nn.Linear(5, 3))
+        self.first = torch.nn.Linear(6, 5)
+        self.first.load_state_dict(self.net[0].state_dict())  # the first layer at step 0
+        self.seen = None
+
+    def training_step(self, batch, i):
+        self.seen = type(self.net[1]).__name__
+        return F.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+
+if __name__ == "__main__":
+    m = M()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    t = L.Trainer(accelerator="cpu", devices=2, strategy="pyddp", sync_batchnorm=True,
+                  max_steps=1, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False)
+    t.fit(m, data)
+    # One step over the global batch of 32 rows (16 per rank): BatchNorm's
+    # running mean is then 0.1 x that batch's mean of the first layer's output.
+    with torch.no_grad():
+        expected = 0.1 * m.first(x).mean(0)
+    got = m.net[1].running_mean
+    out = {"seen": m.seen, "diff": (got - expected).abs().max().item()}
+    json.dump(out, open(f"{sys.argv[1]}/rank{t.global_rank}.json", "w"))
+"""
+
+
+def test_lightning_sync_batchnorm_uses_the_global_batch_on_cpus(tmp_path):
+    # Lightning's own DDP cannot: torch's SyncBatchNorm refuses CPU tensors.
+    pytest.importorskip("lightning")
+    script = tmp_path / "sync_bn.py"
+    script.write_text(LIGHTNING_SYNC_BN)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, (causes(run.stderr), run.stderr[-3000:])
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["seen"] == "BoundSyncBatchNorm", got
+        assert got["diff"] <= TOL, got
+
+
 def test_lightning_strategies_refuse_what_pyddp_does_not_do():
     lightning = pytest.importorskip("pyddp.lightning")
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
