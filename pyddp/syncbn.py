@@ -147,32 +147,39 @@ class _SyncBatchNormFn(torch.autograd.Function):
         count: float,
         meet: Callable[[torch.Tensor, str], torch.Tensor],
     ) -> torch.Tensor:
+        # mean and invstd are float32 at least: 16-bit inputs are
+        # normalized in float32 and returned in their own dtype, as torch's.
         shape = _channel_shape(x)
-        xhat = (x - mean.view(shape)) * invstd.view(shape)
-        y = xhat if weight is None else xhat * weight.view(shape)
+        xhat = (x.to(mean.dtype) - mean.view(shape)) * invstd.view(shape)
+        y = xhat if weight is None else xhat * weight.view(shape).to(mean.dtype)
         if bias is not None:
-            y = y + bias.view(shape)
+            y = y + bias.view(shape).to(mean.dtype)
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.count, ctx.meet = count, meet
         ctx.has_bias = bias is not None
-        return y
+        return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Tuple[Any, ...]:
         x, weight, mean, invstd = ctx.saved_tensors
         shape, dims = _channel_shape(x), _reduce_dims(x)
-        xhat = (x - mean.view(shape)) * invstd.view(shape)
+        dtype = mean.dtype
+        xhat = (x.to(dtype) - mean.view(shape)) * invstd.view(shape)
+        dy = dy.to(dtype)
         sum_dy = dy.sum(dims)
         sum_dy_xhat = (dy * xhat).sum(dims)
         # Only the input's gradient needs the global sums; weight and bias
         # get this replica's own, reduced with every other gradient.
         local = torch.stack([sum_dy, sum_dy_xhat]).to(STATS_DTYPE)
-        total = ctx.meet(local, "backward").to(x.dtype)
-        scale = invstd if weight is None else invstd * weight
+        total = ctx.meet(local, "backward").to(dtype)
+        scale = invstd if weight is None else invstd * weight.to(dtype)
         dx = dy - (total[0] / ctx.count).view(shape) - xhat * (total[1] / ctx.count).view(shape)
-        dx = dx * scale.view(shape)
-        dweight = sum_dy_xhat if weight is not None and ctx.needs_input_grad[1] else None
-        dbias = sum_dy if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dx = (dx * scale.view(shape)).to(x.dtype)
+        dweight = dbias = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            dweight = sum_dy_xhat.to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            dbias = sum_dy.to(weight.dtype if weight is not None else dtype)
         return dx, dweight, dbias, None, None, None, None
 
 
@@ -228,7 +235,8 @@ def _global_forward(
     dims = _reduce_dims(x)
     n = x.numel() // x.shape[1]
     with torch.no_grad():
-        var, m = torch.var_mean(x.detach(), dims, correction=0)
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        var, m = torch.var_mean(x.detach().to(dtype), dims, correction=0)
         m64, v64 = m.to(STATS_DTYPE), var.to(STATS_DTYPE)
         stats = torch.stack([torch.full_like(m64, float(n)), n * m64, n * (v64 + m64 * m64)])
         total = meet(stats, "forward")
@@ -240,7 +248,7 @@ def _global_forward(
             )
         mean64 = total[1] / count
         var64 = (total[2] / count - mean64 * mean64).clamp_min(0)
-        mean, var = mean64.to(x.dtype), var64.to(x.dtype)
+        mean, var = mean64.to(dtype), var64.to(dtype)
         invstd = torch.rsqrt(var + layer.eps)
         _update_running_stats(layer, mean, var * (count / (count - 1)))
     return _SyncBatchNormFn.apply(x, layer.weight, layer.bias, mean, invstd, count, meet)

@@ -213,3 +213,25 @@ def test_gradsync_used_directly_says_it_does_not_synchronize_the_statistics():
     with pytest.warns(UserWarning, match="does not synchronize SyncBatchNorm"):
         sync = pyddp.GradSync(replicas)
     sync.close()
+
+
+def test_bf16_autocast_keeps_the_dtype_and_equals_one_device_to_bf16_rounding():
+    # Statistics in float32 and the output in the input's dtype, as torch's
+    # BatchNorm under autocast. Tolerance: bfloat16 keeps 8 significant bits
+    # (2**-8 relative): outputs within one ulp; gradients (through bf16
+    # layers on both sides) within two ulps of the largest gradient (the
+    # first layer's bias gradient is analytically 0: rounding noise on both).
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(copy.deepcopy(ref)), ["cpu"] * 2)
+    x = torch.randn(16, 6) * 2 + 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref_out = dm(x), ref(x)
+    assert out.dtype == ref_out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=2**-8)
+    out.float().square().mean().backward()
+    ref_out.float().square().mean().backward()
+    scale = max(p.grad.abs().max().item() for p in ref.parameters())
+    for (name, p), q in zip(ref.named_parameters(), dm.module.parameters()):
+        assert q.grad.dtype == p.grad.dtype == torch.float32
+        torch.testing.assert_close(q.grad, p.grad, atol=2**-7 * scale, rtol=0, msg=name)
