@@ -21,10 +21,12 @@ Accelerate initialised. Everything that is not a module goes to
 The returned model is a `pyddp.DistributedModel`: `accelerator.unwrap_model`
 does not see through it (it knows torch's wrappers only); use
 `pyddp.accelerate.unwrap(model)` (or `model.module`), e.g. before
-`save_pretrained`. `DistributedDataParallelKwargs(comm_hook=FP16 or BF16)`
-registers the compression hook on the wrapped model. Refused by name: FSDP,
+`save_pretrained`. `DistributedDataParallelKwargs(comm_hook=...,
+comm_wrapper=..., comm_state_option=...)` is registered on the wrapped model
+by Accelerate itself (FP16, BF16, PowerSGD and batched PowerSGD, with their
+wrappers; CPU processes: hooks on GPUs are refused). Refused by name: FSDP,
 DeepSpeed, Megatron, tensor parallelism and XLA (Accelerate's other
-engines), PowerSGD and comm wrappers."""
+engines)."""
 
 from __future__ import annotations
 
@@ -91,18 +93,20 @@ def prepare_model(accelerator: Accelerator, model: nn.Module, **options: Any) ->
     ddp_kwargs = handler.to_kwargs() if handler is not None else {}
     hook = getattr(getattr(handler, "comm_hook", None), "value", None) or "no"
     wrapper = getattr(getattr(handler, "comm_wrapper", None), "value", None) or "no"
-    if hook not in ("no", "fp16", "bf16") or wrapper != "no":
-        raise NotImplementedError(
-            f"pyddp.accelerate: DistributedDataParallelKwargs(comm_hook={hook!r}, "
-            f"comm_wrapper={wrapper!r}): pyddp takes the fp16 and bf16 compression hooks "
-            "(no wrapper); PowerSGD is not supported yet"
+    if hook == "no" and wrapper != "no":
+        raise ValueError(
+            f"pyddp.accelerate: DistributedDataParallelKwargs(comm_wrapper={wrapper!r}) without "
+            "a comm_hook: a wrapper wraps a hook (Accelerate would ignore it)"
         )
     options = {**wrap_options(ddp_kwargs, "DistributedDataParallelKwargs"),
                **wrap_options(options, "pyddp.accelerate.prepare_model")}  # fmt: skip
     prepared = accelerator.prepare_model(model, evaluation_mode=True)
     dm = wrap(prepared, [accelerator.device], **options)
     if hook != "no":
-        dm.register_comm_hook(None, hook)  # as Accelerate's register_comm_hook does for DDP
+        # Accelerate's own registration (its hook, wrapper and PowerSGD state
+        # from comm_state_option), called on the pyddp model as on DDP: the
+        # signature is the same, and the buckets have GradBucket's methods.
+        handler.register_comm_hook(dm)
     # Accelerate's mark for a prepared model: passing `dm` to
     # accelerator.prepare again returns it as it is instead of wrapping it
     # in DDP (which would reduce every gradient twice).

@@ -243,6 +243,19 @@ def test_accelerate_equals_accelerate_ddp_and_resumes_exactly(tmp_path):
     assert max_param_diff(resumed, runs["pyddp"]) <= TOL
 
 
+def test_accelerate_power_sgd_equals_accelerate_ddp_with_it(tmp_path):
+    # Accelerate registers torch's PowerSGD hook (rank 2, from step 2) on the
+    # pyddp model as on DDP. The digits model fits one bucket under both
+    # engines, so the low-rank factors (seeded, per bucket) agree.
+    pytest.importorskip("accelerate")
+    runs, _ = run_pair("accelerate_digits", tmp_path, "--engine", "--comm-hook", "power_sgd",
+                       "--epochs", "1", torchrun=True)  # fmt: skip
+    assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
+    plain = tmp_path / "plain"
+    run_example("accelerate_digits", plain, "--epochs", "1", torchrun=True)
+    assert max_param_diff(plain, runs["pyddp"]) > 1e-4  # the hook did compress
+
+
 def test_transformers_trainer_equals_its_ddp_and_resumes_exactly(tmp_path):
     pytest.importorskip("accelerate")
     runs, got = run_pair("hf_trainer", tmp_path, "--engine", torchrun=True)
@@ -275,6 +288,14 @@ def test_accelerate_adapter_refuses_misuse():
     with pytest.raises(TypeError, match="unknown argument"):
         acc.prepare(accelerator, torch.nn.Linear(2, 2), bucket_size=1)
     model.close()
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+    fp16 = DDPCommunicationHookType.FP16
+    wrapper_only = Accelerator(
+        cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(comm_wrapper=fp16)]
+    )
+    with pytest.raises(ValueError, match="without a comm_hook"):
+        acc.prepare(wrapper_only, torch.nn.Linear(2, 2))
 
 
 # ------------------------------------------------------------------ Ray Train

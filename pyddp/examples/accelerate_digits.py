@@ -37,12 +37,19 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--batch", type=int, default=32, help="per process")
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--precision", default="no", help="no or bf16")
+    parser.add_argument("--comm-hook", default="no", help="no, fp16, bf16 or power_sgd")
     parser.add_argument("--resume", action="store_true", help="from the last saved state")
     parser.add_argument("--output", default=output_root("accelerate_digits"))
     args = parser.parse_args(argv)
 
     from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+    from accelerate.utils import (
+        DataLoaderConfiguration,
+        DDPCommunicationHookType,
+        DistributedDataParallelKwargs,
+        ProjectConfiguration,
+        set_seed,
+    )
 
     import pyddp.accelerate
 
@@ -55,6 +62,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         # Each epoch's order from the seed and the epoch alone: a resumed run
         # sees the batches an uninterrupted one would.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        kwargs_handlers=[
+            DistributedDataParallelKwargs(
+                comm_hook=DDPCommunicationHookType(args.comm_hook),
+                # PowerSGD: rank-2 factors, compressing from the second step on
+                comm_state_option={"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}
+                if args.comm_hook == "power_sgd"
+                else {},
+            )
+        ],
     )
     set_seed(0)
     (xt, yt), (xv, yv) = load_digits()
