@@ -257,12 +257,12 @@ class DistributedModel(nn.Module):
         self._check_open()
         if self._passthrough:
             return self.module(*args, **kwargs)
-        with self._abandon_on_error("forward"), self._sync_batchnorm():
+        with self._abandon_on_error("forward"):
             shards, sizes = self._start((args, kwargs))
-            self._meet(len(shards))
-            outs = self._workers.run(
-                [self._call(r, a, kw) for r, (a, kw) in enumerate(shards)], "forward"
-            )
+            with self._sync_batchnorm(len(shards)):
+                outs = self._workers.run(
+                    [self._call(r, a, kw) for r, (a, kw) in enumerate(shards)], "forward"
+                )
         if torch.is_grad_enabled():
             self.sync.note_forward_end()
         return gather(outs, sizes, self.devices[0], self._join)
@@ -324,8 +324,7 @@ class DistributedModel(nn.Module):
 
             return run
 
-        with self._abandon_on_error("forward/loss"), self._sync_batchnorm():
-            self._meet(len(shards))
+        with self._abandon_on_error("forward/loss"), self._sync_batchnorm(len(shards)):
             losses = self._workers.run(
                 [self._breaking_meetings(r, replica_loss(r)) for r in range(len(shards))],
                 "forward/loss",
@@ -439,25 +438,13 @@ class DistributedModel(nn.Module):
     def _call(self, r: int, args: Any, kwargs: Any) -> Callable[[], Any]:
         return self._breaking_meetings(r, lambda: self._callables[r](*args, **kwargs))
 
-    @contextlib.contextmanager
-    def _sync_batchnorm(self) -> Iterator[None]:
+    def _sync_batchnorm(self, replicas: int) -> ContextManager[None]:
         """SyncBatchNorm layers meet in this forward (not in forwards outside
-        pyddp, nor in evaluation)."""
+        pyddp, nor in evaluation), between replicas 0..`replicas`-1; the
+        backward of this forward meets between the same."""
         if self._syncbn is None:
-            yield
-            return
-        exchange = self._syncbn.exchange
-        exchange.active = True
-        try:
-            yield
-        finally:
-            exchange.active = False
-
-    def _meet(self, replicas: int) -> None:
-        """The SyncBatchNorm meetings of this forward (and its backward) are
-        between replicas 0..`replicas`-1."""
-        if self._syncbn is not None:
-            self._syncbn.exchange.reset(replicas)
+            return contextlib.nullcontext()
+        return self._syncbn.meetings(replicas)
 
     def _breaking_meetings(self, r: int, fn: Callable[[], Any]) -> Callable[[], Any]:
         """fn, which on failure breaks SyncBatchNorm's meetings: the other

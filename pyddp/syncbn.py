@@ -14,9 +14,10 @@ waiting. Outside a pyddp forward the layers are torch's own again."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -85,11 +86,6 @@ class Exchange:
             self._cond.notify_all()
 
     def sum(self, r: int, t: torch.Tensor, what: str) -> torch.Tensor:
-        if self.replicas == 1:
-            total = t.to(self.device)
-            if self.across is not None:
-                self.across(total)
-            return total.to(t.device)
         with self._cond:
             self._raise_if_broken(r, what)
             generation = self._generation
@@ -150,7 +146,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         # mean and invstd are float32 at least: 16-bit inputs are
         # normalized in float32 and returned in their own dtype, as torch's.
         shape = _channel_shape(x)
-        xhat = (x.to(mean.dtype) - mean.view(shape)) * invstd.view(shape)
+        xhat = _normalize(x, mean, invstd)
         y = xhat if weight is None else xhat * weight.view(shape).to(mean.dtype)
         if bias is not None:
             y = y + bias.view(shape).to(mean.dtype)
@@ -164,7 +160,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         x, weight, mean, invstd = ctx.saved_tensors
         shape, dims = _channel_shape(x), _reduce_dims(x)
         dtype = mean.dtype
-        xhat = (x.to(dtype) - mean.view(shape)) * invstd.view(shape)
+        xhat = _normalize(x, mean, invstd)  # recomputed: saving it would double 16-bit inputs
         dy = dy.to(dtype)
         sum_dy = dy.sum(dims)
         sum_dy_xhat = (dy * xhat).sum(dims)
@@ -181,6 +177,11 @@ class _SyncBatchNormFn(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             dbias = sum_dy.to(weight.dtype if weight is not None else dtype)
         return dx, dweight, dbias, None, None, None, None
+
+
+def _normalize(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+    shape = _channel_shape(x)
+    return (x.to(mean.dtype) - mean.view(shape)) * invstd.view(shape)
 
 
 def _channel_shape(x: torch.Tensor) -> Tuple[int, ...]:
@@ -302,8 +303,15 @@ class SyncBatchNorms:
                 layer._pyddp_binding = _Binding(r, self.exchange)
                 self._bound.append(layer)
 
-    def __len__(self) -> int:
-        return len(self._bound)
+    @contextlib.contextmanager
+    def meetings(self, replicas: int) -> Iterator[None]:
+        """A pyddp forward over replicas 0..`replicas`-1: the layers meet."""
+        self.exchange.reset(replicas)
+        self.exchange.active = True
+        try:
+            yield
+        finally:
+            self.exchange.active = False
 
     def release(self) -> None:
         for layer in self._bound:
