@@ -30,6 +30,7 @@ from ._link.control import BUFFERS_BROADCAST
 from ._mirror import ReplicaMirror
 from ._runtime import timeout_s
 from ._scatter import batch_size, call_arguments, gather, scatter
+from ._uneven import Joinable, Joining
 from ._workers import ReplicaWorkers
 from .devices import DeviceLike, parse_devices, process_devices
 from .errors import ReplicaError
@@ -39,7 +40,7 @@ from .sync import GradSync
 from .syncbn import SyncBatchNorms, sync_layers
 
 
-class DistributedModel(nn.Module):
+class DistributedModel(nn.Module, Joining):
     """A model replicated over `devices`; see `pyddp.wrap`."""
 
     def __init__(
@@ -52,6 +53,7 @@ class DistributedModel(nn.Module):
         **options: Any,
     ):
         super().__init__()
+        Joinable.__init__(self)  # torch's Join: disabled until a Join enables it
         if isinstance(module, DistributedModel):
             raise TypeError(
                 "the model is already wrapped (a pyddp DistributedModel): use it as it is, or "
@@ -257,6 +259,7 @@ class DistributedModel(nn.Module):
         self._check_open()
         if self._passthrough:
             return self.module(*args, **kwargs)
+        self._notify_join()
         with self._abandon_on_error("forward"):
             shards, sizes = self._start((args, kwargs))
             with self._sync_batchnorm(len(shards)):
@@ -311,7 +314,8 @@ class DistributedModel(nn.Module):
             raise ValueError(f"got {len(shards)} shards for {len(self._replicas)} replicas")
         sizes = [batch_size(args) for args, _ in shards]
         total = sum(sizes)
-        self._begin()
+        self._notify_join()
+        self._begin(total)
 
         def replica_loss(r: int) -> Callable[[], torch.Tensor]:
             def run() -> torch.Tensor:
@@ -376,11 +380,12 @@ class DistributedModel(nn.Module):
     def _start(self, tree: Any) -> Tuple[List[Any], List[int]]:
         """Scatters `tree` and readies the replicas for a new iteration."""
         shards, sizes = scatter(tree, self.devices)
-        self._begin()
+        self._begin(sum(sizes))
         return shards, sizes
 
-    def _begin(self) -> None:
-        """Readies the replicas for a forward that may be followed by backward."""
+    def _begin(self, rows: int) -> None:
+        """Readies the replicas for a forward of `rows` rows that may be
+        followed by backward."""
         if self._passthrough:
             return
         self.training = self.module.training
@@ -388,6 +393,7 @@ class DistributedModel(nn.Module):
             self._finish_queued = False  # a backward that raised never ran its callback
             self.sync.prepare_all()
         self._follow_model()
+        self._join_forward(rows)  # under Join: what the joined ranks shadow
         # Training forwards (DDP's default) and eval forwards alike: replicas > 0
         # updated their own BatchNorm statistics in their last training forward.
         self.broadcast_buffers_now()

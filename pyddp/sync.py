@@ -136,6 +136,7 @@ class GradSync:
         # Runs one function per replica; wrap installs its parallel workers.
         self.run_per_replica: Callable[[Sequence[Callable[[], Any]], str], List[Any]] = _in_turn
         self._closed = False
+        self._shadowing = False  # shadow_backward() under way
         keep = opts.keep()
         self.observer = Observer(keep)
         # The group says which ranks: pyddp reduces on gloo groups of its own
@@ -360,6 +361,29 @@ class GradSync:
             self._rebuild()
         self.layout.mark_reduced()
 
+    def shadow_backward(self) -> None:
+        """Under torch's Join, on a rank whose inputs ran out: takes part in
+        a synced backward of the ranks that still have inputs, with zero
+        gradients and no part in the agreement (pyddp.wrap's join hook calls
+        it). The buckets launch as in any backward (the same ones, in the
+        same order, through a communication hook if one is registered);
+        afterwards this rank's gradients hold the reduced values, which it
+        does not step with."""
+        if self._engine is None or not self.link.spans_processes:
+            return
+        if not self._engine.sync_enabled:
+            raise RuntimeError(
+                "pyddp: a rank that joined (torch's Join) is under no_sync(): it must shadow "
+                "the other ranks' synced backward; leave no_sync() before the Join block ends"
+            )
+        self.prepare_all()
+        self.zero_grad(set_to_none=True)  # every gradient absent here: zeros on the wire
+        self._shadowing = True
+        try:
+            self.finish()
+        finally:
+            self._shadowing = False
+
     def _wait_for_link(self) -> Tuple[List[int], List[int], Any]:
         try:
             return self.link.wait()
@@ -381,7 +405,10 @@ class GradSync:
         none_here = {i for i in nowhere if self.params[0][i].grad is None}
         if self._engine.sync_enabled:
             absent = sorted(none_here | {i for i in nowhere if not self._engine.has_grad(i)})
-            for i in self.link.start_agreement(absent, len(self.names), self._work.take):
+            agreeing = self.link.start_agreement(
+                absent, len(self.names), self._work.take, self._shadowing
+            )
+            for i in agreeing:
                 self._engine.note_grad(i, True)
                 self.layout.zero_param(i)
                 none_here.discard(i)

@@ -269,6 +269,46 @@ def test_uneven_inputs_fail_within_the_timeout_naming_the_rank(tmp_path):
     assert r0["seconds"] < 3 + 3 + 5
 
 
+@pytest.mark.parametrize(
+    "counts",
+    ["2,4", "3,0,2"],
+    ids=["rank0-runs-out-first", "3-ranks-one-with-no-batch"],
+)
+def test_join_shadows_uneven_inputs_as_torch_ddp_and_the_closed_form(tmp_path, counts):
+    """dmodel.join() with a different number of batches per rank
+    (tests/multiprocess/scenarios.py `join`)."""
+    world = len(counts.split(","))
+    run = torchrun("join", tmp_path, world, {"JOIN_COUNTS": counts}, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = results(tmp_path, "join", world)
+    every_rank_had_a_batch = min(int(c) for c in counts.split(",")) > 0
+    for r in got:
+        for divide in (True, False):
+            for micro in (1, 2):
+                # The closed form (BatchNorm frozen): the ranks with inputs'
+                # gradients over the world, or over themselves.
+                assert r[f"vs_closed_divide{divide}_micro{micro}"] <= TOL, r
+                if every_rank_had_a_batch:
+                    # torch DDP itself strays by 1.4e-4 from the closed form
+                    # when a rank never had a batch: compared only otherwise.
+                    assert r[f"vs_ddp_divide{divide}_micro{micro}_r2"] <= TOL, r
+            if every_rank_had_a_batch:  # BatchNorm training, buffers from the highest rank
+                assert r[f"vs_ddp_divide{divide}_micro1_r1"] <= TOL, r
+        assert r["divide_matters"] > 1e-3  # the two divisions are told apart
+        # dmodel.loss: one device on the global batch of the ranks with
+        # inputs, and not the average over the world (the control).
+        assert r["loss_vs_one_device"] <= TOL and r["loss_vs_divided_by_world"] > 1e-3, r
+        assert r["global_losses"] <= 1e-5, r  # the global batch's loss, reported
+        assert r["after_join_finite"] and r["after_throw_ok"]
+        assert "disagree on whether this forward is a training forward" in r["disagree"], r
+    # Every rank ends with the last joiner's model and step count.
+    assert len({tuple(r["records"]) for r in got}) == 1
+    fewest = min(range(world), key=lambda k: int(counts.split(",")[k]))
+    assert got[fewest]["thrown"] == f"Rank {fewest} exhausted all inputs."
+    others = [r["thrown"] for k, r in enumerate(got) if k != fewest]
+    assert all("exhausted inputs" in t for t in others), others
+
+
 def test_all_reduce_across_processes(basics):
     for r in basics:
         assert (

@@ -84,8 +84,9 @@ class Agreement:
         self._size = 0
         self._absent: List[int] = []
         self._record: Dict[str, int] = {}
-        # GPUs: sums on their way to the host, read when there: (fetch, record, iteration).
-        self._deferred: Deque[Tuple[Any, Dict[str, int], int]] = collections.deque()
+        # GPUs: sums on their way to the host, read when there:
+        # (fetch, record, iteration, contributors).
+        self._deferred: Deque[Tuple[Any, Dict[str, int], int, int]] = collections.deque()
 
     def start(
         self,
@@ -93,13 +94,18 @@ class Agreement:
         size: int,
         record: Dict[str, int],
         loads: Sequence[float] = (0.0,) * LOADS,
+        shadow: bool = False,
     ) -> None:
         """This rank's part for the synced backward now ending; reduced by
-        the link after the buckets."""
+        the link after the buckets. `shadow`: a rank that joined (torch's
+        Join) takes part with zeros: no gradient, no rows, no record (the
+        ranks with inputs compare theirs among themselves)."""
         self.failure.check()
         t0 = time.perf_counter_ns()
         gone = set(absent)
         self.part = encode([i not in gone for i in range(size)], loads, record)
+        if shadow:
+            self.part.zero_()
         self._size, self._absent, self._record = size, list(absent), dict(record)
         self.exposed_ns = time.perf_counter_ns() - t0
 
@@ -125,16 +131,16 @@ class Agreement:
         return self._size
 
     # ------------------------------------------------------------ GPUs
-    def defer(self, fetch: Any) -> None:
+    def defer(self, fetch: Any, contributors: int) -> None:
         """The sums of this synced backward are on their way to the host:
         checked once there (poll), never waited for in steady state."""
-        self._deferred.append((fetch, self._record, self.peers.iteration))
+        self._deferred.append((fetch, self._record, self.peers.iteration, contributors))
 
-    def poll(self, contributors: int, drain: bool = False) -> None:
+    def poll(self, drain: bool = False) -> None:
         """Checks the deferred sums that reached the host. Two left unread
         (the host far ahead of its GPUs), or `drain`: waits for the oldest."""
         while self._deferred:
-            fetch, record, iteration = self._deferred[0]
+            fetch, record, iteration, contributors = self._deferred[0]
             if not (fetch.ready() or drain or len(self._deferred) > 2):
                 return
             self._deferred.popleft()

@@ -116,10 +116,11 @@ class Control:
                     "process must wrap the same model"
                 )
 
-    def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
-        """Overwrites `tensors` with the group root's values (one message per
-        dtype); nothing to send (a model without buffers) sends nothing (the
-        model check made the tensors the same on every rank)."""
+    def broadcast(self, tensors: Sequence[torch.Tensor], what: str, root: int = 0) -> None:
+        """Overwrites `tensors` with rank `root`'s values (the group's rank 0
+        unless said; one message per dtype); nothing to send (a model without
+        buffers) sends nothing (the model check made the tensors the same on
+        every rank)."""
         by_kind: Dict[tuple, List[torch.Tensor]] = {}
         for t in tensors:
             if t.numel():
@@ -130,7 +131,7 @@ class Control:
         with torch.no_grad():
             for group in by_kind.values():
                 flat = _flatten_dense_tensors([t.detach() for t in group])
-                self.failure.call(what, broadcast, self.group, flat)
+                self.failure.call(what, broadcast, self.group, flat, root)
                 for t, v in zip(group, _unflatten_dense_tensors(flat, group)):
                     t.copy_(v)
 

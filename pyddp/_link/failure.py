@@ -171,7 +171,7 @@ class Failure:
         named = ", ".join(str(peers.ranks[r]) for r in others)
         return (
             f"; missing: rank {named} (died, stalled, or ran out of batches: every rank must "
-            "run the same number of steps)"
+            "run the same number of steps, or train under dmodel.join())"
         )
 
 

@@ -177,8 +177,9 @@ def allreduce(pg: Any, t: Any, op: Any = None) -> Any:
     return pg.allreduce([t], opts)
 
 
-def broadcast(pg: Any, t: Any) -> None:
-    """The group's rank 0's `t` everywhere, blocking."""
+def broadcast(pg: Any, t: Any, root: int = 0) -> None:
+    """The group's rank `root`'s `t` everywhere (a rank in the group's
+    order), blocking."""
     opts = dist.BroadcastOptions()
-    opts.rootRank = 0  # the group's rank 0
+    opts.rootRank = root
     pg.broadcast([t], opts).wait()

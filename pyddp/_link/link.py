@@ -23,6 +23,8 @@ class Link:
         # The global batch's loss of the last training step's dmodel.loss, when
         # the link learns it on the host (CPU replicas across processes).
         self.global_loss: Optional[float] = None
+        self.group: Any = None  # the process group spanned (torch's Join runs on it)
+        self.divide_by_active = False  # under Join (across processes only)
 
     # ------------------------------------------------------- construction
     def watch(self, record: WorkRecord) -> None:
@@ -71,11 +73,16 @@ class Link:
 
     # -------------------------------------------------------- per backward
     def start_agreement(
-        self, absent: Sequence[int], size: int, record: Callable[[int], Dict[str, int]]
+        self,
+        absent: Sequence[int],
+        size: int,
+        record: Callable[[int], Dict[str, int]],
+        shadow: bool = False,
     ) -> List[int]:
         """At the end of a synced backward, `absent` being the parameters with
         no gradient here: starts agreeing on which have one nowhere; returns
-        those to reduce (with zeros from here) meanwhile. One process: none."""
+        those to reduce (with zeros from here) meanwhile (`shadow`: this rank
+        joined, under torch's Join, and adds nothing). One process: none."""
         return []
 
     def wait(self) -> Tuple[List[int], List[int], Any]:
@@ -125,6 +132,16 @@ class Link:
     def gather_objects(self, obj: Any, what: str) -> List[Any]:
         """Every process's `obj`, in rank order."""
         return [obj]
+
+    def join_step(self, has_inputs: bool, broadcasts: bool, syncs: bool, rows: float) -> Any:
+        """Under torch's Join: what this forward does on the ranks with
+        inputs (joining.JoinStep). One process: nothing to exchange."""
+        return None
+
+    def end_join(self, last: bool, state: Sequence[torch.Tensor]) -> int:
+        """After torch's Join: every rank takes the last joiner's `state`;
+        returns that rank. One process: this one."""
+        return 0
 
     def stats_summer(self) -> Optional[Callable[[torch.Tensor], None]]:
         """For SyncBatchNorm: a function that sums a CPU tensor over the

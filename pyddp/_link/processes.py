@@ -15,6 +15,7 @@ from .agreement import LOADS, Agreement
 from .control import BUFFERS_BROADCAST, LOSS_WEIGHTS, PARAMS_BROADCAST, Control
 from .failure import Failure
 from .groups import Peers, allreduce, own_group
+from .joining import JOIN_FINAL, JOIN_LAST, JOIN_STEP, JoinStep, decode, encode, last_joiner
 from .link import Link
 from .record import WorkRecord, watch_steps
 from .transport import BucketTransport
@@ -37,6 +38,12 @@ class ProcessLink(Link):
         self._agreed_rows: Optional[Tuple[float, float]] = None
         self._window = _Window()
         self._route: Optional[DeviceRoute] = None
+        self.group: Any = None  # the caller's process group (torch's Join runs on it)
+        # Under torch's Join: this forward's step, as every rank saw it, and
+        # whether gradients are averaged over the ranks with inputs (torch
+        # DDP's divide_by_initial_world_size=False) rather than all ranks.
+        self.join: Optional[JoinStep] = None
+        self.divide_by_active = False
 
     @property
     def prefix(self) -> str:
@@ -142,7 +149,11 @@ class ProcessLink(Link):
 
     # -------------------------------------------------------- per backward
     def start_agreement(
-        self, absent: Sequence[int], size: int, record: Callable[[int], Dict[str, int]]
+        self,
+        absent: Sequence[int],
+        size: int,
+        record: Callable[[int], Dict[str, int]],
+        shadow: bool = False,
     ) -> List[int]:
         # Every rank must launch the same buckets: a parameter without a
         # gradient here is reduced too, with zeros from here; which of them
@@ -150,8 +161,26 @@ class ProcessLink(Link):
         window = self._window
         work = record(self.peers.iteration)
         work["losses weighed by dmodel.loss without an exchange"] = window.assumed
-        self.agreement.start(absent, size, work, window.loads())
+        self.agreement.start(absent, size, work, window.loads(), shadow)
         return list(absent)
+
+    def _contributors(self) -> int:
+        """Who adds a part to the agreement: every process (CPU) or GPU;
+        under Join, those of the ranks with inputs (a joined rank's part is
+        zeros)."""
+        ranks = self.join.active if self.join is not None else range(self.world)
+        if self._route is None:
+            return len(ranks)
+        return sum(self.local_counts[r] for r in ranks)
+
+    def _join_divisor(self, window: _Window) -> float:
+        """Under Join with divide_by_initial_world_size=False: gradients
+        averaged over every rank (joined ones adding zeros) are brought to
+        the average over the ranks with inputs. dmodel.loss weighs the rows
+        that exist already (exact either way)."""
+        if self.join is None or not self.divide_by_active or window.weighed:
+            return 1.0
+        return self.world / max(1, len(self.join.active))
 
     def wait(self) -> Tuple[List[int], List[int], Any]:
         window, self._window = self._window, _Window()
@@ -160,24 +189,25 @@ class ProcessLink(Link):
             part = self.agreement.part
             self.transport.launch_tail(part)
             launched = self.transport.wait()
-            sums = self.agreement.read(part, self.world, f"synced backward {self.peers.iteration}")
-            return launched, sums.unused, self._factor(window, sums)
+            where = f"synced backward {self.peers.iteration}"
+            sums = self.agreement.read(part, self._contributors(), where)
+            return launched, sums.unused, self._factor(window, sums) * self._join_divisor(window)
         # GPUs: through the NCCL communicator, after the buckets; nothing for
         # the transport to wait for (this counts the iteration).
         launched = self.transport.wait()
         where = f"synced backward {self.peers.iteration}"
-        contributors = sum(self.local_counts)
+        contributors = self._contributors()
         parts = self._route.reduce(self.agreement.part, self.agreement.rows_slot)
         fetch = self._route.fetch(parts)
-        self.agreement.poll(contributors)
+        self.agreement.poll()
         unused: List[int] = []
         if self.agreement.missing_here:
             # Only a rank without some gradient can find one nobody has: it
             # waits for the sums (as torch DDP's find_unused_parameters does).
             unused = self.agreement.read(fetch.get(), contributors, where).unused
         else:
-            self.agreement.defer(fetch)
-        factor: Any = 1.0
+            self.agreement.defer(fetch, contributors)
+        factor: Any = self._join_divisor(window)
         if window.assumed and self._agreed_rows is not None:
             # On the device: the host does not know the global rows.
             factor = self._route.factors(parts, self.agreement.rows_slot, self._agreed_rows[0])
@@ -185,7 +215,7 @@ class ProcessLink(Link):
 
     def settle(self) -> None:
         if self._route is not None:
-            self.agreement.poll(sum(self.local_counts), drain=True)
+            self.agreement.poll(drain=True)
 
     def _factor(self, window: _Window, sums: Any) -> float:
         """CPU: what the gradients weighed without an exchange still need
@@ -251,6 +281,18 @@ class ProcessLink(Link):
         on_host = self._route is None and all(v.device.type == "cpu" for v in losses)
         local = sum(float(v.detach()) for v in losses) if on_host else 0.0
         window, agreed = self._window, self._agreed_rows
+        window.weighed = True
+        if self.join is not None:
+            # Under Join this forward's exchange carried the global batch's
+            # rows: exact, with no exchange here; the global loss travels in
+            # the agreement.
+            rows_all = self.join.rows
+            self._agreed_rows = (rows_all, float(rows))
+            if synced:
+                window.weigh(rows, local * rows, False, on_host)
+                self.global_loss = None  # known after the backward
+            scale = self.world * rows / rows_all if rows_all > 0 else 0.0
+            return [_ScaleGrad.apply(v, scale) for v in losses]
         if synced and not window.exchanged and agreed is not None and agreed[0] > 0:
             window.weigh(rows, local * rows, rows != agreed[1], on_host)
             self.global_loss = None  # known after the backward
@@ -264,12 +306,42 @@ class ProcessLink(Link):
         return [_ScaleGrad.apply(v, scale) for v in losses]
 
     def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+        # Under Join, rank 0 may have joined: the highest rank with inputs.
+        root = self.join.source if self.join is not None and what == BUFFERS_BROADCAST else 0
         if self._route is not None and what == BUFFERS_BROADCAST:
             # GPUs, before every training forward: on the device, through
             # NCCL, as torch DDP does (no host round trip).
-            self._route.broadcast(tensors, self.rank == 0)
+            self._route.broadcast(tensors, self.rank == root)
         else:
-            self.control.broadcast(tensors, what)
+            self.control.broadcast(tensors, what, root)
+
+    # ------------------------------------------------------ uneven inputs
+    def join_step(self, has_inputs: bool, broadcasts: bool, syncs: bool, rows: float) -> JoinStep:
+        """Under torch's Join, once per forward of the ranks with inputs,
+        and once per join hook call on each rank without (has_inputs False,
+        adding nothing): what this iteration does, as every rank sees it
+        (joining.py)."""
+        part = encode(self.world, self.rank if has_inputs else None, broadcasts, syncs, rows)
+        sums = self.sum_over_ranks(part, JOIN_STEP)
+        try:
+            self.join = decode(sums, self.peers.ranks)
+        except ValueError as e:
+            self.failure.fail(str(e), census=False)
+        return self.join
+
+    def end_join(self, last: bool, state: Sequence[torch.Tensor]) -> int:
+        """After torch's Join, on every rank: the highest of the last ranks
+        to join sends `state` (its parameters, buffers and counters) to every
+        other (the joined ranks missed the steps taken after they joined);
+        returns that rank (in the group's order). The rows dmodel.loss
+        assumes are exchanged again at the next weighing."""
+        flags = [0.0] * self.world
+        flags[self.rank] = 1.0 if last else 0.0
+        source = last_joiner(self.sum_over_ranks(flags, JOIN_LAST))
+        self.control.broadcast(state, JOIN_FINAL, source)
+        self.join = None
+        self._agreed_rows = None
+        return source
 
     def sum_over_ranks(self, values: Sequence[float], what: str) -> List[float]:
         return self.control.sum_over_ranks(values, what)
@@ -305,6 +377,7 @@ class _Window:
         self.changed = False  # some had other rows here than at the exchange
         self.varied = False  # they had different rows here
         self.on_host = True
+        self.weighed = False  # dmodel.loss weighed some loss of this window
 
     def weigh(self, rows: float, loss_rows: float, changed: bool, on_host: bool) -> None:
         if not self.assumed:

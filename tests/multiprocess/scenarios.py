@@ -5,6 +5,7 @@ training on the global batch; torch DDP on the same split)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -968,6 +969,170 @@ def syncbn(out: dict) -> None:
         with torch.no_grad():
             dm(torch.randn(4, 2, 5, 5))
     dm.close()
+
+
+def join(out: dict) -> None:
+    """Uneven inputs under Join: rank r has its own number of batches
+    (JOIN_COUNTS, one per rank). pyddp's dmodel.join() against torch DDP's
+    on the same model, data and counts (divide_by_initial_world_size True
+    and False, plain losses, no_sync() micro-batches); dmodel.loss against
+    one device training on the global batch the ranks with inputs hold;
+    throw_on_early_termination, after which the model trains on."""
+    rank, world = pyddp.rank(), pyddp.world()
+    counts = [int(c) for c in os.environ["JOIN_COUNTS"].split(",")]
+    g = torch.Generator().manual_seed(11)
+    rows = [5 + r for r in range(world)]  # uneven global batches too
+    batches = [
+        [(torch.randn(rows[r], 6, generator=g) * 1.5, torch.randn(rows[r], 3, generator=g))
+         for _ in range(counts[r])]
+        for r in range(world)
+    ]  # fmt: skip
+
+    def ddp_run(divide: bool, micro: int, frozen: bool) -> nn.Module:
+        model = eval_norm(net()) if frozen else net()
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        opt = torch.optim.SGD(ddp.parameters(), **SGD)
+        with ddp.join(divide_by_initial_world_size=divide):
+            for x, y in batches[rank]:
+                opt.zero_grad()
+                for k, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+                    ctx = ddp.no_sync() if k < micro - 1 else contextlib.nullcontext()
+                    with ctx:
+                        nn.functional.mse_loss(ddp(xs), ys).backward()
+                opt.step()
+        return model
+
+    def pyddp_run(divide: bool, micro: int, replicas: int, frozen: bool) -> nn.Module:
+        dm = pyddp.wrap(eval_norm(net()) if frozen else net(), ["cpu"] * replicas)
+        for m in dm.replicas if frozen else []:
+            m.norm.eval()
+        opt = dm.optimizer(torch.optim.SGD, **SGD)
+        with dm.join(divide_by_initial_world_size=divide):
+            for x, y in batches[rank]:
+                opt.zero_grad()
+                for k, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+                    ctx = dm.no_sync() if k < micro - 1 else contextlib.nullcontext()
+                    with ctx:
+                        nn.functional.mse_loss(dm(xs), ys).backward()
+                opt.step()
+        out.setdefault("records", []).append(dm.sync._work.steps)
+        model = dm.module
+        dm.close()
+        return model
+
+    def diff(a: nn.Module, b: nn.Module) -> float:
+        pairs = list(zip(a.parameters(), b.parameters())) + list(zip(a.buffers(), b.buffers()))
+        return max((p.double() - q.double()).abs().max().item() for p, q in pairs)
+
+    def emulated(divide: bool, micro: int) -> nn.Module:
+        """The closed form, in this process (BatchNorm frozen): each step,
+        the ranks with inputs' gradients (the mean over micro-batches of
+        each micro-batch's mean loss, as no_sync() accumulates) summed and
+        divided by the world or by the ranks with inputs; the last joiner's
+        model at the end, which is every rank's trajectory alike here."""
+        model = eval_norm(net())
+        opt = torch.optim.SGD(model.parameters(), **SGD)
+        for step in range(max(counts)):
+            active = [r for r in range(world) if step < counts[r]]
+            opt.zero_grad()
+            for r in active:
+                x, y = batches[r][step]
+                for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+                    loss = nn.functional.mse_loss(model(xs), ys)
+                    (loss / (world if divide else len(active))).backward()
+            opt.step()
+        return model
+
+    # One replica per rank: BatchNorm in training mode, its buffers taken
+    # from the highest rank with inputs before each forward, as DDP does
+    # (not with no_sync() micro-batches: DDP skips the buffer broadcast in
+    # the forward after a no_sync() one, pyddp broadcasts before every
+    # training forward, so the running statistics differ by design). Two:
+    # BatchNorm frozen (its batch statistics would be per replica).
+    for divide in (True, False):
+        for micro in (1, 2):
+            for replicas, frozen in ((1, False), (2, True)):
+                if micro == 2 and not frozen:
+                    continue
+                ref = ddp_run(divide, micro, frozen)
+                got = pyddp_run(divide, micro, replicas, frozen)
+                out[f"vs_ddp_divide{divide}_micro{micro}_r{replicas}"] = diff(got, ref)
+                if frozen:
+                    closed = emulated(divide, micro)
+                    out[f"vs_closed_divide{divide}_micro{micro}"] = diff(got, closed)
+                    out[f"ddp_vs_closed_divide{divide}_micro{micro}"] = diff(ref, closed)
+
+    out["divide_matters"] = diff(emulated(True, 1), emulated(False, 1))
+
+    # dmodel.loss: each step's global batch is what the ranks with inputs
+    # hold; one device trains on it (BatchNorm in eval: per-rank batch
+    # statistics differ from the global batch's in any data-parallel run).
+    ref = eval_norm(net())
+    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
+    ref_losses = []
+    for step in range(max(counts)):
+        here = [batches[r][step] for r in range(world) if step < counts[r]]
+        ref_opt.zero_grad()
+        x, y = torch.cat([b[0] for b in here]), torch.cat([b[1] for b in here])
+        loss = nn.functional.mse_loss(ref(x), y)
+        loss.backward()
+        ref_losses.append(loss.item())
+        ref_opt.step()
+    dm = pyddp.wrap(eval_norm(net()), ["cpu", "cpu"])
+    for m in dm.replicas:
+        m.norm.eval()
+    opt = dm.optimizer(torch.optim.SGD, **SGD)
+    losses = []
+    with dm.join():
+        for x, y in batches[rank]:
+            opt.zero_grad()
+            with torch.no_grad():
+                dm(x)  # an evaluation in the loop: the joined ranks shadow nothing
+            dm.loss(nn.functional.mse_loss, x, y).backward()
+            opt.step()
+            losses.append(dm.last_global_loss)
+    out["loss_vs_one_device"] = diff(dm.module, ref)
+    out["loss_vs_divided_by_world"] = diff(dm.module, emulated(True, 1))  # a control
+    pairs = zip(losses, ref_losses[: len(losses)])
+    out["global_losses"] = max((abs(a - b) for a, b in pairs), default=0.0)
+    # Training goes on after Join with the ranks' usual weighing.
+    x, y = batches[0][0]
+    dm.loss(nn.functional.mse_loss, x, y).backward()
+    opt.step()
+    out["after_join_finite"] = all(bool(p.isfinite().all()) for p in dm.module.parameters())
+    dm.close()
+
+    # throw_on_early_termination: every rank raises once one has run out;
+    # the model trains on outside Join.
+    dm = pyddp.wrap(net(), ["cpu"])
+    opt = dm.optimizer(torch.optim.SGD, **SGD)
+    try:
+        with dm.join(throw_on_early_termination=True):
+            for x, y in batches[rank]:
+                nn.functional.mse_loss(dm(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        out["thrown"] = None
+    except RuntimeError as e:
+        out["thrown"] = str(e)
+    x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+    nn.functional.mse_loss(dm(x), y).backward()
+    opt.step()
+    out["after_throw_ok"] = True
+    dm.close()
+
+    # Hostile: under Join, the ranks with inputs disagree on train/eval: every
+    # rank raises, naming it, instead of shadowing the wrong work.
+    dm = pyddp.wrap(net(), ["cpu"])
+    if rank == 0:
+        dm.eval()
+    try:
+        with dm.join():
+            for x, y in batches[rank]:
+                nn.functional.mse_loss(dm(x), y).backward()
+        out["disagree"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["disagree"] = f"{type(e).__name__}: {e}"
 
 
 def exit_in_flight(out: dict) -> None:
