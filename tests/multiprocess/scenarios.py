@@ -415,7 +415,45 @@ def simgpu(out: dict) -> None:
     out["all_used_host_reads"] = reads.reads
     out["all_used_exchanges"] = _sequence_of(dm) - exchanges
     dm.close()
+    _join_on_simulated_gpus(out, devices, streams)
     out["violations"] = sim.violations()
+
+
+def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
+    """Under Join on the simulated GPUs: rank 0 runs out after one step and
+    shadows the others' synced backwards through NCCL (the agreement on the
+    device, over the GPUs of the ranks with inputs); equal to one device on
+    the rows the ranks with inputs hold (dmodel.loss)."""
+    rank, world = pyddp.rank(), pyddp.world()
+    counts = [1] + [3] * (world - 1)
+    g = torch.Generator().manual_seed(21)
+    per_rank = [
+        [(torch.randn(6, 6, generator=g), torch.randn(6, 3, generator=g)) for _ in range(c)]
+        for c in counts
+    ]
+    ref = eval_norm(net())
+    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
+    for step in range(max(counts)):
+        here = [per_rank[r][step] for r in range(world) if step < counts[r]]
+        ref_opt.zero_grad()
+        x, y = torch.cat([b[0] for b in here]), torch.cat([b[1] for b in here])
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    dm = pyddp.wrap(eval_norm(net(seed=rank)), ["cpu"] * len(devices), _gpu=(devices, streams))
+    for m in dm.replicas:
+        m.norm.eval()
+    dopt = dm.optimizer(torch.optim.SGD, **SGD)
+    with dm.join():
+        for x, y in per_rank[rank]:
+            dopt.zero_grad()
+            dm.loss(nn.functional.mse_loss, x, y).backward()
+            streams.synchronize_all(devices)
+            dopt.step()
+            streams.synchronize_all(devices)
+    streams.synchronize_all(devices)
+    out["join_diff"] = max_diff(dm.module, ref)
+    out["join_replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
+    dm.close()
 
 
 def gpu_processes(out: dict) -> None:
