@@ -66,6 +66,9 @@ class ShardedLoader:
         self.drop_last = drop_last
         self.seed = seed
         self.prefetch = prefetch
+        # Batches per epoch the ranks agreed on (the Trainer sets it when a
+        # DataLoader of the caller's gives the ranks different numbers).
+        self.limit: Optional[int] = None
         self._loader: Optional[DataLoader] = None
         self._tensors: Optional[Tuple[Any, Any]] = None
         self._dataset: Optional[Dataset] = None
@@ -112,7 +115,8 @@ class ShardedLoader:
         # last batch that some rank would get no rows of is dropped (kept for
         # evaluation, whose figures are exchanged once).
         keep = rest and (not self._sliced or self.keep_short or rest >= self.world)
-        return full + (1 if keep else 0)
+        n = full + (1 if keep else 0)
+        return n if self.limit is None else min(n, self.limit)
 
     def _loader_rest(self) -> int:
         """Rows in the DataLoader's short last batch (0: none, or unknown)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Type, Union
@@ -42,6 +43,7 @@ Metric = Callable[[Any, Any], torch.Tensor]  # (outputs, targets) -> mean over t
 # The Trainer's exchanges across processes (see pyddp._link.control).
 _TRAIN_LOSS = exchange("the training loss of a step (GPU replicas)")
 _STOP = exchange("the stop decision after a step (Ctrl-C on any rank)")
+_BATCHES = exchange("the number of batches per epoch on each rank")
 _RNG = exchange("the RNG states for a checkpoint")
 _OUTPUT_DIR = exchange("rank 0's output directory")
 
@@ -232,6 +234,7 @@ class Trainer:
             rank=self.rank,
             world=self.world,
         )
+        self._even_out(loader)
         self.steps_per_epoch = -(-len(loader) // cfg.grad_accum_steps)
         self._recover_interrupted_fit()
         if self._files is not None:
@@ -267,6 +270,31 @@ class Trainer:
                     self._interrupted_in = "window"
                 raise
         return FitResult(self.state, self.best_state_dict, self.state.stop_reason, self.output_dir)
+
+    def _even_out(self, loader: ShardedLoader) -> None:
+        """Every rank must take the same number of steps per epoch (its
+        validation, checkpoints and stop decisions are collective): a
+        DataLoader of the caller's whose sampler gives the ranks different
+        numbers of batches is cut to the smallest, said once, as
+        DistributedSampler(drop_last=True) would (the Trainer does not train
+        under Join: its per-step exchanges would need shadowing too)."""
+        if not self.link.spans_processes:
+            return
+        mine = [0.0] * self.world
+        mine[self.rank] = float(len(loader))
+        counts = [int(c) for c in self.link.sum_over_ranks(mine, _BATCHES)]
+        if len(set(counts)) == 1:
+            return
+        loader.limit = min(counts)
+        each = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+        warnings.warn(
+            f"pyddp Trainer: the ranks' data give different numbers of batches per epoch "
+            f"({each}); every rank trains {loader.limit} per epoch and skips the rest, as "
+            "DistributedSampler(drop_last=True) would. Give every rank the same number "
+            "(DistributedSampler pads by default), or train in your own loop under "
+            "dmodel.join(), which shadows the missing steps instead",
+            stacklevel=3,
+        )
 
     def _recover_interrupted_fit(self) -> None:
         """After a fit that raised mid-step: drop partial gradients and redo the

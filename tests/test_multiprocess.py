@@ -309,6 +309,16 @@ def test_join_shadows_uneven_inputs_as_torch_ddp_and_the_closed_form(tmp_path, c
     assert all("exhausted inputs" in t for t in others), others
 
 
+def test_trainer_trains_the_smallest_number_of_batches_when_ranks_data_are_uneven(tmp_path):
+    # A DistributedSampler giving rank r 2 + r batches: 2 per epoch everywhere,
+    # said once, equal to one device on the global batches the ranks form.
+    run = torchrun("trainer_uneven", tmp_path, 2, {"PYDDP_TIMEOUT_S": "20"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in results(tmp_path, "trainer_uneven", 2):
+        assert r["steps"] == 4 and r["diff"] <= TOL, r
+        assert len(r["warnings"]) == 1 and "rank 0: 2, rank 1: 3" in r["warnings"][0], r
+
+
 def test_all_reduce_across_processes(basics):
     for r in basics:
         assert (

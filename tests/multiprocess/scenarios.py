@@ -1173,6 +1173,57 @@ def join(out: dict) -> None:
         out["disagree"] = f"{type(e).__name__}: {e}"
 
 
+def trainer_uneven(out: dict) -> None:
+    """The Trainer with a DataLoader whose DistributedSampler gives the
+    ranks different numbers of batches (rank r: 2 + r): every rank trains
+    the smallest number per epoch, said in a warning, and the run equals one
+    device on the global batches the ranks then form."""
+    import warnings
+
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    world = pyddp.world()
+    g = torch.Generator().manual_seed(8)
+    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g)
+    batch = 4
+
+    class Uneven(DistributedSampler):
+        def __iter__(self):
+            return iter(range(16 * self.rank, 16 * self.rank + len(self)))
+
+        def __len__(self):
+            return batch * (2 + self.rank)
+
+    data = TensorDataset(x, y)
+    loader = DataLoader(data, batch_size=batch, sampler=Uneven(data))
+    cfg = pyddp.TrainConfig(batch_size=batch, max_epochs=2, progress=False, shuffle=False)
+    model = eval_norm(net())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pyddp.Trainer(
+            model,
+            ["cpu"],
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            loss_fn=nn.functional.mse_loss,
+            config=cfg,
+        ) as t:
+            t.model.module.norm.eval()
+            result = t.fit(loader)
+            trained = t.model.module
+    out["steps"] = result.state.step
+    out["warnings"] = [str(w.message) for w in caught if "batches per epoch" in str(w.message)]
+    ref = eval_norm(net())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        for k in range(2):
+            rows = torch.cat([torch.arange(16 * r + batch * k, 16 * r + batch * (k + 1))
+                              for r in range(world)])  # fmt: skip
+            opt.zero_grad()
+            nn.functional.mse_loss(ref(x[rows]), y[rows]).backward()
+            opt.step()
+    out["diff"] = max_diff(trained, ref)
+
+
 def exit_in_flight(out: dict) -> None:
     """Exits with the group up and a gloo all-reduce still in flight, as a
     script whose trainer never destroys its group does: the process must exit
