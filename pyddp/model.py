@@ -137,12 +137,20 @@ class DistributedModel(nn.Module, Joining):
         return self.sync.link.global_loss
 
     def optimizer(
-        self, cls: Type[torch.optim.Optimizer], params: Optional[ParamsFn] = None, **kwargs: Any
+        self,
+        cls: Type[torch.optim.Optimizer],
+        params: Optional[ParamsFn] = None,
+        *,
+        shard: bool = False,
+        **kwargs: Any,
     ) -> torch.optim.Optimizer:
         """One optimizer stepping every replica (an instance of `cls`'s subclass).
-        `params`, if given, maps a replica module to its parameters or groups."""
+        `params`, if given, maps a replica module to its parameters or groups.
+        `shard=True`: ZeRO stage 1 (pyddp.zero): each replica of each process
+        holds optimizer state for its share of the parameters only, and
+        state_dict() is the unsharded one's (CPU replicas)."""
         self._check_open()
-        return replicated_optimizer(self.sync, cls, params, **kwargs)
+        return replicated_optimizer(self.sync, cls, params, shard, **kwargs)
 
     def no_sync(self):
         """Backwards inside accumulate without reducing; the next synced backward

@@ -22,11 +22,18 @@ def replicated_optimizer(
     sync: GradSync,
     cls: Type[torch.optim.Optimizer],
     params: Optional[ParamsFn] = None,
+    shard: bool = False,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer class must be a torch.optim.Optimizer subclass, got {cls!r}")
+    if not isinstance(shard, bool):
+        raise TypeError(f"shard must be a bool, got {type(shard).__name__}")
     groups = [_param_groups(m, params) for m in sync.replicas]
+    if shard and (len(groups) > 1 or sync.link.spans_processes):
+        from .zero import sharded_optimizer
+
+        return sharded_optimizer(sync, cls, groups, **kwargs)
     if len(groups) == 1:
         return cls(groups[0], **kwargs)  # one replica: the plain optimizer, no overhead
     opt = _replicated_class(cls)(groups[0], **kwargs)

@@ -319,6 +319,25 @@ def test_trainer_trains_the_smallest_number_of_batches_when_ranks_data_are_uneve
         assert len(r["warnings"]) == 1 and "rank 0: 2, rank 1: 3" in r["warnings"][0], r
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_sharded_optimizer_state_across_processes(tmp_path, replicas):
+    # dmodel.optimizer(AdamW, shard=True) over 2 processes x `replicas`:
+    # bitwise the unsharded optimizer (and torch's ZeroRedundancyOptimizer
+    # under torch DDP), state per replica a share of one copy.
+    run = torchrun("zero", tmp_path, 2, {"SCENARIO_REPLICAS": str(replicas)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = results(tmp_path, "zero", 2)
+    for r in got:
+        assert r["vs_unsharded"] == 0.0 and r["replicas_equal"], r
+        assert r["vs_one_device"] <= TOL, r
+        assert r["state_keys_equal"] and r["state_diff"] == 0.0, r
+        assert r["resumed"] == 0.0, r
+        if replicas == 1:
+            assert r["vs_torch_zero"] <= TOL, r
+    shares = [b for r in got for b in r["bytes_sharded"]]
+    assert sum(shares) == got[0]["bytes_unsharded"][0] and max(shares) < sum(shares)
+
+
 def test_all_reduce_across_processes(basics):
     for r in basics:
         assert (

@@ -346,6 +346,9 @@ class ProcessLink(Link):
     def sum_over_ranks(self, values: Sequence[float], what: str) -> List[float]:
         return self.control.sum_over_ranks(values, what)
 
+    def sum_tensors(self, tensors: Sequence[torch.Tensor], what: str) -> List[torch.Tensor]:
+        return self.control.sum_tensors(tensors, what)
+
     def from_root(self, obj: Any, what: str) -> Any:
         return self.control.from_root(obj, what)
 

@@ -1224,6 +1224,96 @@ def trainer_uneven(out: dict) -> None:
     out["diff"] = max_diff(trained, ref)
 
 
+def zero(out: dict) -> None:
+    """Sharded optimizer state (dmodel.optimizer(..., shard=True)) across
+    processes, SCENARIO_REPLICAS replicas each: equal to the unsharded
+    optimizer and to torch's ZeroRedundancyOptimizer under torch DDP (one
+    replica per process); its state dict equals the unsharded one's; the
+    state held per replica, measured."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import pyddp.zero
+
+    replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
+    rank, world = pyddp.rank(), pyddp.world()
+    batches = data(5, 12)
+    adam = dict(lr=1e-2, weight_decay=1e-3)
+
+    def train(shard: bool):
+        dm = pyddp.wrap(eval_norm(net()), ["cpu"] * replicas)
+        for m in dm.replicas:
+            m.norm.eval()
+        opt = dm.optimizer(torch.optim.AdamW, shard=shard, **adam)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+        for x, y in batches:
+            rows = my_rows(len(x), rank, world)
+            opt.zero_grad()
+            dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
+            opt.step()
+            sched.step()
+        return dm, opt
+
+    plain_dm, plain_opt = train(False)
+    dm, opt = train(True)
+    out["vs_unsharded"] = max_diff(dm.module, plain_dm.module)
+    out["replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
+    sd, plain_sd = opt.state_dict(), plain_opt.state_dict()
+    out["state_keys_equal"] = sorted(sd["state"]) == sorted(plain_sd["state"])
+    out["state_diff"] = max(
+        (a - b).abs().max().item()
+        for k in plain_sd["state"]
+        for a, b in zip(sd["state"][k].values(), plain_sd["state"][k].values())
+        if isinstance(a, torch.Tensor) and a.dim() > 0
+    )
+    out["bytes_sharded"] = pyddp.zero.state_bytes(opt)
+    out["bytes_unsharded"] = pyddp.zero.state_bytes(plain_opt)
+    # A new sharded optimizer loaded from the consolidated state steps on
+    # exactly as the first one does.
+    dm2 = pyddp.wrap(copy.deepcopy(dm.module), ["cpu"] * replicas)
+    opt2 = dm2.optimizer(torch.optim.AdamW, shard=True, **adam)
+    opt2.load_state_dict(sd)
+    x, y = batches[0]
+    rows = my_rows(len(x), rank, world)
+    for d, o in ((dm, opt), (dm2, opt2)):
+        o.zero_grad()
+        d.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
+        o.step()
+    out["resumed"] = max_diff(dm.module, dm2.module)
+    # One device on the global batches (AdamW): Net's `rare` has no gradient
+    # anywhere in some steps and stays None, as here.
+    ref = eval_norm(net())
+    ref_opt = torch.optim.AdamW(ref.parameters(), **adam)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 2, 0.5)
+    for x, y in batches:
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_sched.step()
+    out["vs_one_device"] = max_diff(plain_dm.module, ref)
+    if replicas == 1:
+        # torch's ZeroRedundancyOptimizer under torch DDP, on a model whose
+        # every parameter has a gradient each step (DDP gives a parameter
+        # unused everywhere a zero gradient, which AdamW then steps).
+        def mlp() -> nn.Module:
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+        ddp = nn.parallel.DistributedDataParallel(mlp())
+        zopt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, **adam)
+        zdm = pyddp.wrap(mlp(), ["cpu"])
+        popt = zdm.optimizer(torch.optim.AdamW, shard=True, **adam)
+        for x, y in batches:
+            rows = my_rows(len(x), rank, world)
+            for model, o in ((ddp, zopt), (zdm, popt)):
+                o.zero_grad()
+                nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+                o.step()
+        out["vs_torch_zero"] = max_diff(zdm.module, ddp.module)
+        zdm.close()
+    for d in (plain_dm, dm, dm2):
+        d.close()
+
+
 def exit_in_flight(out: dict) -> None:
     """Exits with the group up and a gloo all-reduce still in flight, as a
     script whose trainer never destroys its group does: the process must exit

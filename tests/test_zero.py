@@ -1,0 +1,116 @@
+"""Sharded optimizer state in one process (dmodel.optimizer(..., shard=True)):
+equal to the unsharded optimizer bit for bit, state divided over the
+replicas, a consolidated state dict. Across processes: tests/test_multiprocess.py
+(`zero`, also against torch's ZeroRedundancyOptimizer)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import pyddp
+from pyddp.zero import plan_shards, state_bytes
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
+
+
+def _train(shard, n, cls, steps=4, params=None, **kw):
+    torch.manual_seed(1)
+    x, y = torch.randn(24, 8), torch.randn(24, 4)
+    dm = pyddp.wrap(_model(), ["cpu"] * n)
+    opt = dm.optimizer(cls, params, shard=shard, **kw)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(dm(x), y).backward()
+        opt.step()
+        sched.step()
+    return dm, opt
+
+
+OPTIMIZERS = [
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-3)),
+    (torch.optim.AdamW, dict(lr=1e-2)),
+    (torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=[c.__name__ for c, _ in OPTIMIZERS])
+def test_sharded_equals_unsharded_bit_for_bit(n, cls, kw):
+    a, oa = _train(False, n, cls, **kw)
+    b, ob = _train(True, n, cls, **kw)
+    assert type(ob).__name__ == f"Sharded{cls.__name__}" and isinstance(ob, cls)
+    for p, q in zip(a.module.parameters(), b.module.parameters()):
+        assert torch.equal(p, q)
+    for m in b.replicas:  # every replica took the stepped parameters
+        for p, q in zip(m.parameters(), b.module.parameters()):
+            assert torch.equal(p, q)
+    # State: each replica holds its share; together one unsharded copy.
+    full, shares = state_bytes(oa), state_bytes(ob)
+    assert len(set(full)) == 1 and sum(shares) == full[0]
+    assert max(shares) < full[0]
+    sa, sb = oa.state_dict(), ob.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sorted(sa["state"]) == sorted(sb["state"])
+    for k in sa["state"]:
+        for key, value in sa["state"][k].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(sb["state"][k][key]))
+
+
+def test_param_groups_and_a_subset_of_parameters():
+    def groups(m):
+        return [{"params": m[0].parameters(), "lr": 0.05}, {"params": m[4].parameters()}]
+
+    a, _ = _train(False, 3, torch.optim.SGD, params=groups, lr=0.1, momentum=0.9)
+    b, ob = _train(True, 3, torch.optim.SGD, params=groups, lr=0.1, momentum=0.9)
+    for p, q in zip(a.module.parameters(), b.module.parameters()):
+        assert torch.equal(p, q)
+    assert ob.param_groups[0]["lr"] == 0.05 * 0.25  # the scheduler reached the shards
+
+
+def test_the_consolidated_state_dict_loads_both_ways():
+    dm, opt = _train(True, 3, torch.optim.Adam, lr=1e-2)
+    sd = opt.state_dict()
+    plain = torch.optim.Adam(copy.deepcopy(dm.module).parameters(), lr=1e-2)
+    plain.load_state_dict(sd)  # the unsharded optimizer's format
+    again = pyddp.wrap(copy.deepcopy(dm.module), ["cpu"] * 2)  # another replica count
+    opt2 = again.optimizer(torch.optim.Adam, shard=True, lr=1e-2)
+    opt2.load_state_dict(plain.state_dict())
+    back = opt2.state_dict()
+    for k in sd["state"]:
+        assert torch.equal(back["state"][k]["exp_avg_sq"], sd["state"][k]["exp_avg_sq"])
+    # Loading copies: the shards never share a buffer with the dict given.
+    sd["state"][0]["exp_avg"].add_(1.0)
+    assert not torch.equal(opt2.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+
+
+def test_plan_shards_balances_by_size():
+    # Largest first to the least loaded: 10 -> 0, 10 -> 1, 5 -> 0, 1 -> 1, 1 -> 1.
+    assert plan_shards([10, 1, 1, 10, 5], 2) == [0, 1, 1, 1, 0]
+    assert plan_shards([3], 4) == [0]
+
+
+def test_misuse_is_refused():
+    dm = pyddp.wrap(_model(), ["cpu", "cpu"])
+    with pytest.raises(TypeError, match="shard must be a bool"):
+        dm.optimizer(torch.optim.SGD, shard="yes", lr=0.1)
+    opt = dm.optimizer(torch.optim.SGD, shard=True, lr=0.1)
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(opt)
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: 0.0)
+    with pytest.raises(ValueError, match="parameter groups"):
+        opt.load_state_dict({"state": {}, "param_groups": []})
+    dm.close()
