@@ -21,7 +21,7 @@ calls them. CPU replicas only for now (GPUs: NotImplementedError)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 
@@ -35,16 +35,78 @@ SHARD_STATE = exchange("the gathering of a sharded optimizer's state")
 _SUBCLASSES: Dict[type, type] = {}
 
 
-def plan_shards(numels: Sequence[int], slots: int) -> List[int]:
-    """The owning slot of each parameter: largest first, to the least loaded
-    slot (lowest index on ties), deterministic on every rank."""
-    owner = [0] * len(numels)
+# Optimizers whose update of each element depends on that element alone (and
+# scalars): their state can be split inside a parameter, exactly.
+ELEMENTWISE = {
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+    torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.Rprop, torch.optim.ASGD,
+}  # fmt: skip
+
+Piece = Tuple[int, int, int]  # (parameter, first element, end element)
+
+
+def plan_shards(numels: Sequence[int], slots: int, split: bool) -> List[List[Piece]]:
+    """Each slot's pieces of the parameters (in the given order). `split`:
+    the elements laid end to end are cut into `slots` equal ranges, so every
+    slot holds the same share whatever the parameter sizes (one embedding
+    matrix can be most of a model); else whole parameters, largest first to
+    the least loaded slot. The same plan on every rank."""
+    plan: List[List[Piece]] = [[] for _ in range(slots)]
+    if split:
+        total, start = sum(numels), 0
+        bounds = [total * s // slots for s in range(slots + 1)]
+        for i, n in enumerate(numels):
+            for s in range(slots):
+                lo, hi = max(start, bounds[s]), min(start + n, bounds[s + 1])
+                if lo < hi:
+                    plan[s].append((i, lo - start, hi - start))
+            start += n
+        return plan
     load = [0] * slots
     for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
         s = min(range(slots), key=lambda s: (load[s], s))
-        owner[i] = s
+        plan[s].append((i, 0, numels[i]))
         load[s] += numels[i]
-    return owner
+    for pieces in plan:
+        pieces.sort()
+    return plan
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> List[int]:
+    """Bytes of optimizer state tensors held for each replica of this
+    process: a sharded optimizer's per slot; an unsharded one's (pyddp's
+    replicated optimizer) per replica."""
+    shards = getattr(optimizer, "_pyddp_inner", None)
+    if shards is None:
+        shards = [optimizer, *getattr(optimizer, "_pyddp_others", [])]
+    return [_bytes(o.state) for o in shards]
+
+
+def _bytes(state: Any) -> int:
+    total = 0
+    for per_param in state.values():
+        for v in per_param.values():
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total
+
+
+class _Shard:
+    """One local replica's share: its pieces (parameter, first, end, the
+    tensor the optimizer steps: the parameter itself when whole, else a flat
+    view of its elements) in the inner optimizer's order, and that optimizer."""
+
+    def __init__(self, pieces: List[Tuple[int, int, int, torch.Tensor, bool]], optimizer: Any):
+        self.pieces = pieces
+        self.optimizer = optimizer
+
+    def attach_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Split pieces step with the matching elements of the gradient."""
+        for i, lo, hi, t, whole in self.pieces:
+            if not whole:
+                g = params[i].grad
+                t.grad = None if g is None else g.detach().view(-1)[lo:hi]
 
 
 def sharded_optimizer(
@@ -68,44 +130,40 @@ def sharded_optimizer(
                 f"trains (requires_grad=True when wrapped); got {len(missing)} that are not"
             )
         layout.append([index[id(p)] for p in g["params"]])
+    order = [i for idx in layout for i in idx]
     link = sync.link
     slots = sum(link.local_counts)
     first = sum(link.local_counts[: link.rank])  # this process's first slot
-    owner = plan_shards([p.numel() for p in sync.params[0]], slots)
-    inner = []
+    params0 = sync.params[0]
+    split = cls in ELEMENTWISE and all(params0[i].is_contiguous() for i in order)
+    plan = plan_shards([params0[i].numel() for i in order], slots, split)
+    group_of = {i: g for g, idx in enumerate(layout) for i in idx}
+    shards = []
     for r in range(len(sync.replicas)):
-        mine = []
-        for g, idx in zip(opt.param_groups, layout):
-            params = [sync.params[r][i] for i in idx if owner[i] == first + r]
-            mine.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
-        inner.append(cls(mine, **kwargs))
+        per_group: List[list] = [[] for _ in layout]
+        for k, lo, hi in plan[first + r]:
+            i = order[k]
+            p = sync.params[r][i]
+            whole = lo == 0 and hi == p.numel()
+            t = p if whole else p.detach().view(-1)[lo:hi]
+            per_group[group_of[i]].append((i, lo, hi, t, whole))
+        pieces, inner_groups = [], []
+        for g, members in zip(opt.param_groups, per_group):
+            pieces += members
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            inner_groups.append({**hyper, "params": [m[3] for m in members]})
+        shards.append(_Shard(pieces, cls(inner_groups, **kwargs)))
+    mine = range(first, first + len(shards))
     opt._pyddp_sync = sync
     opt._pyddp_layout = layout
-    opt._pyddp_owner = owner
-    opt._pyddp_first = first
-    opt._pyddp_inner = inner
+    opt._pyddp_order = order
+    opt._pyddp_shards = shards
+    opt._pyddp_inner = [sh.optimizer for sh in shards]
+    opt._pyddp_theirs = [pc for s, pcs in enumerate(plan) if s not in mine for pc in pcs]
+    opt._pyddp_split = split
     opt._pyddp_broken = ""
-    opt._pyddp_owns_all = {i for idx in layout for i in idx} >= set(range(len(index)))
+    opt._pyddp_owns_all = set(order) >= set(range(len(index)))
     return opt
-
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> List[int]:
-    """Bytes of optimizer state tensors held for each replica of this
-    process: a sharded optimizer's per slot; an unsharded one's (pyddp's
-    replicated optimizer) per replica."""
-    shards = getattr(optimizer, "_pyddp_inner", None)
-    if shards is None:
-        shards = [optimizer, *getattr(optimizer, "_pyddp_others", [])]
-    return [_bytes(o.state) for o in shards]
-
-
-def _bytes(state: Any) -> int:
-    total = 0
-    for per_param in state.values():
-        for v in per_param.values():
-            if isinstance(v, torch.Tensor):
-                total += v.numel() * v.element_size()
-    return total
 
 
 def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
@@ -135,8 +193,10 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                     for key, value in mine.items():
                         if key != "params":
                             theirs[key] = value
+            for r, shard in enumerate(self._pyddp_shards):
+                shard.attach_grads(sync.params[r])
             try:
-                sync.run_per_replica([o.step for o in self._pyddp_inner], "optimizer step")
+                sync.run_per_replica([_unhooked(o) for o in self._pyddp_inner], "optimizer step")
                 self._pyddp_gather()
             except BaseException as e:
                 self._pyddp_broken = (
@@ -149,31 +209,34 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 raise
             return None
 
-        step.hooked = True  # type: ignore[attr-defined]
+        # Not marked hooked: torch wraps this step with the optimizer step
+        # hooks, which then run once per step for this object (the shards'
+        # own steps run without them: _unhooked).
 
         def _pyddp_gather(self) -> None:
-            """Every replica takes the stepped parameters it does not own."""
-            sync, owner, first = self._pyddp_sync, self._pyddp_owner, self._pyddp_first
+            """Every replica takes the stepped elements it does not own."""
+            sync = self._pyddp_sync
             local = len(sync.replicas)
-            n = len(sync.params[0])
             with torch.no_grad():
-                # Replica 0 first: from this process's owners.
-                for i in range(n):
-                    r = owner[i] - first
-                    if 0 < r < local:
-                        sync.params[0][i].copy_(sync.params[r][i])
+                # Replica 0 first: from this process's other replicas.
+                for r in range(1, local):
+                    for i, lo, hi, t, _ in self._pyddp_shards[r].pieces:
+                        sync.params[0][i].view(-1)[lo:hi].copy_(t.reshape(-1))
                 if sync.link.spans_processes:
-                    theirs = [i for i in range(n) if not 0 <= owner[i] - first < local]
-                    ps = [sync.params[0][i] for i in range(n)]
+                    # The others' elements: a float64 sum to which every other
+                    # process adds -0.0 (x + -0.0 == x, bit for bit).
+                    order = self._pyddp_order
+                    ps = [sync.params[0][i] for i in order]
                     flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in ps])
-                    offsets = [0]
+                    starts = [0]
                     for p in ps:
-                        offsets.append(offsets[-1] + p.numel())
-                    for i in theirs:
-                        flat[offsets[i] : offsets[i + 1]] = -0.0
+                        starts.append(starts[-1] + p.numel())
+                    for k, lo, hi in self._pyddp_theirs:
+                        flat[starts[k] + lo : starts[k] + hi] = -0.0
                     (flat,) = sync.link.sum_tensors([flat], SHARD_PARAMS)
-                    for i in theirs:
-                        ps[i].copy_(flat[offsets[i] : offsets[i + 1]].view_as(ps[i]))
+                    for k, lo, hi in self._pyddp_theirs:
+                        src = flat[starts[k] + lo : starts[k] + hi]
+                        ps[k].view(-1)[lo:hi].copy_(src)
                 for r in range(1, local):
                     torch._foreach_copy_(sync.params[r], sync.params[0])
 
@@ -182,44 +245,53 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 self._pyddp_sync.zero_grad(set_to_none)
                 return
             sync = self._pyddp_sync
-            for idx in self._pyddp_layout:
-                for i in idx:
-                    for params in sync.params:
-                        p = params[i]
-                        if set_to_none:
-                            p.grad = None
-                        elif p.grad is not None:
-                            p.grad.zero_()
+            for i in self._pyddp_order:
+                for params in sync.params:
+                    p = params[i]
+                    if set_to_none:
+                        p.grad = None
+                    elif p.grad is not None:
+                        p.grad.zero_()
 
         def state_dict(self) -> Dict[str, Any]:
             """The unsharded optimizer's state dict (collective across
             processes: every rank calls it, every rank gets it)."""
-            local: Dict[int, Any] = {}
-            for r, other in enumerate(self._pyddp_inner):
-                sd = other.state_dict()
-                globals_ = [
-                    i
-                    for idx in self._pyddp_layout
-                    for i in idx
-                    if self._pyddp_owner[i] == self._pyddp_first + r
-                ]
-                for j, value in sd["state"].items():
-                    local[globals_[j]] = value
-            merged: Dict[int, Any] = {}
-            for part in self._pyddp_sync.link.gather_objects(local, SHARD_STATE):
-                merged.update(part)
-            position = {i: k for k, i in enumerate(i for idx in self._pyddp_layout for i in idx)}
+            local = []
+            for shard in self._pyddp_shards:
+                saved = shard.optimizer.state_dict()["state"]
+                for j, (i, lo, _, _, whole) in enumerate(shard.pieces):
+                    if j in saved:
+                        local.append((i, lo, whole, saved[j]))
+            parts: Dict[int, list] = {}
+            for got in self._pyddp_sync.link.gather_objects(local, SHARD_STATE):
+                for i, lo, whole, value in got:
+                    parts.setdefault(i, []).append((lo, whole, value))
+            params0 = self._pyddp_sync.params[0]
+            position = {i: k for k, i in enumerate(self._pyddp_order)}
+            state = {}
+            for i in sorted(parts, key=lambda i: position[i]):
+                pieces = sorted(parts[i], key=lambda x: x[0])
+                if pieces[0][1]:  # whole
+                    state[position[i]] = pieces[0][2]
+                    continue
+                merged = {}
+                for key, value in pieces[0][2].items():
+                    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+                        joined = torch.cat([pc[2][key] for pc in pieces])
+                        merged[key] = joined.view(params0[i].shape)
+                    else:  # a scalar (the step count): the same in every piece
+                        merged[key] = value
+                state[position[i]] = merged
             groups, k = [], 0
             for g, idx in zip(self.param_groups, self._pyddp_layout):
                 groups.append({**{a: b for a, b in g.items() if a != "params"},
                                "params": list(range(k, k + len(idx)))})  # fmt: skip
                 k += len(idx)
-            state = {position[i]: v for i, v in sorted(merged.items(), key=lambda kv: kv[0])}
             return {"state": state, "param_groups": groups}
 
         def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
             """Loads an unsharded optimizer's state dict (or this one's):
-            each slot takes its parameters' state."""
+            each shard takes its pieces' state."""
             groups = state_dict.get("param_groups")
             if not isinstance(groups, list) or len(groups) != len(self.param_groups):
                 raise ValueError(
@@ -235,30 +307,39 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 for key, value in saved.items():
                     if key != "params":
                         g[key] = value
-            flat = [i for idx in self._pyddp_layout for i in idx]
             saved_ids = [j for g in groups for j in g["params"]]
             by_global = {
-                flat[k]: state_dict["state"][j]
-                for k, j in enumerate(saved_ids)
+                i: state_dict["state"][j]
+                for i, j in zip(self._pyddp_order, saved_ids)
                 if j in state_dict["state"]
             }
-            for r, other in enumerate(self._pyddp_inner):
-                owned = [
-                    [i for i in idx if self._pyddp_owner[i] == self._pyddp_first + r]
-                    for idx in self._pyddp_layout
-                ]
-                k, sub_state, sub_groups = 0, {}, []
-                for g, ids in zip(self.param_groups, owned):
-                    for i in ids:
-                        if i in by_global:
-                            sub_state[k + ids.index(i)] = by_global[i]
+            params0 = self._pyddp_sync.params[0]
+            for shard in self._pyddp_shards:
+                sub_state = {}
+                for j, (i, lo, hi, _, whole) in enumerate(shard.pieces):
+                    if i not in by_global:
+                        continue
+                    value = by_global[i]
+                    if not whole:
+                        shape = params0[i].shape
+                        value = {
+                            key: v.reshape(-1)[lo:hi]
+                            if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape == shape
+                            else v
+                            for key, v in value.items()
+                        }
+                    sub_state[j] = value
+                k, sub_groups = 0, []
+                for g, inner_g in zip(self.param_groups, shard.optimizer.param_groups):
+                    n = len(inner_g["params"])
                     sub_groups.append({**{a: b for a, b in g.items() if a != "params"},
-                                       "params": list(range(k, k + len(ids)))})  # fmt: skip
-                    k += len(ids)
+                                       "params": list(range(k, k + n))})  # fmt: skip
+                    k += n
                 # torch keeps given tensors when device and dtype match: copies,
-                # so no two slots (or the caller's dict) share a buffer.
-                sub = {"state": _clone(sub_state), "param_groups": sub_groups}
-                other.load_state_dict(sub)
+                # so no two shards (or the caller's dict) share a buffer.
+                shard.optimizer.load_state_dict(
+                    {"state": _clone(sub_state), "param_groups": sub_groups}
+                )
 
         def add_param_group(self, param_group: Dict[str, Any]) -> None:
             if hasattr(self, "_pyddp_inner"):
@@ -277,6 +358,14 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
     Sharded.__name__ = Sharded.__qualname__ = f"Sharded{cls.__name__}"
     _SUBCLASSES[cls] = Sharded
     return Sharded
+
+
+def _unhooked(optimizer: Any) -> Callable[[], Any]:
+    """`optimizer.step` without torch's step hooks (global and its own): a
+    shard's step is part of the sharded optimizer's, whose hooks run once
+    (pyddp counts optimizer steps by them, so every rank counts one)."""
+    step = getattr(type(optimizer).step, "__wrapped__", None)
+    return (lambda: step(optimizer)) if step is not None else optimizer.step
 
 
 def _clone(tree: Any) -> Any:

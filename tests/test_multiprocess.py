@@ -334,8 +334,11 @@ def test_sharded_optimizer_state_across_processes(tmp_path, replicas):
         assert r["resumed"] == 0.0, r
         if replicas == 1:
             assert r["vs_torch_zero"] <= TOL, r
-    shares = [b for r in got for b in r["bytes_sharded"]]
-    assert sum(shares) == got[0]["bytes_unsharded"][0] and max(shares) < sum(shares)
+    shares, full = [b for r in got for b in r["bytes_sharded"]], got[0]["bytes_unsharded"][0]
+    assert full <= sum(shares) <= full + 64 * len(shares)  # scalar step counts of cut pieces
+    # Net's `never` (and `rare` on some steps) has no gradient, hence no state:
+    # the slots' shares of elements are equal, their state need not be.
+    assert max(shares) < 0.8 * full
 
 
 def test_all_reduce_across_processes(basics):
