@@ -14,6 +14,7 @@ from ._source_tree import use_installed_build
 # compiled _C: the rest of the package then comes from the installed build.
 __path__ = use_installed_build(__path__)
 
+from . import zero  # dmodel.optimizer(..., shard=True); zero.state_bytes
 from ._buckets import plan_buckets
 from .callbacks import Callback, MetricsLogger, ProgressBar
 from .collectives import all_reduce
@@ -56,5 +57,6 @@ __all__ = [
     "parse_devices",
     "plan_buckets",
     "wrap",
+    "zero",
     "__version__",
 ]

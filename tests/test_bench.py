@@ -130,7 +130,7 @@ def test_overlap_lower_bound_is_not_charged_the_cold_start(monkeypatch):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("hook", [None, "fp16"])
+@pytest.mark.parametrize("hook", [None, "fp16", "power_sgd"])
 def test_overlap_across_processes_quick_writes_consistent_results(tmp_path, hook):
     # torchrun, 2 workers, a tiny model: checks the command and the arithmetic
     # of its results, never the timings.
@@ -169,9 +169,26 @@ def test_overlap_across_processes_quick_writes_consistent_results(tmp_path, hook
     assert agree["mean_us"] == pytest.approx(agree["mean_s"] * 1e6)
     assert agree["fraction_of_step"] == pytest.approx(agree["mean_s"] / pyddp_r["step_s"]["median"])
     assert (tmp_path / "overlap-2proc-quick.png").is_file()
-    # float32 buckets; a 16-bit hook puts half their bytes on the wire.
-    assert data["wire_bytes_per_step"] == data["bucket_bytes_per_step"] / (2 if hook else 1)
+    # float32 buckets; a 16-bit hook puts half their bytes on the wire, and
+    # PowerSGD at most all of them (this model's matrices are too small to
+    # compress twice over: torch's rule sends them whole).
+    if hook == "power_sgd":
+        assert 0 < data["wire_bytes_per_step"] <= data["bucket_bytes_per_step"]
+    else:
+        assert data["wire_bytes_per_step"] == data["bucket_bytes_per_step"] / (2 if hook else 1)
     assert cfg["comm_hook"] == hook
+
+
+def test_power_sgd_bytes_follow_torchs_rule():
+    import torch
+
+    from pyddp.bench.multiproc import _power_sgd_bytes
+
+    # A 32 x 64 weight at rank 4: (32 + 64) x 4 values, 2048 / 384 > 2, so
+    # compressed; the bias goes whole; an 8 x 8 weight (8 + 8) x 4 = 64 is
+    # not compressed twice over, so whole too.
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(8, 8, bias=False))
+    assert _power_sgd_bytes(model, 4) == (96 * 4 + 32 + 64) * 4
 
 
 def test_overlap_processes_refuses_no_ddp_and_bad_counts(capsys):

@@ -75,11 +75,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--comm-hook",
-        choices=("fp16", "bf16"),
+        choices=("fp16", "bf16", "power_sgd"),
         default=None,
         help="with --processes: both engines compress gradients on the wire with torch DDP's "
-        "fp16/bf16 compression hook (run once without to compare)",
+        "fp16/bf16 compression hook or PowerSGD (rank --power-sgd-rank, compressing from "
+        "the second step, error feedback on) (run once without to compare)",
     )
+    p.add_argument("--power-sgd-rank", type=int, default=4, help="PowerSGD's rank (default 4)")
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -109,6 +111,7 @@ def command(args: argparse.Namespace, size: Dict[str, int], chart: Path) -> Dict
         "steps": steps,
         "progress": not args.no_progress,
         "comm_hook": args.comm_hook,
+        "power_sgd_rank": args.power_sgd_rank,
     }
     result = run(config, args.processes)
     print(report(result))
@@ -210,6 +213,7 @@ def report(result: Dict[str, Any]) -> str:
         lines.append(
             f"into the all-reduce per rank and step: {wire / 2**20:.2f} MiB "
             + (f"({hook} compression hook on both engines)" if hook else "(float32, no hook)")
+            + (f", rank {cfg['power_sgd_rank']}" if hook == "power_sgd" else "")
         )
     if cfg["processes"] * cfg["threads"] > cfg["cores"]:
         lines.append(
@@ -242,11 +246,26 @@ def worker(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         make_model(*build), process_group=ddp_group, find_unused_parameters=False
     )
     ddp._set_ddp_runtime_logging_sample_rate(1)  # every iteration's figures, not 1 in 100
-    wire = 1.0
-    if cfg.get("comm_hook"):
-        dm.register_comm_hook(None, cfg["comm_hook"])
-        ddp.register_comm_hook(ddp_group, _gloo_hook(cfg["comm_hook"]))
-        wire = 0.5  # float32 gradients travel as 16-bit values
+    bucket_bytes = sum(p.numel() * p.element_size() for p in dm.module.parameters())
+    wire_bytes = float(bucket_bytes)
+    hook = cfg.get("comm_hook")
+    if hook == "power_sgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        def state(group: Any) -> Any:  # rank r factors from the second step on
+            return psgd.PowerSGDState(group, matrix_approximation_rank=cfg["power_sgd_rank"],
+                                      start_powerSGD_iter=2)  # fmt: skip
+
+        # PowerSGD issues collectives from its futures' callbacks: on a group
+        # of its own (on pyddp's bucket group they could pass the agreement
+        # that follows the buckets there, in a different order on each rank).
+        dm.register_comm_hook(state(dist.new_group(backend="gloo")), psgd.powerSGD_hook)
+        ddp.register_comm_hook(state(ddp_group), psgd.powerSGD_hook)
+        wire_bytes = _power_sgd_bytes(dm.module, cfg["power_sgd_rank"])
+    elif hook:
+        dm.register_comm_hook(None, hook)
+        ddp.register_comm_hook(ddp_group, _gloo_hook(hook))
+        wire_bytes = bucket_bytes * 0.5  # float32 gradients travel as 16-bit values
 
     def pyddp_step() -> None:
         F.cross_entropy(dm(xs), ys).backward()
@@ -284,15 +303,34 @@ def worker(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
                 stats[name].append(_pyddp_stats(dm) if name == PYDDP else _ddp_stats(ddp))
                 bar.update(1)
     bar.close()
-    bucket_bytes = sum(f.numel() * f.element_size() for f in dm.sync.layout.flat[0])
     mine = {"times": times, "stats": stats, "ddp_logging": _ddp_averages(ddp),
             "bucket_bytes_per_step": bucket_bytes,
-            "wire_bytes_per_step": bucket_bytes * wire}  # fmt: skip
+            "wire_bytes_per_step": wire_bytes}  # fmt: skip
     gathered: Optional[List[Any]] = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0, group=bench_group)
     dm.close()
     dist.destroy_process_group()
     return combine(cfg, gathered) if rank == 0 else None
+
+
+def _power_sgd_bytes(model: Any, rank: int, min_rate: float = 2.0) -> float:
+    """Bytes PowerSGD all-reduces per step once compressing (torch's
+    powerSGD_hook with its defaults): a gradient of one dimension whole; a
+    matrix n x m (higher dimensions folded into m) as P (n x rank) and Q
+    (m x rank), unless that would not compress it at least `min_rate` times
+    (then whole)."""
+    total = 0.0
+    for p in model.parameters():
+        size = p.numel() * p.element_size()
+        if p.dim() <= 1:
+            total += size
+            continue
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        if (n + m) * rank * min_rate < n * m:  # torch's _should_compress
+            total += (n + m) * min(n, m, rank) * p.element_size()
+        else:
+            total += size
+    return total
 
 
 def _gloo_hook(name: str) -> Callable[..., Any]:
