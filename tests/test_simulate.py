@@ -202,6 +202,27 @@ def test_policies_schedule_by_hand():
         simulate.step(profile, link, 2, "eager")
 
 
+def test_compression_halves_the_bytes_and_adds_the_hooks_kernels():
+    a100 = hardware.SYSTEMS["a100-dgx"]
+    gpu = a100.gpu
+    memory = gpu.memory_bw * gpu.memory_eff
+    big = 100e6  # 25 M float32 values: the kernels are bandwidth-bound
+    kernels = 25e6 * 16 / memory  # cast 4+2, divide 2+2, copy back 2+4 bytes per value
+    got = simulate.reduction_s(a100, big, 64, "fp16")
+    assert got == pytest.approx(a100.allreduce_s(big / 2, 64) + kernels)
+    assert got < simulate.reduction_s(a100, big, 64)  # across nodes, bytes dominate
+    tiny = 4e3  # a thousand values: three kernel launches, at their floor
+    assert simulate.reduction_s(a100, tiny, 8, "bf16") == pytest.approx(
+        a100.allreduce_s(tiny / 2, 8) + 3 * gpu.kernel_floor_s
+    )
+    profile = _two_grads()
+    plain = simulate.step(profile, _FixedLink(), 2, "no overlap")
+    with pytest.raises(ValueError, match="compression"):
+        simulate.step(profile, _FixedLink(), 2, "no overlap", compression="int8")
+    rows = simulate.sweep(profile, a100, [16], ["no overlap"], compression="fp16")
+    assert rows[0]["compression"] == "fp16" and plain.reductions == rows[0]["reductions"]
+
+
 def test_torch_ddp_plan_is_torchs_own_assignment():
     # 1 MiB first bucket then 25 MiB, in ready order (its rebuilt plan).
     sizes = [512 << 10, 6 << 20, 20 << 20, 10 << 20]  # 20 + 6 MiB fills a 25 MiB bucket

@@ -70,6 +70,13 @@ def add_options(s: argparse.ArgumentParser) -> None:
         "given, torch DDP's first bucket is this size too, as in torch)",
     )
     s.add_argument(
+        "--compression",
+        choices=simulate.COMPRESSIONS,
+        default="none",
+        help="gradients reduced through torch DDP's fp16/bf16 compression hook (pyddp "
+        "runs them too): half the bytes, plus the hook's casts",
+    )
+    s.add_argument(
         "--step-ms",
         type=float,
         default=None,
@@ -136,9 +143,16 @@ def run(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
     if args.step_ms:
         profile = profile.calibrated(args.step_ms / 1e3, args.accumulate)
     rows = simulate.sweep(
-        profile, system, counts, accumulate=args.accumulate, batch=batch, cap_mb=args.cap_mb
+        profile,
+        system,
+        counts,
+        accumulate=args.accumulate,
+        batch=batch,
+        cap_mb=args.cap_mb,
+        compression=args.compression,
     )
-    print(f"{what}\n{system.name}; profile: {profile.source}")
+    hook = "" if args.compression == "none" else f"; {args.compression} compression hook"
+    print(f"{what}\n{system.name}; profile: {profile.source}{hook}")
     print(
         f"one GPU: forward {profile.forward_s * 1e3:.2f} ms, backward "
         f"{profile.backward_s * 1e3:.2f} ms, optimizer {profile.optimizer_s * 1e3:.2f} ms; "

@@ -37,10 +37,19 @@ stream does), each priced by hardware.System.allreduce_s; a step is
 backward passes come first and only the last overlaps the reductions).
 Efficiency = the one-device step / the step at n devices.
 
+Compression ("fp16"/"bf16": torch DDP's fp16_compress_hook and
+bf16_compress_hook, which pyddp runs too): each reduction moves half the
+bytes (float32 gradients sent as 16-bit values) and costs three
+memory-bound kernels more on its path, as the hook runs them: the cast down
+(read 4, write 2 bytes per value), the division by the world (read 2, write
+2) and the copy back into the bucket (read 2, write 4), each at
+Gpu.memory_eff of the HBM bandwidth and at least Gpu.kernel_floor_s.
+
 Not modelled: compute slowed by NCCL kernels sharing SMs and memory
 bandwidth, per-step framework overheads, stragglers and jitter, the input
 pipeline, GPU memory capacity, NVLink SHARP and in-network reduction,
-gradient compression, host launch overheads. See docs/simulator.md's validation
+low-rank compression (PowerSGD: its cost depends on each matrix's shape,
+which a profile does not keep), host launch overheads. See docs/simulator.md's validation
 table for what that costs against published results.
 """
 
@@ -64,6 +73,11 @@ POLICIES = (
     "torch DDP",
     "torch DDP, registration order",
 )
+COMPRESSIONS = ("none", "fp16", "bf16")
+# Bytes each compression hook's kernels read and write per float32 gradient
+# value: cast to 16 bits (4 + 2), divide by the world (2 + 2), copy back (2 + 4).
+_HOOK_BYTES_PER_VALUE = 16
+_HOOK_KERNELS = 3
 HOROVOD_CYCLE_S = 5e-3
 HOROVOD_FUSION_BYTES = 64 * MIB
 
@@ -122,8 +136,12 @@ def step(
     policy: str,
     accumulate: int = 1,
     cap_mb: Optional[float] = None,
+    compression: str = "none",
 ) -> Step:
-    """One step of `policy` on `gpus` GPUs of `system`."""
+    """One step of `policy` on `gpus` GPUs of `system`, its float32 gradients
+    reduced as they are or through a 16-bit `compression` hook."""
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression={compression!r}: one of {', '.join(COMPRESSIONS)}")
     if accumulate < 1:
         raise ValueError(
             f"accumulate={accumulate}: give the number of micro-batches per step, >= 1"
@@ -148,13 +166,26 @@ def step(
         )
     clock, comm, algorithms = 0.0, 0.0, {}
     for ready_s, nbytes in groups:
-        cost = system.allreduce_s(nbytes, gpus)
+        cost = reduction_s(system, nbytes, gpus, compression)
         clock = max(clock, ready_s) + cost
         comm += cost
-        name = system.algorithm(nbytes, gpus)
+        name = system.algorithm(nbytes / 2 if compression != "none" else nbytes, gpus)
         algorithms[name] = algorithms.get(name, 0) + 1
     total = ideal - profile.backward_s + max(profile.backward_s, clock)
     return Step(total, ideal, comm, total - ideal, len(groups), algorithms)
+
+
+def reduction_s(system: System, nbytes: float, gpus: int, compression: str = "none") -> float:
+    """One bucket of `nbytes` float32 gradients reduced over `gpus` GPUs:
+    NCCL's all-reduce, or through a 16-bit compression hook (half the bytes,
+    and the hook's kernels)."""
+    if compression == "none":
+        return system.allreduce_s(nbytes, gpus)
+    gpu = system.gpu
+    values = nbytes / 4
+    memory = gpu.memory_bw * gpu.memory_eff
+    kernels = max(_HOOK_KERNELS * gpu.kernel_floor_s, values * _HOOK_BYTES_PER_VALUE / memory)
+    return system.allreduce_s(nbytes / 2, gpus) + kernels
 
 
 def _fused(profile: Profile, cost: Callable[[int], float]) -> List[Tuple[float, int]]:
@@ -187,13 +218,14 @@ def sweep(
     accumulate: int = 1,
     batch: Optional[int] = None,
     cap_mb: Optional[float] = None,
+    compression: str = "none",
 ) -> List[Dict[str, Any]]:
     """One row per (policy, GPU count)."""
     rows = []
     for policy in policies:
         for n in gpu_counts:
             nodes, per_node = system.topology(n)
-            s = step(profile, system, n, policy, accumulate, cap_mb)
+            s = step(profile, system, n, policy, accumulate, cap_mb, compression)
             row = {
                 "policy": policy,
                 "gpus": n,
@@ -206,6 +238,7 @@ def sweep(
                 "comm_ms": s.comm_s * 1e3,
                 "reductions": s.reductions,
                 "algorithms": s.algorithms,
+                "compression": compression,
             }
             if batch:
                 row["samples_per_s"] = n * batch * accumulate / s.step_s
