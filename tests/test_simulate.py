@@ -175,6 +175,9 @@ class _FixedLink:
     def algorithm(self, nbytes, gpus):
         return "fixed"
 
+    def gather_s(self, nbytes, gpus):  # a reduce-scatter or all-gather: half the traffic
+        return nbytes / 2e9
+
 
 def _two_grads(ready=(1e-3, 2e-3)):
     # Two 1 MB gradients ready 1 ms and 2 ms into a 3 ms backward; forward 1 ms.
@@ -221,6 +224,32 @@ def test_compression_halves_the_bytes_and_adds_the_hooks_kernels():
         simulate.step(profile, _FixedLink(), 2, "no overlap", compression="int8")
     rows = simulate.sweep(profile, a100, [16], ["no overlap"], compression="fp16")
     assert rows[0]["compression"] == "fp16" and plain.reductions == rows[0]["reductions"]
+
+
+def test_sharded_optimizer_steps_a_shard_then_gathers_the_parameters():
+    # Two 1 MB gradients, after backward; a 4 ms optimizer step over 4 GPUs.
+    profile = costmodel.Profile(1e-3, 3e-3, [1_000_000, 1_000_000], [1e-3, 2e-3], 4e-3)
+    link = _FixedLink()
+    plain = simulate.step(profile, link, 4, "no overlap")
+    assert plain.step_s == pytest.approx(1e-3 + 3e-3 + 2e-3 + 4e-3)
+    zero1 = simulate.step(profile, link, 4, "no overlap", sharding="zero1")
+    # The same all-reduce, a quarter of the step, the parameters gathered.
+    assert zero1.step_s == pytest.approx(1e-3 + 3e-3 + 2e-3 + 1e-3 + 1e-3)
+    zero2 = simulate.step(profile, link, 4, "no overlap", sharding="zero2")
+    assert zero2.step_s == pytest.approx(1e-3 + 3e-3 + 1e-3 + 1e-3 + 1e-3)  # reduce-scatter
+    with pytest.raises(ValueError, match="sharding"):
+        simulate.step(profile, link, 4, "no overlap", sharding="zero3")
+
+
+def test_reduce_scatter_and_all_gather_follow_nccls_ring_model():
+    a100 = hardware.SYSTEMS["a100-dgx"]
+    # Large buffers in one node: a ring moves (n-1)/n of the buffer once,
+    # an all-reduce twice.
+    assert a100.gather_s(1e9, 8) / a100.allreduce_s(1e9, 8) == pytest.approx(0.5, rel=0.01)
+    # Small ones across nodes: 63 ring steps of latency against the
+    # all-reduce's tree (log of the nodes): slower.
+    assert a100.gather_s(1e5, 64) > a100.allreduce_s(1e5, 64)
+    assert a100.gather_s(1e6, 1) == 0.0
 
 
 def test_torch_ddp_plan_is_torchs_own_assignment():

@@ -77,6 +77,14 @@ def add_options(s: argparse.ArgumentParser) -> None:
         "runs them too): half the bytes, plus the hook's casts",
     )
     s.add_argument(
+        "--sharding",
+        choices=simulate.SHARDINGS,
+        default="none",
+        help="optimizer state sharded over the GPUs: zero1 (pyddp's shard=True, torch's "
+        "ZeroRedundancyOptimizer; an all-gather of the parameters after each step) or zero2 "
+        "(also a reduce-scatter per bucket instead of the all-reduce)",
+    )
+    s.add_argument(
         "--step-ms",
         type=float,
         default=None,
@@ -150,8 +158,10 @@ def run(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
         batch=batch,
         cap_mb=args.cap_mb,
         compression=args.compression,
+        sharding=args.sharding,
     )
     hook = "" if args.compression == "none" else f"; {args.compression} compression hook"
+    hook += "" if args.sharding == "none" else f"; optimizer state sharded ({args.sharding})"
     print(f"{what}\n{system.name}; profile: {profile.source}{hook}")
     print(
         f"one GPU: forward {profile.forward_s * 1e3:.2f} ms, backward "

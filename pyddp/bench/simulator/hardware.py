@@ -155,6 +155,12 @@ class System:
     def algorithm(self, nbytes: float, gpus: int) -> str:
         return _allreduce_s(self, float(nbytes), gpus)[1]
 
+    def gather_s(self, nbytes: float, gpus: int) -> float:
+        """A reduce-scatter or an all-gather of `nbytes` in all (each GPU
+        holds or receives nbytes / gpus): NCCL's ring, its only algorithm for
+        them here (NVLS and CollNet are not modelled)."""
+        return _gather_s(self, float(nbytes), gpus)
+
     def topology(self, gpus: int) -> Tuple[int, int]:
         """(nodes, GPUs per node) for `gpus` GPUs: fill nodes first."""
         if gpus <= self.gpus_per_node:
@@ -214,6 +220,40 @@ def _allreduce_s(system: System, nbytes: float, gpus: int) -> Tuple[float, str]:
             t = lat * 1e-6 + nbytes / (algbw * 1e9)
             if t < best[0]:
                 best = (t, f"{algo}/{proto}")
+    return best
+
+
+@lru_cache(maxsize=1 << 16)
+def _gather_s(system: System, nbytes: float, gpus: int) -> float:
+    """NCCL tuning.cc for ncclFuncReduceScatter / ncclFuncAllGather on a
+    ring: gpus - 1 steps, nodes - 1 of them across the network; LL's bus
+    bandwidth is a third of the link's in one node (a quarter across nodes,
+    as for an all-reduce); no ring plateau factor (all-reduce only); NCCL's
+    nBytes is the whole buffer (the per-rank count times the ranks)."""
+    if gpus <= 1 or nbytes <= 0:
+        return 0.0
+    nodes, _ = system.topology(gpus)
+    busbw = system.busbw(gpus) / 1e9
+    arch = system.gpu.arch
+    if nodes == 1:
+        ll_cap = _LL_MAX_BW[0 if arch < 80 else 1 if arch < 90 else 2][0]
+    else:
+        ll_cap = _LL_MAX_BW[1 if system.cpu == "amd" else 0][1 if nodes == 2 else 2]
+    net_overhead = 2.0 if system.cpu == "amd" else 1.0
+    steps, inter_steps = gpus - 1, nodes - 1
+    best = math.inf
+    for p, proto in enumerate(_PROTOCOLS):
+        if proto == "LL128" and not system.ll128:
+            continue
+        intra = _HW_LAT[system.intra_hop]["ring"][p]
+        inter = _HW_LAT["net"]["ring"][p]
+        if nodes > 1:
+            intra = max(intra, net_overhead * (3 if proto == "Simple" else 1))
+        lat = _BASE_LAT["ring"][p] + (steps - inter_steps) * intra + inter_steps * inter
+        ll = busbw / (4 if nodes > 1 else 3)
+        bw = {"LL": min(ll_cap, ll), "LL128": busbw * 0.92, "Simple": busbw}[proto]
+        algbw = bw * gpus / steps
+        best = min(best, lat * 1e-6 + nbytes / (algbw * 1e9))
     return best
 
 

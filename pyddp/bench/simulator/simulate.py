@@ -45,6 +45,15 @@ memory-bound kernels more on its path, as the hook runs them: the cast down
 2) and the copy back into the bucket (read 2, write 4), each at
 Gpu.memory_eff of the HBM bandwidth and at least Gpu.kernel_floor_s.
 
+Sharded optimizer state ("zero1": pyddp's `shard=True`, torch's
+ZeroRedundancyOptimizer, DeepSpeed stage 1; "zero2": stage 2): each GPU
+steps 1/n of the parameters (the optimizer step, elementwise and
+memory-bound, takes 1/n of its time), then an all-gather of every
+parameter follows the step, exposed; "zero2" also reduce-scatters each
+bucket (each GPU keeps its shard of the sum) instead of all-reducing it.
+Reduce-scatter and all-gather are priced by NCCL's ring model for them
+(hardware.System.gather_s).
+
 Not modelled: compute slowed by NCCL kernels sharing SMs and memory
 bandwidth, per-step framework overheads, stragglers and jitter, the input
 pipeline, GPU memory capacity, NVLink SHARP and in-network reduction,
@@ -74,6 +83,7 @@ POLICIES = (
     "torch DDP, registration order",
 )
 COMPRESSIONS = ("none", "fp16", "bf16")
+SHARDINGS = ("none", "zero1", "zero2")
 # Bytes each compression hook's kernels read and write per float32 gradient
 # value: cast to 16 bits (4 + 2), divide by the world (2 + 2), copy back (2 + 4).
 _HOOK_BYTES_PER_VALUE = 16
@@ -137,11 +147,15 @@ def step(
     accumulate: int = 1,
     cap_mb: Optional[float] = None,
     compression: str = "none",
+    sharding: str = "none",
 ) -> Step:
     """One step of `policy` on `gpus` GPUs of `system`, its float32 gradients
-    reduced as they are or through a 16-bit `compression` hook."""
+    reduced as they are or through a 16-bit `compression` hook, with the
+    optimizer state whole on every GPU or sharded (`sharding`)."""
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression={compression!r}: one of {', '.join(COMPRESSIONS)}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r}: one of {', '.join(SHARDINGS)}")
     if accumulate < 1:
         raise ValueError(
             f"accumulate={accumulate}: give the number of micro-batches per step, >= 1"
@@ -165,27 +179,38 @@ def step(
             ((r, sum(sizes[i] for i in b)) for r, b in zip(ready, plan)), key=lambda g: g[0]
         )
     clock, comm, algorithms = 0.0, 0.0, {}
+    scatter = sharding == "zero2"
     for ready_s, nbytes in groups:
-        cost = reduction_s(system, nbytes, gpus, compression)
+        cost = reduction_s(system, nbytes, gpus, compression, scatter)
         clock = max(clock, ready_s) + cost
         comm += cost
-        name = system.algorithm(nbytes / 2 if compression != "none" else nbytes, gpus)
+        wire = nbytes / 2 if compression != "none" else nbytes
+        name = "ring/reduce-scatter" if scatter else system.algorithm(wire, gpus)
         algorithms[name] = algorithms.get(name, 0) + 1
     total = ideal - profile.backward_s + max(profile.backward_s, clock)
+    if sharding != "none":
+        # Each GPU steps its shard, then every parameter is gathered.
+        gather = system.gather_s(sum(sizes), gpus)
+        total += profile.optimizer_s / gpus - profile.optimizer_s + gather
+        comm += gather
+        algorithms["ring/all-gather"] = 1
     return Step(total, ideal, comm, total - ideal, len(groups), algorithms)
 
 
-def reduction_s(system: System, nbytes: float, gpus: int, compression: str = "none") -> float:
+def reduction_s(
+    system: System, nbytes: float, gpus: int, compression: str = "none", scatter: bool = False
+) -> float:
     """One bucket of `nbytes` float32 gradients reduced over `gpus` GPUs:
-    NCCL's all-reduce, or through a 16-bit compression hook (half the bytes,
-    and the hook's kernels)."""
+    NCCL's all-reduce (or reduce-scatter, `scatter`), or through a 16-bit
+    compression hook (half the bytes, and the hook's kernels)."""
+    collective = system.gather_s if scatter else system.allreduce_s
     if compression == "none":
-        return system.allreduce_s(nbytes, gpus)
+        return collective(nbytes, gpus)
     gpu = system.gpu
     values = nbytes / 4
     memory = gpu.memory_bw * gpu.memory_eff
     kernels = max(_HOOK_KERNELS * gpu.kernel_floor_s, values * _HOOK_BYTES_PER_VALUE / memory)
-    return system.allreduce_s(nbytes / 2, gpus) + kernels
+    return collective(nbytes / 2, gpus) + kernels
 
 
 def _fused(profile: Profile, cost: Callable[[int], float]) -> List[Tuple[float, int]]:
@@ -219,13 +244,14 @@ def sweep(
     batch: Optional[int] = None,
     cap_mb: Optional[float] = None,
     compression: str = "none",
+    sharding: str = "none",
 ) -> List[Dict[str, Any]]:
     """One row per (policy, GPU count)."""
     rows = []
     for policy in policies:
         for n in gpu_counts:
             nodes, per_node = system.topology(n)
-            s = step(profile, system, n, policy, accumulate, cap_mb, compression)
+            s = step(profile, system, n, policy, accumulate, cap_mb, compression, sharding)
             row = {
                 "policy": policy,
                 "gpus": n,
@@ -239,6 +265,7 @@ def sweep(
                 "reductions": s.reductions,
                 "algorithms": s.algorithms,
                 "compression": compression,
+                "sharding": sharding,
             }
             if batch:
                 row["samples_per_s"] = n * batch * accumulate / s.step_s
