@@ -161,7 +161,7 @@ class _ShadowHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank joined: every rank takes the last joiner's model."""
         m = self.model
-        record = m.sync._work
+        record = m.sync.work
         counters = torch.tensor([record.steps, record.backwards_since_sync], dtype=torch.int64)
         state: List[torch.Tensor] = list(m.module.parameters()) + list(m.module.buffers())
         m.sync.link.end_join(is_last_joiner, [t.detach() for t in state] + [counters])

@@ -384,6 +384,12 @@ class GradSync:
         finally:
             self._shadowing = False
 
+    @property
+    def work(self) -> WorkRecord:
+        """The record of this GradSync's work that the ranks compare at each
+        synced backward (optimizer steps, micro-batches; _link/record.py)."""
+        return self._work
+
     def _wait_for_link(self) -> Tuple[List[int], List[int], Any]:
         try:
             return self.link.wait()

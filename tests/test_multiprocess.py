@@ -295,6 +295,9 @@ def test_join_shadows_uneven_inputs_as_torch_ddp_and_the_closed_form(tmp_path, c
             if every_rank_had_a_batch:  # BatchNorm training, buffers from the highest rank
                 assert r[f"vs_ddp_divide{divide}_micro1_r1"] <= TOL, r
         assert r["divide_matters"] > 1e-3  # the two divisions are told apart
+        if every_rank_had_a_batch:  # torch's Join([dmodel]) and an fp16 hook, as DDP
+            assert r["fp16_hook_vs_ddp"] <= TOL, r
+        assert 0 < r["fp16_hook_vs_closed"] < 1e-2, r  # compressed, and close
         # dmodel.loss: one device on the global batch of the ranks with
         # inputs, and not the average over the world (the control).
         assert r["loss_vs_one_device"] <= TOL and r["loss_vs_divided_by_world"] > 1e-3, r

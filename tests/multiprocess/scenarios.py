@@ -1053,7 +1053,7 @@ def join(out: dict) -> None:
                     with ctx:
                         nn.functional.mse_loss(dm(xs), ys).backward()
                 opt.step()
-        out.setdefault("records", []).append(dm.sync._work.steps)
+        out.setdefault("records", []).append(dm.sync.work.steps)
         model = dm.module
         dm.close()
         return model
@@ -1101,6 +1101,27 @@ def join(out: dict) -> None:
                     out[f"ddp_vs_closed_divide{divide}_micro{micro}"] = diff(ref, closed)
 
     out["divide_matters"] = diff(emulated(True, 1), emulated(False, 1))
+
+    # torch's own Join around the model, with torch DDP's fp16 compression
+    # hook on both engines: the joined ranks shadow through the hook too.
+    from torch.distributed.algorithms import Join
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp_model = eval_norm(net())
+    ddp = nn.parallel.DistributedDataParallel(ddp_model, find_unused_parameters=True)
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    dm = pyddp.wrap(eval_norm(net()), ["cpu"])
+    dm.register_comm_hook(None, "fp16")
+    for model in (ddp, dm):
+        opt = torch.optim.SGD(model.parameters(), **SGD)
+        with Join([model]):
+            for x, y in batches[rank]:
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+    out["fp16_hook_vs_ddp"] = diff(dm.module, ddp_model)
+    out["fp16_hook_vs_closed"] = diff(dm.module, emulated(True, 1))  # 16 bits on the wire
+    dm.close()
 
     # dmodel.loss: each step's global batch is what the ranks with inputs
     # hold; one device trains on it (BatchNorm in eval: per-rank batch
