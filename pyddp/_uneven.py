@@ -63,17 +63,18 @@ class Joining(Joinable):
         self._check_open()
         if not self.sync.link.spans_processes:
             return contextlib.nullcontext()
-        return self._joined(
-            Join(
-                [self],
-                enable=enable,
-                throw_on_early_termination=throw_on_early_termination,
-                divide_by_initial_world_size=divide_by_initial_world_size,
-            )
-        )
+        return self._joined(enable, throw_on_early_termination, divide_by_initial_world_size)
 
     @contextlib.contextmanager
-    def _joined(self, join: Join) -> Iterator[None]:
+    def _joined(self, enable: bool, throw: bool, divide: bool) -> Iterator[None]:
+        # torch's Join enables its joinables when made: made on entering, so
+        # a join() never entered changes nothing.
+        join = Join(
+            [self],
+            enable=enable,
+            throw_on_early_termination=throw,
+            divide_by_initial_world_size=divide,
+        )
         try:
             with join:
                 yield

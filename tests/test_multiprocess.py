@@ -303,6 +303,7 @@ def test_join_shadows_uneven_inputs_as_torch_ddp_and_the_closed_form(tmp_path, c
         assert r["loss_vs_one_device"] <= TOL and r["loss_vs_divided_by_world"] > 1e-3, r
         assert r["global_losses"] <= 1e-5, r  # the global batch's loss, reported
         assert r["after_join_finite"] and r["after_throw_ok"]
+        assert r["join_not_entered_enabled"] is False  # dmodel.join() without `with`
         assert "disagree on whether this forward is a training forward" in r["disagree"], r
     # Every rank ends with the last joiner's model and step count.
     assert len({tuple(r["records"]) for r in got}) == 1

@@ -1165,6 +1165,8 @@ def join(out: dict) -> None:
     # the model trains on outside Join.
     dm = pyddp.wrap(net(), ["cpu"])
     opt = dm.optimizer(torch.optim.SGD, **SGD)
+    dm.join()  # never entered: changes nothing
+    out["join_not_entered_enabled"] = dm._join_config.enable
     try:
         with dm.join(throw_on_early_termination=True):
             for x, y in batches[rank]:
