@@ -51,8 +51,10 @@ class Joining(Joinable):
         the model stays usable. In one process there is nothing to join.
 
         Usage, as with torch DDP: `with dmodel.join(): for x, y in
-        my_loader: ...`, or torch's `Join([dmodel, ...])` (the context this
-        returns is torch's Join, reset on exit whatever happens)."""
+        my_loader: ...`, or torch's `Join([dmodel, ...])`. The context this
+        returns makes torch's Join on entering and leaves the model as it was
+        before on exit, however the block ends (torch's Join alone does not
+        when the block raises)."""
         for name, value in (
             ("divide_by_initial_world_size", divide_by_initial_world_size),
             ("enable", enable),
@@ -61,8 +63,8 @@ class Joining(Joinable):
             if not isinstance(value, bool):
                 raise TypeError(f"join(): {name} must be a bool, got {type(value).__name__}")
         self._check_open()
-        if not self.sync.link.spans_processes:
-            return contextlib.nullcontext()
+        if not self.sync.link.spans_processes or not enable:
+            return contextlib.nullcontext()  # nothing to join
         return self._joined(enable, throw_on_early_termination, divide_by_initial_world_size)
 
     @contextlib.contextmanager
@@ -140,8 +142,11 @@ class Joining(Joinable):
         )
 
     def _leave_join(self) -> None:
+        """After Join, however it ended (torch's skips the join hooks' end
+        when the block raised): no step exchange, rank 0's buffers, the
+        rows dmodel.loss weighs exchanged again."""
         self._join_config = type(self._join_config).construct_disabled_join_config()
-        self.sync.link.divide_by_active = False
+        self.sync.link.leave_join()
 
 
 class _ShadowHook(JoinHook):

@@ -102,11 +102,34 @@ class _Shard:
         self.optimizer = optimizer
 
     def attach_grads(self, params: Sequence[torch.Tensor]) -> None:
-        """Split pieces step with the matching elements of the gradient."""
-        for i, lo, hi, t, whole in self.pieces:
-            if not whole:
-                g = params[i].grad
-                t.grad = None if g is None else g.detach().view(-1)[lo:hi]
+        """Split pieces step with the matching elements of the gradient. A
+        parameter given new storage since (Module._apply: .half().float(),
+        .to(memory_format=...)) gets its views re-pointed, state kept."""
+        for k, (i, lo, hi, t, whole) in enumerate(self.pieces):
+            if whole:
+                continue
+            p = params[i]
+            if t.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
+                if not p.is_contiguous():
+                    raise RuntimeError(
+                        "pyddp: a parameter the sharded optimizer cuts between replicas is no "
+                        "longer contiguous (.to(memory_format=...) after the optimizer was "
+                        "made?): make the optimizer after changing the model's layout"
+                    )
+                fresh = p.detach().view(-1)[lo:hi]
+                self._replace(t, fresh)
+                self.pieces[k] = (i, lo, hi, fresh, whole)
+                t = fresh
+            g = p.grad
+            t.grad = None if g is None else g.detach().view(-1)[lo:hi]
+
+    def _replace(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """The inner optimizer steps `new` where it stepped `old`, with its state."""
+        opt = self.optimizer
+        for group in opt.param_groups:
+            group["params"] = [new if q is old else q for q in group["params"]]
+        if old in opt.state:
+            opt.state[new] = opt.state.pop(old)
 
 
 def sharded_optimizer(
@@ -120,6 +143,7 @@ def sharded_optimizer(
             "optimizer (shard=False) or torch's ZeroRedundancyOptimizer under torch DDP"
         )
     opt = _sharded_class(cls)(groups[0], **kwargs)
+    opt.state.clear()  # state made at construction (Adagrad's sum) is the shards' to hold
     index = {id(p): i for i, p in enumerate(sync.params[0])}
     layout = []  # per group: the global index of each of its parameters
     for g in opt.param_groups:
@@ -220,8 +244,11 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             with torch.no_grad():
                 # Replica 0 first: from this process's other replicas.
                 for r in range(1, local):
-                    for i, lo, hi, t, _ in self._pyddp_shards[r].pieces:
-                        sync.params[0][i].view(-1)[lo:hi].copy_(t.reshape(-1))
+                    for i, lo, hi, t, whole in self._pyddp_shards[r].pieces:
+                        if whole:  # any layout (channels_last included)
+                            sync.params[0][i].copy_(t)
+                        else:
+                            sync.params[0][i].view(-1)[lo:hi].copy_(t)
                 if sync.link.spans_processes:
                     # The others' elements: a float64 sum to which every other
                     # process adds -0.0 (x + -0.0 == x, bit for bit).
@@ -236,7 +263,10 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                     (flat,) = sync.link.sum_tensors([flat], SHARD_PARAMS)
                     for k, lo, hi in self._pyddp_theirs:
                         src = flat[starts[k] + lo : starts[k] + hi]
-                        ps[k].view(-1)[lo:hi].copy_(src)
+                        if lo == 0 and hi == ps[k].numel():  # whole: any layout
+                            ps[k].copy_(src.view(ps[k].shape))
+                        else:
+                            ps[k].view(-1)[lo:hi].copy_(src)
                 for r in range(1, local):
                     torch._foreach_copy_(sync.params[r], sync.params[0])
 
@@ -320,6 +350,14 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                     if i not in by_global:
                         continue
                     value = by_global[i]
+                    for key, v in value.items():
+                        per_element = isinstance(v, torch.Tensor) and v.dim() >= 1
+                        if per_element and v.numel() != params0[i].numel():
+                            raise ValueError(
+                                f"loaded state dict: state {key!r} of parameter "
+                                f"{self._pyddp_sync.names[i]} has shape {tuple(v.shape)}, "
+                                f"the parameter {tuple(params0[i].shape)}"
+                            )
                     if not whole:
                         shape = params0[i].shape
                         value = {

@@ -304,6 +304,7 @@ def test_join_shadows_uneven_inputs_as_torch_ddp_and_the_closed_form(tmp_path, c
         assert r["global_losses"] <= 1e-5, r  # the global batch's loss, reported
         assert r["after_join_finite"] and r["after_throw_ok"]
         assert r["join_not_entered_enabled"] is False  # dmodel.join() without `with`
+        assert r["join_left_after_throw"], r  # nothing of Join left after it raised
         assert "disagree on whether this forward is a training forward" in r["disagree"], r
     # Every rank ends with the last joiner's model and step count.
     assert len({tuple(r["records"]) for r in got}) == 1

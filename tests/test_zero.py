@@ -80,6 +80,43 @@ def test_an_optimizer_that_is_not_elementwise_is_sharded_by_whole_parameters():
         assert torch.equal(p, q)
 
 
+def _conv_run(shard, channels_last, refresh):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Tanh(), nn.Conv2d(8, 4, 3))
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    dm = pyddp.wrap(model, ["cpu"] * 3)
+    opt = dm.optimizer(torch.optim.Adam, shard=shard, lr=1e-2)
+    torch.manual_seed(1)
+    x = torch.randn(6, 3, 8, 8)
+    for step in range(3):
+        if refresh and step == 1:
+            dm.module.double().float()  # new storage for every parameter
+        opt.zero_grad()
+        dm(x).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in dm.module.parameters()]
+
+
+@pytest.mark.parametrize("channels_last,refresh", [(True, False), (False, True)])
+def test_layouts_and_new_storage_after_the_optimizer_was_made(channels_last, refresh):
+    # Whole parameters in channels_last; parameters given new storage
+    # (Module._apply) after the optimizer was made: its views follow.
+    a = _conv_run(False, channels_last, refresh)
+    b = _conv_run(True, channels_last, refresh)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+
+
+def test_adagrads_state_is_the_shards_only():
+    # Adagrad makes its state when built: the sharded optimizer's own object
+    # keeps none of it (each replica a share).
+    dm, opt = _train(True, 4, torch.optim.Adagrad, lr=0.1)
+    _, full = _train(False, 4, torch.optim.Adagrad, lr=0.1)
+    assert len(opt.state) == 0
+    assert max(state_bytes(opt)) <= state_bytes(full)[0] / 4 + 64
+
+
 def test_param_groups_and_a_subset_of_parameters():
     def groups(m):
         return [{"params": m[0].parameters(), "lr": 0.05}, {"params": m[4].parameters()}]
@@ -136,4 +173,16 @@ def test_misuse_is_refused():
         opt.step(lambda: 0.0)
     with pytest.raises(ValueError, match="parameter groups"):
         opt.load_state_dict({"state": {}, "param_groups": []})
+    # Another model's state (the same count of parameters, other shapes).
+    other = nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
+    foreign = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    for p in other.parameters():
+        p.grad = torch.ones_like(p)
+    foreign.step()
+    sd = foreign.state_dict()
+    sd["state"][0]["momentum_buffer"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="momentum_buffer"):
+        opt.load_state_dict(sd)
     dm.close()

@@ -142,6 +142,10 @@ class Link:
         inputs (joining.JoinStep). One process: nothing to exchange."""
         return None
 
+    def leave_join(self) -> None:
+        """After torch's Join, however it ended: nothing of it is left."""
+        self.divide_by_active = False
+
     def end_join(self, last: bool, state: Sequence[torch.Tensor]) -> int:
         """After torch's Join: every rank takes the last joiner's `state`;
         returns that rank. One process: this one."""

@@ -275,13 +275,13 @@ class ProcessLink(Link):
         backward (a window's gradients can only be rescaled as a whole), and
         so does the synced backward that ends their window. The global
         batch's loss (CPU replicas) is in self.global_loss."""
+        window, agreed = self._window, self._agreed_rows
+        window.weighed = True  # weighed: no Join divisor on top (the rows are exact)
         if reduction != "mean":
             return [_ScaleGrad.apply(v, float(self.world)) for v in losses]
         # On GPUs (the simulation's too) reading the loss would make the host wait.
         on_host = self._route is None and all(v.device.type == "cpu" for v in losses)
         local = sum(float(v.detach()) for v in losses) if on_host else 0.0
-        window, agreed = self._window, self._agreed_rows
-        window.weighed = True
         if self.join is not None:
             # Under Join this forward's exchange carried the global batch's
             # rows: exact, with no exchange here; the global loss travels in
@@ -328,6 +328,11 @@ class ProcessLink(Link):
         except ValueError as e:
             self.failure.fail(str(e), census=False)
         return self.join
+
+    def leave_join(self) -> None:
+        self.join = None
+        self._agreed_rows = None  # exchanged again at the next weighing
+        self.divide_by_active = False
 
     def end_join(self, last: bool, state: Sequence[torch.Tensor]) -> int:
         """After torch's Join, on every rank: the highest of the last ranks

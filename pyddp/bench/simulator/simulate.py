@@ -45,8 +45,9 @@ memory-bound kernels more on its path, as the hook runs them: the cast down
 2) and the copy back into the bucket (read 2, write 4), each at
 Gpu.memory_eff of the HBM bandwidth and at least Gpu.kernel_floor_s.
 
-Sharded optimizer state ("zero1": pyddp's `shard=True`, torch's
-ZeroRedundancyOptimizer, DeepSpeed stage 1; "zero2": stage 2): each GPU
+Sharded optimizer state ("zero1": ZeRO stage 1 as torch's
+ZeroRedundancyOptimizer and DeepSpeed run it on GPUs; pyddp's `shard=True`
+is CPU-only for now and exchanges parameters differently; "zero2": stage 2): each GPU
 steps 1/n of the parameters (the optimizer step, elementwise and
 memory-bound, takes 1/n of its time), then an all-gather of every
 parameter follows the step, exposed; "zero2" also reduce-scatters each
@@ -156,6 +157,11 @@ def step(
         raise ValueError(f"compression={compression!r}: one of {', '.join(COMPRESSIONS)}")
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding={sharding!r}: one of {', '.join(SHARDINGS)}")
+    if compression != "none" and any("16" in d for d in profile.dtypes or []):
+        raise ValueError(
+            f"compression={compression!r} casts float32 gradients to 16 bits; this profile's "
+            "gradients are 16-bit already (nothing to compress)"
+        )
     if accumulate < 1:
         raise ValueError(
             f"accumulate={accumulate}: give the number of micro-batches per step, >= 1"
@@ -164,8 +170,11 @@ def step(
     if gpus == 1:
         return Step(ideal, ideal, 0.0, 0.0, 0, {})
     sizes = profile.param_bytes
+    scatter = sharding == "zero2"
     if policy == "horovod":
-        groups = _fused(profile, lambda nbytes: system.allreduce_s(nbytes, gpus))
+        groups = _fused(
+            profile, lambda nbytes: reduction_s(system, nbytes, gpus, compression, scatter)
+        )
     elif policy == "one all-reduce":
         groups = [(profile.backward_s, sum(sizes))]
     else:
@@ -179,7 +188,6 @@ def step(
             ((r, sum(sizes[i] for i in b)) for r, b in zip(ready, plan)), key=lambda g: g[0]
         )
     clock, comm, algorithms = 0.0, 0.0, {}
-    scatter = sharding == "zero2"
     for ready_s, nbytes in groups:
         cost = reduction_s(system, nbytes, gpus, compression, scatter)
         clock = max(clock, ready_s) + cost
