@@ -6,7 +6,7 @@ the other replicas' optimizers are stepped with the same hyper-parameters."""
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, Iterable, Optional, Type
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Type
 
 import torch
 from torch import nn
@@ -42,6 +42,8 @@ def replicated_optimizer(
     opt._pyddp_others = [cls(g, **kwargs) for g in groups[1:]]
     mine = {id(p) for group in opt.param_groups for p in group["params"]}
     opt._pyddp_owns_all = mine >= {id(p) for p in sync.params[0]}
+    opt._pyddp_grads = [p for o in (opt, *opt._pyddp_others) for g in o.param_groups
+                        for p in g["params"]]  # fmt: skip
     return opt
 
 
@@ -56,27 +58,71 @@ def _param_groups(module: nn.Module, params: Optional[ParamsFn]) -> list:
     return list(params(module))
 
 
+class PyddpOptimizer:
+    """What pyddp's optimizer classes (Replicated here, Sharded in zero.py)
+    add alike to the user's class, which follows this one among their bases:
+    no closure, hyper-parameters set on this object (LR schedulers) reach the
+    optimizers stepping the other replicas, zero_grad through GradSync's
+    buckets, no add_param_group after construction, no pickling. Set on the
+    instance: _pyddp_sync, _pyddp_broken, _pyddp_owns_all (it steps every
+    parameter) and _pyddp_grads (every replica's parameters it steps)."""
+
+    _pyddp_sync: GradSync
+    _pyddp_broken: str
+    _pyddp_owns_all: bool
+    _pyddp_grads: List[torch.Tensor]
+    param_groups: List[Dict[str, Any]]
+
+    def _pyddp_begin_step(self, closure: Any, others: Sequence[Any]) -> None:
+        if closure is not None:
+            raise ValueError(
+                "pyddp optimizers do not take a closure: re-evaluating the loss would "
+                "need a forward and backward on every replica"
+            )
+        self._pyddp_sync.check_step()
+        for other in others:
+            for mine, theirs in zip(self.param_groups, other.param_groups):
+                for key, value in mine.items():
+                    if key != "params":
+                        theirs[key] = value
+        if self._pyddp_broken:
+            raise RuntimeError(self._pyddp_broken)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._pyddp_owns_all:
+            self._pyddp_sync.zero_grad(set_to_none)  # one memset per bucket
+            return
+        # Only part of the model (several optimizers): leave the other
+        # parameters' gradients alone. GradSync re-attaches these on the
+        # next backward.
+        for p in self._pyddp_grads:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if getattr(self, "_pyddp_sync", None) is not None:
+            raise RuntimeError(
+                "add_param_group is not supported on a pyddp optimizer: pass every group "
+                "through dmodel.optimizer(cls, params=fn) instead"
+            )
+        super().add_param_group(param_group)  # type: ignore[misc]  # the user's class
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a pyddp optimizer steps live replicas and cannot be pickled or copied: save "
+            "opt.state_dict() and load it into a new dmodel.optimizer(...)"
+        )
+
+
 def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
     if cls in _SUBCLASSES:
         return _SUBCLASSES[cls]
 
-    class Replicated(cls):  # type: ignore[misc, valid-type]
+    class Replicated(PyddpOptimizer, cls):  # type: ignore[misc, valid-type]
         def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-            if closure is not None:
-                raise ValueError(
-                    "pyddp optimizers do not take a closure: re-evaluating the loss would "
-                    "need a forward and backward on every replica"
-                )
-            self._pyddp_sync.check_step()
-            for other in self._pyddp_others:
-                # Hyper-parameters may have been changed (LR schedulers) on this
-                # object only: copy them so every replica takes the same step.
-                for mine, theirs in zip(self.param_groups, other.param_groups):
-                    for key, value in mine.items():
-                        if key != "params":
-                            theirs[key] = value
-            if self._pyddp_broken:
-                raise RuntimeError(self._pyddp_broken)
+            self._pyddp_begin_step(closure, self._pyddp_others)
             steps = [super().step] + [other.step for other in self._pyddp_others]
             try:
                 return self._pyddp_sync.run_per_replica(steps, "optimizer step")[0]
@@ -87,12 +133,6 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
             except BaseException:  # Ctrl-C: the replicas may have stepped unevenly too
                 self._pyddp_resync(0)
                 raise
-
-        def __reduce_ex__(self, protocol: Any) -> Any:
-            raise TypeError(
-                "a pyddp optimizer steps live replicas and cannot be pickled or copied: save "
-                "opt.state_dict() and load it into a new dmodel.optimizer(...)"
-            )
 
         def _pyddp_resync(self, failed: int) -> str:
             done = (
@@ -123,35 +163,12 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
         # marking this one as wrapped keeps each hook to one call per step.
         step.hooked = True  # type: ignore[attr-defined]
 
-        def zero_grad(self, set_to_none: bool = True) -> None:
-            if self._pyddp_owns_all:
-                self._pyddp_sync.zero_grad(set_to_none)  # one memset per bucket
-                return
-            # Only part of the model (several optimizers): leave the other
-            # parameters' gradients alone. GradSync re-attaches these on the
-            # next backward.
-            for opt in (self, *self._pyddp_others):
-                for group in opt.param_groups:
-                    for p in group["params"]:
-                        if set_to_none:
-                            p.grad = None
-                        elif p.grad is not None:
-                            p.grad.zero_()
-
         def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
             super().load_state_dict(state_dict)
             for other in self._pyddp_others:
                 # torch keeps the given state tensors when device and dtype match:
                 # each replica needs its own, or one buffer would be stepped N times.
                 other.load_state_dict(copy.deepcopy(state_dict))
-
-        def add_param_group(self, param_group: Dict[str, Any]) -> None:
-            if hasattr(self, "_pyddp_others"):
-                raise RuntimeError(
-                    "add_param_group is not supported on a pyddp optimizer: pass every group "
-                    "through dmodel.optimizer(cls, params=fn) instead"
-                )
-            super().add_param_group(param_group)
 
     Replicated.__name__ = Replicated.__qualname__ = f"Replicated{cls.__name__}"
     _SUBCLASSES[cls] = Replicated

@@ -27,6 +27,7 @@ import torch
 
 from ._link import exchange
 from .errors import ReplicaError
+from .optim import PyddpOptimizer
 from .sync import GradSync
 
 SHARD_PARAMS = exchange("the gathering of a sharded optimizer step's parameters")
@@ -174,19 +175,23 @@ def sharded_optimizer(
         pieces, inner_groups = [], []
         for g, members in zip(opt.param_groups, per_group):
             pieces += members
-            hyper = {k: v for k, v in g.items() if k != "params"}
-            inner_groups.append({**hyper, "params": [m[3] for m in members]})
+            inner_groups.append({**_hyper(g), "params": [m[3] for m in members]})
         shards.append(_Shard(pieces, cls(inner_groups, **kwargs)))
     mine = range(first, first + len(shards))
     opt._pyddp_sync = sync
     opt._pyddp_layout = layout
     opt._pyddp_order = order
+    # Where each parameter (in `order`) starts in the elements laid end to end.
+    opt._pyddp_starts = [0]
+    for i in order:
+        opt._pyddp_starts.append(opt._pyddp_starts[-1] + params0[i].numel())
     opt._pyddp_shards = shards
     opt._pyddp_inner = [sh.optimizer for sh in shards]
     opt._pyddp_theirs = [pc for s, pcs in enumerate(plan) if s not in mine for pc in pcs]
     opt._pyddp_split = split
     opt._pyddp_broken = ""
     opt._pyddp_owns_all = set(order) >= set(range(len(index)))
+    opt._pyddp_grads = [params[i] for params in sync.params for i in order]
     return opt
 
 
@@ -194,29 +199,16 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
     if cls in _SUBCLASSES:
         return _SUBCLASSES[cls]
 
-    class Sharded(cls):  # type: ignore[misc, valid-type]
+    class Sharded(PyddpOptimizer, cls):  # type: ignore[misc, valid-type]
         def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-            if closure is not None:
-                raise ValueError(
-                    "pyddp optimizers do not take a closure: re-evaluating the loss would "
-                    "need a forward and backward on every replica"
-                )
-            if self._pyddp_broken:
-                raise RuntimeError(self._pyddp_broken)
+            self._pyddp_begin_step(closure, self._pyddp_inner)
             sync = self._pyddp_sync
-            sync.check_step()
-            if getattr(sync.link, "join", None) is not None:
+            if sync.link.join is not None:
                 raise NotImplementedError(
                     "pyddp: a sharded optimizer (shard=True) cannot step under Join yet: the "
                     "ranks that joined would have to step their shards too; use shard=False "
                     "under dmodel.join()"
                 )
-            for other in self._pyddp_inner:
-                # Hyper-parameters (LR schedulers) live on this object.
-                for mine, theirs in zip(self.param_groups, other.param_groups):
-                    for key, value in mine.items():
-                        if key != "params":
-                            theirs[key] = value
             for r, shard in enumerate(self._pyddp_shards):
                 shard.attach_grads(sync.params[r])
             try:
@@ -242,22 +234,24 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             sync = self._pyddp_sync
             local = len(sync.replicas)
             with torch.no_grad():
-                # Replica 0 first: from this process's other replicas.
+                # Replica 0 first: from this process's other replicas (whole
+                # parameters in any layout, channels_last included).
+                dst, src = [], []
                 for r in range(1, local):
                     for i, lo, hi, t, whole in self._pyddp_shards[r].pieces:
-                        if whole:  # any layout (channels_last included)
-                            sync.params[0][i].copy_(t)
-                        else:
-                            sync.params[0][i].view(-1)[lo:hi].copy_(t)
+                        dst.append(
+                            sync.params[0][i] if whole else sync.params[0][i].view(-1)[lo:hi]
+                        )
+                        src.append(t)
+                if dst:
+                    torch._foreach_copy_(dst, src)
                 if sync.link.spans_processes:
                     # The others' elements: a float64 sum to which every other
                     # process adds -0.0 (x + -0.0 == x, bit for bit).
                     order = self._pyddp_order
                     ps = [sync.params[0][i] for i in order]
                     flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in ps])
-                    starts = [0]
-                    for p in ps:
-                        starts.append(starts[-1] + p.numel())
+                    starts = self._pyddp_starts
                     for k, lo, hi in self._pyddp_theirs:
                         flat[starts[k] + lo : starts[k] + hi] = -0.0
                     (flat,) = sync.link.sum_tensors([flat], SHARD_PARAMS)
@@ -269,19 +263,6 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                             ps[k].view(-1)[lo:hi].copy_(src)
                 for r in range(1, local):
                     torch._foreach_copy_(sync.params[r], sync.params[0])
-
-        def zero_grad(self, set_to_none: bool = True) -> None:
-            if self._pyddp_owns_all:
-                self._pyddp_sync.zero_grad(set_to_none)
-                return
-            sync = self._pyddp_sync
-            for i in self._pyddp_order:
-                for params in sync.params:
-                    p = params[i]
-                    if set_to_none:
-                        p.grad = None
-                    elif p.grad is not None:
-                        p.grad.zero_()
 
         def state_dict(self) -> Dict[str, Any]:
             """The unsharded optimizer's state dict (collective across
@@ -312,12 +293,8 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                     else:  # a scalar (the step count): the same in every piece
                         merged[key] = value
                 state[position[i]] = merged
-            groups, k = [], 0
-            for g, idx in zip(self.param_groups, self._pyddp_layout):
-                groups.append({**{a: b for a, b in g.items() if a != "params"},
-                               "params": list(range(k, k + len(idx)))})  # fmt: skip
-                k += len(idx)
-            return {"state": state, "param_groups": groups}
+            sizes = [len(idx) for idx in self._pyddp_layout]
+            return {"state": state, "param_groups": _numbered(self.param_groups, sizes)}
 
         def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
             """Loads an unsharded optimizer's state dict (or this one's):
@@ -367,35 +344,32 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                             for key, v in value.items()
                         }
                     sub_state[j] = value
-                k, sub_groups = 0, []
-                for g, inner_g in zip(self.param_groups, shard.optimizer.param_groups):
-                    n = len(inner_g["params"])
-                    sub_groups.append({**{a: b for a, b in g.items() if a != "params"},
-                                       "params": list(range(k, k + n))})  # fmt: skip
-                    k += n
+                sizes = [len(g["params"]) for g in shard.optimizer.param_groups]
+                sub_groups = _numbered(self.param_groups, sizes)
                 # torch keeps given tensors when device and dtype match: copies,
                 # so no two shards (or the caller's dict) share a buffer.
                 shard.optimizer.load_state_dict(
                     {"state": _clone(sub_state), "param_groups": sub_groups}
                 )
 
-        def add_param_group(self, param_group: Dict[str, Any]) -> None:
-            if hasattr(self, "_pyddp_inner"):
-                raise RuntimeError(
-                    "add_param_group is not supported on a pyddp optimizer: pass every group "
-                    "through dmodel.optimizer(cls, params=fn) instead"
-                )
-            super().add_param_group(param_group)
-
-        def __reduce_ex__(self, protocol: Any) -> Any:
-            raise TypeError(
-                "a pyddp optimizer steps live replicas and cannot be pickled or copied: save "
-                "opt.state_dict() and load it into a new dmodel.optimizer(...)"
-            )
-
     Sharded.__name__ = Sharded.__qualname__ = f"Sharded{cls.__name__}"
     _SUBCLASSES[cls] = Sharded
     return Sharded
+
+
+def _hyper(group: Dict[str, Any]) -> Dict[str, Any]:
+    """A param group's hyper-parameters (everything but its parameters)."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _numbered(groups: Sequence[Dict[str, Any]], sizes: Sequence[int]) -> List[Dict[str, Any]]:
+    """State-dict param groups: `groups`' hyper-parameters, their parameters
+    numbered in order across groups (sizes[g] in group g), as torch does."""
+    out, k = [], 0
+    for g, n in zip(groups, sizes):
+        out.append({**_hyper(g), "params": list(range(k, k + n))})
+        k += n
+    return out
 
 
 def _unhooked(optimizer: Any) -> Callable[[], Any]:

@@ -25,6 +25,7 @@ class Link:
         self.global_loss: Optional[float] = None
         self.group: Any = None  # the process group spanned (torch's Join runs on it)
         self.divide_by_active = False  # under Join (across processes only)
+        self.join: Any = None  # under Join, this forward's step (across processes only)
 
     # ------------------------------------------------------- construction
     def watch(self, record: WorkRecord) -> None:

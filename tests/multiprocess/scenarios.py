@@ -1026,33 +1026,29 @@ def join(out: dict) -> None:
         for r in range(world)
     ]  # fmt: skip
 
-    def ddp_run(divide: bool, micro: int, frozen: bool) -> nn.Module:
-        model = eval_norm(net()) if frozen else net()
-        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-        opt = torch.optim.SGD(ddp.parameters(), **SGD)
-        with ddp.join(divide_by_initial_world_size=divide):
+    def joined_steps(engine, opt, divide: bool, micro: int) -> None:
+        """This rank's batches under the engine's join(), `micro`
+        micro-batches per step (no_sync() for all but the last)."""
+        with engine.join(divide_by_initial_world_size=divide):
             for x, y in batches[rank]:
                 opt.zero_grad()
                 for k, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
-                    ctx = ddp.no_sync() if k < micro - 1 else contextlib.nullcontext()
+                    ctx = engine.no_sync() if k < micro - 1 else contextlib.nullcontext()
                     with ctx:
-                        nn.functional.mse_loss(ddp(xs), ys).backward()
+                        nn.functional.mse_loss(engine(xs), ys).backward()
                 opt.step()
+
+    def ddp_run(divide: bool, micro: int, frozen: bool) -> nn.Module:
+        model = eval_norm(net()) if frozen else net()
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        joined_steps(ddp, torch.optim.SGD(ddp.parameters(), **SGD), divide, micro)
         return model
 
     def pyddp_run(divide: bool, micro: int, replicas: int, frozen: bool) -> nn.Module:
         dm = pyddp.wrap(eval_norm(net()) if frozen else net(), ["cpu"] * replicas)
         for m in dm.replicas if frozen else []:
             m.norm.eval()
-        opt = dm.optimizer(torch.optim.SGD, **SGD)
-        with dm.join(divide_by_initial_world_size=divide):
-            for x, y in batches[rank]:
-                opt.zero_grad()
-                for k, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
-                    ctx = dm.no_sync() if k < micro - 1 else contextlib.nullcontext()
-                    with ctx:
-                        nn.functional.mse_loss(dm(xs), ys).backward()
-                opt.step()
+        joined_steps(dm, dm.optimizer(torch.optim.SGD, **SGD), divide, micro)
         out.setdefault("records", []).append(dm.sync.work.steps)
         model = dm.module
         dm.close()

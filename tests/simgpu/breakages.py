@@ -91,7 +91,7 @@ BREAKAGES = {
         "NCCL is given one element more than the bucket holds (caught by the bounds check)",
     ),
     "buffer-broadcast-adds-plus-zero": (
-        "pyddp/_link/processes.py",
+        "pyddp/_link/route.py",
         "                flat.fill_(-0.0)",
         "                flat.fill_(0.0)",
         "non-root GPUs add +0.0 in the device buffer broadcast (a -0.0 becomes +0.0)",
