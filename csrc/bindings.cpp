@@ -33,8 +33,10 @@ LaunchOrder launch_order_from_name(const std::string& name) {
                    "': use 'ready', 'index' or 'after_backward'");
 }
 
-BufferRef make_buffer(uintptr_t ptr, int64_t count, const std::string& dtype, int device) {
+BufferRef make_buffer(uintptr_t ptr, int64_t count, const std::string& dtype, int device,
+                      uintptr_t wire = 0) {
   BufferRef b;
+  b.wire = reinterpret_cast<void*>(wire);
   b.data = reinterpret_cast<void*>(ptr);
   b.count = count;
   b.dtype = dtype_from_name(dtype);
@@ -138,7 +140,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("id") = py::bytes(), py::arg("nranks") = 0, py::arg("first_rank") = 0,
            "One replica per GPU. With `id` (nccl_unique_id() from one process, given to "
            "all): one communicator across processes, this process's GPUs being ranks "
-           "first_rank.. of nranks.");
+           "first_rank.. of nranks.")
+      .def("set_compression", &NcclBackend::set_compression, py::arg("dtype"),
+           py::arg("nvrtc_path"), py::call_guard<py::gil_scoped_release>(),
+           "Wire compression of float32 buckets ('float16' or 'bfloat16'; 'float32': none), "
+           "as torch DDP's fp16/bf16 compression hooks: each buffer's `wire` holds the "
+           "16-bit copy NCCL reduces. The kernels are compiled with NVRTC.")
+      .def_property_readonly("compression", &NcclBackend::compression);
   m.def(
       "nccl_unique_id",
       [](const std::string& nccl_path) { return py::bytes(nccl_unique_id(nccl_path)); },
@@ -215,11 +223,11 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "set_buffer",
           [](Engine& self, int replica, int bucket, uintptr_t ptr, int64_t count,
-             const std::string& dtype, int device) {
-            self.set_buffer(replica, bucket, make_buffer(ptr, count, dtype, device));
+             const std::string& dtype, int device, uintptr_t wire) {
+            self.set_buffer(replica, bucket, make_buffer(ptr, count, dtype, device, wire));
           },
           py::arg("replica"), py::arg("bucket"), py::arg("ptr"), py::arg("count"),
-          py::arg("dtype"), py::arg("device") = -1)
+          py::arg("dtype"), py::arg("device") = -1, py::arg("wire") = 0)
       // Holds the GIL: it only counts (no waiting), and a release/reacquire
       // would cost more than the call itself.
       .def("mark_ready", &Engine::mark_ready, py::arg("replica"), py::arg("param"),

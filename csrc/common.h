@@ -34,6 +34,9 @@ struct BufferRef {
   int64_t count = 0;
   DType dtype = DType::kFloat32;
   int device = -1;
+  // NCCL with wire compression: `count` 16-bit values on `device` for the
+  // compressed copy of a float32 bucket (null otherwise).
+  void* wire = nullptr;
 };
 
 // Thrown for broken preconditions the caller can fix (bad index, bad state).

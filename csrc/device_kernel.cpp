@@ -102,6 +102,13 @@ const DeviceKernels& device_kernels(int device, const std::string& nvrtc_path) {
   const char* names[4] = {"pyddp_reduce_f32", "pyddp_reduce_f64", "pyddp_reduce_f16",
                           "pyddp_reduce_bf16"};
   for (int i = 0; i < 4; ++i) PYDDP_CU(d.cuModuleGetFunction(&out->fn[i], module, names[i]));
+  const char* wire[2] = {"f16", "bf16"};
+  for (int i = 0; i < 2; ++i) {
+    const std::string c = std::string("pyddp_compress_") + wire[i];
+    const std::string dc = std::string("pyddp_decompress_") + wire[i];
+    PYDDP_CU(d.cuModuleGetFunction(&out->compress[i], module, c.c_str()));
+    PYDDP_CU(d.cuModuleGetFunction(&out->decompress[i], module, dc.c_str()));
+  }
   out->how = detail::concat(arch.rfind("sm_", 0) == 0 ? "cubin for " : "PTX (driver JIT) for ",
                             arch, " by NVRTC ", version);
   return *g_loaded.emplace(device, std::move(out)).first->second;

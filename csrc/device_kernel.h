@@ -1,4 +1,5 @@
-// The reduction kernel for replicas sharing one GPU, compiled at run time.
+// pyddp's kernels (reduce_kernels.cu), compiled at run time: the reduction for
+// replicas sharing one GPU, and the wire compression of NCCL buckets.
 //
 // Why NVRTC and not PTX embedded at build time: PTX carries the ISA version of
 // the nvcc that wrote it (nvcc 13 writes 9.0), and a driver older than that
@@ -18,7 +19,10 @@
 namespace pyddp {
 
 struct DeviceKernels {
-  cuda::CUfunction fn[4] = {};  // indexed by DType
+  cuda::CUfunction fn[4] = {};  // the reduction, indexed by DType
+  // Wire compression of float32 buckets: [0] float16, [1] bfloat16.
+  cuda::CUfunction compress[2] = {};
+  cuda::CUfunction decompress[2] = {};
   std::string how;              // what was built and loaded, for doctor
 };
 

@@ -383,6 +383,15 @@ void GpuBackend::watchdog_loop() {
 
 // ------------------------------------------------------------------- NCCL
 
+namespace {
+// Must match `Ptrs` in reduce_kernels.cu: passed by value as a kernel argument.
+struct KernelPtrs {
+  void* p[SharedGpuBackend::kMaxReplicas];
+};
+static_assert(sizeof(KernelPtrs) == 64, "must match Ptrs in reduce_kernels.cu");
+}  // namespace
+
+
 NcclBackend::NcclBackend(std::vector<int> devices, const std::string& nccl_path, double timeout_s,
                          NcclRendezvous rdzv)
     : GpuBackend(
@@ -397,11 +406,48 @@ NcclBackend::NcclBackend(std::vector<int> devices, const std::string& nccl_path,
           }(),
           timeout_s, nccl_path, std::move(rdzv)) {}
 
+void NcclBackend::set_compression(const std::string& dtype, const std::string& nvrtc_path) {
+  const DType wire = dtype_from_name(dtype);
+  PYDDP_ENFORCE(wire != DType::kFloat64, "wire compression to float16 or bfloat16, not float64");
+  std::vector<const DeviceKernels*> kernels;
+  if (wire != DType::kFloat32) {
+    for (int dev : devices_) kernels.push_back(&device_kernels(dev, nvrtc_path));
+  }
+  Launch launch = lock_for_launch();  // not while a reduction is being launched
+  wire_ = wire;
+  wire_kernels_ = std::move(kernels);
+}
+
+void NcclBackend::convert_locked(const CommSet& set, const std::vector<BufferRef>& bufs,
+                                 bool to_wire, ReduceOp op) {
+  const int w = wire_ == DType::kFloat16 ? 0 : 1;
+  int n = ranks();
+  long long count = bufs[0].count;
+  int sum = op == ReduceOp::kSum ? 1 : 0;
+  const unsigned threads = 256;
+  const long long blocks = std::min<long long>((count + threads - 1) / threads, 4096);
+  for (size_t r = 0; r < bufs.size(); ++r) {
+    KernelPtrs ptrs{};  // the first two: from, to
+    ptrs.p[0] = to_wire ? bufs[r].data : bufs[r].wire;
+    ptrs.p[1] = to_wire ? bufs[r].wire : bufs[r].data;
+    void* args[] = {&ptrs, &n, &count, &sum};
+    const DeviceKernels& k = *wire_kernels_[r];
+    set_device(devices_[r]);
+    PYDDP_CU(driver().cuLaunchKernel(to_wire ? k.compress[w] : k.decompress[w],
+                                     static_cast<unsigned>(blocks), 1, 1, threads, 1, 1, 0,
+                                     comm_stream(set, static_cast<int>(r)), args, nullptr));
+  }
+}
+
 void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {
   PYDDP_ENFORCE(bufs.size() == devices_.size(), "got ", bufs.size(), " buffers for ",
                 devices_.size(), " replicas");
+  // Compressed: float32 buckets travel as 16-bit copies, already divided by
+  // the ranks (so NCCL sums them), and come back into the bucket.
+  const bool squeeze = wire_ != DType::kFloat32 && bufs[0].dtype == DType::kFloat32;
+  const DType on_wire = squeeze ? wire_ : bufs[0].dtype;
   int dtype = kNcclFloat32;
-  switch (bufs[0].dtype) {
+  switch (on_wire) {
     case DType::kFloat32: dtype = kNcclFloat32; break;
     case DType::kFloat64: dtype = kNcclFloat64; break;
     case DType::kFloat16: dtype = kNcclFloat16; break;
@@ -410,13 +456,17 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, in
   for (size_t r = 0; r < bufs.size(); ++r) {
     PYDDP_ENFORCE(bufs[r].device == devices_[r], "replica ", r, " buffer is on device ",
                   bufs[r].device, ", expected cuda:", devices_[r]);
+    PYDDP_ENFORCE(!squeeze || bufs[r].wire != nullptr || bufs[r].count == 0, "replica ", r,
+                  "'s float32 bucket has no ", dtype_name(wire_), " copy for the wire");
   }
+  const bool convert = squeeze && bufs[0].count > 0;
   Launch launch = lock_for_launch();
   const CommSet& set = *launch.set;
   const NcclApi& n = nccl(set.nccl_path);
   ContextRestore restore;
   try {
     wait_ready_locked(set, key);
+    if (convert) convert_locked(set, bufs, true, op);
     // Several devices driven from one thread: the calls form one group, or
     // the first would wait for peers that are never launched.
     PYDDP_NCCL(n.ncclGroupStart());
@@ -424,8 +474,9 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, in
     for (size_t r = 0;
          r < bufs.size() && (launched == kNcclSuccess || launched == kNcclInProgress); ++r) {
       set_device(devices_[r]);
-      launched = n.ncclAllReduce(bufs[r].data, bufs[r].data, static_cast<size_t>(bufs[r].count),
-                                 dtype, op == ReduceOp::kSum ? kNcclSum : kNcclAvg,
+      void* data = squeeze ? bufs[r].wire : bufs[r].data;
+      launched = n.ncclAllReduce(data, data, static_cast<size_t>(bufs[r].count), dtype,
+                                 squeeze || op == ReduceOp::kSum ? kNcclSum : kNcclAvg,
                                  set.comms[comm_index(static_cast<int>(r))],
                                  comm_stream(set, static_cast<int>(r)));
     }
@@ -433,14 +484,17 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, in
     if (launched != kNcclInProgress) PYDDP_NCCL(launched);
     if (ended != kNcclInProgress) PYDDP_NCCL(ended);
     // Non-blocking: the kernels are on the streams only once every
-    // communicator leaves ncclInProgress; the done events must come after.
+    // communicator leaves ncclInProgress; the done events must come after,
+    // and so must the kernels that read the result.
     wait_comms(n, set.comms,
                std::chrono::steady_clock::now() +
                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                        std::chrono::duration<double>(timeout_s())),
                "all-reduce launch");
+    if (convert) convert_locked(set, bufs, false, op);
     watch_locked(set, detail::concat("NCCL all-reduce of ", bufs[0].count, " ",
-                                dtype_name(bufs[0].dtype), " elements"));
+                                     dtype_name(on_wire), " elements",
+                                     squeeze ? " (compressed float32)" : ""));
   } catch (const ReduceError& e) {
     // A communicator in error cannot be trusted again: fail, abort (outside
     // the launch lock, which the abort takes), and let recover() rebuild.
@@ -487,14 +541,6 @@ SharedGpuBackend::SharedGpuBackend(int device, int replicas, double timeout_s,
                 kMaxReplicas, " replicas per GPU, got ", replicas);
   kernels_ = &device_kernels(device, nvrtc_path);
 }
-
-namespace {
-// Must match `Ptrs` in reduce_kernels.cu: passed by value as a kernel argument.
-struct KernelPtrs {
-  void* p[SharedGpuBackend::kMaxReplicas];
-};
-static_assert(sizeof(KernelPtrs) == 64, "must match Ptrs in reduce_kernels.cu");
-}  // namespace
 
 void SharedGpuBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {
   PYDDP_ENFORCE(bufs.size() == devices_.size(), "got ", bufs.size(), " buffers for ",

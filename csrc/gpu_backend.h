@@ -66,6 +66,10 @@ class GpuBackend : public Backend {
     return set.streams[comm_index_[replica]];
   }
   int comm_index(int replica) const { return comm_index_[replica]; }
+  // The communicator's ranks: every process's GPUs.
+  int ranks() const {
+    return rdzv_.spans_processes() ? rdzv_.nranks : static_cast<int>(devices_.size());
+  }
 
   const std::vector<int> devices_;
 
@@ -122,6 +126,18 @@ class NcclBackend : public GpuBackend {
   std::string name() const override { return "nccl"; }
   void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;
   void check() override;
+  // Wire compression of float32 buckets: kFloat16 or kBFloat16 (by name),
+  // "float32" for none. Loads the conversion kernels on every device.
+  void set_compression(const std::string& dtype, const std::string& nvrtc_path);
+  std::string compression() const { return dtype_name(wire_); }
+
+ private:
+  // Launches one conversion kernel per replica on its communication stream.
+  void convert_locked(const CommSet& set, const std::vector<BufferRef>& bufs, bool to_wire,
+                      ReduceOp op);
+
+  DType wire_ = DType::kFloat32;  // kFloat32: no compression
+  std::vector<const DeviceKernels*> wire_kernels_;  // per replica
 };
 
 class SharedGpuBackend : public GpuBackend {

@@ -1,6 +1,11 @@
-// The on-device reduction for replicas sharing one GPU: every replica's buffer
-// is read once, summed in a fixed replica order (16-bit types in float32), and
-// the result written back to every buffer.
+// pyddp's GPU kernels. The on-device reduction for replicas sharing one GPU:
+// every replica's buffer is read once, summed in a fixed replica order (16-bit
+// types in float32), and the result written back to every buffer. And the
+// wire compression of NCCL buckets (torch DDP's fp16/bf16 compression hooks):
+// a float32 bucket cast to a 16-bit copy before NCCL's all-reduce, and back.
+//
+// Every kernel takes (Ptrs, int, long long, int): one calling convention, so
+// the launcher (and the simulated driver) passes the same four arguments.
 //
 // How it reaches the GPU: the extension embeds this file's text and compiles it
 // at run time with NVRTC for the GPU at hand (device_kernel.cpp), so users need
@@ -124,4 +129,49 @@ extern "C" __global__ void pyddp_reduce_f16(const __grid_constant__ Ptrs p, int 
 extern "C" __global__ void pyddp_reduce_bf16(const __grid_constant__ Ptrs p, int n,
                                              long long count, int avg) {
   pyddp_reduce<BF16>(p, n, count, avg);
+}
+
+// Wire compression, as torch DDP's fp16_compress_hook / bf16_compress_hook
+// compute it, so results are bitwise theirs: each value cast to 16 bits, then
+// divided by the number of ranks n in that type (rounded again), which keeps
+// the 16-bit sum over n ranks from overflowing. p.p[0]: the float32 bucket,
+// p.p[1]: its 16-bit copy on the wire.
+template <typename K>
+__device__ void pyddp_compress(const Ptrs& p, int n, long long count) {
+  const float* src = (const float*)p.p[0];
+  typename K::T* dst = (typename K::T*)p.p[1];
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
+    dst[i] = K::store(K::load(K::store(src[i])) / (float)n);
+  }
+}
+// Back into the bucket: the reduced 16-bit values (the mean over n ranks),
+// times n when the reduction is a sum (`sum` 1). p.p[0]: the 16-bit copy,
+// p.p[1]: the float32 bucket.
+template <typename K>
+__device__ void pyddp_decompress(const Ptrs& p, int n, long long count, int sum) {
+  const typename K::T* src = (const typename K::T*)p.p[0];
+  float* dst = (float*)p.p[1];
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const float v = K::load(src[i]);
+    dst[i] = sum ? v * (float)n : v;
+  }
+}
+
+extern "C" __global__ void pyddp_compress_f16(const __grid_constant__ Ptrs p, int n,
+                                              long long count, int unused) {
+  pyddp_compress<F16>(p, n, count);
+}
+extern "C" __global__ void pyddp_compress_bf16(const __grid_constant__ Ptrs p, int n,
+                                               long long count, int unused) {
+  pyddp_compress<BF16>(p, n, count);
+}
+extern "C" __global__ void pyddp_decompress_f16(const __grid_constant__ Ptrs p, int n,
+                                                long long count, int sum) {
+  pyddp_decompress<F16>(p, n, count, sum);
+}
+extern "C" __global__ void pyddp_decompress_bf16(const __grid_constant__ Ptrs p, int n,
+                                                 long long count, int sum) {
+  pyddp_decompress<BF16>(p, n, count, sum);
 }

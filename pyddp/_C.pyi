@@ -84,6 +84,13 @@ class NcclBackend(Backend):
         One replica per GPU. With `id` (nccl_unique_id() from one process, given to all): one communicator across processes, this process's GPUs being ranks first_rank.. of nranks.
         """
 
+    @property
+    def compression(self) -> str: ...
+    def set_compression(self, dtype: str, nvrtc_path: str) -> None:
+        """
+        Wire compression of float32 buckets ('float16' or 'bfloat16'; 'float32': none), as torch DDP's fp16/bf16 compression hooks: each buffer's `wire` holds the 16-bit copy NCCL reduces. The kernels are compiled with NVRTC.
+        """
+
 class SharedGpuBackend(Backend):
     def __init__(
         self,
@@ -153,6 +160,7 @@ class Engine:
         count: typing.SupportsInt | typing.SupportsIndex,
         dtype: str,
         device: typing.SupportsInt | typing.SupportsIndex = -1,
+        wire: typing.SupportsInt | typing.SupportsIndex = 0,
     ) -> None: ...
     def set_sync(self, enabled: bool) -> None: ...
     def set_timeline(self, enabled: bool) -> None: ...

@@ -30,7 +30,7 @@ class BucketLayout:
         self,
         params: Sequence[Sequence[torch.Tensor]],
         dtypes: Sequence[str],
-        set_buffer: Callable[[int, int, int, int, str, int], None],
+        set_buffer: Callable[[int, int, int, int, str, int, int], None],
         gpu_devices: Optional[Sequence[int]],
         before_host_write: Callable[[int], None],
         zeros: Callable[[int, torch.dtype, int], torch.Tensor],
@@ -48,6 +48,9 @@ class BucketLayout:
         n = len(params[0])
         self.views: List[List[Optional[torch.Tensor]]] = [[None] * n for _ in params]
         self.flat: List[List[torch.Tensor]] = [[] for _ in params]
+        # NCCL with wire compression: a 16-bit copy of every float32 bucket.
+        self.wire_dtype: Optional[torch.dtype] = None
+        self._wire: List[List[torch.Tensor]] = [[] for _ in params]
         self._view_ptrs: List[int] = []
         self._versions: Optional[List[List[int]]] = None  # the buffers' at finish()
         self.adopted = 0  # gradients that arrived outside the buckets and were copied in
@@ -56,7 +59,7 @@ class BucketLayout:
         """Allocates flat buffers for `buckets` and points every gradient there,
         keeping the values gradients already hold."""
         for r, params in enumerate(self.params):
-            flats = []
+            flats, wires = [], []
             for b, members in enumerate(buckets):
                 count = sum(params[i].numel() for i in members)
                 flat = self._zeros(count, params[members[0]].dtype, r)
@@ -70,9 +73,14 @@ class BucketLayout:
                         p.grad = view
                     self.views[r][i] = view
                 device = -1 if self._gpu_devices is None else self._gpu_devices[r]
-                self._set_buffer(r, b, flat.data_ptr(), count, self.dtypes[members[0]], device)
+                wire = 0
+                if self.wire_dtype is not None and flat.dtype == torch.float32:
+                    wires.append(self._zeros(count, self.wire_dtype, r))
+                    wire = wires[-1].data_ptr()
+                dtype = self.dtypes[members[0]]
+                self._set_buffer(r, b, flat.data_ptr(), count, dtype, device, wire)
                 flats.append(flat)
-            self.flat[r] = flats
+            self.flat[r], self._wire[r] = flats, wires
         self._view_ptrs = [v.data_ptr() for v in self.views[0]]
         self._versions = None
 

@@ -132,6 +132,16 @@ def find_nvrtc() -> LibraryInfo:
     return _find_library(NVRTC_ENV, candidates, _C.nvrtc_version, "libnvrtc.so.12 or .13")
 
 
+def nvrtc_path(need: str) -> str:
+    """NVRTC's path, or an error saying `need` and how to install it."""
+    return _require(
+        find_nvrtc(),
+        need,
+        "`pip install nvidia-cuda-nvrtc-cu12` (CUDA builds of torch bring it)",
+        NVRTC_ENV,
+    )
+
+
 def _require(info: LibraryInfo, need: str, install: str, env: str) -> str:
     if info.path is None:
         raise RuntimeError(
@@ -219,12 +229,7 @@ def make_backend(
     if driver is None:
         raise RuntimeError(f"pyddp: {why}")
     if kind == "device":
-        nvrtc = _require(
-            find_nvrtc(),
-            "replicas sharing one GPU compile pyddp's reduction kernel with NVRTC",
-            "`pip install nvidia-cuda-nvrtc-cu12` (CUDA builds of torch bring it)",
-            NVRTC_ENV,
-        )
+        nvrtc = nvrtc_path("replicas sharing one GPU compile pyddp's reduction kernel with NVRTC")
         backend = _C.SharedGpuBackend(indices[0], len(indices), timeout, nvrtc)
     else:
         nccl = _require(

@@ -105,19 +105,14 @@ class DistributedModel(nn.Module, Joining):
             self._syncbn = self._bind_sync_batchnorm(replicas, opts)
 
     def _bind_sync_batchnorm(self, replicas: List[nn.Module], opts: Options) -> SyncBatchNorms:
-        if self.devices[0].type != "cpu":
-            self.sync.close()
-            raise NotImplementedError(
-                "pyddp: SyncBatchNorm runs on CPU replicas (in one process and across "
-                "processes); on GPUs it is not supported yet: use BatchNorm (statistics per "
-                "replica, as torch DDP without SyncBatchNorm) or torch DDP"
-            )
+        gpus = self.sync.gpu_devices
         try:
             return SyncBatchNorms(
                 replicas,
                 self.devices[0],
                 self.sync.link.stats_summer(),
                 opts.timeout_s or timeout_s(),
+                None if gpus is None else (gpus, self.sync.streams),
             )
         except BaseException:
             self.sync.close()

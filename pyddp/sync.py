@@ -23,11 +23,12 @@ from torch import nn
 
 from . import _C
 from ._buckets import BucketLayout, plan_buckets
+from ._comm_hooks import WIRE_DTYPES, check_gpu_state, gpu_wire_dtype, resolve_hook
 from ._hooks import PrepareHook, grad_hook
 from ._link import WorkRecord, connect, resolve_group
 from ._params import dtype_name, trainable_params
 from ._replica_checks import check_identical, note_synced, refuse_synced_twice
-from ._runtime import make_backend
+from ._runtime import make_backend, nvrtc_path
 from ._streams import StreamOrder, TorchStreams
 from .errors import ProcessGroupError, ReduceError
 from .observe import Observer, ReadyTimes, chrome_trace, ready_times, write_trace
@@ -137,6 +138,7 @@ class GradSync:
         self.run_per_replica: Callable[[Sequence[Callable[[], Any]], str], List[Any]] = _in_turn
         self._closed = False
         self._shadowing = False  # shadow_backward() under way
+        self._wire_set = False  # GPUs: a communication hook was registered
         keep = opts.keep()
         self.observer = Observer(keep)
         # The group says which ranks: pyddp reduces on gloo groups of its own
@@ -216,6 +218,11 @@ class GradSync:
     def _allocate(self, buckets: Sequence[Sequence[int]]) -> None:
         self.layout.allocate(buckets)
         self.link.set_buckets(self.layout.flat[0], buckets, self.params[0], self.layout.views[0])
+
+    @property
+    def gpu_devices(self) -> Optional[List[int]]:
+        """GPU replicas' CUDA device indices (None on CPU)."""
+        return self._gpu_devices
 
     @property
     def streams(self) -> Optional[Any]:
@@ -502,7 +509,7 @@ class GradSync:
         self.layout.forget_reduced()
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
-        """torch DDP's `register_comm_hook`, across processes on CPU replicas:
+        """torch DDP's `register_comm_hook`. Across processes on CPU replicas:
         `hook(state, bucket)` reduces one bucket and returns a
         torch.futures.Future of the result, averaged over processes (it
         replaces pyddp's all-reduce of that bucket; this process's replicas
@@ -511,16 +518,40 @@ class GradSync:
         work: `"fp16"` and `"bf16"` name default_hooks.fp16_compress_hook and
         bf16_compress_hook (16 bits on the wire, divided by the world before
         the sum so it cannot overflow, cast back into the bucket). `state`
-        None: the process group the buckets travel on. Before the first
-        backward, once."""
-        if isinstance(hook, str):
-            hook = builtin_comm_hook(hook)
-        if not callable(hook):
-            raise TypeError(
-                f"register_comm_hook: hook must be callable (state, bucket) -> Future, or "
-                f"'fp16'/'bf16', got {type(hook).__name__}"
+        None: the process group the buckets travel on. On GPUs (NCCL, in one
+        process or across processes) pyddp's core runs those two itself,
+        bitwise their arithmetic; other hooks are refused there. Before the
+        first backward, once."""
+        hook = resolve_hook(hook)
+        if self._gpu_devices is None or self._engine is None:
+            self.link.register_comm_hook(state, hook)
+            return
+        wire = gpu_wire_dtype(hook)
+        check_gpu_state(state, self.link.group)
+        self._check_open()
+        if self._wire_set:
+            raise RuntimeError(
+                "pyddp: a communication hook is already registered; register one, once, as "
+                "with torch DDP"
             )
-        self.link.register_comm_hook(state, hook)
+        if self.observer.last is not None or self._engine.active:
+            raise RuntimeError(
+                "pyddp: register_comm_hook must be called before the first backward (as with "
+                "torch DDP): every rank must reduce every step the same way"
+            )
+        self._wire_set = True
+        if wire == "float32":
+            return
+        if not hasattr(self._backend, "set_compression"):
+            warnings.warn(
+                "pyddp: the communication hook is not used: these replicas share one GPU, and "
+                "pyddp's kernel reduces them in its memory (nothing crosses a wire)",
+                stacklevel=3,
+            )
+            return
+        self._backend.set_compression(wire, nvrtc_path("compressed buckets convert with NVRTC"))
+        self.layout.wire_dtype = WIRE_DTYPES[wire]
+        self._allocate(self._engine.buckets)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -642,20 +673,6 @@ def _release(handles: List[Any], engine: Optional[Any]) -> None:
     handles.clear()
     if engine is not None:
         engine.close()
-
-
-def builtin_comm_hook(name: str) -> Callable[..., Any]:
-    """torch DDP's built-in compression hooks, by short name."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    hooks = {
-        "fp16": default_hooks.fp16_compress_hook,
-        "bf16": default_hooks.bf16_compress_hook,
-        "allreduce": default_hooks.allreduce_hook,
-    }
-    if name not in hooks:
-        raise ValueError(f"register_comm_hook: unknown hook {name!r}; built in: {', '.join(hooks)}")
-    return hooks[name]
 
 
 def _in_turn(fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:

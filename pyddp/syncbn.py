@@ -10,7 +10,15 @@ middle of forward (and of backward), sum their per-channel statistics on
 devices[0], and one thread sums them over the processes on a gloo group of
 their own (so they never pair with a gradient bucket in flight). A replica
 that raises before a meeting breaks it, so the others raise instead of
-waiting. Outside a pyddp forward the layers are torch's own again."""
+waiting. Outside a pyddp forward the layers are torch's own again.
+
+On GPUs each replica brings its statistics to the host itself (a copy that
+waits for its own current stream, the one that computed them), the sums
+are made on the host, and each replica queues the total's copy back on its
+own current stream: no stream of one thread is ever ordered against
+another thread's, which autograd's per-device backward threads would not
+guarantee. The price is one host wait per replica per meeting (two per
+layer per step), which torch's SyncBatchNorm on NCCL does not pay."""
 
 from __future__ import annotations
 
@@ -58,8 +66,13 @@ class Exchange:
         device: torch.device,
         across: Optional[Callable[[torch.Tensor], None]],
         timeout_s: float,
+        gpu: Optional[Tuple[Sequence[int], Any]] = None,
     ):
+        """`gpu`: (CUDA device per replica, stream provider) for GPU
+        replicas, whose statistics meet on the host (`device` is then the
+        CPU)."""
         self.device, self.across, self.timeout_s = device, across, timeout_s
+        self.gpu = gpu
         self.replicas = replicas
         self._cond = threading.Condition()
         self._slots: List[Optional[torch.Tensor]] = [None] * replicas
@@ -86,6 +99,15 @@ class Exchange:
             self._cond.notify_all()
 
     def sum(self, r: int, t: torch.Tensor, what: str) -> torch.Tensor:
+        if self.gpu is None:
+            return self._sum(r, t, what).to(t.device)
+        devices, streams = self.gpu
+        if streams.produced is not None:  # the simulation: t lands late on the current stream
+            streams.produced(devices[r], t)
+        total = self._sum(r, streams.fetch(devices[r], t).get(), what)
+        return streams.upload(devices[r], total)
+
+    def _sum(self, r: int, t: torch.Tensor, what: str) -> torch.Tensor:
         with self._cond:
             self._raise_if_broken(r, what)
             generation = self._generation
@@ -119,7 +141,7 @@ class Exchange:
                     self._cond.wait(min(left, 1.0))
                 if self._generation == generation:
                     self._raise_if_broken(r, what)
-            return self._total.to(t.device)  # type: ignore[union-attr]
+            return self._total  # type: ignore[return-value]
 
     def _raise_if_broken(self, r: int, what: str) -> None:
         if self._broken is not None:
@@ -277,8 +299,16 @@ class SyncBatchNorms:
         device: torch.device,
         across: Optional[Callable[[torch.Tensor], None]],
         timeout_s: float,
+        gpu: Optional[Tuple[Sequence[int], Any]] = None,
     ):
-        self.exchange = Exchange(len(replicas), device, across, timeout_s)
+        if gpu is not None and len(set(gpu[0])) != len(gpu[0]):
+            raise NotImplementedError(
+                "pyddp: SyncBatchNorm with replicas sharing a GPU: autograd runs one device's "
+                "backward on one thread, so those replicas could never meet mid-backward; use "
+                "one replica per GPU, or BatchNorm"
+            )
+        device = torch.device("cpu") if gpu is not None else device
+        self.exchange = Exchange(len(replicas), device, across, timeout_s, gpu)
         self._bound: List[nn.Module] = []
         for r, replica in enumerate(replicas):
             for layer in sync_layers(replica):

@@ -189,6 +189,113 @@ def test_half_precision_training_through_the_kernel_and_nccl(simlib, dtype):
     )
 
 
+@pytest.mark.parametrize("hook", ["fp16", "bf16"])
+def test_compression_hooks_on_nccl_are_torch_hooks_arithmetic(simlib, hook):
+    # torch DDP's fp16/bf16 compression hooks run in pyddp's core on NCCL:
+    # each replica's float32 gradient cast to 16 bits, divided by the ranks in
+    # 16 bits, summed by NCCL in 16 bits, cast back. Closed form from each
+    # replica's own gradient (no_sync keeps them apart): bitwise, on a model
+    # with a float64 layer (its bucket is not compressed), a parameter some
+    # replicas have no gradient for, and one nobody has.
+    run_sim(
+        simlib,
+        f"""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    wire = torch.float16 if "{hook}" == "fp16" else torch.bfloat16
+    hook = "{hook}" if "{hook}" == "fp16" else default_hooks.bf16_compress_hook
+    devices = [0, 1, 2]
+    class WithDouble(Mixed):
+        def __init__(self):
+            super().__init__()
+            self.extra = nn.Linear(5, 5).double()
+
+        def forward(self, t):
+            out = super().forward(t)
+            return out + self.extra(out[:, :5].double()).float()
+
+    torch.manual_seed(0)
+    model = WithDouble()
+    dm = gpu_wrap(model, devices, bucket_cap_mb=0.0005)
+    dm.register_comm_hook(None, hook)
+    op = dm.sync._op
+    for step, (x, y) in enumerate(make_batches(2, 13)):
+        with dm.no_sync():
+            F.cross_entropy(dm(x), y).backward()
+        streams.synchronize_all(devices)
+        local = [[None if p.grad is None else p.grad.clone() for p in rep.parameters()]
+                 for rep in dm.replicas]
+        dm.zero_grad()
+        F.cross_entropy(dm(x), y).backward()
+        streams.synchronize_all(devices)
+        for i, p in enumerate(dm.module.parameters()):
+            grads = [g[i] for g in local if g[i] is not None]
+            if p.grad is None:  # no replica produced one (no_sync may leave zeros)
+                assert all(not g.any() for g in grads), (step, i)
+                continue
+            grads += [torch.zeros_like(grads[0])] * (len(devices) - len(grads))
+            n = len(devices)
+            if p.dtype == torch.float32:
+                acc = None
+                for g in grads:  # NCCL's sum, rank order, rounded per hop
+                    c = g.to(wire).div_(n)
+                    acc = c if acc is None else acc + c
+                want = acc.float() * (n if op == "sum" else 1)
+            else:
+                want = sum(grads[1:], grads[0].clone()) / (1 if op == "sum" else n)
+            for rep in dm.replicas:
+                got = list(rep.parameters())[i].grad
+                assert torch.equal(got, want), (step, i, (got - want).abs().max())
+        dm.optimizer(torch.optim.SGD, lr=0.1).step() if step == 0 else None
+        dm.zero_grad()
+        streams.synchronize_all(devices)
+    assert dm.sync._backend.compression == str(wire).split(".")[1]
+    dm.close()
+    """,
+    )
+
+
+def test_syncbatchnorm_on_simulated_gpus_equals_one_device(simlib):
+    # SyncBatchNorm over 3 simulated GPUs (the statistics come to the host from
+    # each replica's current stream, where they land late, and go back on it):
+    # equal to one device running BatchNorm on the whole batch, parameters and
+    # running statistics, under the caller's own streams. Replicas sharing a
+    # GPU are refused by name (autograd would run their backwards on one thread).
+    run_sim(
+        simlib,
+        """
+    from test_syncbn import ConvNet, batches, assert_close_models
+    devices = [0, 1, 2]
+    torch.manual_seed(0)
+    model = ConvNet()
+    ref = copy.deepcopy(model)
+    dm = gpu_wrap(pyddp.convert_sync_batchnorm(model), devices)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    own = {d: sim.stream(d) for d in devices}
+    for x, y in batches(4):
+        with streams.stream(own):
+            F.cross_entropy(dm(x), y).backward()
+            streams.synchronize_all(devices)
+            opt.step()
+            opt.zero_grad()
+            streams.synchronize_all(devices)
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_close_models(dm.module, ref)
+    for rep in dm.replicas[1:]:
+        for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+            assert torch.equal(p, p0), "replicas differ"
+    dm.close()
+    try:
+        gpu_wrap(pyddp.convert_sync_batchnorm(ConvNet()), [0, 0])
+        raise AssertionError("replicas sharing a GPU were accepted")
+    except NotImplementedError as e:
+        assert "sharing a GPU" in str(e), e
+    """,
+    )
+
+
 def test_custom_streams_under_wrap(simlib):
     # `with torch.cuda.stream(s)`: forward, backward, zeroing and the step all
     # on user streams; the workers must run replicas on them too.
@@ -218,22 +325,25 @@ def test_custom_streams_under_wrap(simlib):
     )
 
 
-def test_reduction_waits_for_the_stream_that_produced_each_gradient(simlib):
+@pytest.mark.parametrize("hook", [None, "fp16"])
+def test_reduction_waits_for_the_stream_that_produced_each_gradient(simlib, hook):
     # The true gradient is written late on the producing stream (after a
     # sleep), as a slow backward kernel would: the reduction must wait for an
     # event recorded on that stream in the hook, not on another stream. The
     # second backward accumulates straight into the bucket views (no adopt
     # copy, so nothing on the host drains the stream on pyddp's behalf).
     # This test writes late itself: the provider's own late writes are off.
+    # With fp16 compression, the kernel that casts the bucket is what must wait.
     run_sim(
         simlib,
-        """
+        f"""
+    comm_hook = {hook!r}
     streams.late_us = 0
     torch.manual_seed(0)
     base = nn.Linear(64, 64)
     reps = [base, copy.deepcopy(base)]
-    prod = {0: sim.stream(0), 1: sim.stream(1)}
-    late, delay = {}, [False]
+    prod = {{0: sim.stream(0), 1: sim.stream(1)}}
+    late, delay = {{}}, [False]
     for r, m in enumerate(reps):
         for i, p in enumerate(m.parameters()):
             def hook(p, r=r, i=i):
@@ -246,11 +356,13 @@ def test_reduction_waits_for_the_stream_that_produced_each_gradient(simlib):
                 sim.lib.simgpu_copy(s, p.grad.data_ptr(), true.data_ptr(), true.numel() * 4)
             p.register_post_accumulate_grad_hook(hook)
     sync = pyddp.GradSync(reps, bucket_cap_mb=0, _gpu=([0, 1], streams))
+    if comm_hook:
+        sync.register_comm_hook(None, comm_hook)
     x = torch.randn(8, 64)
     for step in range(2):
         delay[0] = step == 1
         for r, m in enumerate(reps):
-            with streams.stream({r: prod[r]}):
+            with streams.stream({{r: prod[r]}}):
                 sync.prepare(r)
                 m(x[r * 4:(r + 1) * 4]).pow(2).sum().backward()
         with streams.stream(prod):
@@ -261,6 +373,9 @@ def test_reduction_waits_for_the_stream_that_produced_each_gradient(simlib):
     assert sync.adopted == 4, sync.adopted  # the first backward only
     for i, p in enumerate(reps[0].parameters()):
         expect = late[0, i] + late[1, i]
+        if comm_hook:  # torch's fp16 hook's arithmetic: cast, halve, sum in fp16
+            expect = (late[0, i].half() / 2 + late[1, i].half() / 2).float()
+            expect *= 2 if sync._op == "sum" else 1
         assert torch.equal(p.grad, expect), (p.grad - expect).abs().max()
         assert torch.equal(list(reps[1].parameters())[i].grad, expect)
     sync.close()
@@ -557,7 +672,34 @@ def test_gradsync_across_processes_on_one_nccl_communicator(simlib, tmp_path, lo
         # Join: rank 0 runs out first and shadows through NCCL; one device
         # on the global batch of the ranks with inputs.
         assert r["join_diff"] <= 1e-6 and r["join_replicas_equal"], r
+        # fp16 compression on NCCL: torch's hook's arithmetic (bitwise the CPU
+        # path, where the hook itself runs, with one GPU per process); 11
+        # mantissa bits on the wire over 3 steps stay within 2e-3 of one device.
+        assert r["fp16_wire"] == "float16" and r["fp16_replicas_equal"], r
+        assert 0 < r["fp16_diff"] <= 2e-3, r
+        if local == 1:
+            assert r["fp16_vs_torch_hook"] == 0.0, r
         assert not r["violations"], r["violations"]
+
+
+@pytest.mark.parametrize("local", [1, 2])
+def test_syncbatchnorm_across_processes_on_simulated_gpus(simlib, tmp_path, local):
+    # The syncbn scenario (equal to one device on the global batch) with each
+    # rank's replicas on simulated GPUs: statistics over every GPU of both
+    # processes, from each replica's stream through the host and gloo.
+    from test_multiprocess import TOL, results, torchrun
+
+    env = {
+        "PYDDP_CUDA_LIBRARY": simlib,
+        "PYDDP_NCCL_LIBRARY": simlib,
+        "PYDDP_NVRTC_LIBRARY": simlib,
+        "SCENARIO_SIMGPU": "1",
+        "SCENARIO_REPLICAS": str(local),
+    }
+    run = torchrun("syncbn", tmp_path, 2, env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in results(tmp_path, "syncbn", 2):
+        assert r["grad"] <= TOL and r["params"] <= TOL and r["buffers"] <= TOL, r
 
 
 @pytest.mark.parametrize("devices", [[0, 0, 0], [0, 1, 2]])

@@ -416,7 +416,41 @@ def simgpu(out: dict) -> None:
     out["all_used_exchanges"] = _sequence_of(dm) - exchanges
     dm.close()
     _join_on_simulated_gpus(out, devices, streams)
+    _compression_on_simulated_gpus(out, devices, streams)
     out["violations"] = sim.violations()
+
+
+def _compression_on_simulated_gpus(out: dict, devices, streams) -> None:
+    """torch DDP's fp16 compression hook on the simulated GPUs: pyddp's core
+    casts, divides by the GPUs and sums in 16 bits on NCCL. With one GPU per
+    process, bitwise the CPU path, where torch's own hook runs on gloo; with
+    more, within fp16 rounding of one device."""
+    rank, world = pyddp.rank(), pyddp.world()
+    batches = data(3, 12, seed=4)
+    ref = reference(batches)
+
+    def train(places, **kw):
+        dm = pyddp.wrap(eval_norm(net(seed=rank)), ["cpu"] * len(places), **kw)
+        dm.register_comm_hook(None, "fp16")
+        dopt = dm.optimizer(torch.optim.SGD, **SGD)
+        for x, y in batches:
+            rows = my_rows(len(x), rank, world)
+            dopt.zero_grad()
+            dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
+            streams.synchronize_all(devices)
+            dopt.step()
+            streams.synchronize_all(devices)
+        return dm
+
+    dm = train(devices, _gpu=(devices, streams))
+    out["fp16_wire"] = dm.sync._backend.compression
+    out["fp16_diff"] = max_diff(dm.module, ref)
+    out["fp16_replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
+    if len(devices) == 1:
+        cpu = train(["cpu"])
+        out["fp16_vs_torch_hook"] = max_diff(dm.module, cpu.module)
+        cpu.close()
+    dm.close()
 
 
 def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
@@ -971,12 +1005,22 @@ def syncbn(out: dict) -> None:
     alone afterwards: evaluation never meets."""
     replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
     rank, world = pyddp.rank(), pyddp.world()
+    kw, settle = {}, lambda: None
+    if os.environ.get("SCENARIO_SIMGPU"):  # this rank's replicas on simulated GPUs
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "simgpu"))
+        from simgpu import Sim, SimStreams
+
+        sim = Sim(os.environ["PYDDP_CUDA_LIBRARY"])
+        streams = SimStreams(sim)
+        devices = [rank * replicas + i for i in range(replicas)]
+        kw = {"_gpu": (devices, streams)}
+        settle = functools.partial(streams.synchronize_all, devices)
     torch.manual_seed(0)
     ref = nn.Sequential(
         nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
         nn.Linear(4 * 3 * 3, 8), nn.BatchNorm1d(8, momentum=None), nn.ReLU(), nn.Linear(8, 3),
     )  # fmt: skip
-    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(copy.deepcopy(ref)), ["cpu"] * replicas)
+    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(copy.deepcopy(ref)), ["cpu"] * replicas, **kw)
     opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     rows = 7  # per rank: uneven shards over 2 replicas
@@ -987,10 +1031,12 @@ def syncbn(out: dict) -> None:
         y = torch.randint(0, 3, (rows * world,), generator=g)
         mine = slice(rank * rows, (rank + 1) * rows)
         F.cross_entropy(dm(x[mine]), y[mine]).backward()
+        settle()  # simulated GPUs: the host reads what the streams wrote
         F.cross_entropy(ref(x), y).backward()
         for p, q in zip(dm.module.parameters(), ref.parameters()):
             worst_grad = max(worst_grad, (p.grad - q.grad).abs().max().item())
         opt.step()
+        settle()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()

@@ -17,7 +17,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# name -> (file, exact text, replacement, what the defect is)
+# name -> (file, exact text, replacement, what the defect is); a tuple of
+# texts and one of replacements for a defect that changes several places.
 BREAKAGES = {
     "no-wait-on-ready-events": (
         "csrc/gpu_backend.cpp",
@@ -80,8 +81,8 @@ BREAKAGES = {
     ),
     "kernel-writes-past-the-end": (
         "csrc/reduce_kernels.cu",
-        "i < count; i += stride",
-        "i <= count; i += stride",
+        "i < count; i += stride) {\n    A acc",
+        "i <= count; i += stride) {\n    A acc",
         "the reduce kernel's loop runs one element past the bucket (caught by the guard zones)",
     ),
     "collective-count-past-the-end": (
@@ -95,6 +96,39 @@ BREAKAGES = {
         "                flat.fill_(-0.0)",
         "                flat.fill_(0.0)",
         "non-root GPUs add +0.0 in the device buffer broadcast (a -0.0 becomes +0.0)",
+    ),
+    "compress-before-ready-wait": (
+        "csrc/gpu_backend.cpp",
+        "    wait_ready_locked(set, key);\n    if (convert) convert_locked(set, bufs, true, op);",
+        "    if (convert) convert_locked(set, bufs, true, op);\n    wait_ready_locked(set, key);",
+        "the compression kernel is queued before the communication stream waits for the "
+        "gradients (reads them before autograd's late writes land)",
+    ),
+    "decompress-before-nccl-is-queued": (
+        "csrc/gpu_backend.cpp",
+        (
+            "    wait_comms(n, set.comms,",
+            '"all-reduce launch");\n    if (convert) convert_locked(set, bufs, false, op);',
+        ),
+        (
+            "    if (convert) convert_locked(set, bufs, false, op);\n    wait_comms(n, set.comms,",
+            '"all-reduce launch");',
+        ),
+        "the kernel copying the reduced 16-bit values back is queued before the non-blocking "
+        "communicators have queued the all-reduce",
+    ),
+    "wire-copy-one-short": (
+        "pyddp/_buckets.py",
+        "wires.append(self._zeros(count, self.wire_dtype, r))",
+        "wires.append(self._zeros(max(count - 1, 1), self.wire_dtype, r))",
+        "the 16-bit copy of a bucket is one element short (the kernels and NCCL run past it)",
+    ),
+    "syncbn-reads-stats-before-their-stream": (
+        "pyddp/syncbn.py",
+        "total = self._sum(r, streams.fetch(devices[r], t).get(), what)",
+        "total = self._sum(r, t, what)",
+        "SyncBatchNorm sums a replica's statistics without waiting for the stream that "
+        "computed them",
     ),
     "no-agreement-wait-when-missing": (
         "pyddp/_link/processes.py",
@@ -126,11 +160,26 @@ def apply(src: str, name: str) -> None:
     full = os.path.join(src, path)
     with open(full) as f:
         text = f.read()
-    if old not in text:
-        raise SystemExit(f"{name}: the code it breaks changed ({path}); update BREAKAGES")
-    text = text.replace(old, new, 1)
+    olds, news = (old, new) if isinstance(old, tuple) else ((old,), (new,))
+    for o, n in zip(olds, news):
+        if o not in text:
+            raise SystemExit(f"{name}: the code it breaks changed ({path}); update BREAKAGES")
+        text = text.replace(o, n, 1)
     with open(full, "w") as f:
         f.write(text)
+
+
+def shadow_editable_install(site: str) -> None:
+    """An editable install (`pip install -e .`) imports pyddp through a finder
+    that comes before PYTHONPATH, so the tests would run the unbroken tree: a
+    sitecustomize in `site` (imported after .pth files, in every subprocess
+    the tests start) drops that finder."""
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(
+            "import sys\n"
+            "sys.meta_path[:] = [f for f in sys.meta_path\n"
+            "                    if not type(f).__module__.startswith('_editable_')]\n"
+        )
 
 
 def run(name: str) -> list:
@@ -154,7 +203,17 @@ def run(name: str) -> list:
             check=True,
             capture_output=True,
         )
+        shadow_editable_install(site)
         env = dict(os.environ, PYTHONPATH=site + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        where = subprocess.run(
+            [sys.executable, "-c", "import pyddp; print(pyddp.__file__)"],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp,
+        ).stdout.strip()
+        if not where.startswith(site):
+            raise SystemExit(f"{name}: the tests would import pyddp from {where}, not the copy")
         out = subprocess.run(
             [
                 sys.executable,

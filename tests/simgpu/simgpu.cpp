@@ -367,7 +367,8 @@ struct Bind<void (*)(A...), F> {
   { #name, &Bind<decltype(&simk::name), &simk::name>::invoke }
 const std::map<std::string, Invoke> kKernels = {
     KERNEL(pyddp_reduce_f32), KERNEL(pyddp_reduce_f64), KERNEL(pyddp_reduce_f16),
-    KERNEL(pyddp_reduce_bf16)};
+    KERNEL(pyddp_reduce_bf16), KERNEL(pyddp_compress_f16), KERNEL(pyddp_compress_bf16),
+    KERNEL(pyddp_decompress_f16), KERNEL(pyddp_decompress_bf16)};
 
 struct Module {
   Ctx* ctx;
@@ -947,7 +948,7 @@ API int cuLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned
     return CUDA_ERROR_INVALID_VALUE;
   }
   // The kernel parameters are copied at launch [CUDA]: keep the bytes now.
-  // Our kernels take (Ptrs by value, int, long long, int).
+  // Our kernels all take (Ptrs by value, int, long long, int).
   struct Args {
     simk::Ptrs ptrs;
     int n;
@@ -973,7 +974,7 @@ API int cuLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned
         invoke(p);
       }
     }
-    check_guards(device, "a reduce kernel");
+    check_guards(device, "a pyddp kernel");
   };
   enqueue(s, std::move(op));
   bump("kernel_launch");
