@@ -389,6 +389,12 @@ struct KernelPtrs {
   void* p[SharedGpuBackend::kMaxReplicas];
 };
 static_assert(sizeof(KernelPtrs) == 64, "must match Ptrs in reduce_kernels.cu");
+
+// Our kernels loop grid-stride: a few waves of blocks cover any count.
+constexpr unsigned kThreads = 256;
+unsigned grid_blocks(long long count) {
+  return static_cast<unsigned>(std::min<long long>((count + kThreads - 1) / kThreads, 4096));
+}
 }  // namespace
 
 
@@ -424,8 +430,6 @@ void NcclBackend::convert_locked(const CommSet& set, const std::vector<BufferRef
   int n = ranks();
   long long count = bufs[0].count;
   int sum = op == ReduceOp::kSum ? 1 : 0;
-  const unsigned threads = 256;
-  const long long blocks = std::min<long long>((count + threads - 1) / threads, 4096);
   for (size_t r = 0; r < bufs.size(); ++r) {
     KernelPtrs ptrs{};  // the first two: from, to
     ptrs.p[0] = to_wire ? bufs[r].data : bufs[r].wire;
@@ -434,7 +438,7 @@ void NcclBackend::convert_locked(const CommSet& set, const std::vector<BufferRef
     const DeviceKernels& k = *wire_kernels_[r];
     set_device(devices_[r]);
     PYDDP_CU(driver().cuLaunchKernel(to_wire ? k.compress[w] : k.decompress[w],
-                                     static_cast<unsigned>(blocks), 1, 1, threads, 1, 1, 0,
+                                     grid_blocks(count), 1, 1, kThreads, 1, 1, 0,
                                      comm_stream(set, static_cast<int>(r)), args, nullptr));
   }
 }
@@ -560,12 +564,9 @@ void SharedGpuBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp o
   wait_ready_locked(set, key);
   if (count > 0) {
     void* args[] = {&ptrs, &n, &count, &avg};
-    const unsigned threads = 256;
-    // Grid-stride loop: a few waves of blocks cover any size.
-    const long long blocks = std::min<long long>((count + threads - 1) / threads, 4096);
     set_device(devices_[0]);
     PYDDP_CU(driver().cuLaunchKernel(kernels_->fn[static_cast<int>(bufs[0].dtype)],
-                                     static_cast<unsigned>(blocks), 1, 1, threads, 1, 1, 0,
+                                     grid_blocks(count), 1, 1, kThreads, 1, 1, 0,
                                      comm_stream(set, 0), args, nullptr));
   }
   watch_locked(set, detail::concat("on-device all-reduce of ", count, " ", dtype_name(bufs[0].dtype),

@@ -6,6 +6,7 @@ the other replicas' optimizers are stepped with the same hyper-parameters."""
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Type
 
 import torch
@@ -15,7 +16,6 @@ from .errors import ReplicaError
 from .sync import GradSync
 
 ParamsFn = Callable[[nn.Module], Iterable[Any]]
-_SUBCLASSES: Dict[type, type] = {}
 
 
 def replicated_optimizer(
@@ -116,10 +116,8 @@ class PyddpOptimizer:
         )
 
 
+@functools.cache  # one subclass per optimizer class
 def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
-    if cls in _SUBCLASSES:
-        return _SUBCLASSES[cls]
-
     class Replicated(PyddpOptimizer, cls):  # type: ignore[misc, valid-type]
         def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
             self._pyddp_begin_step(closure, self._pyddp_others)
@@ -171,5 +169,4 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                 other.load_state_dict(copy.deepcopy(state_dict))
 
     Replicated.__name__ = Replicated.__qualname__ = f"Replicated{cls.__name__}"
-    _SUBCLASSES[cls] = Replicated
     return Replicated

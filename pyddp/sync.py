@@ -138,7 +138,7 @@ class GradSync:
         self.run_per_replica: Callable[[Sequence[Callable[[], Any]], str], List[Any]] = _in_turn
         self._closed = False
         self._shadowing = False  # shadow_backward() under way
-        self._wire_set = False  # GPUs: a communication hook was registered
+        self._hook_set = False  # register_comm_hook was called (once, as with DDP)
         keep = opts.keep()
         self.observer = Observer(keep)
         # The group says which ranks: pyddp reduces on gloo groups of its own
@@ -523,13 +523,11 @@ class GradSync:
         bitwise their arithmetic; other hooks are refused there. Before the
         first backward, once."""
         hook = resolve_hook(hook)
-        if self._gpu_devices is None or self._engine is None:
+        if self._engine is None:  # one replica in one process: the link says it is unused
             self.link.register_comm_hook(state, hook)
             return
-        wire = gpu_wire_dtype(hook)
-        check_gpu_state(state, self.link.group)
         self._check_open()
-        if self._wire_set:
+        if self._hook_set:
             raise RuntimeError(
                 "pyddp: a communication hook is already registered; register one, once, as "
                 "with torch DDP"
@@ -539,14 +537,23 @@ class GradSync:
                 "pyddp: register_comm_hook must be called before the first backward (as with "
                 "torch DDP): every rank must reduce every step the same way"
             )
-        self._wire_set = True
+        if self._gpu_devices is None:
+            self.link.register_comm_hook(state, hook)
+        else:
+            self._compress_on_gpus(state, hook)
+        self._hook_set = True
+
+    def _compress_on_gpus(self, state: Any, hook: Callable[..., Any]) -> None:
+        """The hook on GPUs: torch's 16-bit hooks run by the NCCL backend."""
+        wire = gpu_wire_dtype(hook)
+        check_gpu_state(state, self.link.group)
         if wire == "float32":
             return
         if not hasattr(self._backend, "set_compression"):
             warnings.warn(
                 "pyddp: the communication hook is not used: these replicas share one GPU, and "
                 "pyddp's kernel reduces them in its memory (nothing crosses a wire)",
-                stacklevel=3,
+                stacklevel=4,
             )
             return
         self._backend.set_compression(wire, nvrtc_path("compressed buckets convert with NVRTC"))

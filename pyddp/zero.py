@@ -21,6 +21,7 @@ calls them. CPU replicas only for now (GPUs: NotImplementedError)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -32,8 +33,6 @@ from .sync import GradSync
 
 SHARD_PARAMS = exchange("the gathering of a sharded optimizer step's parameters")
 SHARD_STATE = exchange("the gathering of a sharded optimizer's state")
-
-_SUBCLASSES: Dict[type, type] = {}
 
 
 # Optimizers whose update of each element depends on that element alone (and
@@ -195,10 +194,8 @@ def sharded_optimizer(
     return opt
 
 
+@functools.cache  # one subclass per optimizer class
 def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
-    if cls in _SUBCLASSES:
-        return _SUBCLASSES[cls]
-
     class Sharded(PyddpOptimizer, cls):  # type: ignore[misc, valid-type]
         def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
             self._pyddp_begin_step(closure, self._pyddp_inner)
@@ -353,7 +350,6 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 )
 
     Sharded.__name__ = Sharded.__qualname__ = f"Sharded{cls.__name__}"
-    _SUBCLASSES[cls] = Sharded
     return Sharded
 
 

@@ -71,16 +71,16 @@ def simlib():
     return build()
 
 
+def sim_env(simlib, **extra):
+    """The variables that select the simulated driver, NCCL and NVRTC."""
+    libs = ("PYDDP_CUDA_LIBRARY", "PYDDP_NCCL_LIBRARY", "PYDDP_NVRTC_LIBRARY")
+    return {**{k: simlib for k in libs}, **extra}
+
+
 def run_sim(simlib, body, timeout=120, env=None, expect_ok=True):
     code = PRELUDE.format(simdir=os.path.join(HERE, "simgpu"), testdir=HERE)
     code += textwrap.dedent(body) + EPILOGUE
-    full = dict(
-        os.environ,
-        PYDDP_CUDA_LIBRARY=simlib,
-        PYDDP_NCCL_LIBRARY=simlib,
-        PYDDP_NVRTC_LIBRARY=simlib,
-        **(env or {}),
-    )
+    full = dict(os.environ, **sim_env(simlib, **(env or {})))
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -565,9 +565,7 @@ def test_kernel_loads_on_a_cuda_12_driver_and_newer_gpus(simlib):
 
 
 def test_doctor_names_the_simulation(simlib):
-    env = dict(
-        os.environ, PYDDP_CUDA_LIBRARY=simlib, PYDDP_NCCL_LIBRARY=simlib, PYDDP_NVRTC_LIBRARY=simlib
-    )
+    env = dict(os.environ, **sim_env(simlib))
     out = subprocess.run(
         [sys.executable, "-m", "pyddp.doctor"],
         capture_output=True,
@@ -639,12 +637,7 @@ def test_gradsync_across_processes_on_one_nccl_communicator(simlib, tmp_path, lo
     # (unique id through torch.distributed's store), equal to one device.
     from test_multiprocess import env_launch, results
 
-    env = {
-        "PYDDP_CUDA_LIBRARY": simlib,
-        "PYDDP_NCCL_LIBRARY": simlib,
-        "PYDDP_NVRTC_LIBRARY": simlib,
-        "LOCAL_REPLICAS": str(local),
-    }
+    env = sim_env(simlib, LOCAL_REPLICAS=str(local))
     codes = env_launch("simgpu", tmp_path, 2, env)
     assert codes == [0, 0], codes
     for r in results(tmp_path, "simgpu", 2):
@@ -689,13 +682,7 @@ def test_syncbatchnorm_across_processes_on_simulated_gpus(simlib, tmp_path, loca
     # processes, from each replica's stream through the host and gloo.
     from test_multiprocess import TOL, results, torchrun
 
-    env = {
-        "PYDDP_CUDA_LIBRARY": simlib,
-        "PYDDP_NCCL_LIBRARY": simlib,
-        "PYDDP_NVRTC_LIBRARY": simlib,
-        "SCENARIO_SIMGPU": "1",
-        "SCENARIO_REPLICAS": str(local),
-    }
+    env = sim_env(simlib, SCENARIO_SIMGPU="1", SCENARIO_REPLICAS=str(local))
     run = torchrun("syncbn", tmp_path, 2, env)
     assert run.returncode == 0, run.stderr[-3000:]
     for r in results(tmp_path, "syncbn", 2):

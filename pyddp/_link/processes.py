@@ -122,26 +122,12 @@ class ProcessLink(Link):
         self.transport.params, self.transport.views = list(params), list(views)
 
     def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
-        if self._route is not None:
-            raise NotImplementedError(
-                "pyddp: communication hooks run on CPU replicas across processes (gloo); on "
-                "GPUs the buckets are reduced by NCCL in pyddp's C++ core, where hooks are not "
-                "supported yet"
-            )
-        if self.transport.hook is not None:
-            raise RuntimeError(
-                "pyddp: a communication hook is already registered; register one, once, as "
-                "with torch DDP"
-            )
-        if self.peers.iteration > 0 or self.peers.in_backward:
-            raise RuntimeError(
-                "pyddp: register_comm_hook must be called before the first backward (as with "
-                "torch DDP): every rank must reduce every step the same way"
-            )
-        # torch DDP's default hooks take the process group as their state;
-        # None means the group the buckets travel on (pyddp's own: a hook
-        # reducing on the default group from pyddp's launcher thread could
-        # pair with the caller's own collectives).
+        # CPU replicas (GradSync checks once-before-the-first-backward for
+        # every link, and runs GPU hooks in the NCCL backend). torch DDP's
+        # default hooks take the process group as their state; None means the
+        # group the buckets travel on (pyddp's own: a hook reducing on the
+        # default group from pyddp's launcher thread could pair with the
+        # caller's own collectives).
         self.transport.hook_state = self.transport.group if state is None else state
         self.transport.hook = hook
 
