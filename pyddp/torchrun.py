@@ -46,8 +46,14 @@ def _let_gloo_settle() -> None:
     2-core machine; destroy_process_group() does not help while a DDP model
     or pyddp still holds the group). atexit handlers run before
     finalization: this one gives those threads the time to let go. Any
-    script that imports pyddp gets it, whichever trainer created the group."""
-    if dist.is_available() and dist.is_initialized():
+    script that imports pyddp gets it, whichever trainer created the group.
+
+    "A group up" includes one destroyed before exit (Accelerate's
+    end_training() does that): its backend lives on in the models that hold
+    it, so a worker launched as one of several (WORLD_SIZE > 1, as torchrun,
+    Lightning's launcher and Ray Train set) always waits."""
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    if launched or (dist.is_available() and dist.is_initialized()):
         time.sleep(GLOO_SETTLE_S)
 
 

@@ -399,6 +399,22 @@ def test_a_process_exits_cleanly_with_its_group_up_and_gloo_work_in_flight(tmp_p
         assert not any("terminate called" in log for log in logs), logs
 
 
+def test_a_worker_whose_group_was_destroyed_still_lets_gloo_settle_at_exit(monkeypatch):
+    # Accelerate's end_training() destroys the group while its DDP model still
+    # holds it: the exit handler must wait in any worker launched as one of
+    # several, group up or not (Accelerate's own DDP run aborted in 2 of 5
+    # exits under load without this).
+    slept = []
+    monkeypatch.setattr(pyddp.torchrun.time, "sleep", slept.append)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    pyddp.torchrun._let_gloo_settle()
+    assert slept == [pyddp.torchrun.GLOO_SETTLE_S]
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process, no group: exits at once
+    pyddp.torchrun._let_gloo_settle()
+    assert slept == [pyddp.torchrun.GLOO_SETTLE_S]
+
+
 def test_init_without_torchrun_environment_says_how_to_launch(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
