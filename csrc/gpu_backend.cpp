@@ -447,8 +447,11 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, in
   PYDDP_ENFORCE(bufs.size() == devices_.size(), "got ", bufs.size(), " buffers for ",
                 devices_.size(), " replicas");
   // Compressed: float32 buckets travel as 16-bit copies, already divided by
-  // the ranks (so NCCL sums them), and come back into the bucket.
-  const bool squeeze = wire_ != DType::kFloat32 && bufs[0].dtype == DType::kFloat32;
+  // the ranks (so NCCL sums them), and come back into the bucket. Sums
+  // outside the engine (key -1: the agreement, broadcasts, a sharded
+  // optimizer's parameters) travel as they are: they must be exact.
+  const bool squeeze =
+      wire_ != DType::kFloat32 && bufs[0].dtype == DType::kFloat32 && key >= 0;
   const DType on_wire = squeeze ? wire_ : bufs[0].dtype;
   int dtype = kNcclFloat32;
   switch (on_wire) {

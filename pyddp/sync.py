@@ -26,6 +26,7 @@ from ._buckets import BucketLayout, plan_buckets
 from ._comm_hooks import WIRE_DTYPES, check_gpu_state, gpu_wire_dtype, resolve_hook
 from ._hooks import PrepareHook, grad_hook
 from ._link import WorkRecord, connect, resolve_group
+from ._link.route import DeviceRoute
 from ._params import dtype_name, trainable_params
 from ._replica_checks import check_identical, note_synced, refuse_synced_twice
 from ._runtime import make_backend, nvrtc_path
@@ -223,6 +224,13 @@ class GradSync:
     def gpu_devices(self) -> Optional[List[int]]:
         """GPU replicas' CUDA device indices (None on CPU)."""
         return self._gpu_devices
+
+    def device_route(self) -> DeviceRoute:
+        """GPU replicas: sums outside the buckets on the engine's NCCL
+        communicator (every GPU of every process), on the current streams."""
+        if self._gpu_devices is None or self._engine is None:
+            raise RuntimeError("pyddp: device_route() needs GPU replicas that reduce")
+        return DeviceRoute(self._backend, self._gpu_devices, self._streams)
 
     @property
     def streams(self) -> Optional[Any]:

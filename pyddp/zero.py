@@ -1,8 +1,9 @@
 """Sharded optimizer state (ZeRO stage 1, as torch's ZeroRedundancyOptimizer):
 `dmodel.optimizer(cls, shard=True, ...)`.
 
-Every replica of every process is a slot; each trainable parameter belongs
-to one slot (greedy by size, largest first, the same plan on every rank).
+Every replica of every process is a slot, and owns a share of the trained
+elements (plan_shards: equal ranges of the elements laid end to end for
+elementwise optimizers, else whole parameters; the same plan on every rank).
 A slot's optimizer holds state for its parameters only, so optimizer state
 per replica is about 1/(replicas over all processes) of the unsharded one.
 At each step, every slot steps its own parameters with the reduced gradient
@@ -17,7 +18,11 @@ class over replica 0's parameters, so LR schedulers and `param_groups` work
 as usual; its `state_dict()` is consolidated, in the unsharded optimizer's
 format (loadable by the plain optimizer and back). Across processes,
 `step()`, `state_dict()` and `load_state_dict()` are collective: every rank
-calls them. CPU replicas only for now (GPUs: NotImplementedError)."""
+calls them.
+
+On GPUs every replica takes the elements it does not own through the
+engine's NCCL communicator, in one process as across processes
+(_DeviceGather); the state dict is joined on replica 0's device."""
 
 from __future__ import annotations
 
@@ -137,11 +142,6 @@ def sharded_optimizer(
 ) -> torch.optim.Optimizer:
     """`groups[r]`: replica r's parameters or param groups (as the user gave
     them, applied to each replica)."""
-    if sync.streams is not None or sync.devices[0].type != "cpu":
-        raise NotImplementedError(
-            "pyddp: shard=True runs on CPU replicas for now; on GPUs use the unsharded "
-            "optimizer (shard=False) or torch's ZeroRedundancyOptimizer under torch DDP"
-        )
     opt = _sharded_class(cls)(groups[0], **kwargs)
     opt.state.clear()  # state made at construction (Adagrad's sum) is the shards' to hold
     index = {id(p): i for i, p in enumerate(sync.params[0])}
@@ -191,7 +191,62 @@ def sharded_optimizer(
     opt._pyddp_broken = ""
     opt._pyddp_owns_all = set(order) >= set(range(len(index)))
     opt._pyddp_grads = [params[i] for params in sync.params for i in order]
+    opt._pyddp_on_gpus = None if sync.gpu_devices is None else _DeviceGather(sync, order)
     return opt
+
+
+class _DeviceGather:
+    """GPU replicas take the stepped elements they do not own on the devices,
+    in one process or across processes alike: per dtype, one sum over every
+    GPU of every process (the engine's NCCL communicator) of flat vectors in
+    which each replica holds its own pieces and -0.0 everywhere else. x + -0.0
+    is x bit for bit in every float dtype, in any order of summation, so the
+    sum is each element's owner's value exactly. (It moves the parameters
+    twice, as an all-reduce does: torch's ZeroRedundancyOptimizer broadcasts
+    them once; pyddp's backends have no all-gather.)"""
+
+    def __init__(self, sync: GradSync, order: List[int]):
+        self.sync, self.order = sync, order
+        self.route = sync.device_route()
+        params0 = sync.params[0]
+        # Per dtype: the members (positions in `order`) laid end to end.
+        members: Dict[torch.dtype, List[int]] = {}
+        for k, i in enumerate(order):
+            members.setdefault(params0[i].dtype, []).append(k)
+        self.where: Dict[int, Tuple[torch.dtype, int]] = {}  # parameter -> (dtype, offset)
+        self.groups: List[Tuple[torch.dtype, List[int], int]] = []
+        for dtype, ks in members.items():
+            offset = 0
+            for k in ks:
+                self.where[order[k]] = (dtype, offset)
+                offset += params0[order[k]].numel()
+            self.groups.append((dtype, [order[k] for k in ks], offset))
+
+    def __call__(self, shards: List[_Shard]) -> None:
+        sync = self.sync
+        with torch.no_grad():
+            for dtype, members, total in self.groups:
+                flats = []
+                for r, shard in enumerate(shards):
+                    flat = self.route.zeros(total, dtype, r)
+                    flat.fill_(-0.0)
+                    dst, src = [], []
+                    for i, lo, hi, t, _ in shard.pieces:
+                        d, offset = self.where[i]
+                        if d == dtype:
+                            dst.append(flat[offset + lo : offset + hi])
+                            src.append(t.reshape(-1))  # whole, any layout: a copy
+                    if dst:
+                        torch._foreach_copy_(dst, src)
+                    flats.append(flat)
+                self.route.sum_each(flats)
+                for r, flat in enumerate(flats):
+                    dst = [sync.params[r][i] for i in members]
+                    src = [
+                        flat[self.where[i][1] : self.where[i][1] + p.numel()].view(p.shape)
+                        for i, p in zip(members, dst)
+                    ]
+                    torch._foreach_copy_(dst, src)  # any layout, channels_last included
 
 
 @functools.cache  # one subclass per optimizer class
@@ -228,6 +283,9 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
 
         def _pyddp_gather(self) -> None:
             """Every replica takes the stepped elements it does not own."""
+            if self._pyddp_on_gpus is not None:
+                self._pyddp_on_gpus(self._pyddp_shards)
+                return
             sync = self._pyddp_sync
             local = len(sync.replicas)
             with torch.no_grad():
@@ -264,17 +322,23 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
         def state_dict(self) -> Dict[str, Any]:
             """The unsharded optimizer's state dict (collective across
             processes: every rank calls it, every rank gets it)."""
+            sync = self._pyddp_sync
+            # GPUs: pieces cross processes through the host, and are joined
+            # on replica 0's device.
+            travel = self._pyddp_on_gpus is not None and sync.link.spans_processes
             local = []
             for shard in self._pyddp_shards:
                 saved = shard.optimizer.state_dict()["state"]
                 for j, (i, lo, _, _, whole) in enumerate(shard.pieces):
                     if j in saved:
-                        local.append((i, lo, whole, saved[j]))
+                        value = _per_element_on(saved[j], "cpu") if travel else saved[j]
+                        local.append((i, lo, whole, value))
             parts: Dict[int, list] = {}
-            for got in self._pyddp_sync.link.gather_objects(local, SHARD_STATE):
+            params0 = sync.params[0]
+            for got in sync.link.gather_objects(local, SHARD_STATE):
                 for i, lo, whole, value in got:
+                    value = _per_element_on(value, params0[i].device)
                     parts.setdefault(i, []).append((lo, whole, value))
-            params0 = self._pyddp_sync.params[0]
             position = {i: k for k, i in enumerate(self._pyddp_order)}
             state = {}
             for i in sorted(parts, key=lambda i: position[i]):
@@ -374,6 +438,15 @@ def _unhooked(optimizer: Any) -> Callable[[], Any]:
     (pyddp counts optimizer steps by them, so every rank counts one)."""
     step = getattr(type(optimizer).step, "__wrapped__", None)
     return (lambda: step(optimizer)) if step is not None else optimizer.step
+
+
+def _per_element_on(state: Dict[str, Any], device: Any) -> Dict[str, Any]:
+    """One parameter's state with its per-element tensors on `device` (the
+    scalars, a step count, stay where the optimizer keeps them)."""
+    return {
+        k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() >= 1 else v
+        for k, v in state.items()
+    }
 
 
 def _clone(tree: Any) -> Any:

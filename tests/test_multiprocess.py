@@ -331,7 +331,11 @@ def test_sharded_optimizer_state_across_processes(tmp_path, replicas):
     # under torch DDP), state per replica a share of one copy.
     run = torchrun("zero", tmp_path, 2, {"SCENARIO_REPLICAS": str(replicas)})
     assert run.returncode == 0, run.stderr[-3000:]
-    got = results(tmp_path, "zero", 2)
+    check_zero(results(tmp_path, "zero", 2), replicas)
+
+
+def check_zero(got: List[dict], replicas: int) -> None:
+    """The zero scenario's results (also on simulated GPUs: test_simgpu.py)."""
     for r in got:
         assert r["vs_unsharded"] == 0.0 and r["replicas_equal"], r
         assert r["vs_one_device"] <= TOL, r

@@ -31,6 +31,15 @@ streams = SimStreams(sim)
 def gpu_wrap(model, devices, **kw):
     return pyddp.wrap(model, ["cpu"] * len(devices), _gpu=(devices, streams), **kw)
 
+class WithDouble(Mixed):  # Mixed with a float64 layer: a bucket of its own dtype
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(5, 5).double()
+
+    def forward(self, t):
+        out = super().forward(t)
+        return out + self.extra(out[:, :5].double()).float()
+
 def check_equal_to_single_device(devices, cap, steps=4, stream_map=None, **kw):
     torch.manual_seed(0)
     model = Mixed()
@@ -204,15 +213,6 @@ def test_compression_hooks_on_nccl_are_torch_hooks_arithmetic(simlib, hook):
     wire = torch.float16 if "{hook}" == "fp16" else torch.bfloat16
     hook = "{hook}" if "{hook}" == "fp16" else default_hooks.bf16_compress_hook
     devices = [0, 1, 2]
-    class WithDouble(Mixed):
-        def __init__(self):
-            super().__init__()
-            self.extra = nn.Linear(5, 5).double()
-
-        def forward(self, t):
-            out = super().forward(t)
-            return out + self.extra(out[:, :5].double()).float()
-
     torch.manual_seed(0)
     model = WithDouble()
     dm = gpu_wrap(model, devices, bucket_cap_mb=0.0005)
@@ -252,6 +252,76 @@ def test_compression_hooks_on_nccl_are_torch_hooks_arithmetic(simlib, hook):
     dm.close()
     """,
     )
+
+
+@pytest.mark.parametrize(
+    "devices,hook", [([0, 1, 2], None), ([0, 0, 0], None), ([0, 1, 2], "fp16")]
+)
+def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(simlib, devices, hook):
+    # shard=True on GPU replicas: each steps its share of the elements, then
+    # every replica takes the others' through NCCL (one sum per dtype, -0.0
+    # from the non-owners) whose results land late and skewed per device.
+    # Bitwise the unsharded optimizer (AdamW, a float64 layer, parameters
+    # some replicas or nobody trains), replicas identical, the state divided,
+    # the consolidated state dict equal; with fp16 compression on the
+    # buckets, the parameters' sum still travels uncompressed (exact).
+    run_sim(
+        simlib,
+        f"""
+    from pyddp.zero import state_bytes
+    devices = {devices}
+    sim.lib.simgpu_set_delay_us(None, 200)
+    own = {{d: sim.stream(d) for d in set(devices)}}
+
+    def train(shard):
+        torch.manual_seed(0)
+        dm = gpu_wrap(WithDouble(), devices, bucket_cap_mb=0.0005)
+        if {hook!r} is not None:
+            dm.register_comm_hook(None, {hook!r})
+        opt = dm.optimizer(torch.optim.AdamW, shard=shard, lr=0.01, weight_decay=0.1)
+        for x, y in make_batches(4, 13):
+            with streams.stream(own):
+                F.cross_entropy(dm(x), y).backward()
+                streams.synchronize_all(devices)
+                opt.step()
+                opt.zero_grad()
+                streams.synchronize_all(devices)
+        return dm, opt
+
+    plain, plain_opt = train(False)
+    dm, opt = train(True)
+    for m in (dm.module, *dm.replicas):
+        for (name, p), q in zip(m.named_parameters(), plain.module.parameters()):
+            assert torch.equal(p, q), (name, (p - q).abs().max())
+    full, shares = state_bytes(plain_opt), state_bytes(opt)
+    n = len(devices)
+    # Divided, not copied (equal element counts; float64 ones weigh double,
+    # so the byte shares are not exactly 1/n: test_zero.py checks that).
+    assert full[0] <= sum(shares) <= full[0] + 64 * n and max(shares) < full[0] / 2, shares
+    sd, plain_sd = opt.state_dict(), plain_opt.state_dict()
+    assert sd["param_groups"] == plain_sd["param_groups"]
+    assert sorted(sd["state"]) == sorted(plain_sd["state"])
+    for k, state in plain_sd["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(sd["state"][k][key])), key
+    dm.close()
+    plain.close()
+    """,
+    )
+
+
+@pytest.mark.parametrize("local", [1, 2])
+def test_sharded_optimizer_across_processes_on_simulated_gpus(simlib, tmp_path, local):
+    # The zero scenario with each rank's replicas on simulated GPUs: the
+    # parameters' sum on the one NCCL communicator of both processes. Bitwise
+    # the unsharded optimizer, a consolidated state dict equal to its, and a
+    # resumed run equal to an uninterrupted one.
+    from test_multiprocess import check_zero, results, torchrun
+
+    env = sim_env(simlib, SCENARIO_SIMGPU="1", SCENARIO_REPLICAS=str(local))
+    run = torchrun("zero", tmp_path, 2, env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    check_zero(results(tmp_path, "zero", 2), local)
 
 
 def test_syncbatchnorm_on_simulated_gpus_equals_one_device(simlib):

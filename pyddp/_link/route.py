@@ -63,15 +63,27 @@ class DeviceRoute:
                 offset += t.numel()
         self._hold(parts)
 
-    def _sum(self, parts: List[torch.Tensor]) -> None:
-        """Sums `parts` (one per replica, float64) over every GPU of every
-        process, in place, ordered on the current streams (which wait for it)."""
+    def zeros(self, count: int, dtype: torch.dtype, replica: int) -> torch.Tensor:
+        """Memory on replica's device (the simulation adds guard zones)."""
+        return self.provider.zeros(count, dtype, self.devices[replica])
+
+    def sum_each(self, parts: List[torch.Tensor]) -> None:
+        """Sums `parts` (one per replica, on its device, in any dtype) over
+        every GPU of every process, in place: each replica then reads its own
+        on its current stream (ordered after the sum)."""
+        self._sum(parts, str(parts[0].dtype).replace("torch.", ""))
+        for d in set(self.devices):
+            self.provider.before_host_write(d)  # the simulation: stream order
+
+    def _sum(self, parts: List[torch.Tensor], dtype: str = "float64") -> None:
+        """Sums `parts` (one per replica) over every GPU of every process, in
+        place, ordered on the current streams (which wait for it)."""
         self.backend.reduce(
             [t.data_ptr() for t in parts],
             self.devices,
             [self.provider.current(d) for d in self.devices],
             parts[0].numel(),
-            "float64",
+            dtype,
             "sum",
         )
         self._held = [h for h in self._held if not all(c.ready() for c in h[1])]

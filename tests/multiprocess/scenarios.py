@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import traceback
+from typing import Callable, Tuple
 
 import torch
 import torch.distributed as dist
@@ -996,6 +997,20 @@ def diverge(out: dict) -> None:
     _write_and_exit(out)
 
 
+def _maybe_simulated_gpus(replicas: int) -> Tuple[dict, Callable[[], None]]:
+    """With SCENARIO_SIMGPU set: wrap's keyword that puts this rank's replicas
+    on simulated GPUs (one each, numbered across ranks), and the drain the
+    host calls before it reads what their streams wrote. Else: CPU, nothing."""
+    if not os.environ.get("SCENARIO_SIMGPU"):
+        return {}, lambda: None
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "simgpu"))
+    from simgpu import Sim, SimStreams
+
+    streams = SimStreams(Sim(os.environ["PYDDP_CUDA_LIBRARY"]))
+    devices = [pyddp.rank() * replicas + i for i in range(replicas)]
+    return {"_gpu": (devices, streams)}, functools.partial(streams.synchronize_all, devices)
+
+
 def syncbn(out: dict) -> None:
     """SyncBatchNorm across processes (SCENARIO_REPLICAS replicas each):
     equal to one device running BatchNorm on the global batch, which every
@@ -1005,16 +1020,7 @@ def syncbn(out: dict) -> None:
     alone afterwards: evaluation never meets."""
     replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
     rank, world = pyddp.rank(), pyddp.world()
-    kw, settle = {}, lambda: None
-    if os.environ.get("SCENARIO_SIMGPU"):  # this rank's replicas on simulated GPUs
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "simgpu"))
-        from simgpu import Sim, SimStreams
-
-        sim = Sim(os.environ["PYDDP_CUDA_LIBRARY"])
-        streams = SimStreams(sim)
-        devices = [rank * replicas + i for i in range(replicas)]
-        kw = {"_gpu": (devices, streams)}
-        settle = functools.partial(streams.synchronize_all, devices)
+    kw, settle = _maybe_simulated_gpus(replicas)
     torch.manual_seed(0)
     ref = nn.Sequential(
         nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
@@ -1304,18 +1310,24 @@ def zero(out: dict) -> None:
     rank, world = pyddp.rank(), pyddp.world()
     batches = data(5, 12)
     adam = dict(lr=1e-2, weight_decay=1e-3)
+    kw, settle = _maybe_simulated_gpus(replicas)
+
+    def step(dm, opt, x, y) -> None:
+        rows = my_rows(len(x), rank, world)
+        opt.zero_grad()
+        dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
+        settle()  # simulated GPUs: the step reads what the streams wrote
+        opt.step()
+        settle()
 
     def train(shard: bool):
-        dm = pyddp.wrap(eval_norm(net()), ["cpu"] * replicas)
+        dm = pyddp.wrap(eval_norm(net()), ["cpu"] * replicas, **kw)
         for m in dm.replicas:
             m.norm.eval()
         opt = dm.optimizer(torch.optim.AdamW, shard=shard, **adam)
         sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
         for x, y in batches:
-            rows = my_rows(len(x), rank, world)
-            opt.zero_grad()
-            dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
-            opt.step()
+            step(dm, opt, x, y)
             sched.step()
         return dm, opt
 
@@ -1335,15 +1347,11 @@ def zero(out: dict) -> None:
     out["bytes_unsharded"] = pyddp.zero.state_bytes(plain_opt)
     # A new sharded optimizer loaded from the consolidated state steps on
     # exactly as the first one does.
-    dm2 = pyddp.wrap(copy.deepcopy(dm.module), ["cpu"] * replicas)
+    dm2 = pyddp.wrap(copy.deepcopy(dm.module), ["cpu"] * replicas, **kw)
     opt2 = dm2.optimizer(torch.optim.AdamW, shard=True, **adam)
     opt2.load_state_dict(sd)
-    x, y = batches[0]
-    rows = my_rows(len(x), rank, world)
     for d, o in ((dm, opt), (dm2, opt2)):
-        o.zero_grad()
-        d.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
-        o.step()
+        step(d, o, *batches[0])
     out["resumed"] = max_diff(dm.module, dm2.module)
     # One device on the global batches (AdamW): Net's `rare` has no gradient
     # anywhere in some steps and stays None, as here.

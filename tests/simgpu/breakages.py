@@ -130,6 +130,13 @@ BREAKAGES = {
         "SyncBatchNorm sums a replica's statistics without waiting for the stream that "
         "computed them",
     ),
+    "zero-gather-reads-before-the-sum-lands": (
+        "pyddp/_link/route.py",
+        "        for d in set(self.devices):\n            self.provider.before_host_write(d)",
+        "        for d in ():\n            self.provider.before_host_write(d)",
+        "a sharded optimizer's replicas copy the parameters' sum back before their streams "
+        "are past it (the other shards' elements read -0.0 or stale values)",
+    ),
     "no-agreement-wait-when-missing": (
         "pyddp/_link/processes.py",
         "        if self.agreement.missing_here:",
