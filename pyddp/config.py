@@ -27,6 +27,9 @@ class TrainConfig:
     eval_batch_size: Optional[int] = None  # default: batch_size
     scheduler_interval: str = "step"  # when the LR scheduler steps: "step" or "epoch"
     clip_grad_norm: Optional[float] = None  # max global gradient norm
+    # Optimizer state divided over every replica of every process (ZeRO stage
+    # 1, dmodel.optimizer(..., shard=True)); the same result bit for bit.
+    shard_optimizer: bool = False
     precision: str = "fp32"  # "fp32", "bf16" (autocast), "fp16" (autocast + loss scaling, GPU)
     seed: int = 0  # in [0, 2**32)
     shuffle: bool = True
@@ -147,4 +150,5 @@ _CHECKS = {
     "smoothing": _smoothing,
     "early_stopping_patience": _optional(_positive_int),
     "progress": _flag,
+    "shard_optimizer": _flag,
 }

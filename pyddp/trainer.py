@@ -107,7 +107,10 @@ class Trainer:
             if self.config.precision == "fp16" and self.model.devices[0].type != "cuda":
                 raise ValueError("precision='fp16' needs CUDA replicas; use 'bf16' on CPU")
             self.optimizer = self.model.optimizer(
-                self._optimizer_class, *optimizer_args, **optimizer_kwargs
+                self._optimizer_class,
+                *optimizer_args,
+                shard=self.config.shard_optimizer,
+                **optimizer_kwargs,
             )
             self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
             counts = self.link.local_counts
@@ -484,11 +487,13 @@ class Trainer:
         # others'), so that a resumed rank draws what it would have drawn.
         rng = {"torch": torch.get_rng_state(), "cuda": cuda_rng_states(self.model.devices)}
         ranks = self.link.gather_objects(rng, _RNG)
+        # On every rank: a sharded optimizer's state dict is gathered from all.
+        optimizer = self.optimizer.state_dict()
         if self.rank != 0:  # every rank holds the same model: rank 0 writes it
             return
         payload = {
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "loop": asdict(self.state),
             "best": self.best_state_dict,

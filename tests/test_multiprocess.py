@@ -463,6 +463,19 @@ def test_trainer_across_processes_resumes_exactly_and_writes_from_rank_0(tmp_pat
     assert resumed[0]["params"] == straight[0]["params"], "resume must be exact"
 
 
+def test_trainer_with_sharded_optimizer_state_checkpoints_and_resumes_exactly(tmp_path, straight):
+    # shard_optimizer=True across 2 processes: checkpoints gather the state
+    # from every rank (a collective every rank joins, though rank 0 alone
+    # writes), a resume loads it on every rank, and the run is the unsharded
+    # one bit for bit.
+    straight, _ = straight
+    _trainer(tmp_path, "shard", {"MAX_STEPS": "4", "SHARD": "1"})
+    resumed, _ = _trainer(
+        tmp_path, "shard2", {"MAX_STEPS": "6", "SHARD": "1"}, train_dir=tmp_path / "shard" / "run"
+    )
+    assert resumed[0]["params"] == resumed[1]["params"] == straight[0]["params"]
+
+
 def test_single_device_reference_matches_the_trainer(tmp_path):
     got, _ = _trainer(tmp_path, "two", {"MAX_STEPS": "3", "LOCAL_REPLICAS": "2"})
     one, _ = _trainer(tmp_path, "one", {"MAX_STEPS": "3"}, nproc=1)

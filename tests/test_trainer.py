@@ -119,6 +119,31 @@ def test_exact_resume_is_bitwise(tmp_path):
         assert torch.equal(p, q)
 
 
+def test_shard_optimizer_is_bitwise_the_unsharded_run_and_resumes_either_way(tmp_path):
+    # TrainConfig(shard_optimizer=True): each of the 3 replicas holds a third
+    # of the momentum, the parameters are the unsharded run's bit for bit, and
+    # the checkpoint's consolidated state resumes with sharding off and on.
+    x, y = data(97)
+    full = trainer(max_epochs=3, output_dir=str(tmp_path / "full"))
+    full.fit((x, y))
+    sharded = trainer(max_epochs=3, shard_optimizer=True)
+    sharded.fit((x, y))
+    assert type(sharded.optimizer).__name__ == "ShardedSGD"
+    shares = pyddp.zero.state_bytes(sharded.optimizer)
+    whole = pyddp.zero.state_bytes(full.optimizer)
+    assert max(shares) <= whole[0] / 3 + 64 and sum(shares) >= whole[0], (shares, whole)
+    for shard_first in (True, False):
+        out = str(tmp_path / f"resumed-{shard_first}")
+        first = trainer(max_epochs=3, max_steps=5, output_dir=out, shard_optimizer=shard_first)
+        assert first.fit((x, y)).stop_reason == "max_steps"
+        second = trainer(max_epochs=3, output_dir=out, shard_optimizer=not shard_first)
+        second.fit((x, y))
+        assert second.state.step == 12
+        for t in (sharded, second):
+            for p, q in zip(t.model.module.parameters(), full.model.module.parameters()):
+                assert torch.equal(p, q)
+
+
 def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path):
     x, y = data(97)
     t = trainer(max_epochs=2, output_dir=str(tmp_path))

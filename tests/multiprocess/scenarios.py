@@ -793,6 +793,7 @@ def trainer(out: dict) -> None:
         resume=True,
         shuffle=True,
         seed=4,
+        shard_optimizer=os.environ.get("SHARD") == "1",
     )
     model = eval_norm(net())
     with pyddp.Trainer(
