@@ -269,15 +269,15 @@ def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(simlib, de
         simlib,
         f"""
     from pyddp.zero import state_bytes
-    devices = {devices}
+    devices, hook = {devices}, {hook!r}
     sim.lib.simgpu_set_delay_us(None, 200)
     own = {{d: sim.stream(d) for d in set(devices)}}
 
     def train(shard):
         torch.manual_seed(0)
         dm = gpu_wrap(WithDouble(), devices, bucket_cap_mb=0.0005)
-        if {hook!r} is not None:
-            dm.register_comm_hook(None, {hook!r})
+        if hook is not None:
+            dm.register_comm_hook(None, hook)
         opt = dm.optimizer(torch.optim.AdamW, shard=shard, lr=0.01, weight_decay=0.1)
         for x, y in make_batches(4, 13):
             with streams.stream(own):
