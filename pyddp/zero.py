@@ -27,6 +27,7 @@ engine's NCCL communicator, in one process as across processes
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -206,47 +207,44 @@ class _DeviceGather:
     them once; pyddp's backends have no all-gather.)"""
 
     def __init__(self, sync: GradSync, order: List[int]):
-        self.sync, self.order = sync, order
         self.route = sync.device_route()
         params0 = sync.params[0]
-        # Per dtype: the members (positions in `order`) laid end to end.
-        members: Dict[torch.dtype, List[int]] = {}
-        for k, i in enumerate(order):
-            members.setdefault(params0[i].dtype, []).append(k)
-        self.where: Dict[int, Tuple[torch.dtype, int]] = {}  # parameter -> (dtype, offset)
-        self.groups: List[Tuple[torch.dtype, List[int], int]] = []
-        for dtype, ks in members.items():
-            offset = 0
-            for k in ks:
-                self.where[order[k]] = (dtype, offset)
-                offset += params0[order[k]].numel()
-            self.groups.append((dtype, [order[k] for k in ks], offset))
+        by_dtype: Dict[torch.dtype, List[int]] = {}
+        for i in order:
+            by_dtype.setdefault(params0[i].dtype, []).append(i)
+        self.offset: Dict[int, int] = {}  # parameter -> where it starts in its dtype's vector
+        # Per dtype: its length, and each replica's parameters of that dtype
+        # (laid end to end in `order`), their sizes and shapes.
+        self.groups: List[Tuple[torch.dtype, int, List[List[torch.Tensor]], List[int], list]] = []
+        for dtype, members in by_dtype.items():
+            numels = [params0[i].numel() for i in members]
+            for i, start in zip(members, itertools.accumulate([0] + numels)):
+                self.offset[i] = start
+            replicas = [[params[i] for i in members] for params in sync.params]
+            shapes = [params0[i].shape for i in members]
+            self.groups.append((dtype, sum(numels), replicas, numels, shapes))
 
     def __call__(self, shards: List[_Shard]) -> None:
-        sync = self.sync
         with torch.no_grad():
-            for dtype, members, total in self.groups:
+            for dtype, total, replicas, numels, shapes in self.groups:
                 flats = []
                 for r, shard in enumerate(shards):
-                    flat = self.route.zeros(total, dtype, r)
-                    flat.fill_(-0.0)
-                    dst, src = [], []
-                    for i, lo, hi, t, _ in shard.pieces:
-                        d, offset = self.where[i]
-                        if d == dtype:
-                            dst.append(flat[offset + lo : offset + hi])
-                            src.append(t.reshape(-1))  # whole, any layout: a copy
-                    if dst:
-                        torch._foreach_copy_(dst, src)
+                    flat = self.route.zeros(total, dtype, r).fill_(-0.0)
+                    mine = [
+                        (self.offset[i], lo, hi, t)
+                        for i, lo, hi, t, _ in shard.pieces
+                        if t.dtype == dtype
+                    ]
+                    if mine:
+                        torch._foreach_copy_(
+                            [flat[at + lo : at + hi] for at, lo, hi, _ in mine],
+                            [t.reshape(-1) for *_, t in mine],  # whole, any layout: a copy
+                        )
                     flats.append(flat)
                 self.route.sum_each(flats)
-                for r, flat in enumerate(flats):
-                    dst = [sync.params[r][i] for i in members]
-                    src = [
-                        flat[self.where[i][1] : self.where[i][1] + p.numel()].view(p.shape)
-                        for i, p in zip(members, dst)
-                    ]
-                    torch._foreach_copy_(dst, src)  # any layout, channels_last included
+                for params, flat in zip(replicas, flats):
+                    values = [v.view(shape) for v, shape in zip(flat.split(numels), shapes)]
+                    torch._foreach_copy_(params, values)  # any layout, channels_last included
 
 
 @functools.cache  # one subclass per optimizer class

@@ -40,6 +40,15 @@ class WithDouble(Mixed):  # Mixed with a float64 layer: a bucket of its own dtyp
         out = super().forward(t)
         return out + self.extra(out[:, :5].double()).float()
 
+def gpu_step(loss, opt, devices):
+    # Backward, then the optimizer "kernel" in stream order (the simulation
+    # runs torch's ops on the host at once: drain the streams around it).
+    loss.backward()
+    streams.synchronize_all(devices)
+    opt.step()
+    opt.zero_grad()
+    streams.synchronize_all(devices)
+
 def check_equal_to_single_device(devices, cap, steps=4, stream_map=None, **kw):
     torch.manual_seed(0)
     model = Mixed()
@@ -49,11 +58,7 @@ def check_equal_to_single_device(devices, cap, steps=4, stream_map=None, **kw):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
     for x, y in make_batches(steps, 13):
         with streams.stream(stream_map or {{}}):
-            F.cross_entropy(dm(x), y).backward()
-            streams.synchronize_all(devices)  # the optimizer "kernel" runs in stream order
-            opt.step()
-            opt.zero_grad()
-            streams.synchronize_all(devices)
+            gpu_step(F.cross_entropy(dm(x), y), opt, devices)
         F.cross_entropy(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -269,6 +274,7 @@ def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(simlib, de
         simlib,
         f"""
     from pyddp.zero import state_bytes
+    from test_zero import assert_same_state_dict
     devices, hook = {devices}, {hook!r}
     sim.lib.simgpu_set_delay_us(None, 200)
     own = {{d: sim.stream(d) for d in set(devices)}}
@@ -281,11 +287,7 @@ def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(simlib, de
         opt = dm.optimizer(torch.optim.AdamW, shard=shard, lr=0.01, weight_decay=0.1)
         for x, y in make_batches(4, 13):
             with streams.stream(own):
-                F.cross_entropy(dm(x), y).backward()
-                streams.synchronize_all(devices)
-                opt.step()
-                opt.zero_grad()
-                streams.synchronize_all(devices)
+                gpu_step(F.cross_entropy(dm(x), y), opt, devices)
         return dm, opt
 
     plain, plain_opt = train(False)
@@ -298,12 +300,7 @@ def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(simlib, de
     # Divided, not copied (equal element counts; float64 ones weigh double,
     # so the byte shares are not exactly 1/n: test_zero.py checks that).
     assert full[0] <= sum(shares) <= full[0] + 64 * n and max(shares) < full[0] / 2, shares
-    sd, plain_sd = opt.state_dict(), plain_opt.state_dict()
-    assert sd["param_groups"] == plain_sd["param_groups"]
-    assert sorted(sd["state"]) == sorted(plain_sd["state"])
-    for k, state in plain_sd["state"].items():
-        for key, value in state.items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(sd["state"][k][key])), key
+    assert_same_state_dict(plain_opt.state_dict(), opt.state_dict())
     dm.close()
     plain.close()
     """,
@@ -344,11 +341,7 @@ def test_syncbatchnorm_on_simulated_gpus_equals_one_device(simlib):
     own = {d: sim.stream(d) for d in devices}
     for x, y in batches(4):
         with streams.stream(own):
-            F.cross_entropy(dm(x), y).backward()
-            streams.synchronize_all(devices)
-            opt.step()
-            opt.zero_grad()
-            streams.synchronize_all(devices)
+            gpu_step(F.cross_entropy(dm(x), y), opt, devices)
         F.cross_entropy(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()

@@ -62,12 +62,17 @@ def test_sharded_equals_unsharded_bit_for_bit(n, cls, kw):
     assert len(set(full)) == 1
     assert full[0] <= sum(shares) <= full[0] + 64 * n
     assert max(shares) <= full[0] / n + 64
-    sa, sb = oa.state_dict(), ob.state_dict()
-    assert sa["param_groups"] == sb["param_groups"]
-    assert sorted(sa["state"]) == sorted(sb["state"])
-    for k in sa["state"]:
-        for key, value in sa["state"][k].items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(sb["state"][k][key]))
+    assert_same_state_dict(oa.state_dict(), ob.state_dict())
+
+
+def assert_same_state_dict(a: dict, b: dict) -> None:
+    """Two optimizer state dicts are equal bit for bit (also used on the
+    simulated GPUs: test_simgpu.py)."""
+    assert a["param_groups"] == b["param_groups"]
+    assert sorted(a["state"]) == sorted(b["state"])
+    for k, state in a["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["state"][k][key])), key
 
 
 def test_an_optimizer_that_is_not_elementwise_is_sharded_by_whole_parameters():

@@ -8,6 +8,7 @@ from typing import Any, List, Sequence, Tuple
 
 import torch
 
+from .._params import DTYPE_NAMES
 from .agreement import LOADS
 
 
@@ -71,7 +72,7 @@ class DeviceRoute:
         """Sums `parts` (one per replica, on its device, in any dtype) over
         every GPU of every process, in place: each replica then reads its own
         on its current stream (ordered after the sum)."""
-        self._sum(parts, str(parts[0].dtype).replace("torch.", ""))
+        self._sum(parts, DTYPE_NAMES[parts[0].dtype])
         for d in set(self.devices):
             self.provider.before_host_write(d)  # the simulation: stream order
 

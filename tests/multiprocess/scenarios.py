@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Callable, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -340,14 +340,11 @@ def simgpu(out: dict) -> None:
     """One NCCL communicator across processes, on the simulated CUDA driver and
     NCCL (tests/simgpu; host tensors stand in for device memory): equals
     single-device training; the simulation reports no broken rule."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "simgpu"))
-    from simgpu import HostReads, Sim, SimStreams
-
-    sim = Sim(os.environ["PYDDP_CUDA_LIBRARY"])
-    streams = SimStreams(sim)
     rank, world = pyddp.rank(), pyddp.world()
     local = int(os.environ.get("LOCAL_REPLICAS", "1"))
-    devices = [rank * local + i for i in range(local)]  # this process's GPUs
+    sim, streams, devices = _simulated_gpus(local)
+    from simgpu import HostReads
+
     # The third global batch is smaller: dmodel.loss's rows, assumed after
     # the first step, are corrected on the device by the agreement's sums.
     batches = data(2, 12) + data(1, 7, seed=2) + data(1, 12, seed=3)
@@ -998,17 +995,24 @@ def diverge(out: dict) -> None:
     _write_and_exit(out)
 
 
-def _maybe_simulated_gpus(replicas: int) -> Tuple[dict, Callable[[], None]]:
-    """With SCENARIO_SIMGPU set: wrap's keyword that puts this rank's replicas
-    on simulated GPUs (one each, numbered across ranks), and the drain the
-    host calls before it reads what their streams wrote. Else: CPU, nothing."""
-    if not os.environ.get("SCENARIO_SIMGPU"):
-        return {}, lambda: None
+def _simulated_gpus(replicas: int) -> Tuple[Any, Any, List[int]]:
+    """This rank's replicas on the simulated CUDA driver and NCCL (tests/simgpu),
+    one GPU each, numbered across ranks: the simulation, its stream provider
+    and the devices."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "simgpu"))
     from simgpu import Sim, SimStreams
 
-    streams = SimStreams(Sim(os.environ["PYDDP_CUDA_LIBRARY"]))
-    devices = [pyddp.rank() * replicas + i for i in range(replicas)]
+    sim = Sim(os.environ["PYDDP_CUDA_LIBRARY"])
+    return sim, SimStreams(sim), [pyddp.rank() * replicas + i for i in range(replicas)]
+
+
+def _maybe_simulated_gpus(replicas: int) -> Tuple[dict, Callable[[], None]]:
+    """With SCENARIO_SIMGPU set: wrap's keyword that puts this rank's replicas
+    on simulated GPUs, and the drain the host calls before it reads what their
+    streams wrote. Else: CPU, nothing."""
+    if not os.environ.get("SCENARIO_SIMGPU"):
+        return {}, lambda: None
+    _, streams, devices = _simulated_gpus(replicas)
     return {"_gpu": (devices, streams)}, functools.partial(streams.synchronize_all, devices)
 
 
