@@ -58,11 +58,11 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "plan_buckets",
       [](const std::vector<int64_t>& numels, const std::vector<std::string>& dtypes,
-         const std::vector<int>& order, int64_t first_cap, int64_t cap) {
-        return plan_buckets(numels, dtypes_from_names(dtypes), order, first_cap, cap);
+         const std::vector<int>& order, int64_t first_cap, int64_t cap, bool taper) {
+        return plan_buckets(numels, dtypes_from_names(dtypes), order, first_cap, cap, taper);
       },
       py::arg("numels"), py::arg("dtypes"), py::arg("order"), py::arg("first_cap_bytes"),
-      py::arg("cap_bytes"));
+      py::arg("cap_bytes"), py::arg("taper") = false);
 
   m.def(
       "stress_engine",

@@ -9,7 +9,7 @@ namespace pyddp {
 std::vector<std::vector<int>> plan_buckets(const std::vector<int64_t>& numels,
                                            const std::vector<DType>& dtypes,
                                            const std::vector<int>& order, int64_t first_cap_bytes,
-                                           int64_t cap_bytes) {
+                                           int64_t cap_bytes, bool taper) {
   const size_t n = numels.size();
   PYDDP_ENFORCE(dtypes.size() == n, "dtypes has ", dtypes.size(), " entries, numels has ", n);
   PYDDP_ENFORCE(order.size() == n, "order has ", order.size(), " entries, expected ", n);
@@ -31,14 +31,24 @@ std::vector<std::vector<int>> plan_buckets(const std::vector<int64_t>& numels,
   struct Open {
     std::vector<int> params;
     int64_t bytes = 0;
+    int64_t unplaced_at_open = 0;  // bytes of its dtype not yet in a bucket, itself included
   };
+  auto bytes_of = [&](int p) { return numels[p] * static_cast<int64_t>(dtype_size(dtypes[p])); };
+  std::map<DType, int64_t> unplaced;
+  for (int p : order) unplaced[dtypes[p]] += bytes_of(p);
   std::map<DType, Open> open;
+  const int64_t first_cap = std::max<int64_t>(first_cap_bytes, 1);
   bool first_closed = false;
   for (int p : order) {
     Open& b = open[dtypes[p]];
+    int64_t& left = unplaced[dtypes[p]];
+    if (b.params.empty()) b.unplaced_at_open = left;
     b.params.push_back(p);
-    b.bytes += numels[p] * static_cast<int64_t>(dtype_size(dtypes[p]));
-    const int64_t cap = first_closed ? cap_bytes : std::max<int64_t>(first_cap_bytes, 1);
+    b.bytes += bytes_of(p);
+    left -= bytes_of(p);
+    const int64_t cap = !first_closed ? first_cap
+                        : taper ? std::min(cap_bytes, std::max(first_cap, b.unplaced_at_open / 2))
+                                : cap_bytes;
     if (b.bytes >= cap) {
       buckets.push_back(std::move(b.params));
       b = Open{};

@@ -15,14 +15,25 @@ from . import _C
 
 
 def plan_buckets(
-    numels: Sequence[int], dtypes: Sequence[str], order: Sequence[int], first_cap: int, cap: int
+    numels: Sequence[int],
+    dtypes: Sequence[str],
+    order: Sequence[int],
+    first_cap: int,
+    cap: int,
+    taper: bool = True,
 ) -> List[List[int]]:
     """The engine's bucket plan (csrc/bucket_plan.cpp), public for planners
     such as the simulator: parameters taken in `order` (their ready order),
     one open bucket per dtype ("float32", ...); a bucket closes once it holds
     `first_cap` bytes (the first to close) or `cap` (every later one); the
-    partial buckets left at the end follow. `cap` 0: one bucket per parameter."""
-    return _C.plan_buckets(list(numels), list(dtypes), list(order), first_cap, cap)
+    partial buckets left at the end follow. `taper` (the engine's default,
+    `taper_buckets=True`): a later bucket opened when R bytes of its dtype
+    are still unplaced closes at min(cap, max(first_cap, R / 2)), so the last
+    buckets shrink by halves down to the first one's size. `cap` 0: one
+    bucket per parameter."""
+    if not isinstance(taper, bool):
+        raise TypeError(f"taper={taper!r} must be True or False")
+    return _C.plan_buckets(list(numels), list(dtypes), list(order), first_cap, cap, taper)
 
 
 class BucketLayout:

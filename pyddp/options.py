@@ -16,7 +16,9 @@ REDUCE_ORDERS = ("ready", "index", "after_backward")
 @dataclass(frozen=True)
 class Options:
     """bucket_cap_mb: bucket size (0 = per-parameter mode, every parameter its
-    own bucket); first_bucket_cap_mb: the first bucket's; reduce_order:
+    own bucket); first_bucket_cap_mb: the first bucket's; taper_buckets: the
+    last buckets shrink by halves down to the first bucket's size, so little
+    is left to reduce after backward (csrc/bucket_plan.h); reduce_order:
     "ready" (launch buckets as they complete), "index" (in bucket order, the
     default across processes) or "after_backward" (no overlap: the baseline);
     None picks by the link; rebuild_buckets: re-plan once from the observed
@@ -30,6 +32,7 @@ class Options:
 
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
+    taper_buckets: bool = True
     reduce_order: Optional[str] = None
     rebuild_buckets: bool = True
     op: str = "sum"
@@ -72,7 +75,7 @@ class Options:
             raise ValueError(
                 f"threads_per_replica={self.threads_per_replica!r} must be an int >= 1"
             )
-        for name in ("rebuild_buckets", "check_replicas", "broadcast_buffers"):
+        for name in ("taper_buckets", "rebuild_buckets", "check_replicas", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True or False")
 
@@ -118,6 +121,7 @@ class Options:
 WRAP_OPTIONS = (
     "bucket_cap_mb",
     "first_bucket_cap_mb",
+    "taper_buckets",
     "reduce_order",
     "rebuild_buckets",
     "broadcast_buffers",
@@ -129,6 +133,7 @@ WRAP_OPTIONS = (
 _COMPARED = (
     "bucket_cap_mb",
     "first_bucket_cap_mb",
+    "taper_buckets",
     "reduce_order",
     "rebuild_buckets",
     "op",

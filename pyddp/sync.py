@@ -55,7 +55,8 @@ class GradSync:
     bucket views attached (a torch ``zero_grad`` makes the next backward copy).
 
     Options: ``bucket_cap_mb`` (25; 0 = per-parameter mode, every parameter its own
-    bucket), ``first_bucket_cap_mb`` (1), ``reduce_order`` ("ready": launch buckets
+    bucket), ``first_bucket_cap_mb`` (1), ``taper_buckets`` (True: the last buckets
+    shrink by halves down to the first bucket's size), ``reduce_order`` ("ready": launch buckets
     as they complete; "index": in bucket order), ``rebuild_buckets`` (True: re-plan
     buckets once from the ready order observed in the first synced backward),
     ``timeout_s`` (GPU: a reduction not done after this long aborts communication
@@ -130,6 +131,7 @@ class GradSync:
         self._order = StreamOrder(self._gpu_devices, self._streams)
         self._cap = int(opts.bucket_cap_mb * _MIB)
         self._first_cap = int(opts.first_bucket_cap_mb * _MIB) if self._cap else 0
+        self._taper = opts.taper_buckets
         self._engine: Optional[Any] = None
         self._handles: List[Any] = []
         # Run when close() is called or this object is dropped: removes the
@@ -164,7 +166,12 @@ class GradSync:
         numels = [p.numel() for p in first]
         dtypes = [dtype_name(n, p) for n, p in zip(self.names, first)]
         buckets = plan_buckets(
-            numels, dtypes, list(reversed(range(len(first)))), self._first_cap, self._cap
+            numels,
+            dtypes,
+            list(reversed(range(len(first)))),
+            self._first_cap,
+            self._cap,
+            self._taper,
         )
         op, self._post_scale, rendezvous = opts.op, 1.0, None
         if self._gpu_devices is not None:
@@ -265,7 +272,9 @@ class GradSync:
         if len(order) != len(self.names):
             return
         numels = [p.numel() for p in self.params[0]]
-        buckets = plan_buckets(numels, self.layout.dtypes, order, self._first_cap, self._cap)
+        buckets = plan_buckets(
+            numels, self.layout.dtypes, order, self._first_cap, self._cap, self._taper
+        )
         if buckets == self._engine.buckets:
             return
         self._order.fence_all()

@@ -14,8 +14,10 @@ Policies (weak scaling: the per-device batch stays the same at every count):
   (`bucket_cap_mb=0`).
 - "pyddp bucketed": pyddp's own bucket plan (`plan_buckets`, the engine's
   csrc/bucket_plan.cpp rule, over the ready order it records on the first
-  iteration; 1 MiB first bucket, then 25 MiB), each bucket launched as soon as
-  it is complete (`reduce_order="ready"`).
+  iteration; 1 MiB first bucket, then 25 MiB, the last ones tapering by
+  halves down to 1 MiB), each bucket launched as soon as it is complete
+  (`reduce_order="ready"`). "pyddp bucketed, untapered": the same with
+  `taper_buckets=False` (the plan before the taper: torch DDP's rebuilt one).
 - "torch DDP": torch's own bucket assignment
   (`torch.distributed._compute_bucket_assignment_by_size`, [1 MiB, 25 MiB]) over
   the ready order its Reducer rebuilds after the first iteration, buckets
@@ -119,8 +121,9 @@ def buckets(profile: Profile, policy: str, cap_mb: Optional[float] = None) -> Li
     cap = int((25.0 if cap_mb is None else cap_mb) * MIB)
     if policy == "pyddp per-parameter":
         return [[i] for i in order]
-    if policy in ("pyddp bucketed", "no overlap"):
-        return plan_buckets(profile.numels(), dtypes, order, MIB if cap else 0, cap)
+    if policy in ("pyddp bucketed", "pyddp bucketed, untapered", "no overlap"):
+        taper = policy != "pyddp bucketed, untapered"
+        return plan_buckets(profile.numels(), dtypes, order, MIB if cap else 0, cap, taper)
     if policy.startswith("torch DDP"):
         import torch.distributed as dist
 
@@ -137,7 +140,10 @@ def buckets(profile: Profile, policy: str, cap_mb: Optional[float] = None) -> Li
         if policy == "torch DDP, registration order":  # its first plan, never rebuilt
             plan = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
             return [list(b) for b in reversed(plan[0])]
-    raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}, horovod, one all-reduce")
+    raise ValueError(
+        f"policy {policy!r}: one of {', '.join(POLICIES)}, pyddp bucketed, untapered, horovod, "
+        "one all-reduce"
+    )
 
 
 def step(
