@@ -166,6 +166,15 @@ def test_nccl_cost_formula_by_hand():
     # LL128 crosses nodes only where the NICs sit on the GPUs' PCIe switches.
     assert replace(tree, ll128_net=False).algorithm(1 << 20, 16) != "tree/LL128"
     assert replace(a100, ll128_net=False).algorithm(1 << 20, 8) == a100.algorithm(1 << 20, 8)
+    # No NVSwitch on a DGX-1: GPUs 0-1 share one NVLink (NCCL: 20 GB/s).
+    dgx1 = hardware.SYSTEMS["v100-dgx1"]
+    assert (dgx1.busbw(2), dgx1.busbw(8), dgx1.busbw(16)) == (20e9, 120e9, 48e9)
+    assert [dgx1.busbw(n) / 1e9 for n in range(2, 8)] == [20, 40, 80, 40, 60, 80]
+    # NCCL before 2.4 had rings only.
+    old = hardware.SYSTEMS["p100-pcie-25gbe"]
+    assert all(old.algorithm(s, 64).startswith("ring") for s in (1e3, 1e6, 1e9))
+    with pytest.raises(ValueError, match="whole number"):
+        a100.allreduce_s(size, 12)
 
 
 def test_network_latency_is_set_from_its_one_calibration_point_only():
@@ -188,15 +197,6 @@ def test_allreduce_model_is_within_15_percent_of_published_nccl_tests_across_nod
     # with the preset's LL128 it is 30% slower than the model at 32 MiB.
     off = [r for r in rows if "LL128 off" in r["source"] and r["in_range"]]
     assert off and all(abs(r["miss_percent"]) <= 15 for r in off), off
-    # No NVSwitch on a DGX-1: GPUs 0-1 share one NVLink (NCCL: 20 GB/s).
-    dgx1 = hardware.SYSTEMS["v100-dgx1"]
-    assert (dgx1.busbw(2), dgx1.busbw(8), dgx1.busbw(16)) == (20e9, 120e9, 48e9)
-    assert [dgx1.busbw(n) / 1e9 for n in range(2, 8)] == [20, 40, 80, 40, 60, 80]
-    # NCCL before 2.4 had rings only.
-    old = hardware.SYSTEMS["p100-pcie-25gbe"]
-    assert all(old.algorithm(s, 64).startswith("ring") for s in (1e3, 1e6, 1e9))
-    with pytest.raises(ValueError, match="whole number"):
-        a100.allreduce_s(size, 12)
 
 
 class _FixedLink:
