@@ -20,13 +20,13 @@ def plan_buckets(
     order: Sequence[int],
     first_cap: int,
     cap: int,
-    taper: bool = True,
+    taper: bool = False,
 ) -> List[List[int]]:
     """The engine's bucket plan (csrc/bucket_plan.cpp), public for planners
     such as the simulator: parameters taken in `order` (their ready order),
     one open bucket per dtype ("float32", ...); a bucket closes once it holds
     `first_cap` bytes (the first to close) or `cap` (every later one); the
-    partial buckets left at the end follow. `taper` (the engine's default,
+    partial buckets left at the end follow. `taper` (the engine's
     `taper_buckets=True`): a later bucket opened when R bytes of its dtype
     are still unplaced closes at min(cap, max(first_cap, R / 2)), so the last
     buckets shrink by halves down to the first one's size. `cap` 0: one

@@ -564,9 +564,9 @@ def wrap(
     over this process's replicas and averaged over processes, as torch DDP.
 
     `options` (pyddp.options.Options, checked there; an unknown one raises
-    TypeError): bucket_cap_mb=25, first_bucket_cap_mb=1, taper_buckets=True
-    (the last buckets shrink by halves down to the first one's size, so
-    little is left to reduce after backward), reduce_order=None
+    TypeError): bucket_cap_mb=25, first_bucket_cap_mb=1, taper_buckets=False
+    (True: the last buckets shrink by halves down to the first one's size,
+    so little is left to reduce after backward), reduce_order=None
     ("ready" in one process, "index" across processes), rebuild_buckets=True,
     broadcast_buffers=True (replica 0's buffers to the others before each
     training-mode forward, torch DDP's default), threads_per_replica=None

@@ -18,7 +18,8 @@ class Options:
     """bucket_cap_mb: bucket size (0 = per-parameter mode, every parameter its
     own bucket); first_bucket_cap_mb: the first bucket's; taper_buckets: the
     last buckets shrink by halves down to the first bucket's size, so little
-    is left to reduce after backward (csrc/bucket_plan.h); reduce_order:
+    is left to reduce after backward (csrc/bucket_plan.h; off by default:
+    docs/simulator.md shows where it wins and where it loses); reduce_order:
     "ready" (launch buckets as they complete), "index" (in bucket order, the
     default across processes) or "after_backward" (no overlap: the baseline);
     None picks by the link; rebuild_buckets: re-plan once from the observed
@@ -32,7 +33,7 @@ class Options:
 
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
-    taper_buckets: bool = True
+    taper_buckets: bool = False
     reduce_order: Optional[str] = None
     rebuild_buckets: bool = True
     op: str = "sum"

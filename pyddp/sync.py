@@ -55,10 +55,11 @@ class GradSync:
     bucket views attached (a torch ``zero_grad`` makes the next backward copy).
 
     Options: ``bucket_cap_mb`` (25; 0 = per-parameter mode, every parameter its own
-    bucket), ``first_bucket_cap_mb`` (1), ``taper_buckets`` (True: the last buckets
-    shrink by halves down to the first bucket's size), ``reduce_order`` ("ready": launch buckets
-    as they complete; "index": in bucket order), ``rebuild_buckets`` (True: re-plan
-    buckets once from the ready order observed in the first synced backward),
+    bucket), ``first_bucket_cap_mb`` (1), ``taper_buckets`` (False; True: the last
+    buckets shrink by halves down to the first bucket's size), ``reduce_order``
+    ("ready": launch buckets as they complete; "index": in bucket order),
+    ``rebuild_buckets`` (True: re-plan buckets once from the ready order observed
+    in the first synced backward),
     ``timeout_s`` (GPU: a reduction not done after this long aborts communication
     and raises; default $PYDDP_TIMEOUT_S or 300), ``timeline`` (keep the last N
     iterations' bucket and parameter events for `export_timeline`; default

@@ -2,9 +2,13 @@
 several threads (no deadlock, no lost or doubled reduction), both launch
 orders, and the error paths (bad indices, double marks, failing reductions)."""
 
+import copy
+
 import numpy as np
 import pytest
+import torch
 
+import pyddp
 from pyddp import _C
 
 
@@ -184,3 +188,33 @@ def test_the_type_stub_names_what_the_extension_has():
     for cls, names in members.items():
         mine = {n for n in vars(getattr(_C, cls)) if not n.startswith("_")}
         assert names == mine, cls
+
+
+def test_tapered_plan_halves_the_tail_down_to_the_first_cap():
+    # 10 parameters of 4 KiB each (1024 float32), caps: first 4 KiB, later 16 KiB.
+    numels, dtypes, order = [1024] * 10, ["float32"] * 10, list(range(10))
+    plain = _C.plan_buckets(numels, dtypes, order, 4096, 16384)
+    assert [len(b) for b in plain] == [1, 4, 4, 1]
+    # Tapered: after the first, a bucket opened with R bytes unplaced closes at
+    # min(16 KiB, max(4 KiB, R / 2)): R = 36 KiB -> 16 (4 params), 20 -> 10
+    # (3 params), 8 -> 4 (1), 4 -> 4 (1).
+    tapered = _C.plan_buckets(numels, dtypes, order, 4096, 16384, True)
+    assert [len(b) for b in tapered] == [1, 4, 3, 1, 1]
+    assert sorted(p for b in tapered for p in b) == list(range(10))
+    assert pyddp.plan_buckets(numels, dtypes, order, 4096, 16384) == plain  # off by default
+    assert pyddp.plan_buckets(numels, dtypes, order, 4096, 16384, taper=True) == tapered
+    with pytest.raises(TypeError, match="taper"):
+        pyddp.plan_buckets(numels, dtypes, order, 4096, 16384, taper="yes")
+
+
+def test_taper_buckets_option_reaches_the_engine():
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    dm = pyddp.wrap(
+        model, ["cpu", "cpu"], bucket_cap_mb=0.05, first_bucket_cap_mb=0.01, taper_buckets=True
+    )
+    untapered = pyddp.wrap(
+        copy.deepcopy(model), ["cpu", "cpu"], bucket_cap_mb=0.05, first_bucket_cap_mb=0.01
+    )
+    assert len(dm.sync._engine.buckets) > len(untapered.sync._engine.buckets)
+    with pytest.raises(TypeError, match="taper_buckets"):
+        pyddp.wrap(copy.deepcopy(model), ["cpu", "cpu"], taper_buckets=1)

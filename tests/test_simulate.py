@@ -7,6 +7,7 @@ the committed validation table against a fresh run. No timing assertions."""
 import contextlib
 import io
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -291,10 +292,10 @@ def test_torch_ddp_plan_is_torchs_own_assignment():
     ready = [4e-3, 3e-3, 2e-3, 1e-3]
     profile = costmodel.Profile(0.0, 5e-3, sizes, ready)
     assert simulate.buckets(profile, "torch DDP") == [[3], [2, 1], [0]]
-    assert simulate.buckets(profile, "pyddp bucketed, untapered") == [[3], [2, 1], [0]]
+    assert simulate.buckets(profile, "pyddp bucketed") == [[3], [2, 1], [0]]
     # Tapered: after the first, a bucket closes at half the bytes still unplaced
     # (26.5 MiB -> 13.25: [2] alone; 6.5 -> 3.25: [1] alone).
-    assert simulate.buckets(profile, "pyddp bucketed") == [[3], [2], [1], [0]]
+    assert simulate.buckets(profile, "pyddp bucketed, tapered") == [[3], [2], [1], [0]]
     assert simulate.buckets(profile, "pyddp per-parameter") == [[3], [2], [1], [0]]
     one = simulate.step(profile, _FixedLink(), 2, "one all-reduce")
     assert one.reductions == 1 and one.step_s == pytest.approx(5e-3 + sum(sizes) / 1e9)
@@ -430,12 +431,71 @@ def test_calibration_at_a_node_matches_the_published_step_with_its_communication
     roofline = costmodel.price(trace, system.gpu, case.precision, case.optimizer)
     k = case.one_gpu_accumulate
     measured = k * case.batch / case.one_gpu_per_s
-    calibrated = published._calibrate(roofline, system, case, measured)
-    at_node = simulate.step(calibrated, system, case.calibrate_gpus, case.policy, k)
+    effects = simulate.FITTED
+    calibrated = published._calibrate(roofline, system, case, measured, effects)
+    at_node = simulate.step(
+        calibrated, system, case.calibrate_gpus, case.policy, k, effects=effects
+    )
     assert at_node.step_s == pytest.approx(measured, rel=1e-9)
     assert at_node.comm_s > 0  # the node's own all-reduce is part of the measured step
     assert k * (calibrated.forward_s + calibrated.backward_s) + calibrated.optimizer_s < measured
     # A network that could not have given the published step is refused.
     slow = replace(system, nic_gbit=1e-3)
     with pytest.raises(ValueError, match="communication alone"):
-        published._calibrate(roofline, slow, replace(case, calibrate_gpus=16), measured)
+        published._calibrate(roofline, slow, replace(case, calibrate_gpus=16), measured, effects)
+
+
+def test_effects_add_overhead_interference_and_stragglers_in_closed_form():
+    # One micro-batch of 10 ms (forward 2 + backward 8), reductions of 1 ms
+    # per MB on _FixedLink: 4 ms overlap backward.
+    profile = costmodel.Profile(2e-3, 8e-3, [4_000_000], [4e-3])
+    bare = simulate.step(profile, _FixedLink(), 8, "pyddp per-parameter")
+    assert bare.overlap_s == pytest.approx(4e-3) and bare.effects_s == 0.0
+    e = simulate.Effects(overhead=0.02, interference=0.5, jitter=0.01)
+    with_e = simulate.step(profile, _FixedLink(), 8, "pyddp per-parameter", effects=e)
+    expected = 0.02 * 10e-3 + 0.5 * 4e-3 + 0.01 * 10e-3 * simulate.expected_max_normal(8)
+    assert with_e.effects_s == pytest.approx(expected)
+    assert with_e.step_s == pytest.approx(bare.step_s + expected)
+    assert simulate.step(profile, _FixedLink(), 1, "torch DDP", effects=e).effects_s == 0.0
+    # E[max of n standard normals]: 1/sqrt(pi) for two, 1.4236 for eight (tables).
+    assert simulate.expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    assert simulate.expected_max_normal(8) == pytest.approx(1.4236, abs=1e-3)
+
+
+def test_horovod_negotiation_grows_with_the_ranks():
+    a100 = hardware.SYSTEMS["a100-dgx"]
+    one_node, many = simulate.negotiation_s(a100, 8), simulate.negotiation_s(a100, 512)
+    assert 0 < one_node < many and simulate.negotiation_s(a100, 1) == 0.0
+    assert many == pytest.approx(2 * 9 * 14.0 * hardware.NET_LATENCY_SCALE * 1e-6)
+
+
+def test_split_is_by_setup_and_the_fit_uses_only_its_half():
+    halves = {c.name: published.held_out(c) for c in published.CASES}
+    assert 0.3 < sum(halves.values()) / len(halves) < 0.7
+    rows = json.loads((ROOT / "bench/results/simulate-validation.json").read_text())["rows"]
+    assert all(r["half"] == ("held out" if halves[r["case"]] else "fit") for r in rows)
+    summary = published.summary(rows)
+    assert summary["fit"]["points"] + summary["held out"]["points"] == len(rows)
+    assert summary["held out"]["always_100"] > 0 and summary["held out"]["model"] > 0
+
+
+def test_cli_expresses_the_validation_cases(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    args = ["--out", str(tmp_path), "simulate", "--model", "bert-large", "--hardware"]
+    args += ["a100-dgx", "--gpus", "8,16", "--policy", "one all-reduce", "--grad-dtype"]
+    args += ["float16", "--accumulate", "4", "--step-ms", "2000", "--step-gpus", "8"]
+    assert cli.main(args) == 0
+    out = json.loads((tmp_path / "simulate.json").read_text())
+    rows = out["rows"]
+    assert [r["policy"] for r in rows] == ["one all-reduce"] * 2
+    assert rows[0]["step_ms"] == pytest.approx(2000, rel=1e-6)  # calibrated at 8 GPUs
+    assert set(out["profile"]["dtypes"]) == {"float16"}
+    with pytest.raises(SystemExit, match="--step-gpus"):
+        cli.main(["--out", str(tmp_path), "simulate", "--step-gpus", "8"])
+    with pytest.raises(SystemExit, match="compare-plans runs every preset"):
+        cli.main(["--out", str(tmp_path), "simulate", "--compare-plans", "--gpus", "8"])
+
+
+def test_a_fresh_fit_on_the_fit_half_gives_the_committed_effects():
+    pytest.importorskip("transformers")
+    assert published.fit() == simulate.FITTED

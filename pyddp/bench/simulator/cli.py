@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import torch
 
 from .._util import table
-from . import costmodel, hardware, published, simulate
+from . import costmodel, hardware, nccl_tests, published, simulate
 from .architectures import PRESETS
 
 _GPUS = "1,2,4,8,16,32,64,128,256"  # the default GPU counts
@@ -85,11 +85,46 @@ def add_options(s: argparse.ArgumentParser) -> None:
         "each step) or zero2 (also a reduce-scatter per bucket instead of the all-reduce)",
     )
     s.add_argument(
+        "--policy",
+        action="append",
+        choices=simulate.POLICIES + simulate.MORE_POLICIES,
+        default=None,
+        help="simulate only this policy (repeat for several; default: the five compared). "
+        "Also: horovod (Tensor Fusion, 64 MB every 5 ms plus its negotiation), one all-reduce "
+        "(one flat reduction after backward), and pyddp's plan with taper_buckets=True",
+    )
+    s.add_argument(
+        "--grad-dtype",
+        choices=["float32", "float16"],
+        default=None,
+        help="the dtype gradients are reduced in (float16: half the bytes, as NVIDIA's BERT "
+        "reduces them; default: the parameters')",
+    )
+    s.add_argument(
+        "--no-effects",
+        action="store_true",
+        help="the communication model alone: leave out the fitted per-step overhead, NCCL's "
+        "slowing of the compute it overlaps, and stragglers (simulate.FITTED)",
+    )
+    s.add_argument(
         "--step-ms",
         type=float,
         default=None,
         help="calibrate: scale the profile so one GPU's step (--accumulate forwards and "
         "backwards, then the optimizer) takes this long, as measured on the real GPU",
+    )
+    s.add_argument(
+        "--step-gpus",
+        type=int,
+        default=None,
+        help="with --step-ms: the GPU count the step was measured at (default 1; e.g. 8 "
+        "for a measurement on one node: its communication is then the model's)",
+    )
+    s.add_argument(
+        "--compare-plans",
+        action="store_true",
+        help="the bucket plans side by side (pyddp's with taper_buckets=True, its default, torch "
+        "DDP's two) for every preset at 8, 64 and 256 GPUs of --hardware",
     )
     s.add_argument(
         "--validate",
@@ -110,6 +145,8 @@ def run(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
     """The command: the table printed, the chart written; the JSON payload."""
     if args.validate:
         return _validate(args, chart_path)
+    if args.compare_plans:
+        return _compare_plans(args)
     system = hardware.SYSTEMS[args.hardware]
     if args.nics is not None or args.nic_gbit is not None:
         system = system.with_network(
@@ -148,20 +185,40 @@ def run(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
             f"{optimizer}: {len(trace.ops)} operators, "
             f"{(trace.flops(False) + trace.flops(True)) / 1e12:.2f} TFLOP per step"
         )
+    if args.grad_dtype == "float16":
+        if any("16" in d for d in profile.dtypes or []):
+            raise _fail("--grad-dtype float16: this profile's gradients are 16-bit already")
+        profile = replace(
+            profile,
+            param_bytes=[b // 2 for b in profile.param_bytes],
+            dtypes=["float16"] * len(profile.param_bytes),
+        )
+    effects = simulate.NO_EFFECTS if args.no_effects else simulate.FITTED
+    policies = tuple(dict.fromkeys(args.policy)) if args.policy else simulate.POLICIES
     if args.step_ms:
-        profile = profile.calibrated(args.step_ms / 1e3, args.accumulate)
+        gpus = args.step_gpus or 1
+        try:
+            system.topology(gpus)
+            profile = published.calibrated_at(
+                profile, system, gpus, policies[0], args.accumulate, args.step_ms / 1e3, effects
+            )
+        except ValueError as e:
+            raise _fail(f"--step-ms {args.step_ms} at {gpus} GPUs: {e}") from None
     rows = simulate.sweep(
         profile,
         system,
         counts,
+        policies,
         accumulate=args.accumulate,
         batch=batch,
         cap_mb=args.cap_mb,
         compression=args.compression,
         sharding=args.sharding,
+        effects=effects,
     )
     hook = "" if args.compression == "none" else f"; {args.compression} compression hook"
     hook += "" if args.sharding == "none" else f"; optimizer state sharded ({args.sharding})"
+    hook += "; communication model alone" if args.no_effects else "; with simulate.FITTED effects"
     print(f"{what}\n{system.name}; profile: {profile.source}{hook}")
     print(
         f"one GPU: forward {profile.forward_s * 1e3:.2f} ms, backward "
@@ -207,18 +264,69 @@ def run(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
     return {"system": asdict(system), "profile": asdict(profile), "rows": rows}
 
 
+def _compare_plans(args: argparse.Namespace) -> Dict[str, Any]:
+    """Every preset's efficiency at 8, 64 and 256 GPUs under each bucket plan."""
+    given = [
+        "--" + k.replace("_", "-")
+        for k, v in vars(args).items()
+        if k in _DEFAULTS and k not in ("compare_plans", "hardware") and v != _DEFAULTS[k]
+    ]
+    if given:
+        raise _fail(f"--compare-plans runs every preset at its defaults: drop {', '.join(given)}")
+    system = hardware.SYSTEMS[args.hardware]
+    rows = plan_table(system)
+    print(f"bucket plans on {system.name}, each preset at its default batch, amp, fitted effects")
+    print(markdown_plans(rows))
+    return {"system": asdict(system), "rows": rows}
+
+
+def plan_table(
+    system: hardware.System, counts: Sequence[int] = (8, 64, 256)
+) -> List[Dict[str, Any]]:
+    """One row per (preset, GPU count): efficiency under each of simulate.PLANS."""
+    rows = []
+    for name, preset in PRESETS.items():
+        with torch.device("meta"):
+            model = preset.build()
+        trace = costmodel.record(model, *preset.example(preset.batch))
+        profile = costmodel.price(trace, system.gpu, "amp", preset.optimizer)
+        for n in counts:
+            row: Dict[str, Any] = {"model": name, "gpus": n}
+            for plan in simulate.PLANS:
+                s = simulate.step(profile, system, n, plan, effects=simulate.FITTED)
+                row[plan] = s.efficiency
+            rows.append(row)
+    return rows
+
+
+def markdown_plans(rows: Sequence[Dict[str, Any]]) -> str:
+    head = " | ".join(simulate.PLANS)
+    lines = [f"| model | GPUs | {head} |", "|---|---|" + "---|" * len(simulate.PLANS)]
+    for r in rows:
+        best = max(r[p] for p in simulate.PLANS)
+        cells = []
+        for p in simulate.PLANS:
+            text = f"{100 * r[p]:.2f}%"
+            cells.append(f"**{text}**" if round(r[p], 4) == round(best, 4) else text)
+        lines.append(f"| {r['model']} | {r['gpus']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _gpu_counts(args: argparse.Namespace, system: hardware.System) -> List[int]:
     """Checks the numeric options; the GPU counts to simulate."""
     positive = {
         "--batch": args.batch,
         "--accumulate": args.accumulate,
         "--step-ms": args.step_ms,
+        "--step-gpus": args.step_gpus,
         "--nics": args.nics,
         "--nic-gbit": args.nic_gbit,
     }
     for option, value in positive.items():
         if value is not None and not (math.isfinite(value) and value > 0):
             raise _fail(f"{option} {value}: must be a positive number")
+    if args.step_gpus is not None and args.step_ms is None:
+        raise _fail("--step-gpus says where --step-ms was measured: give --step-ms too")
     if args.cap_mb is not None and not (math.isfinite(args.cap_mb) and args.cap_mb >= 0):
         raise _fail(f"--cap-mb {args.cap_mb}: must be >= 0 (0: one bucket per parameter)")
     text = args.nodes or args.gpus or ("1,8,64" if args.quick else _GPUS)
@@ -248,25 +356,31 @@ def _validate(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
         raise _fail(f"--validate runs each publication's own setup: drop {', '.join(given)}")
     rows = published.run()
     print(
-        "published vs predicted scaling efficiency, each from the publication's own setup "
-        "(predicted: compute\nscaled to the publication's base rate; roofline: uncalibrated)"
+        "published vs predicted scaling efficiency, each from the publication's own setup\n"
+        "(predicted: compute scaled to the publication's base rate, with simulate.FITTED "
+        "effects;\ncomm only: without them; half: the split of published.held_out())"
     )
     print(
         table(
-            ["case", "GPUs", "published", "predicted", "error pts", "roofline", "per-GPU pub/roof"],
+            ["case", "half", "GPUs", "published", "predicted", "error pts", "comm only"],
             [
                 [
                     r["case"],
+                    r["half"],
                     f"{r['baseline_gpus']}->{r['gpus']}",
                     f"{100 * r['published']:.1f}%",
                     f"{100 * r['predicted']:.1f}%",
                     f"{r['error_points']:+.1f}",
-                    f"{100 * r['predicted_roofline']:.1f}%",
-                    f"{r['one_gpu_published_per_s']:.0f}/{r['one_gpu_roofline_per_s']:.0f}",
+                    f"{100 * r['predicted_comm_only']:.1f}%",
                 ]
                 for r in rows
             ],
         )
     )
+    summary = published.summary(rows)
+    print(published.markdown_summary(summary))
+    checks = nccl_tests.compare()
+    print("\nthe all-reduce model against published nccl-tests times (nccl_tests.py)")
+    print(nccl_tests.markdown(checks))
     print(f"chart {published.chart(rows, chart_path)}")
-    return {"rows": rows}
+    return {"rows": rows, "summary": summary, "nccl_tests": checks}

@@ -255,6 +255,13 @@ class System:
     def algorithm(self, nbytes: float, gpus: int) -> str:
         return _allreduce_s(self, float(nbytes), gpus)[1]
 
+    def hop_latency_us(self, across_nodes: bool) -> float:
+        """One Simple-protocol ring hop's latency (us): the network's, scaled
+        as every network hop here, or the node's own link's."""
+        if across_nodes:
+            return _HW_LAT["net"]["ring"][2] * NET_LATENCY_SCALE
+        return _HW_LAT[self.intra_hop]["ring"][2]
+
     def gather_s(self, nbytes: float, gpus: int) -> float:
         """A reduce-scatter or an all-gather of `nbytes` in all (each GPU
         holds or receives nbytes / gpus): NCCL's ring, its only algorithm for
@@ -395,6 +402,17 @@ SYSTEMS: Dict[str, System] = {
             (6, 60 * GB),
             (7, 80 * GB),
         ),
+    ),
+    "v100-dgx2": System(
+        "DGX-2: 16x V100 SXM3 32GB NVSwitch, 8x EDR 100 Gb/s IB",
+        GPUS["v100"],
+        16,
+        # 6 NVLinks per GPU into the NVSwitches, NCCL's 20 GB/s each (topo.h SM70).
+        120 * GB,
+        "nvlink",
+        8,
+        100,
+        about="NVIDIA DGX-2 (and DGX-2H, whose faster clocks the calibration absorbs)",
     ),
     "a100-dgx": System(
         "DGX A100: 8x A100 80GB NVSwitch, 8x HDR 200 Gb/s IB",

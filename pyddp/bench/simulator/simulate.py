@@ -14,10 +14,10 @@ Policies (weak scaling: the per-device batch stays the same at every count):
   (`bucket_cap_mb=0`).
 - "pyddp bucketed": pyddp's own bucket plan (`plan_buckets`, the engine's
   csrc/bucket_plan.cpp rule, over the ready order it records on the first
-  iteration; 1 MiB first bucket, then 25 MiB, the last ones tapering by
-  halves down to 1 MiB), each bucket launched as soon as it is complete
-  (`reduce_order="ready"`). "pyddp bucketed, untapered": the same with
-  `taper_buckets=False` (the plan before the taper: torch DDP's rebuilt one).
+  iteration; 1 MiB first bucket, then 25 MiB: torch DDP's rebuilt plan),
+  each bucket launched as soon as it is complete (`reduce_order="ready"`).
+  "pyddp bucketed, tapered": the same with `taper_buckets=True` (the last
+  buckets shrink by halves down to 1 MiB).
 - "torch DDP": torch's own bucket assignment
   (`torch.distributed._compute_bucket_assignment_by_size`, [1 MiB, 25 MiB]) over
   the ready order its Reducer rebuilds after the first iteration, buckets
@@ -67,7 +67,9 @@ table for what that costs against published results.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -85,6 +87,14 @@ POLICIES = (
     "torch DDP",
     "torch DDP, registration order",
 )
+# Also accepted, not in the default comparison.
+MORE_POLICIES = ("pyddp bucketed, tapered", "horovod", "one all-reduce")
+PLANS = (
+    "pyddp bucketed, tapered",
+    "pyddp bucketed",
+    "torch DDP",
+    "torch DDP, registration order",
+)
 COMPRESSIONS = ("none", "fp16", "bf16")
 SHARDINGS = ("none", "zero1", "zero2")
 # Bytes each compression hook's kernels read and write per float32 gradient
@@ -95,6 +105,63 @@ HOROVOD_CYCLE_S = 5e-3
 HOROVOD_FUSION_BYTES = 64 * MIB
 
 
+@dataclass(frozen=True)
+class Effects:
+    """What running on several GPUs costs beyond the communication's own
+    time, each per optimizer step at n > 1 GPUs (published.py fits them on
+    its fit half of the published results; FITTED holds the result):
+
+    - overhead: the per-step cost of running distributed at all, a fraction
+      of one micro-batch's forward and backward (the framework's hooks and
+      bucket copies, NCCL's launches; torch DDP's own benchmark shows 3% on
+      one GPU against no DDP, pytorch/benchmarks/distributed/ddp/README.md).
+    - interference: compute slowed by NCCL kernels running beside it (they
+      take SMs and memory bandwidth): each second of reduction that overlaps
+      backward adds this many seconds to backward.
+    - jitter: each GPU's micro-batch time varies with this coefficient of
+      variation (independent between GPUs and micro-batches); a synchronous
+      step waits for the slowest of n, on average
+      jitter x micro-batch time x sqrt(micro-batches) x E[max of n standard
+      normals] longer (stragglers: it grows with the log of n)."""
+
+    overhead: float = 0.0
+    interference: float = 0.0
+    jitter: float = 0.0
+
+    def extra_s(self, gpus: int, compute_s: float, accumulate: int, overlap_s: float) -> float:
+        """Seconds these effects add to a step at `gpus` GPUs (`compute_s`:
+        one micro-batch's forward and backward; `overlap_s`: reduction time
+        overlapping backward)."""
+        if gpus <= 1:
+            return 0.0
+        return (
+            self.overhead * compute_s
+            + self.interference * overlap_s
+            + self.jitter * compute_s * math.sqrt(accumulate) * expected_max_normal(gpus)
+        )
+
+
+NO_EFFECTS = Effects()
+# published.fit() on the fit half (tests check that a fresh fit gives these).
+FITTED = Effects(overhead=0.01, interference=0.1, jitter=0.014)
+
+
+@cache
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (0 for one), by quadrature."""
+    if n <= 1:
+        return 0.0
+    total, steps, lo, hi = 0.0, 4000, -8.0, 8.0
+    h = (hi - lo) / steps
+    for i in range(steps + 1):
+        x = lo + i * h
+        density = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        w = 0.5 if i in (0, steps) else 1.0
+        total += w * x * n * density * cdf ** (n - 1)
+    return total * h
+
+
 @dataclass
 class Step:
     step_s: float
@@ -103,6 +170,8 @@ class Step:
     exposed_s: float  # step - ideal
     reductions: int
     algorithms: Dict[str, int]
+    overlap_s: float = 0.0  # reduction time that overlapped backward
+    effects_s: float = 0.0  # what the Effects added
 
     @property
     def efficiency(self) -> float:
@@ -121,8 +190,8 @@ def buckets(profile: Profile, policy: str, cap_mb: Optional[float] = None) -> Li
     cap = int((25.0 if cap_mb is None else cap_mb) * MIB)
     if policy == "pyddp per-parameter":
         return [[i] for i in order]
-    if policy in ("pyddp bucketed", "pyddp bucketed, untapered", "no overlap"):
-        taper = policy != "pyddp bucketed, untapered"
+    if policy in ("pyddp bucketed", "pyddp bucketed, tapered", "no overlap"):
+        taper = policy == "pyddp bucketed, tapered"
         return plan_buckets(profile.numels(), dtypes, order, MIB if cap else 0, cap, taper)
     if policy.startswith("torch DDP"):
         import torch.distributed as dist
@@ -141,7 +210,7 @@ def buckets(profile: Profile, policy: str, cap_mb: Optional[float] = None) -> Li
             plan = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
             return [list(b) for b in reversed(plan[0])]
     raise ValueError(
-        f"policy {policy!r}: one of {', '.join(POLICIES)}, pyddp bucketed, untapered, horovod, "
+        f"policy {policy!r}: one of {', '.join(POLICIES)}, pyddp bucketed, tapered, horovod, "
         "one all-reduce"
     )
 
@@ -155,10 +224,12 @@ def step(
     cap_mb: Optional[float] = None,
     compression: str = "none",
     sharding: str = "none",
+    effects: Effects = NO_EFFECTS,
 ) -> Step:
     """One step of `policy` on `gpus` GPUs of `system`, its float32 gradients
     reduced as they are or through a 16-bit `compression` hook, with the
-    optimizer state whole on every GPU or sharded (`sharding`)."""
+    optimizer state whole on every GPU or sharded (`sharding`), plus what
+    `effects` add (simulate's default: none; the CLI: FITTED)."""
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression={compression!r}: one of {', '.join(COMPRESSIONS)}")
     if sharding not in SHARDINGS:
@@ -179,7 +250,9 @@ def step(
     scatter = sharding == "zero2"
     if policy == "horovod":
         groups = _fused(
-            profile, lambda nbytes: reduction_s(system, nbytes, gpus, compression, scatter)
+            profile,
+            lambda nbytes: reduction_s(system, nbytes, gpus, compression, scatter),
+            HOROVOD_CYCLE_S + negotiation_s(system, gpus),
         )
     elif policy == "one all-reduce":
         groups = [(profile.backward_s, sum(sizes))]
@@ -193,11 +266,13 @@ def step(
         groups = sorted(
             ((r, sum(sizes[i] for i in b)) for r, b in zip(ready, plan)), key=lambda g: g[0]
         )
-    clock, comm, algorithms = 0.0, 0.0, {}
+    clock, comm, overlap, algorithms = 0.0, 0.0, 0.0, {}
     for ready_s, nbytes in groups:
         cost = reduction_s(system, nbytes, gpus, compression, scatter)
-        clock = max(clock, ready_s) + cost
+        start = max(clock, ready_s)
+        clock = start + cost
         comm += cost
+        overlap += max(0.0, min(clock, profile.backward_s) - start)
         wire = nbytes / 2 if compression != "none" else nbytes
         name = "ring/reduce-scatter" if scatter else system.algorithm(wire, gpus)
         algorithms[name] = algorithms.get(name, 0) + 1
@@ -208,7 +283,22 @@ def step(
         total += profile.optimizer_s / gpus - profile.optimizer_s + gather
         comm += gather
         algorithms["ring/all-gather"] = 1
-    return Step(total, ideal, comm, total - ideal, len(groups), algorithms)
+    extra = effects.extra_s(gpus, profile.forward_s + profile.backward_s, accumulate, overlap)
+    total += extra
+    return Step(total, ideal, comm, total - ideal, len(groups), algorithms, overlap, extra)
+
+
+def negotiation_s(system: System, gpus: int) -> float:
+    """Horovod's coordination per cycle, as its timeline shows it
+    (NEGOTIATE_ALLREDUCE): every rank tells the coordinator which tensors are
+    ready and hears back what to reduce, a gather and a broadcast over the
+    ranks: 2 x log2(n) network (or in-node) hops at NCCL's Simple ring hop
+    latency for the system."""
+    if gpus <= 1:
+        return 0.0
+    nodes, _ = system.topology(gpus)
+    hop_us = system.hop_latency_us(across_nodes=nodes > 1)
+    return 2 * math.ceil(math.log2(gpus)) * hop_us * 1e-6
 
 
 def reduction_s(
@@ -227,14 +317,16 @@ def reduction_s(
     return collective(nbytes / 2, gpus) + kernels
 
 
-def _fused(profile: Profile, cost: Callable[[int], float]) -> List[Tuple[float, int]]:
+def _fused(
+    profile: Profile, cost: Callable[[int], float], cycle_s: float = HOROVOD_CYCLE_S
+) -> List[Tuple[float, int]]:
     """Horovod's Tensor Fusion: (launch time, bytes) per fused reduction. Its
     background thread wakes every cycle, fuses what is ready (64 MB at most
     per reduction) and waits for those reductions before its next cycle (as
     Horovod's NCCL path did until its finalizer threads, v0.16)."""
     pending = sorted(range(len(profile.param_bytes)), key=lambda i: profile.param_ready_s[i])
     groups: List[Tuple[float, int]] = []
-    tick, busy_until = HOROVOD_CYCLE_S, 0.0
+    tick, busy_until = cycle_s, 0.0
     while pending:
         ready = [i for i in pending if profile.param_ready_s[i] <= tick]
         pending = pending[len(ready) :]
@@ -245,7 +337,7 @@ def _fused(profile: Profile, cost: Callable[[int], float]) -> List[Tuple[float, 
                 busy_until = max(busy_until, tick) + cost(size)
                 size = 0
             size += profile.param_bytes[i] if i >= 0 else 0
-        tick = max(tick + HOROVOD_CYCLE_S, busy_until)
+        tick = max(tick + cycle_s, busy_until)
     return groups
 
 
@@ -259,13 +351,15 @@ def sweep(
     cap_mb: Optional[float] = None,
     compression: str = "none",
     sharding: str = "none",
+    effects: Effects = FITTED,
 ) -> List[Dict[str, Any]]:
-    """One row per (policy, GPU count)."""
+    """One row per (policy, GPU count), with the fitted Effects unless told
+    otherwise (NO_EFFECTS: the communication model alone)."""
     rows = []
     for policy in policies:
         for n in gpu_counts:
             nodes, per_node = system.topology(n)
-            s = step(profile, system, n, policy, accumulate, cap_mb, compression, sharding)
+            s = step(profile, system, n, policy, accumulate, cap_mb, compression, sharding, effects)
             row = {
                 "policy": policy,
                 "gpus": n,
@@ -275,6 +369,7 @@ def sweep(
                 "ideal_ms": s.ideal_s * 1e3,
                 "efficiency": s.efficiency,
                 "exposed_comm_ms": s.exposed_s * 1e3,
+                "effects_ms": s.effects_s * 1e3,
                 "comm_ms": s.comm_s * 1e3,
                 "reductions": s.reductions,
                 "algorithms": s.algorithms,
