@@ -234,6 +234,10 @@ class System:
     algorithms: Tuple[str, ...] = ("ring", "tree")
     about: str = ""
 
+    def uses_ll128(self, nodes: int) -> bool:
+        """Whether NCCL runs LL128 over `nodes` nodes of this system."""
+        return self.ll128 and (nodes == 1 or self.ll128_net)
+
     @property
     def inter_busbw(self) -> float:
         return self.nics * self.nic_gbit / 8 * 1e9 * self.nic_eff
@@ -301,7 +305,7 @@ def _allreduce_s(system: System, nbytes: float, gpus: int) -> Tuple[float, str]:
     log_size = int(nbytes // 64).bit_length() - 1  # NCCL's log2i(nBytes >> 6)
     for algo in system.algorithms:
         for p, proto in enumerate(_PROTOCOLS):
-            if proto == "LL128" and not (system.ll128 and (nodes == 1 or system.ll128_net)):
+            if proto == "LL128" and not system.uses_ll128(nodes):
                 continue
             intra = _HW_LAT[system.intra_hop][algo][p]
             inter = _HW_LAT["net"][algo][p] * NET_LATENCY_SCALE
@@ -353,7 +357,7 @@ def _gather_s(system: System, nbytes: float, gpus: int) -> float:
     steps, inter_steps = gpus - 1, nodes - 1
     best = math.inf
     for p, proto in enumerate(_PROTOCOLS):
-        if proto == "LL128" and not (system.ll128 and (nodes == 1 or system.ll128_net)):
+        if proto == "LL128" and not system.uses_ll128(nodes):
             continue
         intra = _HW_LAT[system.intra_hop]["ring"][p]
         inter = _HW_LAT["net"]["ring"][p] * NET_LATENCY_SCALE

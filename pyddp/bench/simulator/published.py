@@ -277,6 +277,43 @@ def _bert_node(
     )
 
 
+def _bert_nodes(
+    name: str,
+    system: str,
+    batch: int,
+    node_gpus: int,
+    runs: Tuple[Tuple[int, float, int], ...],
+    source: str,
+    quote: str,
+    caveat: str,
+) -> Case:
+    """BERT-large pre-training with AMP on whole nodes: `runs` gives (nodes,
+    sequences/s, micro-batches per step), the first the baseline; one FP16
+    all-reduce after the accumulated micro-batches, calibrated at one node."""
+    (base_nodes, base_rate, base_accumulate), rest = runs[0], runs[1:]
+    assert base_nodes == 1
+    return Case(
+        name,
+        "bert-large",
+        batch,
+        system,
+        "amp",
+        "adamw",
+        "one all-reduce",
+        base_rate / node_gpus,
+        base_accumulate,
+        tuple(
+            Point(node_gpus, nodes * node_gpus, rate / nodes / base_rate, base_accumulate, acc)
+            for nodes, rate, acc in rest
+        ),
+        source,
+        quote,
+        caveat,
+        fp16_gradients=True,
+        calibrate_gpus=node_gpus,
+    )
+
+
 CASES: Sequence[Case] = (
     _torch_bench("resnet50", 329, 310, 307, 306),
     _torch_bench("resnet101", 197, 182, 179, 178),
@@ -323,20 +360,12 @@ CASES: Sequence[Case] = (
         fp16_gradients=True,
         calibrate_gpus=8,
     ),
-    Case(
+    _bert_nodes(
         "NVIDIA BERT-large on DGX-1, 1-16 nodes",
-        "bert-large",
-        16,
         "v100-dgx1",
-        "amp",
-        "adamw",
-        "one all-reduce",
-        874.24 / 8,
-        512,
-        (
-            Point(8, 32, 3089.76 / 4 / 874.24, 512, 128),
-            Point(8, 128, 12144.64 / 16 / 874.24, 512, 32),
-        ),
+        16,
+        8,
+        ((1, 874.24, 512), (4, 3089.76, 128), (16, 12144.64, 32)),
         "https://github.com/NVIDIA/DeepLearningExamples/blob/master/PyTorch/LanguageModeling/"
         'BERT/README.md, July 2020 revision, "Pre-training on multiple NVIDIA DGX-1 With '
         '16G" (pytorch:19.07-py3, FP16, sequence 128, batch 16 per GPU); the same '
@@ -346,8 +375,6 @@ CASES: Sequence[Case] = (
         "nodes, 13.89)",
         "the throughput table does not state its accumulation: taken from the same "
         "release's pre-training table; the network is not stated (DGX-1: 4x EDR)",
-        fp16_gradients=True,
-        calibrate_gpus=8,
     ),
     _weak("TensorFlow", "DGX A100", "a100-dgx", "tf32", 256, ((1, 909), (8, 7000)), _DLE_TF_RN50),
     _weak("TensorFlow", "DGX A100", "a100-dgx", "amp", 256, ((1, 2375), (8, 17400)), _DLE_TF_RN50),
@@ -413,48 +440,27 @@ CASES: Sequence[Case] = (
     _bert_node("DGX A100", "a100-dgx", "tf32", 128, 64, 317, 2505, _DLE_BERT_2111),
     _bert_node("DGX-1 32GB", "v100-dgx1", "amp", 64, 64, 224, 1746, _DLE_BERT_2111),
     _bert_node("DGX-1 32GB", "v100-dgx1", "fp32", 32, 128, 50, 387, _DLE_BERT_2111),
-    Case(
+    _bert_nodes(
         "NVIDIA BERT-large on DGX-2H, 1-16 nodes",
-        "bert-large",
-        64,
         "v100-dgx2",
-        "amp",
-        "adamw",
-        "one all-reduce",
-        3379.2 / 16,
         64,
-        (
-            Point(16, 64, 12709.88 / 4 / 3379.2, 64, 16),
-            Point(16, 256, 51937.28 / 16 / 3379.2, 64, 4),
-        ),
+        16,
+        ((1, 3379.2, 64), (4, 12709.88, 16), (16, 51937.28, 4)),
         _DLE_BERT_1907,
         "seq/s 3379.2 (1 node), 12709.88 (4 nodes, 3.76), 51937.28 (16 nodes, 15.37)",
         "LAMB priced as AdamW; the network is not stated (DGX-2H: 8x EDR)",
-        fp16_gradients=True,
-        calibrate_gpus=16,
     ),
-    Case(
+    _bert_nodes(
         "NVIDIA TF BERT-large on DGX A100, 1-32 nodes",
-        "bert-large",
-        64,
         "a100-dgx",
-        "amp",
-        "adamw",
-        "one all-reduce",
-        2871.89 / 8,
-        128,
-        (
-            Point(8, 32, 11159 / 4 / 2871.89, 128, 32),
-            Point(8, 128, 41144 / 16 / 2871.89, 128, 8),
-            Point(8, 256, 77479.87 / 32 / 2871.89, 128, 4),
-        ),
+        64,
+        8,
+        ((1, 2871.89, 128), (4, 11159, 32), (16, 41144, 8), (32, 77479.87, 4)),
         _DLE_TF_BERT,
         "mixed precision seq/s 2871.89 (1 node), 11159 (4 nodes), 41144 (16), 77479.87 (32)",
         "Horovod all-reduce after the accumulated micro-batches, taken as FP16 gradients; "
         "accumulation 128/32/8/4 from the global batch 65,536; LAMB priced as AdamW; the "
         "network is not stated (a DGX A100 has 8x HDR 200 Gb/s)",
-        fp16_gradients=True,
-        calibrate_gpus=8,
     ),
 )
 
