@@ -128,22 +128,48 @@ class Effects:
     interference: float = 0.0
     jitter: float = 0.0
 
-    def extra_s(self, gpus: int, compute_s: float, accumulate: int, overlap_s: float) -> float:
-        """Seconds these effects add to a step at `gpus` GPUs (`compute_s`:
-        one micro-batch's forward and backward; `overlap_s`: reduction time
-        overlapping backward)."""
+    @staticmethod
+    def terms(
+        gpus: int, compute_s: float, accumulate: int, overlap_s: float
+    ) -> Tuple[float, float, float]:
+        """What overhead, interference and jitter multiply at `gpus` GPUs
+        (`compute_s`: one micro-batch's forward and backward; `overlap_s`:
+        reduction time overlapping backward): all zero on one GPU."""
         if gpus <= 1:
-            return 0.0
+            return (0.0, 0.0, 0.0)
         return (
-            self.overhead * compute_s
-            + self.interference * overlap_s
-            + self.jitter * compute_s * math.sqrt(accumulate) * expected_max_normal(gpus)
+            compute_s,
+            overlap_s,
+            compute_s * math.sqrt(accumulate) * expected_max_normal(gpus),
         )
+
+    def extra_s(self, gpus: int, compute_s: float, accumulate: int, overlap_s: float) -> float:
+        """Seconds these effects add to a step (the arguments as terms')."""
+        o, i, j = self.terms(gpus, compute_s, accumulate, overlap_s)
+        return self.overhead * o + self.interference * i + self.jitter * j
+
+
+@dataclass(frozen=True)
+class Band:
+    """How far published efficiencies fell from the FITTED predictions,
+    out of sample (published.cross_validate on the fit half): `coverage` of
+    them lay between `below` points under the prediction and `above` points
+    over it."""
+
+    below: float
+    above: float
+    coverage: float = 0.8
+
+    def around(self, efficiency: float) -> Tuple[float, float]:
+        return efficiency - self.below / 100, efficiency + self.above / 100
 
 
 NO_EFFECTS = Effects()
 # published.fit() on the fit half (tests check that a fresh fit gives these).
-FITTED = Effects(overhead=0.01, interference=0.1, jitter=0.014)
+FITTED = Effects(overhead=0.0125, interference=0.05, jitter=0.027)
+# published.band(published.cross_validate()): how far out-of-sample
+# predictions missed (tests check that a fresh cross-validation gives it).
+BAND = Band(below=4.5, above=3.8, coverage=0.8)
 
 
 @cache
