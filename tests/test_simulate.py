@@ -539,6 +539,11 @@ def test_band_holds_the_middle_of_the_misses():
     assert b.around(0.95) == pytest.approx((0.87, 1.03))
     skewed = published.band([{"error_points": e} for e in (0.0, 1.0, 2.0, 9.0, 10.0)], 0.5)
     assert (skewed.below, skewed.above) == (9.0, -1.0)  # published lies under the prediction
+    for bad in (0.0, 1.0, 80):
+        with pytest.raises(ValueError, match="coverage"):
+            published.band(rows, bad)
+    with pytest.raises(ValueError, match="no misses"):
+        published.band([])
 
 
 def test_cli_sweep_shows_the_band_with_the_fitted_effects_only(tmp_path, capsys):

@@ -263,7 +263,11 @@ def cross_validate(cases: Sequence[Case] = CASES) -> List[Dict[str, Any]]:
 def band(cv_rows: Sequence[Dict[str, Any]], coverage: float = 0.8) -> simulate.Band:
     """The band that held `coverage` of the cross-validated misses: between
     their (1 - coverage)/2 and (1 + coverage)/2 quantiles, in points."""
+    if not 0 < coverage < 1:
+        raise ValueError(f"coverage={coverage!r}: give a fraction between 0 and 1")
     errors = np.array([r["error_points"] for r in cv_rows])
+    if not len(errors):
+        raise ValueError("no misses to take a band from: cross_validate() gave no rows")
     tail = (1 - coverage) / 2
     low, high = np.quantile(errors, [tail, 1 - tail])
     return simulate.Band(
