@@ -43,16 +43,10 @@ def framework(case: Case) -> str:
 
 
 def arrays(cases: Sequence[Case]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Published efficiencies; per end (baseline, point) the step with no
-    effects, micro-batches, and the four terms (three of Effects, one for
-    the fixed cost)."""
-    rows = [t for case in cases for t in published._terms(case)]
-    ends = []
-    for i in (1, 2):
-        e = np.array([r[i] for r in rows])
-        fixed = (e[:, 2] > 0).astype(float)  # zero on one GPU, as the others
-        ends.append(np.column_stack([e, fixed]))
-    return np.array([r[0] for r in rows]), ends[0], ends[1]
+    """published._arrays with a fourth term, the fixed cost: 1 at n > 1 GPUs."""
+    pub, base, at = published._arrays(cases)
+    with_fixed = [np.column_stack([e, (e[:, 2] > 0).astype(float)]) for e in (base, at)]
+    return pub, with_fixed[0], with_fixed[1]
 
 
 def grid(fixed: bool) -> np.ndarray:
@@ -63,9 +57,7 @@ def grid(fixed: bool) -> np.ndarray:
 
 def efficiencies(cases: Sequence[Case], g: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     pub, base, at = arrays(cases)
-    base_s = base[:, 0] + g @ base[:, 2:].T
-    at_s = at[:, 0] + g @ at[:, 2:].T
-    return (at[:, 1] / at_s) / (base[:, 1] / base_s), pub
+    return published._predict(base, at, g), pub
 
 
 def fit(cases: Sequence[Case], objective: str, g: np.ndarray) -> np.ndarray:
@@ -100,7 +92,7 @@ def predict(train: Sequence[Case], test: Sequence[Case], form: Dict) -> np.ndarr
 
 
 def score(test: Sequence[Case], predicted: np.ndarray) -> Dict[str, float]:
-    pub = np.concatenate([efficiencies([c], np.zeros((1, 4)))[1] for c in test])
+    pub = published._arrays(test)[0]
     err = 100 * (predicted - pub)
     trivial = float(np.mean(100 - 100 * pub))
     return {

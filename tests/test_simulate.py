@@ -8,7 +8,7 @@ import contextlib
 import io
 import json
 import math
-from dataclasses import replace
+from dataclasses import astuple, replace
 from pathlib import Path
 
 import numpy as np
@@ -519,8 +519,7 @@ def test_a_fresh_fit_on_the_fit_half_gives_the_committed_effects_and_band():
     # Out of sample: each case's squared miss with the effects fitted
     # without it is at least its miss under FITTED (which saw it), and more
     # for some case (a fit that leaked the case would tie everywhere).
-    grid = np.array([[simulate.FITTED.overhead, simulate.FITTED.interference,
-                      simulate.FITTED.jitter]])  # fmt: skip
+    grid = np.array([astuple(simulate.FITTED)])
     worse = 0
     for case in fit_half:
         inside, published_ = published._efficiencies([case], grid)

@@ -218,8 +218,8 @@ def run(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
         effects=effects,
     )
     band = None if args.no_effects else simulate.BAND
-    for r in rows:
-        if band:
+    if band:
+        for r in rows:
             r["band_low"], r["band_high"] = band.around(r["efficiency"])
     hook = "" if args.compression == "none" else f"; {args.compression} compression hook"
     hook += "" if args.sharding == "none" else f"; optimizer state sharded ({args.sharding})"
@@ -245,11 +245,7 @@ def run(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
             + ["exposed ms", "reductions", "NCCL"],
             [
                 [r["policy"], r["gpus"], r["nodes"], r["step_ms"], f"{100 * r['efficiency']:.1f}%"]
-                + (
-                    [f"{100 * r['band_low']:.0f}-{100 * r['band_high']:.0f}%"]
-                    if band and r["gpus"] > 1
-                    else ["-"] * bool(band)
-                )
+                + ([_band_cell(r)] if band else [])
                 + [
                     r["exposed_comm_ms"],
                     r["reductions"],
@@ -266,6 +262,13 @@ def run(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
     )
     print(f"chart {simulate.chart(rows, title, chart_path)}")
     return {"system": asdict(system), "profile": asdict(profile), "rows": rows}
+
+
+def _band_cell(row: Dict[str, Any]) -> str:
+    """The band's cell: none on one GPU, where nothing is predicted."""
+    if row["gpus"] == 1:
+        return "-"
+    return f"{100 * row['band_low']:.0f}-{100 * row['band_high']:.0f}%"
 
 
 def _compare_plans(args: argparse.Namespace) -> Dict[str, Any]:

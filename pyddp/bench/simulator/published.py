@@ -18,7 +18,7 @@ Two predictions per point:
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import astuple, replace
 from functools import cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -204,15 +204,31 @@ def _terms(case: Case) -> Tuple[Tuple[float, Tuple[float, ...], Tuple[float, ...
     return tuple(out)
 
 
+def _arrays(cases: Sequence[Case]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """_terms of every point of `cases` as arrays: the published
+    efficiencies, and per end (baseline, point) one row each of (step with
+    no effects, micro-batches, terms...)."""
+    rows = [t for case in cases for t in _terms(case)]
+    return (
+        np.array([r[0] for r in rows]),
+        np.array([r[1] for r in rows]),
+        np.array([r[2] for r in rows]),
+    )
+
+
+def _predict(base: np.ndarray, at: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Efficiencies (grid rows x points) with each grid row's coefficients
+    multiplying the terms (columns 2 on of `base` and `at`)."""
+    base_s = base[:, 0] + grid @ base[:, 2:].T
+    at_s = at[:, 0] + grid @ at[:, 2:].T
+    return (at[:, 1] / at_s) / (base[:, 1] / base_s)
+
+
 def _efficiencies(cases: Sequence[Case], grid: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Predicted efficiency of every point of `cases` (columns) under every
     row of `grid` (overhead, interference, jitter); and the published ones."""
-    rows = [t for case in cases for t in _terms(case)]
-    published = np.array([r[0] for r in rows])
-    base, at = (np.array([r[i] for r in rows]) for i in (1, 2))  # (points, 5)
-    base_s = base[:, 0] + grid @ base[:, 2:].T  # (grid, points)
-    at_s = at[:, 0] + grid @ at[:, 2:].T
-    return (at[:, 1] / at_s) / (base[:, 1] / base_s), published
+    published, base, at = _arrays(cases)
+    return _predict(base, at, grid), published
 
 
 def _fit(cases: Sequence[Case]) -> simulate.Effects:
@@ -244,8 +260,7 @@ def cross_validate(cases: Sequence[Case] = CASES) -> List[Dict[str, Any]]:
     rows = []
     for case in mine:
         effects = _fit([c for c in mine if c is not case])
-        grid = np.array([[effects.overhead, effects.interference, effects.jitter]])
-        predicted, published = _efficiencies([case], grid)
+        predicted, published = _efficiencies([case], np.array([astuple(effects)]))
         for point, p, q in zip(case.points, predicted[0], published):
             rows.append(
                 {
