@@ -38,6 +38,7 @@ from .optim import ParamsFn, replicated_optimizer
 from .options import Options
 from .sync import GradSync
 from .syncbn import SyncBatchNorms, sync_layers
+from .torchrun import refuse_training_alone
 
 
 class DistributedModel(nn.Module, Joining):
@@ -62,6 +63,8 @@ class DistributedModel(nn.Module, Joining):
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
         opts = _options if _options is not None else Options.for_wrap(options)
+        if opts.group is None:
+            refuse_training_alone()  # before any replica is copied to a device
         self.devices: List[torch.device] = (
             process_devices(opts.group) if devices is None else parse_devices(devices)
         )

@@ -3,6 +3,9 @@ torchrun started (its environment, the c10d store, gloo for CPUs and
 NCCL for GPUs), and `rank()`/`world()`/`local_rank()` say where this process
 is. Without `init()` and with torch.distributed uninitialised, pyddp runs in
 one process as it always did: every helper here then answers for one process.
+A process that a launcher started as one of several (WORLD_SIZE > 1) is the
+exception: there wrap refuses to start until `init()` has run
+(refuse_training_alone says why it refuses instead of initialising).
 
 Launch: ``torchrun --nproc-per-node=P [--nnodes=N --rdzv-backend=c10d
 --rdzv-endpoint=HOST:PORT] train.py``, where train.py calls ``pyddp.init()``
@@ -52,8 +55,7 @@ def _let_gloo_settle() -> None:
     end_training() does that): its backend lives on in the models that hold
     it, so a worker launched as one of several (WORLD_SIZE > 1, as torchrun,
     Lightning's launcher and Ray Train set) always waits."""
-    launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-    if launched or (dist.is_available() and dist.is_initialized()):
+    if launched_world() > 1 or (dist.is_available() and dist.is_initialized()):
         time.sleep(GLOO_SETTLE_S)
 
 
@@ -110,6 +112,44 @@ def init(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> No
     )
 
 
+def launched_world() -> int:
+    """WORLD_SIZE as a launcher set it for this process (torchrun and
+    torch.distributed.launch; Lightning's, Accelerate's and Ray Train's
+    launchers too); 1 when unset or not a number."""
+    raw = os.environ.get("WORLD_SIZE", "")
+    return int(raw) if raw.isdigit() else 1
+
+
+def refuse_training_alone() -> None:
+    """Raises when a launcher started this process as one of several
+    (WORLD_SIZE > 1) and torch.distributed is not initialised: the script
+    forgot `pyddp.init()`, and every rank would train alone on its own
+    replicas (two CPU replicas each, by default), diverging from the others
+    while `pyddp.world()` says 1. Called by wrap, GradSync and all_reduce
+    before they build anything.
+
+    Why refuse rather than initialise here: joining the group is a
+    rendezvous with every other rank, with a backend and a timeout, and
+    belongs at one visible point at the top of the script, before anything
+    prints or writes files as if it were the only process; a wrap that
+    initialised on its own would also race the trainers that initialise
+    torch.distributed themselves (Lightning, Accelerate, Ray Train), which
+    always do so before they wrap and so never reach this error.
+    WORLD_SIZE=1 (torchrun with one process) runs in one process as before."""
+    world_ = launched_world()
+    if world_ <= 1 or (dist.is_available() and dist.is_initialized()):
+        return
+    launcher = "torchrun" if os.environ.get("TORCHELASTIC_RUN_ID") else "a launcher"
+    raise RuntimeError(
+        f"pyddp: this process was started by {launcher} as rank "
+        f"{os.environ.get('RANK', '?')} of {world_} (WORLD_SIZE={world_}), but "
+        "torch.distributed is not initialised: every rank would train alone and diverge. "
+        "Call pyddp.init() at the top of the script, before pyddp.wrap(), GradSync or "
+        "all_reduce (or initialise torch.distributed yourself first); to run each "
+        "process on its own on purpose, unset WORLD_SIZE"
+    )
+
+
 def rank(group: Any = None) -> int:
     """This process's rank in `group` (default: every process); 0 without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -118,7 +158,9 @@ def rank(group: Any = None) -> int:
 
 
 def world(group: Any = None) -> int:
-    """The number of processes in `group` (default: all); 1 without torch.distributed."""
+    """The number of processes in `group` (default: all); 1 without
+    torch.distributed (under torchrun too, until `pyddp.init()`: wrap refuses
+    to start before it, see refuse_training_alone)."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)

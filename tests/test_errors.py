@@ -223,3 +223,43 @@ def test_comm_hook_in_one_process_is_said_and_unused_and_bad_hooks_are_refused()
             dm.register_comm_hook(None, "int8")
         dm(torch.randn(4, 4)).sum().backward()  # still trains, reducing in memory
         assert dm.replicas[1].weight.grad is not None
+
+
+def _launched_as(monkeypatch, world: str, rank: str = "1") -> None:
+    """This process's environment as torchrun sets it for one of its workers."""
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    for name, value in [
+        ("WORLD_SIZE", world),
+        ("RANK", rank),
+        ("LOCAL_RANK", rank),
+        ("TORCHELASTIC_RUN_ID", "job1"),
+    ]:
+        monkeypatch.setenv(name, value)
+
+
+def test_a_torchrun_worker_that_forgot_init_is_refused_by_name(monkeypatch):
+    # Issue 30, item 5: without pyddp.init(), each of torchrun's ranks built
+    # two CPU replicas of its own and trained alone, diverging from the others.
+    _launched_as(monkeypatch, "2")
+    for start in [
+        lambda: pyddp.wrap(nn.Linear(2, 2)),
+        lambda: pyddp.wrap(nn.Linear(2, 2), ["cpu"]),
+        lambda: pyddp.GradSync([nn.Linear(2, 2)]),
+        lambda: pyddp.all_reduce([torch.ones(2), torch.ones(2)]),
+    ]:
+        with pytest.raises(RuntimeError, match=r"pyddp\.init\(\)") as info:
+            start()
+        message = str(info.value)
+        assert "torchrun" in message and "rank 1 of 2" in message and "WORLD_SIZE" in message
+    assert not torch.distributed.is_initialized()  # refused, not initialised behind the back
+
+
+def test_a_single_process_launch_still_runs_in_one_process(monkeypatch):
+    _launched_as(monkeypatch, "1", rank="0")  # torchrun --nproc-per-node=1
+    with pyddp.wrap(nn.Linear(2, 2), ["cpu", "cpu"]) as dm:
+        dm(torch.ones(4, 2)).sum().backward()
+    assert pyddp.world() == 1
+    monkeypatch.setenv("WORLD_SIZE", "not a number")  # not a launcher's: one process
+    with pyddp.wrap(nn.Linear(2, 2), ["cpu"]):
+        pass

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 import torch.distributed as dist
 
 from ..errors import ProcessGroupError
-from ..torchrun import job_prefix
+from ..torchrun import job_prefix, refuse_training_alone
 
 STORE_DEADLINE_S = 5.0  # a store call on the failure path; the store answers in ms
 
@@ -26,7 +26,8 @@ _made: Dict[tuple, int] = {}  # (ranks, role) -> gloo groups made so far
 
 
 def resolve_group(group: Any) -> Optional[Any]:
-    """The process group to span, or None to stay in one process."""
+    """The process group to span, or None to stay in one process (refused
+    in a process a launcher started as one of several: pyddp.init() first)."""
     if group is not None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -35,6 +36,7 @@ def resolve_group(group: Any) -> Optional[Any]:
         return group
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
+    refuse_training_alone()
     return None
 
 
