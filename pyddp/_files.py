@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import secrets
 import signal
@@ -168,6 +169,16 @@ class SafeDir:
                     os.unlink(tmp, dir_fd=self.fd)
                 raise
             os.fsync(self.fd)  # and the rename itself survives a crash
+
+    def move_to(self, name: str, folder: SafeDir) -> Path:
+        """Moves `name` into `folder`, under a name free there (NAME, NAME.1,
+        ...): nothing there is replaced. Returns the new path."""
+        for k in itertools.count():
+            new = name if k == 0 else f"{name}.{k}"
+            if not folder.check(new):  # a link there raises: never renamed over
+                os.rename(name, new, src_dir_fd=self.fd, dst_dir_fd=folder.fd)
+                return folder.path / new
+        raise AssertionError("unreachable")
 
     def remove(self, name: str) -> None:
         """Removes `name` (a link is removed, never its target)."""

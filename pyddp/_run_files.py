@@ -16,6 +16,8 @@ from .checkpoint import check_classes, list_checkpoints, load_latest, save_check
 from .config import TrainConfig
 
 _RESUME = exchange("rank 0's checkpoint at resume")
+# Where unreadable checkpoints are moved at resume (under checkpoints/).
+UNREADABLE = "unreadable"
 _DIR_CHECK = exchange("rank 0's check of the output directory")
 
 
@@ -65,7 +67,7 @@ class RunFiles:
         """Rank 0's latest checkpoint on every rank (no rank picks a different
         "latest"), refused if another optimizer or scheduler class wrote it,
         or if what the run depends on changed (unless resume_if_changed)."""
-        found = self.on_rank_0(lambda: load_latest(self.checkpoints), _RESUME)
+        found = self.on_rank_0(lambda: load_latest(self.checkpoints, UNREADABLE), _RESUME)
         if found is None:
             return None
         path, payload = found

@@ -61,11 +61,16 @@ def save_atomic(payload: Dict[str, Any], path: Path) -> None:
 def save_checkpoint(
     payload: Dict[str, Any], directory: Path, step: int, max_to_keep: Optional[int]
 ) -> Path:
+    """Writes the checkpoint of `step`; with `max_to_keep`, prunes the oldest.
+    Only checkpoints of earlier steps are pruned: one of a higher step is
+    not this run's past (the run resumed before it), and pruning by step
+    number would delete the checkpoint just written in its favour."""
     with _open(directory, create=True) as folder:
         name = checkpoint_path(folder.path, step).name
         folder.write_atomic(name, lambda f: torch.save(payload, f))
         if max_to_keep is not None:
-            for _, old in _steps(folder)[max_to_keep:]:
+            older = [n for s, n in _steps(folder) if s < step]
+            for old in older[max_to_keep - 1 :]:
                 folder.remove(old)
         return folder.path / name
 
@@ -91,9 +96,14 @@ def check_classes(
             )
 
 
-def load_latest(directory: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
+def load_latest(
+    directory: Path, set_aside: Optional[str] = None
+) -> Optional[Tuple[Path, Dict[str, Any]]]:
     """The newest checkpoint that loads, or None. Unreadable ones are skipped
-    with a warning naming the file and the reason."""
+    with a warning naming the file and the reason; with `set_aside` (a
+    subfolder name) they are also moved there, so that neither a later
+    resume nor max_to_keep's pruning (by step number) weighs them against
+    the run's own checkpoints, and the user still has them to inspect."""
     folder = _open(directory, create=False)
     if folder is None:
         return None
@@ -107,14 +117,18 @@ def load_latest(directory: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
                 with f:
                     payload = torch.load(f, map_location="cpu", weights_only=True)
             except Exception as e:  # corrupt, truncated or not a checkpoint: try the previous one
-                warnings.warn(
-                    f"pyddp: checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
-                    "falling back to the previous one",
-                    stacklevel=2,
-                )
-                continue
-            if not isinstance(payload, dict) or "loop" not in payload:
-                warnings.warn(f"pyddp: {path} is not a pyddp checkpoint; skipping it", stacklevel=2)
-                continue
-            return path, payload
+                why = f"is unreadable ({type(e).__name__}: {e})"
+            else:
+                if isinstance(payload, dict) and "loop" in payload:
+                    return path, payload
+                why = "is not a pyddp checkpoint"
+            moved = ""
+            if set_aside is not None:
+                with folder.subdir(set_aside) as aside:
+                    moved = f"; moved it to {folder.move_to(name, aside)}"
+            warnings.warn(
+                f"pyddp: checkpoint {path} {why}{moved}; falling back to the previous one "
+                "(none left: the run starts at step 0)",
+                stacklevel=2,
+            )
     return None

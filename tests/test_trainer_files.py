@@ -17,7 +17,7 @@ from torch import nn
 
 import pyddp
 from pyddp._files import UnsafePathError
-from pyddp.checkpoint import list_checkpoints
+from pyddp.checkpoint import list_checkpoints, save_checkpoint
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 
@@ -164,6 +164,50 @@ def test_a_checkpoint_of_another_optimizer_class_is_refused_at_load(tmp_path):
         with pytest.raises(ValueError, match=r"optimizer torch\.optim\.sgd\.SGD.*adam\.Adam"):
             t.fit((x, y))
         assert t.state.step == 0  # nothing loaded
+
+
+def test_unreadable_checkpoints_are_set_aside_not_weighed_against_the_runs_own(tmp_path):
+    # Every checkpoint unreadable: the run restarted at step 0, and
+    # max_to_keep deleted each new checkpoint right after writing it (the
+    # unreadable ones had higher steps), so every restart began at 0 again.
+    x, y = data()
+    with trainer(tmp_path, max_epochs=3, checkpoint_every_epochs=1, max_to_keep=2) as t:
+        t.fit((x, y))
+    folder = tmp_path / "checkpoints"
+    bad = sorted(folder.iterdir())
+    assert [p.name for p in bad] == ["ckpt-00000008.pt", "ckpt-00000012.pt"]
+    for p in bad:
+        p.write_bytes(p.read_bytes()[:100])  # truncated by a failing disk
+    restart = trainer(tmp_path, max_epochs=1, checkpoint_every_epochs=1, max_to_keep=2)
+    with pytest.warns(UserWarning) as caught, restart as t:
+        assert t.fit((x, y)).state.step == 4  # started afresh
+    assert sorted(p.name for p in folder.glob("ckpt-*")) == ["ckpt-00000004.pt"]
+    said = [str(w.message) for w in caught if "unreadable" in str(w.message)]
+    assert len(said) == 2, said
+    for p, text in zip(reversed(bad), said):
+        assert f"{p} is unreadable" in text and str(folder / "unreadable" / p.name) in text
+    assert sorted(p.name for p in (folder / "unreadable").iterdir()) == [p.name for p in bad]
+    # The next restart continues from the run's own checkpoint, with no warning.
+    with trainer(tmp_path, max_epochs=2, max_to_keep=2) as t:
+        assert t.fit((x, y)).state.step == 8
+
+
+def test_max_to_keep_never_prunes_the_checkpoint_it_just_wrote(tmp_path):
+    for step in (12, 2):  # 12: not this run's past (one it resumed before)
+        save_checkpoint({"loop": {"step": step}}, tmp_path, step, max_to_keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000002.pt", "ckpt-00000012.pt"]
+    save_checkpoint({"loop": {"step": 4}}, tmp_path, 4, max_to_keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-00000002.pt",
+        "ckpt-00000004.pt",
+        "ckpt-00000012.pt",
+    ]
+    save_checkpoint({"loop": {"step": 6}}, tmp_path, 6, max_to_keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-00000004.pt",
+        "ckpt-00000006.pt",
+        "ckpt-00000012.pt",
+    ]
 
 
 # ------------------------------------------------------------ run identity
