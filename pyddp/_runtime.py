@@ -26,6 +26,9 @@ NVRTC_ENV = "PYDDP_NVRTC_LIBRARY"
 CUDA_ENV = "PYDDP_CUDA_LIBRARY"
 TIMEOUT_ENV = "PYDDP_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
+# The longest timeout accepted: a week. Longer (or inf) is a hang with extra
+# steps, and past ~1e9 s the deadlines torch and the store compute overflow.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass
@@ -173,20 +176,39 @@ def cuda_driver() -> tuple:
 
 INIT_TIMEOUT_S: Optional[float] = None  # pyddp.init(timeout_s=...), if given
 
+_RANGE = (
+    f"give seconds > 0 and at most {MAX_TIMEOUT_S:.0f} (7 days; longer, or inf, "
+    "would wait forever on a rank that never arrives), e.g. 300, the default"
+)
+
+
+def checked_timeout(value: Any, name: str) -> float:
+    """`value` as seconds when it is a finite number in (0, MAX_TIMEOUT_S];
+    else a ValueError naming `name` (the argument or the variable, with what
+    was given) and the valid range. Every timeout pyddp accepts (wrap's,
+    GradSync's, init's and $PYDDP_TIMEOUT_S) passes through here."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} is not a number of seconds: {_RANGE}")
+    # Compared before float(): an int such as 10**400 has no float.
+    if not 0 < value <= MAX_TIMEOUT_S:  # False for nan as well
+        raise ValueError(f"{name} is out of range: {_RANGE}")
+    return float(value)
+
 
 def timeout_s() -> float:
+    """The collective timeout: pyddp.init(timeout_s=...), else
+    $PYDDP_TIMEOUT_S, else DEFAULT_TIMEOUT_S."""
     if INIT_TIMEOUT_S is not None:
         return INIT_TIMEOUT_S
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None:
         return DEFAULT_TIMEOUT_S
+    name = f"{TIMEOUT_ENV}={raw!r}"
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be > 0")
-    return value
+        raise ValueError(f"{name} is not a number of seconds: {_RANGE}") from None
+    return checked_timeout(value, name)
 
 
 def backend_kind(devices: Sequence[Any]) -> str:

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
+from ._runtime import checked_timeout
 from .observe import timeline_from_env
 
 REDUCE_ORDERS = ("ready", "index", "after_backward")
@@ -24,7 +25,8 @@ class Options:
     default across processes) or "after_backward" (no overlap: the baseline);
     None picks by the link; rebuild_buckets: re-plan once from the observed
     ready order; op: "sum" or "avg" over replicas; timeout_s: a reduction not
-    done after this long raises (None: $PYDDP_TIMEOUT_S or 300); timeline:
+    done after this long raises (seconds, at most 7 days; None:
+    $PYDDP_TIMEOUT_S or 300); timeline:
     iterations of events to keep (None: $PYDDP_TIMELINE or 0); check_replicas:
     refuse replicas that differ at construction; group: the torch.distributed
     process group to span; broadcast_buffers: replica 0's buffers to the
@@ -60,8 +62,8 @@ class Options:
             )
         if self.op not in ("sum", "avg"):
             raise ValueError(f"op={self.op!r}: use 'sum' or 'avg'")
-        if self.timeout_s is not None and (not _is_number(self.timeout_s) or self.timeout_s <= 0):
-            raise ValueError(f"timeout_s={self.timeout_s!r} must be a number of seconds > 0")
+        if self.timeout_s is not None:
+            checked_timeout(self.timeout_s, f"timeout_s={self.timeout_s!r}")
         if self.timeline is not None and (
             not isinstance(self.timeline, int) or isinstance(self.timeline, bool)
         ):

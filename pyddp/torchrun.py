@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import _runtime
-from ._runtime import TIMEOUT_ENV
+from ._runtime import checked_timeout
 from ._runtime import timeout_s as _default_timeout
 
 # What torchrun (and torch.distributed's env:// rendezvous) sets for every worker.
@@ -72,6 +72,7 @@ def init(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> No
         raise RuntimeError("pyddp.init(): this torch build has no torch.distributed")
     if dist.is_initialized():
         return
+    seconds = _timeout(timeout_s)  # the argument (or $PYDDP_TIMEOUT_S) before the environment
     missing = [k for k in _TORCHRUN_ENV if not os.environ.get(k)]
     if missing:
         raise RuntimeError(
@@ -86,7 +87,6 @@ def init(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> No
     rank_, world_ = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world_ < 1 or rank_ >= world_:
         raise RuntimeError(f"pyddp.init(): RANK={rank_} is not below WORLD_SIZE={world_}")
-    seconds = _timeout(timeout_s)
     gpu = torch.cuda.is_available()
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"
@@ -194,7 +194,5 @@ def job_prefix() -> str:
 
 def _timeout(seconds: Optional[float]) -> float:
     if seconds is None:
-        return _default_timeout()
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds <= 0:
-        raise ValueError(f"timeout_s={seconds!r} must be a number of seconds > 0 ({TIMEOUT_ENV})")
-    return float(seconds)
+        return _default_timeout()  # $PYDDP_TIMEOUT_S, checked there
+    return checked_timeout(seconds, f"pyddp.init(timeout_s={seconds!r})")

@@ -107,6 +107,37 @@ def test_timeout_env_is_validated(monkeypatch):
         _runtime.timeout_s()
     monkeypatch.setenv("PYDDP_TIMEOUT_S", "2.5")
     assert _runtime.timeout_s() == 2.5
+    monkeypatch.setenv("PYDDP_TIMEOUT_S", "604800")  # the longest: 7 days
+    assert _runtime.timeout_s() == 604800
+
+
+# Issue 30, item 17: nan and inf were accepted (and then blamed a rank that
+# "never arrived"), 1e300 overflowed torch's deadline with a raw error.
+ABSURD_TIMEOUTS = ["nan", "inf", "-inf", "1e300", "604801", "0", "-5"]
+
+
+@pytest.mark.parametrize("raw", ABSURD_TIMEOUTS)
+def test_absurd_timeout_env_is_refused_by_name_with_the_range(monkeypatch, raw):
+    monkeypatch.setenv("PYDDP_TIMEOUT_S", raw)
+    with pytest.raises(ValueError, match=r"PYDDP_TIMEOUT_S=.*at most 604800 \(7 days"):
+        _runtime.timeout_s()
+    if not torch.distributed.is_initialized():  # pyddp.init() checks it first
+        with pytest.raises(ValueError, match="PYDDP_TIMEOUT_S="):
+            pyddp.init()
+
+
+@pytest.mark.parametrize(
+    "value", [float("nan"), float("inf"), 1e300, 10**400, 604801, 0, -1.0, True, "60"]
+)
+def test_absurd_timeout_argument_is_refused_by_name_with_the_range(value):
+    def refused(call, name):
+        with pytest.raises(ValueError, match=rf"{name}.*at most 604800 \(7 days"):
+            call()
+
+    refused(lambda: pyddp.wrap(torch.nn.Linear(2, 2), ["cpu"], timeout_s=value), "timeout_s=")
+    refused(lambda: pyddp.GradSync([torch.nn.Linear(2, 2)], timeout_s=value), "timeout_s=")
+    if not torch.distributed.is_initialized():
+        refused(lambda: pyddp.init(timeout_s=value), r"pyddp\.init\(timeout_s=")
 
 
 def test_all_reduce_rejects_non_tensors():
