@@ -256,6 +256,9 @@ PYBIND11_MODULE(_C, m) {
       .def("unmarked", &Engine::unmarked)
       .def_property_readonly("active", &Engine::active)
       .def("take_reduced_copy", &Engine::take_reduced_copy, py::arg("replica"))
+      .def("holds_reduced_copy", &Engine::holds_reduced_copy, py::arg("replica"))
+      .def("restore_reduced_copy", &Engine::restore_reduced_copy, py::arg("replica"),
+           py::arg("held"))
       .def_property_readonly("partial", &Engine::partial)
       .def_property_readonly("partial_reason", &Engine::partial_reason)
       .def("inject_fault", &Engine::inject_fault, py::arg("bucket"), py::arg("message"))

@@ -453,6 +453,18 @@ std::vector<std::pair<int, int>> Engine::unmarked() const {
   return out;
 }
 
+bool Engine::holds_reduced_copy(int replica) const {
+  PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica,
+                " out of range [0, ", num_replicas_, ")");
+  return reduced_copy_[replica].load() != 0;
+}
+
+void Engine::restore_reduced_copy(int replica, bool held) {
+  PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica,
+                " out of range [0, ", num_replicas_, ")");
+  reduced_copy_[replica].store(held ? 1 : 0);
+}
+
 bool Engine::take_reduced_copy(int replica) {
   PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica,
                 " out of range [0, ", num_replicas_, ")");

@@ -97,6 +97,10 @@ class Engine {
   // replica accumulates again, the caller zeroes its copy (except replica 0)
   // and calls take_reduced_copy(replica), which returns whether it held such a copy.
   bool take_reduced_copy(int replica);
+  // The same flag read and set back without taking it: a backward shadowed
+  // under torch's Join leaves the gradients it found (GradSync.shadow_backward).
+  bool holds_reduced_copy(int replica) const;
+  void restore_reduced_copy(int replica, bool held);
   // Replicas hold gradients that were not reduced yet (no_sync accumulation,
   // cleared copies, or a failed backward): stepping now would diverge replicas.
   bool partial() const { return partial_.load(); }

@@ -12,7 +12,9 @@ makes the same exchange and shadows exactly that: the buffer broadcast (from
 the highest rank with inputs, as torch DDP) and the synced backward with zero gradients
 (GradSync.shadow_backward). Once every rank has joined, the highest of the
 last ranks to join sends its parameters, buffers and step counters to every
-other rank (torch DDP's choice), since the joined ranks did not step.
+other rank (torch DDP's choice), since the joined ranks did not step, and
+the state of the optimizers dmodel.optimizer made with their schedulers
+(_after_join.py), which torch DDP leaves apart.
 
 Gradients: averaged over every rank with the joined ones adding zeros
 (torch DDP's divide_by_initial_world_size=True), or over the ranks with
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from ._after_join import align_optimizers
 from ._link.control import BUFFERS_BROADCAST
 
 
@@ -168,9 +171,13 @@ class _ShadowHook(JoinHook):
         """Every rank joined: every rank takes the last joiner's model."""
         m = self.model
         record = m.sync.work
+        steps = record.steps
         counters = torch.tensor([record.steps, record.backwards_since_sync], dtype=torch.int64)
         state: List[torch.Tensor] = list(m.module.parameters()) + list(m.module.buffers())
-        m.sync.link.end_join(is_last_joiner, [t.detach() for t in state] + [counters])
+        source = m.sync.link.end_join(is_last_joiner, [t.detach() for t in state] + [counters])
         record.steps, record.backwards_since_sync = (int(v) for v in counters.tolist())
         m.sync_replicas()
-        m._leave_join()
+        try:
+            m._apart_after_join = align_optimizers(m, source, steps)  # and schedulers
+        finally:
+            m._leave_join()

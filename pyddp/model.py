@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from functools import partial
 from typing import (
     Any,
@@ -104,6 +105,8 @@ class DistributedModel(nn.Module, Joining):
         self._passthrough = not self.sync.reduces
         self._finish_queued = False
         self._syncbn: Optional[SyncBatchNorms] = None
+        self._optimizers: List[weakref.ref] = []  # dmodel.optimizer's, for Join's end
+        self._apart_after_join = ""  # why training is refused after Join (_after_join.py)
         if sync_layers(self.module) and not self._passthrough:
             self._syncbn = self._bind_sync_batchnorm(replicas, opts)
 
@@ -148,7 +151,17 @@ class DistributedModel(nn.Module, Joining):
         holds optimizer state for its share of the parameters only, and
         state_dict() is the unsharded one's (CPU replicas)."""
         self._check_open()
-        return replicated_optimizer(self.sync, cls, params, shard, **kwargs)
+        opt = replicated_optimizer(self.sync, cls, params, shard, **kwargs)
+        if not shard:  # a sharded one cannot step under Join (zero.py)
+            self._optimizers.append(weakref.ref(opt))
+        return opt
+
+    def optimizers_made(self) -> List[torch.optim.Optimizer]:
+        """The optimizers dmodel.optimizer made that are still alive, in the
+        order made (Join aligns them to the last joiner's at its end)."""
+        alive = [o for o in (ref() for ref in self._optimizers) if o is not None]
+        self._optimizers = [weakref.ref(o) for o in alive]
+        return alive
 
     def no_sync(self):
         """Backwards inside accumulate without reducing; the next synced backward
@@ -396,6 +409,8 @@ class DistributedModel(nn.Module, Joining):
             return
         self.training = self.module.training
         if torch.is_grad_enabled():
+            if self._apart_after_join:
+                raise RuntimeError(self._apart_after_join)  # on every rank alike
             self._finish_queued = False  # a backward that raised never ran its callback
             self.sync.prepare_all()
         self._follow_model()

@@ -392,8 +392,10 @@ class GradSync:
         gradients and no part in the agreement (pyddp.wrap's join hook calls
         it). The buckets launch as in any backward (the same ones, in the
         same order, through a communication hook if one is registered);
-        afterwards this rank's gradients hold the reduced values, which it
-        does not step with."""
+        afterwards this rank's gradients are what they were before (torch
+        DDP's shadowing leaves .grad alone): the reductions it took part in
+        are the other ranks' steps, and a first step after Join must not add
+        them in again."""
         if self._engine is None or not self.link.spans_processes:
             return
         if not self._engine.sync_enabled:
@@ -402,12 +404,44 @@ class GradSync:
                 "the other ranks' synced backward; leave no_sync() before the Join block ends"
             )
         self.prepare_all()
+        kept = self._keep_grads()
         self.zero_grad(set_to_none=True)  # every gradient absent here: zeros on the wire
         self._shadowing = True
         try:
             self.finish()
         finally:
             self._shadowing = False
+            self._restore_grads(kept)
+
+    def _keep_grads(
+        self,
+    ) -> Tuple[List[List[torch.Tensor]], List[List[bool]], List[bool], List[bool]]:
+        """This rank's gradients as they are (values, which are None, which
+        the engine counts as present, which replicas hold a reduced copy)."""
+        engine = self._engine
+        self._order.fence_all()  # the copies read after any reduction still writing
+        values = [[f.clone() for f in flats] for flats in self.layout.flat]
+        nones = [[p.grad is None for p in params] for params in self.params]
+        present = [engine.has_grad(i) for i in range(len(self.names))]
+        copies = [engine.holds_reduced_copy(r) for r in range(len(self.replicas))]
+        return values, nones, present, copies
+
+    def _restore_grads(self, kept: Tuple[Any, ...]) -> None:
+        values, nones, present, copies = kept
+        engine = self._engine
+        self._order.fence_all()  # after the shadowed reductions
+        with torch.no_grad():
+            for flats, saved in zip(self.layout.flat, values):
+                for flat, value in zip(flats, saved):
+                    flat.copy_(value)
+        for r, params in enumerate(self.params):
+            for i, p in enumerate(params):
+                p.grad = None if nones[r][i] else self.layout.views[r][i]
+        for i, had in enumerate(present):
+            engine.note_grad(i, had)
+        for r, held in enumerate(copies):
+            engine.restore_reduced_copy(r, held)
+        self.layout.forget_reduced()
 
     @property
     def work(self) -> WorkRecord:

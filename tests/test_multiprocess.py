@@ -314,6 +314,28 @@ def test_join_shadows_uneven_inputs_as_torch_ddp_and_the_closed_form(tmp_path, c
     assert all("exhausted inputs" in t for t in others), others
 
 
+def test_join_per_epoch_leaves_no_stale_gradient_and_aligns_optimizer_state(tmp_path):
+    """Two dmodel.join() blocks (epochs), rank 0 with fewer batches
+    (tests/multiprocess/scenarios.py `join_epochs`): equal to the closed
+    form with plain SGD (stale shadowed gradients would add in), momentum
+    and Adam with a per-step StepLR (the early joiner's optimizer and
+    scheduler take the last joiner's); the user's own stateful optimizer is
+    refused on every rank."""
+    run = torchrun("join_epochs", tmp_path, 2, {"JOIN_COUNTS": "2,4"}, timeout=400)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = results(tmp_path, "join_epochs", 2)
+    for r in got:
+        assert "exception" not in r, r.get("exception")
+        for name in ("sgd", "momentum", "adam_steplr"):
+            for replicas in (1, 2):
+                key = f"{name}_r{replicas}"
+                assert r[f"{key}_vs_closed"] <= TOL, (key, r[f"{key}_vs_closed"])
+        assert "Join" in r["own_optimizer"] and "dmodel.optimizer" in r["own_optimizer"], r
+    for key in got[0]:
+        if key.endswith(("_params", "_state", "_lr_epoch")):
+            assert got[0][key] == got[1][key], key  # the ranks are one model again
+
+
 def test_trainer_trains_the_smallest_number_of_batches_when_ranks_data_are_uneven(tmp_path):
     # A DistributedSampler giving rank r 2 + r batches: 2 per epoch everywhere,
     # said once, equal to one device on the global batches the ranks form.

@@ -135,18 +135,19 @@ class Control:
                 for t, v in zip(group, _unflatten_dense_tensors(flat, group)):
                     t.copy_(v)
 
-    def from_root(self, obj: Any, what: str) -> Any:
-        """The group root's `obj` on every rank (pickled through gloo)."""
+    def from_root(self, obj: Any, what: str, root: int = 0) -> Any:
+        """Rank `root`'s `obj` on every rank (the group's rank 0 unless
+        said; pickled through gloo)."""
         self.same_exchange(what)
-        root = self.peers.rank == 0
-        data = pickle.dumps(obj) if root else b""
+        sends = self.peers.rank == root
+        data = pickle.dumps(obj) if sends else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        self.failure.call(what, broadcast, self.group, size)
+        self.failure.call(what, broadcast, self.group, size, root)
         buf = torch.zeros(int(size.item()), dtype=torch.uint8)
-        if root:
+        if sends:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self.failure.call(what, broadcast, self.group, buf)
-        return obj if root else pickle.loads(buf.numpy().tobytes())
+        self.failure.call(what, broadcast, self.group, buf, root)
+        return obj if sends else pickle.loads(buf.numpy().tobytes())
 
     def gather_objects(self, obj: Any, what: str) -> List[Any]:
         """Every rank's `obj`, in group rank order (pickled through gloo);

@@ -26,6 +26,8 @@ from .control import exchange
 JOIN_STEP = exchange("the uneven-inputs exchange of a forward under Join")
 JOIN_LAST = exchange("the choice of the last rank to join, at the end of Join")
 JOIN_FINAL = exchange("the broadcast of the last joiner's parameters and buffers after Join")
+JOIN_OPTIMIZERS_CHECK = exchange("the comparison of optimizers at the end of Join")
+JOIN_OPTIMIZERS = exchange("the broadcast of the last joiner's optimizer states after Join")
 
 _HEAD = 3  # broadcasts, syncs, rows
 

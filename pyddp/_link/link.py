@@ -130,8 +130,8 @@ class Link:
         """Element-wise sums over processes of CPU tensors, in place."""
         return list(tensors)
 
-    def from_root(self, obj: Any, what: str) -> Any:
-        """Rank 0's `obj` on every process."""
+    def from_root(self, obj: Any, what: str, root: int = 0) -> Any:
+        """Rank `root`'s `obj` on every process (rank 0 unless said)."""
         return obj
 
     def gather_objects(self, obj: Any, what: str) -> List[Any]:

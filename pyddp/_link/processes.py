@@ -338,8 +338,8 @@ class ProcessLink(Link):
     def sum_tensors(self, tensors: Sequence[torch.Tensor], what: str) -> List[torch.Tensor]:
         return self.control.sum_tensors(tensors, what)
 
-    def from_root(self, obj: Any, what: str) -> Any:
-        return self.control.from_root(obj, what)
+    def from_root(self, obj: Any, what: str, root: int = 0) -> Any:
+        return self.control.from_root(obj, what, root)
 
     def gather_objects(self, obj: Any, what: str) -> List[Any]:
         return self.control.gather_objects(obj, what)

@@ -6,7 +6,7 @@ diverge for good."""
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, List, Sequence
 
 import torch
 from torch import nn
@@ -40,6 +40,10 @@ class WorkRecord:
             self._stepping[optimizer] = steps_ours
         if steps_ours:
             self.steps += 1
+
+    def stepping(self) -> List[Any]:
+        """The optimizers seen stepping replica 0's parameters (alive)."""
+        return [o for o, ours in list(self._stepping.items()) if ours]
 
     def take(self, iteration: int) -> Dict[str, int]:
         """The record of synced backward `iteration` + 1; starts the next. The

@@ -1066,6 +1066,95 @@ def syncbn(out: dict) -> None:
     dm.close()
 
 
+def join_epochs(out: dict) -> None:
+    """dmodel.join() once per epoch, two epochs, rank r with JOIN_COUNTS[r]
+    batches, the README's loop (zero_grad after the step): the rank that
+    joined early must neither carry the shadowed reductions into the next
+    epoch's first step nor keep the optimizer state (momentum, Adam's
+    moments, a per-step StepLR) of the steps it missed. Against the closed
+    form: one model stepping on the active ranks' gradients summed over the
+    world (BatchNorm frozen), which is every rank's trajectory once Join
+    hands the last joiner's model and optimizer to the others."""
+    rank, world = pyddp.rank(), pyddp.world()
+    counts = [int(c) for c in os.environ["JOIN_COUNTS"].split(",")]
+    g = torch.Generator().manual_seed(12)
+    batches = [
+        [(torch.randn(5, 6, generator=g) * 1.5, torch.randn(5, 3, generator=g))
+         for _ in range(counts[r])]
+        for r in range(world)
+    ]  # fmt: skip
+    kinds = {
+        "sgd": (torch.optim.SGD, {"lr": 0.1}, False),
+        "momentum": (torch.optim.SGD, SGD, False),
+        "adam_steplr": (torch.optim.Adam, {"lr": 0.01}, True),
+    }
+
+    def closed(cls, kw, sched) -> nn.Module:
+        model = eval_norm(net())
+        opt = cls(model.parameters(), **kw)
+        lr = torch.optim.lr_scheduler.StepLR(opt, 1, 0.8) if sched else None
+        for _epoch in range(2):
+            for step in range(max(counts)):
+                for r in range(world):
+                    if step < counts[r]:
+                        x, y = batches[r][step]
+                        (nn.functional.mse_loss(model(x), y) / world).backward()
+                opt.step()
+                opt.zero_grad()
+                if lr is not None:
+                    lr.step()
+        return model
+
+    def state_sum(opt) -> float:
+        total = 0.0
+        for st in opt.state_dict()["state"].values():
+            for v in st.values():
+                if torch.is_tensor(v):
+                    total += float(v.double().sum())
+        return total + sum(g["lr"] for g in opt.param_groups)
+
+    for name, (cls, kw, sched) in kinds.items():
+        for replicas in (1, 2):
+            dm = pyddp.wrap(eval_norm(net()), ["cpu"] * replicas)
+            for m in dm.replicas:
+                m.norm.eval()
+            opt = dm.optimizer(cls, **kw)
+            lr = torch.optim.lr_scheduler.StepLR(opt, 1, 0.8) if sched else None
+            for _epoch in range(2):
+                with dm.join():
+                    for x, y in batches[rank]:
+                        nn.functional.mse_loss(dm(x), y).backward()
+                        opt.step()
+                        opt.zero_grad()
+                        if lr is not None:
+                            lr.step()
+            key = f"{name}_r{replicas}"
+            out[f"{key}_vs_closed"] = max_diff(dm.module, closed(cls, kw, sched))
+            out[f"{key}_params"] = [float(p.double().sum()) for p in dm.module.parameters()]
+            out[f"{key}_state"] = state_sum(opt)
+            out[f"{key}_lr_epoch"] = None if lr is None else lr.last_epoch
+            dm.close()
+
+    # The user's own optimizer with momentum: pyddp cannot align it, so
+    # every rank refuses the next training forward (the second epoch's
+    # first) instead of stepping apart; evaluation stays possible.
+    dm = pyddp.wrap(eval_norm(net()), ["cpu"])
+    opt = torch.optim.SGD(dm.parameters(), **SGD)
+    out["own_optimizer"] = None
+    for _epoch in range(2):
+        try:
+            with dm.join():
+                for x, y in batches[rank]:
+                    nn.functional.mse_loss(dm(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+        except RuntimeError as e:
+            out["own_optimizer"] = str(e)
+    with torch.no_grad():
+        dm(batches[1][0][0])
+    dm.close()
+
+
 def join(out: dict) -> None:
     """Uneven inputs under Join: rank r has its own number of batches
     (JOIN_COUNTS, one per rank). pyddp's dmodel.join() against torch DDP's
