@@ -28,7 +28,9 @@ from .torchrun import init, is_main, local_rank, rank, world
 from .trainer import FitResult, LoopState, Trainer
 
 try:
-    __version__ = version("pyddp")
+    # The distribution's name (pyproject.toml), not the import name: "pyddp"
+    # on the package index is another project.
+    __version__ = version("pyddp-engine")
 except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0+unknown"
 

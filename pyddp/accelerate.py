@@ -37,7 +37,10 @@ try:
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 except ImportError as e:  # pragma: no cover - the extra is missing
-    raise ImportError("pyddp.accelerate needs Accelerate: pip install 'pyddp[accelerate]'") from e
+    raise ImportError(
+        "pyddp.accelerate needs Accelerate: pip install 'pyddp-engine[accelerate]' "
+        "(from a clone: '.[accelerate]')"
+    ) from e
 
 from torch import nn
 

@@ -26,7 +26,10 @@ from typing import Any, Dict, Optional
 try:
     import transformers
 except ImportError as e:  # pragma: no cover - the extra is missing
-    raise ImportError("pyddp.hf needs transformers: pip install 'pyddp[accelerate]'") from e
+    raise ImportError(
+        "pyddp.hf needs transformers: pip install 'pyddp-engine[accelerate]' "
+        "(from a clone: '.[accelerate]')"
+    ) from e
 
 from torch import nn
 

@@ -34,7 +34,10 @@ try:
     import lightning.pytorch.strategies as pl_strategies
     from lightning.fabric.strategies.strategy import _BackwardSyncControl
 except ImportError as e:  # pragma: no cover - the extra is missing
-    raise ImportError("pyddp.lightning needs Lightning: pip install 'pyddp[lightning]'") from e
+    raise ImportError(
+        "pyddp.lightning needs Lightning: pip install 'pyddp-engine[lightning]' "
+        "(from a clone: '.[lightning]')"
+    ) from e
 
 from torch import nn
 

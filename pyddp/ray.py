@@ -23,7 +23,9 @@ try:
     import ray.train
     import ray.train.torch
 except ImportError as e:  # pragma: no cover - the extra is missing
-    raise ImportError("pyddp.ray needs Ray Train: pip install 'pyddp[ray]'") from e
+    raise ImportError(
+        "pyddp.ray needs Ray Train: pip install 'pyddp-engine[ray]' (from a clone: '.[ray]')"
+    ) from e
 
 import torch.distributed as dist
 from torch import nn

@@ -101,3 +101,54 @@ def test_every_docs_page_is_linked_from_the_readme_and_links_back():
         assert any(link.startswith(back) for link in _links(page)), (
             f"{rel} does not link back to the README"
         )
+
+
+# Names on the package index that belong to other projects: "pyddp" is a 2015
+# Meteor DDP client (0.1.0 to 0.4.0), so `pip install "pyddp[bench]"` installed it.
+TAKEN_ON_THE_INDEX = {"pyddp"}
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
+
+
+def _distribution() -> str:
+    text = (ROOT / "pyproject.toml").read_text()
+    found = re.search(r'^\[project\]$.*?^name\s*=\s*"([^"]+)"', text, flags=re.S | re.M)
+    assert found, "pyproject.toml has no [project] name"
+    return found.group(1)
+
+
+def _install_lines(text: str) -> list[str]:
+    """What follows each `pip install` up to the end of its code span, line or
+    shell comment (the next line when the command ends a line of prose)."""
+    found = []
+    for m in re.finditer(r"pip install\b", text):
+        rest = text[m.end() :]
+        if rest.split("\n", 1)[0].strip() == "":
+            rest = rest.split("\n", 1)[-1]
+        found.append(re.split(r"[`\n#]", rest, maxsplit=1)[0])
+    return found
+
+
+def test_every_install_from_the_index_names_this_distribution():
+    name = _distribution()
+    assert _normal(name) not in TAKEN_ON_THE_INDEX, (
+        f"pyproject.toml's name {name!r} is another project's on the package index"
+    )
+    files = [*LINKED, ROOT / ".ci" / "run", *sorted((ROOT / "pyddp").rglob("*.py"))]
+    bad, named = [], 0
+    for path in files:
+        for line in _install_lines(path.read_text()):
+            for token in line.split():
+                req = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", token.strip("'\"()"))
+                project = _normal(req.group(0)) if req else ""
+                if project == "pyddp" or project.startswith("pyddp-"):
+                    named += 1
+                    if project != _normal(name):
+                        bad.append(f"{path.relative_to(ROOT)}: pip install{line}")
+    assert not bad, f"install lines that do not name {name!r}:\n" + "\n".join(bad)
+    assert named >= 3  # docs/simulator.md and the integrations' import errors
+    # The installed package's metadata is looked up by the same name.
+    init = (ROOT / "pyddp" / "__init__.py").read_text()
+    assert re.findall(r'\bversion\("([^"]+)"\)', init) == [name]

@@ -127,7 +127,7 @@ def git_state(root: Optional[Path] = None) -> str:
 
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend, imported on first use: it is
-    optional (pyddp[bench]) and only the charts need it."""
+    optional (pyddp-engine[bench]) and only the charts need it."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -326,7 +326,7 @@ def _transformers() -> Any:
     except ImportError:
         raise ImportError(
             "the bert-* and gpt2* presets build their models from transformers configs: "
-            "pip install 'pyddp[bench]' (or transformers)"
+            "pip install 'pyddp-engine[bench]' (from a clone: '.[bench]'), or transformers"
         ) from None
     return transformers
 
