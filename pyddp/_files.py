@@ -57,6 +57,22 @@ def sigint_deferred() -> Iterator[None]:
                 signal.raise_signal(signal.SIGINT)
 
 
+def _disk_full(error: BaseException) -> Optional[str]:
+    """What says the disk is full in `error` or the exceptions it was
+    raised from (None: something else failed)."""
+    seen: Optional[BaseException] = error
+    visited = set()
+    while seen is not None and id(seen) not in visited:  # a chain may loop
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"{type(seen).__name__}: {seen}"
+        visited.add(id(seen))
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(error, RuntimeError) and "unexpected pos" in str(error):
+        # torch's zip writer when a write stopped short: a full disk, as a rule
+        return f"torch.save: the write stopped short, {str(error).strip()}"
+    return None
+
+
 class SafeDir:
     """A directory held open; files in it are named relative to it. The
     directory itself may be reached through links (it is the user's path);
@@ -144,7 +160,7 @@ class SafeDir:
     def append(self, name: str, text: str) -> None:
         """Appends `text` to `name` (created if missing), whole or not at all
         as far as Ctrl-C goes."""
-        with sigint_deferred():
+        with sigint_deferred(), self._naming_a_full_disk(name):
             try:
                 fd = os.open(name, _APPEND, 0o666, dir_fd=self.fd)
             except OSError as e:
@@ -156,7 +172,7 @@ class SafeDir:
         """Replaces `name` by what `write(file)` writes: readers see the old
         file or the complete new one, even across a crash or a Ctrl-C."""
         self.check(name)  # refuse a link now rather than replace it silently
-        with sigint_deferred():
+        with sigint_deferred(), self._naming_a_full_disk(name):
             fd, tmp = self._temporary(name)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -186,6 +202,25 @@ class SafeDir:
             os.unlink(name, dir_fd=self.fd)
 
     # -------------------------------------------------------------- helpers
+    @contextlib.contextmanager
+    def _naming_a_full_disk(self, name: str) -> Iterator[None]:
+        """A full disk raises OSError(ENOSPC) naming the file: the bare
+        errno names no file, and torch.save reports it as its zip writer's
+        "unexpected pos" (the OSError only in the exception's context)."""
+        try:
+            yield
+        except Exception as e:
+            full = _disk_full(e)
+            if full is None:
+                raise
+            raise OSError(
+                errno.ENOSPC,
+                f"pyddp: disk full: could not write {self.path / name} ({full}); the files "
+                "already there are intact and no temporary is left. Free space or choose "
+                "another output_dir, then run again (resume=True continues from the last "
+                "checkpoint)",
+            ) from e
+
     def _temporary(self, name: str):
         """A new file with an unguessable name next to `name`: nobody can
         place a link there in advance (O_EXCL, O_NOFOLLOW)."""

@@ -46,6 +46,8 @@ _STOP = exchange("the stop decision after a step (Ctrl-C on any rank)")
 _BATCHES = exchange("the number of batches per epoch on each rank")
 _RNG = exchange("the RNG states for a checkpoint")
 _OUTPUT_DIR = exchange("rank 0's output directory")
+_SAVED = exchange("rank 0's writing of a checkpoint")
+_BEST = exchange("rank 0's writing of best.pt")
 
 
 @dataclass
@@ -477,8 +479,9 @@ class Trainer:
             self.best_state_dict = {
                 k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
             }
-            if self.output_dir is not None and self.rank == 0:
-                save_atomic(self.best_state_dict, self.output_dir / "best.pt")
+            if self._files is not None:  # rank 0 writes; every rank hears how it went
+                best_pt = self.output_dir / "best.pt"
+                self._files.on_rank_0(lambda: save_atomic(self.best_state_dict, best_pt), _BEST)
         self._emit("on_validation_end", row)
 
     # ---------------------------------------------------------- checkpoints
@@ -489,18 +492,24 @@ class Trainer:
         ranks = self.link.gather_objects(rng, _RNG)
         # On every rank: a sharded optimizer's state dict is gathered from all.
         optimizer = self.optimizer.state_dict()
-        if self.rank != 0:  # every rank holds the same model: rank 0 writes it
-            return
-        payload = {
-            "model": self.model.state_dict(),
-            "optimizer": optimizer,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "loop": asdict(self.state),
-            "best": self.best_state_dict,
-            "loss_scaler": self._scaler.state_dict(),
-            "rng": {"ranks": ranks},
-        }
-        self._emit("on_checkpoint", self._files.save(payload, self.state.step))
+
+        def write() -> Path:  # every rank holds the same model: rank 0 writes it
+            payload = {
+                "model": self.model.state_dict(),
+                "optimizer": optimizer,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "loop": asdict(self.state),
+                "best": self.best_state_dict,
+                "loss_scaler": self._scaler.state_dict(),
+                "rng": {"ranks": ranks},
+            }
+            return self._files.save(payload, self.state.step)
+
+        # Every rank waits for the outcome: a write that fails (a full disk)
+        # is named on every rank, not seen there as rank 0 leaving the group.
+        path = self._files.on_rank_0(write, _SAVED)
+        if self.rank == 0:
+            self._emit("on_checkpoint", path)
 
     def _resume(self) -> None:
         found = self._files.latest()

@@ -567,6 +567,16 @@ def test_ranks_draw_their_own_random_streams_and_resume_them(tmp_path):
     assert all(r["resumed_equal"] for r in ranks)
 
 
+def test_a_full_disk_during_a_checkpoint_is_named_on_every_rank(tmp_path):
+    run = torchrun("trainer_disk_full", tmp_path, 2, {"PYDDP_TIMEOUT_S": "30"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = results(tmp_path, "trainer_disk_full", 2)
+    path = str(tmp_path / "run" / "checkpoints" / "ckpt-00000004.pt")
+    for r in ranks:
+        assert r["error"] is not None and "disk full" in r["error"] and path in r["error"], r
+    assert ranks[0]["files"] == ["ckpt-00000002.pt"]  # intact, no temporary left
+
+
 def test_evaluating_on_one_rank_and_exchanges_that_do_not_pair(tmp_path):
     run = torchrun("exchanges", tmp_path, 2)
     assert run.returncode == 0, run.stderr[-3000:]

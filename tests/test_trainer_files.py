@@ -5,7 +5,9 @@ logged twice, a column for a metric added on resume), and a checkpoint of
 another optimizer class refused at load."""
 
 import csv
+import errno
 import functools
+import io
 import json
 import os
 import signal
@@ -208,6 +210,51 @@ def test_max_to_keep_never_prunes_the_checkpoint_it_just_wrote(tmp_path):
         "ckpt-00000006.pt",
         "ckpt-00000012.pt",
     ]
+
+
+class _FillingDisk:
+    """A file on a disk that fills after `room` bytes."""
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def write(self, b):
+        if len(b) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(b)
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
+
+
+# 10 bytes: the bare OSError; 3000: torch.save's "unexpected pos" RuntimeError.
+@pytest.mark.parametrize("room", [10, 3000])
+def test_a_full_disk_during_a_checkpoint_names_the_file_and_keeps_the_last_one(
+    tmp_path, monkeypatch, room
+):
+    full, real_save = [], torch.save
+
+    def save(obj, f, *args, **kwargs):
+        on_disk = isinstance(f, io.BufferedWriter)  # not pickle's in-memory torch.save
+        return real_save(obj, _FillingDisk(f, room) if full and on_disk else f, *args, **kwargs)
+
+    class FillAfterFirst(pyddp.Callback):
+        def on_checkpoint(self, trainer, path):
+            full.append(path)
+
+    monkeypatch.setattr(torch, "save", save)
+    x, y = data()
+    run = trainer(tmp_path, max_epochs=2, checkpoint_every_epochs=1, callbacks=[FillAfterFirst()])
+    with run as t, pytest.raises(OSError) as caught:
+        t.fit((x, y))
+    text = str(caught.value)
+    assert "disk full" in text and str(tmp_path / "checkpoints" / "ckpt-00000008.pt") in text
+    assert caught.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path / "checkpoints") == ["ckpt-00000004.pt"]  # no temporary
+    monkeypatch.undo()
+    with trainer(tmp_path, max_epochs=2) as t:  # the last checkpoint is intact
+        assert t.fit((x, y)).state.step == 8
 
 
 # ------------------------------------------------------------ run identity

@@ -896,6 +896,60 @@ def rng(out: dict) -> None:
     out["resumed_equal"] = run("split", 6) == straight
 
 
+def trainer_disk_full(out: dict) -> None:
+    """Rank 0's disk fills during the Trainer's second checkpoint: every
+    rank raises naming the file and the full disk (rank 0 used to get
+    torch's "unexpected pos" and rank 1 to blame rank 0 for dying); the
+    first checkpoint stays, with no temporary beside it."""
+    import errno
+    import io
+
+    outdir = os.path.join(sys.argv[2], "run")
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
+    full, real_save = [], torch.save
+
+    class Disk:  # fills after 3000 bytes
+        def __init__(self, f):
+            self.f, self.room = f, 3000
+
+        def write(self, b):
+            if len(b) > self.room:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.room -= len(b)
+            return self.f.write(b)
+
+        def flush(self):
+            self.f.flush()
+
+    def save(obj, f, *args, **kwargs):
+        on_disk = isinstance(f, io.BufferedWriter)  # not pickle's in-memory torch.save
+        return real_save(obj, Disk(f) if full and on_disk else f, *args, **kwargs)
+
+    class FillAfterFirst(pyddp.Callback):
+        def on_checkpoint(self, trainer, path):
+            full.append(path)
+
+    if pyddp.rank() == 0:
+        torch.save = save
+    cfg = pyddp.TrainConfig(
+        batch_size=10, max_steps=4, max_epochs=100, checkpoint_every_steps=2,
+        output_dir=outdir, progress=False,
+    )  # fmt: skip
+    try:
+        with pyddp.Trainer(
+            net(), ["cpu"], optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            loss_fn=nn.functional.mse_loss, config=cfg, callbacks=[FillAfterFirst()],
+        ) as t:  # fmt: skip
+            t.fit((x, y))
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        torch.save = real_save
+    out["files"] = sorted(os.listdir(os.path.join(outdir, "checkpoints")))
+
+
 def exchanges(out: dict) -> None:
     """fit, an evaluation on rank 0 alone, fit again: the evaluation used to
     pair its exchange with the other rank's next training step (wrong
