@@ -14,6 +14,13 @@ import sys
 import warnings
 from typing import List
 
+# The README's development install ("Build from source"; its build
+# requirements come first, as there).
+DEVELOP = (
+    "`pip install scikit-build-core pybind11 cmake ninja` then "
+    '`pip install --no-build-isolation -e .` (README, "Build from source")'
+)
+
 
 def _has_extension(folder: str) -> bool:
     """An extension module this interpreter can load (not a .pyi stub, not
@@ -64,8 +71,8 @@ def use_installed_build(path: List[str]) -> List[str]:
     if not installed:
         raise ImportError(
             f"pyddp's compiled extension (_C) is not in {source} and no installed pyddp "
-            "was found: run `pip install .` (or `pip install -e .` to develop in place) "
-            "from the repository root"
+            "was found: run `pip install .` from the repository root (or, to develop in "
+            f"place, {DEVELOP})"
         )
     changed = _differing(source, installed)
     if changed:
@@ -73,7 +80,7 @@ def use_installed_build(path: List[str]) -> List[str]:
         warnings.warn(
             f"pyddp: running the installed build in {installed}, not the source folder "
             f"{source}, which differs from it ({shown}); run `pip install .` again to use "
-            "your changes, or `pip install -e .` to develop in place",
+            f"your changes, or, to develop in place, {DEVELOP}",
             stacklevel=3,
         )
     return [installed]

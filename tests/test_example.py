@@ -1,8 +1,23 @@
-"""The README's main example runs end to end and learns."""
+"""The README's main examples run end to end and learn, say what they are
+(--help) and what a re-run of a finished one did."""
 
+import importlib
 import re
 
-from pyddp.examples import classifier
+import pytest
+
+from pyddp.examples import classifier, digits
+
+EXAMPLES = [
+    "digits",
+    "classifier",
+    "torchrun",
+    "lightning_digits",
+    "fabric_digits",
+    "accelerate_digits",
+    "hf_trainer",
+    "ray_digits",
+]
 
 
 def test_classifier_example_learns(capsys):
@@ -12,3 +27,29 @@ def test_classifier_example_learns(capsys):
     accuracy = [float(v) for v in re.findall(r"valid accuracy ([0-9.]+)", out)]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert accuracy[-1] > 0.9  # 8 classes: chance is 0.125
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_help_says_the_whole_first_paragraph(name, capsys):
+    # Issue 30, item 19: --help ended mid-sentence ("... bundled digits (no").
+    module = importlib.import_module(f"pyddp.examples.{name}")
+    with pytest.raises(SystemExit) as info:
+        module.main(["--help"])
+    assert info.value.code == 0
+    first = _words(module.__doc__.split("\n\n")[0])
+    assert first in _words(capsys.readouterr().out)
+
+
+def test_rerunning_finished_digits_says_so_and_how_to_start_fresh(tmp_path, capsys):
+    args = ["--output", str(tmp_path), "--epochs", "1", "--no-progress"]
+    digits.main(args)
+    assert "already finished" not in capsys.readouterr().out
+    again = digits.main(args)  # resumes from the checkpoint: nothing left to train
+    out = capsys.readouterr().out
+    assert again["stop_reason"] == "max_epochs"
+    line = next(x for x in out.splitlines() if "this run had already finished" in x)
+    assert f"remove {tmp_path}/" in line and "--output" in line and "--epochs" in line

@@ -79,3 +79,32 @@ def test_no_build_anywhere_names_the_fix(tmp_path):
     out = run(root, code)
     assert out.returncode != 0
     assert "pip install ." in out.stderr and "_C" in out.stderr
+
+
+def test_the_source_differs_warning_gives_the_readme_development_install(tmp_path, monkeypatch):
+    # Issue 30, item 19: it said `pip install -e .`, which the README does not
+    # use (its build requirements need --no-build-isolation). In-process, so
+    # it runs under an editable install too: a source folder without `_C`
+    # and an "installed" copy, with a stand-in extension, that differs.
+    from pyddp import _source_tree
+
+    source, site = tmp_path / "clone" / "pyddp", tmp_path / "site"
+    for folder, text in [(source, "x = 2\n"), (site / "pyddp", "x = 1\n")]:
+        folder.mkdir(parents=True)
+        (folder / "__init__.py").write_text("")
+        (folder / "model.py").write_text(text)
+    (site / "pyddp" / f"_C{EXTENSION_SUFFIXES[0]}").write_bytes(b"")
+    monkeypatch.syspath_prepend(str(site))
+    find_spec = _source_tree.importlib.util.find_spec
+    monkeypatch.setattr(
+        _source_tree.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "pyddp._C" else find_spec(name, *a),
+    )
+    with pytest.warns(UserWarning, match="model.py") as caught:
+        assert _source_tree.use_installed_build([str(source)]) == [str(site / "pyddp")]
+    message = str(caught[0].message)
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    develop = "pip install --no-build-isolation -e ."
+    assert develop in message and develop in readme
+    assert "`pip install -e .`" not in message

@@ -31,7 +31,7 @@ from pyddp.examples.digits import load_digits
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", default="pyddp", help="pyddp (default) or ddp")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32, help="per process")

@@ -73,8 +73,19 @@ def plot(history: List[Dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+class _Finished(pyddp.Callback):
+    """Why the run resumed from the output folder had already stopped (None
+    for a run that trains): the Trainer has judged it when training starts."""
+
+    reason: Optional[str] = None
+
+    def on_train_start(self, trainer: Any) -> None:
+        self.reason = trainer.state.stop_reason
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The docstring's first paragraph, whole (argparse reflows it).
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--output",
         default=output_root("digits"),
@@ -99,6 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         scheduler_interval="epoch",
     )
     torch.manual_seed(config.seed)
+    finished = _Finished()
     trainer = pyddp.Trainer(
         make_model(),
         args.devices,
@@ -107,6 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         scheduler=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs),
         metrics={"accuracy": accuracy},
         config=config,
+        callbacks=[finished],
     )
     devices = ", ".join(str(d) for d in trainer.model.devices)
     print(
@@ -120,6 +133,16 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     best = min(result.state.history, key=lambda h: h["smoothed_valid_loss"])
     last = result.state.history[-1]
     out = Path(args.output)
+    if finished.reason is not None:
+        # Resumed from the newest checkpoint in --output, which had stopped.
+        more = ""
+        if finished.reason == "max_epochs":  # early stopping is final; more epochs go on
+            more = f", or --epochs above {args.epochs} to go on"
+        print(
+            f"this run had already finished in {out}/ ({finished.reason} after epoch "
+            f"{result.state.epoch}): nothing more to train, the results below are its own. To "
+            f"start fresh, remove {out}/ or pass --output with another folder{more}"
+        )
     plot(result.state.history, out / "learning_curve.png")
     print(
         f"stopped: {result.stop_reason} after {result.state.epoch} epochs, "

@@ -27,7 +27,7 @@ from pyddp.examples.digits import load_digits
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", default="pyddp", help="pyddp (default) or ddp")
     parser.add_argument("--devices", type=int, default=2, help="processes (default 2)")
     parser.add_argument("--epochs", type=int, default=3)

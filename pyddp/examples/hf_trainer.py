@@ -38,7 +38,7 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", default="pyddp", help="pyddp (default) or ddp")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps")
     parser.add_argument("--resume", action="store_true", help="from the last checkpoint")
