@@ -6,13 +6,21 @@ resume from, checked against this run (what wrote it, what it depends on)."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ._link import Link, exchange
 from ._run import changed_run_message, fresh_run_message, remove_stale_temporaries, run_differences
-from .checkpoint import check_classes, list_checkpoints, load_latest, save_checkpoint
+from ._state import LoopState
+from .checkpoint import (
+    check_classes,
+    check_payload,
+    list_checkpoints,
+    load_latest,
+    save_checkpoint,
+)
 from .config import TrainConfig
 
 _RESUME = exchange("rank 0's checkpoint at resume")
@@ -71,6 +79,7 @@ class RunFiles:
         if found is None:
             return None
         path, payload = found
+        check_payload(path, payload, [f.name for f in dataclasses.fields(LoopState)])
         check_classes(path, payload.get("classes"), self.classes)
         changed = run_differences(payload.get("run"), self.signature)
         if changed and not self.config.resume_if_changed:

@@ -7,14 +7,16 @@ the previous one used."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from ._files import SafeDir
+from .errors import ReduceError
 
 _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
 
@@ -94,6 +96,60 @@ def check_classes(
                 f"Trainer uses {want}: resume with the same {kind}, or start afresh with "
                 "resume=False or another output_dir"
             )
+
+
+def check_payload(path: Path, payload: Dict[str, Any], loop_fields: List[str]) -> None:
+    """Refuses, naming the file and each problem, a checkpoint that lacks
+    what a resume reads or holds it in another form (edited by hand, or
+    written by another version of pyddp): before anything is loaded, rather
+    than as a bare KeyError or TypeError halfway through."""
+    problems = []
+    for key in ("model", "optimizer", "loop", "rng"):
+        if key not in payload:
+            problems.append(f'no "{key}"')
+        elif not isinstance(payload[key], dict):
+            problems.append(f'"{key}" is a {type(payload[key]).__name__}, not a dict')
+    for key in ("scheduler", "best", "loss_scaler", "classes", "run"):
+        if payload.get(key) is not None and not isinstance(payload[key], dict):
+            problems.append(f'"{key}" is a {type(payload[key]).__name__}, not a dict or None')
+    if "loss_scaler" not in payload and "loss_scale" not in payload:
+        problems.append('no "loss_scaler"')
+    loop, rng = payload.get("loop"), payload.get("rng")
+    if isinstance(loop, dict):
+        unknown = sorted(str(k) for k in loop if k not in loop_fields)
+        missing = [k for k in ("epoch", "batch_in_epoch", "step") if k not in loop]
+        if unknown:
+            problems.append(f'"loop" has fields this pyddp does not know: {", ".join(unknown)}')
+        if missing:
+            problems.append(f'"loop" lacks {", ".join(missing)}')
+    if isinstance(rng, dict) and "ranks" not in rng and "torch" not in rng:
+        problems.append('"rng" holds neither "ranks" nor "torch"')
+    if problems:
+        raise ValueError(
+            f"pyddp: checkpoint {path} cannot be resumed: {'; '.join(problems)}. It was "
+            "edited by hand or written by another version of pyddp: move it out of "
+            f"{Path(path).parent} to resume from the previous one, or start afresh "
+            "(resume=False in another output_dir)"
+        )
+
+
+@contextlib.contextmanager
+def restoring(path: Path, part: str) -> Iterator[None]:
+    """Names the checkpoint and the part whose restore failed (a state dict
+    of another model, optimizer or version): load_state_dict's own errors
+    name neither the file nor what to do."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        if isinstance(e, ReduceError):  # a failure across processes: named already
+            raise
+        raise ValueError(
+            f"pyddp: checkpoint {path}: its {part} does not fit this Trainer "
+            f"({type(e).__name__}: {e}). Was it edited by hand, or written by another version "
+            "of pyddp or of the model? Resume from a checkpoint of this run (move this one "
+            "aside) or start afresh (resume=False in another output_dir); this Trainer may be "
+            "partly restored: create a new one"
+        ) from e
 
 
 def load_latest(

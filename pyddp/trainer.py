@@ -26,7 +26,7 @@ from ._run_files import RunFiles
 from ._scaler import LossScaler
 from ._state import LoopState
 from .callbacks import Callback, MetricsLogger, ProgressBar
-from .checkpoint import save_atomic
+from .checkpoint import restoring, save_atomic
 from .config import TrainConfig
 from .data import ShardedLoader
 from .devices import DeviceLike
@@ -515,18 +515,25 @@ class Trainer:
         found = self._files.latest()
         if found is None:
             return
-        path, payload = found
-        self.model.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
-        if self.scheduler is not None and payload["scheduler"] is not None:
-            self.scheduler.load_state_dict(payload["scheduler"])
-        self.state = LoopState(**payload["loop"])
-        self.best_state_dict = payload["best"]
-        if "loss_scaler" in payload:
-            self._scaler.load_state_dict(payload["loss_scaler"])
-        else:  # written before the clean-step count was kept
-            self._scaler.scale = payload["loss_scale"]
-        restore_generators(payload["rng"], self.rank, self.model.devices)
+        path, payload = found  # its form checked (RunFiles.latest): each part is there
+        with restoring(path, "loop state"):  # first: it changes nothing if it fails
+            state = LoopState(**payload["loop"])
+        with restoring(path, "model"):
+            self.model.load_state_dict(payload["model"])
+        with restoring(path, "optimizer state"):
+            self.optimizer.load_state_dict(payload["optimizer"])
+        if self.scheduler is not None and payload.get("scheduler") is not None:
+            with restoring(path, "scheduler state"):
+                self.scheduler.load_state_dict(payload["scheduler"])
+        with restoring(path, "loss scaler state"):
+            if "loss_scaler" in payload:
+                self._scaler.load_state_dict(payload["loss_scaler"])
+            else:  # written before the clean-step count was kept
+                self._scaler.scale = float(payload["loss_scale"])
+        self.state = state
+        self.best_state_dict = payload.get("best")
+        with restoring(path, "RNG state"):
+            restore_generators(payload["rng"], self.rank, self.model.devices)
         if self.rank == 0:
             print(f"pyddp: resumed from {path} (epoch {self.state.epoch}, step {self.state.step})")
 

@@ -38,7 +38,12 @@ from .optim import PyddpOptimizer
 from .sync import GradSync
 
 SHARD_PARAMS = exchange("the gathering of a sharded optimizer step's parameters")
-SHARD_STATE = exchange("the gathering of a sharded optimizer's state")
+# Named with its remedy: the usual mistake is calling state_dict() on the
+# saving rank only, and this name is what the other ranks' errors show.
+SHARD_STATE = exchange(
+    "the gathering for a sharded optimizer's state_dict() (state_dict() is collective: "
+    "every rank must call it, also to save on one rank only)"
+)
 
 
 # Optimizers whose update of each element depends on that element alone (and

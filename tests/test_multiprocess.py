@@ -577,6 +577,13 @@ def test_a_full_disk_during_a_checkpoint_is_named_on_every_rank(tmp_path):
     assert ranks[0]["files"] == ["ckpt-00000002.pt"]  # intact, no temporary left
 
 
+def test_a_sharded_optimizers_state_dict_on_rank_0_alone_is_named_as_collective(tmp_path):
+    run = torchrun("zero_alone", tmp_path, 2, {"PYDDP_TIMEOUT_S": "20"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in results(tmp_path, "zero_alone", 2):
+        assert r["error"] is not None and "state_dict() is collective" in r["error"], r
+
+
 def test_evaluating_on_one_rank_and_exchanges_that_do_not_pair(tmp_path):
     run = torchrun("exchanges", tmp_path, 2)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -257,6 +257,43 @@ def test_a_full_disk_during_a_checkpoint_names_the_file_and_keeps_the_last_one(
         assert t.fit((x, y)).state.step == 8
 
 
+def _edited(payload, edit):
+    if edit == "no optimizer":
+        del payload["optimizer"]
+    elif edit == "newer loop":
+        payload["loop"]["tokens_seen"] = 0
+    elif edit == "loop a list":
+        payload["loop"] = [payload["loop"]]
+    elif edit == "model of another net":
+        payload["model"] = {k.replace("2.", "3."): v for k, v in payload["model"].items()}
+    elif edit == "optimizer without groups":
+        del payload["optimizer"]["param_groups"]
+    return payload
+
+
+@pytest.mark.parametrize(
+    "edit,said",
+    [
+        ("no optimizer", 'no "optimizer"'),
+        ("newer loop", "fields this pyddp does not know: tokens_seen"),
+        ("loop a list", '"loop" is a list, not a dict'),
+        ("model of another net", "its model does not fit this Trainer"),
+        ("optimizer without groups", "its optimizer state does not fit this Trainer"),
+    ],
+)
+def test_a_hand_edited_checkpoint_is_refused_naming_the_file_and_what_is_wrong(
+    tmp_path, edit, said
+):
+    x, y = data()
+    with trainer(tmp_path, max_epochs=1) as t:
+        t.fit((x, y))
+    path = list_checkpoints(tmp_path / "checkpoints")[0]
+    torch.save(_edited(torch.load(path, weights_only=True), edit), path)
+    with trainer(tmp_path, max_epochs=2) as t, pytest.raises(ValueError) as caught:
+        t.fit((x, y))
+    assert str(path) in str(caught.value) and said in str(caught.value)
+
+
 # ------------------------------------------------------------ run identity
 def test_resuming_a_changed_run_is_refused_naming_what_differs(tmp_path):
     # The torchrun example rerun with --replicas 2 used to "resume" the

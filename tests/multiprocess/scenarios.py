@@ -950,6 +950,30 @@ def trainer_disk_full(out: dict) -> None:
     out["files"] = sorted(os.listdir(os.path.join(outdir, "checkpoints")))
 
 
+def zero_alone(out: dict) -> None:
+    """A sharded optimizer's state_dict() called on rank 0 alone (to save
+    it there) while rank 1 trains on: both ranks fail, saying the call is
+    collective (it used to read as a rank that died or ran out of batches)."""
+    rank = pyddp.rank()
+    dm = pyddp.wrap(net(), ["cpu"])
+    opt = dm.optimizer(torch.optim.SGD, shard=True, **SGD)
+    batches = data(3, 8)
+
+    def step(x, y) -> None:
+        nn.functional.mse_loss(dm(x[my_rows(8, rank, 2)]), y[my_rows(8, rank, 2)]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def run() -> None:
+        step(*batches[0])
+        if rank == 0:
+            opt.state_dict()
+        for x, y in batches[1:]:
+            step(x, y)
+
+    _expect_failure(out, run)
+
+
 def exchanges(out: dict) -> None:
     """fit, an evaluation on rank 0 alone, fit again: the evaluation used to
     pair its exchange with the other rank's next training step (wrong
