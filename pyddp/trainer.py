@@ -533,7 +533,16 @@ class Trainer:
         self.state = state
         self.best_state_dict = payload.get("best")
         with restoring(path, "RNG state"):
-            restore_generators(payload["rng"], self.rank, self.model.devices)
+            seed, step = self.config.seed, state.step
+            shared = restore_generators(payload["rng"], self.rank, self.model.devices, seed, step)
+        if shared and self.world > 1 and self.rank == 0:
+            warnings.warn(
+                f"pyddp: checkpoint {path} holds one RNG state (written before pyddp kept each "
+                "rank's): rank 0 resumes it, the other ranks draw new streams derived from seed "
+                f"{seed} and step {step}, so their dropout masks differ from rank 0's but are "
+                "not those of an uninterrupted run",
+                stacklevel=4,
+            )
         if self.rank == 0:
             print(f"pyddp: resumed from {path} (epoch {self.state.epoch}, step {self.state.step})")
 
