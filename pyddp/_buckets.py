@@ -36,6 +36,29 @@ def plan_buckets(
     return _C.plan_buckets(list(numels), list(dtypes), list(order), first_cap, cap, taper)
 
 
+def ddp_plan(
+    params: Sequence[torch.Tensor], limits: Sequence[int], order: Optional[Sequence[int]] = None
+) -> List[List[int]]:
+    """torch DDP's bucket plan, by torch's own assignment: with `order`
+    None, its plan at construction (parameters in model order, buckets
+    reversed so the last layers' launch first); with `order` (rank 0's
+    ready order), its rebuilt plan after the first iteration. A
+    communication hook sees these buckets, so a hook that depends on the
+    grouping gives DDP's numbers (GradSync.register_comm_hook)."""
+    import torch.distributed as dist  # torch's own; only a hooked model asks
+
+    if order is None:
+        buckets, _ = dist._compute_bucket_assignment_by_size(
+            list(params), list(limits), [False] * len(params)
+        )
+        return [list(b) for b in reversed(buckets)]
+    tensors = [params[i] for i in order]
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        tensors, list(limits), [False] * len(tensors), list(order)
+    )
+    return [list(b) for b in buckets]
+
+
 class BucketLayout:
     def __init__(
         self,

@@ -26,6 +26,7 @@ from typing import (
 import torch
 from torch import nn
 
+from ._ddp_compat import wrap_options
 from ._join import Join, join_column
 from ._link.control import BUFFERS_BROADCAST
 from ._mirror import ReplicaMirror
@@ -63,7 +64,15 @@ class DistributedModel(nn.Module, Joining):
             )
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
-        opts = _options if _options is not None else Options.for_wrap(options)
+        if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            raise TypeError(
+                f"the model is already wrapped in torch's {type(module).__name__}: wrap its "
+                ".module instead (pyddp replaces it; two data-parallel wrappers would reduce "
+                "every gradient twice)"
+            )
+        if _options is None:
+            _options = Options.for_wrap(wrap_options(options, "pyddp.wrap", placed=False))
+        opts = _options
         if opts.group is None:
             refuse_training_alone()  # before any replica is copied to a device
         self.devices: List[torch.device] = (

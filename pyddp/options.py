@@ -45,6 +45,11 @@ class Options:
     group: Any = None
     broadcast_buffers: bool = True
     threads_per_replica: Optional[int] = None
+    # torch DDP's, for code ported from it: pyddp finds unused parameters
+    # itself at every step; these two shape only the buckets a
+    # communication hook sees, which are DDP's for the same arguments.
+    find_unused_parameters: bool = False
+    static_graph: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
@@ -78,7 +83,14 @@ class Options:
             raise ValueError(
                 f"threads_per_replica={self.threads_per_replica!r} must be an int >= 1"
             )
-        for name in ("taper_buckets", "rebuild_buckets", "check_replicas", "broadcast_buffers"):
+        for name in (
+            "taper_buckets",
+            "rebuild_buckets",
+            "check_replicas",
+            "broadcast_buffers",
+            "find_unused_parameters",
+            "static_graph",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True or False")
 
@@ -93,7 +105,7 @@ class Options:
                 f"unknown wrap option(s) {', '.join(unknown)}; the options are "
                 f"{', '.join(WRAP_OPTIONS)}"
             )
-        return cls(**options, check_replicas=False)
+        return cls(**first_cap_as_ddp(options), check_replicas=False)
 
     @classmethod
     def for_sync(cls, options: Mapping[str, Any]) -> Options:
@@ -105,7 +117,7 @@ class Options:
                 f"GradSync got unknown option(s) {', '.join(unknown + wrap_only)}"
                 + (" (options of pyddp.wrap, which drives the replicas)" if wrap_only else "")
             )
-        return cls(**options)
+        return cls(**first_cap_as_ddp(options))
 
     def keep(self) -> int:
         """Timeline iterations to keep: the option, else $PYDDP_TIMELINE."""
@@ -132,6 +144,8 @@ WRAP_OPTIONS = (
     "timeout_s",
     "timeline",
     "group",
+    "find_unused_parameters",
+    "static_graph",
 )
 _COMPARED = (
     "bucket_cap_mb",
@@ -141,7 +155,19 @@ _COMPARED = (
     "rebuild_buckets",
     "op",
     "broadcast_buffers",
+    "find_unused_parameters",
+    "static_graph",
 )
+
+
+def first_cap_as_ddp(options: Mapping[str, Any]) -> Dict[str, Any]:
+    """torch DDP's rule: a bucket_cap_mb given without first_bucket_cap_mb
+    sizes the first bucket too (the 1 MiB first bucket goes with the
+    default cap only)."""
+    out = dict(options)
+    if "bucket_cap_mb" in out and "first_bucket_cap_mb" not in out:
+        out["first_bucket_cap_mb"] = out["bucket_cap_mb"]
+    return out
 
 
 def _is_number(value: Any) -> bool:

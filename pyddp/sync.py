@@ -11,6 +11,7 @@ process" branches: a single process has a link that does nothing."""
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import warnings
 import weakref
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from . import _C
-from ._buckets import BucketLayout, plan_buckets
+from ._buckets import BucketLayout, ddp_plan, plan_buckets
 from ._comm_hooks import WIRE_DTYPES, check_gpu_state, gpu_wire_dtype, resolve_hook
 from ._hooks import PrepareHook, grad_hook
 from ._link import WorkRecord, connect, resolve_group
@@ -143,6 +144,10 @@ class GradSync:
         self._closed = False
         self._shadowing = False  # shadow_backward() under way
         self._hook_set = False  # register_comm_hook was called (once, as with DDP)
+        # torch DDP's static_graph and find_unused_parameters: they shape its
+        # bucket plan, which a hook sees (_plan_as_ddp); the limits once set.
+        self._ddp_args = (opts.static_graph, opts.find_unused_parameters)
+        self._ddp_limits: Optional[List[int]] = None
         keep = opts.keep()
         self.observer = Observer(keep)
         # The group says which ranks: pyddp reduces on gloo groups of its own
@@ -199,6 +204,7 @@ class GradSync:
             if any(ps[i].grad is not None for ps in self.params):
                 self._engine.note_grad(i, True)
         self._rebuild_pending = opts.rebuild_buckets and self._cap > 0
+        self._rebuild_allowed = opts.rebuild_buckets
         self._engine.set_timeline(keep > 0)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _release, self._handles, self._engine)
@@ -272,15 +278,36 @@ class GradSync:
         order = self.link.root_order(self._engine.ready_order(), len(self.names)) or []
         if len(order) != len(self.names):
             return
-        numels = [p.numel() for p in self.params[0]]
-        buckets = plan_buckets(
-            numels, self.layout.dtypes, order, self._first_cap, self._cap, self._taper
-        )
+        if self._ddp_limits is not None:  # torch DDP's rebuilt plan: a hook sees it
+            buckets = ddp_plan(self.params[0], [self._first_cap, self._cap], order)
+        else:
+            numels = [p.numel() for p in self.params[0]]
+            buckets = plan_buckets(
+                numels, self.layout.dtypes, order, self._first_cap, self._cap, self._taper
+            )
+        self._set_plan(buckets)
+
+    def _set_plan(self, buckets: List[List[int]]) -> None:
         if buckets == self._engine.buckets:
             return
         self._order.fence_all()
         self._engine.set_buckets(buckets)
         self._allocate(buckets)
+
+    def _plan_as_ddp(self) -> None:
+        """A communication hook sees buckets: from now on they are torch
+        DDP's for the same arguments (its initial plan, then its rebuild
+        from rank 0's ready order, or none with find_unused_parameters)."""
+        static, unused = self._ddp_args
+        if static or not unused:
+            self._ddp_limits = [sys.maxsize]  # DDP's first iteration: one bucket
+        elif self._first_cap < self._cap:
+            self._ddp_limits = [self._first_cap, self._cap]
+        else:
+            self._ddp_limits = [self._cap]
+        # DDP rebuilds once unless it looks for unused parameters every step.
+        self._rebuild_pending = self._rebuild_allowed and (static or not unused)
+        self._set_plan(ddp_plan(self.params[0], self._ddp_limits))
 
     # ------------------------------------------------------------- iteration
     def prepare(self, replica: int) -> None:
@@ -591,8 +618,10 @@ class GradSync:
             )
         if self._gpu_devices is None:
             self.link.register_comm_hook(state, hook)
+            if self.link.spans_processes:
+                self._plan_as_ddp()
         else:
-            self._compress_on_gpus(state, hook)
+            self._compress_on_gpus(state, hook)  # elementwise: the grouping does not matter
         self._hook_set = True
 
     def _compress_on_gpus(self, state: Any, hook: Callable[..., Any]) -> None:

@@ -263,3 +263,47 @@ def test_a_single_process_launch_still_runs_in_one_process(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "not a number")  # not a launcher's: one process
     with pyddp.wrap(nn.Linear(2, 2), ["cpu"]):
         pass
+
+
+def test_ddp_keywords_are_accepted_or_refused_with_what_to_use():
+    # Issue 30, item 10: a port from torch DDP got "unknown wrap option".
+    model = nn.Linear(2, 2)
+    for name, value, hint in [
+        ("device_ids", [0], "devices="),
+        ("output_device", 0, "devices[0]"),
+        ("dim", 1, "dim 0"),
+        ("mixed_precision", object(), "autocast"),
+        ("bucket_cap_mb_list", [1, 2], "bucket_cap_mb"),
+    ]:
+        with pytest.raises(TypeError, match=name) as info:
+            pyddp.wrap(model, ["cpu", "cpu"], **{name: value})
+        assert hint in str(info.value)
+    with pytest.raises(TypeError, match="not both"):
+        pyddp.wrap(model, ["cpu"], group=None, process_group=None)
+    ddp_style = dict(find_unused_parameters=True, static_graph=False, dim=0,
+                     gradient_as_bucket_view=True, process_group=None)  # fmt: skip
+    with pyddp.wrap(model, ["cpu", "cpu"], **ddp_style) as dm:
+        dm(torch.ones(4, 2)).sum().backward()
+    with pytest.raises(TypeError, match="find_unused_parameters"):
+        pyddp.wrap(model, ["cpu"], find_unused_parameters="yes")
+
+
+def test_a_model_inside_torchs_data_parallel_wrappers_is_refused_by_name():
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="DataParallel: wrap its .module"):
+        pyddp.wrap(nn.DataParallel(model), ["cpu"])
+
+
+def test_bucket_cap_mb_alone_sizes_the_first_bucket_as_ddp():
+    # torch DDP (2.x): an explicit bucket_cap_mb sizes the first bucket too.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # 16.6 KB per layer
+    cap = 40_000 / 2**20
+    with pyddp.wrap(model, ["cpu", "cpu"], bucket_cap_mb=cap) as dm:
+        alone = dm.sync.buckets
+    with pyddp.wrap(model, ["cpu", "cpu"], bucket_cap_mb=cap, first_bucket_cap_mb=1e-6) as dm:
+        small_first = dm.sync.buckets
+    # Weights 16 KiB, biases 256 B, last layer first: 6 tensors reach 40 KB,
+    # the first bucket too (with pyddp's old 1 MiB first bucket: all 8 in one).
+    assert [len(b) for b in alone] == [6, 2]
+    assert [len(b) for b in small_first] == [1, 5, 2]

@@ -625,6 +625,27 @@ def test_ranks_doing_different_work_are_named_at_the_next_synced_backward(tmp_pa
         assert "the reductions of synced backward 1" in error, error
 
 
+def test_a_hook_sees_ddps_buckets_and_16_bit_wrappers_equal_ddp(tmp_path):
+    """tests/multiprocess/scenarios.py `hook_buckets`: torch's
+    fp16/bf16_compress_wrapper(allreduce_hook) (set_buffer replaces the
+    buffer) and a grouping-dependent hook equal DDP; the buckets the hook
+    sees at every step are DDP's (initial plan, rebuild or none with
+    find_unused_parameters, bucket_cap_mb alone sizing the first bucket)."""
+    run = torchrun("hook_buckets", tmp_path, 2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for r in results(tmp_path, "hook_buckets", 2):
+        for key in [k for k in r if k.endswith("_vs_ddp")]:
+            assert r[key] <= TOL, (key, r[key])
+        for key in [k for k in r if k.endswith("_buckets_ddp")]:
+            mine = r[key.replace("_ddp", "_pyddp")]
+            assert mine == r[key], (key, mine, r[key])
+        # The cases tell plans apart: more than one bucket, and a rebuild
+        # (one bucket at the first step) only without find_unused_parameters.
+        assert len({b[0] for b in r["scaled_unusedFalse_cap0.0005_buckets_ddp"]}) > 1
+        first = [b for b in r["scaled_unusedFalse_cap0.0005_buckets_ddp"] if b[0] == 0][0]
+        assert first[1] is True, first
+
+
 def test_comm_hooks_equal_torch_ddp_with_the_same_hooks(tmp_path):
     run = torchrun("comm_hooks", tmp_path, 2)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -116,7 +116,10 @@ class BucketTransport:
                 f"the communication hook returned {type(future).__name__} for bucket {bucket}; "
                 "it must return a torch.futures.Future of the reduced bucket (torch DDP's rule)"
             )
-        return future.then(functools.partial(_into_bucket, view.buffer()))
+        # Into the bucket as it was before the hook ran: a hook's
+        # set_buffer (torch's fp16_compress_wrapper) replaces what buffer()
+        # returns, not where the result belongs.
+        return future.then(functools.partial(_into_bucket, flat))
 
     def launch_tail(self, part: torch.Tensor) -> None:
         """After the engine's finish (every bucket launched): the agreement's
@@ -209,7 +212,16 @@ class GradBucket:
         return self._flat
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._flat.copy_(tensor)
+        """Replaces the buffer, as torch's: buffer() returns `tensor` from
+        now on (in its dtype: a 16-bit wrapper's hook divides and sums in 16
+        bits, as under DDP); the hook's result still lands in the bucket."""
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() != self._flat.numel():
+            got = f"{tensor.numel()} elements" if isinstance(tensor, torch.Tensor) else tensor
+            raise TypeError(
+                f"GradBucket.set_buffer takes a tensor of the bucket's {self._flat.numel()} "
+                f"elements, got {got!r}"
+            )
+        self._flat = tensor
 
     def gradients(self) -> List[torch.Tensor]:
         return list(self._grads)

@@ -328,6 +328,63 @@ def comm_hooks(out: dict) -> None:
     out["user_seen"] = sorted(set(seen))
 
 
+def hook_buckets(out: dict) -> None:
+    """What a communication hook sees is torch DDP's for the same
+    arguments: the buckets at every step (index, is_last, parameters,
+    size), torch's 16-bit wrappers around allreduce_hook (set_buffer
+    replaces the buffer: the division and the sum in 16 bits), and a hook
+    whose arithmetic depends on the grouping (each bucket scaled by its
+    index). bucket_cap_mb alone sizes the first bucket too (DDP's rule)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    batches = data(4, 12)
+
+    def model() -> nn.Module:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                             nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))  # fmt: skip
+
+    def recording(seen: list, names: dict, scaled: bool):
+        def hook(group, bucket):
+            params = tuple(names[id(p)] for p in bucket.parameters())
+            seen.append((bucket.index(), bucket.is_last(), params, bucket.buffer().numel()))
+            world = dist.get_world_size(group)
+            buf = bucket.buffer().div_(world)
+            if scaled:
+                buf.mul_(1.0 + 0.25 * bucket.index())  # depends on the grouping
+            work = dist.all_reduce(buf, group=group, async_op=True)
+            return work.get_future().then(lambda f: f.value()[0])
+
+        return hook
+
+    bf16 = default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook)
+    wrappers = {
+        "fp16_wrapper": default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook),
+        # torch DDP refuses its bf16 hooks by name without NCCL; gloo sums bf16.
+        "bf16_wrapper": lambda state, bucket: bf16(state, bucket),
+    }
+    cases = [(name, {"bucket_cap_mb": 0.0005}, hook) for name, hook in wrappers.items()]
+    for unused in (False, True):
+        for cap in (0.0005, 0.002):
+            kwargs = {"bucket_cap_mb": cap, "find_unused_parameters": unused}
+            cases.append((f"scaled_unused{unused}_cap{cap}", kwargs, None))
+    for name, kwargs, hook in cases:
+        seen = {"ddp": [], "pyddp": []}
+        ddp_model = model()
+        ddp = nn.parallel.DistributedDataParallel(ddp_model, **kwargs)
+        ddp_names = {id(p): n for n, p in ddp_model.named_parameters()}
+        dopt = torch.optim.SGD(ddp.parameters(), **SGD)
+        ddp.register_comm_hook(None, hook or recording(seen["ddp"], ddp_names, True))
+        pmodel = model()
+        with pyddp.wrap(pmodel, ["cpu"], **kwargs) as dm:
+            pnames = {id(p): n for n, p in pmodel.named_parameters()}
+            dm.register_comm_hook(None, hook or recording(seen["pyddp"], pnames, True))
+            side_by_side(ddp, dopt, dm, batches)
+        out[f"{name}_vs_ddp"] = max_diff(pmodel, ddp_model)
+        out[f"{name}_buckets_ddp"] = seen["ddp"]
+        out[f"{name}_buckets_pyddp"] = seen["pyddp"]
+
+
 class _null:
     def __enter__(self):
         return self
