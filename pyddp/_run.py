@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import random
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 from ._arguments import qualname
 from ._files import SafeDir
+from ._tree import flatten
 
 # pyddp's own temporaries: SafeDir.write_atomic's ".NAME.<16 hex>.tmp" for the
 # files the Trainer writes (checkpoints, best.pt, metrics).
@@ -59,6 +65,78 @@ def run_signature(
         "clip_grad_norm": repr(config.clip_grad_norm),
         "optimizer": f"{qualname(optimizer)}({', '.join(arguments)})",
     }
+
+
+def data_signature(data: Any, batches_per_epoch: int) -> Dict[str, str]:
+    """What a run depends on from its training data (the tensors, Dataset
+    or DataLoader given to fit), cheaply: its rows, its batches per epoch,
+    and a hash of a few samples (the first, the last and two between),
+    never a pass over the data. A finished run "resumed" on other data
+    would train nothing on it; a shorter one would resume past its end."""
+    rows, samples = _rows_and_samples(data)
+    return {
+        "training rows": rows,
+        "training batches per epoch": str(batches_per_epoch),
+        "training samples (hash of 4)": samples,
+    }
+
+
+def _rows_and_samples(data: Any) -> Tuple[str, str]:
+    if isinstance(data, DataLoader):
+        data = data.dataset
+        if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+            return "unknown", "not hashed (an iterable dataset)"
+    pick: Callable[[int], Any]
+    if isinstance(data, (tuple, list)):  # (inputs, targets) tensors, as ShardedLoader takes them
+        leaves = flatten(tuple(data))[0]
+        n = next(t.shape[0] for t in leaves if t.dim() > 0)
+
+        def pick(i: int) -> Any:
+            return [t[i] if t.dim() > 0 else t for t in leaves]
+    else:
+        n, pick = len(data), data.__getitem__
+    h = hashlib.sha256()
+    # Random transforms in a Dataset draw the same numbers in every run, and
+    # the training's own streams are left as they were.
+    state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            random.seed(0)
+            np.random.seed(0)
+            for i in sorted({0, n // 3, 2 * n // 3, n - 1}):
+                _digest(pick(i), h)
+    except Exception as e:  # noqa: BLE001 - a DataLoader's dataset may take other keys than 0..n-1
+        return str(n), f"not hashed (item 0..{n - 1} raised {type(e).__name__})"
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+    return str(n), h.hexdigest()[:16]
+
+
+def _digest(obj: Any, h: Any) -> None:
+    """Feeds `obj`'s values into the hash `h`: tensors and arrays by their
+    bytes, containers item by item, anything else by type (its repr may
+    hold a memory address)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        if t.layout == torch.strided:
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, np.ndarray):
+        h.update(f"{obj.dtype}{obj.shape}".encode() + np.ascontiguousarray(obj).tobytes())
+    elif isinstance(obj, Mapping):
+        for key in sorted(obj, key=str):
+            h.update(str(key).encode())
+            _digest(obj[key], h)
+    elif isinstance(obj, (tuple, list)):
+        h.update(f"[{len(obj)}".encode())
+        for item in obj:
+            _digest(item, h)
+    elif obj is None or isinstance(obj, (bool, numbers.Number, str, bytes)):
+        h.update(repr(obj).encode())
+    else:
+        h.update(type(obj).__qualname__.encode())
 
 
 def _stable(value: Any) -> str:

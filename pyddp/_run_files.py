@@ -43,6 +43,7 @@ class RunFiles:
         self.link = link
         self.config = config  # read when used: resume and max_to_keep may change between fits
         self.signature = signature  # what this run's result depends on
+        self.data: Dict[str, str] = {}  # and from its training data (set by each fit)
         self.classes = classes  # what writes its checkpoints
         self.checked = False  # the folder holds this run's files only
 
@@ -65,7 +66,7 @@ class RunFiles:
     def save(self, payload: Dict[str, Any], step: int) -> Path:
         """Writes `payload` (rank 0 only) as the checkpoint of `step`."""
         return save_checkpoint(
-            {**payload, "classes": self.classes, "run": self.signature},
+            {**payload, "classes": self.classes, "run": {**self.signature, **self.data}},
             self.checkpoints,
             step,
             self.config.max_to_keep,
@@ -81,7 +82,7 @@ class RunFiles:
         path, payload = found
         check_payload(path, payload, [f.name for f in dataclasses.fields(LoopState)])
         check_classes(path, payload.get("classes"), self.classes)
-        changed = run_differences(payload.get("run"), self.signature)
+        changed = run_differences(payload.get("run"), {**self.signature, **self.data})
         if changed and not self.config.resume_if_changed:
             raise ValueError(changed_run_message(path, changed))
         if changed and self.link.rank == 0:

@@ -21,7 +21,7 @@ from ._evaluation import evaluate, shard_rows
 from ._interrupt import CtrlC, sigint_deferred
 from ._link import exchange
 from ._rng import cuda_rng_states, restore_generators, seed_generators
-from ._run import run_signature
+from ._run import data_signature, run_signature
 from ._run_files import RunFiles
 from ._scaler import LossScaler
 from ._state import LoopState
@@ -48,6 +48,7 @@ _RNG = exchange("the RNG states for a checkpoint")
 _OUTPUT_DIR = exchange("rank 0's output directory")
 _SAVED = exchange("rank 0's writing of a checkpoint")
 _BEST = exchange("rank 0's writing of best.pt")
+_DATA = exchange("each rank's training data signature")
 
 
 @dataclass
@@ -244,9 +245,11 @@ class Trainer:
         self._recover_interrupted_fit()
         if self._files is not None:
             self._files.config = cfg  # this fit's resume and max_to_keep
+            self._files.data = self._data_signature(train_data, len(loader))
             self._files.check_dir()
             if cfg.resume:
                 self._resume()
+                self._within_the_epoch(len(loader))
             self._files.checked = True
         # A fit starts at a window boundary: no gradient is carried into it
         # (an aborted backward's, or one the model held when it was wrapped).
@@ -300,6 +303,38 @@ class Trainer:
             "dmodel.join(), which shadows the missing steps instead",
             stacklevel=3,
         )
+
+    def _data_signature(self, train_data: Any, batches: int) -> Dict[str, str]:
+        """What the run depends on from its data, the same on every rank:
+        each rank's entry where the ranks' data differ (a change on any
+        rank is then a change)."""
+        mine = data_signature(train_data, batches)
+        if not self.link.spans_processes:
+            return mine
+        ranks = self.link.gather_objects(mine, _DATA)
+        return {
+            key: value
+            if all(r[key] == value for r in ranks)
+            else ", ".join(f"rank {i}: {r[key]}" for i, r in enumerate(ranks))
+            for key, value in ranks[0].items()
+        }
+
+    def _within_the_epoch(self, batches: int) -> None:
+        """A resumed position past the end of this data's epoch (a shorter
+        loader, resumed with resume_if_changed or from a checkpoint that
+        did not record its data) would skip the rest of the epoch silently:
+        the epoch restarts instead, said in a warning."""
+        state = self.state
+        if state.batch_in_epoch <= batches:  # == batches: its last step was checkpointed
+            return
+        if self.rank == 0:
+            warnings.warn(
+                f"pyddp: resumed at batch {state.batch_in_epoch} of epoch {state.epoch + 1}, "
+                f"past the end of this data's {batches} batches per epoch: epoch "
+                f"{state.epoch + 1} restarts at its first batch",
+                stacklevel=4,
+            )
+        state.batch_in_epoch = 0
 
     def _recover_interrupted_fit(self) -> None:
         """After a fit that raised mid-step: drop partial gradients and redo the

@@ -10,8 +10,10 @@ import functools
 import io
 import json
 import os
+import random
 import signal
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ from torch import nn
 
 import pyddp
 from pyddp._files import UnsafePathError
+from pyddp._run import data_signature
 from pyddp.checkpoint import list_checkpoints, save_checkpoint
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -317,6 +320,78 @@ def test_resuming_a_changed_run_is_refused_naming_what_differs(tmp_path):
     anyway = trainer(tmp_path, max_epochs=3, batch_size=16, resume_if_changed=True)
     with anyway as t, pytest.warns(UserWarning, match="batch_size: checkpoint 32, now 16"):
         assert t.fit((x, y)).state.step == 8 + 7
+
+
+def test_resuming_on_changed_training_data_is_refused_naming_what_differs(tmp_path):
+    # A finished run "resumed" on new data trained 0 steps on it and
+    # returned the old model.
+    x, y = data()
+    with trainer(tmp_path, max_epochs=1) as t:
+        t.fit((x, y))
+    other = torch.randn(97, 6, generator=torch.Generator().manual_seed(1))
+    with trainer(tmp_path, max_epochs=1) as t, pytest.raises(ValueError) as info:
+        t.fit((other, y))
+    text = str(info.value)
+    assert "differs from this one" in text and "training samples (hash of 4)" in text
+    assert "training rows" not in text  # the same length: only the samples differ
+    with trainer(tmp_path, max_epochs=2) as t, pytest.raises(ValueError) as info:
+        t.fit((x[:40], y[:40]))
+    text = str(info.value)
+    assert "training rows: checkpoint 97, now 40" in text
+    assert "training batches per epoch: checkpoint 4, now 2" in text
+    with trainer(tmp_path / "same", max_epochs=1) as t:  # one Trainer, a second fit
+        t.fit((x, y))
+        t.config.max_epochs = 2
+        with pytest.raises(ValueError, match="training samples"):
+            t.fit((other, y))  # resume=True: it resumes its own checkpoint
+
+
+class _Noisy(torch.utils.data.Dataset):
+    """A Dataset with a random transform (noise drawn at each item)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.01 * torch.randn(6), self.y[i]
+
+
+@pytest.mark.parametrize("loader", [False, True])
+def test_the_same_data_with_random_transforms_resumes(tmp_path, loader):
+    # Its samples are hashed with the random generators seeded alike (and
+    # restored after): the same data reads as the same in every run.
+    x, y = data()
+
+    def noisy():
+        d = _Noisy(x, y)
+        return torch.utils.data.DataLoader(d, batch_size=32, shuffle=True) if loader else d
+
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1]
+    first = data_signature(noisy(), 4)
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert (np.random.get_state()[1] == before[2]).all()  # the training's streams untouched
+    assert data_signature(noisy(), 4) == first
+    with trainer(tmp_path, max_epochs=2, max_steps=5) as t:
+        t.fit(noisy())
+    with trainer(tmp_path, max_epochs=2) as t:
+        assert t.fit(noisy()).state.step == 8
+
+
+def test_a_resumed_position_past_the_end_of_shorter_data_restarts_the_epoch(tmp_path):
+    # With resume_if_changed, 3 batches into an epoch of 4 and resumed on an
+    # epoch of 2: it used to skip the rest of the epoch (5 steps, not 7).
+    x, y = data()
+    with trainer(tmp_path, max_epochs=2, max_steps=3) as t:
+        t.fit((x, y))
+    resumed = trainer(tmp_path, max_epochs=2, resume_if_changed=True)
+    with resumed as t, pytest.warns(UserWarning) as caught:
+        assert t.fit((x[:40], y[:40])).state.step == 3 + 2 + 2
+    said = " ".join(str(w.message) for w in caught)
+    assert "training rows: checkpoint 97, now 40" in said
+    assert "resumed at batch 3 of epoch 1, past the end of this data's 2 batches" in said
 
 
 def test_a_fresh_run_never_prunes_another_runs_checkpoints(tmp_path):
