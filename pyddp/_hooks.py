@@ -32,6 +32,7 @@ def grad_hook(
         def on_grad(p: torch.Tensor) -> None:
             if p.grad is not views[i]:
                 _adopt(owner, p, views[i])
+            _began(owner)
             mark(r, i)
 
         return on_grad
@@ -41,6 +42,7 @@ def grad_hook(
         if p.grad is not views[i]:
             streams.before_host_write(device)
             _adopt(owner, p, views[i])
+        _began(owner)
         if produced is not None:  # the simulation's late write (see _streams.py)
             produced(device, views[i])
         # Autograd runs this hook on the stream that accumulated the
@@ -48,6 +50,16 @@ def grad_hook(
         mark(r, i, current(device))
 
     return on_grad_gpu
+
+
+def _began(owner: Any) -> None:
+    """Tells the wrapped model a gradient arrived (GradSync.on_backward_start,
+    a weak method, set where a backward may bypass its outputs)."""
+    sync = owner()
+    if sync is not None and sync.on_backward_start is not None:
+        began = sync.on_backward_start()
+        if began is not None:
+            began()
 
 
 def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor) -> None:

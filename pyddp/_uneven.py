@@ -24,6 +24,7 @@ over the global batch either way."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator, List
 
 import torch
@@ -32,6 +33,9 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ._after_join import align_optimizers
 from ._link.control import BUFFERS_BROADCAST
+from .errors import ReduceError, ReplicaError, TrainingError
+
+_OWN = (ReduceError, ReplicaError, TrainingError)  # pyddp's errors name their cause
 
 
 class Joining(Joinable):
@@ -80,9 +84,17 @@ class Joining(Joinable):
             throw_on_early_termination=throw,
             divide_by_initial_world_size=divide,
         )
+        join.__enter__()
         try:
-            with join:
+            try:
                 yield
+            except BaseException:
+                join.__exit__(*sys.exc_info())  # torch's: returns at once on an error
+                raise
+            # The block is done: torch's Join waits for the other ranks with
+            # all-reduces of its own, named if a rank dies or stops meanwhile.
+            what = "torch's Join, waiting for the ranks that still have inputs"
+            self._guarded(what, join.__exit__, None, None, None)
         finally:
             self._leave_join()
 
@@ -129,7 +141,20 @@ class Joining(Joinable):
         joined, before anything of this step happened (the model stays
         usable)."""
         if self._join_config.enable:
-            Join.notify_join_context(self)
+            what = "torch's Join, saying this rank still has inputs"
+            self._guarded(what, Join.notify_join_context, self)
+
+    def _guarded(self, what: str, fn: Any, *args: Any) -> None:
+        """fn(*args), torch's Join's own collectives: a rank that died or
+        stopped meanwhile is named (not gloo's "Connection reset" or its
+        timeout); throw_on_early_termination's own error passes as torch
+        raises it (the model stays usable)."""
+        try:
+            fn(*args)
+        except RuntimeError as e:
+            if isinstance(e, _OWN) or ("exhausted" in str(e) and not isinstance(e, dist.DistError)):
+                raise  # pyddp's, already named (a shadowed step), or torch's throw
+            self.sync.link.guarded(what, _raise, e)
 
     def _join_forward(self, rows: int) -> None:
         """Under Join, before the buffer broadcast of a forward: pyddp's
@@ -139,7 +164,7 @@ class Joining(Joinable):
         grad = torch.is_grad_enabled()
         self.sync.link.join_step(
             True,
-            grad and self.module.training and self.broadcast_buffers,
+            grad and self._buffers_due,
             grad and self.sync.syncing,
             float(rows),
         )
@@ -161,11 +186,11 @@ class _ShadowHook(JoinHook):
         m = self.model
         m._check_open()
         step = m.sync.link.join_step(False, False, False, 0.0)
-        if step.broadcasts:
-            m.sync.link.broadcast(list(m.module.buffers()), BUFFERS_BROADCAST)
-            m._copy_buffers()
         if step.syncs:
             m.sync.shadow_backward()
+        if step.broadcasts:  # after the backward, as the ranks with inputs
+            m.sync.link.broadcast(list(m.module.buffers()), BUFFERS_BROADCAST)
+            m._copy_buffers()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank joined: every rank takes the last joiner's model."""
@@ -181,3 +206,7 @@ class _ShadowHook(JoinHook):
             m._apart_after_join = align_optimizers(m, source, steps)  # and schedulers
         finally:
             m._leave_join()
+
+
+def _raise(e: BaseException) -> None:
+    raise e

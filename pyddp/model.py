@@ -116,8 +116,12 @@ class DistributedModel(nn.Module, Joining):
         self._syncbn: Optional[SyncBatchNorms] = None
         self._optimizers: List[weakref.ref] = []  # dmodel.optimizer's, for Join's end
         self._apart_after_join = ""  # why training is refused after Join (_after_join.py)
+        self._buffers_due = False  # rank 0's buffers to every rank after this backward
+        self._outputs_in_backward = 0  # dmodel outputs the running backward went through
         if sync_layers(self.module) and not self._passthrough:
             self._syncbn = self._bind_sync_batchnorm(replicas, opts)
+        if len(replicas) == 1 and not self._passthrough:
+            self.sync.on_backward_start = weakref.WeakMethod(self._backward_began)
 
     def _bind_sync_batchnorm(self, replicas: List[nn.Module], opts: Options) -> SyncBatchNorms:
         gpus = self.sync.gpu_devices
@@ -421,8 +425,16 @@ class DistributedModel(nn.Module, Joining):
             if self._apart_after_join:
                 raise RuntimeError(self._apart_after_join)  # on every rank alike
             self._finish_queued = False  # a backward that raised never ran its callback
+            self._outputs_in_backward = 0
             self.sync.prepare_all()
         self._follow_model()
+        if torch.is_grad_enabled():
+            self._buffers_due = (
+                self.broadcast_buffers
+                and self.sync.link.spans_processes
+                and self.module.training
+                and self.sync.syncing
+            )
         self._join_forward(rows)  # under Join: what the joined ranks shadow
         # Training forwards (DDP's default) and eval forwards alike: replicas > 0
         # updated their own BatchNorm statistics in their last training forward.
@@ -452,16 +464,26 @@ class DistributedModel(nn.Module, Joining):
             self._copy_buffers()
 
     def broadcast_buffers_now(self) -> None:
-        """Copies replica 0's buffers (BatchNorm statistics) to the others, if
-        broadcast_buffers is on: DDP's default before every training forward;
-        eval-mode forwards too, so every replica evaluates with replica 0's."""
+        """Copies replica 0's buffers (BatchNorm statistics) to this
+        process's other replicas, if broadcast_buffers is on: before every
+        forward, so every replica runs with replica 0's. Across processes
+        they were made rank 0's at the end of the last synced training
+        backward (_buffers_after_backward)."""
         if self.broadcast_buffers:
-            link = self.sync.link
-            if link.spans_processes and self.module.training and torch.is_grad_enabled():
-                # Across processes only before training forwards, as torch DDP:
-                # an evaluation may run on some ranks only.
-                link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
             self._copy_buffers()
+
+    def _buffers_after_backward(self) -> None:
+        """torch DDP's buffer rule, across processes: after a synced training
+        forward (grad enabled, not under no_sync()), rank 0's buffers (the
+        highest rank with inputs under Join) go to every rank. DDP sends
+        them before the next forward, whatever its mode; pyddp sends the
+        same values at the end of that forward's backward (not earlier: the
+        backward may read buffers its forward saved), so an evaluation that
+        follows sees DDP's statistics on every rank without communicating,
+        and may still run on some ranks only."""
+        if self._buffers_due:
+            self._buffers_due = False
+            self.sync.link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
 
     def _copy_buffers(self) -> None:
         self._check_open()
@@ -503,6 +525,19 @@ class DistributedModel(nn.Module, Joining):
         """Runs in the outer backward when it reaches the gathered output or the
         returned loss: schedules the end-of-backward bookkeeping and, for CPU
         replicas, runs every replica's backward on its worker."""
+        if self._outputs_in_backward:
+            # The outputs of two dmodel(...) calls in one backward: each
+            # replica's gradients would arrive twice in one synced backward.
+            self._outputs_in_backward = 0
+            self._finish_queued = False
+            self.sync.abort("one backward ran over the outputs of two dmodel(...) calls")
+            raise RuntimeError(
+                "pyddp: one backward runs over the outputs of two dmodel(...) calls (e.g. "
+                "(dmodel(a).sum() + dmodel(b).sum()).backward()): each replica's gradients "
+                "would be produced twice in one synced backward. Concatenate the batches into "
+                "one call, or backward each loss in turn (docs/troubleshooting.md)"
+            )
+        self._outputs_in_backward += 1
         if not self._finish_queued:
             # The first join of this backward, before any replica accumulates:
             # after a backward over a graph kept with retain_graph=True (no
@@ -551,9 +586,28 @@ class DistributedModel(nn.Module, Joining):
             self.sync.abort()
             raise
 
+    def _backward_began(self) -> None:
+        """A gradient arrived in a backward that did not pass through this
+        model's outputs (Lightning's manual_backward inside the wrapped
+        forward, a loss of `.module`'s outputs, two backwards in one
+        training_step): its end is queued from here, as torch DDP's reducer
+        queues its own from its first gradient hook. One replica only:
+        several replicas need the outputs to run their backwards."""
+        if self._finish_queued:
+            return
+        # As _backward's first join: a previous reduction's copy is taken
+        # before this backward accumulates over it.
+        self.sync.restart_accumulation()
+        if self._syncbn is not None:
+            self._syncbn.exchange.reset(1)
+        self._finish_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
     def _end_of_backward(self) -> None:
         self._finish_queued = False
+        self._outputs_in_backward = 0
         self.sync.finish()
+        self._buffers_after_backward()
 
 
 def _keep_graph() -> bool:
@@ -587,7 +641,7 @@ def wrap(
     Across processes (torch.distributed initialised, or `group=` a process
     group): every rank must wrap the same model (checked: a ValueError names
     the first difference); rank 0's parameters and buffers are broadcast at
-    wrap and its buffers before each training forward; gradients are summed
+    wrap and its buffers after each synced training step; gradients are summed
     over this process's replicas and averaged over processes, as torch DDP.
 
     `options` (pyddp.options.Options, checked there; an unknown one raises

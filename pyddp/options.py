@@ -30,7 +30,8 @@ class Options:
     iterations of events to keep (None: $PYDDP_TIMELINE or 0); check_replicas:
     refuse replicas that differ at construction; group: the torch.distributed
     process group to span; broadcast_buffers: replica 0's buffers to the
-    others before each training forward (wrap); threads_per_replica: each
+    others before each forward, and rank 0's to every rank after each
+    synced training step (wrap); threads_per_replica: each
     replica's torch intra-op threads (wrap)."""
 
     bucket_cap_mb: float = 25.0

@@ -144,6 +144,10 @@ class GradSync:
         self._closed = False
         self._shadowing = False  # shadow_backward() under way
         self._hook_set = False  # register_comm_hook was called (once, as with DDP)
+        # wrap's, with one replica per process: a weak method the gradient
+        # hooks call, so a backward that bypasses the wrapped model's outputs
+        # still ends with finish() (_hooks._began).
+        self.on_backward_start: Optional[weakref.WeakMethod] = None
         # torch DDP's static_graph and find_unused_parameters: they shape its
         # bucket plan, which a hook sees (_plan_as_ddp); the limits once set.
         self._ddp_args = (opts.static_graph, opts.find_unused_parameters)

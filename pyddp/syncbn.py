@@ -64,7 +64,7 @@ class Exchange:
         self,
         replicas: int,
         device: torch.device,
-        across: Optional[Callable[[torch.Tensor], None]],
+        across: Optional[Callable[[torch.Tensor, str], None]],
         timeout_s: float,
         gpu: Optional[Tuple[Sequence[int], Any]] = None,
     ):
@@ -119,7 +119,8 @@ class Exchange:
                     total = total + s.to(self.device)  # type: ignore[union-attr]
                 try:
                     if self.across is not None:
-                        self.across(total)  # one thread per process: the same order everywhere
+                        # One thread per process: the same order everywhere.
+                        self.across(total, what)
                 except BaseException as e:
                     self._broken = f"replica {r}'s exchange across processes raised: {e}"
                     self._cond.notify_all()
@@ -257,12 +258,15 @@ def _global_forward(
 
     dims = _reduce_dims(x)
     n = x.numel() // x.shape[1]
+    # Named before no_grad: across processes the meeting's header says
+    # which forward this is (_link/meetings.py).
+    what = "forward" if torch.is_grad_enabled() else "forward without grad"
     with torch.no_grad():
         dtype = torch.promote_types(x.dtype, torch.float32)
         var, m = torch.var_mean(x.detach().to(dtype), dims, correction=0)
         m64, v64 = m.to(STATS_DTYPE), var.to(STATS_DTYPE)
         stats = torch.stack([torch.full_like(m64, float(n)), n * m64, n * (v64 + m64 * m64)])
-        total = meet(stats, "forward")
+        total = meet(stats, what)
         count = float(total[0, 0])
         if count <= 1:
             raise ValueError(
@@ -297,7 +301,7 @@ class SyncBatchNorms:
         self,
         replicas: Sequence[nn.Module],
         device: torch.device,
-        across: Optional[Callable[[torch.Tensor], None]],
+        across: Optional[Callable[[torch.Tensor, str], None]],
         timeout_s: float,
         gpu: Optional[Tuple[Sequence[int], Any]] = None,
     ):

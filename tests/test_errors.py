@@ -191,6 +191,19 @@ def test_parameter_used_outside_forward_is_an_error():
     dm(x).sum().backward()  # recovers
 
 
+def test_one_backward_over_two_outputs_names_the_cause_and_remedy():
+    # Issue 30, item 11: the message suggested weight decay or no_sync().
+    dm = pyddp.wrap(nn.Linear(3, 2), ["cpu", "cpu"])
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    with pytest.raises(RuntimeError, match="two dmodel") as info:
+        (dm(a).sum() + dm(b).sum()).backward()
+    assert "Concatenate the batches" in str(info.value)
+    assert "weight_decay" not in str(info.value)
+    dm.zero_grad()
+    dm(torch.cat([a, b])).sum().backward()  # recovers
+    assert all(p.grad is not None for p in dm.parameters())
+
+
 def test_loss_fn_must_return_a_scalar():
     dm = pyddp.wrap(nn.Linear(3, 2), ["cpu", "cpu"])
     with pytest.raises(pyddp.ReplicaError, match="scalar"):

@@ -121,11 +121,12 @@ def test_processes_equal_single_device_and_torch_ddp(tmp_path, basics, nproc, lo
         # the buckets: equal to one device; exchanges only where needed.
         assert r["weighing_grad"] <= TOL and r["weighing_params"] <= TOL, r
         assert r["weighing_loss"] <= TOL, r
-        # Per micro-batch: 1 buffer broadcast before its forward (BatchNorm),
+        # Per micro-batch: 1 buffer broadcast after its synced backward
+        # (BatchNorm; none after the no_sync() micro-batch, torch DDP's rule),
         # + the rows exchange at the first step, after rows changed (step 4)
         # and in the no_sync() window (both micro-batches), + the bucket plan
         # after the first step. Steady steps: the broadcast alone.
-        assert r["weighing_exchanges"] == [3, 1, 1, 2, 2, 2, 1], r["weighing_exchanges"]
+        assert r["weighing_exchanges"] == [3, 1, 1, 2, 1, 2, 1], r["weighing_exchanges"]
         assert r["gradsync_rare"] <= TOL, "used on one rank only: reduced everywhere"
         assert r["gradsync_rare_has_grad"] and r["gradsync_never_none"]
         assert r["replicas_equal"]
@@ -155,6 +156,26 @@ def test_a_killed_rank_is_named_quickly(tmp_path):
     where = "bucket" in r0["error"] or "the agreement at the end" in r0["error"]
     assert "missing: rank 1" in r0["error"] and where, r0["error"]
     assert r0["seconds"] < 30, "a dead peer is seen long before the timeout"
+
+
+@pytest.mark.parametrize("scenario", ["killed_in_join", "killed_in_syncbn"])
+def test_a_rank_killed_in_join_or_a_syncbatchnorm_meeting_is_named(tmp_path, scenario):
+    # Issue 30, item 14: gloo's raw "Connection reset" / "Timed out", no rank.
+    codes = env_launch(scenario, tmp_path, 2, {"PYDDP_TIMEOUT_S": "30"})
+    assert codes[1] == 3  # rank 1 died on purpose
+    r0 = json.loads((tmp_path / f"{scenario}.rank0.json").read_text())
+    assert r0["error"] is not None, "rank 0 must not hang or succeed"
+    assert "missing: rank 1" in r0["error"], r0["error"]
+
+
+def test_torchrun_reports_pyddps_named_error_as_the_root_cause(tmp_path):
+    # Issue 30, item 15: the launcher's summary read "Signal 6" (a gloo
+    # thread aborting once the peer closed) or "To enable traceback see".
+    run = torchrun("named_exit", tmp_path, 2, {"PYDDP_TIMEOUT_S": "20"})
+    assert run.returncode != 0
+    root = run.stderr[run.stderr.index("Root Cause") :]
+    assert "pyddp: across 2 processes" in root, root[-2000:]
+    assert "Signal 6" not in root and "To enable traceback" not in root.split("Other")[0]
 
 
 def test_a_stalled_rank_is_an_error_within_the_timeout(tmp_path):
@@ -334,6 +355,16 @@ def test_join_per_epoch_leaves_no_stale_gradient_and_aligns_optimizer_state(tmp_
     for key in got[0]:
         if key.endswith(("_params", "_state", "_lr_epoch")):
             assert got[0][key] == got[1][key], key  # the ranks are one model again
+
+
+def test_a_syncbatchnorm_forward_on_one_rank_is_named_on_every_rank(tmp_path):
+    """Issue 30, item 7 (tests/multiprocess/scenarios.py `syncbn_alone`):
+    SyncBatchNorm's exchanges carry a header like the control exchanges."""
+    run = torchrun("syncbn_alone", tmp_path, 2, {"PYDDP_TIMEOUT_S": "20"})
+    assert run.returncode == 0, run.stderr[-3000:]  # no SIGABRT
+    for r in results(tmp_path, "syncbn_alone", 2):
+        assert r["error"] and "do not pair across ranks" in r["error"], r
+        assert "a forward without grad" in r["error"] and "a forward with grad" in r["error"]
 
 
 def test_trainer_trains_the_smallest_number_of_batches_when_ranks_data_are_uneven(tmp_path):

@@ -7,6 +7,8 @@ the store's host may itself be stopped."""
 from __future__ import annotations
 
 import functools
+import json
+import os
 import threading
 import time
 from typing import Any, Dict, Optional
@@ -41,6 +43,7 @@ class Failure:
                 "processes can no longer agree on the step: restart them (torchrun "
                 "--max-restarts=K resumes a Trainer from its last checkpoint)"
             )
+            report_to_launcher(self.failed)
             self._publish(reason)
 
     def call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
@@ -94,6 +97,7 @@ class Failure:
             "this: restart the processes (torchrun --max-restarts=K resumes a Trainer from "
             "its last checkpoint)"
         )
+        report_to_launcher(f"ProcessGroupError: {self.failed}")
         raise ProcessGroupError(self.failed)
 
     # ------------------------------------------------------------ the store
@@ -236,3 +240,23 @@ def _quoted(text: str, limit: int = 300) -> str:
     # Quotes, not repr(): repr escapes the apostrophes of pyddp's own
     # messages ("rank 0\'s buffers") once they also hold double quotes.
     return "'" + clean[:limit] + ("..." if len(clean) > limit else "") + "'"
+
+
+def report_to_launcher(message: str) -> None:
+    """Writes pyddp's named failure where torchrun reads a worker's error
+    (TORCHELASTIC_ERROR_FILE, torch elastic's format), so the launcher's
+    root cause is this message, not the "Signal 6" of a gloo thread that
+    aborts the process once a peer closes its sockets, nor "To enable
+    traceback see ...". Without the variable (not under torchrun) nothing
+    is written; a later error recorded by torch's @record replaces it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # The plain form (a string message and a timestamp): torchrun prints the
+    # message itself where the structured form shows only a call stack.
+    data = {"message": message, "timestamp": str(int(time.time()))}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the named error is raised anyway; only the launcher's summary loses it

@@ -8,7 +8,7 @@ join hook makes the same exchange and shadows exactly that, nothing more:
 summed over the ranks: which ranks still have inputs (the highest of them
 is the source of the buffer broadcast in place of rank 0, which may have
 joined: torch DDP's choice under Join), whether they broadcast buffers
-before this forward (a training forward with grad enabled), whether a
+at the end of its backward (a synced training forward), whether a
 synced backward follows it (grad enabled, not under no_sync()), and the rows
 of the global batch over them, so that dmodel.loss weighs every forward
 exactly without an exchange of its own.
@@ -37,7 +37,7 @@ class JoinStep:
     """One forward under Join, as every rank sees it."""
 
     active: List[int]  # the ranks (in the group's order) that have inputs
-    broadcasts: bool  # they broadcast buffers before this forward
+    broadcasts: bool  # they broadcast buffers at the end of its backward
     syncs: bool  # a synced backward follows it
     rows: float  # the global batch's rows, over the active ranks
 

@@ -130,6 +130,12 @@ class Link:
         """Element-wise sums over processes of CPU tensors, in place."""
         return list(tensors)
 
+    def guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        """fn(*args), a collective of someone else's on the group (torch's
+        Join): across processes its failure is named, with the ranks that
+        died or stopped."""
+        fn(*args)
+
     def from_root(self, obj: Any, what: str, root: int = 0) -> Any:
         """Rank `root`'s `obj` on every process (rank 0 unless said)."""
         return obj
@@ -152,7 +158,8 @@ class Link:
         returns that rank. One process: this one."""
         return 0
 
-    def stats_summer(self) -> Optional[Callable[[torch.Tensor], None]]:
+    def stats_summer(self) -> Optional[Callable[[torch.Tensor, str], None]]:
         """For SyncBatchNorm: a function that sums a CPU tensor over the
-        processes in place (None: one process, nothing to sum)."""
+        processes in place, given "forward" or "backward" (None: one
+        process, nothing to sum)."""
         return None

@@ -14,9 +14,10 @@ from ..errors import ProcessGroupError
 from .agreement import Agreement
 from .control import BUFFERS_BROADCAST, LOSS_WEIGHTS, PARAMS_BROADCAST, Control
 from .failure import Failure
-from .groups import Peers, allreduce, own_group
+from .groups import Peers
 from .joining import JOIN_FINAL, JOIN_LAST, JOIN_STEP, JoinStep, decode, encode, last_joiner
 from .link import Link
+from .meetings import Meetings
 from .record import WorkRecord, watch_steps
 from .route import DeviceRoute
 from .transport import BucketTransport
@@ -296,7 +297,7 @@ class ProcessLink(Link):
         # Under Join, rank 0 may have joined: the highest rank with inputs.
         root = self.join.source if self.join is not None and what == BUFFERS_BROADCAST else 0
         if self._route is not None and what == BUFFERS_BROADCAST:
-            # GPUs, before every training forward: on the device, through
+            # GPUs, after every synced training step: on the device, through
             # NCCL, as torch DDP does (no host round trip).
             self._route.broadcast(tensors, self.rank == root)
         else:
@@ -338,23 +339,17 @@ class ProcessLink(Link):
     def sum_tensors(self, tensors: Sequence[torch.Tensor], what: str) -> List[torch.Tensor]:
         return self.control.sum_tensors(tensors, what)
 
+    def guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        self.failure.call(what, fn, *args)
+
     def from_root(self, obj: Any, what: str, root: int = 0) -> Any:
         return self.control.from_root(obj, what, root)
 
     def gather_objects(self, obj: Any, what: str) -> List[Any]:
         return self.control.gather_objects(obj, what)
 
-    def stats_summer(self) -> Optional[Callable[[torch.Tensor], None]]:
-        # A gloo group of its own, made now (at wrap, on every rank): the
-        # statistics are summed mid-forward and mid-backward, while buckets
-        # are in flight on the data group and the agreement on the control one.
-        group = own_group(self.peers, "stats")
-
-        def sum_(t: torch.Tensor) -> None:
-            self.failure.check_abandoned()
-            self.failure.wait(allreduce(group, t), "SyncBatchNorm statistics")
-
-        return sum_
+    def stats_summer(self) -> Optional[Callable[[torch.Tensor, str], None]]:
+        return Meetings(self.peers, self.failure)
 
 
 class _Window:

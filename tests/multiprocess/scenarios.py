@@ -650,6 +650,74 @@ def killed(out: dict) -> None:
     out["error"] = None
 
 
+def killed_in_join(out: dict) -> None:
+    """Rank 1 dies while rank 0, out of batches, waits in dmodel.join()
+    (torch's Join's all-reduces, pyddp's shadowed steps): rank 0 must name
+    it, not report gloo's "Connection reset"."""
+    rank = pyddp.rank()
+    torch.manual_seed(0)
+    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    t0 = time.monotonic()
+    try:
+        with dm.join():
+            for step in range(1 if rank == 0 else 4):
+                if rank == 1 and step == 2:
+                    time.sleep(1.0)  # rank 0 is in its join loop by now
+                    os._exit(3)
+                nn.functional.mse_loss(dm(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - t0
+
+
+def killed_in_syncbn(out: dict) -> None:
+    """Rank 1 dies in its second forward, before SyncBatchNorm's meeting
+    that rank 0 waits in: rank 0 must name it."""
+    rank = pyddp.rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(model), ["cpu"])
+    step = [0]
+    if rank == 1:
+        model[0].register_forward_hook(lambda *a: os._exit(3) if step[0] == 1 else None)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    t0 = time.monotonic()
+    try:
+        for step[0] in range(3):
+            nn.functional.mse_loss(dm(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - t0
+
+
+class _Escape(BaseException):
+    """Not caught by main(): the process ends with it, as a user's would."""
+
+
+def named_exit(out: dict) -> None:
+    """Rank 0 alone in eval(): every rank's synced backward raises pyddp's
+    named error, and the processes end with it (uncaught): torchrun's root
+    cause must read pyddp's message (tested from torchrun's own report)."""
+    torch.manual_seed(0)
+    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), ["cpu"])
+    if pyddp.rank() == 0:
+        dm.eval()
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    try:
+        nn.functional.mse_loss(dm(x), y).backward()
+    except pyddp.ReduceError as e:
+        raise _Escape("the named error ends the process") from e
+
+
 def stalled(out: dict) -> None:
     """Rank 1 stops arriving (sleeps); rank 0 fails within PYDDP_TIMEOUT_S."""
     rank = pyddp.rank()
@@ -1166,6 +1234,33 @@ def _maybe_simulated_gpus(replicas: int) -> Tuple[dict, Callable[[], None]]:
         return {}, lambda: None
     _, streams, devices = _simulated_gpus(replicas)
     return {"_gpu": (devices, streams)}, functools.partial(streams.synchronize_all, devices)
+
+
+def syncbn_alone(out: dict) -> None:
+    """SyncBatchNorm, hostile: rank 0 alone runs a forward in training mode
+    without grad (logging) between two training steps. Its statistics
+    exchange must not pair with rank 1's training forward: every rank
+    raises naming each rank's exchange (gloo aborted the process on the
+    sizes that differ, or the statistics mixed silently)."""
+    rank = pyddp.rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(model), ["cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    g = torch.Generator().manual_seed(4)
+    try:
+        for step in range(3):
+            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+            if step == 1 and rank == 0:
+                with torch.no_grad():
+                    dm(x)  # logging, on rank 0 only
+            nn.functional.mse_loss(dm(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    dm.close()
 
 
 def syncbn(out: dict) -> None:
