@@ -152,10 +152,11 @@ class DistributedModel(nn.Module, Joining):
 
     def optimizer(
         self,
-        cls: Type[torch.optim.Optimizer],
+        cls: Optional[Type[torch.optim.Optimizer]] = None,
         params: Optional[ParamsFn] = None,
         *,
         shard: bool = False,
+        optimizer_class: Optional[Type[torch.optim.Optimizer]] = None,
         **kwargs: Any,
     ) -> torch.optim.Optimizer:
         """One optimizer stepping every replica (an instance of `cls`'s subclass).
@@ -164,7 +165,12 @@ class DistributedModel(nn.Module, Joining):
         holds optimizer state for its share of the parameters only, and
         state_dict() is the unsharded one's (CPU replicas)."""
         self._check_open()
-        opt = replicated_optimizer(self.sync, cls, params, shard, **kwargs)
+        if (cls is None) == (optimizer_class is None):
+            raise TypeError(
+                "dmodel.optimizer takes the optimizer class once: as its first argument, or "
+                "as optimizer_class= (torch's ZeroRedundancyOptimizer spelling)"
+            )
+        opt = replicated_optimizer(self.sync, cls or optimizer_class, params, shard, **kwargs)
         if not shard:  # a sharded one cannot step under Join (zero.py)
             self._optimizers.append(weakref.ref(opt))
         return opt

@@ -63,7 +63,7 @@ class PyddpOptimizer:
     add alike to the user's class, which follows this one among their bases:
     no closure, hyper-parameters set on this object (LR schedulers) reach the
     optimizers stepping the other replicas, zero_grad through GradSync's
-    buckets, no add_param_group after construction, no pickling. Set on the
+    buckets, add_param_group on every replica, no pickling. Set on the
     instance: _pyddp_sync, _pyddp_broken, _pyddp_owns_all (it steps every
     parameter) and _pyddp_grads (every replica's parameters it steps)."""
 
@@ -102,12 +102,38 @@ class PyddpOptimizer:
                 p.grad.zero_()
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        if getattr(self, "_pyddp_sync", None) is not None:
+        """As torch's (unfreezing layers mid-run): `param_group["params"]` are
+        the wrapped model's (replica 0's) parameters; each replica's
+        optimizer gets its own copies' group. Not on a sharded optimizer,
+        whose shards were planned over the parameters it had."""
+        sync = getattr(self, "_pyddp_sync", None)
+        if sync is None:  # torch's own constructor adding the groups given
+            super().add_param_group(param_group)  # type: ignore[misc]  # the user's class
+            return
+        others = getattr(self, "_pyddp_others", None)
+        if others is None:
             raise RuntimeError(
-                "add_param_group is not supported on a pyddp optimizer: pass every group "
-                "through dmodel.optimizer(cls, params=fn) instead"
+                "add_param_group is not supported on a sharded optimizer (shard=True): its "
+                "shards were planned over the parameters it was made with; pass every group "
+                "through dmodel.optimizer(cls, params=fn, shard=True) instead"
             )
-        super().add_param_group(param_group)  # type: ignore[misc]  # the user's class
+        params = param_group.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        index = {id(p): i for i, p in enumerate(sync.params[0])}
+        unknown = [p for p in params if id(p) not in index]
+        if unknown:
+            raise ValueError(
+                f"add_param_group: {len(unknown)} parameter(s) are not trainable parameters "
+                "of the wrapped model (replica 0's, requires_grad=True when wrapped); pyddp "
+                "steps each replica's own copy of the ones it knows"
+            )
+        super().add_param_group({**param_group, "params": params})  # type: ignore[misc]
+        for r, other in enumerate(others, start=1):
+            copies = [sync.params[r][index[id(p)]] for p in params]
+            other.add_param_group({**param_group, "params": copies})
+        self._pyddp_grads += [p for ps in sync.params for p in (ps[index[id(q)]] for q in params)]
+        mine = {id(p) for group in self.param_groups for p in group["params"]}
+        self._pyddp_owns_all = mine >= {id(p) for p in sync.params[0]}
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(

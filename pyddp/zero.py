@@ -257,6 +257,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
     class Sharded(PyddpOptimizer, cls):  # type: ignore[misc, valid-type]
         def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
             self._pyddp_begin_step(closure, self._pyddp_inner)
+            self._pyddp_consolidated = None  # the state moves on
             sync = self._pyddp_sync
             if sync.link.join is not None:
                 raise NotImplementedError(
@@ -322,9 +323,26 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 for r in range(1, local):
                     torch._foreach_copy_(sync.params[r], sync.params[0])
 
+        def consolidate_state_dict(self, to: int = 0) -> None:
+            """torch's ZeroRedundancyOptimizer spelling, for ported code:
+            collective (every rank calls it); afterwards rank `to` (in the
+            wrapped model's group) may call state_dict() alone, until the
+            next step or load. state_dict() called on every rank needs no
+            consolidation."""
+            link = self._pyddp_sync.link
+            if not isinstance(to, int) or not 0 <= to < link.world:
+                raise ValueError(f"consolidate_state_dict: to={to!r} is not a rank of the group")
+            full = self.state_dict()
+            self._pyddp_consolidated = full["state"] if link.rank == to else None
+
         def state_dict(self) -> Dict[str, Any]:
             """The unsharded optimizer's state dict (collective across
-            processes: every rank calls it, every rank gets it)."""
+            processes: every rank calls it, every rank gets it; after
+            consolidate_state_dict(to=r), rank r alone may)."""
+            sizes = [len(idx) for idx in self._pyddp_layout]
+            kept = getattr(self, "_pyddp_consolidated", None)
+            if kept is not None:  # hyper-parameters as they are now (LR schedulers)
+                return {"state": kept, "param_groups": _numbered(self.param_groups, sizes)}
             sync = self._pyddp_sync
             # GPUs: pieces cross processes through the host, and are joined
             # on replica 0's device.
@@ -357,12 +375,12 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                     else:  # a scalar (the step count): the same in every piece
                         merged[key] = value
                 state[position[i]] = merged
-            sizes = [len(idx) for idx in self._pyddp_layout]
             return {"state": state, "param_groups": _numbered(self.param_groups, sizes)}
 
         def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
             """Loads an unsharded optimizer's state dict (or this one's):
             each shard takes its pieces' state."""
+            self._pyddp_consolidated = None
             groups = state_dict.get("param_groups")
             if not isinstance(groups, list) or len(groups) != len(self.param_groups):
                 raise ValueError(

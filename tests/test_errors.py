@@ -219,10 +219,38 @@ def test_optimizer_misuse():
     opt = dm.optimizer(torch.optim.LBFGS)
     with pytest.raises(ValueError, match="closure"):
         opt.step(lambda: 0.0)
-    with pytest.raises(RuntimeError, match="add_param_group"):
+    with pytest.raises(ValueError, match="add_param_group: 1 parameter"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
     with pytest.raises(ValueError, match="assign=True"):
         dm.load_state_dict(dm.state_dict(), assign=True)
+
+
+def test_add_param_group_steps_every_replica_as_one_device():
+    # Issue 30, item 10: refused before; torch's optimizers (and ZeRO) take it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(12, 4), torch.randn(12, 2)
+    with pyddp.wrap(model, ["cpu", "cpu", "cpu"]) as dm:
+        opt = dm.optimizer(torch.optim.SGD, lambda m: m[2].parameters(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref[2].parameters(), lr=0.1, momentum=0.9)
+        for step in range(4):
+            if step == 2:  # the first layer joins, with its own learning rate
+                opt.add_param_group({"params": dm.module[0].parameters(), "lr": 0.05})
+                ref_opt.add_param_group({"params": ref[0].parameters(), "lr": 0.05})
+            F.mse_loss(dm(x), y).backward()
+            F.mse_loss(ref(x), y).backward()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        for replica in dm.replicas:  # every replica stepped its own copy
+            for p, q in zip(replica.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+        assert len(opt.param_groups) == 2 and opt.param_groups[1]["lr"] == 0.05
+        sharded = dm.optimizer(torch.optim.SGD, shard=True, lr=0.1)
+        with pytest.raises(RuntimeError, match="sharded optimizer"):
+            sharded.add_param_group({"params": dm.module[0].parameters()})
 
 
 def test_comm_hook_in_one_process_is_said_and_unused_and_bad_hooks_are_refused():

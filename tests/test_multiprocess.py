@@ -615,8 +615,10 @@ def test_a_full_disk_during_a_checkpoint_is_named_on_every_rank(tmp_path):
 def test_a_sharded_optimizers_state_dict_on_rank_0_alone_is_named_as_collective(tmp_path):
     run = torchrun("zero_alone", tmp_path, 2, {"PYDDP_TIMEOUT_S": "20"})
     assert run.returncode == 0, run.stderr[-3000:]
-    for r in results(tmp_path, "zero_alone", 2):
+    got = results(tmp_path, "zero_alone", 2)
+    for r in got:
         assert r["error"] is not None and "state_dict() is collective" in r["error"], r
+    assert got[0]["consolidated_equal"] is True  # consolidate_state_dict(to=0), as torch's
 
 
 def test_evaluating_on_one_rank_and_exchanges_that_do_not_pair(tmp_path):

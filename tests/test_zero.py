@@ -191,3 +191,25 @@ def test_misuse_is_refused():
     with pytest.raises(ValueError, match="momentum_buffer"):
         opt.load_state_dict(sd)
     dm.close()
+
+
+def test_torchs_zero_spellings_port_unchanged():
+    # Issue 30, item 10: optimizer_class= and consolidate_state_dict(to=0),
+    # as torch's ZeroRedundancyOptimizer spells them.
+    dm = pyddp.wrap(_model(), ["cpu", "cpu"])
+    opt = dm.optimizer(optimizer_class=torch.optim.Adam, shard=True, lr=0.01)
+    assert isinstance(opt, torch.optim.Adam)
+    x = torch.randn(6, next(dm.module.parameters()).shape[1])
+    dm(x).sum().backward()
+    opt.step()
+    every = opt.state_dict()
+    opt.consolidate_state_dict(to=0)
+    kept = opt.state_dict()
+    assert kept["state"].keys() == every["state"].keys()
+    for a, b in zip(every["state"].values(), kept["state"].values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"])
+    with pytest.raises(ValueError, match="to=1"):
+        opt.consolidate_state_dict(to=1)  # one process: rank 0 only
+    with pytest.raises(TypeError, match="once"):
+        dm.optimizer(torch.optim.SGD, optimizer_class=torch.optim.SGD, lr=0.1)
+    dm.close()

@@ -1095,11 +1095,24 @@ def trainer_disk_full(out: dict) -> None:
 def zero_alone(out: dict) -> None:
     """A sharded optimizer's state_dict() called on rank 0 alone (to save
     it there) while rank 1 trains on: both ranks fail, saying the call is
-    collective (it used to read as a rank that died or ran out of batches)."""
+    collective (it used to read as a rank that died or ran out of batches).
+    Before that, torch ZeroRedundancyOptimizer's way works: every rank
+    calls consolidate_state_dict(to=0), then rank 0 alone state_dict()."""
     rank = pyddp.rank()
     dm = pyddp.wrap(net(), ["cpu"])
-    opt = dm.optimizer(torch.optim.SGD, shard=True, **SGD)
+    opt = dm.optimizer(optimizer_class=torch.optim.SGD, shard=True, **SGD)
     batches = data(3, 8)
+    nn.functional.mse_loss(dm(batches[0][0]), batches[0][1]).backward()
+    opt.step()
+    opt.zero_grad()
+    every = opt.state_dict()  # collective
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        alone = opt.state_dict()  # rank 0 alone: no exchange
+        pairs = zip(every["state"].values(), alone["state"].values())
+        out["consolidated_equal"] = len(every["state"]) == len(alone["state"]) and all(
+            torch.equal(a["momentum_buffer"], b["momentum_buffer"]) for a, b in pairs
+        )
 
     def step(x, y) -> None:
         nn.functional.mse_loss(dm(x[my_rows(8, rank, 2)]), y[my_rows(8, rank, 2)]).backward()
