@@ -384,6 +384,11 @@ class GradSync:
             if synced:
                 launched, unused, factor = self._wait_for_link()
         except Exception as e:
+            hook_error = self.link.hook_error()
+            if hook_error is not None:
+                # The user's communication hook raised: its own exception,
+                # with its type, pyddp's account of it chained as the cause.
+                raise hook_error from e
             if synced and not isinstance(e, ProcessGroupError):
                 # A local failure after this rank's reductions were launched:
                 # the other processes hear it now instead of at the timeout.

@@ -130,6 +130,11 @@ class Link:
         """Element-wise sums over processes of CPU tensors, in place."""
         return list(tensors)
 
+    def hook_error(self) -> Optional[BaseException]:
+        """The exception a communication hook raised, if one did (the
+        user's own, which finish() raises with its type)."""
+        return None
+
     def guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
         """fn(*args), a collective of someone else's on the group (torch's
         Join): across processes its failure is named, with the ranks that

@@ -339,6 +339,9 @@ class ProcessLink(Link):
     def sum_tensors(self, tensors: Sequence[torch.Tensor], what: str) -> List[torch.Tensor]:
         return self.control.sum_tensors(tensors, what)
 
+    def hook_error(self) -> Optional[BaseException]:
+        return self.transport.hook_error
+
     def guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
         self.failure.call(what, fn, *args)
 

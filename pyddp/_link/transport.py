@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,7 @@ class BucketTransport:
         self.hook_state: Any = None
         self.params: List[torch.Tensor] = []
         self.views: List[Any] = []
+        self.hook_error: Optional[BaseException] = None  # the hook's own exception
         self.wait_ns = 0  # the last iteration's wait for the reductions
         self.done_ns_last: Dict[int, int] = {}
         self._flight = _InFlight()
@@ -109,8 +110,12 @@ class BucketTransport:
         view = GradBucket(bucket, bucket == len(self.flats) - 1, flat, params, grads)
         try:
             future = self.hook(self.hook_state, view)
-        except Exception as e:  # noqa: BLE001 - named below
-            self.failure.fail(f"the communication hook raised on bucket {bucket}: {first_line(e)}")
+        except Exception as e:  # noqa: BLE001 - named below, and handed to the user
+            self.hook_error = e  # raised with its own type at the end of backward
+            self.failure.fail(
+                f"the communication hook raised {type(e).__name__} on bucket {bucket}: "
+                f"{first_line(e)}"
+            )
         if not isinstance(future, torch._C.Future):  # torch.futures.Future subclasses it
             self.failure.fail(
                 f"the communication hook returned {type(future).__name__} for bucket {bucket}; "

@@ -384,6 +384,22 @@ def hook_buckets(out: dict) -> None:
         out[f"{name}_buckets_ddp"] = seen["ddp"]
         out[f"{name}_buckets_pyddp"] = seen["pyddp"]
 
+    # A hook's own exception reaches the user with its type, pyddp's account
+    # (the bucket) chained as its cause.
+    class HookBroke(ValueError):
+        pass
+
+    def broken(state, bucket):
+        raise HookBroke("the user's hook broke")
+
+    with pyddp.wrap(model(), ["cpu"]) as dm:
+        dm.register_comm_hook(None, broken)
+        try:
+            dm(batches[0][0]).sum().backward()
+            out["hook_error"] = None
+        except HookBroke as e:
+            out["hook_error"] = [type(e).__name__, str(e), str(e.__cause__)]
+
 
 class _null:
     def __enter__(self):
