@@ -490,6 +490,8 @@ class DistributedModel(nn.Module, Joining):
         if self._buffers_due:
             self._buffers_due = False
             self.sync.link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
+            if len(self._replicas) > 1:
+                self._copy_buffers()  # this process's other replicas too, at once
 
     def _copy_buffers(self) -> None:
         self._check_open()

@@ -649,13 +649,12 @@ def test_ranks_doing_different_work_are_named_at_the_next_synced_backward(tmp_pa
             assert "did different work" in r[case] and field in r[case], (case, r[case])
         error = r["batchnorm eval"]
         assert error and "modules in training mode: rank 0 4, rank 1 3" in error, error
+        # The whole model in eval() on one rank: the agreement names it (rank
+        # 0's buffer broadcast, which rank 1 in eval would not make, comes
+        # after the backward, torch DDP's rule; it used to meet rank 1's
+        # reductions first and be named as two waits at different exchanges).
         error = r["model eval"]
-        assert error is not None and "not at the same exchange" in error, error
-        # Rank 0 waits at the buffer broadcast, rank 1 (in eval, no broadcast)
-        # at the reductions of its backward: named within seconds, not at
-        # the timeout.
-        assert "rank 0's buffers" in error, error
-        assert "the reductions of synced backward 1" in error, error
+        assert error and "modules in training mode: rank 0 4, rank 1 0" in error, error
 
 
 def test_a_hook_sees_ddps_buckets_and_16_bit_wrappers_equal_ddp(tmp_path):

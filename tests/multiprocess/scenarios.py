@@ -304,7 +304,13 @@ def comm_hooks(out: dict) -> None:
             ddp.register_comm_hook(None, ddp_hook)
         dopt = torch.optim.SGD(ddp.parameters(), **SGD)
         model = eval_norm(net())
-        small = dict(bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0005, rebuild_buckets=False)
+        # DDP's arguments (its buckets are what a hook sees), and no rebuild.
+        small = dict(
+            bucket_cap_mb=0.0005,
+            first_bucket_cap_mb=0.0005,
+            rebuild_buckets=False,
+            find_unused_parameters=True,
+        )
         with pyddp.wrap(model, ["cpu"], **small) as dm:
             if name != "none":
                 dm.register_comm_hook(None, user_hook if name == "user" else name)
@@ -444,15 +450,16 @@ def simgpu(out: dict) -> None:
         out[f"diff_cap{cap:g}"] = max_diff(dm.module, ref)
         out[f"never_none_cap{cap:g}"] = dm.module.never.weight.grad is None
         out["backend"] = dm.sync._backend.name
-        # Buffers before a training forward: rank 0's, on the device (NCCL),
-        # bit for bit (a signed zero and an integer counter included).
+        # Buffers after a synced training step (torch DDP's rule): rank 0's,
+        # on the device (NCCL), bit for bit (a signed zero and an integer
+        # counter included; BatchNorm is in eval mode: nothing else moves them).
         with torch.no_grad():
             for m in dm.replicas:
                 m.norm.running_mean.fill_(float(rank + 1))
                 m.norm.running_mean[0] = -0.0 if rank == 0 else 5.0
                 m.norm.num_batches_tracked.fill_(7 + rank)
         before = _sequence_of(dm)
-        dm(batches[0][0][my_rows(12, rank, world)])
+        dm(batches[0][0][my_rows(12, rank, world)]).sum().backward()
         streams.synchronize_all(devices)
         out[f"buffer_exchanges_cap{cap:g}"] = _sequence_of(dm) - before
         out[f"buffers_cap{cap:g}"] = [
@@ -1221,10 +1228,10 @@ def diverge(out: dict) -> None:
     case("eval", lambda dm, opt, model: model.eval())
     case("edited parameters", edit, steps=pyddp._link.record.CHECKSUM_EVERY)
 
-    # One rank in eval(): rank 0 broadcasts buffers before its training
-    # forward and rank 1 does not (this used to fail as "broadcast of rank
-    # 0's buffers failed", or abort in gloo on the sizes); or only its
-    # BatchNorm in eval().
+    # One rank in eval(): rank 0 broadcasts buffers after its synced
+    # training backward and rank 1 does not (this used to fail as "broadcast
+    # of rank 0's buffers failed", or abort in gloo on the sizes); or only
+    # its BatchNorm in eval().
     # The whole model last: that failure leaves exchanges pending (the group
     # cannot be used after it, as the message says).
     for name, switch in (
