@@ -66,10 +66,11 @@ def align_optimizers(model: Any, source: int, steps: int) -> str:
     training forward must be refused ("" if nothing)."""
     link = model.sync.link
     ours = model.optimizers_made()
+    scheds = [schedulers_of(o) for o in ours]  # a scan of the heap each: once
     mine = {id(o) for o in ours}
     foreign = [o for o in model.sync.work.stepping() if id(o) not in mine]
     summary = {
-        "ours": [(_describe(o), [type(s).__qualname__ for s in schedulers_of(o)]) for o in ours],
+        "ours": [(_describe(o), [type(s).__qualname__ for s in ss]) for o, ss in zip(ours, scheds)],
         "foreign": [_describe(o) for o in foreign if _stateful(o)],
         "steps": steps,
     }
@@ -84,12 +85,12 @@ def align_optimizers(model: Any, source: int, steps: int) -> str:
                 f"join) has {ref['ours']}; every rank must make the same optimizers and "
                 "schedulers"
             )
-    states = [(o.state_dict(), [s.state_dict() for s in schedulers_of(o)]) for o in ours]
+    states = [(o.state_dict(), [s.state_dict() for s in ss]) for o, ss in zip(ours, scheds)]
     states = link.from_root(states, JOIN_OPTIMIZERS, root=source)
     if link.rank != source:
-        for o, (state, scheds) in zip(ours, states):
+        for o, ss, (state, sched_states) in zip(ours, scheds, states):
             o.load_state_dict(state)
-            for s, st in zip(schedulers_of(o), scheds):
+            for s, st in zip(ss, sched_states):
                 s.load_state_dict(st)
     behind = [ranks[r] for r, got in enumerate(every) if got["steps"] != ref["steps"]]
     stateful = sorted({(ranks[r], name) for r, got in enumerate(every) for name in got["foreign"]})

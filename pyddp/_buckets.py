@@ -7,7 +7,7 @@ in step, and settling parameters a replica produced no gradient for."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -177,6 +177,22 @@ class BucketLayout:
                 params[i].grad = views[i]
 
     # -------------------------------------------------------- whole buckets
+    def keep(self) -> Tuple[List[List[torch.Tensor]], List[List[bool]]]:
+        """Every replica's gradients as they are: the buckets' values and
+        which gradients are None (put_back restores both)."""
+        values = [[f.clone() for f in flats] for flats in self.flat]
+        return values, [[p.grad is None for p in params] for params in self.params]
+
+    def put_back(self, kept: Tuple[List[List[torch.Tensor]], List[List[bool]]]) -> None:
+        values, nones = kept
+        with torch.no_grad():
+            for flats, saved in zip(self.flat, values):
+                torch._foreach_copy_(flats, saved)
+        for params, views, none in zip(self.params, self.views, nones):
+            for p, view, is_none in zip(params, views, none):
+                p.grad = None if is_none else view
+        self.forget_reduced()
+
     def zero(self, r: int) -> None:
         for flat in self.flat[r]:
             flat.zero_()

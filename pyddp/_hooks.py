@@ -24,15 +24,20 @@ def grad_hook(
     mark: Callable[..., None],
     streams: Any = None,
     device: int = -1,
+    began: bool = False,
 ) -> Callable[[torch.Tensor], None]:
     """Replica r's post-accumulate-grad hook for parameter i. `owner` is a
-    weak reference to the GradSync; `views[i]` is the gradient's bucket view."""
+    weak reference to the GradSync; `views[i]` is the gradient's bucket view.
+    `began`: tell the owner's wrapped model a gradient arrived (one replica
+    per process, where a backward may bypass the model's outputs); every
+    other hook skips that call."""
     if streams is None:
 
         def on_grad(p: torch.Tensor) -> None:
             if p.grad is not views[i]:
                 _adopt(owner, p, views[i])
-            _began(owner)
+            if began:
+                _began(owner)
             mark(r, i)
 
         return on_grad
@@ -42,7 +47,8 @@ def grad_hook(
         if p.grad is not views[i]:
             streams.before_host_write(device)
             _adopt(owner, p, views[i])
-        _began(owner)
+        if began:
+            _began(owner)
         if produced is not None:  # the simulation's late write (see _streams.py)
             produced(device, views[i])
         # Autograd runs this hook on the stream that accumulated the

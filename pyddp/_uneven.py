@@ -154,7 +154,7 @@ class Joining(Joinable):
         except RuntimeError as e:
             if isinstance(e, _OWN) or ("exhausted" in str(e) and not isinstance(e, dist.DistError)):
                 raise  # pyddp's, already named (a shadowed step), or torch's throw
-            self.sync.link.guarded(what, _raise, e)
+            self.sync.link.name_failure(what, e)
 
     def _join_forward(self, rows: int) -> None:
         """Under Join, before the buffer broadcast of a forward: pyddp's
@@ -206,7 +206,3 @@ class _ShadowHook(JoinHook):
             m._apart_after_join = align_optimizers(m, source, steps)  # and schedulers
         finally:
             m._leave_join()
-
-
-def _raise(e: BaseException) -> None:
-    raise e

@@ -117,7 +117,7 @@ class DistributedModel(nn.Module, Joining):
         self._optimizers: List[weakref.ref] = []  # dmodel.optimizer's, for Join's end
         self._apart_after_join = ""  # why training is refused after Join (_after_join.py)
         self._buffers_due = False  # rank 0's buffers to every rank after this backward
-        self._outputs_in_backward = 0  # dmodel outputs the running backward went through
+        self._output_in_backward = False  # the running backward went through a dmodel output
         if sync_layers(self.module) and not self._passthrough:
             self._syncbn = self._bind_sync_batchnorm(replicas, opts)
         if len(replicas) == 1 and not self._passthrough:
@@ -431,7 +431,7 @@ class DistributedModel(nn.Module, Joining):
             if self._apart_after_join:
                 raise RuntimeError(self._apart_after_join)  # on every rank alike
             self._finish_queued = False  # a backward that raised never ran its callback
-            self._outputs_in_backward = 0
+            self._output_in_backward = False
             self.sync.prepare_all()
         self._follow_model()
         if torch.is_grad_enabled():
@@ -533,10 +533,10 @@ class DistributedModel(nn.Module, Joining):
         """Runs in the outer backward when it reaches the gathered output or the
         returned loss: schedules the end-of-backward bookkeeping and, for CPU
         replicas, runs every replica's backward on its worker."""
-        if self._outputs_in_backward:
+        if self._output_in_backward:
             # The outputs of two dmodel(...) calls in one backward: each
             # replica's gradients would arrive twice in one synced backward.
-            self._outputs_in_backward = 0
+            self._output_in_backward = False
             self._finish_queued = False
             self.sync.abort("one backward ran over the outputs of two dmodel(...) calls")
             raise RuntimeError(
@@ -545,7 +545,7 @@ class DistributedModel(nn.Module, Joining):
                 "would be produced twice in one synced backward. Concatenate the batches into "
                 "one call, or backward each loss in turn (docs/troubleshooting.md)"
             )
-        self._outputs_in_backward += 1
+        self._output_in_backward = True
         if not self._finish_queued:
             # The first join of this backward, before any replica accumulates:
             # after a backward over a graph kept with retain_graph=True (no
@@ -613,7 +613,7 @@ class DistributedModel(nn.Module, Joining):
 
     def _end_of_backward(self) -> None:
         self._finish_queued = False
-        self._outputs_in_backward = 0
+        self._output_in_backward = False
         self.sync.finish()
         self._buffers_after_backward()
 

@@ -149,9 +149,9 @@ class GradSync:
         # still ends with finish() (_hooks._began).
         self.on_backward_start: Optional[weakref.WeakMethod] = None
         # torch DDP's static_graph and find_unused_parameters: they shape its
-        # bucket plan, which a hook sees (_plan_as_ddp); the limits once set.
+        # bucket plan, which a hook sees (_plan_as_ddp, which sets _ddp_plan).
         self._ddp_args = (opts.static_graph, opts.find_unused_parameters)
-        self._ddp_limits: Optional[List[int]] = None
+        self._ddp_plan = False
         keep = opts.keep()
         self.observer = Observer(keep)
         # The group says which ranks: pyddp reduces on gloo groups of its own
@@ -213,11 +213,14 @@ class GradSync:
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _release, self._handles, self._engine)
         owner, mark = weakref.ref(self), self._engine.mark_ready
+        # wrap with one replica per process may set on_backward_start; only
+        # then do the hooks pay for the call (a Python call per gradient).
+        began = len(replicas) == 1 and not _prepare_on_forward
         for r, (module, params) in enumerate(zip(replicas, self.params)):
             device = -1 if self._gpu_devices is None else self._gpu_devices[r]
             views = self.layout.views[r]
             for i, p in enumerate(params):
-                hook = grad_hook(owner, views, r, i, mark, self._streams, device)
+                hook = grad_hook(owner, views, r, i, mark, self._streams, device, began)
                 self._handles.append(p.register_post_accumulate_grad_hook(hook))
             if _prepare_on_forward:  # wrap prepares all replicas itself, hook-free
                 self._handles.append(module.register_forward_pre_hook(PrepareHook(self, r)))
@@ -282,7 +285,7 @@ class GradSync:
         order = self.link.root_order(self._engine.ready_order(), len(self.names)) or []
         if len(order) != len(self.names):
             return
-        if self._ddp_limits is not None:  # torch DDP's rebuilt plan: a hook sees it
+        if self._ddp_plan:  # torch DDP's rebuilt plan: a hook sees it
             buckets = ddp_plan(self.params[0], [self._first_cap, self._cap], order)
         else:
             numels = [p.numel() for p in self.params[0]]
@@ -304,14 +307,15 @@ class GradSync:
         from rank 0's ready order, or none with find_unused_parameters)."""
         static, unused = self._ddp_args
         if static or not unused:
-            self._ddp_limits = [sys.maxsize]  # DDP's first iteration: one bucket
+            limits = [sys.maxsize]  # DDP's first iteration: one bucket
         elif self._first_cap < self._cap:
-            self._ddp_limits = [self._first_cap, self._cap]
+            limits = [self._first_cap, self._cap]
         else:
-            self._ddp_limits = [self._cap]
+            limits = [self._cap]
+        self._ddp_plan = True
         # DDP rebuilds once unless it looks for unused parameters every step.
         self._rebuild_pending = self._rebuild_allowed and (static or not unused)
-        self._set_plan(ddp_plan(self.params[0], self._ddp_limits))
+        self._set_plan(ddp_plan(self.params[0], limits))
 
     # ------------------------------------------------------------- iteration
     def prepare(self, replica: int) -> None:
@@ -449,35 +453,24 @@ class GradSync:
             self._shadowing = False
             self._restore_grads(kept)
 
-    def _keep_grads(
-        self,
-    ) -> Tuple[List[List[torch.Tensor]], List[List[bool]], List[bool], List[bool]]:
-        """This rank's gradients as they are (values, which are None, which
-        the engine counts as present, which replicas hold a reduced copy)."""
+    def _keep_grads(self) -> Tuple[Any, List[bool], List[bool]]:
+        """This rank's gradients as they are: the layout's (values, which
+        are None), and the engine's (which it counts as present, which
+        replicas hold a reduced copy)."""
         engine = self._engine
         self._order.fence_all()  # the copies read after any reduction still writing
-        values = [[f.clone() for f in flats] for flats in self.layout.flat]
-        nones = [[p.grad is None for p in params] for params in self.params]
         present = [engine.has_grad(i) for i in range(len(self.names))]
         copies = [engine.holds_reduced_copy(r) for r in range(len(self.replicas))]
-        return values, nones, present, copies
+        return self.layout.keep(), present, copies
 
-    def _restore_grads(self, kept: Tuple[Any, ...]) -> None:
-        values, nones, present, copies = kept
-        engine = self._engine
+    def _restore_grads(self, kept: Tuple[Any, List[bool], List[bool]]) -> None:
+        grads, present, copies = kept
         self._order.fence_all()  # after the shadowed reductions
-        with torch.no_grad():
-            for flats, saved in zip(self.layout.flat, values):
-                for flat, value in zip(flats, saved):
-                    flat.copy_(value)
-        for r, params in enumerate(self.params):
-            for i, p in enumerate(params):
-                p.grad = None if nones[r][i] else self.layout.views[r][i]
+        self.layout.put_back(grads)
         for i, had in enumerate(present):
-            engine.note_grad(i, had)
+            self._engine.note_grad(i, had)
         for r, held in enumerate(copies):
-            engine.restore_reduced_copy(r, held)
-        self.layout.forget_reduced()
+            self._engine.restore_reduced_copy(r, held)
 
     @property
     def work(self) -> WorkRecord:

@@ -195,6 +195,7 @@ def sharded_optimizer(
     opt._pyddp_theirs = [pc for s, pcs in enumerate(plan) if s not in mine for pc in pcs]
     opt._pyddp_split = split
     opt._pyddp_broken = ""
+    opt._pyddp_consolidated = None  # consolidate_state_dict(to=this rank)'s state
     opt._pyddp_owns_all = set(order) >= set(range(len(index)))
     opt._pyddp_grads = [params[i] for params in sync.params for i in order]
     opt._pyddp_on_gpus = None if sync.gpu_devices is None else _DeviceGather(sync, order)
@@ -340,7 +341,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             processes: every rank calls it, every rank gets it; after
             consolidate_state_dict(to=r), rank r alone may)."""
             sizes = [len(idx) for idx in self._pyddp_layout]
-            kept = getattr(self, "_pyddp_consolidated", None)
+            kept = self._pyddp_consolidated
             if kept is not None:  # hyper-parameters as they are now (LR schedulers)
                 return {"state": kept, "param_groups": _numbered(self.param_groups, sizes)}
             sync = self._pyddp_sync

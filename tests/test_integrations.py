@@ -53,6 +53,18 @@ def run_example(module: str, out: Path, *args: str, torchrun: bool = False) -> d
     return json.loads((out / "summary.json").read_text())
 
 
+def run_script(script: str, tmp_path: Path, *args: str) -> None:
+    """`script` (Python source) run as a process of its own in `tmp_path`,
+    which must exit 0 (each rank of it writes its results there)."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    run = subprocess.run(
+        [sys.executable, str(path), *args],
+        env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, (causes(run.stderr), run.stderr[-3000:])
+
+
 def causes(stderr: str) -> list:
     """The lines that say why a rank failed, first: torchrun's own report at
     the end of stderr names only the signal."""
@@ -194,13 +206,7 @@ if __name__ == "__main__":
 def test_lightning_sync_batchnorm_uses_the_global_batch_on_cpus(tmp_path):
     # Lightning's own DDP cannot: torch's SyncBatchNorm refuses CPU tensors.
     pytest.importorskip("lightning")
-    script = tmp_path / "sync_bn.py"
-    script.write_text(LIGHTNING_SYNC_BN)
-    run = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert run.returncode == 0, (causes(run.stderr), run.stderr[-3000:])
+    run_script(LIGHTNING_SYNC_BN, tmp_path, str(tmp_path))
     for r in range(2):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert got["seen"] == "BoundSyncBatchNorm", got
@@ -274,16 +280,6 @@ json.dump(state, open(f"{out}/{name}.rank{t.global_rank}.json", "w"))
 """
 
 
-def _run_script(script: str, tmp_path: Path, *args: str) -> None:
-    path = tmp_path / "script.py"
-    path.write_text(script)
-    run = subprocess.run(
-        [sys.executable, str(path), *args],
-        env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    assert run.returncode == 0, (causes(run.stderr), run.stderr[-3000:])
-
-
 def _ranks_states(tmp_path: Path, name: str) -> list:
     return [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(2)]
 
@@ -299,7 +295,7 @@ def test_lightning_manual_optimization_equals_lightning_ddp(tmp_path, mode):
     # the last step of a run was never averaged (ranks 2e-2 apart).
     pytest.importorskip("lightning")
     for name in ("ddp", "pyddp"):
-        _run_script(LIGHTNING_MANUAL, tmp_path, name, mode, str(tmp_path))
+        run_script(LIGHTNING_MANUAL, tmp_path, name, mode, str(tmp_path))
     ddp, ours = _ranks_states(tmp_path, "ddp"), _ranks_states(tmp_path, "pyddp")
     for r in range(2):
         assert _state_diff(ours[r], ddp[r]) <= TOL, r
@@ -363,7 +359,7 @@ def test_lightning_batchnorm_validates_and_ends_as_lightning_ddp_on_every_rank(t
     # its statistics 9e-2 off DDP's).
     pytest.importorskip("lightning")
     for name in ("ddp", "pyddp"):
-        _run_script(LIGHTNING_BUFFERS, tmp_path, name, str(tmp_path))
+        run_script(LIGHTNING_BUFFERS, tmp_path, name, str(tmp_path))
     ddp, ours = _ranks_states(tmp_path, "ddp"), _ranks_states(tmp_path, "pyddp")
     for r in range(2):
         assert _state_diff(ours[r]["state"], ddp[r]["state"]) <= TOL, r

@@ -7,7 +7,6 @@ another optimizer class refused at load."""
 import csv
 import errno
 import functools
-import io
 import json
 import os
 import random
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from full_disk import full_after_first_checkpoint
 from torch import nn
 
 import pyddp
@@ -215,40 +215,15 @@ def test_max_to_keep_never_prunes_the_checkpoint_it_just_wrote(tmp_path):
     ]
 
 
-class _FillingDisk:
-    """A file on a disk that fills after `room` bytes."""
-
-    def __init__(self, f, room):
-        self.f, self.room = f, room
-
-    def write(self, b):
-        if len(b) > self.room:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        self.room -= len(b)
-        return self.f.write(b)
-
-    def flush(self):
-        self.f.flush()
-
-
 # 10 bytes: the bare OSError; 3000: torch.save's "unexpected pos" RuntimeError.
 @pytest.mark.parametrize("room", [10, 3000])
 def test_a_full_disk_during_a_checkpoint_names_the_file_and_keeps_the_last_one(
     tmp_path, monkeypatch, room
 ):
-    full, real_save = [], torch.save
-
-    def save(obj, f, *args, **kwargs):
-        on_disk = isinstance(f, io.BufferedWriter)  # not pickle's in-memory torch.save
-        return real_save(obj, _FillingDisk(f, room) if full and on_disk else f, *args, **kwargs)
-
-    class FillAfterFirst(pyddp.Callback):
-        def on_checkpoint(self, trainer, path):
-            full.append(path)
-
+    save, fill_after_first = full_after_first_checkpoint(room)
     monkeypatch.setattr(torch, "save", save)
     x, y = data()
-    run = trainer(tmp_path, max_epochs=2, checkpoint_every_epochs=1, callbacks=[FillAfterFirst()])
+    run = trainer(tmp_path, max_epochs=2, checkpoint_every_epochs=1, callbacks=[fill_after_first])
     with run as t, pytest.raises(OSError) as caught:
         t.fit((x, y))
     text = str(caught.value)

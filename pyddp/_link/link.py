@@ -135,11 +135,11 @@ class Link:
         user's own, which finish() raises with its type)."""
         return None
 
-    def guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
-        """fn(*args), a collective of someone else's on the group (torch's
-        Join): across processes its failure is named, with the ranks that
-        died or stopped."""
-        fn(*args)
+    def name_failure(self, what: str, error: BaseException) -> None:
+        """`error` from a collective of someone else's on the group (torch's
+        Join's): raised again, across processes named after `what` with the
+        ranks that died or stopped (the link then fails for good)."""
+        raise error
 
     def from_root(self, obj: Any, what: str, root: int = 0) -> Any:
         """Rank `root`'s `obj` on every process (rank 0 unless said)."""

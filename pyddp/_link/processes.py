@@ -14,7 +14,7 @@ from ..errors import ProcessGroupError
 from .agreement import Agreement
 from .control import BUFFERS_BROADCAST, LOSS_WEIGHTS, PARAMS_BROADCAST, Control
 from .failure import Failure
-from .groups import Peers
+from .groups import Peers, first_line
 from .joining import JOIN_FINAL, JOIN_LAST, JOIN_STEP, JoinStep, decode, encode, last_joiner
 from .link import Link
 from .meetings import Meetings
@@ -342,8 +342,8 @@ class ProcessLink(Link):
     def hook_error(self) -> Optional[BaseException]:
         return self.transport.hook_error
 
-    def guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
-        self.failure.call(what, fn, *args)
+    def name_failure(self, what: str, error: BaseException) -> None:
+        self.failure.fail(f"{what} failed: {first_line(error)}")
 
     def from_root(self, obj: Any, what: str, root: int = 0) -> Any:
         return self.control.from_root(obj, what, root)

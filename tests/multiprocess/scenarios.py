@@ -682,8 +682,8 @@ def killed_in_join(out: dict) -> None:
     dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     x, y = torch.randn(8, 6), torch.randn(8, 3)
-    t0 = time.monotonic()
-    try:
+
+    def run() -> None:
         with dm.join():
             for step in range(1 if rank == 0 else 4):
                 if rank == 1 and step == 2:
@@ -692,10 +692,8 @@ def killed_in_join(out: dict) -> None:
                 nn.functional.mse_loss(dm(x), y).backward()
                 opt.step()
                 opt.zero_grad()
-        out["error"] = None
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["seconds"] = time.monotonic() - t0
+
+    _expect_failure(out, run)
 
 
 def killed_in_syncbn(out: dict) -> None:
@@ -710,16 +708,14 @@ def killed_in_syncbn(out: dict) -> None:
         model[0].register_forward_hook(lambda *a: os._exit(3) if step[0] == 1 else None)
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     x, y = torch.randn(8, 6), torch.randn(8, 3)
-    t0 = time.monotonic()
-    try:
+
+    def run() -> None:
         for step[0] in range(3):
             nn.functional.mse_loss(dm(x), y).backward()
             opt.step()
             opt.zero_grad()
-        out["error"] = None
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["seconds"] = time.monotonic() - t0
+
+    _expect_failure(out, run)
 
 
 class _Escape(BaseException):
@@ -1066,35 +1062,14 @@ def trainer_disk_full(out: dict) -> None:
     rank raises naming the file and the full disk (rank 0 used to get
     torch's "unexpected pos" and rank 1 to blame rank 0 for dying); the
     first checkpoint stays, with no temporary beside it."""
-    import errno
-    import io
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from full_disk import full_after_first_checkpoint
 
     outdir = os.path.join(sys.argv[2], "run")
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
-    full, real_save = [], torch.save
-
-    class Disk:  # fills after 3000 bytes
-        def __init__(self, f):
-            self.f, self.room = f, 3000
-
-        def write(self, b):
-            if len(b) > self.room:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            self.room -= len(b)
-            return self.f.write(b)
-
-        def flush(self):
-            self.f.flush()
-
-    def save(obj, f, *args, **kwargs):
-        on_disk = isinstance(f, io.BufferedWriter)  # not pickle's in-memory torch.save
-        return real_save(obj, Disk(f) if full and on_disk else f, *args, **kwargs)
-
-    class FillAfterFirst(pyddp.Callback):
-        def on_checkpoint(self, trainer, path):
-            full.append(path)
-
+    real_save = torch.save
+    save, fill_after_first = full_after_first_checkpoint(3000)
     if pyddp.rank() == 0:
         torch.save = save
     cfg = pyddp.TrainConfig(
@@ -1104,7 +1079,7 @@ def trainer_disk_full(out: dict) -> None:
     try:
         with pyddp.Trainer(
             net(), ["cpu"], optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-            loss_fn=nn.functional.mse_loss, config=cfg, callbacks=[FillAfterFirst()],
+            loss_fn=nn.functional.mse_loss, config=cfg, callbacks=[fill_after_first],
         ) as t:  # fmt: skip
             t.fit((x, y))
         out["error"] = None
