@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <vector>
@@ -228,24 +229,72 @@ ContextRestore::~ContextRestore() {
 }
 
 namespace {
-constexpr const char* kStickyAdvice =
-    ": the CUDA context is unusable for the rest of the process (a kernel touched memory it "
-    "does not own, pyddp's or another); restart the process";
+std::atomic<bool> g_dead{false};  // read on every launch: no lock until it is set
+std::string g_dead_error;         // under g_mu
+
+// Why the context died, for the advice: what a user can look at.
+const char* sticky_cause(CUresult r) {
+  switch (r) {
+    case 700:
+    case 716:
+    case 717: return "a kernel touched memory it does not own, pyddp's or another";
+    case 702: return "a kernel ran past the launch timeout";
+    case 214: return "an uncorrectable ECC memory error; see nvidia-smi -q -d ECC";
+    case 220: return "an uncorrectable NVLink error";
+    case 999: return "an unknown driver error";
+    default: return "a kernel faulted, pyddp's or another";
+  }
+}
+
+// The device of the calling thread's current context, -1 if none of ours.
+int current_device() {
+  CUcontext ctx = nullptr;
+  if (driver().cuCtxGetCurrent(&ctx) != kCudaSuccess || ctx == nullptr) return -1;
+  std::lock_guard<std::mutex> lk(g_mu);
+  for (size_t i = 0; i < g_contexts.size(); ++i) {
+    if (g_contexts[i] == ctx) return static_cast<int>(i);
+  }
+  return -1;
+}
 }  // namespace
 
 std::string cu_error_text(CUresult r) {
   const char* msg = nullptr;
   auto get_error_string = driver().cuGetErrorString;  // loaded: a call returned r
   get_error_string(r, &msg);
-  return detail::concat("CUDA error ", r, " (", msg ? msg : "unknown", ")",
-                        cu_error_is_sticky(r) ? kStickyAdvice : "");
+  const std::string text = detail::concat("CUDA error ", r, " (", msg ? msg : "unknown", ")");
+  if (!cu_error_is_sticky(r)) return text;
+  return detail::concat(text, ": the CUDA context is unusable for the rest of the process (",
+                        sticky_cause(r), "); restart the process");
 }
 
-bool cu_error_is_sticky(CUresult r) { return r == 700 || (r >= 714 && r <= 719); }
+bool cu_error_is_sticky(CUresult r) {
+  return r == 700 || r == 702 || (r >= 714 && r <= 719) || r == 214 || r == 220 || r == 999;
+}
+
+std::string cu_failure(CUresult r, int device, const std::string& what) {
+  if (device < 0) device = current_device();
+  std::string message =
+      detail::concat(what, " failed", device >= 0 ? detail::concat(" on cuda:", device) : "",
+                     " with ", cu_error_text(r));
+  if (!cu_error_is_sticky(r)) return message;
+  // Every later call fails the same way: the first is the one to report
+  // (several threads may meet the dead context at once).
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (g_dead_error.empty()) g_dead_error = message;
+  g_dead = true;
+  return g_dead_error;
+}
+
+std::string dead_context_error() {
+  if (!g_dead.load()) return "";
+  std::lock_guard<std::mutex> lk(g_mu);
+  return g_dead_error;
+}
 
 void check_cu(CUresult r, const char* call, const char* file, int line) {
   if (r == kCudaSuccess) return;
-  throw ReduceError(detail::concat(cu_error_text(r), " in ", call, " at ", file, ":", line));
+  throw ReduceError(cu_failure(r, -1, detail::concat("pyddp: ", call, " at ", file, ":", line)));
 }
 
 void check_nccl(ncclResult_t r, const char* call, const char* file, int line) {

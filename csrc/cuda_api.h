@@ -138,10 +138,22 @@ std::string device_name(int device);
 // when the error is sticky.
 std::string cu_error_text(CUresult r);
 // [CUDA, "Error handling"]: after these the context is unusable for the rest
-// of the process (every later call returns the same error): illegal address,
-// hardware stack error, illegal instruction, misaligned address, invalid
-// address space, invalid PC, launch failure.
+// of the process (every later call returns the same error; "the process must
+// be terminated and relaunched"): illegal address, launch timeout, hardware
+// stack error, illegal instruction, misaligned address, invalid address
+// space, invalid PC, launch failure; and, treated alike, uncorrectable ECC
+// and NVLink errors and the unknown error (999), after which nothing on the
+// context can be trusted.
 bool cu_error_is_sticky(CUresult r);
+// Every failed driver result pyddp checks (PYDDP_CU, the watchdog's event
+// query) becomes its message here: "<what> failed on cuda:<device> with
+// CUDA error ...". `device` -1: the calling thread's current context's. The
+// first sticky one is remembered for the process (dead_context_error()) and
+// is the message of every later sticky one, so whichever call sees it first,
+// pyddp reports that failure and rebuilds nothing on the dead context.
+std::string cu_failure(CUresult r, int device, const std::string& what);
+// The first sticky failure's message, "" while there was none.
+std::string dead_context_error();
 void check_cu(CUresult r, const char* call, const char* file, int line);
 void check_nccl(ncclResult_t r, const char* call, const char* file, int line);
 void check_nvrtc(nvrtcResult r, const char* call, const char* file, int line);

@@ -88,6 +88,7 @@ const DeviceKernels& device_kernels(int device, const std::string& nvrtc_path) {
   set_device(device);
   CUmodule module = nullptr;
   const CUresult loaded = d.cuModuleLoadData(&module, image.data());
+  if (cu_error_is_sticky(loaded)) PYDDP_CU(loaded);  // a dead context, not a bad image
   if (loaded != kCudaSuccess) {
     const char* msg = nullptr;
     d.cuGetErrorString(loaded, &msg);

@@ -87,6 +87,7 @@ void GpuBackend::record_ready(int replica, int key, const std::vector<uintptr_t>
                 replica, " out of range");
   PYDDP_ENFORCE(key >= -1 && (key + 1) * devices_.size() < slots_.size(), "key ", key,
                 " out of range");
+  throw_if_dead();
   const DriverApi& d = driver();
   ContextRestore restore;
   // The replica's context: stream 0 means its device's legacy default stream,
@@ -107,8 +108,24 @@ void GpuBackend::record_ready(int replica, int key, const std::vector<uintptr_t>
 }
 
 void GpuBackend::throw_if_dead() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (sticky_) throw ReduceError(error_);
+  const std::string dead = dead_context_error();
+  if (!dead.empty()) throw ReduceError(dead);
+}
+
+void GpuBackend::probe_contexts(const CommSet& set) {
+  ContextRestore restore;
+  try {
+    for (size_t s = 0; s < set.streams.size(); ++s) {
+      set_device(set.devices[s]);
+      // Not a host wait: a query. Busy is fine (an aborted kernel may still
+      // be exiting); a dead context answers with its sticky error.
+      const CUresult r = driver().cuStreamQuery(set.streams[s]);
+      if (r != kCudaNotReady) PYDDP_CU(r);
+    }
+  } catch (const ReduceError&) {
+    throw_if_dead();  // the first sticky failure, whichever call saw it
+    throw;
+  }
 }
 
 void GpuBackend::use_stream(int replica, uintptr_t stream) {
@@ -201,6 +218,8 @@ void GpuBackend::fence() {
   }
   // Also after a failure: reductions already queued must finish before
   // compute reuses their buffers (an aborted NCCL kernel exits; ours ends).
+  // Not on a dead context: nothing queued there runs again.
+  throw_if_dead();
   const DriverApi& d = driver();
   ContextRestore restore;
   {
@@ -233,6 +252,7 @@ void GpuBackend::fail(const std::string& message) {
 }
 
 void GpuBackend::throw_if_failed() const {
+  throw_if_dead();  // whatever failed here since, the dead context is the cause
   std::lock_guard<std::mutex> lk(mu_);
   if (!error_.empty()) throw ReduceError(error_);
 }
@@ -304,6 +324,7 @@ void GpuBackend::recover() {
   // A dead context: rebuilding communicators on it would fail, or worse,
   // seem to work.
   throw_if_dead();
+  probe_contexts(*set);
   // Aborted communicators cannot be used again: take a fresh set (the
   // registry builds one, since this one is marked aborted).
   if (aborted && rdzv_.spans_processes()) {
@@ -335,9 +356,7 @@ bool GpuBackend::poll_locked() {
       if (r == kCudaNotReady) {
         done = false;
       } else if (r != kCudaSuccess) {
-        sticky_ = sticky_ || cu_error_is_sticky(r);
-        fail_locked(detail::concat("pyddp: ", f.what, " failed on cuda:", set_->devices[s],
-                                   " with ", cu_error_text(r)));
+        fail_locked(cu_failure(r, set_->devices[s], "pyddp: " + f.what));
         return false;
       }
     }

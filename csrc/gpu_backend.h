@@ -92,10 +92,14 @@ class GpuBackend : public Backend {
   void note_abort(const CommSet& set);
   void fail_locked(const std::string& message);
   void add_writer_locked(int replica, uintptr_t stream);
-  // After an error that killed a CUDA context, every entry point raises the
-  // failure itself (which reduction, which GPU, restart the process) rather
-  // than whatever driver call fails next on the dead context.
+  // After an error that killed a CUDA context (seen by any driver call in
+  // the process: cuda::dead_context_error()), every entry point raises that
+  // failure itself (which call or reduction, which GPU, restart the process)
+  // rather than whatever driver call fails next on the dead context.
   void throw_if_dead() const;
+  // Before a rebuild: asks each communication stream's context whether it is
+  // alive (a timeout or an NCCL error can be the first sign of a dead one).
+  void probe_contexts(const CommSet& set);
 
   const double timeout_s_;
   const std::string nccl_path_;
@@ -112,7 +116,6 @@ class GpuBackend : public Backend {
   std::condition_variable cv_;
   std::deque<InFlight> in_flight_;
   std::string error_;
-  bool sticky_ = false;  // the error killed a CUDA context: see throw_if_dead()
   bool closed_ = false;
   bool stop_ = false;
   std::thread watchdog_;

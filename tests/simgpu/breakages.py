@@ -144,6 +144,24 @@ BREAKAGES = {
         "a GPU rank missing a gradient does not wait for the agreement (a parameter nobody "
         "used keeps a zero gradient instead of None)",
     ),
+    "sticky-only-on-faulting-kernels": (
+        "csrc/cuda_api.cpp",
+        "return r == 700 || r == 702 || (r >= 714 && r <= 719) || r == 214 || r == 220 || "
+        "r == 999;",
+        "return r == 700 || (r >= 714 && r <= 719);",
+        "a launch timeout, uncorrectable ECC or NVLink error or unknown error is not treated "
+        "as a dead context (no advice to restart, communicators rebuilt on it)",
+    ),
+    "sticky-noted-by-the-watchdog-only": (
+        "csrc/cuda_api.cpp",
+        'throw ReduceError(cu_failure(r, -1, detail::concat("pyddp: ", call, " at ", file, ":", '
+        "line)));",
+        'throw ReduceError(detail::concat(cu_error_text(r), " in ", call, " at ", file, ":", '
+        "line));",
+        "a sticky error first returned by a checked driver call (a stream wait, an event "
+        "record) is not noted: pyddp reports whatever fails next and rebuilds on the dead "
+        "context",
+    ),
 }
 
 

@@ -334,10 +334,26 @@ int live() {
     if (rc_ != 0) return rc_;  \
   } while (0)
 
-#define STICKY(device)                   \
-  do {                                   \
-    const int st_ = sticky(device);      \
-    if (st_ != 0) return st_;            \
+// Fault injection (simgpu_fail_next_driver_call): the next call named `call`
+// on `device` is the first to report a sticky error `code`; the context is
+// dead from then on, as after kill_context.
+std::mutex g_fail_call_mu;
+std::map<std::pair<std::string, int>, int> g_fail_call;  // (call, device) -> code
+int sticky_in(int device, const char* call) {
+  if (device < 0 || device >= kMaxDevices) return 0;
+  std::lock_guard<std::mutex> lk(g_fail_call_mu);
+  auto it = g_fail_call.find({call, device});
+  if (it != g_fail_call.end() && !t_harness) {
+    int expected = 0;
+    g_sticky[device].compare_exchange_strong(expected, it->second);
+    g_fail_call.erase(it);
+  }
+  return sticky(device);
+}
+#define STICKY(device)                              \
+  do {                                              \
+    const int st_ = sticky_in((device), __func__);  \
+    if (st_ != 0) return st_;                       \
   } while (0)
 
 // ---------------------------------------------------------------- kernels
@@ -865,6 +881,10 @@ API int cuGetErrorString(int code, const char** out) {
     case 0: *out = "no error"; break;
     case 1: *out = "invalid argument"; break;
     case 700: *out = "an illegal memory access was encountered"; break;
+    case 702: *out = "the launch timed out and was terminated"; break;
+    case 214: *out = "uncorrectable ECC error encountered"; break;
+    case 220: *out = "uncorrectable NVLink error detected during the execution"; break;
+    case 999: *out = "unknown error"; break;
     case 3: *out = "initialization error"; break;
     case 4: *out = "driver shutting down"; break;
     case 101: *out = "invalid device ordinal"; break;
@@ -1389,6 +1409,14 @@ API int simgpu_sticky(int device) { return sticky(device); }
 API void simgpu_kill_context(int device) {
   kill_context(device, "illegal address: a user kernel (fault injection)");
 }
+// Fault injection: the next `call` ("cuStreamWaitEvent", "cuEventRecord", any
+// driver call that checks for a dead context) on `device`, outside the test
+// harness's own calls, returns `code` and leaves the context dead with it
+// (700, 702, 214, 220, 999: [CUDA, "Error handling"]).
+API void simgpu_fail_next_driver_call(const char* call, int device, int code) {
+  std::lock_guard<std::mutex> lk(g_fail_call_mu);
+  g_fail_call[{call, device}] = code;
+}
 API void simgpu_harness(int on) { t_harness = on != 0; }
 API int simgpu_set_delay_us(void* stream, long us) {
   if (stream == nullptr) {
@@ -1441,5 +1469,9 @@ API void simgpu_reset() {
   std::lock_guard<std::mutex> lk(g_nccl_mu);
   g_stalled.clear();
   g_fail_next.clear();
+  {
+    std::lock_guard<std::mutex> fail_lk(g_fail_call_mu);
+    g_fail_call.clear();
+  }
   g_default_delay_us = 0;
 }
