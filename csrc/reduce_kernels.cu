@@ -132,17 +132,21 @@ extern "C" __global__ void pyddp_reduce_bf16(const __grid_constant__ Ptrs p, int
 }
 
 // Wire compression, as torch DDP's fp16_compress_hook / bf16_compress_hook
-// compute it, so results are bitwise theirs: each value cast to 16 bits, then
-// divided by the number of ranks n in that type (rounded again), which keeps
-// the 16-bit sum over n ranks from overflowing. p.p[0]: the float32 bucket,
-// p.p[1]: its 16-bit copy on the wire.
+// compute it on CUDA tensors, so results are bitwise theirs: each value cast
+// to 16 bits, then scaled by 1/n (n ranks) and rounded again, which keeps
+// the 16-bit sum over n ranks from overflowing. Scaled, not divided: the
+// hooks' `div_(world_size)` by a CPU scalar is, on CUDA, a multiplication by
+// the reciprocal computed in float (torch's BinaryDivTrueKernel.cu), which
+// gives other float16 subnormals than a division for 14, 26, 28, 30, 52, 56,
+// 60 ... ranks. p.p[0]: the float32 bucket, p.p[1]: its 16-bit copy.
 template <typename K>
 __device__ void pyddp_compress(const Ptrs& p, int n, long long count) {
   const float* src = (const float*)p.p[0];
   typename K::T* dst = (typename K::T*)p.p[1];
+  const float inv = 1.0f / (float)n;  // IEEE: NVRTC divides precisely unless told otherwise
   const long long stride = (long long)gridDim.x * blockDim.x;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
-    dst[i] = K::store(K::load(K::store(src[i])) / (float)n);
+    dst[i] = K::store(K::load(K::store(src[i])) * inv);
   }
 }
 // Back into the bucket: the reduced 16-bit values (the mean over n ranks),

@@ -3,8 +3,9 @@ hooks by short name, and how each reaches the buckets. On CPU replicas
 across processes the hook itself runs on every summed bucket (the link's
 transport calls it). On GPUs the buckets never come back to Python: NCCL
 reduces them from pyddp's C++ core, which runs torch's 16-bit compression
-hooks itself (cast, divide by the ranks, NCCL sum in 16 bits, cast back;
-bitwise the hooks' own arithmetic), so only those are accepted there."""
+hooks itself (cast, scale by 1/ranks, NCCL sum in 16 bits, cast back; the
+scaling bitwise the hooks' own arithmetic on CUDA tensors, the sums NCCL's:
+docs/across-processes.md), so only those are accepted there."""
 
 from __future__ import annotations
 

@@ -943,3 +943,43 @@ def test_a_sticky_error_first_seen_by_any_driver_call_says_restart(simlib, code,
         """,
         env={"SIMGPU_LATE_US": "0"},
     )
+
+
+def test_wire_scaling_is_torch_cuda_div_for_every_16_bit_value_and_1_to_64_ranks(simlib):
+    # torch's hooks: buffer.to(float16 or bfloat16).div_(world_size). On CUDA,
+    # div_ by a CPU scalar multiplies by the reciprocal computed in float
+    # (BinaryDivTrueKernel.cu: inv_b = opmath_t(1.0) / b, then a * inv_b,
+    # rounded once to the 16-bit type); dividing instead gives other float16
+    # subnormals for 14, 26, 28, 30, 52, 56 and 60 ranks. The compression
+    # kernel against that closed form, for every 16-bit pattern and 1..64
+    # ranks (NaN: any NaN). And what docs/across-processes.md says of the CPU
+    # path, where torch's hook itself runs: CPU div_ divides, so it differs
+    # from the GPU for exactly those world sizes (float16; bfloat16 never).
+    run_sim(
+        simlib,
+        """
+    import ctypes
+    run = sim.lib.simgpu_run_kernel
+    run.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                    ctypes.c_longlong, ctypes.c_int]
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)  # every pattern
+    cpu_differs = {}
+    for name, wire in (("f16", torch.float16), ("bf16", torch.bfloat16)):
+        x = bits.view(wire).float()  # exact in float32
+        nan = torch.isnan(x)
+        for n in range(1, 65):
+            out = torch.empty(65536, dtype=wire)
+            kernel = f"pyddp_compress_{name}".encode()
+            assert run(kernel, x.data_ptr(), out.data_ptr(), n, 65536, 0) == 0
+            inv = torch.tensor(1.0, dtype=torch.float32) / n  # in float, as torch's opmath
+            want = (x * inv).to(wire)
+            bad = (out.view(torch.int16) != want.view(torch.int16)) & ~nan
+            assert not bad.any(), (name, n, int(bad.sum()), x[bad][:3].tolist(),
+                                   out[bad][:3].float().tolist(), want[bad][:3].float().tolist())
+            assert torch.isnan(out[nan].float()).all(), (name, n)
+            on_cpu = bits.view(wire).clone().div_(n)  # torch's hook on a CPU tensor
+            if ((on_cpu.view(torch.int16) != want.view(torch.int16)) & ~nan).any():
+                cpu_differs.setdefault(name, []).append(n)
+    assert cpu_differs == {"f16": [14, 26, 28, 30, 52, 56, 60]}, cpu_differs
+    """,
+    )

@@ -1475,3 +1475,20 @@ API void simgpu_reset() {
   }
   g_default_delay_us = 0;
 }
+// Runs one of pyddp's kernels (the host compilation of reduce_kernels.cu) at
+// once on the calling thread, as one thread of one block (the grid-stride
+// loop covers `count`): its arithmetic alone, for closed-form sweeps wider
+// than a launch through NCCL allows (the wire scaling for 1..64 ranks).
+// p0, p1: the first two pointers; n, count, arg: the other arguments.
+API int simgpu_run_kernel(const char* name, void* p0, void* p1, int n, long long count, int arg) {
+  auto it = kKernels.find(name);
+  if (it == kKernels.end()) return CUDA_ERROR_NOT_FOUND;
+  simk::Ptrs ptrs{};
+  ptrs.p[0] = p0;
+  ptrs.p[1] = p1;
+  void* params[] = {&ptrs, &n, &count, &arg};
+  gridDim.x = blockDim.x = 1;
+  blockIdx.x = threadIdx.x = 0;
+  it->second(params);
+  return CUDA_SUCCESS;
+}
