@@ -118,6 +118,10 @@ class BucketLayout:
         self._view_ptrs = [v.data_ptr() for v in self.views[0]]
         self._versions = None
 
+    def memory(self) -> List[List[torch.Tensor]]:
+        """Per replica, every tensor holding its bucket memory now."""
+        return [flats + wires for flats, wires in zip(self.flat, self._wire)]
+
     def moved(self) -> bool:
         """Whether replica 0's gradients left their bucket views (Module._apply
         replaced their storage, or a gradient was assigned). Reliable where

@@ -50,6 +50,15 @@ class TorchStreams:
         """A bucket's memory on `device` (the simulation adds guard zones)."""
         return torch.zeros(count, dtype=dtype, device=torch.device("cuda", device))
 
+    def retire(self, tensors: Sequence[torch.Tensor], device: int) -> None:
+        """`tensors` are about to be dropped while the current stream of
+        `device` may still use them: the caching allocator must not hand
+        their blocks to another allocation of their allocation stream before
+        that stream gets past this point (Tensor.record_stream)."""
+        stream = torch.cuda.current_stream(device)
+        for t in tensors:
+            t.record_stream(stream)
+
     def upload(self, device: int, host: torch.Tensor) -> torch.Tensor:
         """A copy of `host` on `device`, queued on its current stream from
         pinned memory: the host does not wait for it."""
@@ -137,9 +146,24 @@ class StreamOrder:
             self.provider.before_host_write(self.devices[replica])
 
     def fence_all(self) -> None:
-        """Before the host writes or frees bucket memory: the reductions still
-        using it must be done in stream order (torch's caching allocator gives
-        that for free; the simulated driver's host memory does not)."""
+        """Before the host writes every replica's buckets: the reductions
+        still using them come first in stream order (torch: nothing to do,
+        its ops are queued on the current streams; the simulation drains
+        them)."""
         if self.provider is not None:
             for d in set(self.devices):
                 self.provider.before_host_write(d)
+
+    def retire(self, engine: Any, old: Sequence[Sequence[torch.Tensor]]) -> None:
+        """`old[r]`: replica r's bucket memory, about to be dropped. Each
+        replica's current stream is ordered after the reductions still using
+        it, and the caching allocator reuses none of it before that stream
+        gets there: the memory may have been allocated on another stream (the
+        model built on the default stream, trained under torch.cuda.stream),
+        whose next allocation could otherwise take it at once."""
+        if self.provider is None:
+            return
+        for r, tensors in enumerate(old):
+            if tensors:
+                engine.use_stream(r, self.provider.current(self.devices[r]))
+                self.provider.retire(tensors, self.devices[r])

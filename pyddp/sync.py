@@ -238,7 +238,9 @@ class GradSync:
 
     # ----------------------------------------------------------------- layout
     def _allocate(self, buckets: Sequence[Sequence[int]]) -> None:
+        old = self.layout.memory()
         self.layout.allocate(buckets)
+        self._order.retire(self._engine, old)
         self.link.set_buckets(self.layout.flat[0], buckets, self.params[0], self.layout.views[0])
 
     @property

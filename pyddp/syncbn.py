@@ -99,13 +99,19 @@ class Exchange:
             self._cond.notify_all()
 
     def sum(self, r: int, t: torch.Tensor, what: str) -> torch.Tensor:
+        return self.sum_and_host(r, t, what)[0]
+
+    def sum_and_host(self, r: int, t: torch.Tensor, what: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The sum on `t`'s device, and on the host (where it was summed:
+        reading it there waits for no GPU)."""
         if self.gpu is None:
-            return self._sum(r, t, what).to(t.device)
+            total = self._sum(r, t, what)
+            return total.to(t.device), total
         devices, streams = self.gpu
         if streams.produced is not None:  # the simulation: t lands late on the current stream
             streams.produced(devices[r], t)
         total = self._sum(r, streams.fetch(devices[r], t).get(), what)
-        return streams.upload(devices[r], total)
+        return streams.upload(devices[r], total), total
 
     def _sum(self, r: int, t: torch.Tensor, what: str) -> torch.Tensor:
         with self._cond:
@@ -266,8 +272,8 @@ def _global_forward(
         var, m = torch.var_mean(x.detach().to(dtype), dims, correction=0)
         m64, v64 = m.to(STATS_DTYPE), var.to(STATS_DTYPE)
         stats = torch.stack([torch.full_like(m64, float(n)), n * m64, n * (v64 + m64 * m64)])
-        total = meet(stats, what)
-        count = float(total[0, 0])
+        total, on_host = exchange.sum_and_host(r, stats, what)
+        count = float(on_host[0, 0])  # no wait for the GPU: the host summed it
         if count <= 1:
             raise ValueError(
                 "pyddp: SyncBatchNorm needs more than one value per channel over the "

@@ -446,6 +446,18 @@ def test_sync_batchnorm_across_processes_equals_one_device(tmp_path, replicas):
         assert r["grad"] <= TOL and r["params"] <= TOL and r["buffers"] <= TOL, r
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_buffers_of_every_dtype_are_rank_zeros_bit_for_bit(tmp_path, replicas):
+    # complex64 (rotary freqs_cis), int64 above 2**53, bool, float16 with a
+    # signed zero and a subnormal: every replica of every rank ends up with
+    # rank 0's after a training step (before it, rank 1's differ).
+    run = torchrun("buffers_every_dtype", tmp_path, 2, {"SCENARIO_REPLICAS": str(replicas)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    r0, r1 = results(tmp_path, "buffers_every_dtype", 2)
+    assert r0["before"] == [True] * replicas and r1["before"] == [False] * replicas
+    assert r0["after"] == r1["after"] == [True] * replicas, (r0, r1)
+
+
 def test_a_process_exits_cleanly_with_its_group_up_and_gloo_work_in_flight(tmp_path):
     # Without pyddp's exit handler (SCENARIO_SETTLE_S=0) both ranks abort
     # ("terminate called without an active exception") in 10 runs of 10 here.

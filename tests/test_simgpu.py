@@ -118,9 +118,10 @@ def test_collectives_closed_form_all_dtypes(simlib, kind):
         backend = _runtime.make_backend(devs, timeout=30)
         for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
             for size in (0, 1, 7, (1 << 16) + 3):
-                ts = [torch.full((size,), float(r + 1), dtype=dtype) for r in range(n)]
+                ts = [streams.upload(d, torch.full((size,), float(r + 1), dtype=dtype))
+                      for r, d in enumerate(devs)]
                 backend.reduce([t.data_ptr() for t in ts], devs, [0] * n, size,
-                               str(dtype).split(".")[1].replace("bfloat16", "bfloat16"), "sum")
+                               str(dtype).split(".")[1], "sum")
                 for d in set(devs):
                     sim.synchronize(0, d)
                 for t in ts:
@@ -145,7 +146,7 @@ def test_kernel_16bit_rounding_matches_torch(simlib):
             for v in vals[1:]:
                 want = want + v.float()
             for op, expect in (("sum", want.to(dtype)), ("avg", (want / n).to(dtype))):
-                ts = [v.clone() for v in vals]
+                ts = [streams.upload(0, v) for v in vals]
                 backend.reduce([t.data_ptr() for t in ts], [0] * n, [0] * n, 4099,
                                str(dtype).split(".")[1], op)
                 sim.synchronize(0, 0)
@@ -349,6 +350,13 @@ def test_syncbatchnorm_on_simulated_gpus_equals_one_device(simlib):
     for rep in dm.replicas[1:]:
         for p, p0 in zip(rep.parameters(), dm.module.parameters()):
             assert torch.equal(p, p0), "replicas differ"
+    # A forward meeting waits for the GPU once (its statistics to the host),
+    # never to read back what the host summed.
+    from simgpu import HostReads
+    with streams.stream(own), HostReads(sim) as reads:
+        F.cross_entropy(dm(x), y).backward()
+    assert not [r for r in reads.reads if r.startswith("syncbn.py")], reads.reads
+    streams.synchronize_all(devices)
     dm.close()
     try:
         gpu_wrap(pyddp.convert_sync_batchnorm(ConvNet()), [0, 0])
@@ -461,7 +469,7 @@ def test_two_models_and_collectives_at_once_share_one_communicator_set(simlib):
         try:
             backend = _runtime.make_backend([0, 1], timeout=30)
             for _ in range(20):
-                ts = [torch.full((1000,), float(r + 1)) for r in range(2)]
+                ts = [streams.upload(r, torch.full((1000,), float(r + 1))) for r in range(2)]
                 backend.reduce([t.data_ptr() for t in ts], [0, 1], [0, 0], 1000, "float32")
                 sim.synchronize(0, 0); sim.synchronize(0, 1)
                 assert all(torch.equal(t, torch.full_like(t, 3.0)) for t in ts)
@@ -476,7 +484,7 @@ def test_two_models_and_collectives_at_once_share_one_communicator_set(simlib):
     created = sim.counter("stream_create")
     a, b = _runtime.make_backend([1, 0], timeout=30), _runtime.make_backend([0, 1], timeout=30)
     assert sim.counter("stream_create") - created <= 2
-    ts = [torch.full((5,), float(r + 1)) for r in range(2)]
+    ts = [streams.upload(d, torch.full((5,), float(r + 1))) for r, d in enumerate([1, 0])]
     a.reduce([t.data_ptr() for t in ts], [1, 0], [0, 0], 5, "float32")
     sim.synchronize(0, 0); sim.synchronize(0, 1)
     assert all(torch.equal(t, torch.full_like(t, 3.0)) for t in ts)
@@ -661,6 +669,8 @@ comm = vp()
 assert lib.ncclCommInitRank(ctypes.byref(comm), 2, Id(uid), rank) == 0
 n = 300_001  # several shared-memory chunks
 buf = (ctypes.c_float * n)(*([rank + 1.0] * n))
+lib.simgpu_alloc.argtypes = [vp, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, vp]
+assert lib.simgpu_alloc(buf, 0, ctypes.sizeof(buf), 0, rank, None) == 0  # device memory
 count = n - rank if mismatch else n
 assert lib.ncclAllReduce(buf, buf, count, 7, 0, comm, None) == 0
 assert lib.cuStreamSynchronize(None) == 0
@@ -735,6 +745,11 @@ def test_gradsync_across_processes_on_one_nccl_communicator(simlib, tmp_path, lo
         assert 0 < r["fp16_diff"] <= 2e-3, r
         if local == 1:
             assert r["fp16_vs_torch_hook"] == 0.0, r
+        # The GPUs far behind (no sums reach the host unasked): three sums
+        # stay unread; from the fourth synced backward on, the host waits for
+        # the oldest, one per step; close() reads the last three.
+        assert r["throttle_diff"] <= 1e-6, r
+        assert r["throttle_waits"] == [3, 4] and r["throttle_waits_at_close"] == 3, r
         assert not r["violations"], r["violations"]
 
 
@@ -750,6 +765,22 @@ def test_syncbatchnorm_across_processes_on_simulated_gpus(simlib, tmp_path, loca
     assert run.returncode == 0, run.stderr[-3000:]
     for r in results(tmp_path, "syncbn", 2):
         assert r["grad"] <= TOL and r["params"] <= TOL and r["buffers"] <= TOL, r
+
+
+@pytest.mark.parametrize("local", [1, 2])
+def test_buffers_of_every_dtype_through_nccl_bit_for_bit(simlib, tmp_path, local):
+    # The device buffer broadcast (2 processes x `local` GPUs): complex64,
+    # int64 above 2**53, bool and float16 buffers arrive as rank 0's, bit for
+    # bit, on every GPU; every part it sums lies on its own GPU.
+    from test_multiprocess import results, torchrun
+
+    env = sim_env(simlib, SCENARIO_SIMGPU="1", SCENARIO_REPLICAS=str(local))
+    run = torchrun("buffers_every_dtype", tmp_path, 2, env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r0, r1 = results(tmp_path, "buffers_every_dtype", 2)
+    assert r1["before"] == [False] * local
+    assert r0["after"] == r1["after"] == [True] * local, (r0, r1)
+    assert not r0["violations"] and not r1["violations"], (r0["violations"], r1["violations"])
 
 
 @pytest.mark.parametrize("devices", [[0, 0, 0], [0, 1, 2]])
@@ -770,7 +801,7 @@ def test_all_reduce_gpu_branch_orders_after_late_writes_on_current_streams(simli
     n = len(devs)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for size in (1, 7, (1 << 16) + 3):
-            ts = [torch.full((size,), float(r + 1), dtype=dtype) for r in range(n)]
+            ts = [streams.upload(d, torch.full((size,), float(r + 1), dtype=dtype)) for r, d in enumerate(devs)]
             with streams.stream(own):
                 for d, t in zip(devs, ts):
                     streams.produced(d, t)  # written late on its device's current stream

@@ -137,7 +137,7 @@ class Agreement:
         self._deferred.append((fetch, self._record, self.peers.iteration, contributors))
 
     def poll(self, drain: bool = False) -> None:
-        """Checks the deferred sums that reached the host. Two left unread
+        """Checks the deferred sums that reached the host. With three unread
         (the host far ahead of its GPUs), or `drain`: waits for the oldest."""
         while self._deferred:
             fetch, record, iteration, contributors = self._deferred[0]

@@ -4,7 +4,7 @@ streams (processes.py's ProcessLink uses it when its replicas are GPUs)."""
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence
 
 import torch
 
@@ -16,15 +16,15 @@ class DeviceRoute:
     """The agreement's way on GPUs: one more float64 sum on the engine's
     NCCL communicator after the buckets, ordered on the replicas' current
     streams (which wait for it); its result travels to the host on its own
-    and is read when there."""
+    and is read when there.
+
+    Every buffer here is allocated on its replica's device and current
+    stream, and that stream waits for the sum: dropping one right after is
+    safe (torch's caching allocator reuses a block in its allocation
+    stream's order)."""
 
     def __init__(self, backend: Any, devices: Sequence[int], provider: Any):
         self.backend, self.devices, self.provider = backend, list(devices), provider
-        # Parts still read or written by the GPUs: kept alive until each
-        # device's stream passed their reduction (torch's caching allocator
-        # would order a reuse after it anyway; host memory, as in the
-        # simulation, would not).
-        self._held: List[Tuple[List[torch.Tensor], List[Any]]] = []
 
     def reduce(self, part: torch.Tensor, rows_slot: int) -> List[torch.Tensor]:
         """Every replica's part on its device (the rows only in replica 0's:
@@ -39,30 +39,44 @@ class DeviceRoute:
 
     def fetch(self, parts: List[torch.Tensor]) -> Any:
         """Replica 0's sums on their way to the host."""
-        return self._hold(parts)[0]
+        return self.provider.fetch(self.devices[0], parts[0])
 
     def broadcast(self, tensors: Sequence[torch.Tensor], root: bool) -> None:
         """The root process's values of `tensors` (replica 0's, on
-        devices[0]) on every process, on the device: a float64 sum in which
-        every other GPU contributes -0.0 (x + -0.0 == x for every x, signed
-        zeros and NaN included; float64 holds every float32, float16 and
-        bfloat16 value and integers up to 2**53 exactly)."""
-        ts = [t for t in tensors if t.numel()]
-        if not ts:
-            return
-        self.provider.before_host_write(self.devices[0])  # the simulation: stream order
+        devices[0]) on every process, on the device, bit for bit: a sum in
+        which every other GPU contributes -0.0 (x + -0.0 == x for every
+        float x, signed zeros included), per floating type in that type
+        (complex as its real pairs); any other type (integers, bool) travels
+        as its bytes, each exact in float16 (0..255, to which the others add
+        -0.0). A cast to one wide type would not do: float64 holds neither a
+        complex value nor an int64 above 2**53."""
+        groups: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for t in tensors:
+            if t.numel():
+                groups.setdefault(_wire_type(t.dtype), []).append(t)
+        for wire, ts in groups.items():
+            self._broadcast_group(wire, ts, root)
+
+    def _broadcast_group(self, wire: torch.dtype, ts: List[torch.Tensor], root: bool) -> None:
+        sizes = [_as_wire(t, wire).numel() for t in ts]
+        total = sum(sizes)
+        first = self.devices[0]
+        parts = [self.provider.zeros(total, wire, d) for d in self.devices]
         with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in ts])
-            if not root:
-                flat.fill_(-0.0)
-            parts = [flat] + [torch.full_like(flat, -0.0) for _ in self.devices[1:]]
-            self._sum(parts)
-            self.provider.before_host_write(self.devices[0])
-            offset = 0
-            for t in ts:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-        self._hold(parts)
+            self.provider.before_host_write(first)  # the simulation: stream order
+            dst = parts[0].split(sizes)
+            for t, d in zip(ts, dst):
+                if root:
+                    d.copy_(_as_wire(t, wire))
+                else:
+                    d.fill_(-0.0)
+            for d, p in zip(self.devices[1:], parts[1:]):
+                self.provider.before_host_write(d)
+                p.fill_(-0.0)
+            self._sum(parts, DTYPE_NAMES[wire])
+            self.provider.before_host_write(first)
+            for t, d in zip(ts, parts[0].split(sizes)):
+                _from_wire(t, d)
 
     def zeros(self, count: int, dtype: torch.dtype, replica: int) -> torch.Tensor:
         """Memory on replica's device (the simulation adds guard zones)."""
@@ -87,14 +101,6 @@ class DeviceRoute:
             dtype,
             "sum",
         )
-        self._held = [h for h in self._held if not all(c.ready() for c in h[1])]
-
-    def _hold(self, parts: List[torch.Tensor]) -> List[Any]:
-        """Keeps `parts` alive until every device's stream is past their
-        reduction; returns their copies on the way to the host."""
-        copies = [self.provider.fetch(d, p) for d, p in zip(self.devices, parts)]
-        self._held.append((parts, copies))
-        return copies
 
     def factors(self, parts: List[torch.Tensor], slot: int, assumed: float) -> List[torch.Tensor]:
         """Per replica, on its device: assumed rows / the global batch's."""
@@ -104,3 +110,31 @@ class DeviceRoute:
             rows = part[slot]
             out.append(torch.where(rows > 0, assumed / rows, torch.ones_like(rows)))
         return out
+
+
+def _wire_type(dtype: torch.dtype) -> torch.dtype:
+    """The floating type a buffer of `dtype` is broadcast in, exactly."""
+    if dtype in DTYPE_NAMES:
+        return dtype
+    if dtype.is_complex:
+        return torch.empty(0, dtype=dtype).real.dtype
+    return torch.float16  # its bytes, one per float16
+
+
+def _as_wire(t: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """`t`'s values as a flat tensor of `wire` (a copy where not a view)."""
+    flat = t.detach().reshape(-1)
+    if t.dtype == wire:
+        return flat
+    if t.dtype.is_complex:
+        return torch.view_as_real(flat).reshape(-1)
+    return flat.contiguous().view(torch.uint8).to(wire)
+
+
+def _from_wire(t: torch.Tensor, values: torch.Tensor) -> None:
+    """Writes `values` (as _as_wire gave them) back into `t`."""
+    if t.dtype.is_complex:
+        values = torch.view_as_complex(values.view(-1, 2))
+    elif values.dtype != t.dtype:
+        values = values.to(torch.uint8).view(t.dtype)
+    t.detach().copy_(values.view(t.shape))

@@ -494,8 +494,114 @@ def simgpu(out: dict) -> None:
     out["all_used_exchanges"] = _sequence_of(dm) - exchanges
     dm.close()
     _join_on_simulated_gpus(out, devices, streams)
+    _throttle_on_simulated_gpus(out, devices, streams)
     _compression_on_simulated_gpus(out, devices, streams)
     out["violations"] = sim.violations()
+
+
+class _EveryDtype(nn.Module):
+    """Buffers of the types models register beside float32: rotary
+    position factors as complex64 (torchtitan's freqs_cis), int64 counters
+    above 2**53, bool masks, float16 with a signed zero and a subnormal."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 2)
+        for name, value in self.values(0).items():
+            self.register_buffer(name, value)
+
+    @staticmethod
+    def values(rank: int) -> dict:
+        tiny = [-0.0 if rank == 0 else 0.0, 6e-8 * (rank + 1), 1.0]
+        return {
+            "freqs_cis": torch.polar(torch.ones(3), torch.arange(3.0) + rank),
+            "big": torch.tensor([2**53 + 1 + rank, -(2**62) + 3], dtype=torch.int64),
+            "mask": torch.tensor([True, rank % 2 == 1, False]),
+            "tiny": torch.tensor(tiny, dtype=torch.float16),
+        }
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.freqs_cis.real[1]
+
+
+def _bits(t: torch.Tensor) -> List[int]:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).tolist()
+
+
+def buffers_every_dtype(out: dict) -> None:
+    """After a training step every replica of every rank holds rank 0's
+    buffers bit for bit, whatever their dtype (SCENARIO_REPLICAS replicas
+    each; on simulated GPUs with SCENARIO_SIMGPU)."""
+    replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
+    kw, settle = _maybe_simulated_gpus(replicas)
+    rank = pyddp.rank()
+    want = [_bits(b) for b in _EveryDtype().buffers()]
+    dm = pyddp.wrap(_EveryDtype(), ["cpu"] * replicas, **kw)
+    with torch.no_grad():  # each rank's own values now (wrap gave every rank rank 0's)
+        for m in dm.replicas:
+            for name, value in _EveryDtype.values(rank).items():
+                getattr(m, name).copy_(value)
+    settle()
+    out["before"] = [[_bits(b) for b in m.buffers()] == want for m in dm.replicas]
+    dm(torch.ones(2, 4)).sum().backward()
+    settle()
+    out["after"] = [[_bits(b) for b in m.buffers()] == want for m in dm.replicas]
+    dm.close()
+    if kw:
+        out["violations"] = kw["_gpu"][1].sim.violations()
+
+
+def _throttle_on_simulated_gpus(out: dict, devices, streams) -> None:
+    """The GPUs far behind the host: no agreement's sums ever reach the host
+    by themselves (their copies report not ready until waited for). The host
+    reads none in the first three steps, then waits for the oldest once per
+    step, so at most three are ever unread; training is unchanged."""
+    from pyddp._streams import HostCopy
+
+    rank, world = pyddp.rank(), pyddp.world()
+    waits: List[int] = []
+    step = [0]
+    real_fetch = streams.fetch
+
+    def slow_fetch(device, tensor):
+        copy = real_fetch(device, tensor)
+
+        def synchronize():
+            waits.append(step[0])
+            copy.get()
+
+        return HostCopy(tensor, lambda: False, synchronize)
+
+    def model() -> nn.Module:  # every parameter used: the host never needs the sums
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    batches = data(5, 12)
+    ref = model()
+    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
+    for x, y in batches:
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    streams.fetch = slow_fetch
+    try:
+        dm = pyddp.wrap(model(), ["cpu"] * len(devices), _gpu=(devices, streams))
+        dopt = dm.optimizer(torch.optim.SGD, **SGD)
+        for k, (x, y) in enumerate(batches):
+            step[0] = k
+            rows = my_rows(len(x), rank, world)
+            dopt.zero_grad()
+            dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
+            streams.synchronize_all(devices)
+            dopt.step()
+            streams.synchronize_all(devices)
+        out["throttle_waits"] = waits[:]
+        out["throttle_diff"] = max_diff(dm.module, ref)
+        dm.close()  # reads the rest
+        out["throttle_waits_at_close"] = len(waits) - len(out["throttle_waits"])
+    finally:
+        streams.fetch = real_fetch
 
 
 def _compression_on_simulated_gpus(out: dict, devices, streams) -> None:

@@ -93,9 +93,37 @@ BREAKAGES = {
     ),
     "buffer-broadcast-adds-plus-zero": (
         "pyddp/_link/route.py",
-        "                flat.fill_(-0.0)",
-        "                flat.fill_(0.0)",
+        "                    d.fill_(-0.0)",
+        "                    d.fill_(0.0)",
         "non-root GPUs add +0.0 in the device buffer broadcast (a -0.0 becomes +0.0)",
+    ),
+    "buffer-broadcast-on-the-first-gpu": (
+        "pyddp/_link/route.py",
+        "parts = [self.provider.zeros(total, wire, d) for d in self.devices]",
+        "parts = [self.provider.zeros(total, wire, first) for d in self.devices]",
+        "the device buffer broadcast gives every local GPU a buffer on the first GPU",
+    ),
+    "integer-buffers-through-float64": (
+        "pyddp/_link/route.py",
+        (
+            "return torch.float16  # its bytes, one per float16",
+            "return flat.contiguous().view(torch.uint8).to(wire)",
+            "values = values.to(torch.uint8).view(t.dtype)",
+        ),
+        (
+            "return torch.float64",
+            "return flat.to(wire)",
+            "values = values.to(t.dtype)",
+        ),
+        "integer and bool buffers are broadcast as float64 values (an int64 above 2**53 is "
+        "rounded)",
+    ),
+    "buckets-freed-without-record-stream": (
+        "pyddp/_streams.py",
+        "                self.provider.retire(tensors, self.devices[r])",
+        "                pass",
+        "replaced buckets are dropped without Tensor.record_stream on the streams that used "
+        "them (their allocation stream may hand them out again at once)",
     ),
     "compress-before-ready-wait": (
         "csrc/gpu_backend.cpp",

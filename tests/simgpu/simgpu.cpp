@@ -134,12 +134,23 @@ int num_devices() { return std::min(kMaxDevices, env_int("SIMGPU_DEVICES", 4)); 
 int driver_version() { return env_int("SIMGPU_DRIVER_VERSION", 12040); }
 int compute_capability() { return env_int("SIMGPU_CC", 80); }
 
+// Which work is ordered before which: a vector clock per stream (stream id ->
+// the last position of that stream known to have run before this point),
+// advanced as a stream runs its ops and merged through event waits. It is
+// what the caching allocator's reuse rule below is checked against, so the
+// verdict depends on the order the program asked for, never on timing.
+using Clock = std::map<int, uint64_t>;
+void merge(Clock& into, const Clock& from) {
+  for (const auto& [id, pos] : from) into[id] = std::max(into[id], pos);
+}
+
 struct Event {
   Ctx* ctx;
   std::mutex mu;
   std::condition_variable cv;
   uint64_t recorded = 0;   // generation of the latest cuEventRecord
   uint64_t completed = 0;  // generation the stream reached
+  std::map<uint64_t, Clock> clocks;  // generation -> the recording stream's clock there
 };
 
 struct Op {
@@ -151,6 +162,8 @@ struct Op {
 
 struct Stream {
   Ctx* ctx;
+  int id = 0;
+  Clock clock;  // guarded by mu
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Op> queue;
@@ -164,29 +177,53 @@ std::mutex g_handles_mu;
 std::set<void*> g_streams, g_events;
 Stream* g_null_stream[kMaxDevices] = {};
 std::atomic<long> g_default_delay_us{0};
+std::atomic<int> g_next_stream_id{1};
+thread_local Stream* t_stream = nullptr;  // the stream whose op this thread runs
+thread_local uint64_t t_pos = 0;          // and that op's position in it
 
 void stream_loop(Stream* s) {
   for (;;) {
     Op op;
+    uint64_t pos;
     {
       std::unique_lock<std::mutex> lk(s->mu);
       s->cv.wait(lk, [&] { return !s->queue.empty() || s->destroyed; });
       if (s->queue.empty()) return;  // destroyed and drained: resources released
       op = std::move(s->queue.front());
+      pos = s->done + 1;
     }
     const long delay = s->delay_us.load();
     if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
     if (op.wait) {
-      std::unique_lock<std::mutex> lk(op.wait->mu);
-      op.wait->cv.wait(lk, [&] { return op.wait->completed >= op.gen; });
+      Clock before;
+      {
+        std::unique_lock<std::mutex> lk(op.wait->mu);
+        op.wait->cv.wait(lk, [&] { return op.wait->completed >= op.gen; });
+        auto it = op.wait->clocks.lower_bound(op.gen);
+        if (it != op.wait->clocks.end()) before = it->second;
+      }
+      std::lock_guard<std::mutex> lk(s->mu);
+      merge(s->clock, before);
     }
+    {
+      std::lock_guard<std::mutex> lk(s->mu);
+      s->clock[s->id] = pos;
+    }
+    t_stream = s;
+    t_pos = pos;
     if (op.run) op.run();
+    // The op is done for every observer at once: an event found complete
+    // means its stream is past it (cuStreamQuery idle if nothing follows),
+    // and a synchronised stream has completed its events.
+    std::lock_guard<std::mutex> lk(s->mu);
     if (op.record) {
-      std::lock_guard<std::mutex> lk(op.record->mu);
+      std::lock_guard<std::mutex> le(op.record->mu);
+      auto& clocks = op.record->clocks;
+      clocks[op.gen] = s->clock;
+      while (clocks.size() > 64) clocks.erase(clocks.begin());
       op.record->completed = std::max(op.record->completed, op.gen);
       op.record->cv.notify_all();
     }
-    std::lock_guard<std::mutex> lk(s->mu);
     s->queue.pop_front();
     ++s->done;
     s->cv.notify_all();
@@ -196,6 +233,7 @@ void stream_loop(Stream* s) {
 Stream* new_stream(Ctx* ctx) {
   auto* s = new Stream;
   s->ctx = ctx;
+  s->id = g_next_stream_id++;
   s->delay_us = g_default_delay_us.load();
   s->thread = std::thread(stream_loop, s);
   s->thread.detach();  // lives until destroyed and drained
@@ -219,6 +257,7 @@ int resolve(void* handle, Stream** out) {
     if (s == nullptr) {
       s = new Stream;
       s->ctx = t_current;
+      s->id = g_next_stream_id++;
       s->delay_us = g_default_delay_us.load();
       s->thread = std::thread(stream_loop, s);
       s->thread.detach();
@@ -243,31 +282,87 @@ int check_event(void* handle) {
   return CUDA_SUCCESS;
 }
 
-void enqueue(Stream* s, Op op) {
+// Returns the op's position in the stream.
+uint64_t enqueue(Stream* s, Op op) {
   std::lock_guard<std::mutex> lk(s->mu);
   s->queue.push_back(std::move(op));
   ++s->enqueued;
   s->cv.notify_all();
+  return s->enqueued;
+}
+
+// A stream handle resolved in `device`'s context (0: its default stream).
+int resolve_on(int device, void* handle, Stream** out) {
+  Ctx* saved = t_current;
+  t_current = &g_ctx[device];
+  const int rc = resolve(handle, out);
+  t_current = saved;
+  return rc;
 }
 
 // ---------------------------------------------------------------- memory
-// Guard zones: allocations made through the test stream provider
-// (SimStreams.zeros, simgpu.py) carry canary bytes before and after, checked
-// after every kernel and every collective; an access outside an allocation is
-// an illegal address. [CUDA, "Error handling"]: cudaErrorIllegalAddress /
-// CUDA_ERROR_ILLEGAL_ADDRESS "leaves the process in an inconsistent state and
-// any further CUDA work will return the same error": the device's context is
-// dead for good (sticky), every later call on it returns 700, and NCCL
-// reports ncclUnhandledCudaError.
+// Device memory: allocations made through the test stream provider
+// (SimStreams.zeros, simgpu.py) are registered here with their device and the
+// stream they were allocated on, and carry canary bytes before and after,
+// checked after every kernel and every collective. Rules:
+// - every buffer a collective or a kernel touches lies inside one live
+//   allocation of the device it runs on: anything else is another device's
+//   memory, memory the GPU cannot address, or a write past an allocation, an
+//   illegal address. [CUDA, "Error handling"]: cudaErrorIllegalAddress /
+//   CUDA_ERROR_ILLEGAL_ADDRESS "leaves the process in an inconsistent state
+//   and any further CUDA work will return the same error": the device's
+//   context is dead for good (sticky), every later call on it returns 700, and
+//   NCCL reports ncclUnhandledCudaError.
+// - torch's caching allocator: a freed block goes back to the pool of the
+//   stream it was allocated on and the next allocation on that stream may take
+//   it at once; its new owner's work is ordered after that stream's work only.
+//   Every earlier use of the block by another stream must therefore be ordered
+//   before the reuse, through the allocation stream's waits or through
+//   Tensor.record_stream (SimStreams.retire), which delays the reuse until the
+//   recorded streams pass the point of the free [torch, "CUDA semantics:
+//   memory management" and Tensor.record_stream]. The simulation frees nothing
+//   early (host memory has no streams): it checks the rule with the streams'
+//   vector clocks when the free's markers have run, whatever the timing.
 constexpr unsigned char kCanary = 0xA5;
+enum BlockState { kLive = 0, kFreeing, kFreedUnsafely, kReleasable };
 struct Guarded {
   char* base;
   size_t lead, body, tail;
   int device;
+  Stream* alloc = nullptr;  // the allocation stream
+  std::map<int, uint64_t> uses;  // stream id -> last position that used the block
+  BlockState state = kLive;
 };
 std::mutex g_mem_mu;
 std::map<uintptr_t, Guarded> g_guarded;  // by body address
+std::map<int, int> g_stream_device;      // stream id -> device, for messages
 std::atomic<int> g_sticky[kMaxDevices] = {};
+std::atomic<int> g_free_checks{0};  // frees whose markers have not all run
+// What the host saw complete (a stream or event synchronised, an event found
+// complete): work ordered before a later free by the host itself.
+Clock g_host_clock;  // guarded by g_mem_mu
+void host_saw(const Clock& c) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  merge(g_host_clock, c);
+}
+void host_saw_stream(Stream* s) {
+  Clock c;
+  {
+    std::lock_guard<std::mutex> lk(s->mu);
+    c = s->clock;
+  }
+  host_saw(c);
+}
+void host_saw_event(Event* e, uint64_t gen) {
+  Clock c;
+  {
+    std::lock_guard<std::mutex> lk(e->mu);
+    auto it = e->clocks.find(gen);
+    if (it == e->clocks.end()) return;
+    c = it->second;
+  }
+  host_saw(c);
+}
 
 bool canary_intact(const char* p, size_t n) {
   for (size_t i = 0; i < n; ++i) {
@@ -298,24 +393,102 @@ void check_guards(int device, const char* after) {
   }
 }
 
-// Before a collective: [p, p + bytes) inside the allocation it starts in?
-bool in_bounds(int device, const void* p, size_t bytes, const char* what) {
+// The allocation [p, p + 1) lies in (body, guard zones included), or null.
+// Caller holds g_mem_mu.
+Guarded* block_of(const void* p) {
   const auto a = reinterpret_cast<uintptr_t>(p);
-  size_t outside_of = 0;
+  for (auto it = g_guarded.upper_bound(a + (1u << 20)); it != g_guarded.begin();) {
+    --it;
+    const Guarded& g = it->second;
+    const auto lo = reinterpret_cast<uintptr_t>(g.base), hi = it->first + g.body + g.tail;
+    if (a >= lo && a < hi) return &it->second;
+    if (hi + (1u << 20) < a) break;  // guard zones are far smaller than 1 MiB
+  }
+  return nullptr;
+}
+
+std::string stream_name(int id) {
+  return "stream #" + std::to_string(id) + " of cuda:" + std::to_string(g_stream_device[id]);
+}
+
+// Before a collective or a kernel on `device` uses [p, p + bytes): inside one
+// live allocation of that device? Records the use by `s` at `pos` (0: at the
+// time it runs, see note_use).
+bool device_memory(int device, const void* p, size_t bytes, const char* what) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  std::string wrong;
   {
     std::lock_guard<std::mutex> lk(g_mem_mu);
-    for (auto& [addr, g] : g_guarded) {
-      const auto lo = reinterpret_cast<uintptr_t>(g.base), hi = lo + g.lead + g.body + g.tail;
-      if (a >= lo && a < hi && (a < addr || a + bytes > addr + g.body)) outside_of = g.body;
+    Guarded* g = block_of(p);
+    const auto body = g ? reinterpret_cast<uintptr_t>(g->base) + g->lead : 0;
+    if (g == nullptr) {
+      wrong = std::string("not memory of a simulated GPU: ") + what + " of " +
+              std::to_string(bytes) +
+              " bytes at an address no provider allocation holds (every buffer a collective or "
+              "kernel touches comes from the stream provider, which gives it a device)";
+    } else if (g->device != device) {
+      wrong = std::string("cuda:") + std::to_string(g->device) + "'s memory given to cuda:" +
+              std::to_string(device) + ": " + what + " of " + std::to_string(bytes) + " bytes";
+    } else if (a < body || a + bytes > body + g->body) {
+      wrong = std::string("illegal address: ") + what + " of " + std::to_string(bytes) +
+              " bytes outside its allocation of " + std::to_string(g->body) + " bytes";
+    } else if (g->state != kLive) {
+      wrong = std::string("use after free: ") + what + " of " + std::to_string(bytes) +
+              " bytes in an allocation of cuda:" + std::to_string(device) +
+              " the program already freed";
     }
   }
-  if (outside_of == 0) return true;
-  kill_context(device, std::string("illegal address: ") + what + " of " + std::to_string(bytes) +
-                           " bytes outside its allocation of " + std::to_string(outside_of) +
-                           " bytes");
+  if (wrong.empty()) return true;
+  kill_context(device, wrong);
   return false;
 }
 
+// The op running on this stream thread used [p, ...): recorded for the
+// allocator rule.
+void note_use(const void* p) {
+  if (t_stream == nullptr || p == nullptr) return;
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  if (Guarded* g = block_of(p)) {
+    uint64_t& last = g->uses[t_stream->id];
+    last = std::max(last, t_pos);
+  }
+}
+
+// Every marker of a free has run: was each other stream's use of the block
+// ordered before the point where the allocation stream may hand it out again?
+struct FreeCheck {
+  std::mutex mu;
+  uintptr_t body = 0;
+  int remaining = 0;
+  Clock reached;  // merged clocks of the markers (allocation stream + recorded ones)
+};
+void finish_free(FreeCheck* chk) {
+  std::vector<std::string> unsafe;
+  {
+    std::lock_guard<std::mutex> lk(g_mem_mu);
+    auto it = g_guarded.find(chk->body);
+    if (it != g_guarded.end()) {
+      Guarded& g = it->second;
+      for (const auto& [id, pos] : g.uses) {
+        if (id == g.alloc->id) continue;  // stream order
+        const auto r = chk->reached.find(id);
+        if (r != chk->reached.end() && r->second >= pos) continue;
+        unsafe.push_back("an allocation of " + std::to_string(g.body) + " bytes on cuda:" +
+                         std::to_string(g.device) + " freed while " + stream_name(id) +
+                         " may still use it: torch's caching allocator gives it to the next "
+                         "allocation on " + stream_name(g.alloc->id) +
+                         " (where it was allocated) at once, and that use (its op " +
+                         std::to_string(pos) + ") is not ordered before (record_stream, or a wait "
+                         "of the allocation stream; ordered up to its op " +
+                         std::to_string(r == chk->reached.end() ? 0 : r->second) + ")");
+      }
+      g.state = unsafe.empty() ? kReleasable : kFreedUnsafely;
+    }
+  }
+  for (const auto& u : unsafe) violation(0, u);
+  delete chk;
+  --g_free_checks;
+}
 int sticky(int device) { return device >= 0 && device < kMaxDevices ? g_sticky[device].load() : 0; }
 int sticky_current() { return t_current == nullptr ? 0 : sticky(t_current->device); }
 
@@ -585,6 +758,10 @@ void run_collective(Comm* comm, size_t count, int dtype, int op, const void* sen
   // stream that waits on another rank's completion, or on none, reads values
   // not yet written.
   std::vector<char> result(count * es);
+  if (count) {
+    note_use(send);
+    note_use(recv);
+  }
   size_t off = 0;
   bool first = true, mismatch = false, complete = false;
   while (!mismatch && (first || off < count)) {
@@ -783,9 +960,12 @@ API int cuStreamSynchronize(void* handle) {
   if (int rc = resolve(handle, &s)) return rc;
   STICKY(s->ctx->device);
   if (!t_harness) bump("host_sync");  // a host-blocking call (docs/gpus.md)
-  std::unique_lock<std::mutex> lk(s->mu);
-  const uint64_t target = s->enqueued;
-  s->cv.wait(lk, [&] { return s->done >= target; });
+  {
+    std::unique_lock<std::mutex> lk(s->mu);
+    const uint64_t target = s->enqueued;
+    s->cv.wait(lk, [&] { return s->done >= target; });
+  }
+  if (!t_harness) host_saw_stream(s);
   return CUDA_SUCCESS;
 }
 API int cuEventCreate(void** out, unsigned flags) {
@@ -860,10 +1040,16 @@ API int cuEventQuery(void* ev) {
   if (int rc = check_event(ev)) return rc;
   auto* e = static_cast<Event*>(ev);
   STICKY(e->ctx->device);
-  std::lock_guard<std::mutex> lk(e->mu);
-  // [CUDA] cuEventQuery: CUDA_SUCCESS if the captured work completed or the
-  // event was never recorded, CUDA_ERROR_NOT_READY otherwise.
-  return e->completed >= e->recorded ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+  uint64_t gen;
+  {
+    std::lock_guard<std::mutex> lk(e->mu);
+    // [CUDA] cuEventQuery: CUDA_SUCCESS if the captured work completed or the
+    // event was never recorded, CUDA_ERROR_NOT_READY otherwise.
+    if (e->completed < e->recorded) return CUDA_ERROR_NOT_READY;
+    gen = e->recorded;
+  }
+  if (!t_harness) host_saw_event(e, gen);
+  return CUDA_SUCCESS;
 }
 API int cuEventSynchronize(void* ev) {
   LIVE();
@@ -871,9 +1057,13 @@ API int cuEventSynchronize(void* ev) {
   auto* e = static_cast<Event*>(ev);
   STICKY(e->ctx->device);
   if (!t_harness) bump("host_sync");
-  std::unique_lock<std::mutex> lk(e->mu);
-  const uint64_t target = e->recorded;
-  e->cv.wait(lk, [&] { return e->completed >= target; });
+  uint64_t target;
+  {
+    std::unique_lock<std::mutex> lk(e->mu);
+    target = e->recorded;
+    e->cv.wait(lk, [&] { return e->completed >= target; });
+  }
+  if (!t_harness) host_saw_event(e, target);
   return CUDA_SUCCESS;
 }
 API int cuGetErrorString(int code, const char** out) {
@@ -981,8 +1171,21 @@ API int cuLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned
   std::memcpy(&a.avg, params[3], sizeof a.avg);
   Invoke invoke = f->invoke;
   const int device = t_current->device;
+  // Our kernels' pointers: the replicas' buffers (n of them), or for the
+  // wire's (de)compression the bucket and its 16-bit copy (n is then the
+  // number of ranks).
+  const int used = f->name.find("compress") != std::string::npos ? 2 : a.n;
+  if (used < 0 || used > PYDDP_MAX_REPLICAS) return CUDA_ERROR_INVALID_VALUE;
+  if (a.count > 0) {
+    for (int i = 0; i < used; ++i) {
+      if (!device_memory(device, a.ptrs.p[i], 1, "a pointer of a pyddp kernel")) {
+        return CUDA_ERROR_ILLEGAL_ADDRESS;
+      }
+    }
+  }
   Op op;
-  op.run = [invoke, a, gx, bx, device] {
+  op.run = [invoke, a, gx, bx, device, used] {
+    for (int i = 0; i < used && a.count > 0; ++i) note_use(a.ptrs.p[i]);
     Args copy = a;
     void* p[] = {&copy.ptrs, &copy.n, &copy.count, &copy.avg};
     gridDim.x = gx;
@@ -1168,8 +1371,8 @@ API int ncclAllReduce(const void* send, void* recv, size_t count, int dtype, int
   }
   if (count > 0 && (send == nullptr || recv == nullptr)) return ncclInvalidArgument;
   if (sticky(comm->device)) return ncclUnhandledCudaError;
-  if (!in_bounds(comm->device, send, count * nccl_size(dtype), "ncclAllReduce's sendbuff") ||
-      !in_bounds(comm->device, recv, count * nccl_size(dtype), "ncclAllReduce's recvbuff")) {
+  if (count > 0 && (!device_memory(comm->device, send, count * nccl_size(dtype), "ncclAllReduce's sendbuff") ||
+                    !device_memory(comm->device, recv, count * nccl_size(dtype), "ncclAllReduce's recvbuff"))) {
     return ncclUnhandledCudaError;
   }
   Stream* s = nullptr;
@@ -1391,17 +1594,118 @@ API const char* nvrtcGetErrorString(int r) {
 
 // Every operation on `stream` (0: every stream created from now on) first
 // sleeps `us`: the GPU is slow there, so a missing wait reads stale data.
-API int simgpu_guard(void* base, size_t lead, size_t body, size_t tail, int device) {
+// Device memory (see "memory" above): [base, base + lead + body + tail),
+// allocated on `stream` of `device` (0: its default stream) by the test
+// stream provider; lead and tail are guard zones.
+API int simgpu_alloc(void* base, size_t lead, size_t body, size_t tail, int device, void* stream) {
+  if (device < 0 || device >= num_devices()) return CUDA_ERROR_INVALID_DEVICE;
+  Stream* s = nullptr;
+  if (int rc = resolve_on(device, stream, &s)) return rc;
   auto* b = static_cast<char*>(base);
   std::memset(b, kCanary, lead);
   std::memset(b + lead + body, kCanary, tail);
   std::lock_guard<std::mutex> lk(g_mem_mu);
-  g_guarded[reinterpret_cast<uintptr_t>(b + lead)] = Guarded{b, lead, body, tail, device};
+  g_stream_device[s->id] = device;
+  Guarded g{b, lead, body, tail, device};
+  g.alloc = s;
+  g_guarded[reinterpret_cast<uintptr_t>(b + lead)] = std::move(g);
   return 0;
 }
-API void simgpu_unguard(void* body) {
+// The host wrote device memory on `stream` of `device` (a torch op standing
+// in for a kernel queued there, after the test provider drained the stream):
+// it counts as a use of every allocation of that device by the stream.
+API int simgpu_host_use(int device, void* stream) {
+  Stream* s = nullptr;
+  if (int rc = resolve_on(device, stream, &s)) return rc;
+  // An op in its place, so that what orders after the stream's later ops
+  // (a wait, a synchronize) orders after the write too.
+  const uint64_t pos = enqueue(s, Op{});
   std::lock_guard<std::mutex> lk(g_mem_mu);
-  g_guarded.erase(reinterpret_cast<uintptr_t>(body));
+  g_stream_device[s->id] = device;
+  for (auto& [addr, g] : g_guarded) {
+    if (g.device != device || g.state != kLive) continue;
+    uint64_t& last = g.uses[s->id];
+    last = std::max(last, pos);
+  }
+  return 0;
+}
+// The last tensor on the allocation whose body starts at `body` is gone
+// (torch's caching allocator frees the block); `recorded` are the streams
+// Tensor.record_stream named for it. The check runs once a marker has run on
+// the allocation stream and on every recorded stream.
+API int simgpu_free(void* body, void** recorded, int n) {
+  auto* chk = new FreeCheck;
+  chk->body = reinterpret_cast<uintptr_t>(body);
+  std::vector<Stream*> streams;
+  {
+    std::lock_guard<std::mutex> lk(g_mem_mu);
+    auto it = g_guarded.find(chk->body);
+    if (it == g_guarded.end() || it->second.state != kLive) {
+      delete chk;
+      return violation(CUDA_ERROR_INVALID_VALUE, "simgpu_free: not a live allocation");
+    }
+    it->second.state = kFreeing;
+    chk->reached = g_host_clock;
+    streams.push_back(it->second.alloc);
+    for (int i = 0; i < n; ++i) {
+      Stream* s = nullptr;
+      if (resolve_on(it->second.device, recorded[i], &s) == 0 &&
+          std::find(streams.begin(), streams.end(), s) == streams.end()) {
+        streams.push_back(s);
+        g_stream_device[s->id] = it->second.device;
+      }
+    }
+  }
+  chk->remaining = static_cast<int>(streams.size());
+  ++g_free_checks;
+  for (Stream* s : streams) {
+    Op marker;
+    marker.run = [chk, s] {
+      Clock now;
+      {
+        std::lock_guard<std::mutex> lk(s->mu);
+        now = s->clock;
+      }
+      bool last;
+      {
+        std::lock_guard<std::mutex> lk(chk->mu);
+        merge(chk->reached, now);
+        last = --chk->remaining == 0;
+      }
+      if (last) finish_free(chk);
+    };
+    enqueue(s, std::move(marker));
+  }
+  return 0;
+}
+// The test synchronised `stream` of `device` as torch.cuda.synchronize would
+// (after draining it): what ran there is complete as far as the host knows.
+API int simgpu_host_synchronized(int device, void* stream) {
+  Stream* s = nullptr;
+  if (int rc = resolve_on(device, stream, &s)) return rc;
+  host_saw_stream(s);
+  return 0;
+}
+// Whether `p` lies in a live allocation of a simulated GPU (device memory).
+API int simgpu_is_device(void* p) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  const Guarded* g = block_of(p);
+  return g != nullptr && g->state == kLive;
+}
+// Allocations whose free was checked and found safe: their memory may go.
+// Writes up to `cap` body addresses to `out`, forgets them, returns how many.
+API int simgpu_releasable(uintptr_t* out, int cap) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  int n = 0;
+  for (auto it = g_guarded.begin(); it != g_guarded.end() && n < cap;) {
+    if (it->second.state == kReleasable) {
+      out[n++] = it->first;
+      it = g_guarded.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return n;
 }
 API int simgpu_sticky(int device) { return sticky(device); }
 // Fault injection: a kernel of the user's touched memory it does not own on
@@ -1434,7 +1738,10 @@ API int simgpu_sleep(void* stream, long us) {
 }
 // A stream-ordered copy (a "kernel" writing dst).
 API int simgpu_copy(void* stream, void* dst, const void* src, size_t bytes) {
-  return enqueue_run(stream, [dst, src, bytes] { std::memcpy(dst, src, bytes); });
+  return enqueue_run(stream, [dst, src, bytes] {
+    note_use(dst);
+    std::memcpy(dst, src, bytes);
+  });
 }
 API void simgpu_nccl_stall(int device, int on) {
   std::lock_guard<std::mutex> lk(g_nccl_mu);
@@ -1446,6 +1753,11 @@ API void simgpu_nccl_fail_next(int device, int code) {
   g_fail_next[device] = code;
 }
 API int simgpu_violations(char* buf, size_t size) {
+  // The checks of frees already made first (their markers may still be queued).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(hang_s());
+  while (g_free_checks.load() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
   std::lock_guard<std::mutex> lk(g_log_mu);
   std::string all;
   for (const auto& v : g_violations) all += v + "\n";

@@ -75,8 +75,12 @@ class Sim:
         self.lib.simgpu_counter.argtypes = [ctypes.c_char_p]
         self.lib.simgpu_counter.restype = ctypes.c_long
         size = ctypes.c_size_t
-        self.lib.simgpu_guard.argtypes = [vp, size, size, size, ctypes.c_int]
-        self.lib.simgpu_unguard.argtypes = [vp]
+        self.lib.simgpu_alloc.argtypes = [vp, size, size, size, ctypes.c_int, vp]
+        self.lib.simgpu_host_use.argtypes = [ctypes.c_int, vp]
+        self.lib.simgpu_free.argtypes = [vp, ctypes.POINTER(vp), ctypes.c_int]
+        self.lib.simgpu_is_device.argtypes = [vp]
+        self.lib.simgpu_host_synchronized.argtypes = [ctypes.c_int, vp]
+        self.lib.simgpu_releasable.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_int]
         self.lib.cuStreamCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
         self.lib.cuStreamSynchronize.argtypes = [vp]
         self.lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
@@ -104,6 +108,8 @@ class Sim:
         self.use_device(device)  # stream 0 is the current context's default stream
         with self.harness():
             assert self.lib.cuStreamSynchronize(stream) == 0
+        # As torch.cuda.synchronize: the host knows that stream's work is done.
+        assert self.lib.simgpu_host_synchronized(device, stream) == 0
 
     @contextlib.contextmanager
     def harness(self) -> Iterator[None]:
@@ -156,6 +162,9 @@ class SimStreams:
         self._lock = threading.Lock()
         self._in_flight: Dict[tuple, list] = {}  # (device, stream) -> (seq, value) being written
         self._seq = 0
+        self._memory: Dict[int, object] = {}  # body address -> its host memory, until released
+        self._blocks: Dict[int, int] = {}  # storage address -> body address, while alive
+        self._recorded: Dict[int, set] = {}  # body address -> streams record_stream named
 
     def _current(self) -> Dict[int, int]:
         if not hasattr(self._local, "streams"):
@@ -180,7 +189,11 @@ class SimStreams:
     stream = use  # `with streams.stream({0: s})`, like torch.cuda.stream(s)
 
     def before_host_write(self, device: int) -> None:
-        self._drain(self.current(device), device)
+        stream = self.current(device)
+        self._drain(stream, device)
+        # The write is the current stream's use of that device's memory (the
+        # simulation cannot tell which allocation: it counts all of them).
+        assert self.sim.lib.simgpu_host_use(device, stream) == 0
 
     capture = False  # a test sets it: the current stream "captures a CUDA graph"
 
@@ -206,30 +219,83 @@ class SimStreams:
     GUARD_BYTES = 256
 
     def zeros(self, count: int, dtype, device: int):
-        """Bucket memory with guard zones before and after (canary bytes the
-        simulation checks after every kernel and collective)."""
+        """Device memory of `device`, allocated on its current stream, with
+        guard zones before and after (canary bytes the simulation checks
+        after every kernel and collective). Every buffer a collective or a
+        kernel touches must come from here: the simulation refuses memory of
+        another device or of no device.
+
+        Freed as torch's caching allocator frees a block: when its storage
+        dies (the last view with it), back to the allocation stream's pool.
+        The simulation then checks that every other stream's use was ordered
+        before that stream's next allocation could reuse it (see retire());
+        the host memory itself is kept until that check passed, so a late
+        write never lands in memory Python gave back."""
         import torch
 
         es = torch.empty((), dtype=dtype).element_size()
         guard = -(-self.GUARD_BYTES // es)
-        base = torch.zeros(count + 2 * guard, dtype=dtype)
+        nbytes = (count + 2 * guard) * es
+        memory = (ctypes.c_double * (-(-nbytes // 8) or 1))()
+        address = ctypes.addressof(memory)
+        # The tensor's storage holds `holder` (torch.frombuffer keeps its
+        # buffer alive): its finalizer runs when the storage dies.
+        holder = (ctypes.c_char * max(nbytes, 1)).from_address(address)
+        base = torch.frombuffer(holder, dtype=torch.uint8, count=nbytes).view(dtype)
+        base.zero_()
         body = base[guard : guard + count]
         lead = guard * es
-        assert self.sim.lib.simgpu_guard(base.data_ptr(), lead, count * es, lead, device) == 0
-        # Unregistered when the body goes, before its memory can be freed (its
-        # views keep the storage alive, never the other way round).
-        weakref.finalize(body, self.sim.lib.simgpu_unguard, body.data_ptr())
+        stream = self.current(device)
+        lib = self.sim.lib
+        assert lib.simgpu_alloc(address, lead, count * es, lead, device, stream) == 0
+        body_ptr = address + lead
+        with self._lock:
+            self._memory[body_ptr] = memory
+            self._blocks[address] = body_ptr
+        finalizer = weakref.finalize(holder, self._free, address, body_ptr)
+        finalizer.atexit = False  # at exit nothing is freed: no check to run
+        self._release()
         return body
 
+    def retire(self, tensors, device: int) -> None:
+        """Tensor.record_stream(current stream of `device`) for each of
+        `tensors`: their blocks are not reused before that stream passes the
+        point where they are freed."""
+        stream = self.current(device)
+        with self._lock:
+            for t in tensors:
+                body = self._blocks.get(t.untyped_storage().data_ptr())
+                if body is not None:
+                    self._recorded.setdefault(body, set()).add(stream)
+
+    def _free(self, address: int, body_ptr: int) -> None:
+        with self._lock:
+            self._blocks.pop(address, None)
+            streams = sorted(self._recorded.pop(body_ptr, ()))
+        handles = (ctypes.c_void_p * max(len(streams), 1))(*streams)
+        self.sim.lib.simgpu_free(body_ptr, handles, len(streams))
+
+    def _release(self) -> None:
+        """Gives back the host memory of blocks whose free was found safe."""
+        out = (ctypes.c_size_t * 64)()
+        while True:
+            n = self.sim.lib.simgpu_releasable(out, len(out))
+            with self._lock:
+                for body_ptr in out[:n]:
+                    self._memory.pop(body_ptr, None)
+            if n < len(out):
+                return
+
     def upload(self, device: int, host):
-        """Device memory is host memory: a fresh copy (no stream wrote it)."""
-        return host.clone()
+        """A copy of `host` in memory of `device` (written on its current
+        stream, like the pinned copy torch queues there)."""
+        out = self.zeros(host.numel(), host.dtype, device).view(host.shape)
+        out.copy_(host)
+        return out
 
     def fetch(self, device: int, tensor):
         """An event on the current stream stands for the copy to the host:
         the values are read once the stream passed it."""
-        from pyddp._streams import HostCopy
-
         lib = self.sim.lib
         event = ctypes.c_void_p()
         with self.sim.on_device(device):
@@ -246,13 +312,17 @@ class SimStreams:
         def synchronize() -> None:
             assert lib.cuEventSynchronize(handle) == 0
 
-        copy = HostCopy(out, query, synchronize)
+        copy = SimHostCopy(out, query, synchronize)
         weakref.finalize(copy, lib.cuEventDestroy_v2, handle)
         return copy
 
     def synchronize_all(self, devices) -> None:
+        """The test's torch.cuda.synchronize(): the host waits for the
+        current streams (pyddp's own code never calls this)."""
         for d in set(devices):
-            self._drain(self.current(d), d)
+            stream = self.current(d)
+            self._drain(stream, d)
+            assert self.sim.lib.simgpu_host_synchronized(d, stream) == 0
 
     def _drain(self, stream: int, device: int) -> None:
         # Other threads keep queuing writes meanwhile: only the values whose
@@ -269,19 +339,43 @@ class SimStreams:
             self._in_flight[(device, stream)] = kept
 
 
+class SimHostCopy:
+    """pyddp's HostCopy protocol (ready(), get()) on a simulated event. get()
+    waits (a counted host wait) unless an earlier ready() saw the values
+    arrive: whether they happened to be there already when pyddp demanded
+    them is timing, and the tests count what pyddp demands, so that the
+    count is the same on a loaded machine."""
+
+    def __init__(self, out, query, synchronize):
+        self._out, self._query, self._synchronize = out, query, synchronize
+        self._done = False
+
+    def ready(self) -> bool:
+        self._done = self._done or bool(self._query())
+        return self._done
+
+    def get(self):
+        if not self._done:
+            self._synchronize()
+            self._done = True
+        return self._out
+
+
 class HostReads:
     """Counts the host's reads of tensor values made from pyddp's code while
     inside (item(), float(), bool(), tolist(), torch.equal, .cpu() ...), on
-    every thread: on a GPU each one waits for the device. In the simulation
-    device memory is host memory, so every tensor counts, except in
-    _link/agreement.py, which reads only host copies (their arrival is a
-    driver wait the simulation counts as "host_sync")."""
+    every thread: on a GPU each one waits for the device. Given the
+    simulation, only reads of its device memory count (else every tensor);
+    never in _link/agreement.py, which reads only host copies (their
+    arrival is a driver wait the simulation counts as "host_sync"; here the
+    copy is the device memory itself)."""
 
     METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu")
     FUNCTIONS = ("equal", "allclose")
     HOST_SIDE = (os.path.join("_link", "agreement.py"),)
 
-    def __init__(self):
+    def __init__(self, sim: "Sim | None" = None):
+        self.sim = sim
         self.reads = []
         self._lock = threading.Lock()
         self._saved = []
@@ -296,13 +390,27 @@ class HostReads:
             while frame is not None and torch_dir in frame.f_code.co_filename:
                 frame = frame.f_back
             path = "" if frame is None else frame.f_code.co_filename
-            if path.startswith(pkg) and not path.endswith(self.HOST_SIDE):
+            if (
+                path.startswith(pkg)
+                and not path.endswith(self.HOST_SIDE)
+                and self._on_device(args)
+            ):
                 with self._lock:
                     self.reads.append(f"{path[len(pkg) :]}:{frame.f_lineno} {name}")
             return original(*args, **kwargs)
 
         self._saved.append((owner, name, original))
         setattr(owner, name, counted)
+
+    def _on_device(self, args) -> bool:
+        import torch
+
+        if self.sim is None:
+            return True
+        return any(
+            isinstance(a, torch.Tensor) and a.numel() and self.sim.lib.simgpu_is_device(a.data_ptr())
+            for a in args
+        )
 
     def __enter__(self):
         import torch
