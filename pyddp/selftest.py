@@ -2,8 +2,10 @@
 real GPUs. pyddp's GPU path is tested in CI against a simulated CUDA driver and
 NCCL only (no project machine has a GPU), so this is the first run on real
 hardware: equivalence with single-device training, stream ordering without host
-syncs (custom streams included), collectives in every dtype, and the timeout.
-Prints one pass/fail table and what to put in a bug report."""
+syncs (custom streams included), collectives in every dtype, the timeout, and
+(2+ GPUs) the -0.0 broadcast trick bitwise under NCCL_ALGO=Ring and NVLS
+(pyddp/_minus_zero.py). Prints one pass/fail/skip table and what to put in a
+bug report."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import _minus_zero
 
 
 def _check_collectives(devices: List[str]) -> str:
@@ -162,22 +166,32 @@ def run() -> int:
             ("sharded optimizer state, NCCL", lambda: _check_equivalence(pair, True, shard=True)),
             ("fp16 compression on the wire, NCCL", lambda: _check_equivalence(pair, hook="fp16")),
         ]
+        # The buffer broadcast's -0.0 sums, bitwise, on every GPU, under each
+        # algorithm (NCCL reads NCCL_ALGO at communicator init: a child each).
+        for algo in ("Ring", "NVLS"):
+            checks.append(
+                (f"-0.0 broadcast sums, NCCL_ALGO={algo}", lambda a=algo: _minus_zero.check(a, n))
+            )
     rows = []
     for name, fn in checks:
         t0 = time.perf_counter()
         try:
-            detail, ok = fn(), True
+            detail, status = fn(), "PASS"
+        except _minus_zero.Skipped as e:  # cannot run on this machine: said, not failed
+            detail, status = str(e), "SKIP"
         except Exception as e:  # reported in the table, with the traceback below it
-            detail, ok = f"{type(e).__name__}: {e}", False
+            detail, status = f"{type(e).__name__}: {e}", "FAIL"
             traceback.print_exc()
-        rows.append((name, ok, time.perf_counter() - t0, detail))
+        rows.append((name, status, time.perf_counter() - t0, detail))
     width = max(len(r[0]) for r in rows)
     print(f"\n{'check'.ljust(width)}  result  time    detail")
-    for name, ok, secs, detail in rows:
-        print(f"{name.ljust(width)}  {'PASS' if ok else 'FAIL':6}  {secs:5.1f}s  {detail}")
-    failed = sum(not r[1] for r in rows)
+    for name, status, secs, detail in rows:
+        print(f"{name.ljust(width)}  {status:6}  {secs:5.1f}s  {detail}")
+    failed = sum(r[1] == "FAIL" for r in rows)
+    skipped = sum(r[1] == "SKIP" for r in rows)
     print(
-        f"\n{len(rows) - failed}/{len(rows)} passed. "
+        f"\n{len(rows) - failed - skipped}/{len(rows)} passed"
+        + (f", {skipped} skipped. " if skipped else ". ")
         + ("All good." if not failed else "")
         + "\nBug report: paste this whole output (doctor report and table) and `nvidia-smi` "
         "into an issue."

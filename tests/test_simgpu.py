@@ -1014,3 +1014,62 @@ def test_wire_scaling_is_torch_cuda_div_for_every_16_bit_value_and_1_to_64_ranks
     assert cpu_differs == {"f16": [14, 26, 28, 30, 52, 56, 60]}, cpu_differs
     """,
     )
+
+
+MINUS_ZERO_CHILD = """
+import os, sys
+sys.path.insert(0, {simdir!r})
+import pyddp
+from pyddp import _minus_zero
+from simgpu import Sim, SimStreams
+sim = Sim(os.environ["PYDDP_CUDA_LIBRARY"])
+streams = SimStreams(sim)
+devs = [0, 1, 2]
+
+def all_reduce(ts):
+    if os.environ["NCCL_ALGO"] == "NVLS":  # what NCCL says without NVLink SHARP
+        raise RuntimeError("NCCL error 5 (invalid usage): no algorithm/protocol available "
+                           "for function AllReduce; NCCL_ALGO was set to NVLS")
+    pyddp.all_reduce(ts, _gpu=(devs, streams))
+    streams.synchronize_all(devs)
+
+_minus_zero.child(all_reduce, lambda r, t: streams.upload(devs[r], t), len(devs))
+"""
+
+
+def test_selftest_minus_zero_checks_run_on_the_simulation(simlib):
+    # doctor --selftest's checks of the -0.0 trick (pyddp/_minus_zero.py)
+    # are for real GPUs under NCCL_ALGO=Ring and NVLS; here their code runs on
+    # the simulated NCCL over 3 GPUs: the checks in this process (every class
+    # bitwise, as the simulation adds in IEEE float), then the selftest's
+    # child process and report. The simulation has no NVLS: under
+    # NCCL_ALGO=NVLS the child raises what NCCL says without NVLink SHARP, so
+    # the skip is what runs.
+    child = MINUS_ZERO_CHILD.format(simdir=os.path.join(HERE, "simgpu"))
+    run_sim(
+        simlib,
+        f"""
+    from pyddp import _minus_zero
+    devs = [0, 1, 2]
+    def all_reduce(ts):
+        pyddp.all_reduce(ts, _gpu=(devs, streams))
+        streams.synchronize_all(devs)
+    results = _minus_zero.run_trick(all_reduce, lambda r, t: streams.upload(devs[r], t), 3)
+    assert set(results) == {{"float32", "float16", "bfloat16", "float64"}}, results
+    bad = {{(d, c): w for d, per in results.items() for c, w in per.items() if w != "ok"}}
+    # The simulated NCCL sums float16 through float32 and back, quieting a
+    # NaN to 0x7e00 (as pyddp's kernel conversion does; a GPU's half add
+    # gives its own canonical NaN): the payload is lost, the NaN kept.
+    assert list(bad) == [("float16", "NaN payloads")], bad
+    assert bad["float16", "NaN payloads"] == "payload 0x7e01 -> 0x7e00 on rank 0 (root 0)", bad
+    command = [sys.executable, "-c", {child!r}]
+    detail = _minus_zero.check("Ring", 3, command, timeout=100)
+    assert detail.startswith("bitwise on 3 GPUs: 4 dtypes"), detail
+    assert "NaN payloads not kept: float16 NaN payloads: payload 0x7e01" in detail, detail
+    try:
+        _minus_zero.check("NVLS", 3, command, timeout=100)
+        raise AssertionError("NVLS was not skipped")
+    except _minus_zero.Skipped as e:
+        assert "NCCL_ALGO=NVLS did not run here: RuntimeError: NCCL error 5" in str(e), e
+    """,
+    )
