@@ -673,6 +673,30 @@ def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
     out["join_replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
     dm.close()
 
+    # BatchNorm training: the ranks' running statistics differ, and each
+    # training forward takes the highest rank with inputs' buffers (joined
+    # ranks shadow that broadcast through NCCL). The same as on CPUs (whose
+    # Join scenario matches torch DDP), parameters and buffers.
+    def joined(**kw) -> nn.Module:
+        dm = pyddp.wrap(net(seed=rank), ["cpu"] * len(devices), **kw)
+        dopt = dm.optimizer(torch.optim.SGD, **SGD)
+        with dm.join():
+            for x, y in per_rank[rank]:
+                dopt.zero_grad()
+                dm.loss(nn.functional.mse_loss, x, y).backward()
+                streams.synchronize_all(devices)
+                dopt.step()
+                streams.synchronize_all(devices)
+        streams.synchronize_all(devices)
+        dm.close()
+        return dm.module
+
+    on_gpus, on_cpus = joined(_gpu=(devices, streams)), joined()
+    pairs = list(zip(on_gpus.parameters(), on_cpus.parameters()))
+    pairs += list(zip(on_gpus.buffers(), on_cpus.buffers()))
+    out["join_buffers_vs_cpu"] = max((a.double() - b.double()).abs().max().item() for a, b in pairs)
+    out["join_buffers_moved"] = bool((on_gpus.norm.running_mean != 0).any())
+
 
 def gpu_processes(out: dict) -> None:
     """Real GPUs (one per process): what the simgpu scenario checks on the

@@ -125,6 +125,20 @@ BREAKAGES = {
         "replaced buckets are dropped without Tensor.record_stream on the streams that used "
         "them (their allocation stream may hand them out again at once)",
     ),
+    "sharded-gather-adds-plus-zero": (
+        "pyddp/zero.py",
+        "flat = self.route.zeros(total, dtype, r).fill_(-0.0)",
+        "flat = self.route.zeros(total, dtype, r).fill_(0.0)",
+        "the sharded optimizer's parameter exchange on GPUs adds +0.0 where a replica does not "
+        "own an element (a -0.0 parameter becomes +0.0 on every replica)",
+    ),
+    "join-buffers-from-rank-zero-on-gpus": (
+        "pyddp/_link/processes.py",
+        "            self._route.broadcast(tensors, self.rank == root)",
+        "            self._route.broadcast(tensors, self.rank == 0)",
+        "under Join the device buffer broadcast takes rank 0's buffers (joined, stale) instead "
+        "of the highest rank with inputs'",
+    ),
     "compress-before-ready-wait": (
         "csrc/gpu_backend.cpp",
         "    wait_ready_locked(set, key);\n    if (convert) convert_locked(set, bufs, true, op);",
