@@ -587,10 +587,12 @@ def test_close_and_exit_with_a_reduction_in_flight_do_not_hang(simlib):
     streams.synchronize_all([0, 1])
     idle.close()  # nothing in flight: finalized and destroyed, not aborted
     assert sim.counter("nccl_destroy") == 2 and sim.counter("nccl_abort") == 0
-    dm = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0, timeout_s=60)
+    # A stuck reduction and a timeout far past this script's own limit: a
+    # close() that waited for the reduction (or the timeout) never returns.
+    dm = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0, timeout_s=3600)
     sim.lib.simgpu_nccl_stall(1, 1)
     F.cross_entropy(dm(x), y).backward()
-    t0 = time.time(); dm.close(); assert time.time() - t0 < 3, time.time() - t0
+    dm.close()
     assert sim.counter("nccl_abort") == 2 and sim.counter("nccl_destroy") == 2
     try:
         dm(x)
@@ -601,7 +603,7 @@ def test_close_and_exit_with_a_reduction_in_flight_do_not_hang(simlib):
     keep = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0)
     F.cross_entropy(keep(x), y).backward()
     """,
-        timeout=60,
+        timeout=180,
     )
     assert "teardown" not in out.stderr, out.stderr
 
@@ -747,7 +749,8 @@ def test_gradsync_across_processes_on_one_nccl_communicator(simlib, tmp_path, lo
         # BatchNorm training under Join (the ranks' buffers differ): as on CPUs.
         assert r["join_buffers_moved"] and r["join_buffers_vs_cpu"] <= 1e-6, r
         # fp16 compression on NCCL: torch's hook's arithmetic (bitwise the CPU
-        # path, where the hook itself runs, with one GPU per process); 11
+        # path, where the hook itself runs, with one GPU per process: 2 ranks,
+        # where CPU and CUDA division agree); 11
         # mantissa bits on the wire over 3 steps stay within 2e-3 of one device.
         assert r["fp16_wire"] == "float16" and r["fp16_replicas_equal"], r
         assert 0 < r["fp16_diff"] <= 2e-3, r

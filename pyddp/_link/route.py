@@ -45,7 +45,8 @@ class DeviceRoute:
         """The root process's values of `tensors` (replica 0's, on
         devices[0]) on every process, on the device, bit for bit: a sum in
         which every other GPU contributes -0.0 (x + -0.0 == x for every
-        float x, signed zeros included), per floating type in that type
+        float x, signed zeros included; a NaN stays NaN, though a GPU's add
+        may drop its payload), per floating type in that type
         (complex as its real pairs); any other type (integers, bool) travels
         as its bytes, each exact in float16 (0..255, to which the others add
         -0.0). A cast to one wide type would not do: float64 holds neither a

@@ -606,9 +606,11 @@ def _throttle_on_simulated_gpus(out: dict, devices, streams) -> None:
 
 def _compression_on_simulated_gpus(out: dict, devices, streams) -> None:
     """torch DDP's fp16 compression hook on the simulated GPUs: pyddp's core
-    casts, divides by the GPUs and sums in 16 bits on NCCL. With one GPU per
-    process, bitwise the CPU path, where torch's own hook runs on gloo; with
-    more, within fp16 rounding of one device."""
+    casts, scales by 1/GPUs (as torch's CUDA div_) and sums in 16 bits on
+    NCCL. With one GPU per process (2 ranks: one sum, and torch's CPU div_
+    agrees with CUDA's reciprocal there), bitwise the CPU path, where
+    torch's own hook runs on gloo; with more, within fp16 rounding of one
+    device."""
     rank, world = pyddp.rank(), pyddp.world()
     batches = data(3, 12, seed=4)
     ref = reference(batches)
