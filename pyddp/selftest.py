@@ -41,16 +41,20 @@ def _check_collectives(devices: List[str]) -> str:
 def _check_equivalence(
     devices: List[str], stream: bool = False, shard: bool = False, hook: Optional[str] = None
 ) -> str:
-    """Five SGD steps of a wrapped model against one device. `shard`: sharded
-    optimizer state (bitwise the unsharded step, so the same tolerance);
-    `hook`: "fp16" compression on the wire (11 mantissa bits: 1e-2)."""
+    """Five SGD steps of a wrapped model against one device. `stream`: under
+    a side stream, with small buckets, so that the first step's rebuild frees
+    buckets the model's default stream allocated while the side stream used
+    them (torch's caching allocator must not hand them out early); `shard`:
+    sharded optimizer state (bitwise the unsharded step, so the same
+    tolerance); `hook`: "fp16" compression on the wire (11 mantissa bits:
+    1e-2)."""
     import pyddp
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 5)).cuda()
     ref = copy.deepcopy(model)
     side = torch.cuda.Stream() if stream else None
-    dm = pyddp.wrap(model, devices, bucket_cap_mb=0)
+    dm = pyddp.wrap(model, devices, bucket_cap_mb=0.004 if stream else 0)
     if hook is not None:
         dm.register_comm_hook(None, hook)
     opt = dm.optimizer(torch.optim.SGD, shard=shard, lr=0.1)
