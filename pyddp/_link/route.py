@@ -59,7 +59,7 @@ class DeviceRoute:
             self._broadcast_group(wire, ts, root)
 
     def _broadcast_group(self, wire: torch.dtype, ts: List[torch.Tensor], root: bool) -> None:
-        sizes = [_as_wire(t, wire).numel() for t in ts]
+        sizes = [_wire_count(t, wire) for t in ts]
         total = sum(sizes)
         first = self.devices[0]
         parts = [self.provider.zeros(total, wire, d) for d in self.devices]
@@ -120,6 +120,13 @@ def _wire_type(dtype: torch.dtype) -> torch.dtype:
     if dtype.is_complex:
         return torch.empty(0, dtype=dtype).real.dtype
     return torch.float16  # its bytes, one per float16
+
+
+def _wire_count(t: torch.Tensor, wire: torch.dtype) -> int:
+    """How many `wire` elements carry `t`."""
+    if t.dtype == wire:
+        return t.numel()
+    return 2 * t.numel() if t.dtype.is_complex else t.numel() * t.element_size()
 
 
 def _as_wire(t: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
