@@ -380,12 +380,12 @@ class GradSync:
         # reductions wait for them, and they wait for the reductions.
         streams = self._order.current()
         self._order.fence_all()
-        self._settle_unmarked()
         synced = self._engine.sync_enabled
         launched: List[int] = []
         unused: List[int] = []
         factor: Any = 1.0
         try:
+            self._settle_unmarked()  # across processes, may hear that a peer failed
             no_grad, reduced_partly = self._engine.finish(streams)
             if synced:
                 launched, unused, factor = self._wait_for_link()

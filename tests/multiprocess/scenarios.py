@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
+from pyddp.errors import ProcessGroupError
 
 TOL = 1e-6  # float32: sums over shards and processes associate differently
 
@@ -403,7 +404,10 @@ def hook_buckets(out: dict) -> None:
         try:
             dm(batches[0][0]).sum().backward()
             out["hook_error"] = None
-        except HookBroke as e:
+        except (HookBroke, ProcessGroupError) as e:
+            # A rank whose hook raised gets the hook's exception; one that
+            # heard of it from the other rank first, before its own hook
+            # ran, gets the process group's failure, naming the hook's.
             out["hook_error"] = [type(e).__name__, str(e), str(e.__cause__)]
 
 

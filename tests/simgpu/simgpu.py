@@ -374,7 +374,7 @@ class HostReads:
     FUNCTIONS = ("equal", "allclose")
     HOST_SIDE = (os.path.join("_link", "agreement.py"),)
 
-    def __init__(self, sim: "Sim | None" = None):
+    def __init__(self, sim: Sim | None = None):
         self.sim = sim
         self.reads = []
         self._lock = threading.Lock()
@@ -390,11 +390,7 @@ class HostReads:
             while frame is not None and torch_dir in frame.f_code.co_filename:
                 frame = frame.f_back
             path = "" if frame is None else frame.f_code.co_filename
-            if (
-                path.startswith(pkg)
-                and not path.endswith(self.HOST_SIDE)
-                and self._on_device(args)
-            ):
+            if path.startswith(pkg) and not path.endswith(self.HOST_SIDE) and self._on_device(args):
                 with self._lock:
                     self.reads.append(f"{path[len(pkg) :]}:{frame.f_lineno} {name}")
             return original(*args, **kwargs)
@@ -407,10 +403,8 @@ class HostReads:
 
         if self.sim is None:
             return True
-        return any(
-            isinstance(a, torch.Tensor) and a.numel() and self.sim.lib.simgpu_is_device(a.data_ptr())
-            for a in args
-        )
+        device = self.sim.lib.simgpu_is_device
+        return any(isinstance(a, torch.Tensor) and a.numel() and device(a.data_ptr()) for a in args)
 
     def __enter__(self):
         import torch
