@@ -49,6 +49,17 @@ def gpu_step(loss, opt, devices):
     opt.zero_grad()
     streams.synchronize_all(devices)
 
+def stepped_on_two_gpus():
+    # Mixed wrapped on cuda:0 and cuda:1 after one synced step; the batches.
+    torch.manual_seed(0)
+    dm = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0.001)
+    batches = make_batches(4, 13)
+    x, y = batches[0]
+    F.cross_entropy(dm(x), y).backward()
+    streams.synchronize_all([0, 1])
+    dm.zero_grad()
+    return dm, batches
+
 def check_equal_to_single_device(devices, cap, steps=4, stream_map=None, **kw):
     torch.manual_seed(0)
     model = Mixed()
@@ -870,13 +881,7 @@ def test_an_illegal_address_kills_the_context_and_pyddp_says_restart(simlib):
     run_sim(
         simlib,
         """
-        torch.manual_seed(0)
-        dm = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0.001)
-        batches = make_batches(4, 13)
-        x, y = batches[0]
-        F.cross_entropy(dm(x), y).backward()
-        streams.synchronize_all([0, 1])
-        dm.zero_grad()
+        dm, batches = stepped_on_two_gpus()
         sim.lib.simgpu_kill_context(1)
         errors = []
         for x, y in batches[1:]:
@@ -942,13 +947,7 @@ def test_a_sticky_error_first_seen_by_any_driver_call_says_restart(simlib, code,
     run_sim(
         simlib,
         f"""
-        torch.manual_seed(0)
-        dm = gpu_wrap(Mixed(), [0, 1], bucket_cap_mb=0.001)
-        batches = make_batches(4, 13)
-        x, y = batches[0]
-        F.cross_entropy(dm(x), y).backward()
-        streams.synchronize_all([0, 1])
-        dm.zero_grad()
+        dm, batches = stepped_on_two_gpus()
         arm = lambda: sim.lib.simgpu_fail_next_driver_call({call!r}.encode(), 1, {code})
         if {when!r} == "step":
             arm()

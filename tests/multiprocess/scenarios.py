@@ -663,28 +663,12 @@ def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
         x, y = torch.cat([b[0] for b in here]), torch.cat([b[1] for b in here])
         nn.functional.mse_loss(ref(x), y).backward()
         ref_opt.step()
-    dm = pyddp.wrap(eval_norm(net(seed=rank)), ["cpu"] * len(devices), _gpu=(devices, streams))
-    for m in dm.replicas:
-        m.norm.eval()
-    dopt = dm.optimizer(torch.optim.SGD, **SGD)
-    with dm.join():
-        for x, y in per_rank[rank]:
-            dopt.zero_grad()
-            dm.loss(nn.functional.mse_loss, x, y).backward()
-            streams.synchronize_all(devices)
-            dopt.step()
-            streams.synchronize_all(devices)
-    streams.synchronize_all(devices)
-    out["join_diff"] = max_diff(dm.module, ref)
-    out["join_replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
-    dm.close()
 
-    # BatchNorm training: the ranks' running statistics differ, and each
-    # training forward takes the highest rank with inputs' buffers (joined
-    # ranks shadow that broadcast through NCCL). The same as on CPUs (whose
-    # Join scenario matches torch DDP), parameters and buffers.
-    def joined(**kw) -> nn.Module:
-        dm = pyddp.wrap(net(seed=rank), ["cpu"] * len(devices), **kw)
+    def joined(model: nn.Module, **kw) -> Any:
+        """This rank's batches under dm.join(); the closed wrapped model."""
+        dm = pyddp.wrap(model, ["cpu"] * len(devices), **kw)
+        for m in dm.replicas if not model.norm.training else []:
+            m.norm.eval()
         dopt = dm.optimizer(torch.optim.SGD, **SGD)
         with dm.join():
             for x, y in per_rank[rank]:
@@ -695,9 +679,18 @@ def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
                 streams.synchronize_all(devices)
         streams.synchronize_all(devices)
         dm.close()
-        return dm.module
+        return dm
 
-    on_gpus, on_cpus = joined(_gpu=(devices, streams)), joined()
+    dm = joined(eval_norm(net(seed=rank)), _gpu=(devices, streams))
+    out["join_diff"] = max_diff(dm.module, ref)
+    out["join_replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
+
+    # BatchNorm training: the ranks' running statistics differ, and each
+    # training forward takes the highest rank with inputs' buffers (joined
+    # ranks shadow that broadcast through NCCL). The same as on CPUs (whose
+    # Join scenario matches torch DDP), parameters and buffers.
+    on_gpus = joined(net(seed=rank), _gpu=(devices, streams)).module
+    on_cpus = joined(net(seed=rank)).module
     pairs = list(zip(on_gpus.parameters(), on_cpus.parameters()))
     pairs += list(zip(on_gpus.buffers(), on_cpus.buffers()))
     out["join_buffers_vs_cpu"] = max((a.double() - b.double()).abs().max().item() for a, b in pairs)
