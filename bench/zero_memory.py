@@ -20,7 +20,7 @@ from torch import nn
 
 import pyddp
 from pyddp.examples._trainers import make_model
-from pyddp.zero import state_bytes
+from pyddp.optim.zero import state_bytes
 
 
 def gpt2(quick: bool) -> Tuple[nn.Module, Callable[[nn.Module, Any], torch.Tensor], Any]:

@@ -14,18 +14,18 @@ from ._source_tree import use_installed_build
 # compiled _C: the rest of the package then comes from the installed build.
 __path__ = use_installed_build(__path__)
 
-from . import zero  # dmodel.optimizer(..., shard=True); zero.state_bytes
-from ._buckets import plan_buckets
-from .callbacks import Callback, MetricsLogger, ProgressBar
-from .collectives import all_reduce
-from .config import TrainConfig
-from .devices import default_devices, parse_devices
+from .engine.buckets import plan_buckets
+from .engine.collectives import all_reduce
+from .engine.sync import GradSync
 from .errors import ReduceError, ReplicaError, TrainingError, UnsafePathError
-from .model import DistributedModel, wrap
-from .sync import GradSync
-from .syncbn import convert_sync_batchnorm
-from .torchrun import init, is_main, local_rank, rank, world
-from .trainer import FitResult, LoopState, Trainer
+from .optim import zero  # dmodel.optimizer(..., shard=True); zero.state_bytes
+from .replicas.model import DistributedModel, wrap
+from .replicas.syncbn import convert_sync_batchnorm
+from .runtime.devices import default_devices, parse_devices
+from .runtime.torchrun import init, is_main, local_rank, rank, world
+from .train.callbacks import Callback, MetricsLogger, ProgressBar
+from .train.config import TrainConfig
+from .train.trainer import FitResult, LoopState, Trainer
 
 try:
     # The distribution's name (pyproject.toml), not the import name: "pyddp"

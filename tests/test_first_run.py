@@ -42,7 +42,8 @@ def run(cwd: Path, code: str) -> subprocess.CompletedProcess:
 def test_a_source_folder_without_the_extension_runs_the_installed_build(tmp_path):
     root = source_copy(tmp_path)
     out = run(
-        root, "import pyddp, pyddp._C, pyddp.model as m; print(pyddp._C.__file__, m.__file__)"
+        root,
+        "import pyddp, pyddp._C, pyddp.replicas.model as m; print(pyddp._C.__file__, m.__file__)",
     )
     assert out.returncode == 0, out.stderr
     ext, model = out.stdout.split()

@@ -11,7 +11,7 @@ from conftest import Mixed, make_batches
 from torch import nn
 
 import pyddp
-from pyddp import _runtime
+from pyddp.runtime import libraries as _runtime
 
 pytestmark = pytest.mark.cuda
 ATOL, RTOL = 1e-5, 1e-4  # GPU kernels (cuBLAS, atomics in embedding backward) reassociate more

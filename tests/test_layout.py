@@ -1,6 +1,7 @@
-"""The package's rooms stay apart: no module-level import cycle inside
-pyddp (a room that needs another's internals shows up here first), and the
-simulator reads only pyddp's public API."""
+"""The package's rooms stay apart: no import cycle inside pyddp (module- or
+function-level), every folder imports only the layers below it (the order in
+LAYERS; a room that needs a higher one's internals shows up here first), and
+the simulator reads only pyddp's public API."""
 
 from __future__ import annotations
 
@@ -24,11 +25,17 @@ def _modules() -> Dict[str, Path]:
 
 
 def _imports(mods: Dict[str, Path]) -> Dict[str, Set[str]]:
-    """Module-level imports of pyddp modules (the compiled _C is a leaf)."""
+    """Every import of a pyddp module, at module level or inside a function
+    (a function-level import is still an arrow; the compiled _C is a leaf)."""
     graph: Dict[str, Set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
         package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
-        for node in ast.parse(path.read_text()).body:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in mods and alias.name != mod:
+                        graph[mod].add(alias.name)
+                continue
             if not isinstance(node, ast.ImportFrom):
                 continue
             if node.level:
@@ -65,6 +72,55 @@ def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
     return found
 
 
+# pyddp's folders, lowest first: each may import its own folder and those
+# before it, never one after it nor the package face (`pyddp/__init__.py`,
+# which imports everything). The clients (bench/, doctor/, examples/ and the
+# public names at the top) may import anything.
+LAYERS = ["errors", "runtime", "_link", "engine", "optim", "replicas", "train", "integrations"]
+CLIENTS = {"bench", "doctor", "examples", "lightning", "accelerate", "hf", "ray", "_source_tree"}
+
+
+def _layer(mod: str) -> object:
+    parts = mod.split(".")
+    if len(parts) == 1:
+        return "face"
+    return LAYERS.index(parts[1]) if parts[1] in LAYERS else parts[1]
+
+
+def test_every_module_is_in_a_layer_or_a_client():
+    for mod in _modules():
+        layer = _layer(mod)
+        assert layer == "face" or isinstance(layer, int) or layer in CLIENTS, mod
+
+
+def test_folders_import_only_the_layers_below():
+    graph = _imports(_modules())
+    wrong = []
+    for mod, deps in graph.items():
+        layer = _layer(mod)
+        if not isinstance(layer, int):
+            continue
+        for dep in deps:
+            other = _layer(dep)
+            if not isinstance(other, int) or other > layer:
+                wrong.append(f"{mod} -> {dep}")
+    assert wrong == []
+
+
+def test_the_layer_check_sees_a_function_level_import_up(tmp_path):
+    pkg = tmp_path / "pyddp"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "train").mkdir()
+    for f in ["__init__.py", "engine/__init__.py", "train/__init__.py", "train/loop.py"]:
+        (pkg / f).write_text("")
+    (pkg / "engine" / "sync.py").write_text("def f():\n    from ..train import loop\n")
+    mods = {}
+    for path in pkg.rglob("*.py"):
+        parts = path.relative_to(tmp_path).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    assert "pyddp.train.loop" in _imports(mods)["pyddp.engine.sync"]
+
+
 def test_no_import_cycle_between_rooms():
     graph = _imports(_modules())
     assert "pyddp._link.processes" in graph  # the walk sees subpackages
@@ -79,7 +135,7 @@ def test_the_simulator_reads_public_api_only():
     graph = _imports(_modules())
     for mod, deps in graph.items():
         if mod.startswith("pyddp.bench.simulator"):
-            private = {d for d in deps if not d.startswith(("pyddp.bench", "pyddp.observe"))}
+            private = {d for d in deps if not d.startswith(("pyddp.bench", "pyddp.engine.observe"))}
             assert private <= {"pyddp"}, (mod, private)
 
 

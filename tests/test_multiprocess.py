@@ -474,14 +474,14 @@ def test_a_worker_whose_group_was_destroyed_still_lets_gloo_settle_at_exit(monke
     # several, group up or not (Accelerate's own DDP run aborted in 2 of 5
     # exits under load without this).
     slept = []
-    monkeypatch.setattr(pyddp.torchrun.time, "sleep", slept.append)
+    monkeypatch.setattr(pyddp.runtime.torchrun.time, "sleep", slept.append)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    pyddp.torchrun._let_gloo_settle()
-    assert slept == [pyddp.torchrun.GLOO_SETTLE_S]
+    pyddp.runtime.torchrun._let_gloo_settle()
+    assert slept == [pyddp.runtime.torchrun.GLOO_SETTLE_S]
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process, no group: exits at once
-    pyddp.torchrun._let_gloo_settle()
-    assert slept == [pyddp.torchrun.GLOO_SETTLE_S]
+    pyddp.runtime.torchrun._let_gloo_settle()
+    assert slept == [pyddp.runtime.torchrun.GLOO_SETTLE_S]
 
 
 def test_init_without_torchrun_environment_says_how_to_launch(monkeypatch):

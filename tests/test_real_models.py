@@ -43,7 +43,7 @@ def per_shard_batch_norm_loss(model: nn.Module, batch: Dict[str, torch.Tensor], 
     """One device doing what data parallelism without SyncBatchNorm does:
     BatchNorm statistics from each shard, the shard-size-weighted mean loss,
     and replica 0's running statistics kept (torch DDP's broadcast_buffers)."""
-    sizes = pyddp._tree.shard_sizes(ROWS, n)
+    sizes = pyddp.replicas.tree.shard_sizes(ROWS, n)
     params = dict(model.named_parameters())
     start = {k: v.clone() for k, v in model.named_buffers()}
     total, kept = 0.0, None

@@ -164,7 +164,7 @@ def test_a_step_failing_on_one_replica_leaves_the_replicas_equal():
     def boom():
         raise RuntimeError("out of memory (simulated)")
 
-    opt._pyddp_others[1].step = boom  # replica 2's step fails; 0 and 1 step
+    opt._pyddp.others[1].step = boom  # replica 2's step fails; 0 and 1 step
     with pytest.raises(
         pyddp.ReplicaError, match="reset to replica 0's, which completed its step"
     ) as e:
@@ -172,11 +172,11 @@ def test_a_step_failing_on_one_replica_leaves_the_replicas_equal():
     assert e.value.replica == 2
     same_replicas(dm)
     state0 = opt.state_dict()["state"]
-    for other in opt._pyddp_others:
+    for other in opt._pyddp.others:
         for k, s in other.state_dict()["state"].items():
             for key in s:
                 assert torch.equal(torch.as_tensor(s[key]), torch.as_tensor(state0[k][key])), key
-    del opt._pyddp_others[1].step
+    del opt._pyddp.others[1].step
     opt.zero_grad()
     F.cross_entropy(dm(x), y).backward()
     opt.step()
@@ -389,11 +389,11 @@ def test_a_ctrl_c_during_the_step_leaves_the_replicas_equal():
         def interrupted():
             raise KeyboardInterrupt
 
-        opt._pyddp_others[0].step = interrupted
+        opt._pyddp.others[0].step = interrupted
         with pytest.raises(KeyboardInterrupt):
             opt.step()
         same_replicas(dm)
-        assert opt._pyddp_others[0].state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+        assert opt._pyddp.others[0].state_dict()["state"].keys() == opt.state_dict()["state"].keys()
 
 
 def test_gradsync_compares_frozen_parameters_and_buffers():

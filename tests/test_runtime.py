@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pyddp
-from pyddp import _runtime
+from pyddp.runtime import libraries as _runtime
 
 
 def run_python(*args, **env):
@@ -46,7 +46,7 @@ def test_selftest_without_a_gpu_says_there_is_nothing_to_test():
 def test_missing_nccl_library_from_env_is_a_clear_error():
     out = run_python(
         "-c",
-        "from pyddp import _runtime; _runtime.find_nccl()",
+        "from pyddp.runtime import libraries as _runtime; _runtime.find_nccl()",
         PYDDP_NCCL_LIBRARY="/nonexistent/libnccl.so.2",
     )
     assert out.returncode != 0
@@ -58,7 +58,9 @@ def test_wrong_library_in_env_is_a_clear_error():
     libm = ctypes.util.find_library("m")
     assert libm, "the C math library should be on every Linux machine"
     out = run_python(
-        "-c", "from pyddp import _runtime; _runtime.find_nccl()", PYDDP_NCCL_LIBRARY=libm
+        "-c",
+        "from pyddp.runtime import libraries as _runtime; _runtime.find_nccl()",
+        PYDDP_NCCL_LIBRARY=libm,
     )
     assert out.returncode != 0
     assert "lacks symbol ncclGetVersion" in out.stderr

@@ -411,7 +411,7 @@ def test_two_optimizers_over_parameter_subsets():
 def test_keyboard_interrupt_on_replica_zero_waits_for_the_others():
     import time
 
-    from pyddp._workers import ReplicaWorkers
+    from pyddp.replicas.workers import ReplicaWorkers
 
     workers = ReplicaWorkers(2)
     done = []

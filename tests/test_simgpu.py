@@ -22,7 +22,8 @@ sys.path.insert(0, {simdir!r}); sys.path.insert(0, {testdir!r})
 import torch, torch.nn.functional as F
 from torch import nn
 import pyddp
-from pyddp import _runtime, _C
+from pyddp import _C
+from pyddp.runtime import libraries as _runtime
 from simgpu import Sim, SimStreams
 from conftest import Mixed, make_batches
 sim = Sim(os.environ["PYDDP_CUDA_LIBRARY"])
@@ -285,7 +286,7 @@ def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(simlib, de
     run_sim(
         simlib,
         f"""
-    from pyddp.zero import state_bytes
+    from pyddp.optim.zero import state_bytes
     from test_zero import assert_same_state_dict
     devices, hook = {devices}, {hook!r}
     sim.lib.simgpu_set_delay_us(None, 200)
@@ -1030,7 +1031,7 @@ MINUS_ZERO_CHILD = """
 import os, sys
 sys.path.insert(0, {simdir!r})
 import pyddp
-from pyddp import _minus_zero
+from pyddp.doctor import minus_zero as _minus_zero
 from simgpu import Sim, SimStreams
 sim = Sim(os.environ["PYDDP_CUDA_LIBRARY"])
 streams = SimStreams(sim)
@@ -1048,7 +1049,7 @@ _minus_zero.child(all_reduce, lambda r, t: streams.upload(devs[r], t), len(devs)
 
 
 def test_selftest_minus_zero_checks_run_on_the_simulation(simlib):
-    # doctor --selftest's checks of the -0.0 trick (pyddp/_minus_zero.py)
+    # doctor --selftest's checks of the -0.0 trick (pyddp/doctor/minus_zero.py)
     # are for real GPUs under NCCL_ALGO=Ring and NVLS; here their code runs on
     # the simulated NCCL over 3 GPUs: the checks in this process (every class
     # bitwise, as the simulation adds in IEEE float), then the selftest's
@@ -1059,7 +1060,7 @@ def test_selftest_minus_zero_checks_run_on_the_simulation(simlib):
     run_sim(
         simlib,
         f"""
-    from pyddp import _minus_zero
+    from pyddp.doctor import minus_zero as _minus_zero
     devs = [0, 1, 2]
     def all_reduce(ts):
         pyddp.all_reduce(ts, _gpu=(devs, streams))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
-from pyddp.syncbn import BoundSyncBatchNorm
+from pyddp.replicas.syncbn import BoundSyncBatchNorm
 
 ATOL, RTOL = 1e-6, 1e-5
 BATCH = 13  # uneven shards for 2, 3 and 4 replicas

@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pyddp
-from pyddp._rng import restore_generators
-from pyddp.checkpoint import list_checkpoints, load_latest
+from pyddp.train.checkpoints.saving import list_checkpoints, load_latest
+from pyddp.train.rng import restore_generators
 
 ATOL, RTOL = 1e-6, 1e-5  # float32 reassociation across shards, see test_equivalence.py
 
@@ -540,9 +540,11 @@ y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()  # data(97) of the test module
 
 def _python(tmp_path, body, *args):
     """Runs `body` after _SCRIPT in a new interpreter importing this pyddp."""
-    import pyddp.trainer
+    import pyddp.train.trainer
 
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pyddp.trainer.__file__)))
+    env = dict(
+        os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pyddp.train.trainer.__file__))
+    )
     code = _SCRIPT + textwrap.dedent(body)
     return subprocess.run(
         [sys.executable, "-c", code, *args],

@@ -20,9 +20,9 @@ from full_disk import full_after_first_checkpoint
 from torch import nn
 
 import pyddp
-from pyddp._files import UnsafePathError
-from pyddp._run import data_signature
-from pyddp.checkpoint import list_checkpoints, save_checkpoint
+from pyddp.train.checkpoints.identity import data_signature
+from pyddp.train.checkpoints.saving import list_checkpoints, save_checkpoint
+from pyddp.train.files import UnsafePathError
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 

@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from pyddp._workers import _init_worker
+from pyddp.replicas.workers import _init_worker
 
 
 def test_worker_keeps_its_intra_op_thread_count():

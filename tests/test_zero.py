@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import pyddp
-from pyddp.zero import plan_shards, state_bytes
+from pyddp.optim.shards import plan_shards
+from pyddp.optim.zero import state_bytes
 
 
 def _model() -> nn.Module:
@@ -80,7 +81,7 @@ def test_an_optimizer_that_is_not_elementwise_is_sharded_by_whole_parameters():
     # parameters are never cut, and the result is still the unsharded one.
     a, _ = _train(False, 3, torch.optim.Adafactor, lr=1e-2)
     b, ob = _train(True, 3, torch.optim.Adafactor, lr=1e-2)
-    assert not ob._pyddp_split
+    assert not ob._pyddp.split
     for p, q in zip(a.module.parameters(), b.module.parameters()):
         assert torch.equal(p, q)
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence
 
-from .._runtime import backend_kind
-from .._runtime import timeout_s as default_timeout
+from ..runtime.libraries import backend_kind
+from ..runtime.libraries import timeout_s as default_timeout
 from .control import exchange
 from .groups import peers_of, resolve_group
 from .link import Link

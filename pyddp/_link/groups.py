@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 import torch.distributed as dist
 
 from ..errors import ProcessGroupError
-from ..torchrun import job_prefix, refuse_training_alone
+from ..runtime.torchrun import job_prefix, refuse_training_alone
 
 STORE_DEADLINE_S = 5.0  # a store call on the failure path; the store answers in ms
 

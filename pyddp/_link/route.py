@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from .._params import DTYPE_NAMES
+from ..runtime.libraries import DTYPE_NAMES
 from .agreement import LOADS
 
 

@@ -22,7 +22,7 @@ import torch
 
 import pyddp
 
-from .._files import output_root
+from ..train.files import output_root
 from . import allreduce, multiproc, overlap
 from ._util import busy_note, cpu_busy, machine, table, write_json
 from .simulator import cli as simulator_cli

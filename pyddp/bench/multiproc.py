@@ -367,7 +367,7 @@ def _ddp_stats(ddp: Any) -> Dict[str, float]:
     return {
         "backward_compute_s": d.get("backward_compute_time", 0) / 1e9,
         "comm_s": comm,
-        "overlap_s": min(max(overlap, 0.0), comm),  # clipped as pyddp's (pyddp.observe)
+        "overlap_s": min(max(overlap, 0.0), comm),  # clipped as pyddp's (pyddp.engine.observe)
         "iteration": d.get("iteration", 0),
     }
 

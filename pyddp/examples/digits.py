@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
-from pyddp._files import SafeDir, output_root
+from pyddp.train.files import SafeDir, output_root
 
 
 def load_digits(seed: int = 0):

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from pyddp._files import output_root
 from pyddp.examples._trainers import make_model, median, report
 from pyddp.examples.digits import load_digits
+from pyddp.train.files import output_root
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:

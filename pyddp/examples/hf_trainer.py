@@ -19,8 +19,8 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from pyddp._files import output_root
 from pyddp.examples._trainers import median, report
+from pyddp.train.files import output_root
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from pyddp._files import output_root
 from pyddp.examples._trainers import median, report
+from pyddp.train.files import output_root
 
 
 def train_loop(config: Dict[str, Any]) -> None:

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
-from pyddp._files import output_root
 from pyddp.examples.classifier import make_data
+from pyddp.train.files import output_root
 
 
 def main(argv=None) -> None:

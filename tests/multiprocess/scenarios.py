@@ -561,7 +561,7 @@ def _throttle_on_simulated_gpus(out: dict, devices, streams) -> None:
     by themselves (their copies report not ready until waited for). The host
     reads none in the first three steps, then waits for the oldest once per
     step, so at most three are ever unread; training is unchanged."""
-    from pyddp._streams import HostCopy
+    from pyddp.engine.streams import HostCopy
 
     rank, world = pyddp.rank(), pyddp.world()
     waits: List[int] = []
@@ -1261,8 +1261,8 @@ def exchanges(out: dict) -> None:
     pair its exchange with the other rank's next training step (wrong
     figures on both, then a gloo abort). Then two ranks at different
     exchanges on purpose: both must raise, naming both."""
-    from pyddp._evaluation import _VALID_SUMS
     from pyddp._link.control import LOSS_WEIGHTS
+    from pyddp.train.evaluation import _VALID_SUMS
 
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
@@ -1785,7 +1785,7 @@ def zero(out: dict) -> None:
     state held per replica, measured."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    import pyddp.zero
+    import pyddp.optim.zero
 
     replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
     rank, world = pyddp.rank(), pyddp.world()
@@ -1824,8 +1824,8 @@ def zero(out: dict) -> None:
         for a, b in zip(sd["state"][k].values(), plain_sd["state"][k].values())
         if isinstance(a, torch.Tensor) and a.dim() > 0
     )
-    out["bytes_sharded"] = pyddp.zero.state_bytes(opt)
-    out["bytes_unsharded"] = pyddp.zero.state_bytes(plain_opt)
+    out["bytes_sharded"] = pyddp.optim.zero.state_bytes(opt)
+    out["bytes_unsharded"] = pyddp.optim.zero.state_bytes(plain_opt)
     # A new sharded optimizer loaded from the consolidated state steps on
     # exactly as the first one does.
     dm2 = pyddp.wrap(copy.deepcopy(dm.module), ["cpu"] * replicas, **kw)
@@ -1876,7 +1876,7 @@ def exit_in_flight(out: dict) -> None:
     finalization and abort it; pyddp's exit handler gives it the time).
     SCENARIO_SETTLE_S overrides that time (0: the control that shows the abort)."""
     if "SCENARIO_SETTLE_S" in os.environ:
-        pyddp.torchrun.GLOO_SETTLE_S = float(os.environ["SCENARIO_SETTLE_S"])
+        pyddp.runtime.torchrun.GLOO_SETTLE_S = float(os.environ["SCENARIO_SETTLE_S"])
     for _ in range(5):
         dist.all_reduce(torch.ones(3))
     for _ in range(4):

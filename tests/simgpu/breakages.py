@@ -27,7 +27,7 @@ BREAKAGES = {
         "the communication stream does not wait for the producing streams' events",
     ),
     "ready-event-on-wrong-stream": (
-        "pyddp/_hooks.py",
+        "pyddp/engine/hooks.py",
         "        mark(r, i, current(device))",
         "        mark(r, i, 0)",
         "the ready event is recorded on the default stream, not the producing one",
@@ -61,7 +61,7 @@ BREAKAGES = {
         "no poll of ncclCommGetAsyncError after a non-blocking launch returned ncclInProgress",
     ),
     "workers-ignore-caller-stream": (
-        "pyddp/_workers.py",
+        "pyddp/replicas/workers.py",
         "            stack.enter_context(provider.use(streams))\n",
         "            pass\n",
         "replica workers do not inherit the caller's current streams",
@@ -119,14 +119,14 @@ BREAKAGES = {
         "rounded)",
     ),
     "buckets-freed-without-record-stream": (
-        "pyddp/_streams.py",
+        "pyddp/engine/streams.py",
         "                self.provider.retire(tensors, self.devices[r])",
         "                pass",
         "replaced buckets are dropped without Tensor.record_stream on the streams that used "
         "them (their allocation stream may hand them out again at once)",
     ),
     "sharded-gather-adds-plus-zero": (
-        "pyddp/zero.py",
+        "pyddp/optim/shards.py",
         "flat = self.route.zeros(total, dtype, r).fill_(-0.0)",
         "flat = self.route.zeros(total, dtype, r).fill_(0.0)",
         "the sharded optimizer's parameter exchange on GPUs adds +0.0 where a replica does not "
@@ -160,13 +160,13 @@ BREAKAGES = {
         "communicators have queued the all-reduce",
     ),
     "wire-copy-one-short": (
-        "pyddp/_buckets.py",
+        "pyddp/engine/buckets.py",
         "wires.append(self._zeros(count, self.wire_dtype, r))",
         "wires.append(self._zeros(max(count - 1, 1), self.wire_dtype, r))",
         "the 16-bit copy of a bucket is one element short (the kernels and NCCL run past it)",
     ),
     "syncbn-reads-stats-before-their-stream": (
-        "pyddp/syncbn.py",
+        "pyddp/replicas/syncbn.py",
         "total = self._sum(r, streams.fetch(devices[r], t).get(), what)",
         "total = self._sum(r, t, what)",
         "SyncBatchNorm sums a replica's statistics without waiting for the stream that "

@@ -142,7 +142,7 @@ class Sim:
 
 
 class SimStreams:
-    """pyddp's stream-provider protocol (see pyddp/_streams.py) on the
+    """pyddp's stream-provider protocol (see pyddp/engine/streams.py) on the
     simulated driver: thread-local current streams, 0 (the default stream)
     unless set with `stream()`. Host tensor writes stand in for kernels queued
     on the current stream, so before one the current stream is drained.

@@ -16,6 +16,6 @@ policy, from a model's gradient ready-time profile, without a GPU.
 It is fed only by public API: a profile recorded on the meta device
 (`costmodel.record`), or one measured from a run through
 `GradSync.ready_times()` / `DistributedModel.ready_times()` (a
-`pyddp.observe.ReadyTimes`, read by `costmodel.profile_from_timeline`); it
+`pyddp.engine.observe.ReadyTimes`, read by `costmodel.profile_from_timeline`); it
 imports nothing from the engine. Import the modules themselves:
 `from pyddp.bench.simulator import costmodel, hardware, simulate`."""

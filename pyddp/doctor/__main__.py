@@ -1,0 +1,7 @@
+"""`python -m pyddp.doctor [--selftest]`."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,246 @@
+"""The bucket layout: each replica's gradients live in flat per-bucket
+buffers and every `param.grad` is a view into them, so reducing a bucket
+needs no copy (DESIGN.md, invariant 2). This object owns the buffers, the
+views, their addresses and version counters: laying them out (again, after
+a rebuild or after Module._apply moved storage), keeping replicas' copies
+in step, and settling parameters a replica produced no gradient for."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import _C
+
+
+def plan_buckets(
+    numels: Sequence[int],
+    dtypes: Sequence[str],
+    order: Sequence[int],
+    first_cap: int,
+    cap: int,
+    taper: bool = False,
+) -> List[List[int]]:
+    """The engine's bucket plan (csrc/bucket_plan.cpp), public for planners
+    such as the simulator: parameters taken in `order` (their ready order),
+    one open bucket per dtype ("float32", ...); a bucket closes once it holds
+    `first_cap` bytes (the first to close) or `cap` (every later one); the
+    partial buckets left at the end follow. `taper` (the engine's
+    `taper_buckets=True`): a later bucket opened when R bytes of its dtype
+    are still unplaced closes at min(cap, max(first_cap, R / 2)), so the last
+    buckets shrink by halves down to the first one's size. `cap` 0: one
+    bucket per parameter."""
+    if not isinstance(taper, bool):
+        raise TypeError(f"taper={taper!r} must be True or False")
+    return _C.plan_buckets(list(numels), list(dtypes), list(order), first_cap, cap, taper)
+
+
+def ddp_plan(
+    params: Sequence[torch.Tensor], limits: Sequence[int], order: Optional[Sequence[int]] = None
+) -> List[List[int]]:
+    """torch DDP's bucket plan, by torch's own assignment: with `order`
+    None, its plan at construction (parameters in model order, buckets
+    reversed so the last layers' launch first); with `order` (rank 0's
+    ready order), its rebuilt plan after the first iteration. A
+    communication hook sees these buckets, so a hook that depends on the
+    grouping gives DDP's numbers (GradSync.register_comm_hook)."""
+    import torch.distributed as dist  # torch's own; only a hooked model asks
+
+    if order is None:
+        buckets, _ = dist._compute_bucket_assignment_by_size(
+            list(params), list(limits), [False] * len(params)
+        )
+        return [list(b) for b in reversed(buckets)]
+    tensors = [params[i] for i in order]
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        tensors, list(limits), [False] * len(tensors), list(order)
+    )
+    return [list(b) for b in buckets]
+
+
+class BucketLayout:
+    def __init__(
+        self,
+        params: Sequence[Sequence[torch.Tensor]],
+        dtypes: Sequence[str],
+        set_buffer: Callable[[int, int, int, int, str, int, int], None],
+        gpu_devices: Optional[Sequence[int]],
+        before_host_write: Callable[[int], None],
+        zeros: Callable[[int, torch.dtype, int], torch.Tensor],
+    ):
+        """`params[r]`: replica r's trainable parameters; `set_buffer` tells
+        the engine where a bucket lives; `before_host_write(r)` orders the
+        current stream after reductions still reading replica r's buckets;
+        `zeros(count, dtype, r)` allocates a bucket of replica r's."""
+        self.params = params
+        self.dtypes = list(dtypes)
+        self._set_buffer = set_buffer
+        self._gpu_devices = gpu_devices
+        self._before_host_write = before_host_write
+        self._zeros = zeros
+        n = len(params[0])
+        self.views: List[List[Optional[torch.Tensor]]] = [[None] * n for _ in params]
+        self.flat: List[List[torch.Tensor]] = [[] for _ in params]
+        # NCCL with wire compression: a 16-bit copy of every float32 bucket.
+        self.wire_dtype: Optional[torch.dtype] = None
+        self._wire: List[List[torch.Tensor]] = [[] for _ in params]
+        self._view_ptrs: List[int] = []
+        self._versions: Optional[List[List[int]]] = None  # the buffers' at finish()
+        self.adopted = 0  # gradients that arrived outside the buckets and were copied in
+
+    def allocate(self, buckets: Sequence[Sequence[int]]) -> None:
+        """Allocates flat buffers for `buckets` and points every gradient there,
+        keeping the values gradients already hold."""
+        for r, params in enumerate(self.params):
+            flats, wires = [], []
+            for b, members in enumerate(buckets):
+                count = sum(params[i].numel() for i in members)
+                flat = self._zeros(count, params[members[0]].dtype, r)
+                offset = 0
+                for i in members:
+                    p = params[i]
+                    view = flat[offset : offset + p.numel()].view_as(p)
+                    offset += p.numel()
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                        p.grad = view
+                    self.views[r][i] = view
+                device = -1 if self._gpu_devices is None else self._gpu_devices[r]
+                wire = 0
+                if self.wire_dtype is not None and flat.dtype == torch.float32:
+                    wires.append(self._zeros(count, self.wire_dtype, r))
+                    wire = wires[-1].data_ptr()
+                dtype = self.dtypes[members[0]]
+                self._set_buffer(r, b, flat.data_ptr(), count, dtype, device, wire)
+                flats.append(flat)
+            self.flat[r], self._wire[r] = flats, wires
+        self._view_ptrs = [v.data_ptr() for v in self.views[0]]
+        self._versions = None
+
+    def memory(self) -> List[List[torch.Tensor]]:
+        """Per replica, every tensor holding its bucket memory now."""
+        return [flats + wires for flats, wires in zip(self.flat, self._wire)]
+
+    def moved(self) -> bool:
+        """Whether replica 0's gradients left their bucket views (Module._apply
+        replaced their storage, or a gradient was assigned). Reliable where
+        parameter pointers are not: the buckets stay allocated, so a replaced
+        gradient cannot reuse their addresses."""
+        for p, ptr in zip(self.params[0], self._view_ptrs):
+            g = p.grad
+            if g is not None and g.data_ptr() != ptr:
+                return True
+        return False
+
+    def bucket_bytes(self) -> List[int]:
+        return [f.numel() * f.element_size() for f in self.flat[0]]
+
+    # ------------------------------------------------------ single gradients
+    def adopt(self, p: torch.Tensor, view: torch.Tensor) -> None:
+        """The gradient is not the bucket view (grad was None, or replaced by
+        the user): copy it in once; later backwards accumulate in place."""
+        g = p.grad
+        if g.is_sparse:
+            raise RuntimeError(
+                "pyddp: a parameter produced a sparse gradient; sparse gradients are not "
+                "supported (construct nn.Embedding/EmbeddingBag with sparse=False)"
+            )
+        view.copy_(g)
+        p.grad = view
+        self.adopted += 1
+
+    def take_in(self, r: int, i: int) -> None:
+        """Replica r produced no gradient for parameter i this backward: its
+        slice takes part as is, unless its grad was reset behind pyddp's back
+        (torch's zero_grad sets None: the slice is stale and counts as zero)
+        or replaced (copied in)."""
+        grad, view = self.params[r][i].grad, self.views[r][i]
+        if grad is view:
+            return
+        if grad is None:
+            view.zero_()
+        else:
+            self.adopt(self.params[r][i], view)
+
+    def zero_param(self, i: int) -> None:
+        """Parameter i's slice reads zero on every replica."""
+        for views in self.views:
+            views[i].zero_()
+
+    def grads_to_none(self, i: int) -> None:
+        """Parameter i has no gradient anywhere: None, as on one device."""
+        for params in self.params:
+            params[i].grad = None
+
+    def point_grads(self, i: int) -> None:
+        """Parameter i was reduced without every replica producing it: a
+        replica whose grad was None must now see the reduced slice."""
+        for params, views in zip(self.params, self.views):
+            if params[i].grad is not views[i]:
+                params[i].grad = views[i]
+
+    # -------------------------------------------------------- whole buckets
+    def keep(self) -> Tuple[List[List[torch.Tensor]], List[List[bool]]]:
+        """Every replica's gradients as they are: the buckets' values and
+        which gradients are None (put_back restores both)."""
+        values = [[f.clone() for f in flats] for flats in self.flat]
+        return values, [[p.grad is None for p in params] for params in self.params]
+
+    def put_back(self, kept: Tuple[List[List[torch.Tensor]], List[List[bool]]]) -> None:
+        values, nones = kept
+        with torch.no_grad():
+            for flats, saved in zip(self.flat, values):
+                torch._foreach_copy_(flats, saved)
+        for params, views, none in zip(self.params, self.views, nones):
+            for p, view, is_none in zip(params, views, none):
+                p.grad = None if is_none else view
+        self.forget_reduced()
+
+    def zero(self, r: int) -> None:
+        for flat in self.flat[r]:
+            flat.zero_()
+
+    def copy_to_others(self, buckets: Sequence[int]) -> None:
+        """Replica 0's values of `buckets` on every other replica (reduced
+        across processes through replica 0's buffers)."""
+        if len(self.flat) > 1:
+            with torch.no_grad():
+                for b in buckets:
+                    for flats in self.flat[1:]:
+                        flats[b].copy_(self.flat[0][b])
+
+    def scale(self, factor: Any) -> None:
+        """Every bucket times `factor`: a float, or one 0-dim tensor per
+        replica (on its device)."""
+        factors = factor if isinstance(factor, (list, tuple)) else [factor] * len(self.flat)
+        with torch.no_grad():
+            for flats, f in zip(self.flat, factors):
+                torch._foreach_mul_(flats, f)
+
+    def mark_reduced(self) -> None:
+        """At the end of finish(): the buffers' versions, for align()."""
+        self._versions = [[f._version for f in flats] for flats in self.flat]
+
+    def forget_reduced(self) -> None:
+        self._versions = None
+
+    def align(self) -> None:
+        """Before a step: gradients changed on replica 0 only since finish()
+        (torch's clip_grad_norm_ or a GradScaler's unscale_ over the model's
+        own parameters) are copied to the other replicas, so every replica
+        steps on the same values. Seen through the buffers' version counters."""
+        if self._versions is None:
+            return
+        now = [[f._version for f in flats] for flats in self.flat]
+        if now == self._versions:
+            return
+        moved0 = [a - b for a, b in zip(now[0], self._versions[0])]
+        for r in range(1, len(self.flat)):
+            moved = [a - b for a, b in zip(now[r], self._versions[r])]
+            for b, (m, m0) in enumerate(zip(moved, moved0)):
+                if m != m0:
+                    self._before_host_write(r)
+                    with torch.no_grad():
+                        self.flat[r][b].copy_(self.flat[0][b])
+        self.mark_reduced()

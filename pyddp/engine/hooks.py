@@ -1,0 +1,94 @@
+"""The autograd hooks that feed the engine. A gradient accumulated on replica
+r marks parameter i ready (on GPUs with the stream that produced it); a
+forward pre-hook readies the replica for the next backward. Hooks sit on the
+replicas' parameters, replica 0's being the user's model: they hold their
+GradSync weakly, so dropping the wrapped model releases it, and they copy as
+standard-library callables, so a copied or pickled model carries no live
+pyddp state."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Callable, List, Optional
+
+import torch
+from torch import nn
+
+
+def grad_hook(
+    owner: Any,
+    views: List[Optional[torch.Tensor]],
+    r: int,
+    i: int,
+    mark: Callable[..., None],
+    streams: Any = None,
+    device: int = -1,
+    began: bool = False,
+) -> Callable[[torch.Tensor], None]:
+    """Replica r's post-accumulate-grad hook for parameter i. `owner` is a
+    weak reference to the GradSync; `views[i]` is the gradient's bucket view.
+    `began`: tell the owner's wrapped model a gradient arrived (one replica
+    per process, where a backward may bypass the model's outputs); every
+    other hook skips that call."""
+    if streams is None:
+
+        def on_grad(p: torch.Tensor) -> None:
+            if p.grad is not views[i]:
+                _adopt(owner, p, views[i])
+            if began:
+                _began(owner)
+            mark(r, i)
+
+        return on_grad
+    current, produced = streams.current, streams.produced
+
+    def on_grad_gpu(p: torch.Tensor) -> None:
+        if p.grad is not views[i]:
+            streams.before_host_write(device)
+            _adopt(owner, p, views[i])
+        if began:
+            _began(owner)
+        if produced is not None:  # the simulation's late write (see engine/streams.py)
+            produced(device, views[i])
+        # Autograd runs this hook on the stream that accumulated the
+        # gradient: the reduction waits for that stream, not another.
+        mark(r, i, current(device))
+
+    return on_grad_gpu
+
+
+def _began(owner: Any) -> None:
+    """Tells the wrapped model a gradient arrived (GradSync.on_backward_start,
+    a weak method, set where a backward may bypass its outputs)."""
+    sync = owner()
+    if sync is not None and sync.on_backward_start is not None:
+        began = sync.on_backward_start()
+        if began is not None:
+            began()
+
+
+def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor) -> None:
+    sync = owner()
+    if sync is not None:
+        sync.layout.adopt(p, view)
+
+
+class PrepareHook:
+    """Replica r's forward pre-hook: prepare(r) before a forward that may be
+    followed by backward. Holds the GradSync weakly. A copy of the module
+    (copy.deepcopy, pickle, torch.save) must not carry a live pyddp hook, nor
+    need pyddp to load: this hook copies as `functools.partial(dict.pop, {})`,
+    a standard-library callable that returns the forward's arguments unchanged."""
+
+    def __init__(self, sync: Any, replica: int):
+        self.owner = weakref.ref(sync)
+        self.replica = replica
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        sync = self.owner()
+        if sync is not None and torch.is_grad_enabled():
+            sync.prepare(self.replica)
+
+    def __reduce__(self) -> Any:
+        return functools.partial, (dict.pop, {})

@@ -1,0 +1,175 @@
+"""The engine's options, validated once: `GradSync`, `pyddp.wrap` and the
+`Trainer` (its wrap options) build one `Options` and read it from there.
+Every check names the field and what to pass instead."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional
+
+from ..runtime.libraries import checked_timeout
+from .observe import timeline_from_env
+
+REDUCE_ORDERS = ("ready", "index", "after_backward")
+
+
+@dataclass(frozen=True)
+class Options:
+    """bucket_cap_mb: bucket size (0 = per-parameter mode, every parameter its
+    own bucket); first_bucket_cap_mb: the first bucket's; taper_buckets: the
+    last buckets shrink by halves down to the first bucket's size, so little
+    is left to reduce after backward (csrc/bucket_plan.h; off by default:
+    docs/simulator.md shows where it wins and where it loses); reduce_order:
+    "ready" (launch buckets as they complete), "index" (in bucket order, the
+    default across processes) or "after_backward" (no overlap: the baseline);
+    None picks by the link; rebuild_buckets: re-plan once from the observed
+    ready order; op: "sum" or "avg" over replicas; timeout_s: a reduction not
+    done after this long raises (seconds, at most 7 days; None:
+    $PYDDP_TIMEOUT_S or 300); timeline:
+    iterations of events to keep (None: $PYDDP_TIMELINE or 0); check_replicas:
+    refuse replicas that differ at construction; group: the torch.distributed
+    process group to span; broadcast_buffers: replica 0's buffers to the
+    others before each forward, and rank 0's to every rank after each
+    synced training step (wrap); threads_per_replica: each
+    replica's torch intra-op threads (wrap)."""
+
+    bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 1.0
+    taper_buckets: bool = False
+    reduce_order: Optional[str] = None
+    rebuild_buckets: bool = True
+    op: str = "sum"
+    timeout_s: Optional[float] = None
+    timeline: Optional[int] = None
+    check_replicas: bool = True
+    group: Any = None
+    broadcast_buffers: bool = True
+    threads_per_replica: Optional[int] = None
+    # torch DDP's, for code ported from it: pyddp finds unused parameters
+    # itself at every step; these two shape only the buckets a
+    # communication hook sees, which are DDP's for the same arguments.
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            if not _is_number(getattr(self, name)):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a number of MiB")
+        if self.bucket_cap_mb < 0 or self.first_bucket_cap_mb < 0:
+            raise ValueError(
+                f"bucket_cap_mb={self.bucket_cap_mb} and first_bucket_cap_mb="
+                f"{self.first_bucket_cap_mb} must be >= 0 (0 = one bucket per parameter)"
+            )
+        if self.reduce_order is not None and self.reduce_order not in REDUCE_ORDERS:
+            raise ValueError(
+                f"reduce_order={self.reduce_order!r}: use 'ready', 'index' or 'after_backward' "
+                "(no overlap: the baseline benchmarks compare against)"
+            )
+        if self.op not in ("sum", "avg"):
+            raise ValueError(f"op={self.op!r}: use 'sum' or 'avg'")
+        if self.timeout_s is not None:
+            checked_timeout(self.timeout_s, f"timeout_s={self.timeout_s!r}")
+        if self.timeline is not None and (
+            not isinstance(self.timeline, int) or isinstance(self.timeline, bool)
+        ):
+            raise TypeError(f"timeline={self.timeline!r} must be an int (iterations to keep)")
+        if self.timeline is not None and self.timeline < 0:
+            raise ValueError(f"timeline={self.timeline} must be >= 0 (iterations to keep)")
+        if self.threads_per_replica is not None and (
+            not isinstance(self.threads_per_replica, int)
+            or isinstance(self.threads_per_replica, bool)
+            or self.threads_per_replica < 1
+        ):
+            raise ValueError(
+                f"threads_per_replica={self.threads_per_replica!r} must be an int >= 1"
+            )
+        for name in (
+            "taper_buckets",
+            "rebuild_buckets",
+            "check_replicas",
+            "broadcast_buffers",
+            "find_unused_parameters",
+            "static_graph",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be True or False")
+
+    @classmethod
+    def for_wrap(cls, options: Mapping[str, Any]) -> Options:
+        """wrap's and the Trainer's keywords; an unknown one raises TypeError
+        naming the known ones. Replicas made by wrap are deep copies of one
+        model, identical by construction, and sum over replicas."""
+        unknown = sorted(set(options) - set(WRAP_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"unknown wrap option(s) {', '.join(unknown)}; the options are "
+                f"{', '.join(WRAP_OPTIONS)}"
+            )
+        return cls(**first_cap_as_ddp(options), check_replicas=False)
+
+    @classmethod
+    def for_sync(cls, options: Mapping[str, Any]) -> Options:
+        """GradSync's keywords: the engine's options (not wrap's own)."""
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+        wrap_only = sorted(set(options) & {"broadcast_buffers", "threads_per_replica"})
+        if unknown or wrap_only:
+            raise TypeError(
+                f"GradSync got unknown option(s) {', '.join(unknown + wrap_only)}"
+                + (" (options of pyddp.wrap, which drives the replicas)" if wrap_only else "")
+            )
+        return cls(**first_cap_as_ddp(options))
+
+    def keep(self) -> int:
+        """Timeline iterations to keep: the option, else $PYDDP_TIMELINE."""
+        return timeline_from_env() if self.timeline is None else self.timeline
+
+    def compared(self) -> Dict[str, Any]:
+        """The settings every process must share (checked at wrap)."""
+        return {name: getattr(self, name) for name in _COMPARED}
+
+    def replace(self, **changes: Any) -> Options:
+        return dataclasses.replace(self, **changes)
+
+
+# What wrap (and the Trainer, for its model) accepts; GradSync takes the
+# engine's options (all but the last two) as keywords of its own.
+WRAP_OPTIONS = (
+    "bucket_cap_mb",
+    "first_bucket_cap_mb",
+    "taper_buckets",
+    "reduce_order",
+    "rebuild_buckets",
+    "broadcast_buffers",
+    "threads_per_replica",
+    "timeout_s",
+    "timeline",
+    "group",
+    "find_unused_parameters",
+    "static_graph",
+)
+_COMPARED = (
+    "bucket_cap_mb",
+    "first_bucket_cap_mb",
+    "taper_buckets",
+    "reduce_order",
+    "rebuild_buckets",
+    "op",
+    "broadcast_buffers",
+    "find_unused_parameters",
+    "static_graph",
+)
+
+
+def first_cap_as_ddp(options: Mapping[str, Any]) -> Dict[str, Any]:
+    """torch DDP's rule: a bucket_cap_mb given without first_bucket_cap_mb
+    sizes the first bucket too (the 1 MiB first bucket goes with the
+    default cap only)."""
+    out = dict(options)
+    if "bucket_cap_mb" in out and "first_bucket_cap_mb" not in out:
+        out["first_bucket_cap_mb"] = out["bucket_cap_mb"]
+    return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,107 @@
+"""What every rank takes from the last joiner when torch's Join ends,
+besides its parameters and buffers (replicas/uneven.py): the state of the optimizers
+dmodel.optimizer made and of the LR schedulers attached to them. A rank that
+joined early missed the last steps: its momentum, Adam moments and step
+counts, and a per-step schedule's position, lag behind the last joiner's,
+and the next block would step the ranks apart (torch DDP leaves them so).
+
+An optimizer pyddp did not make (the user's own over dmodel's parameters)
+cannot be aligned safely (pyddp does not know it exists on every rank): if
+it carries state that the missed steps would change (momentum, moments, a
+scheduler), every rank refuses the next training forward, naming Join and
+the remedy. Not at the end of Join itself: a run whose one Join block ends
+its training (torch DDP's usual port) finishes as under DDP."""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from typing import Any, List
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+from .._link.joining import JOIN_OPTIMIZERS, JOIN_OPTIMIZERS_CHECK
+
+
+def schedulers_of(opt: torch.optim.Optimizer) -> List[LRScheduler]:
+    """The LR schedulers stepping `opt` (found through the references they
+    hold: torch keeps no list), in an order every rank agrees on (by class;
+    two of one class on one optimizer cannot be told apart and raise)."""
+    found: List[LRScheduler] = []
+    for ref in gc.get_referrers(opt):
+        # Python 3.11 reports the scheduler, older ones its __dict__.
+        owners = [ref] if not isinstance(ref, dict) else gc.get_referrers(ref)
+        for o in owners:
+            if isinstance(o, LRScheduler) and o.optimizer is opt and o not in found:
+                found.append(o)
+    names = Counter(type(s).__qualname__ for s in found)
+    twice = sorted(n for n, k in names.items() if k > 1)
+    if twice:
+        raise RuntimeError(
+            f"pyddp: at the end of Join, {opt.__class__.__name__} has several "
+            f"{twice[0]} schedulers, whose states pyddp cannot match between ranks; "
+            "attach one scheduler per class (torch's SequentialLR or ChainedScheduler "
+            "combine several)"
+        )
+    return sorted(found, key=lambda s: type(s).__qualname__)
+
+
+def _stateful(opt: torch.optim.Optimizer) -> bool:
+    """Whether steps this rank missed would have changed `opt`: a state
+    (momentum buffers, moments, step counts) or a scheduler."""
+    has_state = any(len(s) for s in opt.state.values())
+    return has_state or any("initial_lr" in g for g in opt.param_groups)
+
+
+def _describe(opt: torch.optim.Optimizer) -> str:
+    return f"{type(opt).__module__}.{type(opt).__qualname__}"
+
+
+def align_optimizers(model: Any, source: int, steps: int) -> str:
+    """On every rank, after the last joiner's parameters arrived: every
+    optimizer dmodel.optimizer made takes the state of rank `source`'s (in
+    the group's order), its schedulers too, or every rank raises. `steps`:
+    this rank's optimizer steps before Join ended. Returns why the next
+    training forward must be refused ("" if nothing)."""
+    link = model.sync.link
+    ours = model.optimizers_made()
+    scheds = [schedulers_of(o) for o in ours]  # a scan of the heap each: once
+    mine = {id(o) for o in ours}
+    foreign = [o for o in model.sync.work.stepping() if id(o) not in mine]
+    summary = {
+        "ours": [(_describe(o), [type(s).__qualname__ for s in ss]) for o, ss in zip(ours, scheds)],
+        "foreign": [_describe(o) for o in foreign if _stateful(o)],
+        "steps": steps,
+    }
+    every = link.gather_objects(summary, JOIN_OPTIMIZERS_CHECK)
+    ranks = link.peers.ranks
+    ref = every[source]
+    for r, got in enumerate(every):  # every rank sees every summary: raises alike
+        if got["ours"] != ref["ours"]:
+            raise RuntimeError(
+                f"pyddp: at the end of Join, rank {ranks[r]} has the optimizers "
+                f"{got['ours']} from dmodel.optimizer where rank {ranks[source]} (the last to "
+                f"join) has {ref['ours']}; every rank must make the same optimizers and "
+                "schedulers"
+            )
+    states = [(o.state_dict(), [s.state_dict() for s in ss]) for o, ss in zip(ours, scheds)]
+    states = link.from_root(states, JOIN_OPTIMIZERS, root=source)
+    if link.rank != source:
+        for o, ss, (state, sched_states) in zip(ours, scheds, states):
+            o.load_state_dict(state)
+            for s, st in zip(ss, sched_states):
+                s.load_state_dict(st)
+    behind = [ranks[r] for r, got in enumerate(every) if got["steps"] != ref["steps"]]
+    stateful = sorted({(ranks[r], name) for r, got in enumerate(every) for name in got["foreign"]})
+    if not (behind and stateful):
+        return ""
+    rank, name = stateful[0]
+    return (
+        f"pyddp: the last Join ended with rank(s) {behind} behind the last joiner (rank "
+        f"{ranks[source]}) by optimizer steps, and rank {rank} steps this model with its own "
+        f"{name}, which holds state those steps would have changed (momentum, moments or an "
+        "LR scheduler): its ranks differ now, so training on is refused. Make the optimizer "
+        "with dmodel.optimizer(cls, ...), which pyddp aligns to the last joiner's when Join "
+        "ends, or give every rank the same number of batches"
+    )

@@ -1,0 +1,87 @@
+"""What pyddp's optimizers share: one object that steps every replica is an
+instance of a subclass of the user's optimizer class, with `PyddpOptimizer`
+before the user's class among its bases and its state in one `OptimState`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from ..engine.sync import GradSync
+
+
+@dataclass
+class OptimState:
+    """A pyddp optimizer's own state (`opt._pyddp`): the GradSync whose
+    gradients it steps, every replica's parameters it steps, whether that is
+    every parameter (zero_grad then goes through the buckets), and why it
+    refuses to step (a failed step left the replicas differing)."""
+
+    sync: GradSync
+    grads: List[torch.Tensor]
+    owns_all: bool
+    broken: str = field(default="", init=False)
+
+    def optimizers(self, outer: Any) -> List[Any]:
+        """The optimizers holding this one's state, one per local replica."""
+        raise NotImplementedError
+
+
+class PyddpOptimizer:
+    """What pyddp's optimizer classes (Replicated in replicated.py, Sharded
+    in zero.py) add alike to the user's class, which follows this one among
+    their bases: no closure, hyper-parameters set on this object (LR
+    schedulers) reach the optimizers stepping the other replicas, zero_grad
+    through GradSync's buckets, no pickling. Its state is one object,
+    `_pyddp` (set after the user's constructor has run, which is how
+    add_param_group tells the constructor's calls from the user's)."""
+
+    _pyddp: OptimState
+    param_groups: List[Dict[str, Any]]
+
+    def _pyddp_begin_step(self, closure: Any, others: Sequence[Any]) -> None:
+        if closure is not None:
+            raise ValueError(
+                "pyddp optimizers do not take a closure: re-evaluating the loss would "
+                "need a forward and backward on every replica"
+            )
+        self._pyddp.sync.check_step()
+        for other in others:
+            for mine, theirs in zip(self.param_groups, other.param_groups):
+                for key, value in mine.items():
+                    if key != "params":
+                        theirs[key] = value
+        if self._pyddp.broken:
+            raise RuntimeError(self._pyddp.broken)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._pyddp.owns_all:
+            self._pyddp.sync.zero_grad(set_to_none)  # one memset per bucket
+            return
+        # Only part of the model (several optimizers): leave the other
+        # parameters' gradients alone. GradSync re-attaches these on the
+        # next backward.
+        for p in self._pyddp.grads:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """As torch's (unfreezing layers mid-run), on every replica: see
+        the class's `_pyddp_add_group`."""
+        if "_pyddp" not in self.__dict__:  # torch's own constructor adding the groups given
+            super().add_param_group(param_group)  # type: ignore[misc]  # the user's class
+            return
+        self._pyddp_add_group(param_group)
+
+    def _pyddp_add_group(self, param_group: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a pyddp optimizer steps live replicas and cannot be pickled or copied: save "
+            "opt.state_dict() and load it into a new dmodel.optimizer(...)"
+        )

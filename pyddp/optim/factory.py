@@ -1,0 +1,47 @@
+"""`dmodel.optimizer(cls, params, shard=...)`: the optimizer for a wrapped
+model's replicas: the plain one for a single replica, else the replicated one
+(replicated.py) or, with `shard=True` and more than one replica anywhere, the
+sharded one (zero.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional, Type
+
+import torch
+from torch import nn
+
+from ..engine.sync import GradSync
+from .replicated import replicated_optimizer
+from .zero import sharded_optimizer
+
+ParamsFn = Callable[[nn.Module], Iterable[Any]]
+
+
+def make_optimizer(
+    sync: GradSync,
+    cls: Type[torch.optim.Optimizer],
+    params: Optional[ParamsFn] = None,
+    shard: bool = False,
+    **kwargs: Any,
+) -> torch.optim.Optimizer:
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer class must be a torch.optim.Optimizer subclass, got {cls!r}")
+    if not isinstance(shard, bool):
+        raise TypeError(f"shard must be a bool, got {type(shard).__name__}")
+    groups = [_param_groups(m, params) for m in sync.replicas]
+    if shard and (len(groups) > 1 or sync.link.spans_processes):
+        return sharded_optimizer(sync, cls, groups, **kwargs)
+    if len(groups) == 1:
+        return cls(groups[0], **kwargs)  # one replica: the plain optimizer, no overhead
+    return replicated_optimizer(sync, cls, groups, **kwargs)
+
+
+def _param_groups(module: nn.Module, params: Optional[ParamsFn]) -> list:
+    if params is None:
+        return [p for p in module.parameters() if p.requires_grad]
+    if not callable(params):
+        raise TypeError(
+            "params must be a function module -> parameters or param groups (it is applied "
+            "to every replica), e.g. lambda m: [{'params': m.fc.parameters(), 'lr': 0.1}]"
+        )
+    return list(params(module))

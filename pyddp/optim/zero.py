@@ -1,0 +1,382 @@
+"""Sharded optimizer state (ZeRO stage 1, as torch's ZeroRedundancyOptimizer):
+`dmodel.optimizer(cls, shard=True, ...)`.
+
+Every replica of every process is a slot, and owns a share of the trained
+elements (plan_shards: equal ranges of the elements laid end to end for
+elementwise optimizers, else whole parameters; the same plan on every rank).
+A slot's optimizer holds state for its parameters only, so optimizer state
+per replica is about 1/(replicas over all processes) of the unsharded one.
+At each step, every slot steps its own parameters with the reduced gradient
+(the engine all-reduced it, as for any optimizer), then every replica takes
+the stepped values of the parameters it does not own: copied from their
+owner in this process, summed with -0.0 from every other process (x + -0.0
+is x bit for bit) across processes. The result is the unsharded optimizer's
+step exactly: the same arithmetic on the same values.
+
+The object returned is an instance of a subclass of the user's optimizer
+class over replica 0's parameters, so LR schedulers and `param_groups` work
+as usual; its `state_dict()` is consolidated, in the unsharded optimizer's
+format (loadable by the plain optimizer and back). Across processes,
+`step()`, `state_dict()` and `load_state_dict()` are collective: every rank
+calls them.
+
+On GPUs every replica takes the elements it does not own through the
+engine's NCCL communicator, in one process as across processes
+(shards.py's DeviceGather); the state dict is joined on replica 0's device."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Type
+
+import torch
+
+from .._link import exchange
+from ..engine.sync import GradSync
+from ..errors import ReplicaError
+from .base import OptimState, PyddpOptimizer
+from .shards import ELEMENTWISE, DeviceGather, Piece, Shard, plan_shards
+
+SHARD_PARAMS = exchange("the gathering of a sharded optimizer step's parameters")
+# Named with its remedy: the usual mistake is calling state_dict() on the
+# saving rank only, and this name is what the other ranks' errors show.
+SHARD_STATE = exchange(
+    "the gathering for a sharded optimizer's state_dict() (state_dict() is collective: "
+    "every rank must call it, also to save on one rank only)"
+)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> List[int]:
+    """Bytes of optimizer state tensors held for each replica of this
+    process: a sharded optimizer's per slot; an unsharded one's (pyddp's
+    replicated optimizer) per replica; a plain optimizer's, once."""
+    state = optimizer.__dict__.get("_pyddp")
+    held = [optimizer] if state is None else state.optimizers(optimizer)
+    return [_bytes(o.state) for o in held]
+
+
+@dataclass
+class ShardedState(OptimState):
+    """Besides OptimState: the user's groups as global parameter indices
+    (layout) and laid end to end (order, with where each starts in the
+    elements: starts), this process's shards, the pieces other processes
+    own (theirs), whether parameters are cut inside (split), the state kept
+    by consolidate_state_dict(to=this rank), and the GPU gather."""
+
+    layout: List[List[int]]
+    order: List[int]
+    starts: List[int]
+    shards: List[Shard]
+    theirs: List[Piece]
+    split: bool
+    on_gpus: Optional[DeviceGather]
+    consolidated: Optional[Dict[Any, Any]] = None
+
+    @property
+    def inner(self) -> List[Any]:
+        return [sh.optimizer for sh in self.shards]
+
+    def optimizers(self, outer: Any) -> List[Any]:
+        return self.inner
+
+
+def _bytes(state: Any) -> int:
+    total = 0
+    for per_param in state.values():
+        for v in per_param.values():
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total
+
+
+def sharded_optimizer(
+    sync: GradSync, cls: Type[torch.optim.Optimizer], groups: List[list], **kwargs: Any
+) -> torch.optim.Optimizer:
+    """`groups[r]`: replica r's parameters or param groups (as the user gave
+    them, applied to each replica)."""
+    opt = _sharded_class(cls)(groups[0], **kwargs)
+    opt.state.clear()  # state made at construction (Adagrad's sum) is the shards' to hold
+    index = {id(p): i for i, p in enumerate(sync.params[0])}
+    layout = []  # per group: the global index of each of its parameters
+    for g in opt.param_groups:
+        missing = [p for p in g["params"] if id(p) not in index]
+        if missing:
+            raise ValueError(
+                "shard=True: every parameter given to the optimizer must be one the model "
+                f"trains (requires_grad=True when wrapped); got {len(missing)} that are not"
+            )
+        layout.append([index[id(p)] for p in g["params"]])
+    order = [i for idx in layout for i in idx]
+    link = sync.link
+    slots = sum(link.local_counts)
+    first = sum(link.local_counts[: link.rank])  # this process's first slot
+    params0 = sync.params[0]
+    split = cls in ELEMENTWISE and all(params0[i].is_contiguous() for i in order)
+    plan = plan_shards([params0[i].numel() for i in order], slots, split)
+    group_of = {i: g for g, idx in enumerate(layout) for i in idx}
+    shards = []
+    for r in range(len(sync.replicas)):
+        per_group: List[list] = [[] for _ in layout]
+        for k, lo, hi in plan[first + r]:
+            i = order[k]
+            p = sync.params[r][i]
+            whole = lo == 0 and hi == p.numel()
+            t = p if whole else p.detach().view(-1)[lo:hi]
+            per_group[group_of[i]].append((i, lo, hi, t, whole))
+        pieces, inner_groups = [], []
+        for g, members in zip(opt.param_groups, per_group):
+            pieces += members
+            inner_groups.append({**_hyper(g), "params": [m[3] for m in members]})
+        shards.append(Shard(pieces, cls(inner_groups, **kwargs)))
+    mine = range(first, first + len(shards))
+    starts = [0]
+    for i in order:
+        starts.append(starts[-1] + params0[i].numel())
+    opt._pyddp = ShardedState(
+        sync=sync,
+        grads=[params[i] for params in sync.params for i in order],
+        owns_all=set(order) >= set(range(len(index))),
+        layout=layout,
+        order=order,
+        starts=starts,
+        shards=shards,
+        theirs=[pc for s, pcs in enumerate(plan) if s not in mine for pc in pcs],
+        split=split,
+        on_gpus=None if sync.gpu_devices is None else DeviceGather(sync, order),
+    )
+    return opt
+
+
+@functools.cache  # one subclass per optimizer class
+def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
+    class Sharded(PyddpOptimizer, cls):  # type: ignore[misc, valid-type]
+        def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+            state = self._pyddp
+            self._pyddp_begin_step(closure, state.inner)
+            self._pyddp.consolidated = None  # the state moves on
+            sync = self._pyddp.sync
+            if sync.link.join is not None:
+                raise NotImplementedError(
+                    "pyddp: a sharded optimizer (shard=True) cannot step under Join yet: the "
+                    "ranks that joined would have to step their shards too; use shard=False "
+                    "under dmodel.join()"
+                )
+            for r, shard in enumerate(self._pyddp.shards):
+                shard.attach_grads(sync.params[r])
+            try:
+                sync.run_per_replica([_unhooked(o) for o in self._pyddp.inner], "optimizer step")
+                self._pyddp_gather()
+            except BaseException as e:
+                self._pyddp.broken = (
+                    "pyddp: a sharded optimizer step failed part-way "
+                    f"({type(e).__name__}: {e}); some shards stepped and others did not, so "
+                    "the replicas differ: load a checkpoint into a new wrapped model"
+                )
+                if isinstance(e, ReplicaError):
+                    raise ReplicaError(e.replica, "sharded optimizer step", e.cause) from e.cause
+                raise
+            return None
+
+        # Not marked hooked: torch wraps this step with the optimizer step
+        # hooks, which then run once per step for this object (the shards'
+        # own steps run without them: _unhooked).
+
+        def _pyddp_gather(self) -> None:
+            """Every replica takes the stepped elements it does not own."""
+            if self._pyddp.on_gpus is not None:
+                self._pyddp.on_gpus(self._pyddp.shards)
+                return
+            sync = self._pyddp.sync
+            local = len(sync.replicas)
+            with torch.no_grad():
+                # Replica 0 first: from this process's other replicas (whole
+                # parameters in any layout, channels_last included).
+                dst, src = [], []
+                for r in range(1, local):
+                    for i, lo, hi, t, whole in self._pyddp.shards[r].pieces:
+                        dst.append(
+                            sync.params[0][i] if whole else sync.params[0][i].view(-1)[lo:hi]
+                        )
+                        src.append(t)
+                if dst:
+                    torch._foreach_copy_(dst, src)
+                if sync.link.spans_processes:
+                    # The others' elements: a float64 sum to which every other
+                    # process adds -0.0 (x + -0.0 == x, bit for bit).
+                    order = self._pyddp.order
+                    ps = [sync.params[0][i] for i in order]
+                    flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in ps])
+                    starts = self._pyddp.starts
+                    for k, lo, hi in self._pyddp.theirs:
+                        flat[starts[k] + lo : starts[k] + hi] = -0.0
+                    (flat,) = sync.link.sum_tensors([flat], SHARD_PARAMS)
+                    for k, lo, hi in self._pyddp.theirs:
+                        src = flat[starts[k] + lo : starts[k] + hi]
+                        if lo == 0 and hi == ps[k].numel():  # whole: any layout
+                            ps[k].copy_(src.view(ps[k].shape))
+                        else:
+                            ps[k].view(-1)[lo:hi].copy_(src)
+                for r in range(1, local):
+                    torch._foreach_copy_(sync.params[r], sync.params[0])
+
+        def consolidate_state_dict(self, to: int = 0) -> None:
+            """torch's ZeroRedundancyOptimizer spelling, for ported code:
+            collective (every rank calls it); afterwards rank `to` (in the
+            wrapped model's group) may call state_dict() alone, until the
+            next step or load. state_dict() called on every rank needs no
+            consolidation."""
+            link = self._pyddp.sync.link
+            if not isinstance(to, int) or not 0 <= to < link.world:
+                raise ValueError(f"consolidate_state_dict: to={to!r} is not a rank of the group")
+            full = self.state_dict()
+            self._pyddp.consolidated = full["state"] if link.rank == to else None
+
+        def state_dict(self) -> Dict[str, Any]:
+            """The unsharded optimizer's state dict (collective across
+            processes: every rank calls it, every rank gets it; after
+            consolidate_state_dict(to=r), rank r alone may)."""
+            sizes = [len(idx) for idx in self._pyddp.layout]
+            kept = self._pyddp.consolidated
+            if kept is not None:  # hyper-parameters as they are now (LR schedulers)
+                return {"state": kept, "param_groups": _numbered(self.param_groups, sizes)}
+            sync = self._pyddp.sync
+            # GPUs: pieces cross processes through the host, and are joined
+            # on replica 0's device.
+            travel = self._pyddp.on_gpus is not None and sync.link.spans_processes
+            local = []
+            for shard in self._pyddp.shards:
+                saved = shard.optimizer.state_dict()["state"]
+                for j, (i, lo, _, _, whole) in enumerate(shard.pieces):
+                    if j in saved:
+                        value = _per_element_on(saved[j], "cpu") if travel else saved[j]
+                        local.append((i, lo, whole, value))
+            parts: Dict[int, list] = {}
+            params0 = sync.params[0]
+            for got in sync.link.gather_objects(local, SHARD_STATE):
+                for i, lo, whole, value in got:
+                    value = _per_element_on(value, params0[i].device)
+                    parts.setdefault(i, []).append((lo, whole, value))
+            position = {i: k for k, i in enumerate(self._pyddp.order)}
+            state = {}
+            for i in sorted(parts, key=lambda i: position[i]):
+                pieces = sorted(parts[i], key=lambda x: x[0])
+                if pieces[0][1]:  # whole
+                    state[position[i]] = pieces[0][2]
+                    continue
+                merged = {}
+                for key, value in pieces[0][2].items():
+                    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+                        joined = torch.cat([pc[2][key] for pc in pieces])
+                        merged[key] = joined.view(params0[i].shape)
+                    else:  # a scalar (the step count): the same in every piece
+                        merged[key] = value
+                state[position[i]] = merged
+            return {"state": state, "param_groups": _numbered(self.param_groups, sizes)}
+
+        def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+            """Loads an unsharded optimizer's state dict (or this one's):
+            each shard takes its pieces' state."""
+            self._pyddp.consolidated = None
+            groups = state_dict.get("param_groups")
+            if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+                raise ValueError(
+                    "loaded state dict has a different number of parameter groups than this "
+                    "optimizer"
+                )
+            for g, saved, idx in zip(self.param_groups, groups, self._pyddp.layout):
+                if len(saved["params"]) != len(idx):
+                    raise ValueError(
+                        "loaded state dict contains a parameter group that doesn't match the "
+                        "size of optimizer's group"
+                    )
+                for key, value in saved.items():
+                    if key != "params":
+                        g[key] = value
+            saved_ids = [j for g in groups for j in g["params"]]
+            by_global = {
+                i: state_dict["state"][j]
+                for i, j in zip(self._pyddp.order, saved_ids)
+                if j in state_dict["state"]
+            }
+            params0 = self._pyddp.sync.params[0]
+            for shard in self._pyddp.shards:
+                sub_state = {}
+                for j, (i, lo, hi, _, whole) in enumerate(shard.pieces):
+                    if i not in by_global:
+                        continue
+                    value = by_global[i]
+                    for key, v in value.items():
+                        per_element = isinstance(v, torch.Tensor) and v.dim() >= 1
+                        if per_element and v.numel() != params0[i].numel():
+                            raise ValueError(
+                                f"loaded state dict: state {key!r} of parameter "
+                                f"{self._pyddp.sync.names[i]} has shape {tuple(v.shape)}, "
+                                f"the parameter {tuple(params0[i].shape)}"
+                            )
+                    if not whole:
+                        shape = params0[i].shape
+                        value = {
+                            key: v.reshape(-1)[lo:hi]
+                            if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape == shape
+                            else v
+                            for key, v in value.items()
+                        }
+                    sub_state[j] = value
+                sizes = [len(g["params"]) for g in shard.optimizer.param_groups]
+                sub_groups = _numbered(self.param_groups, sizes)
+                # torch keeps given tensors when device and dtype match: copies,
+                # so no two shards (or the caller's dict) share a buffer.
+                shard.optimizer.load_state_dict(
+                    {"state": _clone(sub_state), "param_groups": sub_groups}
+                )
+
+        def _pyddp_add_group(self, param_group: Dict[str, Any]) -> None:
+            raise RuntimeError(
+                "add_param_group is not supported on a sharded optimizer (shard=True): its "
+                "shards were planned over the parameters it was made with; pass every group "
+                "through dmodel.optimizer(cls, params=fn, shard=True) instead"
+            )
+
+    Sharded.__name__ = Sharded.__qualname__ = f"Sharded{cls.__name__}"
+    return Sharded
+
+
+def _hyper(group: Dict[str, Any]) -> Dict[str, Any]:
+    """A param group's hyper-parameters (everything but its parameters)."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _numbered(groups: Sequence[Dict[str, Any]], sizes: Sequence[int]) -> List[Dict[str, Any]]:
+    """State-dict param groups: `groups`' hyper-parameters, their parameters
+    numbered in order across groups (sizes[g] in group g), as torch does."""
+    out, k = [], 0
+    for g, n in zip(groups, sizes):
+        out.append({**_hyper(g), "params": list(range(k, k + n))})
+        k += n
+    return out
+
+
+def _unhooked(optimizer: Any) -> Callable[[], Any]:
+    """`optimizer.step` without torch's step hooks (global and its own): a
+    shard's step is part of the sharded optimizer's, whose hooks run once
+    (pyddp counts optimizer steps by them, so every rank counts one)."""
+    step = getattr(type(optimizer).step, "__wrapped__", None)
+    return (lambda: step(optimizer)) if step is not None else optimizer.step
+
+
+def _per_element_on(state: Dict[str, Any], device: Any) -> Dict[str, Any]:
+    """One parameter's state with its per-element tensors on `device` (the
+    scalars, a step count, stay where the optimizer keeps them)."""
+    return {
+        k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() >= 1 else v
+        for k, v in state.items()
+    }
+
+
+def _clone(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    return tree

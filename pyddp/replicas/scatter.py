@@ -1,0 +1,170 @@
+"""Scatter and gather for the wrapped model: a batch (any tree of tensors,
+containers, dataclasses, pytree nodes, model caches) split along dim 0 over
+the replicas' devices, and the replicas' outputs joined back into one batch
+on devices[0], refusing what cannot be joined with a message that says why."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from .gather_node import join_column
+from .tree import flatten, other_leaves, shard_sizes, structure
+
+# (per-replica tensors, their kinds, shard weights) -> the joined tensors
+JoinFn = Callable[[List[List[torch.Tensor]], List[str], List[float]], List[torch.Tensor]]
+
+
+def scatter(tree: Any, devices: Sequence[torch.device]) -> Tuple[List[Any], List[int]]:
+    """Splits every batched tensor in `tree` along dim 0 over `devices`
+    (shard sizes as even as possible; a batch smaller than the number of
+    devices uses the first `batch` ones) and moves each shard there."""
+    leaves, rebuild = flatten(tree)
+    batched = [t for t in leaves if t.dim() > 0]
+    if not batched:
+        raise ValueError(
+            "the inputs hold no tensor with a batch dimension: nothing to split over replicas"
+        )
+    batch = batched[0].shape[0]
+    if batch == 0:
+        raise ValueError("the batch is empty (dim 0 has size 0)")
+    for t in batched:
+        if t.shape[0] != batch:
+            raise ValueError(
+                f"input tensors disagree on the batch size (dim 0): {batch} and "
+                f"{t.shape[0]}; every batched input must have the same first dimension"
+            )
+    # A batch smaller than the number of replicas: only the first `batch`
+    # replicas take part; the others contribute zeros to the reduction.
+    sizes = shard_sizes(batch, min(batch, len(devices)))
+    split = [[t] * len(sizes) if t.dim() == 0 else list(t.split(sizes)) for t in leaves]
+    shards = []
+    for r, device in enumerate(devices[: len(sizes)]):
+        shards.append(rebuild([parts[r].to(device, non_blocking=True) for parts in split]))
+    return shards, sizes
+
+
+def gather(outs: List[Any], sizes: List[int], device: torch.device, join: JoinFn) -> Any:
+    """Batch tensors are concatenated; 0-dim floating tensors (a loss the
+    model computes itself) become the shard-size-weighted mean; other 0-dim
+    tensors are stacked, one per replica. Non-tensor values are refused
+    unless every replica returned the same None, str or bytes. `join` joins
+    the columns that need a gradient (through autograd, see _join.Join)."""
+    shapes = [structure(o) for o in outs]
+    for r, shape in enumerate(shapes[1:], start=1):
+        if shape != shapes[0]:
+            raise RuntimeError(
+                f"pyddp: replicas 0 and {r} returned outputs of different structure "
+                "(containers, keys, or which values are tensors), which cannot be joined "
+                f"into one batch: {_short(shapes[0])} vs {_short(shape)}"
+            )
+    flat = [flatten(o) for o in outs]
+    leaves = [f[0] for f in flat]
+    rebuild = flat[0][1]
+    _check_other_leaves(outs)
+    weights = [n / sum(sizes) for n in sizes]
+    results: List[Optional[torch.Tensor]] = [None] * len(leaves[0])
+    kinds = [_gather_kind(t) for t in leaves[0]]
+    differentiable = []
+    for j in range(len(results)):
+        column = [ls[j] for ls in leaves]
+        if any(t.requires_grad for t in column):
+            differentiable.append(j)
+        else:
+            results[j] = join_column(column, kinds[j], device, weights)
+    if differentiable:
+        joined = join(
+            [[ls[j] for j in differentiable] for ls in leaves],
+            [kinds[j] for j in differentiable],
+            weights,
+        )
+        for j, t in zip(differentiable, joined):
+            results[j] = t
+    return rebuild(results)
+
+
+def _short(shape: Any) -> str:
+    text = repr(shape).replace("<class '", "").replace("'>", "")
+    return text if len(text) < 200 else text[:200] + "..."
+
+
+def _gather_kind(t: torch.Tensor) -> str:
+    if t.dim() > 0:
+        return "cat"
+    return "mean" if t.is_floating_point() or t.is_complex() else "cat"
+
+
+_SAME_ON_EVERY_REPLICA = (type(None), str, bytes)
+
+
+def _check_other_leaves(outs: List[Any]) -> None:
+    """One replica's non-tensor value is not the batch's: refuse it, unless it
+    is a None, str or bytes equal on every replica (a constant), or describes
+    a model cache (its dtype, device, flags) and is equal on every replica.
+    With one replica its value is the batch's."""
+    if len(outs) == 1:
+        return
+    per_replica = [other_leaves(o) for o in outs]
+    for k, leaf in enumerate(per_replica[0]):
+        values = [leaves[k].value for leaves in per_replica]  # same structure: checked first
+        if leaf.in_cache and isinstance(leaf.value, torch.device):
+            continue  # each replica's cache names its own device; replica 0's is devices[0]
+        if (leaf.in_cache or isinstance(leaf.value, _SAME_ON_EVERY_REPLICA)) and all(
+            _equal(v, leaf.value) for v in values
+        ):
+            continue
+        raise TypeError(_unjoinable(leaf, values))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - == that does not give one bool: not a constant
+        return False
+
+
+def _unjoinable(leaf: Any, values: List[Any]) -> str:
+    kind = type(leaf.value)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+    shown = ", ".join(_brief(v) for v in values)
+    return (
+        f"pyddp: cannot join the replicas' outputs: {leaf.path} is of type {name} (one per "
+        f"replica: {shown}). Each replica computed it on its own shard of the batch, so no "
+        "replica's value is the batch's, and pyddp cannot see tensors inside it to join "
+        "them. Remedies: return tensors instead (batch tensors are concatenated along dim "
+        "0, 0-dim floating tensors such as a loss become the shard-size-weighted mean); "
+        "leave the value out of the output (for a transformers model, use_cache=False "
+        "drops past_key_values); or register its type with "
+        "torch.utils._pytree.register_pytree_node so pyddp can join the tensors it holds."
+    )
+
+
+def _brief(value: Any) -> str:
+    """A short, complete description: a scalar's repr, else only the type."""
+    if isinstance(value, (bool, int, float, complex, type(None))):
+        return repr(value)
+    if isinstance(value, (str, bytes)) and len(value) <= 40:
+        return repr(value)
+    return f"<{type(value).__name__}>"
+
+
+def call_arguments(inputs: Any) -> Tuple[tuple, Dict[str, Any]]:
+    """The model's call arguments from `inputs`: a tuple (positional), a dict
+    (keywords) or one argument."""
+    if isinstance(inputs, tuple) and not hasattr(inputs, "_fields"):
+        return inputs, {}
+    if isinstance(inputs, Mapping):
+        if not all(isinstance(k, str) for k in inputs):
+            raise TypeError("a dict of inputs is taken as keyword arguments: its keys must be str")
+        return (), dict(inputs)
+    return (inputs,), {}
+
+
+def batch_size(args: Any) -> int:
+    for t in flatten(args)[0]:
+        if t.dim() > 0:
+            return t.shape[0]
+    raise ValueError("a shard holds no tensor with a batch dimension")

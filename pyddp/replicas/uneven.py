@@ -1,0 +1,208 @@
+"""Uneven inputs across processes: a wrapped model is one of torch's
+Joinables, so torch's Join context manager (or `dmodel.join()`, as on torch
+DDP) lets ranks whose data ran out early shadow the others' collectives
+until every rank is done, instead of failing at the timeout.
+
+While a rank has inputs, each of its forwards under Join tells torch's Join
+it has not joined (torch's own all-reduce on the caller's process group),
+then makes pyddp's exchange of the step (_link/joining.py): which ranks
+still have inputs, whether they broadcast buffers and run a synced backward
+after this forward, and the global batch's rows. A joined rank's join hook
+makes the same exchange and shadows exactly that: the buffer broadcast (from
+the highest rank with inputs, as torch DDP) and the synced backward with zero gradients
+(GradSync.shadow_backward). Once every rank has joined, the highest of the
+last ranks to join sends its parameters, buffers and step counters to every
+other rank (torch DDP's choice), since the joined ranks did not step, and
+the state of the optimizers dmodel.optimizer made with their schedulers
+(optim/after_join.py), which torch DDP leaves apart.
+
+Gradients: averaged over every rank with the joined ones adding zeros
+(torch DDP's divide_by_initial_world_size=True), or over the ranks with
+inputs (False). dmodel.loss weighs the rows that exist, which is the mean
+over the global batch either way."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator, List
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from .._link.control import BUFFERS_BROADCAST
+from ..errors import ReduceError, ReplicaError, TrainingError
+from ..optim.after_join import align_optimizers
+
+_OWN = (ReduceError, ReplicaError, TrainingError)  # pyddp's errors name their cause
+
+
+class Joining(Joinable):
+    """The Joinable side of DistributedModel (which calls `Joinable.__init__`
+    and `_join_forward` / `_notify_join` from its forward)."""
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> contextlib.AbstractContextManager:
+        """torch DDP's `join()`: a context manager around the training loop
+        in which ranks with fewer batches than others shadow the others'
+        steps instead of failing. `divide_by_initial_world_size`: gradients
+        averaged over every rank (True, torch's default) or over the ranks
+        that still have inputs (False); with dmodel.loss the gradient is the
+        global batch's mean either way. `throw_on_early_termination`: every
+        rank raises RuntimeError once one runs out (torch's behaviour), and
+        the model stays usable. In one process there is nothing to join.
+
+        Usage, as with torch DDP: `with dmodel.join(): for x, y in
+        my_loader: ...`, or torch's `Join([dmodel, ...])`. The context this
+        returns makes torch's Join on entering and leaves the model as it was
+        before on exit, however the block ends (torch's Join alone does not
+        when the block raises)."""
+        for name, value in (
+            ("divide_by_initial_world_size", divide_by_initial_world_size),
+            ("enable", enable),
+            ("throw_on_early_termination", throw_on_early_termination),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"join(): {name} must be a bool, got {type(value).__name__}")
+        self._check_open()
+        if not self.sync.link.spans_processes or not enable:
+            return contextlib.nullcontext()  # nothing to join
+        return self._joined(enable, throw_on_early_termination, divide_by_initial_world_size)
+
+    @contextlib.contextmanager
+    def _joined(self, enable: bool, throw: bool, divide: bool) -> Iterator[None]:
+        # torch's Join enables its joinables when made: made on entering, so
+        # a join() never entered changes nothing.
+        join = Join(
+            [self],
+            enable=enable,
+            throw_on_early_termination=throw,
+            divide_by_initial_world_size=divide,
+        )
+        join.__enter__()
+        try:
+            try:
+                yield
+            except BaseException:
+                join.__exit__(*sys.exc_info())  # torch's: returns at once on an error
+                raise
+            # The block is done: torch's Join waits for the other ranks with
+            # all-reduces of its own, named if a rank dies or stops meanwhile.
+            what = "torch's Join, waiting for the ranks that still have inputs"
+            self._guarded(what, join.__exit__, None, None, None)
+        finally:
+            self._leave_join()
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """torch's Joinable: the hook a joined rank runs for each step of
+        the others (kwargs: divide_by_initial_world_size, default True)."""
+        self._check_open()
+        if not self.sync.link.spans_processes:
+            raise RuntimeError(
+                "pyddp: Join needs processes to join: this wrapped model runs in one process "
+                "(dmodel.join() is a no-op there)"
+            )
+        if self._syncbn is not None:
+            raise NotImplementedError(
+                "pyddp: Join with SyncBatchNorm layers is not supported (nor by torch DDP): "
+                "a joined rank cannot know how many statistics exchanges the others make; "
+                "give every rank the same number of batches, or use BatchNorm"
+            )
+        divide = kwargs.get("divide_by_initial_world_size", True)
+        if not isinstance(divide, bool):
+            raise TypeError("divide_by_initial_world_size must be a bool")
+        self.sync.link.divide_by_active = not divide
+        return _ShadowHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """torch's Joinable: where Join's own all-reduces live (the CPU for
+        gloo, this process's GPU for NCCL)."""
+        group = self.sync.link.group
+        if group is not None and dist.get_backend(group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        """torch's Joinable: the process group this model spans (Join's own
+        all-reduces run there, as torch DDP's do on its group)."""
+        return self.sync.link.group
+
+    # ------------------------------------------------ from DistributedModel
+    def _notify_join(self) -> None:
+        """At the start of every forward: tells torch's Join this rank has
+        inputs. With throw_on_early_termination it raises once a rank has
+        joined, before anything of this step happened (the model stays
+        usable)."""
+        if self._join_config.enable:
+            what = "torch's Join, saying this rank still has inputs"
+            self._guarded(what, Join.notify_join_context, self)
+
+    def _guarded(self, what: str, fn: Any, *args: Any) -> None:
+        """fn(*args), torch's Join's own collectives: a rank that died or
+        stopped meanwhile is named (not gloo's "Connection reset" or its
+        timeout); throw_on_early_termination's own error passes as torch
+        raises it (the model stays usable)."""
+        try:
+            fn(*args)
+        except RuntimeError as e:
+            if isinstance(e, _OWN) or ("exhausted" in str(e) and not isinstance(e, dist.DistError)):
+                raise  # pyddp's, already named (a shadowed step), or torch's throw
+            self.sync.link.name_failure(what, e)
+
+    def _join_forward(self, rows: int) -> None:
+        """Under Join, before the buffer broadcast of a forward: pyddp's
+        exchange of the step (what the joined ranks shadow)."""
+        if not self._join_config.enable:
+            return
+        grad = torch.is_grad_enabled()
+        self.sync.link.join_step(
+            True,
+            grad and self._buffers_due,
+            grad and self.sync.syncing,
+            float(rows),
+        )
+
+    def _leave_join(self) -> None:
+        """After Join, however it ended (torch's skips the join hooks' end
+        when the block raised): no step exchange, rank 0's buffers, the
+        rows dmodel.loss weighs exchanged again."""
+        self._join_config = type(self._join_config).construct_disabled_join_config()
+        self.sync.link.leave_join()
+
+
+class _ShadowHook(JoinHook):
+    def __init__(self, model: Any):
+        self.model = model
+
+    def main_hook(self) -> None:
+        """One step of the ranks with inputs, shadowed."""
+        m = self.model
+        m._check_open()
+        step = m.sync.link.join_step(False, False, False, 0.0)
+        if step.syncs:
+            m.sync.shadow_backward()
+        if step.broadcasts:  # after the backward, as the ranks with inputs
+            m.sync.link.broadcast(list(m.module.buffers()), BUFFERS_BROADCAST)
+            m._copy_buffers()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank joined: every rank takes the last joiner's model."""
+        m = self.model
+        record = m.sync.work
+        steps = record.steps
+        counters = torch.tensor([record.steps, record.backwards_since_sync], dtype=torch.int64)
+        state: List[torch.Tensor] = list(m.module.parameters()) + list(m.module.buffers())
+        source = m.sync.link.end_join(is_last_joiner, [t.detach() for t in state] + [counters])
+        record.steps, record.backwards_since_sync = (int(v) for v in counters.tolist())
+        m.sync_replicas()
+        try:
+            m._apart_after_join = align_optimizers(m, source, steps)  # and schedulers
+        finally:
+            m._leave_join()

@@ -1,0 +1,129 @@
+"""Persistent per-replica worker threads: replica 0 runs on the caller's thread,
+replica r > 0 on its own long-lived thread, so a step creates no threads. The
+caller's grad mode, autocast regions and current CUDA streams go with every task: a replica's
+forward runs on the stream the caller chose (``with torch.cuda.stream(s)``),
+so its backward and pyddp's zeroing of its buckets stay on one stream."""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import ReplicaError
+
+
+class ReplicaWorkers:
+    def __init__(
+        self,
+        num_replicas: int,
+        threads: Optional[int] = None,
+        devices: Optional[Sequence[torch.device]] = None,
+        name: str = "pyddp",
+        streams: Optional[Any] = None,
+    ):
+        # One single-thread executor per replica keeps that replica's work
+        # ordered and on one thread (thread-local state such as CUDA streams).
+        # torch's intra-op thread count is per thread: each worker sets its own
+        # once, and replica 0's work on the caller's thread sets and restores it.
+        self.threads = threads
+        self.streams = streams  # a pyddp.engine.streams provider, or None (CPU)
+        self._pools = [
+            ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix=f"{name}-replica{r}",
+                initializer=_init_worker,
+                initargs=(threads, None if devices is None else devices[r]),
+            )
+            for r in range(1, num_replicas)
+        ]
+
+    def run(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
+        """Runs fns[r] for replica r in parallel; returns results in order. All
+        replicas finish before this returns, even when one raises."""
+        if not self._pools and len(fns) > 1:
+            raise RuntimeError("pyddp: this model was closed; wrap the model again to use it")
+        grad = torch.is_grad_enabled()
+        autocast = _autocast_state() if len(fns) > 1 else ()
+        streams = self.streams.snapshot() if self.streams is not None and len(fns) > 1 else None
+        futures: List[Optional[Future]] = [None]
+        for r in range(1, len(fns)):
+            # Grad mode and current streams are thread-local: carry the caller's.
+            futures.append(
+                self._pools[r - 1].submit(
+                    _with_caller_state, grad, autocast, self.streams, streams, fns[r]
+                )
+            )
+        results: List[Any] = [None] * len(fns)
+        first: Optional[ReplicaError] = None
+        interrupt: Optional[BaseException] = None
+        if fns:
+            caller_threads = torch.get_num_threads()
+            if self.threads is not None and self.threads != caller_threads:
+                torch.set_num_threads(self.threads)
+            try:
+                results[0] = fns[0]()
+            except Exception as e:  # re-raised below, after every replica is done
+                first = ReplicaError(0, what, e)
+            except BaseException as e:  # KeyboardInterrupt: also only once all are done
+                interrupt = e
+            finally:
+                if self.threads is not None and self.threads != caller_threads:
+                    torch.set_num_threads(caller_threads)
+        for r in range(1, len(fns)):
+            try:
+                results[r] = futures[r].result()
+            except Exception as e:
+                # The replica that failed first, not one that stopped because
+                # it did (a broken SyncBatchNorm meeting says `consequence`).
+                if first is None or getattr(first.cause, "consequence", False):
+                    first = ReplicaError(r, what, e)
+        if interrupt is not None:
+            raise interrupt
+        if first is not None:
+            raise first from first.cause
+        return results
+
+    def close(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+        self._pools = []
+
+
+def _init_worker(threads: Optional[int], device: Optional[torch.device]) -> None:
+    if threads is not None:
+        # torch re-applies, at a thread's first parallel op, the count the last
+        # set_num_threads in *any* thread chose, unless this thread already
+        # made one: get_num_threads() initialises it, so this worker keeps its
+        # own count instead of the caller's (a second OpenMP team at 2 threads
+        # oversubscribes the cores and stops libgomp spinning process-wide).
+        torch.get_num_threads()
+        torch.set_num_threads(threads)
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)  # allocations without a device land on the replica's
+
+
+def _autocast_state() -> Tuple[Tuple[str, torch.dtype, bool], ...]:
+    """The caller's autocast regions (thread-local, like grad mode)."""
+    return tuple(
+        (kind, torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled())
+        for kind in ("cpu", "cuda")
+        if torch.is_autocast_enabled(kind)
+    )
+
+
+def _with_caller_state(
+    enabled: bool,
+    autocast: Tuple[Tuple[str, torch.dtype, bool], ...],
+    provider: Optional[Any],
+    streams: Optional[Any],
+    fn: Callable[[], Any],
+) -> Any:
+    with torch.set_grad_enabled(enabled), contextlib.ExitStack() as stack:
+        for kind, dtype, cache in autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=cache))
+        if provider is not None and streams is not None:
+            stack.enter_context(provider.use(streams))
+        return fn()

@@ -1,0 +1,201 @@
+"""A training run's identity in its output directory: what its result depends
+on (recorded in every checkpoint and compared at resume, so a changed run is
+never "resumed" silently), the refusal to start a new run over another run's
+checkpoints (whose pruning would delete them), and the removal of pyddp's own
+temporaries left by a kill mid-write."""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+import random
+import re
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from ...replicas.tree import flatten
+from ..arguments import qualname
+from ..files import SafeDir
+
+# pyddp's own temporaries: SafeDir.write_atomic's ".NAME.<16 hex>.tmp" for the
+# files the Trainer writes (checkpoints, best.pt, metrics).
+_TEMPORARY = re.compile(
+    r"^\.(ckpt-\d{8}\.pt|best\.pt|metrics\.csv|metrics\.jsonl|learning_curve\.png)"
+    r"\.[0-9a-f]{16}\.tmp$"
+)
+
+
+def run_signature(
+    model: Any,
+    config: Any,
+    optimizer: type,
+    optimizer_args: Any,
+    optimizer_kwargs: Dict[str, Any],
+    replicas_per_process: List[int],
+) -> Dict[str, str]:
+    """What the result of a run depends on, as comparable strings. Leaves out
+    what may change between a run and its resumption: the limits
+    (max_epochs, max_steps), evaluation and checkpoint cadence, progress;
+    and the optimizer's and scheduler's classes, which checkpoint.check_classes
+    judges (a scheduler may be added or dropped on resume)."""
+    entries = [
+        f"{kind} {name} {tuple(t.shape)} {t.dtype}"
+        for kind, named in (
+            ("parameter", model.named_parameters()),
+            ("buffer", model.named_buffers()),
+        )
+        for name, t in named
+    ]
+    arguments = [_stable(v) for v in optimizer_args]
+    arguments += [f"{k}={_stable(v)}" for k, v in sorted(optimizer_kwargs.items())]
+    shapes = hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
+    return {
+        "model": f"{type(model).__qualname__}, {len(entries)} tensors (layout {shapes})",
+        "replicas per process": str(replicas_per_process),
+        "batch_size": repr(config.batch_size),
+        "grad_accum_steps": repr(config.grad_accum_steps),
+        "drop_last": repr(config.drop_last),
+        "shuffle": repr(config.shuffle),
+        "seed": repr(config.seed),
+        "precision": repr(config.precision),
+        "clip_grad_norm": repr(config.clip_grad_norm),
+        "optimizer": f"{qualname(optimizer)}({', '.join(arguments)})",
+    }
+
+
+def data_signature(data: Any, batches_per_epoch: int) -> Dict[str, str]:
+    """What a run depends on from its training data (the tensors, Dataset
+    or DataLoader given to fit), cheaply: its rows, its batches per epoch,
+    and a hash of a few samples (the first, the last and two between),
+    never a pass over the data. A finished run "resumed" on other data
+    would train nothing on it; a shorter one would resume past its end."""
+    rows, samples = _rows_and_samples(data)
+    return {
+        "training rows": rows,
+        "training batches per epoch": str(batches_per_epoch),
+        "training samples (hash of 4)": samples,
+    }
+
+
+def _rows_and_samples(data: Any) -> Tuple[str, str]:
+    if isinstance(data, DataLoader):
+        data = data.dataset
+        if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
+            return "unknown", "not hashed (an iterable dataset)"
+    pick: Callable[[int], Any]
+    if isinstance(data, (tuple, list)):  # (inputs, targets) tensors, as ShardedLoader takes them
+        leaves = flatten(tuple(data))[0]
+        n = next(t.shape[0] for t in leaves if t.dim() > 0)
+
+        def pick(i: int) -> Any:
+            return [t[i] if t.dim() > 0 else t for t in leaves]
+    else:
+        n, pick = len(data), data.__getitem__
+    h = hashlib.sha256()
+    # Random transforms in a Dataset draw the same numbers in every run, and
+    # the training's own streams are left as they were.
+    state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            random.seed(0)
+            np.random.seed(0)
+            for i in sorted({0, n // 3, 2 * n // 3, n - 1}):
+                _digest(pick(i), h)
+    except Exception as e:  # noqa: BLE001 - a DataLoader's dataset may take other keys than 0..n-1
+        return str(n), f"not hashed (item 0..{n - 1} raised {type(e).__name__})"
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+    return str(n), h.hexdigest()[:16]
+
+
+def _digest(obj: Any, h: Any) -> None:
+    """Feeds `obj`'s values into the hash `h`: tensors and arrays by their
+    bytes, containers item by item, anything else by type (its repr may
+    hold a memory address)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        if t.layout == torch.strided:
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, np.ndarray):
+        h.update(f"{obj.dtype}{obj.shape}".encode() + np.ascontiguousarray(obj).tobytes())
+    elif isinstance(obj, Mapping):
+        for key in sorted(obj, key=str):
+            h.update(str(key).encode())
+            _digest(obj[key], h)
+    elif isinstance(obj, (tuple, list)):
+        h.update(f"[{len(obj)}".encode())
+        for item in obj:
+            _digest(item, h)
+    elif obj is None or isinstance(obj, (bool, numbers.Number, str, bytes)):
+        h.update(repr(obj).encode())
+    else:
+        h.update(type(obj).__qualname__.encode())
+
+
+def _stable(value: Any) -> str:
+    """A value as it reads in every run: numbers as floats or ints (numpy's
+    and tensors' reprs vary), callables by name, no memory addresses."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return repr(value)
+    if isinstance(value, numbers.Number) or (hasattr(value, "numel") and value.numel() == 1):
+        number = float(value)
+        integral = isinstance(value, numbers.Integral) and number.is_integer()
+        return repr(int(number)) if integral else repr(number)
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_stable(v) for v in value) + ")"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
+def run_differences(saved: Optional[Dict[str, str]], mine: Dict[str, str]) -> List[str]:
+    """Lines naming each field that differs; none for a checkpoint written
+    before pyddp recorded its run (nothing to compare)."""
+    if saved is None:
+        return []
+    return [
+        f"{key}: checkpoint {saved.get(key, '(not recorded)')}, now {value}"
+        for key, value in mine.items()
+        if saved.get(key, value) != value
+    ]
+
+
+def changed_run_message(path: Path, lines: List[str]) -> str:
+    return (
+        f"pyddp: resume=True found {path}, written by a run that differs from this one:\n  "
+        + "\n  ".join(lines)
+        + "\nResuming it would continue that run with these changes. Use another output_dir "
+        "(or resume=False in an empty one) for a new run, or TrainConfig(resume_if_changed=True) "
+        "to continue it anyway."
+    )
+
+
+def fresh_run_message(directory: Path, names: List[str]) -> str:
+    names = sorted(names)
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (
+        f"pyddp: resume=False, but {directory} holds another run's checkpoints ({shown}). "
+        "A new run there would prune them as it writes its own, and a later resume=True "
+        "could pick up either run. pyddp never deletes another run's files: use another "
+        "output_dir, move or delete those checkpoints, or resume=True to continue that run."
+    )
+
+
+def remove_stale_temporaries(directory: Path) -> List[str]:
+    """Removes pyddp's own temporaries in `directory` (left by a process
+    killed mid-write; never a finished file); returns their names."""
+    folder = SafeDir.open(directory, create=False)
+    if folder is None:
+        return []
+    with folder:
+        stale = [n for n in folder.names() if _TEMPORARY.match(n)]
+        for name in stale:
+            folder.remove(name)
+    return stale

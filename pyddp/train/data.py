@@ -1,0 +1,229 @@
+"""Per-replica data: every global batch is split into one shard per replica,
+each placed on its replica's device, prepared on a background thread a few
+batches ahead so the next batch is ready when a step starts (the split data
+loader of shared/references/burn-pr-2890-multi-device-data-loading.txt)."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
+from torch.utils.data._utils.collate import default_collate
+
+from ..replicas.tree import flatten, shard_sizes
+
+Shard = Tuple[Any, Any]  # (model inputs, targets) on one replica's device
+
+
+class ShardedLoader:
+    """Global batches of `batch_size` rows from `data`, split over `devices`.
+
+    `data` is a pair of tensors (inputs, targets) with the same first
+    dimension, a map-style torch Dataset yielding (input, target) items, or a
+    DataLoader (its batches are taken as global batches; a RandomSampler's
+    generator is re-seeded, and a sampler's set_epoch called, each epoch). The
+    order is a function of (seed, epoch) only, so a resumed run sees the same
+    batches (for a DataLoader, as far as its sampler follows those two hooks).
+    The last batch of an epoch may be smaller (drop_last=False):
+    shards are then uneven and the trainer weights them by size, which keeps the
+    step equal to single-device training on that batch.
+
+    Across processes (`world` > 1) every rank draws the same global batches and
+    takes its own contiguous slice of each (rank r gets rows
+    shard_sizes(rows, world)[r]), then splits it over its devices: every rank
+    takes the same number of steps, and the run equals single-device training
+    on the same global batches. A last batch with fewer rows than processes is
+    dropped (a rank would get none). A DataLoader whose sampler is a
+    DistributedSampler already yields this rank's batches: they are used as
+    they are.
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        batch_size: int,
+        devices: Sequence[torch.device],
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        seed: int = 0,
+        prefetch: int = 2,
+        rank: int = 0,
+        world: int = 1,
+        keep_short: bool = False,
+    ):
+        self.devices = list(devices)
+        self.rank, self.world = rank, world
+        # Evaluation keeps a last batch with fewer rows than processes (its
+        # figures are sums exchanged once): some ranks then get no rows.
+        self.keep_short = keep_short
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.seed = seed
+        self.prefetch = prefetch
+        # Batches per epoch the ranks agreed on (the Trainer sets it when a
+        # DataLoader of the caller's gives the ranks different numbers).
+        self.limit: Optional[int] = None
+        self._loader: Optional[DataLoader] = None
+        self._tensors: Optional[Tuple[Any, Any]] = None
+        self._dataset: Optional[Dataset] = None
+        if isinstance(data, DataLoader):
+            self._loader = data
+            if len(data) == 0:
+                raise ValueError("data: the DataLoader yields no batches")
+        elif isinstance(data, (tuple, list)) and len(data) == 2:
+            rows = {t.shape[0] for t in flatten(tuple(data))[0] if t.dim() > 0}
+            if len(rows) != 1:
+                raise ValueError(
+                    f"data: inputs and targets must share their first dimension, got {rows}"
+                )
+            self._tensors = (data[0], data[1])
+            self._rows = rows.pop()
+        elif isinstance(data, Dataset) and hasattr(data, "__len__"):
+            self._dataset = data
+            self._rows = len(data)
+        else:
+            raise TypeError(
+                "data must be (inputs, targets) tensors, a map-style Dataset of (input, "
+                f"target) items, or a DataLoader; got {type(data).__name__}"
+            )
+        if self._loader is None and self._rows == 0:
+            raise ValueError("data is empty")
+        # A DistributedSampler already gives each rank its own batches.
+        self._sliced = world > 1 and not (
+            self._loader is not None and isinstance(self._loader.sampler, DistributedSampler)
+        )
+        if self._sliced and len(self) == 0:
+            raise ValueError(
+                f"data: no batch has at least {world} rows, one per process; use a smaller "
+                "world or a larger batch_size"
+            )
+
+    def __len__(self) -> int:
+        if self._loader is not None:
+            full, rest = len(self._loader), self._loader_rest()
+            full -= 1 if rest else 0
+        else:
+            full, rest = divmod(self._rows, self.batch_size)
+            rest = 0 if self.drop_last else rest
+        # Across processes every rank takes the same number of steps: a short
+        # last batch that some rank would get no rows of is dropped (kept for
+        # evaluation, whose figures are exchanged once).
+        keep = rest and (not self._sliced or self.keep_short or rest >= self.world)
+        n = full + (1 if keep else 0)
+        return n if self.limit is None else min(n, self.limit)
+
+    def _loader_rest(self) -> int:
+        """Rows in the DataLoader's short last batch (0: none, or unknown)."""
+        loader = self._loader
+        if loader.batch_size is None or loader.drop_last or not hasattr(loader.dataset, "__len__"):
+            return 0
+        return len(loader.dataset) % loader.batch_size
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[List[Shard]]:
+        """The shards of every batch of `epoch`, from batch index `start`."""
+        stop = threading.Event()
+        ready: queue.Queue = queue.Queue(maxsize=max(1, self.prefetch))
+
+        def produce() -> None:
+            try:
+                for i, batch in enumerate(self._global_batches(epoch)):
+                    if stop.is_set():
+                        return
+                    if i >= start:
+                        ready.put(("batch", self._split(batch)))
+                ready.put(("end", None))
+            except BaseException as e:  # handed to the consumer, raised there
+                ready.put(("error", e))
+
+        thread = threading.Thread(target=produce, name=f"pyddp-data-epoch{epoch}", daemon=True)
+        thread.start()
+        try:
+            while True:
+                kind, item = ready.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            while thread.is_alive():  # unblock a producer waiting on a full queue
+                with contextlib.suppress(queue.Empty):
+                    ready.get(timeout=0.05)
+
+    def _global_batches(self, epoch: int) -> Iterator[Tuple[Any, Any]]:
+        if self._loader is not None:
+            sampler = self._loader.sampler
+            if isinstance(sampler, RandomSampler):
+                sampler.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)  # DistributedSampler and friends
+            n = len(self)
+            for i, batch in enumerate(self._loader):
+                if i >= n:  # the short last batch this rank must skip
+                    return
+                if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                    raise ValueError("DataLoader batches must be (inputs, targets) pairs")
+                yield self._mine(batch[0], batch[1]) if self._sliced else (batch[0], batch[1])
+            return
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(self._rows, generator=g)
+        else:
+            order = torch.arange(self._rows)
+        for i in range(len(self)):
+            idx = order[i * self.batch_size : (i + 1) * self.batch_size]
+            if self._sliced:  # this rank's rows only: it loads nothing else
+                idx = idx.split(shard_sizes(len(idx), self.world))[self.rank]
+            if self._tensors is not None:
+                x, y = self._tensors
+                yield _index(x, idx), _index(y, idx)
+            else:
+                items = [self._dataset[int(j)] for j in idx]
+                x, y = default_collate(items)
+                yield x, y
+
+    def _mine(self, inputs: Any, targets: Any) -> Tuple[Any, Any]:
+        """This rank's contiguous slice of a global batch."""
+        leaves, rebuild = flatten((inputs, targets))
+        rows = next(t.shape[0] for t in leaves if t.dim() > 0)
+        return rebuild([p[self.rank] for p in _pieces(leaves, shard_sizes(rows, self.world))])
+
+    def _split(self, batch: Tuple[Any, Any]) -> List[Shard]:
+        # Inputs are kept as they are: the model is called as dmodel.loss
+        # calls it (a tuple: positional arguments; a dict: keyword arguments,
+        # e.g. a tokenizer's batch; anything else: one argument).
+        leaves, rebuild = flatten(tuple(batch))
+        rows = next(t.shape[0] for t in leaves if t.dim() > 0)
+        if rows == 0:  # keep_short: none of this batch is this rank's
+            return []
+        sizes = shard_sizes(rows, min(rows, len(self.devices)))
+        pieces = _pieces(leaves, sizes)
+        shards = []
+        for r in range(len(sizes)):
+            device = self.devices[r]
+            pin = device.type == "cuda"
+            moved = [
+                (p[r].pin_memory() if pin and p[r].device.type == "cpu" else p[r]).to(
+                    device, non_blocking=True
+                )
+                for p in pieces
+            ]
+            shards.append(rebuild(moved))
+        return shards
+
+
+def _pieces(leaves: List[Any], sizes: List[int]) -> List[List[Any]]:
+    """Each leaf split along dim 0 by `sizes` (0-dim leaves repeated)."""
+    return [list(t.split(sizes)) if t.dim() > 0 else [t] * len(sizes) for t in leaves]
+
+
+def _index(tree: Any, idx: torch.Tensor) -> Any:
+    leaves, rebuild = flatten(tree)
+    return rebuild([t[idx] if t.dim() > 0 else t for t in leaves])
