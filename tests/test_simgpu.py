@@ -24,13 +24,15 @@ from torch import nn
 import pyddp
 from pyddp import _C
 from pyddp.runtime import libraries as _runtime
+from pyddp.engine.placement import simulated_gpus
 from simgpu import Sim, SimStreams
 from conftest import Mixed, make_batches
 sim = Sim(os.environ["PYDDP_CUDA_LIBRARY"])
 streams = SimStreams(sim)
 
 def gpu_wrap(model, devices, **kw):
-    return pyddp.wrap(model, ["cpu"] * len(devices), _gpu=(devices, streams), **kw)
+    with simulated_gpus(devices, streams):
+        return pyddp.wrap(model, ["cpu"] * len(devices), **kw)
 
 class WithDouble(Mixed):  # Mixed with a float64 layer: a bucket of its own dtype
     def __init__(self):
@@ -444,7 +446,8 @@ def test_reduction_waits_for_the_stream_that_produced_each_gradient(simlib, hook
                 sim.lib.simgpu_sleep(s, 50000)
                 sim.lib.simgpu_copy(s, p.grad.data_ptr(), true.data_ptr(), true.numel() * 4)
             p.register_post_accumulate_grad_hook(hook)
-    sync = pyddp.GradSync(reps, bucket_cap_mb=0, _gpu=([0, 1], streams))
+    with simulated_gpus([0, 1], streams):
+        sync = pyddp.GradSync(reps, bucket_cap_mb=0)
     if comm_hook:
         sync.register_comm_hook(None, comm_hook)
     x = torch.randn(8, 64)
@@ -828,13 +831,15 @@ def test_all_reduce_gpu_branch_orders_after_late_writes_on_current_streams(simli
             with streams.stream(own):
                 for d, t in zip(devs, ts):
                     streams.produced(d, t)  # written late on its device's current stream
-                pyddp.all_reduce(ts, _gpu=(devs, streams))
+                with simulated_gpus(devs, streams):
+                    pyddp.all_reduce(ts)
                 streams.synchronize_all(devs)
             for t in ts:
                 assert torch.equal(t, torch.full_like(t, n * (n + 1) / 2)), (dtype, size, t[:3])
     for r, t in enumerate(ts):
         t.fill_(r + 1.0)
-    pyddp.all_reduce(ts, op="avg", _gpu=(devs, streams))
+    with simulated_gpus(devs, streams):
+        pyddp.all_reduce(ts, op="avg")
     streams.synchronize_all(devs)
     assert all(torch.equal(t, torch.full_like(t, (n + 1) / 2)) for t in ts)
     """,
@@ -1041,7 +1046,8 @@ def all_reduce(ts):
     if os.environ["NCCL_ALGO"] == "NVLS":  # what NCCL says without NVLink SHARP
         raise RuntimeError("NCCL error 5 (invalid usage): no algorithm/protocol available "
                            "for function AllReduce; NCCL_ALGO was set to NVLS")
-    pyddp.all_reduce(ts, _gpu=(devs, streams))
+    with simulated_gpus(devs, streams):
+        pyddp.all_reduce(ts)
     streams.synchronize_all(devs)
 
 _minus_zero.child(all_reduce, lambda r, t: streams.upload(devs[r], t), len(devs))
@@ -1063,7 +1069,8 @@ def test_selftest_minus_zero_checks_run_on_the_simulation(simlib):
     from pyddp.doctor import minus_zero as _minus_zero
     devs = [0, 1, 2]
     def all_reduce(ts):
-        pyddp.all_reduce(ts, _gpu=(devs, streams))
+        with simulated_gpus(devs, streams):
+            pyddp.all_reduce(ts)
         streams.synchronize_all(devs)
     results = _minus_zero.run_trick(all_reduce, lambda r, t: streams.upload(devs[r], t), 3)
     assert set(results) == {{"float32", "float16", "bfloat16", "float64"}}, results

@@ -8,7 +8,7 @@ of their devices with every wrapped model (one launch lock per device set)."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -16,7 +16,7 @@ from .._link import resolve_group
 from .._link.transport import all_reduce_blocking
 from ..errors import ReduceError
 from ..runtime.libraries import DTYPE_NAMES, backend_kind, make_backend
-from .streams import TorchStreams
+from .placement import gpu_placement
 
 # (kind, devices) -> (backend, lock). A backend is not re-entrant: one call at
 # a time; a backend that failed is dropped so the next call builds a fresh one.
@@ -28,8 +28,6 @@ def all_reduce(
     tensors: Sequence[Any],
     op: str = "sum",
     group: Any = None,
-    *,
-    _gpu: Optional[Tuple[Sequence[int], Any]] = None,
 ) -> None:
     """Reduces `tensors` (one per replica; same shape and dtype; dense,
     contiguous and sharing no memory with each other) in place: afterwards
@@ -45,10 +43,7 @@ def all_reduce(
     Across processes (torch.distributed initialised with several processes,
     or `group=` a process group; every rank must call it): the tensors of
     every process are reduced, "avg" dividing by their total count. CPU
-    tensors only for now; this blocks until done.
-
-    `_gpu` (the test suite): (CUDA device per tensor, stream provider), to run
-    the GPU branch with host tensors on the simulated driver, as GradSync's."""
+    tensors only for now; this blocks until done."""
     cupy_streams = [_cupy_stream(t) for t in tensors]
     tensors = [_as_tensor(t, i) for i, t in enumerate(tensors)]
     if not tensors:
@@ -76,14 +71,13 @@ def all_reduce(
     if xgroup is not None:
         _all_reduce_across(tensors, cupy_streams, op, xgroup)
     else:
-        _reduce_in_process(tensors, cupy_streams, op, _gpu)
+        _reduce_in_process(tensors, cupy_streams, op)
 
 
 def _reduce_in_process(
     tensors: Sequence[torch.Tensor],
     cupy_streams: Sequence[Any],
     op: str,
-    gpu: Optional[Tuple[Sequence[int], Any]] = None,
 ) -> None:
     """The reduction over this process's tensors (already checked), ordered
     on each device's current stream through the stream provider GradSync
@@ -91,15 +85,13 @@ def _reduce_in_process(
     if len(tensors) == 1:
         return  # the sum and the mean of one tensor is itself
     first = tensors[0]
+    gpu = gpu_placement([t.device for t in tensors], "all_reduce")
     if gpu is not None:
-        if len(gpu[0]) != len(tensors):
-            raise ValueError("all_reduce: _gpu must name one CUDA device per tensor")
         indices, provider = tuple(gpu[0]), gpu[1]
         places: List[Any] = list(indices)
     else:
         places = [t.device for t in tensors]
-        indices = tuple(-1 if d.type == "cpu" else d.index for d in places)
-        provider = None if places[0].type == "cpu" else TorchStreams(list(indices))
+        indices, provider = (-1,) * len(places), None
     kind = backend_kind(places)
     key = (kind, indices)
     with _backends_lock:

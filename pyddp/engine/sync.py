@@ -33,8 +33,9 @@ from .hooks import PrepareHook, grad_hook
 from .observe import Observer, ReadyTimes, chrome_trace, ready_times, write_trace
 from .options import Options
 from .params import dtype_name, trainable_params
+from .placement import gpu_placement
 from .replica_checks import check_identical, note_synced, refuse_synced_twice
-from .streams import StreamOrder, TorchStreams
+from .streams import StreamOrder
 
 _MIB = 1 << 20
 
@@ -94,7 +95,6 @@ class GradSync:
         self,
         replicas: Sequence[nn.Module],
         *,
-        _gpu: Optional[Tuple[Sequence[int], Any]] = None,
         _prepare_on_forward: bool = True,
         _options: Optional[Options] = None,
         **options: Any,
@@ -121,15 +121,10 @@ class GradSync:
         if opts.check_replicas:
             check_identical(replicas)
         self.devices = [params[0].device for params in self.params]
-        # GPU replicas: their CUDA device indices and the stream provider. The
-        # test suite passes _gpu to run this path on a simulated driver with
-        # host tensors; with torch's CUDA it comes from the parameters.
-        if _gpu is None and self.devices[0].type == "cuda":
-            _gpu = ([d.index for d in self.devices], TorchStreams([d.index for d in self.devices]))
-        self._gpu_devices: Optional[List[int]] = None if _gpu is None else list(_gpu[0])
-        self._streams: Optional[Any] = None if _gpu is None else _gpu[1]
-        if self._gpu_devices is not None and len(self._gpu_devices) != len(replicas):
-            raise ValueError("_gpu devices must name one CUDA device per replica")
+        # GPU replicas: their CUDA device indices and the stream provider.
+        gpu = gpu_placement(self.devices, "GradSync")
+        self._gpu_devices: Optional[List[int]] = None if gpu is None else gpu[0]
+        self._streams: Optional[Any] = None if gpu is None else gpu[1]
         self._order = StreamOrder(self._gpu_devices, self._streams)
         self._cap = int(opts.bucket_cap_mb * _MIB)
         self._first_cap = int(opts.first_bucket_cap_mb * _MIB) if self._cap else 0

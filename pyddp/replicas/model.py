@@ -51,7 +51,6 @@ class DistributedModel(nn.Module, Joining):
         module: nn.Module,
         devices: Optional[Sequence[DeviceLike]] = None,
         *,
-        _gpu: Optional[Tuple[Sequence[int], Any]] = None,
         _options: Optional[Options] = None,
         **options: Any,
     ):
@@ -86,7 +85,6 @@ class DistributedModel(nn.Module, Joining):
         self.sync = GradSync(
             replicas,
             _options=opts,  # check_replicas=False: deep copies of replica 0
-            _gpu=_gpu,
             # _begin prepares every replica; no hook on the user's model (a hook
             # there would also sit inside `dmodel.compile()`'s graphs).
             _prepare_on_forward=False,

@@ -434,7 +434,7 @@ def simgpu(out: dict) -> None:
     ref = reference(batches)
     for cap in (0.0, 25.0):
         model = eval_norm(net(seed=rank))
-        dm = pyddp.wrap(model, ["cpu"] * local, bucket_cap_mb=cap, _gpu=(devices, streams))
+        dm = wrap_on(model, local, (devices, streams), bucket_cap_mb=cap)
         dopt = dm.optimizer(torch.optim.SGD, **SGD)
         reads = HostReads()
         for k, (x, y) in enumerate(batches):
@@ -476,7 +476,7 @@ def simgpu(out: dict) -> None:
     # case): in steady state the host neither waits nor reads nor exchanges.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
-    dm = pyddp.wrap(model, ["cpu"] * local, bucket_cap_mb=0.0005, _gpu=(devices, streams))
+    dm = wrap_on(model, local, (devices, streams), bucket_cap_mb=0.0005)
     for m in dm.replicas:
         m[1].eval()  # a 7-row batch over 4 GPUs: too few rows for batch statistics
     dopt = dm.optimizer(torch.optim.SGD, **SGD)
@@ -538,10 +538,10 @@ def buffers_every_dtype(out: dict) -> None:
     buffers bit for bit, whatever their dtype (SCENARIO_REPLICAS replicas
     each; on simulated GPUs with SCENARIO_SIMGPU)."""
     replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
-    kw, settle = _maybe_simulated_gpus(replicas)
+    gpus, settle = _maybe_simulated_gpus(replicas)
     rank = pyddp.rank()
     want = [_bits(b) for b in _EveryDtype().buffers()]
-    dm = pyddp.wrap(_EveryDtype(), ["cpu"] * replicas, **kw)
+    dm = wrap_on(_EveryDtype(), replicas, gpus)
     with torch.no_grad():  # each rank's own values now (wrap gave every rank rank 0's)
         for m in dm.replicas:
             for name, value in _EveryDtype.values(rank).items():
@@ -552,8 +552,8 @@ def buffers_every_dtype(out: dict) -> None:
     settle()
     out["after"] = [[_bits(b) for b in m.buffers()] == want for m in dm.replicas]
     dm.close()
-    if kw:
-        out["violations"] = kw["_gpu"][1].sim.violations()
+    if gpus:
+        out["violations"] = gpus[1].sim.violations()
 
 
 def _throttle_on_simulated_gpus(out: dict, devices, streams) -> None:
@@ -590,7 +590,7 @@ def _throttle_on_simulated_gpus(out: dict, devices, streams) -> None:
         ref_opt.step()
     streams.fetch = slow_fetch
     try:
-        dm = pyddp.wrap(model(), ["cpu"] * len(devices), _gpu=(devices, streams))
+        dm = wrap_on(model(), len(devices), (devices, streams))
         dopt = dm.optimizer(torch.optim.SGD, **SGD)
         for k, (x, y) in enumerate(batches):
             step[0] = k
@@ -619,8 +619,8 @@ def _compression_on_simulated_gpus(out: dict, devices, streams) -> None:
     batches = data(3, 12, seed=4)
     ref = reference(batches)
 
-    def train(places, **kw):
-        dm = pyddp.wrap(eval_norm(net(seed=rank)), ["cpu"] * len(places), **kw)
+    def train(places, gpus=None):
+        dm = wrap_on(eval_norm(net(seed=rank)), len(places), gpus)
         dm.register_comm_hook(None, "fp16")
         dopt = dm.optimizer(torch.optim.SGD, **SGD)
         for x, y in batches:
@@ -632,7 +632,7 @@ def _compression_on_simulated_gpus(out: dict, devices, streams) -> None:
             streams.synchronize_all(devices)
         return dm
 
-    dm = train(devices, _gpu=(devices, streams))
+    dm = train(devices, (devices, streams))
     out["fp16_wire"] = dm.sync._backend.compression
     out["fp16_diff"] = max_diff(dm.module, ref)
     out["fp16_replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
@@ -664,9 +664,9 @@ def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
         nn.functional.mse_loss(ref(x), y).backward()
         ref_opt.step()
 
-    def joined(model: nn.Module, **kw) -> Any:
+    def joined(model: nn.Module, gpus: Any = None) -> Any:
         """This rank's batches under dm.join(); the closed wrapped model."""
-        dm = pyddp.wrap(model, ["cpu"] * len(devices), **kw)
+        dm = wrap_on(model, len(devices), gpus)
         for m in dm.replicas if not model.norm.training else []:
             m.norm.eval()
         dopt = dm.optimizer(torch.optim.SGD, **SGD)
@@ -681,7 +681,7 @@ def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
         dm.close()
         return dm
 
-    dm = joined(eval_norm(net(seed=rank)), _gpu=(devices, streams))
+    dm = joined(eval_norm(net(seed=rank)), (devices, streams))
     out["join_diff"] = max_diff(dm.module, ref)
     out["join_replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
 
@@ -689,7 +689,7 @@ def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
     # training forward takes the highest rank with inputs' buffers (joined
     # ranks shadow that broadcast through NCCL). The same as on CPUs (whose
     # Join scenario matches torch DDP), parameters and buffers.
-    on_gpus = joined(net(seed=rank), _gpu=(devices, streams)).module
+    on_gpus = joined(net(seed=rank), (devices, streams)).module
     on_cpus = joined(net(seed=rank)).module
     pairs = list(zip(on_gpus.parameters(), on_cpus.parameters()))
     pairs += list(zip(on_gpus.buffers(), on_cpus.buffers()))
@@ -1366,14 +1366,24 @@ def _simulated_gpus(replicas: int) -> Tuple[Any, Any, List[int]]:
     return sim, SimStreams(sim), [pyddp.rank() * replicas + i for i in range(replicas)]
 
 
-def _maybe_simulated_gpus(replicas: int) -> Tuple[dict, Callable[[], None]]:
-    """With SCENARIO_SIMGPU set: wrap's keyword that puts this rank's replicas
-    on simulated GPUs, and the drain the host calls before it reads what their
-    streams wrote. Else: CPU, nothing."""
+def _maybe_simulated_gpus(replicas: int) -> Tuple[Any, Callable[[], None]]:
+    """With SCENARIO_SIMGPU set: this rank's simulated GPUs for wrap_on
+    (devices, streams), and the drain the host calls before it reads what
+    their streams wrote. Else: None (CPU), nothing."""
     if not os.environ.get("SCENARIO_SIMGPU"):
-        return {}, lambda: None
+        return None, lambda: None
     _, streams, devices = _simulated_gpus(replicas)
-    return {"_gpu": (devices, streams)}, functools.partial(streams.synchronize_all, devices)
+    return (devices, streams), functools.partial(streams.synchronize_all, devices)
+
+
+def wrap_on(model: nn.Module, replicas: int, gpus: Any = None, **kw: Any) -> Any:
+    """pyddp.wrap over `replicas` CPU replicas, or over the simulated GPUs
+    `gpus` (devices, streams) when given."""
+    from pyddp.engine.placement import simulated_gpus
+
+    place = contextlib.nullcontext() if gpus is None else simulated_gpus(*gpus)
+    with place:
+        return pyddp.wrap(model, ["cpu"] * replicas, **kw)
 
 
 def syncbn_alone(out: dict) -> None:
@@ -1412,13 +1422,13 @@ def syncbn(out: dict) -> None:
     alone afterwards: evaluation never meets."""
     replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
     rank, world = pyddp.rank(), pyddp.world()
-    kw, settle = _maybe_simulated_gpus(replicas)
+    gpus, settle = _maybe_simulated_gpus(replicas)
     torch.manual_seed(0)
     ref = nn.Sequential(
         nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
         nn.Linear(4 * 3 * 3, 8), nn.BatchNorm1d(8, momentum=None), nn.ReLU(), nn.Linear(8, 3),
     )  # fmt: skip
-    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(copy.deepcopy(ref)), ["cpu"] * replicas, **kw)
+    dm = wrap_on(pyddp.convert_sync_batchnorm(copy.deepcopy(ref)), replicas, gpus)
     opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     rows = 7  # per rank: uneven shards over 2 replicas
@@ -1791,7 +1801,7 @@ def zero(out: dict) -> None:
     rank, world = pyddp.rank(), pyddp.world()
     batches = data(5, 12)
     adam = dict(lr=1e-2, weight_decay=1e-3)
-    kw, settle = _maybe_simulated_gpus(replicas)
+    gpus, settle = _maybe_simulated_gpus(replicas)
 
     def step(dm, opt, x, y) -> None:
         rows = my_rows(len(x), rank, world)
@@ -1802,7 +1812,7 @@ def zero(out: dict) -> None:
         settle()
 
     def train(shard: bool):
-        dm = pyddp.wrap(eval_norm(net()), ["cpu"] * replicas, **kw)
+        dm = wrap_on(eval_norm(net()), replicas, gpus)
         for m in dm.replicas:
             m.norm.eval()
         opt = dm.optimizer(torch.optim.AdamW, shard=shard, **adam)
@@ -1828,7 +1838,7 @@ def zero(out: dict) -> None:
     out["bytes_unsharded"] = pyddp.optim.zero.state_bytes(plain_opt)
     # A new sharded optimizer loaded from the consolidated state steps on
     # exactly as the first one does.
-    dm2 = pyddp.wrap(copy.deepcopy(dm.module), ["cpu"] * replicas, **kw)
+    dm2 = wrap_on(copy.deepcopy(dm.module), replicas, gpus)
     opt2 = dm2.optimizer(torch.optim.AdamW, shard=True, **adam)
     opt2.load_state_dict(sd)
     for d, o in ((dm, opt), (dm2, opt2)):
