@@ -166,7 +166,7 @@ def test_failed_reduction_raises_and_the_next_step_is_clean():
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     (x, y), (x2, y2) = make_batches(2, 8)
-    dm.sync.inject_fault(0, "simulated link failure")
+    dm._reducer.engine.inject_fault(0, "simulated link failure")
     with pytest.raises(pyddp.ReduceError, match="bucket 0 .*simulated link failure"):
         F.cross_entropy(dm(x), y).backward()
     with pytest.raises(RuntimeError, match="zero_grad"):
@@ -341,9 +341,9 @@ def test_bucket_cap_mb_alone_sizes_the_first_bucket_as_ddp():
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])  # 16.6 KB per layer
     cap = 40_000 / 2**20
     with pyddp.wrap(model, ["cpu", "cpu"], bucket_cap_mb=cap) as dm:
-        alone = dm.sync.buckets
+        alone = dm._reducer.buckets
     with pyddp.wrap(model, ["cpu", "cpu"], bucket_cap_mb=cap, first_bucket_cap_mb=1e-6) as dm:
-        small_first = dm.sync.buckets
+        small_first = dm._reducer.buckets
     # Weights 16 KiB, biases 256 B, last layer first: 6 tensors reach 40 KB,
     # the first bucket too (with pyddp's old 1 MiB first bucket: all 8 in one).
     assert [len(b) for b in alone] == [6, 2]

@@ -54,7 +54,7 @@ def test_dropping_a_wrapped_model_releases_threads_memory_and_hooks():
         dm = pyddp.wrap(model, ["cpu", "cpu", "cpu"])
         opt = dm.optimizer(torch.optim.SGD, lr=0.1)
         step(dm, opt, x, y)
-        syncs.append(weakref.ref(dm.sync))
+        syncs.append(weakref.ref(dm._reducer))
         replica = weakref.ref(dm.replicas[1])
         models.append(model)  # the user keeps the model, drops the wrapper
         del dm, opt

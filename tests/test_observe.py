@@ -49,7 +49,7 @@ def test_stats_follow_ddp_definitions(cap):
     assert s["exposed_comm_s"] == pytest.approx(s["comm_s"] - s["overlap_s"])
     assert 0 <= s["overlap_fraction"] <= 1
     assert s["backward_compute_s"] > 0
-    assert len(s["bucket_bytes"]) == s["buckets"] == len(dm.sync.buckets)
+    assert len(s["bucket_bytes"]) == s["buckets"] == len(dm._reducer.buckets)
     assert sum(s["bucket_bytes"]) == s["bytes"] == sum(p.numel() * 4 for p in dm.parameters())
     assert s["launches"] == s["buckets"]
     assert s["mean"]["launches"] == s["launches"]
@@ -62,7 +62,7 @@ def test_after_backward_order_launches_nothing_during_backward():
     train(dm, 2)
     s = dm.stats()
     assert s["overlap_s"] == 0 and s["comm_s"] > 0 and s["exposed_comm_s"] == s["comm_s"]
-    raw = dm.sync.observer.timelines[-1]["raw"]
+    raw = dm._reducer.observer.timelines[-1]["raw"]
     assert raw["first_launch_ns"] >= raw["finish_start_ns"]
 
 
@@ -74,18 +74,18 @@ def test_chrome_trace_structure_and_bounded_memory(tmp_path):
     iterations = [e for e in events if e["ph"] == "X" and e["tid"] == 0]
     assert len(iterations) == 2  # only the last 2 kept
     reductions = [e for e in events if e["ph"] == "X" and e["tid"] == 1]
-    assert len(reductions) == 2 * len(dm.sync.buckets)
+    assert len(reductions) == 2 * len(dm._reducer.buckets)
     ready = {e["name"][len("ready ") :]: e["ts"] for e in events if e["name"].startswith("ready ")}
     for e in reductions:
         assert e["dur"] >= 0
         assert e["ts"] >= 0
     marks = [e for e in events if e["ph"] == "i" and e["tid"] >= 10]
-    assert len(marks) == 2 * 2 * len(dm.sync.names)  # iterations x replicas x parameters
+    assert len(marks) == 2 * 2 * len(dm._reducer.names)  # iterations x replicas x parameters
     assert {e["tid"] for e in marks} == {10, 11}
     assert ready  # bucket-ready instants are there
     # Each reduction launches after its bucket became ready (the last iteration).
-    last = dm.sync.observer.timelines[-1]
-    for b in range(len(dm.sync.buckets)):
+    last = dm._reducer.observer.timelines[-1]
+    for b in range(len(dm._reducer.buckets)):
         assert (
             last["bucket_ready_ns"][b] <= last["bucket_launch_ns"][b] <= last["bucket_done_ns"][b]
         )

@@ -417,7 +417,7 @@ def test_ordinary_training_never_reattaches_gradients():
     # changes, never for the replicated optimizer's in-place steps.
     with pyddp.wrap(Net(norm=False), ["cpu", "cpu"]) as dm:
         calls = []
-        dm.sync.reattach = lambda: calls.append(1)
+        dm._reducer.reattach = lambda: calls.append(1)
         opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
         for x, y in data(3):
             F.cross_entropy(dm(x), y).backward()
@@ -442,6 +442,6 @@ def test_gradients_given_new_storage_are_reattached_and_parameters_copied():
                 p.data.mul_(0.5)  # invisible to version counters and pointers
         F.cross_entropy(dm(x2), y2).backward()
         same_replicas(dm)
-        assert not dm.sync.grads_moved()  # the gradients are bucket views again
+        assert not dm._reducer.grads_moved()  # the gradients are bucket views again
         opt.step()
         same_replicas(dm)

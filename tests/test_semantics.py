@@ -367,9 +367,9 @@ def test_buckets_are_rebuilt_once_from_the_observed_ready_order():
     dm, ref = wrapped(2, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
     (x, y), (x2, y2) = make_batches(2, 8)
     F.cross_entropy(dm(x), y).backward()
-    first_copies = dm.sync.adopted  # grads were None: copied into the buckets once
-    order = dm.sync._engine.ready_order()
-    rebuilt = dm.sync.buckets
+    first_copies = dm._reducer.adopted  # grads were None: copied into the buckets once
+    order = dm._reducer.engine.ready_order()
+    rebuilt = dm._reducer.buckets
     assert len(rebuilt) > 1
     assert [p for b in rebuilt for p in b] == order  # one dtype: buckets follow the order
     F.cross_entropy(ref(x), y).backward()
@@ -378,9 +378,9 @@ def test_buckets_are_rebuilt_once_from_the_observed_ready_order():
     ref.zero_grad()
     F.cross_entropy(dm(x2), y2).backward()
     F.cross_entropy(ref(x2), y2).backward()
-    assert dm.sync.buckets == rebuilt  # only once
+    assert dm._reducer.buckets == rebuilt  # only once
     assert_grads_close(grads(dm.module), grads(ref))
-    assert dm.sync.adopted == first_copies  # later backwards accumulate in place, no copy
+    assert dm._reducer.adopted == first_copies  # later backwards accumulate in place, no copy
 
 
 def test_two_optimizers_over_parameter_subsets():

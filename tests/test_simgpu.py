@@ -237,7 +237,7 @@ def test_compression_hooks_on_nccl_are_torch_hooks_arithmetic(simlib, hook):
     model = WithDouble()
     dm = gpu_wrap(model, devices, bucket_cap_mb=0.0005)
     dm.register_comm_hook(None, hook)
-    op = dm.sync._op
+    op = dm._reducer.op
     for step, (x, y) in enumerate(make_batches(2, 13)):
         with dm.no_sync():
             F.cross_entropy(dm(x), y).backward()
@@ -268,7 +268,7 @@ def test_compression_hooks_on_nccl_are_torch_hooks_arithmetic(simlib, hook):
         dm.optimizer(torch.optim.SGD, lr=0.1).step() if step == 0 else None
         dm.zero_grad()
         streams.synchronize_all(devices)
-    assert dm.sync._backend.compression == str(wire).split(".")[1]
+    assert dm._reducer.backend.compression == str(wire).split(".")[1]
     dm.close()
     """,
     )
@@ -455,19 +455,19 @@ def test_reduction_waits_for_the_stream_that_produced_each_gradient(simlib, hook
         delay[0] = step == 1
         for r, m in enumerate(reps):
             with streams.stream({{r: prod[r]}}):
-                sync.prepare(r)
+                sync._reducer.prepare(r)
                 m(x[r * 4:(r + 1) * 4]).pow(2).sum().backward()
         with streams.stream(prod):
             sync.finish()
             streams.synchronize_all([0, 1])
             if step == 0:
                 sync.zero_grad()
-    assert sync.adopted == 4, sync.adopted  # the first backward only
+    assert sync.stats()["adopted"] == 4, sync.stats()  # the first backward only
     for i, p in enumerate(reps[0].parameters()):
         expect = late[0, i] + late[1, i]
         if comm_hook:  # torch's fp16 hook's arithmetic: cast, halve, sum in fp16
             expect = (late[0, i].half() / 2 + late[1, i].half() / 2).float()
-            expect *= 2 if sync._op == "sum" else 1
+            expect *= 2 if sync._reducer.op == "sum" else 1
         assert torch.equal(p.grad, expect), (p.grad - expect).abs().max()
         assert torch.equal(list(reps[1].parameters())[i].grad, expect)
     sync.close()
@@ -893,7 +893,7 @@ def test_an_illegal_address_kills_the_context_and_pyddp_says_restart(simlib):
         for x, y in batches[1:]:
             try:
                 F.cross_entropy(dm(x), y).backward()
-                dm.sync.check_step()
+                dm._reducer.check_step()
                 dm.zero_grad()
                 errors.append(None)
             except Exception as e:  # noqa: BLE001 - checked below
@@ -964,7 +964,7 @@ def test_a_sticky_error_first_seen_by_any_driver_call_says_restart(simlib, code,
                 if k == 0 and {when!r} == "backward":
                     arm()
                 loss.backward()
-                dm.sync.check_step()
+                dm._reducer.check_step()
                 dm.zero_grad()
                 errors.append(None)
             except Exception as e:  # noqa: BLE001 - checked below

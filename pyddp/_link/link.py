@@ -6,11 +6,21 @@ processes) and never asks which."""
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .record import WorkRecord
+
+
+class Reduction(NamedTuple):
+    """How the engine reduces (Link.attach): the backend it launches buckets
+    on, the op it asks for, and the scale every gradient needs afterwards
+    (NCCL sums over every process's GPUs: 1/processes to average them)."""
+
+    backend: Any
+    op: str
+    post_scale: float
 
 
 class Link:
@@ -28,6 +38,32 @@ class Link:
         self.join: Any = None  # under Join, this forward's step (across processes only)
 
     # ------------------------------------------------------- construction
+    def attach(
+        self,
+        record: WorkRecord,
+        replicas: int,
+        op: str,
+        gpu: Optional[Tuple[Sequence[int], Any]],
+        make_local: Callable[[Optional[Callable]], Any],
+    ) -> Optional[Reduction]:
+        """A GradSync's one question to its link at construction: it watches
+        `record` (the agreement compares it at every synced backward) and,
+        unless there is nothing to reduce (one replica in one process: None),
+        says how the engine reduces: through which backend (`make_local`
+        builds this process's from the link's NCCL rendezvous, None on
+        CPUs), with which op and what scale afterwards. `gpu`: the GPU
+        replicas' (devices, stream provider), None on CPUs."""
+        self.watch(record)
+        if replicas == 1 and not self.spans_processes:
+            return None
+        post_scale, rendezvous = 1.0, None
+        if gpu is not None:
+            op, post_scale, rendezvous = self.gpu_reduction(op, replicas)
+        backend = self.transport_backend(make_local(rendezvous), gpu is not None)
+        if gpu is not None:
+            self.route_through(backend, *gpu)
+        return Reduction(backend, op, post_scale)
+
     def watch(self, record: WorkRecord) -> None:
         """Counts `record`'s optimizer steps for the agreement (across processes)."""
 

@@ -293,7 +293,7 @@ def worker(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             # Why: every rank starts the sample together, so no rank's clock
             # includes waiting for another to arrive from the previous sample.
             dist.barrier(group=bench_group)
-            dm.sync.observer.reset()  # pyddp's means cover exactly the timed steps
+            dm._reducer.observer.reset()  # pyddp's means cover exactly the timed steps
             start = time.perf_counter()
             for _ in range(steps):
                 step()

@@ -96,7 +96,7 @@ def run(
                 "overlap_fraction": mean.get("overlap_fraction"),
                 "comm_s": mean.get("comm_s"),
                 "exposed_comm_s": mean.get("exposed_comm_s"),
-                "buckets": len(dm.sync.buckets),
+                "buckets": dm.stats()["buckets"],
             }
         )
         dm.close()

@@ -2,7 +2,7 @@
 r marks parameter i ready (on GPUs with the stream that produced it); a
 forward pre-hook readies the replica for the next backward. Hooks sit on the
 replicas' parameters, replica 0's being the user's model: they hold their
-GradSync weakly, so dropping the wrapped model releases it, and they copy as
+reducer weakly, so dropping the wrapped model releases it, and they copy as
 standard-library callables, so a copied or pickled model carries no live
 pyddp state."""
 
@@ -16,6 +16,21 @@ import torch
 from torch import nn
 
 
+def install_hooks(reducer: Any, handles: List[Any], began: bool, prepare_on_forward: bool) -> None:
+    """The reducer's hooks on every replica, their handles into `handles`:
+    a post-accumulate-grad hook per parameter, and (`prepare_on_forward`)
+    a forward pre-hook per replica."""
+    owner, mark = weakref.ref(reducer), reducer.engine.mark_ready
+    for r, (module, params) in enumerate(zip(reducer.replicas, reducer.params)):
+        device = -1 if reducer.gpu_devices is None else reducer.gpu_devices[r]
+        views = reducer.layout.views[r]
+        for i, p in enumerate(params):
+            hook = grad_hook(owner, views, r, i, mark, reducer.streams, device, began)
+            handles.append(p.register_post_accumulate_grad_hook(hook))
+        if prepare_on_forward:  # wrap prepares all replicas itself, hook-free
+            handles.append(module.register_forward_pre_hook(PrepareHook(reducer, r)))
+
+
 def grad_hook(
     owner: Any,
     views: List[Optional[torch.Tensor]],
@@ -27,7 +42,7 @@ def grad_hook(
     began: bool = False,
 ) -> Callable[[torch.Tensor], None]:
     """Replica r's post-accumulate-grad hook for parameter i. `owner` is a
-    weak reference to the GradSync; `views[i]` is the gradient's bucket view.
+    weak reference to the reducer; `views[i]` is the gradient's bucket view.
     `began`: tell the owner's wrapped model a gradient arrived (one replica
     per process, where a backward may bypass the model's outputs); every
     other hook skips that call."""
@@ -59,7 +74,7 @@ def grad_hook(
 
 
 def _began(owner: Any) -> None:
-    """Tells the wrapped model a gradient arrived (GradSync.on_backward_start,
+    """Tells the wrapped model a gradient arrived (Reducer.on_backward_start,
     a weak method, set where a backward may bypass its outputs)."""
     sync = owner()
     if sync is not None and sync.on_backward_start is not None:
@@ -76,7 +91,7 @@ def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor) -> None:
 
 class PrepareHook:
     """Replica r's forward pre-hook: prepare(r) before a forward that may be
-    followed by backward. Holds the GradSync weakly. A copy of the module
+    followed by backward. Holds the reducer weakly. A copy of the module
     (copy.deepcopy, pickle, torch.save) must not carry a live pyddp hook, nor
     need pyddp to load: this hook copies as `functools.partial(dict.pop, {})`,
     a standard-library callable that returns the forward's arguments unchanged."""

@@ -143,6 +143,29 @@ class Observer:
     def count(self) -> int:
         return self._count
 
+    def stats(self, adopted: int, buckets: int, reduces: bool) -> Dict[str, Any]:
+        """GradSync.stats(): the last synced iteration at the top level, the
+        running means under "mean" (zeros before the first, or with nothing
+        to reduce)."""
+        if not reduces or self.last is None:
+            empty = {"iteration": 0, "bytes": 0, "launches": 0, "buckets": buckets}
+            return {**empty, "adopted": adopted, "mean": {}}
+        return {**self.last, "adopted": adopted, "mean": self.means()}
+
+    def export(
+        self, path: os.PathLike, names: Sequence[str], buckets: Sequence[Sequence[int]], n: int
+    ) -> Path:
+        """The kept iterations as Chrome trace JSON at `path` (n replicas)."""
+        if not self.keep:
+            raise RuntimeError(
+                "the timeline is off: pass timeline=N (iterations to keep) or set PYDDP_TIMELINE"
+            )
+        return write_trace(chrome_trace(list(self.timelines), names, buckets, n), path)
+
+    def ready_times(self, names: Sequence[str], params: Sequence[Any]) -> ReadyTimes:
+        """The last kept iteration's ready times of `params` (replica 0's)."""
+        return ready_times(self.timelines, names, params)
+
 
 def chrome_trace(
     timelines: Sequence[Dict[str, Any]],

@@ -16,41 +16,65 @@ REDUCE_ORDERS = ("ready", "index", "after_backward")
 
 @dataclass(frozen=True)
 class Options:
-    """bucket_cap_mb: bucket size (0 = per-parameter mode, every parameter its
-    own bucket); first_bucket_cap_mb: the first bucket's; taper_buckets: the
-    last buckets shrink by halves down to the first bucket's size, so little
-    is left to reduce after backward (csrc/bucket_plan.h; off by default:
-    docs/simulator.md shows where it wins and where it loses); reduce_order:
-    "ready" (launch buckets as they complete), "index" (in bucket order, the
-    default across processes) or "after_backward" (no overlap: the baseline);
-    None picks by the link; rebuild_buckets: re-plan once from the observed
-    ready order; op: "sum" or "avg" over replicas; timeout_s: a reduction not
-    done after this long raises (seconds, at most 7 days; None:
-    $PYDDP_TIMEOUT_S or 300); timeline:
-    iterations of events to keep (None: $PYDDP_TIMELINE or 0); check_replicas:
-    refuse replicas that differ at construction; group: the torch.distributed
-    process group to span; broadcast_buffers: replica 0's buffers to the
-    others before each forward, and rank 0's to every rank after each
-    synced training step (wrap); threads_per_replica: each
-    replica's torch intra-op threads (wrap)."""
+    """The options of `pyddp.wrap`, `GradSync` and the Trainer's wrap
+    options, each documented here under its field (and nowhere else).
+    GradSync takes all but wrap's own two (broadcast_buffers,
+    threads_per_replica)."""
 
     bucket_cap_mb: float = 25.0
+    """Bucket size in MiB; 0 is the per-parameter mode (every parameter its
+    own bucket). Given without first_bucket_cap_mb it sizes the first bucket
+    too (torch DDP's rule)."""
     first_bucket_cap_mb: float = 1.0
+    """The first bucket's size in MiB (the last parameters backward produces
+    launch early)."""
     taper_buckets: bool = False
+    """True: the last buckets shrink by halves down to the first bucket's
+    size, so little is left to reduce after backward (csrc/bucket_plan.h). It
+    helps CNNs when communication keeps up with backward and costs where
+    communication is the bottleneck (docs/simulator.md), so it is off and the
+    plan is torch DDP's."""
     reduce_order: Optional[str] = None
+    """"ready" (launch buckets as they complete; the default in one process),
+    "index" (in bucket order; the default and the only choice across
+    processes, where every rank must launch the same sequence) or
+    "after_backward" (no overlap: the baseline benchmarks compare against)."""
     rebuild_buckets: bool = True
+    """Re-plan the buckets once, from the ready order observed in the first
+    synced backward (rank 0's across processes)."""
     op: str = "sum"
+    """"sum" or "avg" over this process's replicas (GradSync; wrap sums, and
+    averages over processes as torch DDP)."""
     timeout_s: Optional[float] = None
+    """A GPU or cross-process reduction not done after this many seconds
+    aborts communication and raises ReduceError naming the bucket and the
+    ranks that did not arrive (seconds > 0, at most 7 days; None:
+    $PYDDP_TIMEOUT_S or 300)."""
     timeline: Optional[int] = None
+    """Iterations of bucket and parameter events to keep for
+    export_timeline and ready_times (None: $PYDDP_TIMELINE or 0, off)."""
     check_replicas: bool = True
+    """GradSync: refuse replicas whose parameters differ from replica 0's at
+    construction (False if you make them equal yourself; wrap's replicas are
+    deep copies, equal by construction)."""
     group: Any = None
+    """The torch.distributed process group to span (torch DDP's
+    process_group); None: every process once torch.distributed is
+    initialised, else this process alone."""
     broadcast_buffers: bool = True
+    """wrap: replica 0's buffers to the other replicas before each
+    training-mode forward, and rank 0's to every rank after each synced
+    training step (torch DDP's default)."""
     threads_per_replica: Optional[int] = None
-    # torch DDP's, for code ported from it: pyddp finds unused parameters
-    # itself at every step; these two shape only the buckets a
-    # communication hook sees, which are DDP's for the same arguments.
+    """wrap: each replica's torch intra-op threads (None on CPUs:
+    torch.get_num_threads() // replicas, at least 1)."""
     find_unused_parameters: bool = False
+    """torch DDP's, for code ported from it: pyddp finds unused parameters
+    itself at every step; this shapes only the buckets a communication hook
+    sees, which are DDP's for the same arguments."""
     static_graph: bool = False
+    """torch DDP's, as find_unused_parameters: shapes only the buckets a
+    communication hook sees."""
 
     def __post_init__(self) -> None:
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):

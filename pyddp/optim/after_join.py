@@ -64,11 +64,11 @@ def align_optimizers(model: Any, source: int, steps: int) -> str:
     the group's order), its schedulers too, or every rank raises. `steps`:
     this rank's optimizer steps before Join ended. Returns why the next
     training forward must be refused ("" if nothing)."""
-    link = model.sync.link
+    link = model._reducer.link
     ours = model.optimizers_made()
     scheds = [schedulers_of(o) for o in ours]  # a scan of the heap each: once
     mine = {id(o) for o in ours}
-    foreign = [o for o in model.sync.work.stepping() if id(o) not in mine]
+    foreign = [o for o in model._reducer.work.stepping() if id(o) not in mine]
     summary = {
         "ours": [(_describe(o), [type(s).__qualname__ for s in ss]) for o, ss in zip(ours, scheds)],
         "foreign": [_describe(o) for o in foreign if _stateful(o)],

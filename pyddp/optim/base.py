@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from ..engine.sync import GradSync
+from ..engine.reducer import Reducer
 
 
 @dataclass
@@ -19,7 +19,7 @@ class OptimState:
     every parameter (zero_grad then goes through the buckets), and why it
     refuses to step (a failed step left the replicas differing)."""
 
-    sync: GradSync
+    sync: Reducer
     grads: List[torch.Tensor]
     owns_all: bool
     broken: str = field(default="", init=False)

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Optional, Type
 import torch
 from torch import nn
 
-from ..engine.sync import GradSync
+from ..engine.reducer import Reducer
 from .replicated import replicated_optimizer
 from .zero import sharded_optimizer
 
@@ -18,7 +18,7 @@ ParamsFn = Callable[[nn.Module], Iterable[Any]]
 
 
 def make_optimizer(
-    sync: GradSync,
+    sync: Reducer,
     cls: Type[torch.optim.Optimizer],
     params: Optional[ParamsFn] = None,
     shard: bool = False,

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Type
 
 import torch
 
-from ..engine.sync import GradSync
+from ..engine.reducer import Reducer
 from ..errors import ReplicaError
 from .base import OptimState, PyddpOptimizer
 
@@ -29,7 +29,7 @@ class ReplicatedState(OptimState):
 
 
 def replicated_optimizer(
-    sync: GradSync, cls: Type[torch.optim.Optimizer], groups: List[list], **kwargs: Any
+    sync: Reducer, cls: Type[torch.optim.Optimizer], groups: List[list], **kwargs: Any
 ) -> torch.optim.Optimizer:
     """`groups[r]`: replica r's parameters or param groups."""
     opt = _replicated_class(cls)(groups[0], **kwargs)

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from ..engine.sync import GradSync
+from ..engine.reducer import Reducer
 
 # Optimizers whose update of each element depends on that element alone (and
 # scalars): their state can be split inside a parameter, exactly.
@@ -99,7 +99,7 @@ class DeviceGather:
     twice, as an all-reduce does: torch's ZeroRedundancyOptimizer broadcasts
     them once; pyddp's backends have no all-gather.)"""
 
-    def __init__(self, sync: GradSync, order: List[int]):
+    def __init__(self, sync: Reducer, order: List[int]):
         self.route = sync.device_route()
         params0 = sync.params[0]
         by_dtype: Dict[torch.dtype, List[int]] = {}

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 import torch
 
 from .._link import exchange
-from ..engine.sync import GradSync
+from ..engine.reducer import Reducer
 from ..errors import ReplicaError
 from .base import OptimState, PyddpOptimizer
 from .shards import ELEMENTWISE, DeviceGather, Piece, Shard, plan_shards
@@ -91,7 +91,7 @@ def _bytes(state: Any) -> int:
 
 
 def sharded_optimizer(
-    sync: GradSync, cls: Type[torch.optim.Optimizer], groups: List[list], **kwargs: Any
+    sync: Reducer, cls: Type[torch.optim.Optimizer], groups: List[list], **kwargs: Any
 ) -> torch.optim.Optimizer:
     """`groups[r]`: replica r's parameters or param groups (as the user gave
     them, applied to each replica)."""

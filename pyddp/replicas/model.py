@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from .._link.control import BUFFERS_BROADCAST
+from .._link.ranks import Ranks
 from ..engine.options import Options
-from ..engine.sync import GradSync
+from ..engine.reducer import Reducer
 from ..errors import ReplicaError
 from ..optim.factory import ParamsFn, make_optimizer
 from ..runtime.devices import DeviceLike, parse_devices, process_devices
@@ -82,17 +83,16 @@ class DistributedModel(nn.Module, Joining):
         # A plain list, not submodules: parameters() and state_dict() show one copy.
         self._replicas: List[nn.Module] = replicas
         self._callables: List[Callable[..., Any]] = list(replicas)  # compiled by compile()
-        self.sync = GradSync(
-            replicas,
-            _options=opts,  # check_replicas=False: deep copies of replica 0
-            # _begin prepares every replica; no hook on the user's model (a hook
-            # there would also sit inside `dmodel.compile()`'s graphs).
-            _prepare_on_forward=False,
-        )
+        # opts has check_replicas=False: deep copies of replica 0. _begin
+        # prepares every replica; no hook on the user's model (a hook there
+        # would also sit inside `dmodel.compile()`'s graphs).
+        self._reducer = Reducer(replicas, opts, prepare_on_forward=False)
         try:
-            self._mirror = ReplicaMirror(replicas, self.sync.names) if len(replicas) > 1 else None
+            self._mirror = (
+                ReplicaMirror(replicas, self._reducer.names) if len(replicas) > 1 else None
+            )
         except BaseException:
-            self.sync.close()  # no hooks left behind on the user's model
+            self._reducer.close()  # no hooks left behind on the user's model
             raise
         self.broadcast_buffers = opts.broadcast_buffers
         threads_per_replica = opts.threads_per_replica
@@ -101,15 +101,15 @@ class DistributedModel(nn.Module, Joining):
             # replica using torch's full intra-op count (oversubscription).
             threads_per_replica = max(1, torch.get_num_threads() // len(replicas))
         self._workers = ReplicaWorkers(
-            len(replicas), threads_per_replica, self.devices, streams=self.sync.streams
+            len(replicas), threads_per_replica, self.devices, streams=self._reducer.streams
         )
-        self.sync.run_per_replica = self._workers.run
+        self._reducer.run_per_replica = self._workers.run
         # CPU replicas: autograd would run every replica's backward on the one
         # calling thread, so backward is dispatched to the replica workers.
         # CUDA replicas get a thread per device from autograd itself.
         self._parallel_backward = len(replicas) > 1 and self.devices[0].type == "cpu"
         # One replica and one process: nothing to scatter, join or reduce.
-        self._passthrough = not self.sync.reduces
+        self._passthrough = not self._reducer.reduces
         self._finish_queued = False
         self._syncbn: Optional[SyncBatchNorms] = None
         self._optimizers: List[weakref.ref] = []  # dmodel.optimizer's, for Join's end
@@ -119,20 +119,20 @@ class DistributedModel(nn.Module, Joining):
         if sync_layers(self.module) and not self._passthrough:
             self._syncbn = self._bind_sync_batchnorm(replicas, opts)
         if len(replicas) == 1 and not self._passthrough:
-            self.sync.on_backward_start = weakref.WeakMethod(self._backward_began)
+            self._reducer.on_backward_start = weakref.WeakMethod(self._backward_began)
 
     def _bind_sync_batchnorm(self, replicas: List[nn.Module], opts: Options) -> SyncBatchNorms:
-        gpus = self.sync.gpu_devices
+        gpus = self._reducer.gpu_devices
         try:
             return SyncBatchNorms(
                 replicas,
                 self.devices[0],
-                self.sync.link.stats_summer(),
+                self._reducer.link.stats_summer(),
                 opts.timeout_s or timeout_s(),
-                None if gpus is None else (gpus, self.sync.streams),
+                None if gpus is None else (gpus, self._reducer.streams),
             )
         except BaseException:
-            self.sync.close()
+            self._reducer.close()
             raise
 
     # ---------------------------------------------------------------- access
@@ -141,12 +141,18 @@ class DistributedModel(nn.Module, Joining):
         return list(self._replicas)
 
     @property
+    def ranks(self) -> Ranks:
+        """The processes this model spans (`pyddp._link.ranks.Ranks`): this
+        rank, the world, and the collective exchanges the Trainer makes."""
+        return Ranks(self._reducer.link)
+
+    @property
     def last_global_loss(self) -> Optional[float]:
         """Across processes, on CPU replicas: the global batch's loss of the
         last training step's dmodel.loss, known once its backward finished
         (None in one process, and on GPUs, where reading it would make the
         host wait)."""
-        return self.sync.link.global_loss
+        return self._reducer.link.global_loss
 
     def optimizer(
         self,
@@ -168,7 +174,7 @@ class DistributedModel(nn.Module, Joining):
                 "dmodel.optimizer takes the optimizer class once: as its first argument, or "
                 "as optimizer_class= (torch's ZeroRedundancyOptimizer spelling)"
             )
-        opt = make_optimizer(self.sync, cls or optimizer_class, params, shard, **kwargs)
+        opt = make_optimizer(self._reducer, cls or optimizer_class, params, shard, **kwargs)
         if not shard:  # a sharded one cannot step under Join (zero.py)
             self._optimizers.append(weakref.ref(opt))
         return opt
@@ -184,29 +190,29 @@ class DistributedModel(nn.Module, Joining):
         """Backwards inside accumulate without reducing; the next synced backward
         reduces the accumulated sum."""
         self._check_open()
-        return self.sync.no_sync()
+        return self._reducer.no_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.sync.zero_grad(set_to_none)
+        self._reducer.zero_grad(set_to_none)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """torch DDP's register_comm_hook (see GradSync.register_comm_hook):
         e.g. `dmodel.register_comm_hook(None, "bf16")`."""
         self._check_open()
-        self.sync.register_comm_hook(state, hook)
+        self._reducer.register_comm_hook(state, hook)
 
     def stats(self) -> Dict[str, Any]:
         """Last iteration's communication figures and running means (GradSync.stats)."""
-        return self.sync.stats()
+        return self._reducer.stats()
 
     def export_timeline(self, path: Any) -> Any:
         """Chrome trace JSON of the kept iterations (wrap(..., timeline=N))."""
-        return self.sync.export_timeline(path)
+        return self._reducer.export_timeline(path)
 
     def ready_times(self) -> Any:
         """When each gradient became ready in the last kept iteration
         (GradSync.ready_times; wrap with timeline=N)."""
-        return self.sync.ready_times()
+        return self._reducer.ready_times()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips every replica's gradients by their global norm and returns that
@@ -214,7 +220,7 @@ class DistributedModel(nn.Module, Joining):
         self._check_open()
         if len(self._replicas) == 1:
             return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
-        flats = self.sync.flat_grads(0)  # replicas hold the same reduced values
+        flats = self._reducer.flat_grads(0)  # replicas hold the same reduced values
         norms = [
             torch.linalg.vector_norm(
                 f, norm_type, dtype=torch.promote_types(f.dtype, torch.float32)
@@ -224,7 +230,7 @@ class DistributedModel(nn.Module, Joining):
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for r in range(len(self._replicas)):
-            grads = self.sync.flat_grads(r)
+            grads = self._reducer.flat_grads(r)
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         return total
 
@@ -265,7 +271,7 @@ class DistributedModel(nn.Module, Joining):
         last reference, or leaving a `with pyddp.wrap(...) as dmodel:` block,
         does the same."""
         self._workers.close()
-        self.sync.close()
+        self._reducer.close()
         if getattr(self, "_syncbn", None) is not None:
             self._syncbn.release()  # torch's SyncBatchNorm again
 
@@ -282,7 +288,7 @@ class DistributedModel(nn.Module, Joining):
         )
 
     def _check_open(self) -> None:
-        if self.sync.closed:
+        if self._reducer.closed:
             raise RuntimeError(
                 "pyddp: this wrapped model was closed; use .module on its own, or wrap it again"
             )
@@ -303,7 +309,7 @@ class DistributedModel(nn.Module, Joining):
                     [self._call(r, a, kw) for r, (a, kw) in enumerate(shards)], "forward"
                 )
         if torch.is_grad_enabled():
-            self.sync.note_forward_end()
+            self._reducer.note_forward_end()
         return gather(outs, sizes, self.devices[0], self._join)
 
     def loss(
@@ -371,9 +377,11 @@ class DistributedModel(nn.Module, Joining):
             )
         # Training steps only: an evaluation (eval mode) may run on some ranks alone.
         if self.training and torch.is_grad_enabled():
-            losses = self.sync.link.weigh_losses(losses, total, reduction, self.sync.syncing)
+            losses = self._reducer.link.weigh_losses(
+                losses, total, reduction, self._reducer.syncing
+            )
         if torch.is_grad_enabled():
-            self.sync.note_forward_end()
+            self._reducer.note_forward_end()
         if self._passthrough or not any(v.requires_grad for v in losses):
             return join_column(losses, "sum", self.devices[0], [])
         return self._join([[v] for v in losses], ["sum"], [])[0]
@@ -387,8 +395,8 @@ class DistributedModel(nn.Module, Joining):
         try:
             yield
         except BaseException as e:
-            if self.sync.link.spans_processes and torch.is_grad_enabled():
-                self.sync.abort(f"its {what} raised {type(e).__name__}: {e}")
+            if self._reducer.link.spans_processes and torch.is_grad_enabled():
+                self._reducer.abort(f"its {what} raised {type(e).__name__}: {e}")
             raise
 
     def _join(
@@ -430,14 +438,14 @@ class DistributedModel(nn.Module, Joining):
                 raise RuntimeError(self._apart_after_join)  # on every rank alike
             self._finish_queued = False  # a backward that raised never ran its callback
             self._output_in_backward = False
-            self.sync.prepare_all()
+            self._reducer.prepare_all()
         self._follow_model()
         if torch.is_grad_enabled():
             self._buffers_due = (
                 self.broadcast_buffers
-                and self.sync.link.spans_processes
+                and self._reducer.link.spans_processes
                 and self.module.training
-                and self.sync.syncing
+                and self._reducer.syncing
             )
         self._join_forward(rows)  # under Join: what the joined ranks shadow
         # Training forwards (DDP's default) and eval forwards alike: replicas > 0
@@ -448,13 +456,13 @@ class DistributedModel(nn.Module, Joining):
         """Brings the other replicas in line with the user's model (replica 0)."""
         if self._mirror is None:
             return
-        if self._mirror.follow() or self.sync.grads_moved():
+        if self._mirror.follow() or self._reducer.grads_moved():
             # Module._apply gave parameters new storage (share_memory(),
             # .to(memory_format=...), .half().float()), and their gradients
             # with them: the gradients must point into the buckets again, and
             # every parameter is copied (a new tensor may reuse the old
             # address, so pointers alone do not show which ones changed).
-            self.sync.reattach()
+            self._reducer.reattach()
             self._mirror.copy_all()
 
     def sync_replicas(self) -> None:
@@ -487,7 +495,7 @@ class DistributedModel(nn.Module, Joining):
         and may still run on some ranks only."""
         if self._buffers_due:
             self._buffers_due = False
-            self.sync.link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
+            self._reducer.link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
             if len(self._replicas) > 1:
                 self._copy_buffers()  # this process's other replicas too, at once
 
@@ -536,7 +544,7 @@ class DistributedModel(nn.Module, Joining):
             # replica's gradients would arrive twice in one synced backward.
             self._output_in_backward = False
             self._finish_queued = False
-            self.sync.abort("one backward ran over the outputs of two dmodel(...) calls")
+            self._reducer.abort("one backward ran over the outputs of two dmodel(...) calls")
             raise RuntimeError(
                 "pyddp: one backward runs over the outputs of two dmodel(...) calls (e.g. "
                 "(dmodel(a).sum() + dmodel(b).sum()).backward()): each replica's gradients "
@@ -549,7 +557,7 @@ class DistributedModel(nn.Module, Joining):
             # after a backward over a graph kept with retain_graph=True (no
             # forward in between), the last reduction's copies are cleared as
             # a forward would (replica 0 carries the sum, the others restart).
-            self.sync.restart_accumulation()
+            self._reducer.restart_accumulation()
             if self._syncbn is not None:
                 self._syncbn.exchange.reset(len(tensors))
             self._finish_queued = True
@@ -589,7 +597,7 @@ class DistributedModel(nn.Module, Joining):
             )
         except ReplicaError:
             self._finish_queued = False
-            self.sync.abort()
+            self._reducer.abort()
             raise
 
     def _backward_began(self) -> None:
@@ -603,7 +611,7 @@ class DistributedModel(nn.Module, Joining):
             return
         # As _backward's first join: a previous reduction's copy is taken
         # before this backward accumulates over it.
-        self.sync.restart_accumulation()
+        self._reducer.restart_accumulation()
         if self._syncbn is not None:
             self._syncbn.exchange.reset(1)
         self._finish_queued = True
@@ -612,7 +620,7 @@ class DistributedModel(nn.Module, Joining):
     def _end_of_backward(self) -> None:
         self._finish_queued = False
         self._output_in_backward = False
-        self.sync.finish()
+        self._reducer.finish()
         self._buffers_after_backward()
 
 
@@ -650,17 +658,10 @@ def wrap(
     wrap and its buffers after each synced training step; gradients are summed
     over this process's replicas and averaged over processes, as torch DDP.
 
-    `options` (pyddp.engine.options.Options, checked there; an unknown one raises
-    TypeError): bucket_cap_mb=25, first_bucket_cap_mb=1, taper_buckets=False
-    (True: the last buckets shrink by halves down to the first one's size,
-    so little is left to reduce after backward), reduce_order=None
-    ("ready" in one process, "index" across processes), rebuild_buckets=True,
-    broadcast_buffers=True (replica 0's buffers to the others before each
-    training-mode forward, torch DDP's default), threads_per_replica=None
-    (each replica's torch intra-op threads; CPU default:
-    torch.get_num_threads() // number of replicas, at least 1),
-    timeout_s=None ($PYDDP_TIMEOUT_S or 300 s), timeline=None (iterations
-    kept for export_timeline; $PYDDP_TIMELINE), group=None (the
-    torch.distributed process group to span; default every process once
-    torch.distributed is initialised)."""
+    `options`: the fields of `pyddp.engine.options.Options`, each documented
+    there (bucket_cap_mb, first_bucket_cap_mb, taper_buckets, reduce_order,
+    rebuild_buckets, broadcast_buffers, threads_per_replica, timeout_s,
+    timeline, group, find_unused_parameters, static_graph); an unknown or
+    invalid one raises, naming itself. torch DDP's other keywords are
+    accepted where they mean something here (replicas/ddp_args.py)."""
     return DistributedModel(model, devices, **options)

@@ -70,7 +70,7 @@ class Joining(Joinable):
             if not isinstance(value, bool):
                 raise TypeError(f"join(): {name} must be a bool, got {type(value).__name__}")
         self._check_open()
-        if not self.sync.link.spans_processes or not enable:
+        if not self._reducer.link.spans_processes or not enable:
             return contextlib.nullcontext()  # nothing to join
         return self._joined(enable, throw_on_early_termination, divide_by_initial_world_size)
 
@@ -102,7 +102,7 @@ class Joining(Joinable):
         """torch's Joinable: the hook a joined rank runs for each step of
         the others (kwargs: divide_by_initial_world_size, default True)."""
         self._check_open()
-        if not self.sync.link.spans_processes:
+        if not self._reducer.link.spans_processes:
             raise RuntimeError(
                 "pyddp: Join needs processes to join: this wrapped model runs in one process "
                 "(dmodel.join() is a no-op there)"
@@ -116,14 +116,14 @@ class Joining(Joinable):
         divide = kwargs.get("divide_by_initial_world_size", True)
         if not isinstance(divide, bool):
             raise TypeError("divide_by_initial_world_size must be a bool")
-        self.sync.link.divide_by_active = not divide
+        self._reducer.link.divide_by_active = not divide
         return _ShadowHook(self)
 
     @property
     def join_device(self) -> torch.device:
         """torch's Joinable: where Join's own all-reduces live (the CPU for
         gloo, this process's GPU for NCCL)."""
-        group = self.sync.link.group
+        group = self._reducer.link.group
         if group is not None and dist.get_backend(group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -132,7 +132,7 @@ class Joining(Joinable):
     def join_process_group(self) -> Any:
         """torch's Joinable: the process group this model spans (Join's own
         all-reduces run there, as torch DDP's do on its group)."""
-        return self.sync.link.group
+        return self._reducer.link.group
 
     # ------------------------------------------------ from DistributedModel
     def _notify_join(self) -> None:
@@ -154,7 +154,7 @@ class Joining(Joinable):
         except RuntimeError as e:
             if isinstance(e, _OWN) or ("exhausted" in str(e) and not isinstance(e, dist.DistError)):
                 raise  # pyddp's, already named (a shadowed step), or torch's throw
-            self.sync.link.name_failure(what, e)
+            self._reducer.link.name_failure(what, e)
 
     def _join_forward(self, rows: int) -> None:
         """Under Join, before the buffer broadcast of a forward: pyddp's
@@ -162,10 +162,10 @@ class Joining(Joinable):
         if not self._join_config.enable:
             return
         grad = torch.is_grad_enabled()
-        self.sync.link.join_step(
+        self._reducer.link.join_step(
             True,
             grad and self._buffers_due,
-            grad and self.sync.syncing,
+            grad and self._reducer.syncing,
             float(rows),
         )
 
@@ -174,7 +174,7 @@ class Joining(Joinable):
         when the block raised): no step exchange, rank 0's buffers, the
         rows dmodel.loss weighs exchanged again."""
         self._join_config = type(self._join_config).construct_disabled_join_config()
-        self.sync.link.leave_join()
+        self._reducer.link.leave_join()
 
 
 class _ShadowHook(JoinHook):
@@ -185,21 +185,21 @@ class _ShadowHook(JoinHook):
         """One step of the ranks with inputs, shadowed."""
         m = self.model
         m._check_open()
-        step = m.sync.link.join_step(False, False, False, 0.0)
+        step = m._reducer.link.join_step(False, False, False, 0.0)
         if step.syncs:
-            m.sync.shadow_backward()
+            m._reducer.shadow_backward()
         if step.broadcasts:  # after the backward, as the ranks with inputs
-            m.sync.link.broadcast(list(m.module.buffers()), BUFFERS_BROADCAST)
+            m._reducer.link.broadcast(list(m.module.buffers()), BUFFERS_BROADCAST)
             m._copy_buffers()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank joined: every rank takes the last joiner's model."""
         m = self.model
-        record = m.sync.work
+        record = m._reducer.work
         steps = record.steps
         counters = torch.tensor([record.steps, record.backwards_since_sync], dtype=torch.int64)
         state: List[torch.Tensor] = list(m.module.parameters()) + list(m.module.buffers())
-        source = m.sync.link.end_join(is_last_joiner, [t.detach() for t in state] + [counters])
+        source = m._reducer.link.end_join(is_last_joiner, [t.detach() for t in state] + [counters])
         record.steps, record.backwards_since_sync = (int(v) for v in counters.tolist())
         m.sync_replicas()
         try:

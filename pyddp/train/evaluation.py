@@ -32,7 +32,7 @@ def evaluate(
     rows, as one device would compute them). `across_ranks`: every rank
     evaluates its slice and the sums are exchanged (every rank must call
     it); else this process evaluates all of `data`."""
-    link = model.sync.link
+    ranks = model.ranks
     loader = ShardedLoader(
         data,
         cfg.eval_batch_size or cfg.batch_size,
@@ -40,8 +40,8 @@ def evaluate(
         shuffle=False,
         seed=cfg.seed,
         prefetch=cfg.prefetch,
-        rank=link.rank if across_ranks else 0,
-        world=link.world if across_ranks else 1,
+        rank=ranks.rank if across_ranks else 0,
+        world=ranks.world if across_ranks else 1,
         keep_short=True,  # every row counts; a rank may get none of the last batch
     )
     # Each module's own mode comes back afterwards (a user may keep, say,
@@ -77,7 +77,7 @@ def evaluate(
         model.training = model.module.training
     if across_ranks:  # every rank's rows: the same figures everywhere
         local = totals.tolist() if totals is not None else [0.0] * len(names)
-        sums = link.sum_over_ranks([rows, *local], _VALID_SUMS)
+        sums = ranks.sum([rows, *local], _VALID_SUMS)
         rows, totals = sums[0], torch.tensor(sums[1:], dtype=torch.float64)
     values = (totals / rows).tolist()  # one host sync for the whole evaluation
     return {f"valid_{n}" if n == "loss" else n: v for n, v in zip(names, values)}

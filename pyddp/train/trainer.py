@@ -103,8 +103,8 @@ class Trainer:
         self._closed = False
         # Across processes: this rank's place; rank 0 alone shows progress and
         # writes files, every rank trains on its slice of each global batch.
-        self.link = self.model.sync.link
-        self.rank, self.world = self.link.rank, self.link.world
+        self.ranks = self.model.ranks
+        self.rank, self.world = self.ranks.rank, self.ranks.world
         seed_generators(self.config.seed, self.rank, self.model.devices)
         try:
             if self.config.precision == "fp16" and self.model.devices[0].type != "cuda":
@@ -116,7 +116,7 @@ class Trainer:
                 **optimizer_kwargs,
             )
             self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
-            counts = self.link.local_counts
+            counts = self.ranks.replicas_per_rank
             # What this run's result depends on: in every checkpoint, compared at resume.
             signature = run_signature(
                 self.model.module,
@@ -135,7 +135,7 @@ class Trainer:
         # Rank 0's, on every rank: the others never touch it, but they take
         # part in checkpoints (their RNG states) exactly when it writes them,
         # also when a script sets output_dir on rank 0 only.
-        self.output_dir = self.link.from_root(self.output_dir, _OUTPUT_DIR)
+        self.output_dir = self.ranks.from_root(self.output_dir, _OUTPUT_DIR)
         self.callbacks: List[Callback] = list(callbacks)
         if self.config.progress and self.rank == 0:
             self.callbacks.append(ProgressBar())
@@ -160,7 +160,7 @@ class Trainer:
             if self.output_dir is None
             else RunFiles(
                 self.output_dir,
-                self.link,
+                self.ranks,
                 self.config,
                 signature,
                 {
@@ -286,11 +286,11 @@ class Trainer:
         numbers of batches is cut to the smallest, said once, as
         DistributedSampler(drop_last=True) would (the Trainer does not train
         under Join: its per-step exchanges would need shadowing too)."""
-        if not self.link.spans_processes:
+        if not self.ranks.spans_processes:
             return
         mine = [0.0] * self.world
         mine[self.rank] = float(len(loader))
-        counts = [int(c) for c in self.link.sum_over_ranks(mine, _BATCHES)]
+        counts = [int(c) for c in self.ranks.sum(mine, _BATCHES)]
         if len(set(counts)) == 1:
             return
         loader.limit = min(counts)
@@ -309,9 +309,9 @@ class Trainer:
         each rank's entry where the ranks' data differ (a change on any
         rank is then a change)."""
         mine = data_signature(train_data, batches)
-        if not self.link.spans_processes:
+        if not self.ranks.spans_processes:
             return mine
-        ranks = self.link.gather_objects(mine, _DATA)
+        ranks = self.ranks.gather(mine, _DATA)
         return {
             key: value
             if all(r[key] == value for r in ranks)
@@ -354,7 +354,7 @@ class Trainer:
         # gradients it writes.
         n = len(self.model.replicas)
         self.model.map_replicas(lambda r, m, s: None, [None] * n, "wait")
-        self.model.sync.abort()  # a backward cut short is still open in the engine
+        self.model._reducer.abort()  # a backward cut short is still open in the engine
         self.state.batch_in_epoch = self._window
         self._window = self._interrupted_in = None
 
@@ -368,7 +368,7 @@ class Trainer:
             self.loss_fn,
             self.metrics,
             self._autocast,
-            across_ranks and self.link.spans_processes,
+            across_ranks and self.ranks.spans_processes,
         )
 
     def _run_epoch(self, loader: ShardedLoader, valid_data: Any) -> None:
@@ -391,7 +391,7 @@ class Trainer:
                             self.loss_fn, shards, context=self._autocast
                         )
                         (loss * (self._scaler.scale / window)).backward()
-                    if self.link.spans_processes:  # the global batch's loss, as one device
+                    if self.ranks.spans_processes:  # the global batch's loss, as one device
                         loss = self._global_loss(loss, shards)
                     window_loss += loss.detach().to(window_loss.device) / window
                     state.batch_in_epoch += 1
@@ -434,7 +434,7 @@ class Trainer:
         g = self.model.last_global_loss  # from the agreement's sums (CPU)
         if g is None:  # GPU replicas: the host reads the loss here, once per step
             rows = sum(shard_rows(s) for s in shards)
-            rows_all, total = self.link.sum_over_ranks([rows, loss.item() * rows], _TRAIN_LOSS)
+            rows_all, total = self.ranks.sum([rows, loss.item() * rows], _TRAIN_LOSS)
             g = total / rows_all
         return torch.tensor(g)
 
@@ -462,7 +462,7 @@ class Trainer:
         return True
 
     def _unscale(self) -> bool:
-        flats = [self.model.sync.flat_grads(r) for r in range(len(self.model.replicas))]
+        flats = [self.model._reducer.flat_grads(r) for r in range(len(self.model.replicas))]
         return self._scaler.unscale_(flats)
 
     def _after_step(self, valid_data: Any, metrics: Dict[str, Any]) -> None:
@@ -477,7 +477,7 @@ class Trainer:
         )
         stop = self._ctrl_c.stop_requested
         # A Ctrl-C on any rank stops every rank at this step.
-        stop = self.link.sum_over_ranks([float(stop)], _STOP)[0] > 0
+        stop = self.ranks.sum([float(stop)], _STOP)[0] > 0
         if stop:
             state.stop_reason = "interrupted"  # fit() writes the checkpoint on the way out
 
@@ -524,7 +524,7 @@ class Trainer:
         # Every rank's own random state (its dropout masks differ from the
         # others'), so that a resumed rank draws what it would have drawn.
         rng = {"torch": torch.get_rng_state(), "cuda": cuda_rng_states(self.model.devices)}
-        ranks = self.link.gather_objects(rng, _RNG)
+        ranks = self.ranks.gather(rng, _RNG)
         # On every rank: a sharded optimizer's state dict is gathered from all.
         optimizer = self.optimizer.state_dict()
 

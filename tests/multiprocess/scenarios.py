@@ -73,7 +73,7 @@ def _sequence_of(dm) -> int:
     """Control exchanges made so far on dm's control group (header sequence)."""
     from pyddp._link.control import _sequence
 
-    return _sequence.get(tuple(dm.sync.link.peers.ranks), 0)
+    return _sequence.get(tuple(dm._reducer.link.peers.ranks), 0)
 
 
 def max_diff(a: nn.Module, b: nn.Module) -> float:
@@ -453,7 +453,7 @@ def simgpu(out: dict) -> None:
         out[f"steady_exchanges_cap{cap:g}"] = _sequence_of(dm) - exchanges
         out[f"diff_cap{cap:g}"] = max_diff(dm.module, ref)
         out[f"never_none_cap{cap:g}"] = dm.module.never.weight.grad is None
-        out["backend"] = dm.sync._backend.name
+        out["backend"] = dm._reducer.backend.name
         # Buffers after a synced training step (torch DDP's rule): rank 0's,
         # on the device (NCCL), bit for bit (a signed zero and an integer
         # counter included; BatchNorm is in eval mode: nothing else moves them).
@@ -633,7 +633,7 @@ def _compression_on_simulated_gpus(out: dict, devices, streams) -> None:
         return dm
 
     dm = train(devices, (devices, streams))
-    out["fp16_wire"] = dm.sync._backend.compression
+    out["fp16_wire"] = dm._reducer.backend.compression
     out["fp16_diff"] = max_diff(dm.module, ref)
     out["fp16_replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
     if len(devices) == 1:
@@ -886,7 +886,7 @@ def foreign_note(out: dict) -> None:
     rank = pyddp.rank()
     torch.manual_seed(0)
     dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
-    out["prefix"] = dm.sync.link.prefix
+    out["prefix"] = dm._reducer.link.prefix
     x, y = torch.randn(8, 6), torch.randn(8, 3)
     nn.functional.mse_loss(dm(x), y).backward()
     if rank == 1:
@@ -1286,7 +1286,7 @@ def exchanges(out: dict) -> None:
     dm = pyddp.wrap(nn.Linear(2, 2), ["cpu"])
     name = LOSS_WEIGHTS if pyddp.rank() == 0 else _VALID_SUMS
     try:
-        dm.sync.link.sum_over_ranks([1.0, 2.0], name)
+        dm._reducer.link.sum_over_ranks([1.0, 2.0], name)
         out["mismatch"] = None
     except Exception as e:  # noqa: BLE001 - reported to the test
         out["mismatch"] = str(e)
@@ -1592,7 +1592,7 @@ def join(out: dict) -> None:
         for m in dm.replicas if frozen else []:
             m.norm.eval()
         joined_steps(dm, dm.optimizer(torch.optim.SGD, **SGD), divide, micro)
-        out.setdefault("records", []).append(dm.sync.work.steps)
+        out.setdefault("records", []).append(dm._reducer.work.steps)
         model = dm.module
         dm.close()
         return model
@@ -1715,7 +1715,7 @@ def join(out: dict) -> None:
         out["thrown"] = None
     except RuntimeError as e:
         out["thrown"] = str(e)
-    out["join_left_after_throw"] = dm.sync.link.join is None  # rank 0's buffers again
+    out["join_left_after_throw"] = dm._reducer.link.join is None  # rank 0's buffers again
     x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
     nn.functional.mse_loss(dm(x), y).backward()
     opt.step()

@@ -11,7 +11,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from ..._link import Link, exchange
+from ..._link import exchange
+from ..._link.ranks import Ranks
 from ..config import TrainConfig
 from ..state import LoopState
 from .identity import (
@@ -38,14 +39,14 @@ class RunFiles:
     def __init__(
         self,
         output_dir: Path,
-        link: Link,
+        ranks: Ranks,
         config: TrainConfig,
         signature: Dict[str, Any],
         classes: Dict[str, Optional[str]],
     ):
         self.output_dir = output_dir
         self.checkpoints = output_dir / "checkpoints"
-        self.link = link
+        self.ranks = ranks
         self.config = config  # read when used: resume and max_to_keep may change between fits
         self.signature = signature  # what this run's result depends on
         self.data: Dict[str, str] = {}  # and from its training data (set by each fit)
@@ -90,7 +91,7 @@ class RunFiles:
         changed = run_differences(payload.get("run"), {**self.signature, **self.data})
         if changed and not self.config.resume_if_changed:
             raise ValueError(changed_run_message(path, changed))
-        if changed and self.link.rank == 0:
+        if changed and self.ranks.rank == 0:
             warnings.warn(
                 f"pyddp: resuming {path} with changes (resume_if_changed=True): "
                 + "; ".join(changed),
@@ -105,16 +106,16 @@ class RunFiles:
         """fn() on rank 0 (the files are rank 0's), its result on every rank
         through one exchange. An exception on rank 0 is raised there as it is
         and, by its text, on every other rank, so none waits for the timeout."""
-        if not self.link.spans_processes:
+        if not self.ranks.spans_processes:
             return fn()
         result: Any = None
         error: Optional[BaseException] = None
-        if self.link.rank == 0:
+        if self.ranks.rank == 0:
             try:
                 result = ("ok", fn())
             except Exception as e:  # noqa: BLE001 - raised below, here and on every rank
                 error, result = e, ("error", f"{type(e).__name__}: {e}")
-        kind, value = self.link.from_root(result, what)
+        kind, value = self.ranks.from_root(result, what)
         if error is not None:
             raise error
         if kind == "error":

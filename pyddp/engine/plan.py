@@ -1,0 +1,156 @@
+"""The bucket plan over a GradSync's life: the first plan (pyddp's, from the
+parameters in reverse order), the one rebuild from the ready order observed in
+the first synced backward (rank 0's, across processes), torch DDP's plan once a
+communication hook sees the buckets, 16-bit wire copies on GPUs, and the
+re-allocation after Module._apply moved the gradients. Every change lays the
+buckets out again and retires the old memory after the reductions that may
+still use it."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any, Callable, List, Sequence
+
+import torch
+
+from ..runtime.libraries import nvrtc_path
+from .buckets import BucketLayout, ddp_plan, plan_buckets
+from .comm_hooks import WIRE_DTYPES, check_gpu_state, gpu_wire_dtype, resolve_hook
+from .options import Options
+from .streams import StreamOrder
+
+_MIB = 1 << 20
+
+
+def first_plan(params: Sequence[torch.Tensor], dtypes: List[str], opts: Options) -> List[List[int]]:
+    """pyddp's plan before any backward: parameters in reverse order (about
+    the order backward produces them), capped as `opts` says."""
+    cap = int(opts.bucket_cap_mb * _MIB)
+    first_cap = int(opts.first_bucket_cap_mb * _MIB) if cap else 0
+    order = list(reversed(range(len(params))))
+    return plan_buckets(
+        [p.numel() for p in params], dtypes, order, first_cap, cap, opts.taper_buckets
+    )
+
+
+class Plan:
+    """Owns the bucket plan of one engine: when to re-plan and how, and the
+    layout's memory through each change."""
+
+    def __init__(
+        self,
+        engine: Any,
+        layout: BucketLayout,
+        order: StreamOrder,
+        link: Any,
+        params: Sequence[torch.Tensor],
+        backend: Any,
+        opts: Options,
+    ):
+        self.engine, self.layout, self.order, self.link = engine, layout, order, link
+        self.params = params  # replica 0's
+        self.backend = backend
+        self.cap = int(opts.bucket_cap_mb * _MIB)
+        self.first_cap = int(opts.first_bucket_cap_mb * _MIB) if self.cap else 0
+        self.taper = opts.taper_buckets
+        self.rebuild_pending = opts.rebuild_buckets and self.cap > 0
+        self.rebuild_allowed = opts.rebuild_buckets
+        # torch DDP's static_graph and find_unused_parameters: they shape its
+        # bucket plan, which a hook sees (as_ddp, which sets ddp).
+        self.ddp_args = (opts.static_graph, opts.find_unused_parameters)
+        self.ddp = False
+        self.hook_set = False  # register_comm_hook was called (once, as with DDP)
+
+    def allocate(self, buckets: Sequence[Sequence[int]]) -> None:
+        old = self.layout.memory()
+        self.layout.allocate(buckets)
+        self.order.retire(self.engine, old)
+        self.link.set_buckets(self.layout.flat[0], buckets, self.params, self.layout.views[0])
+
+    def rebuild_once(self) -> None:
+        """After the first synced backward: every process plans from rank 0's
+        ready order."""
+        if not self.rebuild_pending:
+            return
+        self.rebuild_pending = False
+        order = self.link.root_order(self.engine.ready_order(), len(self.params)) or []
+        if len(order) != len(self.params):
+            return
+        if self.ddp:  # torch DDP's rebuilt plan: a hook sees it
+            buckets = ddp_plan(self.params, [self.first_cap, self.cap], order)
+        else:
+            numels = [p.numel() for p in self.params]
+            buckets = plan_buckets(
+                numels, self.layout.dtypes, order, self.first_cap, self.cap, self.taper
+            )
+        self.set(buckets)
+
+    def set(self, buckets: List[List[int]]) -> None:
+        if buckets == self.engine.buckets:
+            return
+        self.order.fence_all()
+        self.engine.set_buckets(buckets)
+        self.allocate(buckets)
+
+    def reattach(self) -> None:
+        """Fresh bucket buffers for every gradient, values kept."""
+        if self.engine.active:
+            self.engine.abort()
+        self.order.fence_all()
+        self.allocate(self.engine.buckets)
+
+    def as_ddp(self) -> None:
+        """A communication hook sees buckets: from now on they are torch
+        DDP's for the same arguments (its initial plan, then its rebuild
+        from rank 0's ready order, or none with find_unused_parameters)."""
+        static, unused = self.ddp_args
+        if static or not unused:
+            limits = [sys.maxsize]  # DDP's first iteration: one bucket
+        elif self.first_cap < self.cap:
+            limits = [self.first_cap, self.cap]
+        else:
+            limits = [self.cap]
+        self.ddp = True
+        # DDP rebuilds once unless it looks for unused parameters every step.
+        self.rebuild_pending = self.rebuild_allowed and (static or not unused)
+        self.set(ddp_plan(self.params, limits))
+
+    def register_comm_hook(self, state: Any, hook: Any, on_gpus: bool, used: bool) -> None:
+        """GradSync.register_comm_hook, once the hook is known valid for now
+        (`used`: a backward or a step already ran)."""
+        hook = resolve_hook(hook)
+        if self.hook_set:
+            raise RuntimeError(
+                "pyddp: a communication hook is already registered; register one, once, as "
+                "with torch DDP"
+            )
+        if used:
+            raise RuntimeError(
+                "pyddp: register_comm_hook must be called before the first backward (as with "
+                "torch DDP): every rank must reduce every step the same way"
+            )
+        if not on_gpus:
+            self.link.register_comm_hook(state, hook)
+            if self.link.spans_processes:
+                self.as_ddp()
+        else:
+            self._compress_on_gpus(state, hook)  # elementwise: the grouping does not matter
+        self.hook_set = True
+
+    def _compress_on_gpus(self, state: Any, hook: Callable[..., Any]) -> None:
+        """The hook on GPUs: torch's 16-bit hooks run by the NCCL backend."""
+        wire = gpu_wire_dtype(hook)
+        check_gpu_state(state, self.link.group)
+        if wire == "float32":
+            return
+        if not hasattr(self.backend, "set_compression"):
+            warnings.warn(
+                "pyddp: the communication hook is not used: these replicas share one GPU, and "
+                "pyddp's kernel reduces them in its memory (nothing crosses a wire)",
+                stacklevel=5,
+            )
+            return
+        self.backend.set_compression(wire, nvrtc_path("compressed buckets convert with NVRTC"))
+        self.layout.wire_dtype = WIRE_DTYPES[wire]
+        self.allocate(self.engine.buckets)
