@@ -1,7 +1,7 @@
 """Scatter and gather for the wrapped model: a batch (any tree of tensors,
 containers, dataclasses, pytree nodes, model caches) split along dim 0 over
-the replicas' devices, and the replicas' outputs joined back into one batch
-on devices[0], refusing what cannot be joined with a message that says why."""
+the replicas' devices, and the replicas' outputs combined into one batch
+on devices[0], refusing what cannot be combined with a message that says why."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .gather_node import join_column
+from .combine import combine_column
 from .tree import flatten, other_leaves, shard_sizes, structure
 
-# (per-replica tensors, their kinds, shard weights) -> the joined tensors
-JoinFn = Callable[[List[List[torch.Tensor]], List[str], List[float]], List[torch.Tensor]]
+# (per-replica tensors, their kinds, shard weights) -> the combined tensors
+CombineFn = Callable[[List[List[torch.Tensor]], List[str], List[float]], List[torch.Tensor]]
 
 
 def scatter(tree: Any, devices: Sequence[torch.device]) -> Tuple[List[Any], List[int]]:
@@ -45,18 +45,18 @@ def scatter(tree: Any, devices: Sequence[torch.device]) -> Tuple[List[Any], List
     return shards, sizes
 
 
-def gather(outs: List[Any], sizes: List[int], device: torch.device, join: JoinFn) -> Any:
+def gather(outs: List[Any], sizes: List[int], device: torch.device, combine: CombineFn) -> Any:
     """Batch tensors are concatenated; 0-dim floating tensors (a loss the
     model computes itself) become the shard-size-weighted mean; other 0-dim
     tensors are stacked, one per replica. Non-tensor values are refused
-    unless every replica returned the same None, str or bytes. `join` joins
-    the columns that need a gradient (through autograd, see _join.Join)."""
+    unless every replica returned the same None, str or bytes. `combine`
+    combines the columns that need a gradient (through autograd, see combine.py)."""
     shapes = [structure(o) for o in outs]
     for r, shape in enumerate(shapes[1:], start=1):
         if shape != shapes[0]:
             raise RuntimeError(
                 f"pyddp: replicas 0 and {r} returned outputs of different structure "
-                "(containers, keys, or which values are tensors), which cannot be joined "
+                "(containers, keys, or which values are tensors), which cannot be combined "
                 f"into one batch: {_short(shapes[0])} vs {_short(shape)}"
             )
     flat = [flatten(o) for o in outs]
@@ -72,14 +72,14 @@ def gather(outs: List[Any], sizes: List[int], device: torch.device, join: JoinFn
         if any(t.requires_grad for t in column):
             differentiable.append(j)
         else:
-            results[j] = join_column(column, kinds[j], device, weights)
+            results[j] = combine_column(column, kinds[j], device, weights)
     if differentiable:
-        joined = join(
+        combined = combine(
             [[ls[j] for j in differentiable] for ls in leaves],
             [kinds[j] for j in differentiable],
             weights,
         )
-        for j, t in zip(differentiable, joined):
+        for j, t in zip(differentiable, combined):
             results[j] = t
     return rebuild(results)
 
@@ -114,7 +114,7 @@ def _check_other_leaves(outs: List[Any]) -> None:
             _equal(v, leaf.value) for v in values
         ):
             continue
-        raise TypeError(_unjoinable(leaf, values))
+        raise TypeError(_uncombinable(leaf, values))
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -126,7 +126,7 @@ def _equal(a: Any, b: Any) -> bool:
         return False
 
 
-def _unjoinable(leaf: Any, values: List[Any]) -> str:
+def _uncombinable(leaf: Any, values: List[Any]) -> str:
     kind = type(leaf.value)
     name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
     shown = ", ".join(_brief(v) for v in values)

@@ -5,7 +5,7 @@ forward and backward, as one device running BatchNorm on the whole batch.
 The model is converted as for torch DDP
 (`torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)`, or
 `pyddp.convert_sync_batchnorm`); `pyddp.wrap` then runs each replica's
-SyncBatchNorm layers through an `Exchange`: the replicas' threads meet in the
+SyncBatchNorm layers through an `Meeting`: the replicas' threads meet in the
 middle of forward (and of backward), sum their per-channel statistics on
 devices[0], and one thread sums them over the processes on a gloo group of
 their own (so they never pair with a gradient bucket in flight). A replica
@@ -47,14 +47,14 @@ def sync_layers(module: nn.Module) -> List[nn.SyncBatchNorm]:
     return [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)]
 
 
-class ExchangeBroken(RuntimeError):
+class MeetingBroken(RuntimeError):
     """A replica stopped at a meeting because another failed: the workers
     report the other's error first."""
 
     consequence = True
 
 
-class Exchange:
+class Meeting:
     """Sums one tensor per replica, then over the processes (`across`), and
     hands every replica the total on its own device. Meetings happen in the
     same order on every replica (the same layers, forward then backward
@@ -140,7 +140,7 @@ class Exchange:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         missing = [i for i, s in enumerate(self._slots) if s is None]
-                        raise ExchangeBroken(
+                        raise MeetingBroken(
                             f"pyddp: SyncBatchNorm ({what}): replica {r} waited "
                             f"{self.timeout_s:g} s for replica(s) {missing}, which never reached "
                             "this layer (a replica that skipped it, or stalled)"
@@ -152,7 +152,7 @@ class Exchange:
 
     def _raise_if_broken(self, r: int, what: str) -> None:
         if self._broken is not None:
-            raise ExchangeBroken(
+            raise MeetingBroken(
                 f"pyddp: SyncBatchNorm ({what}) on replica {r} stopped: {self._broken}"
             )
 
@@ -222,12 +222,12 @@ def _reduce_dims(x: torch.Tensor) -> List[int]:
 
 
 class _Binding:
-    """Which replica a layer belongs to and its Exchange. Copies and pickles
+    """Which replica a layer belongs to and its Meeting. Copies and pickles
     of a bound layer (an EMA copy, torch.save of the model) drop it: they are
-    torch's SyncBatchNorm again, never a second caller of this exchange."""
+    torch's SyncBatchNorm again, never a second caller of this meeting."""
 
-    def __init__(self, r: int, exchange: Exchange):
-        self.r, self.exchange = r, exchange
+    def __init__(self, r: int, meeting: Meeting):
+        self.r, self.meeting = r, meeting
 
     def __deepcopy__(self, memo: Any) -> None:
         return None
@@ -248,19 +248,19 @@ class BoundSyncBatchNorm(nn.SyncBatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         binding = self.__dict__.get("_pyddp_binding")
-        if binding is None or not (binding.exchange.active and self.training):
+        if binding is None or not (binding.meeting.active and self.training):
             return super().forward(input)
-        return _global_forward(self, input, binding.r, binding.exchange)
+        return _global_forward(self, input, binding.r, binding.meeting)
 
 
 def _global_forward(
-    layer: nn.SyncBatchNorm, x: torch.Tensor, r: int, exchange: Exchange
+    layer: nn.SyncBatchNorm, x: torch.Tensor, r: int, meeting: Meeting
 ) -> torch.Tensor:
     if x.dim() < 2:
         raise ValueError(f"pyddp: SyncBatchNorm expects at least 2D input, got {x.dim()}D")
 
     def meet(t: torch.Tensor, what: str) -> torch.Tensor:
-        return exchange.sum(r, t, what)
+        return meeting.sum(r, t, what)
 
     dims = _reduce_dims(x)
     n = x.numel() // x.shape[1]
@@ -272,7 +272,7 @@ def _global_forward(
         var, m = torch.var_mean(x.detach().to(dtype), dims, correction=0)
         m64, v64 = m.to(STATS_DTYPE), var.to(STATS_DTYPE)
         stats = torch.stack([torch.full_like(m64, float(n)), n * m64, n * (v64 + m64 * m64)])
-        total, on_host = exchange.sum_and_host(r, stats, what)
+        total, on_host = meeting.sum_and_host(r, stats, what)
         count = float(on_host[0, 0])  # no wait for the GPU: the host summed it
         if count <= 1:
             raise ValueError(
@@ -301,7 +301,7 @@ def _update_running_stats(layer: nn.SyncBatchNorm, mean: torch.Tensor, unbiased:
 
 class SyncBatchNorms:
     """The wrapped model's SyncBatchNorm layers, every replica's, bound to
-    one Exchange; `release()` makes them torch's SyncBatchNorm again."""
+    one Meeting; `release()` makes them torch's SyncBatchNorm again."""
 
     def __init__(
         self,
@@ -318,7 +318,7 @@ class SyncBatchNorms:
                 "one replica per GPU, or BatchNorm"
             )
         device = torch.device("cpu") if gpu is not None else device
-        self.exchange = Exchange(len(replicas), device, across, timeout_s, gpu)
+        self.meeting = Meeting(len(replicas), device, across, timeout_s, gpu)
         self._bound: List[nn.Module] = []
         for r, replica in enumerate(replicas):
             for layer in sync_layers(replica):
@@ -340,18 +340,18 @@ class SyncBatchNorms:
                         "(convert_sync_batchnorm), or BatchNorm without synchronization"
                     )
                 layer.__class__ = BoundSyncBatchNorm
-                layer._pyddp_binding = _Binding(r, self.exchange)
+                layer._pyddp_binding = _Binding(r, self.meeting)
                 self._bound.append(layer)
 
     @contextlib.contextmanager
     def meetings(self, replicas: int) -> Iterator[None]:
         """A pyddp forward over replicas 0..`replicas`-1: the layers meet."""
-        self.exchange.reset(replicas)
-        self.exchange.active = True
+        self.meeting.reset(replicas)
+        self.meeting.active = True
         try:
             yield
         finally:
-            self.exchange.active = False
+            self.meeting.active = False
 
     def release(self) -> None:
         for layer in self._bound:

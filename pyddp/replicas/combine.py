@@ -1,8 +1,8 @@
-"""Joining per-replica tensors into one on devices[0] (gathered outputs, the
+"""Combining per-replica tensors into one on devices[0] (gathered outputs, the
 summed loss) as an autograd node whose backward hands each replica its share of
 the gradient and calls back the owner to run the replicas' backward.
 
-How a column (one output position, one tensor per replica) is joined:
+How a column (one output position, one tensor per replica) is combined:
 "cat" concatenates along dim 0; "mean" takes the shard-size-weighted mean of
 0-dim tensors (a per-shard mean loss becomes the full-batch mean); "sum" adds."""
 
@@ -15,7 +15,7 @@ import torch
 RunBackward = Callable[[List[List[torch.Tensor]], List[List[Any]]], None]
 
 
-class Join:
+class Combine:
     def __init__(
         self,
         tensors: List[List[torch.Tensor]],
@@ -25,7 +25,7 @@ class Join:
         run_backward: RunBackward,
         detached: bool,
     ):
-        """tensors[r][j]: replica r's tensor for column j, joined as kinds[j].
+        """tensors[r][j]: replica r's tensor for column j, combined as kinds[j].
         run_backward(tensors, grads) is called from this node's backward;
         `detached`: the replicas' graphs are run by the owner's workers, so the
         outer graph must not reach them."""
@@ -43,13 +43,13 @@ class Join:
             # backward is called.
             flat = [t.detach() for t in flat]
         anchor = torch.empty(0, requires_grad=True)
-        return JoinFn.apply(self, anchor, *flat)
+        return CombineFn.apply(self, anchor, *flat)
 
     def combine(self, flat: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
         width = len(self.tensors[0])
         columns = [[flat[r * width + j] for r in range(len(self.tensors))] for j in range(width)]
         return tuple(
-            join_column(c, k, self.device, self.weights) for c, k in zip(columns, self.kinds)
+            combine_column(c, k, self.device, self.weights) for c, k in zip(columns, self.kinds)
         )
 
     def split(self, grads: Sequence[Optional[torch.Tensor]]) -> List[List[Any]]:
@@ -70,33 +70,33 @@ class Join:
         return out
 
 
-class JoinFn(torch.autograd.Function):
+class CombineFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, join: Join, anchor: torch.Tensor, *flat: torch.Tensor):
-        ctx.join = join
+    def forward(ctx: Any, node: Combine, anchor: torch.Tensor, *flat: torch.Tensor):
+        ctx.node = node
         ctx.set_materialize_grads(False)
         # Saved so that a second backward without retain_graph=True fails in
         # autograd itself, with torch's own message, before any replica runs.
         ctx.save_for_backward(anchor)
-        return join.combine(flat)
+        return node.combine(flat)
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]):
         ctx.saved_tensors  # noqa: B018 - raises if the graph was freed (see forward)
-        join = ctx.join
-        per_replica = join.split(grads)
-        join.run_backward(join.tensors, per_replica)
-        if join.detached:
-            flat_grads: List[Any] = [None] * sum(len(ts) for ts in join.tensors)
+        node = ctx.node
+        per_replica = node.split(grads)
+        node.run_backward(node.tensors, per_replica)
+        if node.detached:
+            flat_grads: List[Any] = [None] * sum(len(ts) for ts in node.tensors)
         else:
             flat_grads = [g for gs in per_replica for g in gs]
         return (None, None, *flat_grads)
 
 
-def join_column(
+def combine_column(
     column: Sequence[torch.Tensor], kind: str, device: torch.device, weights: Sequence[float]
 ) -> torch.Tensor:
-    """The value of one joined column (also for columns that need no gradient)."""
+    """The value of one combined column (also for columns that need no gradient)."""
     if kind == "cat":
         moved = [t.to(device) for t in column]
         return torch.stack(moved) if moved[0].dim() == 0 else torch.cat(moved)

@@ -1,0 +1,301 @@
+"""A wrapped model's steps on its replicas: forward (scatter the batch, run
+every replica on its worker, combine the outputs on devices[0]), the loss per
+replica (`dmodel.loss`, `loss_on_shards`), the backward autograd runs when it
+reaches the combined outputs or loss (every CPU replica's backward on its
+worker, the end of backward queued once as autograd's final callback; a
+backward that bypasses the outputs queues it from its first gradient), and
+the end of backward (the reducer's finish, then rank 0's buffers to every
+rank, torch DDP's rule). A mixin of DistributedModel (model.py), whose state
+it reads."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from .._link.control import BUFFERS_BROADCAST
+from ..errors import ReplicaError
+from .combine import Combine, combine_column
+from .scatter import batch_size, call_arguments, scatter
+
+
+class ReplicaSteps:
+    def loss(
+        self,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        inputs: Any,
+        targets: Any,
+        *,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """Computes `loss_fn(replica(shard inputs), shard targets)` on each
+        replica's own device, without gathering outputs, and returns the full-batch
+        loss on devices[0]. With reduction="mean" (loss_fn averages over its shard)
+        shards are weighted by their sizes, so uneven shards give the full-batch
+        mean; with "sum" (loss_fn sums) the shard losses are added. `inputs` is the
+        model's argument, a tuple of its positional arguments, or a dict of its
+        keyword arguments (pass a dict argument as a 1-tuple: `(d,)`)."""
+        self._check_open()
+        args, kwargs = call_arguments(inputs)  # checked here, not on every replica
+        if self._passthrough:
+            _check_reduction(reduction)
+            return _checked(loss_fn(self.module(*args, **kwargs), targets))
+        with self._abandon_on_error("forward/loss"):
+            shards, _ = scatter((inputs, targets), self.devices)
+        return self.loss_on_shards(loss_fn, shards, reduction=reduction)
+
+    def loss_on_shards(
+        self,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        shards: Sequence[Tuple[Tuple[Any, ...], Any]],
+        *,
+        reduction: str = "mean",
+        context: Optional[Callable[[], ContextManager[Any]]] = None,
+    ) -> torch.Tensor:
+        """Like `loss`, for batches already split and placed on the replicas'
+        devices (per-device data loading): shards[r] = (inputs, targets) for
+        replica r, inputs as in `loss`; fewer shards than replicas leaves the rest
+        out. `context`, if
+        given, is entered on each replica's thread around its forward and loss
+        (e.g. autocast, which is thread-local)."""
+        self._check_open()
+        _check_reduction(reduction)
+        if not 1 <= len(shards) <= len(self._replicas):
+            raise ValueError(f"got {len(shards)} shards for {len(self._replicas)} replicas")
+        sizes = [batch_size(args) for args, _ in shards]
+        total = sum(sizes)
+        self._notify_join()
+        self._begin(total)
+
+        def replica_loss(r: int) -> Callable[[], torch.Tensor]:
+            def run() -> torch.Tensor:
+                shard_inputs, shard_targets = shards[r]
+                args, kwargs = call_arguments(shard_inputs)
+                with context() if context is not None else contextlib.nullcontext():
+                    out = self._callables[r](*args, **kwargs)
+                    value = _checked(loss_fn(out, shard_targets))
+                return value * (sizes[r] / total) if reduction == "mean" else value
+
+            return run
+
+        with self._abandon_on_error("forward/loss"), self._sync_batchnorm(len(shards)):
+            losses = self._workers.run(
+                [self._breaking_meetings(r, replica_loss(r)) for r in range(len(shards))],
+                "forward/loss",
+            )
+        # Training steps only: an evaluation (eval mode) may run on some ranks alone.
+        if self.training and torch.is_grad_enabled():
+            losses = self._reducer.link.weigh_losses(
+                losses, total, reduction, self._reducer.syncing
+            )
+        if torch.is_grad_enabled():
+            self._reducer.note_forward_end()
+        if self._passthrough or not any(v.requires_grad for v in losses):
+            return combine_column(losses, "sum", self.devices[0], [])
+        return self._combine([[v] for v in losses], ["sum"], [])[0]
+
+    @contextlib.contextmanager
+    def _abandon_on_error(self, what: str) -> Iterator[None]:
+        """Across processes, a training forward that raises here leaves the
+        other ranks waiting for this rank's step: they are told at once (and
+        this wrapper refuses further steps) instead of pairing our next step
+        with theirs."""
+        try:
+            yield
+        except BaseException as e:
+            if self._reducer.link.spans_processes and torch.is_grad_enabled():
+                self._reducer.abort(f"its {what} raised {type(e).__name__}: {e}")
+            raise
+
+    def _combine(
+        self, tensors: List[List[torch.Tensor]], kinds: List[str], weights: Any
+    ) -> List[torch.Tensor]:
+        """Combines per-replica tensors on devices[0] through autograd: backward
+        through the result runs every replica's backward (_backward)."""
+        node = Combine(
+            tensors, kinds, self.devices[0], weights, self._backward, self._parallel_backward
+        )
+        return list(node.apply())
+
+    def _start(self, tree: Any) -> Tuple[List[Any], List[int]]:
+        """Scatters `tree` and readies the replicas for a new iteration."""
+        shards, sizes = scatter(tree, self.devices)
+        self._begin(sum(sizes))
+        return shards, sizes
+
+    def _begin(self, rows: int) -> None:
+        """Readies the replicas for a forward of `rows` rows that may be
+        followed by backward."""
+        if self._passthrough:
+            return
+        self.training = self.module.training
+        if torch.is_grad_enabled():
+            if self._apart_after_join:
+                raise RuntimeError(self._apart_after_join)  # on every rank alike
+            self._finish_queued = False  # a backward that raised never ran its callback
+            self._output_in_backward = False
+            self._reducer.prepare_all()
+        self._follow_model()
+        if torch.is_grad_enabled():
+            self._buffers_due = (
+                self.broadcast_buffers
+                and self._reducer.link.spans_processes
+                and self.module.training
+                and self._reducer.syncing
+            )
+        self._join_forward(rows)  # under Join: what the joined ranks shadow
+        # Training forwards (DDP's default) and eval forwards alike: replicas > 0
+        # updated their own BatchNorm statistics in their last training forward.
+        self.broadcast_buffers_now()
+
+    def _call(self, r: int, args: Any, kwargs: Any) -> Callable[[], Any]:
+        return self._breaking_meetings(r, lambda: self._callables[r](*args, **kwargs))
+
+    def _sync_batchnorm(self, replicas: int) -> ContextManager[None]:
+        """SyncBatchNorm layers meet in this forward (not in forwards outside
+        pyddp, nor in evaluation), between replicas 0..`replicas`-1; the
+        backward of this forward meets between the same."""
+        if self._syncbn is None:
+            return contextlib.nullcontext()
+        return self._syncbn.meetings(replicas)
+
+    def _breaking_meetings(self, r: int, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """fn, which on failure breaks SyncBatchNorm's meetings: the other
+        replicas raise instead of waiting for this one."""
+        if self._syncbn is None:
+            return fn
+        meeting = self._syncbn.meeting
+
+        def run() -> Any:
+            try:
+                return fn()
+            except BaseException as e:
+                meeting.abort(f"replica {r} raised {type(e).__name__}: {e}")
+                raise
+
+        return run
+
+    def _backward(self, tensors: List[List[torch.Tensor]], grads: List[List[Any]]) -> None:
+        """Runs in the outer backward when it reaches the gathered output or the
+        returned loss: schedules the end-of-backward bookkeeping and, for CPU
+        replicas, runs every replica's backward on its worker."""
+        if self._output_in_backward:
+            # The outputs of two dmodel(...) calls in one backward: each
+            # replica's gradients would arrive twice in one synced backward.
+            self._output_in_backward = False
+            self._finish_queued = False
+            self._reducer.abort("one backward ran over the outputs of two dmodel(...) calls")
+            raise RuntimeError(
+                "pyddp: one backward runs over the outputs of two dmodel(...) calls (e.g. "
+                "(dmodel(a).sum() + dmodel(b).sum()).backward()): each replica's gradients "
+                "would be produced twice in one synced backward. Concatenate the batches into "
+                "one call, or backward each loss in turn (docs/troubleshooting.md)"
+            )
+        self._output_in_backward = True
+        if not self._finish_queued:
+            # The first join of this backward, before any replica accumulates:
+            # after a backward over a graph kept with retain_graph=True (no
+            # forward in between), the last reduction's copies are cleared as
+            # a forward would (replica 0 carries the sum, the others restart).
+            self._reducer.restart_accumulation()
+            if self._syncbn is not None:
+                self._syncbn.meeting.reset(len(tensors))
+            self._finish_queued = True
+            # Autograd's final callback: runs once the whole backward is done,
+            # whatever else the loss depended on.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if not self._parallel_backward:
+            return
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "pyddp: backward(create_graph=True) is not supported with CPU replicas"
+            )
+        # The replicas' graphs keep their saved tensors exactly when the
+        # outer backward does (retain_graph=True), so a second backward
+        # through the same graph works as on one device.
+        retain = _keep_graph()
+
+        def run(r: int) -> Callable[[], None]:
+            def backward() -> None:
+                # An output that needs no gradient on this replica (a constant
+                # auxiliary loss on a shard without the case) has nothing to run.
+                pairs = [
+                    (t, g)
+                    for t, g in zip(tensors[r], grads[r])
+                    if g is not None and t.requires_grad
+                ]
+                if pairs:
+                    torch.autograd.backward(
+                        [t for t, _ in pairs], [g for _, g in pairs], retain_graph=retain
+                    )
+
+            return backward
+
+        try:
+            self._workers.run(
+                [self._breaking_meetings(r, run(r)) for r in range(len(tensors))], "backward"
+            )
+        except ReplicaError:
+            self._finish_queued = False
+            self._reducer.abort()
+            raise
+
+    def _backward_began(self) -> None:
+        """A gradient arrived in a backward that did not pass through this
+        model's outputs (Lightning's manual_backward inside the wrapped
+        forward, a loss of `.module`'s outputs, two backwards in one
+        training_step): its end is queued from here, as torch DDP's reducer
+        queues its own from its first gradient hook. One replica only:
+        several replicas need the outputs to run their backwards."""
+        if self._finish_queued:
+            return
+        # As _backward's first join: a previous reduction's copy is taken
+        # before this backward accumulates over it.
+        self._reducer.restart_accumulation()
+        if self._syncbn is not None:
+            self._syncbn.meeting.reset(1)
+        self._finish_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._finish_queued = False
+        self._output_in_backward = False
+        self._reducer.finish()
+        self._buffers_after_backward()
+
+    def _buffers_after_backward(self) -> None:
+        """torch DDP's buffer rule, across processes: after a synced training
+        forward (grad enabled, not under no_sync()), rank 0's buffers (the
+        highest rank with inputs under Join) go to every rank. DDP sends
+        them before the next forward, whatever its mode; pyddp sends the
+        same values at the end of that forward's backward (not earlier: the
+        backward may read buffers its forward saved), so an evaluation that
+        follows sees DDP's statistics on every rank without communicating,
+        and may still run on some ranks only."""
+        if self._buffers_due:
+            self._buffers_due = False
+            self._reducer.link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
+            if len(self._replicas) > 1:
+                self._copy_buffers()  # this process's other replicas too, at once
+
+
+def _keep_graph() -> bool:
+    """Whether the backward running now keeps its graph (retain_graph=True)."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(query()) if query is not None else False
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}: use 'mean' or 'sum'")
+
+
+def _checked(value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        raise ValueError(
+            "loss_fn must return a scalar tensor (reduce over the shard), got "
+            f"{getattr(value, 'shape', type(value).__name__)}"
+        )
+    return value
