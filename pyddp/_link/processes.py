@@ -21,6 +21,7 @@ from .meetings import Meetings
 from .record import WorkRecord, watch_steps
 from .route import DeviceRoute
 from .transport import BucketTransport
+from .weighting import Weighting, Window
 
 
 class ProcessLink(Link):
@@ -34,11 +35,7 @@ class ProcessLink(Link):
         self.agreement = Agreement(self.control)
         self.rank, self.world = peers.rank, peers.world
         self.local_counts: List[int] = []
-        self.global_loss: Optional[float] = None
-        # dmodel.loss: the global batch's rows when the ranks last exchanged
-        # them, and this rank's rows then; this synced backward's weighings.
-        self._agreed_rows: Optional[Tuple[float, float]] = None
-        self._window = _Window()
+        self.weighting = Weighting(self.world)  # dmodel.loss's (weighting.py)
         self._route: Optional[DeviceRoute] = None
         self.group: Any = None  # the caller's process group (torch's Join runs on it)
         # Under torch's Join: this forward's step, as every rank saw it, and
@@ -46,6 +43,10 @@ class ProcessLink(Link):
         # DDP's divide_by_initial_world_size=False) rather than all ranks.
         self.join: Optional[JoinStep] = None
         self.divide_by_active = False
+
+    @property
+    def global_loss(self) -> Optional[float]:
+        return self.weighting.global_loss
 
     @property
     def prefix(self) -> str:
@@ -146,7 +147,7 @@ class ProcessLink(Link):
         # Every rank must launch the same buckets: a parameter without a
         # gradient here is reduced too, with zeros from here; which of them
         # have a gradient on no process at all travels after the buckets.
-        window = self._window
+        window = self.weighting.window
         work = record(self.peers.iteration)
         work["losses weighed by dmodel.loss without an exchange"] = window.assumed
         self.agreement.start(absent, size, work, window.loads(), shadow)
@@ -161,7 +162,7 @@ class ProcessLink(Link):
             return len(ranks)
         return sum(self.local_counts[r] for r in ranks)
 
-    def _join_divisor(self, window: _Window) -> float:
+    def _join_divisor(self, window: Window) -> float:
         """Under Join with divide_by_initial_world_size=False: gradients
         averaged over every rank (joined ones adding zeros) are brought to
         the average over the ranks with inputs. dmodel.loss weighs the rows
@@ -171,7 +172,7 @@ class ProcessLink(Link):
         return self.world / max(1, len(self.join.active))
 
     def wait(self) -> Tuple[List[int], List[int], Any]:
-        window, self._window = self._window, _Window()
+        window = self.weighting.take_window()
         if self._route is None:
             # CPU: the agreement follows the buckets on the data group.
             part = self.agreement.part
@@ -179,7 +180,8 @@ class ProcessLink(Link):
             launched = self.transport.wait()
             where = f"synced backward {self.peers.iteration}"
             sums = self.agreement.read(part, self._contributors(), where)
-            return launched, sums.unused, self._factor(window, sums) * self._join_divisor(window)
+            factor = self.weighting.cpu_factor(window, sums, self.failure.fail)
+            return launched, sums.unused, factor * self._join_divisor(window)
         # GPUs: through the NCCL communicator, after the buckets; nothing for
         # the transport to wait for (this counts the iteration).
         launched = self.transport.wait()
@@ -196,32 +198,15 @@ class ProcessLink(Link):
         else:
             self.agreement.defer(fetch, contributors)
         factor: Any = self._join_divisor(window)
-        if window.assumed and self._agreed_rows is not None:
+        agreed = self.weighting.agreed
+        if window.assumed and agreed is not None:
             # On the device: the host does not know the global rows.
-            factor = self._route.factors(parts, self.agreement.rows_slot, self._agreed_rows[0])
+            factor = self._route.factors(parts, self.agreement.rows_slot, agreed[0])
         return launched, unused, factor
 
     def settle(self) -> None:
         if self._route is not None:
             self.agreement.poll(drain=True)
-
-    def _factor(self, window: _Window, sums: Any) -> float:
-        """CPU: what the gradients weighed without an exchange still need
-        (1.0 if the global batch had the rows assumed), and the global loss."""
-        if not window.assumed or self._agreed_rows is None:
-            return 1.0
-        assumed, rows = self._agreed_rows[0], sums.rows
-        self.global_loss = sums.loss_rows / rows if rows > 0 and window.on_host else None
-        if sums.changed == 0 or rows <= 0:
-            return 1.0
-        if sums.varied:
-            self.failure.fail(
-                "dmodel.loss weighed losses of different rows in one synced backward and the "
-                "global batch's rows changed: the gradients can no longer be weighed exactly; "
-                "weigh one batch per synced backward (no_sync() for the others)"
-            )
-        self._agreed_rows = None  # exchanged again at the next weighing
-        return assumed / rows
 
     def merge_timing(self, raw: Dict[str, int], timeline: Any, finish_called_ns: int) -> None:
         # The engine saw its launches return; the reductions ended when
@@ -252,46 +237,15 @@ class ProcessLink(Link):
     def weigh_losses(
         self, losses: List[torch.Tensor], rows: int, reduction: str, synced: bool
     ) -> List[torch.Tensor]:
-        """Gradients are averaged over processes. "sum" (over the global
-        batch): the average over processes is undone. "mean": this rank's
-        are scaled by world * rows here / rows everywhere, so an uneven
-        global batch stays exact. The rows everywhere are exchanged once and
-        then assumed: the agreement after the buckets carries each rank's
-        rows, and finish() rescales the gradients by assumed / actual (1.0,
-        no pass, while no rank's rows change; on GPUs on the device, always).
-        Micro-batches under no_sync() exchange their rows before their
-        backward (a window's gradients can only be rescaled as a whole), and
-        so does the synced backward that ends their window. The global
-        batch's loss (CPU replicas) is in self.global_loss."""
-        window, agreed = self._window, self._agreed_rows
-        window.weighed = True  # weighed: no Join divisor on top (the rows are exact)
-        if reduction != "mean":
-            return [_ScaleGrad.apply(v, float(self.world)) for v in losses]
-        # On GPUs (the simulation's too) reading the loss would make the host wait.
-        on_host = self._route is None and all(v.device.type == "cpu" for v in losses)
-        local = sum(float(v.detach()) for v in losses) if on_host else 0.0
-        if self.join is not None:
-            # Under Join this forward's exchange carried the global batch's
-            # rows: exact, with no exchange here; the global loss travels in
-            # the agreement.
-            rows_all = self.join.rows
-            self._agreed_rows = (rows_all, float(rows))
-            if synced:
-                window.weigh(rows, local * rows, False, on_host)
-                self.global_loss = None  # known after the backward
-            scale = self.world * rows / rows_all if rows_all > 0 else 0.0
-            return [_ScaleGrad.apply(v, scale) for v in losses]
-        if synced and not window.exchanged and agreed is not None and agreed[0] > 0:
-            window.weigh(rows, local * rows, rows != agreed[1], on_host)
-            self.global_loss = None  # known after the backward
-            scale = self.world * rows / agreed[0]
-        else:
-            rows_all, loss_sum = self.sum_over_ranks([float(rows), local * rows], LOSS_WEIGHTS)
-            window.exchanged = True
-            self._agreed_rows = (rows_all, float(rows))
-            self.global_loss = loss_sum / rows_all if on_host and rows_all > 0 else None
-            scale = self.world * rows / rows_all if rows_all > 0 else 0.0
-        return [_ScaleGrad.apply(v, scale) for v in losses]
+        return self.weighting.weigh(
+            losses,
+            rows,
+            reduction,
+            synced,
+            self.join,
+            self._route is None,
+            lambda values: self.sum_over_ranks(values, LOSS_WEIGHTS),
+        )
 
     def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         # Under Join, rank 0 may have joined: the highest rank with inputs.
@@ -319,7 +273,7 @@ class ProcessLink(Link):
 
     def leave_join(self) -> None:
         self.join = None
-        self._agreed_rows = None  # exchanged again at the next weighing
+        self.weighting.agreed = None  # exchanged again at the next weighing
         self.divide_by_active = False
 
     def end_join(self, last: bool, state: Sequence[torch.Tensor]) -> int:
@@ -353,46 +307,6 @@ class ProcessLink(Link):
 
     def stats_summer(self) -> Optional[Callable[[torch.Tensor, str], None]]:
         return Meetings(self.peers, self.failure)
-
-
-class _Window:
-    """The dmodel.loss weighings of one synced backward (and its no_sync()
-    micro-batches)."""
-
-    def __init__(self) -> None:
-        self.exchanged = False  # some weighing exchanged its rows
-        self.assumed = 0  # weighings on the rows agreed before
-        self.rows = 0.0  # the first such weighing's rows here
-        self.loss_rows = 0.0  # the last one's loss x rows here (CPU)
-        self.changed = False  # some had other rows here than at the exchange
-        self.varied = False  # they had different rows here
-        self.on_host = True
-        self.weighed = False  # dmodel.loss weighed some loss of this window
-
-    def weigh(self, rows: float, loss_rows: float, changed: bool, on_host: bool) -> None:
-        if not self.assumed:
-            self.rows = float(rows)
-        self.varied = self.varied or float(rows) != self.rows
-        self.assumed += 1
-        self.loss_rows = loss_rows
-        self.changed = self.changed or changed
-        self.on_host = on_host
-
-    def loads(self) -> List[float]:
-        return [self.rows, self.loss_rows, float(self.changed), float(self.varied)]
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by `scale`."""
-
-    @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
 
 
 def model_signature(entries: Sequence[tuple], device_type: str) -> List[tuple]:
