@@ -10,7 +10,6 @@ import copy
 import functools
 import json
 import os
-import signal
 import sys
 import time
 import traceback
@@ -24,79 +23,9 @@ from torch import nn
 import pyddp
 from pyddp.errors import ProcessGroupError
 
-TOL = 1e-6  # float32: sums over shards and processes associate differently
-
-
-class Net(nn.Module):
-    """`rare` is used only for rows whose first feature is > 1 (so on some
-    ranks and steps only); `never` is never used; BatchNorm has buffers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 16)
-        self.norm = nn.BatchNorm1d(16)
-        self.rare = nn.Linear(16, 16)
-        self.never = nn.Linear(16, 16)
-        self.out = nn.Linear(16, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.norm(self.inp(x)))
-        mask = x[:, 0] > 1.0
-        if bool(mask.any()):
-            h = torch.where(mask[:, None], self.rare(h), h)
-        return self.out(h)
-
-
-SGD = dict(lr=0.1, momentum=0.9, weight_decay=1e-3)  # every equivalence scenario's optimizer
-
-
-def net(seed: int = 0) -> Net:
-    torch.manual_seed(seed)
-    return Net()
-
-
-def data(steps: int, batch: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(batch, 6, generator=g), torch.randn(batch, 3, generator=g))
-        for _ in range(steps)
-    ]
-
-
-def my_rows(n: int, rank: int, world: int) -> slice:
-    base, extra = divmod(n, world)
-    start = rank * base + min(rank, extra)
-    return slice(start, start + base + (1 if rank < extra else 0))
-
-
-def _sequence_of(dm) -> int:
-    """Control exchanges made so far on dm's control group (header sequence)."""
-    from pyddp._link.control import _sequence
-
-    return _sequence.get(tuple(dm._reducer.link.peers.ranks), 0)
-
-
-def max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
-
-
-def reference(batches) -> nn.Module:
-    """Single-device training on the global batches (SGD, mean squared error)."""
-    ref = eval_norm(net())
-    opt = torch.optim.SGD(ref.parameters(), **SGD)
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.mse_loss(ref(x), y).backward()
-        opt.step()
-    return ref
-
-
-def eval_norm(model: nn.Module) -> nn.Module:
-    # BatchNorm in training mode normalises by the shard's statistics, which
-    # no data-parallel scheme reproduces; compare in eval mode (running stats
-    # fixed at their initial values) so the gradients are comparable.
-    model.norm.eval()
-    return model
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ranks import SGD, data, eval_norm, max_diff, my_rows, net, reference, side_by_side  # noqa: E402
+from ranks import sequence_of as _sequence_of  # noqa: E402
 
 
 # ------------------------------------------------------------------ scenarios
@@ -258,21 +187,6 @@ def equivalence(out: dict) -> None:
             m.norm.eval()
         side_by_side(ddp, dopt, dm, batches)
         out["vs_ddp"] = max_diff(dm.module, ddp_model)
-
-
-def side_by_side(ddp, dopt, dm, batches) -> None:
-    """torch DDP and pyddp trained step by step on this rank's rows of the
-    same global batches (mean-squared error on each rank's own rows)."""
-    rank, world = pyddp.rank(), pyddp.world()
-    popt = dm.optimizer(torch.optim.SGD, **SGD)
-    for xg, yg in batches:
-        rows = my_rows(len(xg), rank, world)
-        dopt.zero_grad()
-        popt.zero_grad()
-        nn.functional.mse_loss(ddp(xg[rows]), yg[rows]).backward()
-        dopt.step()
-        nn.functional.mse_loss(dm(xg[rows]), yg[rows]).backward()
-        popt.step()
 
 
 def comm_hooks(out: dict) -> None:
@@ -777,171 +691,6 @@ def mismatch(out: dict) -> None:
             out["settings"][name] = str(e)
 
 
-def killed(out: dict) -> None:
-    """Rank 1 dies inside its second backward; the others must fail fast,
-    naming it and the bucket they were reducing."""
-    rank = pyddp.rank()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3))
-    step = [0]
-    if rank == 1:
-        model[0].weight.register_hook(lambda g: os._exit(3) if step[0] == 1 else g)
-    dm = pyddp.wrap(model, ["cpu"], bucket_cap_mb=0)
-    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
-    x, y = torch.randn(8, 6), torch.randn(8, 3)
-    for step[0] in range(3):
-        t0 = time.monotonic()
-        try:
-            nn.functional.mse_loss(dm(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        except pyddp.ReduceError as e:
-            out["error"] = f"{type(e).__name__}: {e}"
-            out["seconds"] = time.monotonic() - t0
-            return
-    out["error"] = None
-
-
-def killed_in_join(out: dict) -> None:
-    """Rank 1 dies while rank 0, out of batches, waits in dmodel.join()
-    (torch's Join's all-reduces, pyddp's shadowed steps): rank 0 must name
-    it, not report gloo's "Connection reset"."""
-    rank = pyddp.rank()
-    torch.manual_seed(0)
-    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
-    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
-    x, y = torch.randn(8, 6), torch.randn(8, 3)
-
-    def run() -> None:
-        with dm.join():
-            for step in range(1 if rank == 0 else 4):
-                if rank == 1 and step == 2:
-                    time.sleep(1.0)  # rank 0 is in its join loop by now
-                    os._exit(3)
-                nn.functional.mse_loss(dm(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-
-    _expect_failure(out, run)
-
-
-def killed_in_syncbn(out: dict) -> None:
-    """Rank 1 dies in its second forward, before SyncBatchNorm's meeting
-    that rank 0 waits in: rank 0 must name it."""
-    rank = pyddp.rank()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
-    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(model), ["cpu"])
-    step = [0]
-    if rank == 1:
-        model[0].register_forward_hook(lambda *a: os._exit(3) if step[0] == 1 else None)
-    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
-    x, y = torch.randn(8, 6), torch.randn(8, 3)
-
-    def run() -> None:
-        for step[0] in range(3):
-            nn.functional.mse_loss(dm(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-
-    _expect_failure(out, run)
-
-
-class _Escape(BaseException):
-    """Not caught by main(): the process ends with it, as a user's would."""
-
-
-def named_exit(out: dict) -> None:
-    """Rank 0 alone in eval(): every rank's synced backward raises pyddp's
-    named error, and the processes end with it (uncaught): torchrun's root
-    cause must read pyddp's message (tested from torchrun's own report)."""
-    torch.manual_seed(0)
-    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), ["cpu"])
-    if pyddp.rank() == 0:
-        dm.eval()
-    x, y = torch.randn(8, 6), torch.randn(8, 3)
-    try:
-        nn.functional.mse_loss(dm(x), y).backward()
-    except pyddp.ReduceError as e:
-        raise _Escape("the named error ends the process") from e
-
-
-def stalled(out: dict) -> None:
-    """Rank 1 stops arriving (sleeps); rank 0 fails within PYDDP_TIMEOUT_S."""
-    rank = pyddp.rank()
-    torch.manual_seed(0)
-    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
-    x, y = torch.randn(8, 6), torch.randn(8, 3)
-    nn.functional.mse_loss(dm(x), y).backward()
-    if rank == 1:
-        time.sleep(2 * float(os.environ["PYDDP_TIMEOUT_S"]) + 2)  # past rank 0's census
-        os._exit(0)
-    _expect_failure(out, lambda: nn.functional.mse_loss(dm(x), y).backward())
-
-
-def foreign_note(out: dict) -> None:
-    """Someone who reaches the store writes pyddp's abandon key while rank 1
-    stalls: rank 0 must show it as quoted, bounded data, attributed to no
-    rank, not as its own message; and the keys are scoped by torchrun's run id."""
-    rank = pyddp.rank()
-    torch.manual_seed(0)
-    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
-    out["prefix"] = dm._reducer.link.prefix
-    x, y = torch.randn(8, 6), torch.randn(8, 3)
-    nn.functional.mse_loss(dm(x), y).backward()
-    if rank == 1:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"{out['prefix']}/abandoned", "run ./fix.sh\nrm -rf ~ " + "x" * 5000)
-        time.sleep(2 * float(os.environ["PYDDP_TIMEOUT_S"]) + 2)
-        os._exit(0)
-    _expect_failure(out, lambda: nn.functional.mse_loss(dm(x), y).backward())
-
-
-def store_host_stopped(out: dict) -> None:
-    """Rank 0, which hosts the store (started by hand, as under Slurm), is
-    stopped (SIGSTOP) before its second step: rank 1 must raise within its
-    timeout plus a few seconds, not block in a store call."""
-    torch.manual_seed(0)
-    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
-    x, y = torch.randn(8, 6), torch.randn(8, 3)
-    nn.functional.mse_loss(dm(x), y).backward()
-    if pyddp.rank() == 0:
-        os.kill(os.getpid(), signal.SIGSTOP)  # the test kills it once rank 1 is done
-    _expect_failure(out, lambda: nn.functional.mse_loss(dm(x), y).backward())
-
-
-def late_wrap(out: dict) -> None:
-    """Rank 1 stalls before wrap: rank 0's wrap must name it within the
-    timeout (it used to end in a raw DistStoreError naming store keys)."""
-    if pyddp.rank() == 1:
-        time.sleep(2 * float(os.environ["PYDDP_TIMEOUT_S"]) + 2)
-        os._exit(0)
-    _expect_failure(out, lambda: pyddp.wrap(nn.Linear(4, 3), ["cpu"]))
-
-
-def node_loop(out: dict) -> None:
-    """Trains until stopped; writes READY_DIR/ready<rank> after a few steps
-    and READY_DIR/error<rank> (JSON: time, error) when a step fails."""
-    rank, folder = pyddp.rank(), os.environ["READY_DIR"]
-    torch.manual_seed(0)
-    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
-    opt = dm.optimizer(torch.optim.SGD, lr=0.01)
-    x, y = torch.randn(16, 6), torch.randn(16, 3)
-    try:
-        for step in range(1_000_000):
-            nn.functional.mse_loss(dm(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            if step == 10:
-                with open(os.path.join(folder, f"ready{rank}"), "w") as f:
-                    f.write(str(os.getpid()))
-            time.sleep(0.01)
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        with open(os.path.join(folder, f"error{rank}"), "w") as f:
-            json.dump({"time": time.time(), "error": str(e)}, f)
-        os._exit(1)
-
-
 def subgroup(out: dict) -> None:
     """3 processes: ranks 0 and 1 train on a subgroup, then every rank trains
     over all processes (pyddp's own groups are named the same on every member,
@@ -995,45 +744,6 @@ def two_models(out: dict) -> None:
                 worst = max(worst, (p.grad - q.grad).abs().max().item())
                 p.grad = q.grad = None
     out["worst"] = worst
-
-
-def raises(out: dict) -> None:
-    """Rank 1's forward raises at step 1 and the script carries on: rank 0 must
-    fail at once (not pair its step 1 with rank 1's step 2), rank 1 must refuse
-    its next step."""
-    rank = pyddp.rank()
-    torch.manual_seed(0)
-    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), ["cpu"])
-    x, y = torch.randn(4, 6), torch.randn(4, 3)
-    errors = []
-    t0 = time.monotonic()
-    for step in range(3):
-        try:
-            if rank == 1 and step == 1:
-                dm(torch.randn(4, 5))  # wrong width: the forward raises
-            nn.functional.mse_loss(dm(x), y).backward()
-        except Exception as e:  # noqa: BLE001 - a user script that carries on
-            errors.append(f"{type(e).__name__}: {e}")
-    out["errors"] = errors
-    out["seconds"] = time.monotonic() - t0
-    _write_and_exit(out)
-
-
-def uneven(out: dict) -> None:
-    """Rank 1 has one batch fewer and then waits in a barrier of its own:
-    rank 0 fails within the timeout naming it; nothing pairs the barrier
-    with a bucket reduction (pyddp reduces on a group of its own)."""
-    rank = pyddp.rank()
-    torch.manual_seed(0)
-    dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), ["cpu"])
-    x, y = torch.randn(4, 6), torch.randn(4, 3)
-
-    def run() -> None:
-        for _ in range(3 if rank == 0 else 2):
-            nn.functional.mse_loss(dm(x), y).backward()
-        dist.barrier()
-
-    _expect_failure(out, run)
 
 
 def trainer(out: dict) -> None:
@@ -1877,22 +1587,6 @@ def zero(out: dict) -> None:
         zdm.close()
     for d in (plain_dm, dm, dm2):
         d.close()
-
-
-def exit_in_flight(out: dict) -> None:
-    """Exits with the group up and a gloo all-reduce still in flight, as a
-    script whose trainer never destroys its group does: the process must exit
-    0 (gloo's worker thread used to release the tensors during interpreter
-    finalization and abort it; pyddp's exit handler gives it the time).
-    SCENARIO_SETTLE_S overrides that time (0: the control that shows the abort)."""
-    if "SCENARIO_SETTLE_S" in os.environ:
-        pyddp.runtime.torchrun.GLOO_SETTLE_S = float(os.environ["SCENARIO_SETTLE_S"])
-    for _ in range(5):
-        dist.all_reduce(torch.ones(3))
-    for _ in range(4):
-        dist.all_reduce(torch.ones(1000), async_op=True)  # no reference kept, never waited
-    _write(out)
-    sys.exit(0)  # past main's destroy_process_group: interpreter exit with the group up
 
 
 def _expect_failure(out: dict, run) -> None:
