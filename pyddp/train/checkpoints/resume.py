@@ -1,0 +1,141 @@
+"""The Trainer's checkpoints: what it writes (model, optimizer, scheduler,
+loop state, best model, loss scaler, every rank's RNG state) and how it
+resumes from them, checked against this run (identity.py) through its files
+(run_files.py); and the repairs a fit needs after an interrupted one. A mixin
+of Trainer (train/trainer.py), whose state it reads."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+
+from ..._link import exchange
+from ..rng import cuda_rng_states, restore_generators
+from ..state import LoopState
+from .identity import data_signature
+from .saving import restoring
+
+_RNG = exchange("the RNG states for a checkpoint")
+_SAVED = exchange("rank 0's writing of a checkpoint")
+_DATA = exchange("each rank's training data signature")
+
+
+class TrainerCheckpoints:
+    def _checkpoint(self) -> None:
+        # Every rank's own random state (its dropout masks differ from the
+        # others'), so that a resumed rank draws what it would have drawn.
+        rng = {"torch": torch.get_rng_state(), "cuda": cuda_rng_states(self.model.devices)}
+        ranks = self.ranks.gather(rng, _RNG)
+        # On every rank: a sharded optimizer's state dict is gathered from all.
+        optimizer = self.optimizer.state_dict()
+
+        def write() -> Path:  # every rank holds the same model: rank 0 writes it
+            payload = {
+                "model": self.model.state_dict(),
+                "optimizer": optimizer,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "loop": asdict(self.state),
+                "best": self.best_state_dict,
+                "loss_scaler": self._scaler.state_dict(),
+                "rng": {"ranks": ranks},
+            }
+            return self._files.save(payload, self.state.step)
+
+        # Every rank waits for the outcome: a write that fails (a full disk)
+        # is named on every rank, not seen there as rank 0 leaving the group.
+        path = self._files.on_rank_0(write, _SAVED)
+        if self.rank == 0:
+            self._emit("on_checkpoint", path)
+
+    def _resume(self) -> None:
+        found = self._files.latest()
+        if found is None:
+            return
+        path, payload = found  # its form checked (RunFiles.latest): each part is there
+        with restoring(path, "loop state"):  # first: it changes nothing if it fails
+            state = LoopState(**payload["loop"])
+        with restoring(path, "model"):
+            self.model.load_state_dict(payload["model"])
+        with restoring(path, "optimizer state"):
+            self.optimizer.load_state_dict(payload["optimizer"])
+        if self.scheduler is not None and payload.get("scheduler") is not None:
+            with restoring(path, "scheduler state"):
+                self.scheduler.load_state_dict(payload["scheduler"])
+        with restoring(path, "loss scaler state"):
+            if "loss_scaler" in payload:
+                self._scaler.load_state_dict(payload["loss_scaler"])
+            else:  # written before the clean-step count was kept
+                self._scaler.scale = float(payload["loss_scale"])
+        self.state = state
+        self.best_state_dict = payload.get("best")
+        with restoring(path, "RNG state"):
+            seed, step = self.config.seed, state.step
+            shared = restore_generators(payload["rng"], self.rank, self.model.devices, seed, step)
+        if shared and self.world > 1 and self.rank == 0:
+            warnings.warn(
+                f"pyddp: checkpoint {path} holds one RNG state (written before pyddp kept each "
+                "rank's): rank 0 resumes it, the other ranks draw new streams derived from seed "
+                f"{seed} and step {step}, so their dropout masks differ from rank 0's but are "
+                "not those of an uninterrupted run",
+                stacklevel=4,
+            )
+        if self.rank == 0:
+            print(f"pyddp: resumed from {path} (epoch {self.state.epoch}, step {self.state.step})")
+
+    def _within_the_epoch(self, batches: int) -> None:
+        """A resumed position past the end of this data's epoch (a shorter
+        loader, resumed with resume_if_changed or from a checkpoint that
+        did not record its data) would skip the rest of the epoch silently:
+        the epoch restarts instead, said in a warning."""
+        state = self.state
+        if state.batch_in_epoch <= batches:  # == batches: its last step was checkpointed
+            return
+        if self.rank == 0:
+            warnings.warn(
+                f"pyddp: resumed at batch {state.batch_in_epoch} of epoch {state.epoch + 1}, "
+                f"past the end of this data's {batches} batches per epoch: epoch "
+                f"{state.epoch + 1} restarts at its first batch",
+                stacklevel=4,
+            )
+        state.batch_in_epoch = 0
+
+    def _recover_interrupted_fit(self) -> None:
+        """After a fit that raised mid-step: drop partial gradients and redo the
+        accumulation window, or insist on a checkpoint if replicas may differ."""
+        if self._interrupted_in is None:
+            return
+        if self._interrupted_in == "step" and not (
+            self.config.resume and self._files is not None and self._files.has_checkpoints()
+        ):
+            raise RuntimeError(
+                "pyddp: the previous fit() failed inside the optimizer step, so the replicas "
+                "may hold different weights; resume from a checkpoint (output_dir with "
+                "resume=True) or create a new Trainer"
+            )
+        # Replica work still queued from the aborted step (a Ctrl-C leaves the
+        # other replicas' backward running) ends before fit() zeroes the
+        # gradients it writes.
+        n = len(self.model.replicas)
+        self.model.map_replicas(lambda r, m, s: None, [None] * n, "wait")
+        self.model._reducer.abort()  # a backward cut short is still open in the engine
+        self.state.batch_in_epoch = self._window
+        self._window = self._interrupted_in = None
+
+    def _data_signature(self, train_data: Any, batches: int) -> Dict[str, str]:
+        """What the run depends on from its data, the same on every rank:
+        each rank's entry where the ranks' data differ (a change on any
+        rank is then a change)."""
+        mine = data_signature(train_data, batches)
+        if not self.ranks.spans_processes:
+            return mine
+        ranks = self.ranks.gather(mine, _DATA)
+        return {
+            key: value
+            if all(r[key] == value for r in ranks)
+            else ", ".join(f"rank {i}: {r[key]}" for i, r in enumerate(ranks))
+            for key, value in ranks[0].items()
+        }

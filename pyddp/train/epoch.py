@@ -1,0 +1,173 @@
+"""The Trainer's epoch: each batch's loss and backward on the replicas (a
+window of grad_accum_steps micro-batches under no_sync()), the optimizer step
+(fp16 unscaling, clipping, the scheduler), and at each step's or epoch's end
+validation, checkpoints and the stop decision, taken on every rank alike. A
+mixin of Trainer (trainer.py), whose state it reads."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Optional
+
+import torch
+
+from .._link import exchange
+from ..errors import ReduceError, ReplicaError, TrainingError
+from .checkpoints.saving import save_atomic
+from .data import ShardedLoader
+from .evaluation import shard_rows
+from .interrupt import sigint_deferred
+
+_TRAIN_LOSS = exchange("the training loss of a step (GPU replicas)")
+_STOP = exchange("the stop decision after a step (Ctrl-C on any rank)")
+_BEST = exchange("rank 0's writing of best.pt")
+
+
+class EpochLoop:
+    def _run_epoch(self, loader: ShardedLoader, valid_data: Any) -> None:
+        cfg, state = self.config, self.state
+        n_batches = len(loader)
+        window_loss = torch.zeros((), device=self.model.devices[0])
+        # closing(): the loader's clean-up runs here, where a Ctrl-C raised in
+        # it propagates, not in a generator finalizer that would only print it.
+        with contextlib.closing(loader.epoch(state.epoch, start=state.batch_in_epoch)) as batches:
+            for shards in batches:
+                self._ctrl_c.check()
+                index = state.batch_in_epoch
+                start = index - index % cfg.grad_accum_steps
+                window = min(cfg.grad_accum_steps, n_batches - start)
+                last = index == start + window - 1
+                self._window = start
+                try:
+                    with contextlib.nullcontext() if last else self.model.no_sync():
+                        loss = self.model.loss_on_shards(
+                            self.loss_fn, shards, context=self._autocast
+                        )
+                        (loss * (self._scaler.scale / window)).backward()
+                    if self.ranks.spans_processes:  # the global batch's loss, as one device
+                        loss = self._global_loss(loss, shards)
+                    window_loss += loss.detach().to(window_loss.device) / window
+                    state.batch_in_epoch += 1
+                    stepped = last and self._optimizer_step()
+                except (ReplicaError, ReduceError) as e:
+                    where = f"epoch {state.epoch + 1}, step {state.step + 1}"
+                    who = f"replica {e.replica}" if isinstance(e, ReplicaError) else "all-reduce"
+                    raise TrainingError(f"training failed at {where} ({who}): {e}") from e
+                if not stepped:  # mid-window, or an fp16 overflow skipped the step
+                    if last:
+                        window_loss.zero_()
+                    continue
+                metrics = {
+                    "epoch": state.epoch + 1,
+                    "step": state.step,
+                    "train_loss": window_loss.item(),
+                    "lr": self.optimizer.param_groups[0]["lr"],
+                }
+                window_loss.zero_()
+                state.train_losses.append(metrics["train_loss"])
+                self._emit("on_step_end", metrics)
+                self._after_step(valid_data, metrics)
+                if state.stop_reason is not None:
+                    return
+        state.epoch += 1
+        state.batch_in_epoch = 0
+        if self.scheduler is not None and cfg.scheduler_interval == "epoch":
+            self.scheduler.step()
+        self._emit("on_epoch_end", {"epoch": state.epoch, "step": state.step})
+        self._boundary(
+            valid_data,
+            state.epoch,
+            cfg.eval_every_epochs,
+            cfg.checkpoint_every_epochs,
+            cfg.max_epochs,
+            "max_epochs",
+        )
+
+    def _global_loss(self, loss: torch.Tensor, shards: Any) -> torch.Tensor:
+        g = self.model.last_global_loss  # from the agreement's sums (CPU)
+        if g is None:  # GPU replicas: the host reads the loss here, once per step
+            rows = sum(shard_rows(s) for s in shards)
+            rows_all, total = self.ranks.sum([rows, loss.item() * rows], _TRAIN_LOSS)
+            g = total / rows_all
+        return torch.tensor(g)
+
+    def _optimizer_step(self) -> bool:
+        """Steps every replica; False if an fp16 overflow skipped the step. A
+        Ctrl-C lands before or after this, never between two replicas' steps."""
+        cfg = self.config
+        with sigint_deferred():
+            if self._scaler.enabled and not self._unscale():
+                self.optimizer.zero_grad()  # overflow: skip this step, retry with a smaller scale
+                self._window = None
+                return False
+            if cfg.clip_grad_norm is not None:
+                self.model.clip_grad_norm_(cfg.clip_grad_norm)
+            try:
+                self.optimizer.step()
+            except BaseException:
+                self._interrupted_in = "step"
+                raise
+            self.optimizer.zero_grad()
+            if self.scheduler is not None and cfg.scheduler_interval == "step":
+                self.scheduler.step()
+            self.state.step += 1
+            self._window = None
+        return True
+
+    def _unscale(self) -> bool:
+        flats = [self.model._reducer.flat_grads(r) for r in range(len(self.model.replicas))]
+        return self._scaler.unscale_(flats)
+
+    def _after_step(self, valid_data: Any, metrics: Dict[str, Any]) -> None:
+        cfg, state = self.config, self.state
+        self._boundary(
+            valid_data,
+            state.step,
+            cfg.eval_every_steps,
+            cfg.checkpoint_every_steps,
+            cfg.max_steps,
+            "max_steps",
+        )
+        stop = self._ctrl_c.stop_requested
+        # A Ctrl-C on any rank stops every rank at this step.
+        stop = self.ranks.sum([float(stop)], _STOP)[0] > 0
+        if stop:
+            state.stop_reason = "interrupted"  # fit() writes the checkpoint on the way out
+
+    def _boundary(
+        self,
+        valid_data: Any,
+        count: int,
+        eval_every: Optional[int],
+        checkpoint_every: Optional[int],
+        limit: Optional[int],
+        reason: str,
+    ) -> None:
+        """End of a step or an epoch (`count` of them done): validate and
+        checkpoint when due, stop at the limit."""
+        state = self.state
+        if (
+            valid_data is not None
+            and eval_every
+            and count % eval_every == 0
+            and not state.validated_here
+        ):  # not twice for one model, also across a resume
+            self._validate(valid_data)
+        if self.output_dir is not None and checkpoint_every and count % checkpoint_every == 0:
+            self._checkpoint()
+        if limit is not None and count >= limit:
+            state.stop_reason = state.stop_reason or reason
+
+    def _validate(self, valid_data: Any) -> None:
+        cfg = self.config
+        with torch.no_grad():
+            result = self._evaluate(valid_data, across_ranks=True)
+        row, best = self.state.record_validation(result, cfg.smoothing, cfg.early_stopping_patience)
+        if best:
+            self.best_state_dict = {
+                k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
+            }
+            if self._files is not None:  # rank 0 writes; every rank hears how it went
+                best_pt = self.output_dir / "best.pt"
+                self._files.on_rank_0(lambda: save_atomic(self.best_state_dict, best_pt), _BEST)
+        self._emit("on_validation_end", row)
