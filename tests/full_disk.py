@@ -1,6 +1,6 @@
 """A disk that fills, for the full-disk tests in one process
 (tests/test_trainer_files.py) and across processes
-(tests/multiprocess/scenarios.py `trainer_disk_full`): torch.save whose
+(tests/test_trainer_processes.py `trainer_disk_full`): torch.save whose
 files raise ENOSPC after `room` bytes once the Trainer has written its first
 checkpoint, and the callback that arms it."""
 

@@ -222,16 +222,6 @@ def test_a_syncbatchnorm_forward_on_one_rank_is_named_on_every_rank(tmp_path):
         assert "a forward without grad" in r["error"] and "a forward with grad" in r["error"]
 
 
-def test_trainer_trains_the_smallest_number_of_batches_when_ranks_data_are_uneven(tmp_path):
-    # A DistributedSampler giving rank r 2 + r batches: 2 per epoch everywhere,
-    # said once, equal to one device on the global batches the ranks form.
-    run = torchrun("trainer_uneven", tmp_path, 2, {"PYDDP_TIMEOUT_S": "20"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    for r in results(tmp_path, "trainer_uneven", 2):
-        assert r["steps"] == 4 and r["diff"] <= TOL, r
-        assert len(r["warnings"]) == 1 and "rank 0: 2, rank 1: 3" in r["warnings"][0], r
-
-
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_sharded_optimizer_state_across_processes(tmp_path, replicas):
     # dmodel.optimizer(AdamW, shard=True) over 2 processes x `replicas`:
@@ -304,69 +294,6 @@ def test_buffers_of_every_dtype_are_rank_zeros_bit_for_bit(tmp_path, replicas):
     assert r0["after"] == r1["after"] == [True] * replicas, (r0, r1)
 
 
-def _trainer(tmp_path: Path, name: str, env: Dict[str, str], args=None, nproc=2, train_dir=None):
-    out = tmp_path / name
-    out.mkdir()
-    train_dir = train_dir or out / "run"
-    run = torchrun("trainer", out, nproc, {"TRAIN_DIR": str(train_dir), **env}, args)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return results(out, "trainer", nproc), out
-
-
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """An uninterrupted 6-step Trainer run on 2 processes: (results, run folder)."""
-    return _trainer(tmp_path_factory.mktemp("straight"), "straight", {"MAX_STEPS": "6"})
-
-
-def test_trainer_across_processes_resumes_exactly_and_writes_from_rank_0(tmp_path, straight):
-    straight, out = straight
-    assert straight[0]["steps"] == 6
-    assert straight[0]["params"] == straight[1]["params"], "ranks must hold the same model"
-    assert straight[0]["valid"] == straight[1]["valid"]
-    # Every file is rank 0's: one metrics log, checkpoints every 2 steps.
-    files = sorted(os.listdir(out / "run"))
-    assert "metrics.jsonl" in files and "checkpoints" in files, files
-    rows = (out / "run" / "metrics.jsonl").read_text().splitlines()
-    assert len([r for r in rows if '"train_loss"' in r and '"lr"' in r]) == 6
-
-    # Same run in two fits: 4 steps, then resumed to 6 in new processes.
-    _trainer(tmp_path, "split", {"MAX_STEPS": "4"})
-    resumed, _ = _trainer(
-        tmp_path, "split2", {"MAX_STEPS": "6"}, train_dir=tmp_path / "split" / "run"
-    )
-    assert resumed[0]["params"] == straight[0]["params"], "resume must be exact"
-
-
-def test_trainer_with_sharded_optimizer_state_checkpoints_and_resumes_exactly(tmp_path, straight):
-    # shard_optimizer=True across 2 processes: checkpoints gather the state
-    # from every rank (a collective every rank joins, though rank 0 alone
-    # writes), a resume loads it on every rank, and the run is the unsharded
-    # one bit for bit.
-    straight, _ = straight
-    _trainer(tmp_path, "shard", {"MAX_STEPS": "4", "SHARD": "1"})
-    resumed, _ = _trainer(
-        tmp_path, "shard2", {"MAX_STEPS": "6", "SHARD": "1"}, train_dir=tmp_path / "shard" / "run"
-    )
-    assert resumed[0]["params"] == resumed[1]["params"] == straight[0]["params"]
-
-
-def test_single_device_reference_matches_the_trainer(tmp_path):
-    got, _ = _trainer(tmp_path, "two", {"MAX_STEPS": "3", "LOCAL_REPLICAS": "2"})
-    one, _ = _trainer(tmp_path, "one", {"MAX_STEPS": "3"}, nproc=1)
-    for a, b in zip(got[0]["params"], one[0]["params"]):
-        assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5  # Adam: 3 steps of 1e-6 noise
-
-
-def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, straight):
-    straight, _ = straight
-    restarted, _ = _trainer(
-        tmp_path, "restarted", {"MAX_STEPS": "6", "KILL_AT_STEP": "3"}, ["--max-restarts=1"]
-    )
-    assert restarted[0]["restart"] == 1, "rank 1 was killed once and the group restarted"
-    assert restarted[0]["params"] == straight[0]["params"]
-
-
 def test_two_nodes_on_localhost_through_the_c10d_rendezvous(tmp_path):
     port = _free_port()
     common = [
@@ -410,30 +337,6 @@ def test_real_models_across_processes_equal_one_device(tmp_path):
         assert max(diffs.values()) < 1e-5, diffs  # float32 reassociation; see test_real_models
 
 
-def test_ranks_draw_their_own_random_streams_and_resume_them(tmp_path):
-    # Dropout masks were the same on every rank (every rank seeded alike, and
-    # resume copied rank 0's state to all).
-    run = torchrun("rng", tmp_path, 2)
-    assert run.returncode == 0, run.stderr[-3000:]
-    ranks = results(tmp_path, "rng", 2)
-    assert ranks[0]["draws"] != ranks[1]["draws"]
-    assert all(r["resumed_equal"] for r in ranks)
-    # From a checkpoint of the older format (one state): still different streams.
-    assert ranks[0]["old_format_draws"] != ranks[1]["old_format_draws"]
-    said = ranks[0]["old_format_warnings"]
-    assert len(said) == 1 and "one RNG state" in said[0] and "derived from seed 5" in said[0], said
-
-
-def test_a_full_disk_during_a_checkpoint_is_named_on_every_rank(tmp_path):
-    run = torchrun("trainer_disk_full", tmp_path, 2, {"PYDDP_TIMEOUT_S": "30"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    ranks = results(tmp_path, "trainer_disk_full", 2)
-    path = str(tmp_path / "run" / "checkpoints" / "ckpt-00000004.pt")
-    for r in ranks:
-        assert r["error"] is not None and "disk full" in r["error"] and path in r["error"], r
-    assert ranks[0]["files"] == ["ckpt-00000002.pt"]  # intact, no temporary left
-
-
 def test_a_sharded_optimizers_state_dict_on_rank_0_alone_is_named_as_collective(tmp_path):
     run = torchrun("zero_alone", tmp_path, 2, {"PYDDP_TIMEOUT_S": "20"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -441,19 +344,6 @@ def test_a_sharded_optimizers_state_dict_on_rank_0_alone_is_named_as_collective(
     for r in got:
         assert r["error"] is not None and "state_dict() is collective" in r["error"], r
     assert got[0]["consolidated_equal"] is True  # consolidate_state_dict(to=0), as torch's
-
-
-def test_evaluating_on_one_rank_and_exchanges_that_do_not_pair(tmp_path):
-    run = torchrun("exchanges", tmp_path, 2)
-    assert run.returncode == 0, run.stderr[-3000:]
-    r0, r1 = results(tmp_path, "exchanges", 2)
-    assert abs(r0["alone"] - r0["alone_true"]) < 1e-6, r0  # no exchange: the true figure
-    assert r0["steps"] == r1["steps"] == 8 and r0["params"] == r1["params"]
-    for r in (r0, r1):
-        error = r["mismatch"]
-        assert error is not None and "not at the same exchange" in error, error
-        assert "rank 0 at exchange" in error and "the loss weighting of a training step" in error
-        assert "rank 1 at exchange" in error and "the sums of a validation during fit()" in error
 
 
 def test_ranks_doing_different_work_are_named_at_the_next_synced_backward(tmp_path):

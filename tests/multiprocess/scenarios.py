@@ -746,54 +746,6 @@ def two_models(out: dict) -> None:
     out["worst"] = worst
 
 
-def trainer(out: dict) -> None:
-    """Trainer across processes: equals single-device training on the same
-    global batches; checkpoints from rank 0; exact resume; a restart by
-    torchrun (KILL_AT_STEP) resumes from the last checkpoint."""
-    outdir = os.environ["TRAIN_DIR"]
-    max_steps = int(os.environ.get("MAX_STEPS", "6"))
-    kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(50, 6, generator=g), torch.randn(50, 3, generator=g)
-
-    class Killer(pyddp.Callback):
-        def on_step_end(self, trainer, metrics):
-            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            if kill_at and not restarted and pyddp.rank() == 1 and metrics["step"] == kill_at:
-                os._exit(7)
-
-    cfg = pyddp.TrainConfig(
-        batch_size=10,
-        max_steps=max_steps,
-        max_epochs=100,
-        output_dir=outdir,
-        checkpoint_every_steps=2,
-        eval_every_steps=3,
-        progress=False,
-        resume=True,
-        shuffle=True,
-        seed=4,
-        shard_optimizer=os.environ.get("SHARD") == "1",
-    )
-    model = eval_norm(net())
-    with pyddp.Trainer(
-        model,
-        ["cpu"] * int(os.environ.get("LOCAL_REPLICAS", "1")),
-        optimizer=torch.optim.Adam,
-        loss_fn=nn.functional.mse_loss,
-        config=cfg,
-        callbacks=[Killer()],
-    ) as t:
-        for m in t.model.replicas:
-            m.norm.eval()
-        result = t.fit((x, y), (x[:20], y[:20]))
-        out["steps"] = result.state.step
-        out["valid"] = t.evaluate((x[:20], y[:20]))["valid_loss"]
-        out["params"] = [p.detach().flatten().tolist() for p in t.model.module.parameters()]
-        out["files"] = sorted(os.listdir(outdir))
-    out["restart"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
 def real_models(out: dict) -> None:
     """transformers models (tests/real_models.py) across processes, with 1
     and 2 replicas per process, through dm(**batch) and dm.loss: equal to
@@ -850,85 +802,6 @@ def real_models(out: dict) -> None:
                 out[f"{name}/{local} per process/trainer"] = max_param_diff(t.model.module, ref)
 
 
-def rng(out: dict) -> None:
-    """Dropout across processes: every rank draws from its own stream, and a
-    resumed run restores each rank's own state (bitwise equal to a straight
-    run: one CPU replica per process); from a checkpoint holding one state,
-    the ranks other than 0 derive theirs from the seed, with a warning."""
-    import warnings
-
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
-
-    def run(name: str, max_steps: int, probe: bool = False, after: bool = False):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 3))
-        cfg = pyddp.TrainConfig(
-            batch_size=10, max_steps=max_steps, max_epochs=100, checkpoint_every_steps=2,
-            output_dir=os.path.join(sys.argv[2], name), progress=False, seed=5,
-        )  # fmt: skip
-        with pyddp.Trainer(
-            model, ["cpu"], optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-            loss_fn=nn.functional.mse_loss, config=cfg,
-        ) as t:  # fmt: skip
-            if probe:
-                return torch.rand(4).tolist()
-            t.fit((x, y))
-            if after:
-                return torch.rand(4).tolist()
-            return [p.detach().flatten().tolist() for p in t.model.module.parameters()]
-
-    out["draws"] = run("probe", 1, probe=True)
-    straight = run("straight", 6)
-    run("split", 3)
-    out["resumed_equal"] = run("split", 6) == straight
-    # A checkpoint in the format before every rank's state was kept (one
-    # state, rank 0's): every rank used to take it, drawing rank 0's masks.
-    run("old", 4)
-    if pyddp.rank() == 0:
-        path = os.path.join(sys.argv[2], "old", "checkpoints", "ckpt-00000004.pt")
-        payload = torch.load(path, weights_only=True)
-        payload["rng"] = payload["rng"]["ranks"][0]
-        torch.save(payload, path)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out["old_format_draws"] = run("old", 4, after=True)  # resumed, nothing to train
-    out["old_format_warnings"] = [str(w.message) for w in caught if "RNG" in str(w.message)]
-
-
-def trainer_disk_full(out: dict) -> None:
-    """Rank 0's disk fills during the Trainer's second checkpoint: every
-    rank raises naming the file and the full disk (rank 0 used to get
-    torch's "unexpected pos" and rank 1 to blame rank 0 for dying); the
-    first checkpoint stays, with no temporary beside it."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from full_disk import full_after_first_checkpoint
-
-    outdir = os.path.join(sys.argv[2], "run")
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
-    real_save = torch.save
-    save, fill_after_first = full_after_first_checkpoint(3000)
-    if pyddp.rank() == 0:
-        torch.save = save
-    cfg = pyddp.TrainConfig(
-        batch_size=10, max_steps=4, max_epochs=100, checkpoint_every_steps=2,
-        output_dir=outdir, progress=False,
-    )  # fmt: skip
-    try:
-        with pyddp.Trainer(
-            net(), ["cpu"], optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-            loss_fn=nn.functional.mse_loss, config=cfg, callbacks=[fill_after_first],
-        ) as t:  # fmt: skip
-            t.fit((x, y))
-        out["error"] = None
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        out["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        torch.save = real_save
-    out["files"] = sorted(os.listdir(os.path.join(outdir, "checkpoints")))
-
-
 def zero_alone(out: dict) -> None:
     """A sharded optimizer's state_dict() called on rank 0 alone (to save
     it there) while rank 1 trains on: both ranks fail, saying the call is
@@ -964,43 +837,6 @@ def zero_alone(out: dict) -> None:
             step(x, y)
 
     _expect_failure(out, run)
-
-
-def exchanges(out: dict) -> None:
-    """fit, an evaluation on rank 0 alone, fit again: the evaluation used to
-    pair its exchange with the other rank's next training step (wrong
-    figures on both, then a gloo abort). Then two ranks at different
-    exchanges on purpose: both must raise, naming both."""
-    from pyddp._link.control import LOSS_WEIGHTS
-    from pyddp.train.evaluation import _VALID_SUMS
-
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
-    cfg = pyddp.TrainConfig(batch_size=10, max_epochs=1, progress=False, seed=4)
-    model = eval_norm(net())
-    with pyddp.Trainer(
-        model, ["cpu"], optimizer=functools.partial(torch.optim.SGD, lr=0.05),
-        loss_fn=nn.functional.mse_loss, config=cfg,
-    ) as t:  # fmt: skip
-        t.fit((x, y), (x[:20], y[:20]))
-        if pyddp.is_main():
-            out["alone"] = t.evaluate((x[:20], y[:20]))["valid_loss"]
-            with torch.no_grad():
-                out["alone_true"] = nn.functional.mse_loss(model.eval()(x[:20]), y[:20]).item()
-            model.train()
-            eval_norm(model)
-        t.config.max_epochs = 2
-        t.fit((x, y), (x[:20], y[:20]))
-        out["steps"] = t.state.step
-        out["params"] = [p.detach().flatten().tolist() for p in t.model.module.parameters()]
-    dm = pyddp.wrap(nn.Linear(2, 2), ["cpu"])
-    name = LOSS_WEIGHTS if pyddp.rank() == 0 else _VALID_SUMS
-    try:
-        dm._reducer.link.sum_over_ranks([1.0, 2.0], name)
-        out["mismatch"] = None
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        out["mismatch"] = str(e)
-    _write_and_exit(out)  # the group is broken after the mismatch
 
 
 def diverge(out: dict) -> None:
@@ -1444,57 +1280,6 @@ def join(out: dict) -> None:
         out["disagree"] = None
     except Exception as e:  # noqa: BLE001 - reported to the test
         out["disagree"] = f"{type(e).__name__}: {e}"
-
-
-def trainer_uneven(out: dict) -> None:
-    """The Trainer with a DataLoader whose DistributedSampler gives the
-    ranks different numbers of batches (rank r: 2 + r): every rank trains
-    the smallest number per epoch, said in a warning, and the run equals one
-    device on the global batches the ranks then form."""
-    import warnings
-
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-    world = pyddp.world()
-    g = torch.Generator().manual_seed(8)
-    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g)
-    batch = 4
-
-    class Uneven(DistributedSampler):
-        def __iter__(self):
-            return iter(range(16 * self.rank, 16 * self.rank + len(self)))
-
-        def __len__(self):
-            return batch * (2 + self.rank)
-
-    data = TensorDataset(x, y)
-    loader = DataLoader(data, batch_size=batch, sampler=Uneven(data))
-    cfg = pyddp.TrainConfig(batch_size=batch, max_epochs=2, progress=False, shuffle=False)
-    model = eval_norm(net())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with pyddp.Trainer(
-            model,
-            ["cpu"],
-            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-            loss_fn=nn.functional.mse_loss,
-            config=cfg,
-        ) as t:
-            t.model.module.norm.eval()
-            result = t.fit(loader)
-            trained = t.model.module
-    out["steps"] = result.state.step
-    out["warnings"] = [str(w.message) for w in caught if "batches per epoch" in str(w.message)]
-    ref = eval_norm(net())
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for _ in range(2):
-        for k in range(2):
-            rows = torch.cat([torch.arange(16 * r + batch * k, 16 * r + batch * (k + 1))
-                              for r in range(world)])  # fmt: skip
-            opt.zero_grad()
-            nn.functional.mse_loss(ref(x[rows]), y[rows]).backward()
-            opt.step()
-    out["diff"] = max_diff(trained, ref)
 
 
 def zero(out: dict) -> None:

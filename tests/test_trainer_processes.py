@@ -1,0 +1,336 @@
+"""The Trainer across processes (torchrun, gloo on localhost): equal to one
+device on the same global batches, checkpoints written by rank 0 alone, an
+exact resume (sharded optimizer state too), a restart by torchrun, ranks
+whose data are uneven, a full disk during a checkpoint, each rank's own
+random stream, and evaluation on one rank between fits."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Dict
+
+import pytest
+import torch
+from full_disk import full_after_first_checkpoint
+from ranks import TOL, eval_norm, max_diff, net
+from spawn import out_dir, spawn, write_and_exit
+from torch import nn
+
+import pyddp
+
+pytestmark = pytest.mark.multiprocess
+
+
+def trainer(out: dict) -> None:
+    """Trainer across processes: equals single-device training on the same
+    global batches; checkpoints from rank 0; exact resume; a restart by
+    torchrun (KILL_AT_STEP) resumes from the last checkpoint."""
+    outdir = os.environ["TRAIN_DIR"]
+    max_steps = int(os.environ.get("MAX_STEPS", "6"))
+    kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(50, 6, generator=g), torch.randn(50, 3, generator=g)
+
+    class Killer(pyddp.Callback):
+        def on_step_end(self, trainer, metrics):
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if kill_at and not restarted and pyddp.rank() == 1 and metrics["step"] == kill_at:
+                os._exit(7)
+
+    cfg = pyddp.TrainConfig(
+        batch_size=10,
+        max_steps=max_steps,
+        max_epochs=100,
+        output_dir=outdir,
+        checkpoint_every_steps=2,
+        eval_every_steps=3,
+        progress=False,
+        resume=True,
+        shuffle=True,
+        seed=4,
+        shard_optimizer=os.environ.get("SHARD") == "1",
+    )
+    model = eval_norm(net())
+    with pyddp.Trainer(
+        model,
+        ["cpu"] * int(os.environ.get("LOCAL_REPLICAS", "1")),
+        optimizer=torch.optim.Adam,
+        loss_fn=nn.functional.mse_loss,
+        config=cfg,
+        callbacks=[Killer()],
+    ) as t:
+        for m in t.model.replicas:
+            m.norm.eval()
+        result = t.fit((x, y), (x[:20], y[:20]))
+        out["steps"] = result.state.step
+        out["valid"] = t.evaluate((x[:20], y[:20]))["valid_loss"]
+        out["params"] = [p.detach().flatten().tolist() for p in t.model.module.parameters()]
+        out["files"] = sorted(os.listdir(outdir))
+    out["restart"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _trainer(tmp_path: Path, name: str, env: Dict[str, str], args=None, nproc=2, train_dir=None):
+    out = tmp_path / name
+    out.mkdir()
+    train_dir = train_dir or out / "run"
+    env = {"TRAIN_DIR": str(train_dir), **env}
+    return spawn(trainer, nproc, env=env, out=out, torchrun_args=args or ()), out
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """An uninterrupted 6-step Trainer run on 2 processes: (results, run folder)."""
+    return _trainer(tmp_path_factory.mktemp("straight"), "straight", {"MAX_STEPS": "6"})
+
+
+def test_trainer_across_processes_resumes_exactly_and_writes_from_rank_0(tmp_path, straight):
+    straight, out = straight
+    assert straight[0]["steps"] == 6
+    assert straight[0]["params"] == straight[1]["params"], "ranks must hold the same model"
+    assert straight[0]["valid"] == straight[1]["valid"]
+    # Every file is rank 0's: one metrics log, checkpoints every 2 steps.
+    files = sorted(os.listdir(out / "run"))
+    assert "metrics.jsonl" in files and "checkpoints" in files, files
+    rows = (out / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len([r for r in rows if '"train_loss"' in r and '"lr"' in r]) == 6
+
+    # Same run in two fits: 4 steps, then resumed to 6 in new processes.
+    _trainer(tmp_path, "split", {"MAX_STEPS": "4"})
+    resumed, _ = _trainer(
+        tmp_path, "split2", {"MAX_STEPS": "6"}, train_dir=tmp_path / "split" / "run"
+    )
+    assert resumed[0]["params"] == straight[0]["params"], "resume must be exact"
+
+
+def test_trainer_with_sharded_optimizer_state_checkpoints_and_resumes_exactly(tmp_path, straight):
+    # shard_optimizer=True across 2 processes: checkpoints gather the state
+    # from every rank (a collective every rank joins, though rank 0 alone
+    # writes), a resume loads it on every rank, and the run is the unsharded
+    # one bit for bit.
+    straight, _ = straight
+    _trainer(tmp_path, "shard", {"MAX_STEPS": "4", "SHARD": "1"})
+    resumed, _ = _trainer(
+        tmp_path, "shard2", {"MAX_STEPS": "6", "SHARD": "1"}, train_dir=tmp_path / "shard" / "run"
+    )
+    assert resumed[0]["params"] == resumed[1]["params"] == straight[0]["params"]
+
+
+def test_single_device_reference_matches_the_trainer(tmp_path):
+    got, _ = _trainer(tmp_path, "two", {"MAX_STEPS": "3", "LOCAL_REPLICAS": "2"})
+    one, _ = _trainer(tmp_path, "one", {"MAX_STEPS": "3"}, nproc=1)
+    for a, b in zip(got[0]["params"], one[0]["params"]):
+        assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5  # Adam: 3 steps of 1e-6 noise
+
+
+def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, straight):
+    straight, _ = straight
+    restarted, _ = _trainer(
+        tmp_path, "restarted", {"MAX_STEPS": "6", "KILL_AT_STEP": "3"}, ["--max-restarts=1"]
+    )
+    assert restarted[0]["restart"] == 1, "rank 1 was killed once and the group restarted"
+    assert restarted[0]["params"] == straight[0]["params"]
+
+
+def trainer_uneven(out: dict) -> None:
+    """The Trainer with a DataLoader whose DistributedSampler gives the
+    ranks different numbers of batches (rank r: 2 + r): every rank trains
+    the smallest number per epoch, said in a warning, and the run equals one
+    device on the global batches the ranks then form."""
+    import warnings
+
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    world = pyddp.world()
+    g = torch.Generator().manual_seed(8)
+    x, y = torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g)
+    batch = 4
+
+    class Uneven(DistributedSampler):
+        def __iter__(self):
+            return iter(range(16 * self.rank, 16 * self.rank + len(self)))
+
+        def __len__(self):
+            return batch * (2 + self.rank)
+
+    data = TensorDataset(x, y)
+    loader = DataLoader(data, batch_size=batch, sampler=Uneven(data))
+    cfg = pyddp.TrainConfig(batch_size=batch, max_epochs=2, progress=False, shuffle=False)
+    model = eval_norm(net())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pyddp.Trainer(
+            model,
+            ["cpu"],
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            loss_fn=nn.functional.mse_loss,
+            config=cfg,
+        ) as t:
+            t.model.module.norm.eval()
+            result = t.fit(loader)
+            trained = t.model.module
+    out["steps"] = result.state.step
+    out["warnings"] = [str(w.message) for w in caught if "batches per epoch" in str(w.message)]
+    ref = eval_norm(net())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        for k in range(2):
+            rows = torch.cat([torch.arange(16 * r + batch * k, 16 * r + batch * (k + 1))
+                              for r in range(world)])  # fmt: skip
+            opt.zero_grad()
+            nn.functional.mse_loss(ref(x[rows]), y[rows]).backward()
+            opt.step()
+    out["diff"] = max_diff(trained, ref)
+
+
+def test_trainer_trains_the_smallest_number_of_batches_when_ranks_data_are_uneven(tmp_path):
+    # A DistributedSampler giving rank r 2 + r batches: 2 per epoch everywhere,
+    # said once, equal to one device on the global batches the ranks form.
+    for r in spawn(trainer_uneven, env={"PYDDP_TIMEOUT_S": "20"}, out=tmp_path):
+        assert r["steps"] == 4 and r["diff"] <= TOL, r
+        assert len(r["warnings"]) == 1 and "rank 0: 2, rank 1: 3" in r["warnings"][0], r
+
+
+def trainer_disk_full(out: dict) -> None:
+    """Rank 0's disk fills during the Trainer's second checkpoint: every
+    rank raises naming the file and the full disk (rank 0 used to get
+    torch's "unexpected pos" and rank 1 to blame rank 0 for dying); the
+    first checkpoint stays, with no temporary beside it."""
+    outdir = os.path.join(out_dir(), "run")
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
+    real_save = torch.save
+    save, fill_after_first = full_after_first_checkpoint(3000)
+    if pyddp.rank() == 0:
+        torch.save = save
+    cfg = pyddp.TrainConfig(
+        batch_size=10, max_steps=4, max_epochs=100, checkpoint_every_steps=2,
+        output_dir=outdir, progress=False,
+    )  # fmt: skip
+    try:
+        with pyddp.Trainer(
+            net(), ["cpu"], optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            loss_fn=nn.functional.mse_loss, config=cfg, callbacks=[fill_after_first],
+        ) as t:  # fmt: skip
+            t.fit((x, y))
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        torch.save = real_save
+    out["files"] = sorted(os.listdir(os.path.join(outdir, "checkpoints")))
+
+
+def test_a_full_disk_during_a_checkpoint_is_named_on_every_rank(tmp_path):
+    ranks = spawn(trainer_disk_full, env={"PYDDP_TIMEOUT_S": "30"}, out=tmp_path)
+    path = str(tmp_path / "run" / "checkpoints" / "ckpt-00000004.pt")
+    for r in ranks:
+        assert r["error"] is not None and "disk full" in r["error"] and path in r["error"], r
+    assert ranks[0]["files"] == ["ckpt-00000002.pt"]  # intact, no temporary left
+
+
+def rng(out: dict) -> None:
+    """Dropout across processes: every rank draws from its own stream, and a
+    resumed run restores each rank's own state (bitwise equal to a straight
+    run: one CPU replica per process); from a checkpoint holding one state,
+    the ranks other than 0 derive theirs from the seed, with a warning."""
+    import warnings
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
+
+    def run(name: str, max_steps: int, probe: bool = False, after: bool = False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 3))
+        cfg = pyddp.TrainConfig(
+            batch_size=10, max_steps=max_steps, max_epochs=100, checkpoint_every_steps=2,
+            output_dir=os.path.join(out_dir(), name), progress=False, seed=5,
+        )  # fmt: skip
+        with pyddp.Trainer(
+            model, ["cpu"], optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            loss_fn=nn.functional.mse_loss, config=cfg,
+        ) as t:  # fmt: skip
+            if probe:
+                return torch.rand(4).tolist()
+            t.fit((x, y))
+            if after:
+                return torch.rand(4).tolist()
+            return [p.detach().flatten().tolist() for p in t.model.module.parameters()]
+
+    out["draws"] = run("probe", 1, probe=True)
+    straight = run("straight", 6)
+    run("split", 3)
+    out["resumed_equal"] = run("split", 6) == straight
+    # A checkpoint in the format before every rank's state was kept (one
+    # state, rank 0's): every rank used to take it, drawing rank 0's masks.
+    run("old", 4)
+    if pyddp.rank() == 0:
+        path = os.path.join(out_dir(), "old", "checkpoints", "ckpt-00000004.pt")
+        payload = torch.load(path, weights_only=True)
+        payload["rng"] = payload["rng"]["ranks"][0]
+        torch.save(payload, path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["old_format_draws"] = run("old", 4, after=True)  # resumed, nothing to train
+    out["old_format_warnings"] = [str(w.message) for w in caught if "RNG" in str(w.message)]
+
+
+def test_ranks_draw_their_own_random_streams_and_resume_them(tmp_path):
+    # Dropout masks were the same on every rank (every rank seeded alike, and
+    # resume copied rank 0's state to all).
+    ranks = spawn(rng, out=tmp_path)
+    assert ranks[0]["draws"] != ranks[1]["draws"]
+    assert all(r["resumed_equal"] for r in ranks)
+    # From a checkpoint of the older format (one state): still different streams.
+    assert ranks[0]["old_format_draws"] != ranks[1]["old_format_draws"]
+    said = ranks[0]["old_format_warnings"]
+    assert len(said) == 1 and "one RNG state" in said[0] and "derived from seed 5" in said[0], said
+
+
+def exchanges(out: dict) -> None:
+    """fit, an evaluation on rank 0 alone, fit again: the evaluation used to
+    pair its exchange with the other rank's next training step (wrong
+    figures on both, then a gloo abort). Then two ranks at different
+    exchanges on purpose: both must raise, naming both."""
+    from pyddp._link.control import LOSS_WEIGHTS
+    from pyddp.train.evaluation import _VALID_SUMS
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
+    cfg = pyddp.TrainConfig(batch_size=10, max_epochs=1, progress=False, seed=4)
+    model = eval_norm(net())
+    with pyddp.Trainer(
+        model, ["cpu"], optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+        loss_fn=nn.functional.mse_loss, config=cfg,
+    ) as t:  # fmt: skip
+        t.fit((x, y), (x[:20], y[:20]))
+        if pyddp.is_main():
+            out["alone"] = t.evaluate((x[:20], y[:20]))["valid_loss"]
+            with torch.no_grad():
+                out["alone_true"] = nn.functional.mse_loss(model.eval()(x[:20]), y[:20]).item()
+            model.train()
+            eval_norm(model)
+        t.config.max_epochs = 2
+        t.fit((x, y), (x[:20], y[:20]))
+        out["steps"] = t.state.step
+        out["params"] = [p.detach().flatten().tolist() for p in t.model.module.parameters()]
+    dm = pyddp.wrap(nn.Linear(2, 2), ["cpu"])
+    name = LOSS_WEIGHTS if pyddp.rank() == 0 else _VALID_SUMS
+    try:
+        dm._reducer.link.sum_over_ranks([1.0, 2.0], name)
+        out["mismatch"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["mismatch"] = str(e)
+    write_and_exit(out)  # the group is broken after the mismatch
+
+
+def test_evaluating_on_one_rank_and_exchanges_that_do_not_pair(tmp_path):
+    r0, r1 = spawn(exchanges, out=tmp_path)
+    assert abs(r0["alone"] - r0["alone_true"]) < 1e-6, r0  # no exchange: the true figure
+    assert r0["steps"] == r1["steps"] == 8 and r0["params"] == r1["params"]
+    for r in (r0, r1):
+        error = r["mismatch"]
+        assert error is not None and "not at the same exchange" in error, error
+        assert "rank 0 at exchange" in error and "the loss weighting of a training step" in error
+        assert "rank 1 at exchange" in error and "the sums of a validation during fit()" in error
