@@ -181,14 +181,18 @@ class BucketLayout:
                 params[i].grad = views[i]
 
     # -------------------------------------------------------- whole buckets
-    def keep(self) -> Tuple[List[List[torch.Tensor]], List[List[bool]]]:
-        """Every replica's gradients as they are: the buckets' values and
-        which gradients are None (put_back restores both)."""
+    def keep(self, engine: Any) -> Tuple[Any, ...]:
+        """Every replica's gradients as they are (put_back restores them):
+        the buckets' values, which gradients are None, and the engine's view
+        (which it counts as present, which replicas hold a reduced copy)."""
         values = [[f.clone() for f in flats] for flats in self.flat]
-        return values, [[p.grad is None for p in params] for params in self.params]
+        nones = [[p.grad is None for p in params] for params in self.params]
+        present = [engine.has_grad(i) for i in range(len(self.params[0]))]
+        copies = [engine.holds_reduced_copy(r) for r in range(len(self.params))]
+        return values, nones, present, copies
 
-    def put_back(self, kept: Tuple[List[List[torch.Tensor]], List[List[bool]]]) -> None:
-        values, nones = kept
+    def put_back(self, engine: Any, kept: Tuple[Any, ...]) -> None:
+        values, nones, present, copies = kept
         with torch.no_grad():
             for flats, saved in zip(self.flat, values):
                 torch._foreach_copy_(flats, saved)
@@ -196,6 +200,10 @@ class BucketLayout:
             for p, view, is_none in zip(params, views, none):
                 p.grad = None if is_none else view
         self.forget_reduced()
+        for i, had in enumerate(present):
+            engine.note_grad(i, had)
+        for r, held in enumerate(copies):
+            engine.restore_reduced_copy(r, held)
 
     def zero(self, r: int) -> None:
         for flat in self.flat[r]:

@@ -143,6 +143,17 @@ class Observer:
     def count(self) -> int:
         return self._count
 
+    def observe(self, engine: Any, link: Any, layout: Any, finish_called_ns: int) -> None:
+        """Records the engine's last iteration, once, with what the link
+        waited for."""
+        raw = engine.last_stats()
+        if not raw["iteration"] or (self.last or {}).get("iteration") == raw["iteration"]:
+            return
+        # The flat buffers are the buckets: O(buckets) per step, no walk over parameters.
+        timeline = engine.last_timeline() if self.keep else None
+        link.merge_timing(raw, timeline, finish_called_ns)
+        self.record(raw, layout.bucket_bytes(), timeline)
+
     def stats(self, adopted: int, buckets: int, reduces: bool) -> Dict[str, Any]:
         """GradSync.stats(): the last synced iteration at the top level, the
         running means under "mean" (zeros before the first, or with nothing

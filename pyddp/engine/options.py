@@ -144,6 +144,20 @@ class Options:
             )
         return cls(**first_cap_as_ddp(options))
 
+    def in_group(self, group: Any) -> Options:
+        """These options for `group` (a resolved process group, None in one
+        process): reduce_order defaults to "ready" in one process and to
+        "index" across processes, where every rank must launch the same
+        sequence ("ready" is refused there)."""
+        if self.reduce_order is None:
+            return self.replace(reduce_order="ready" if group is None else "index")
+        if group is not None and self.reduce_order == "ready":
+            raise ValueError(
+                "reduce_order='ready' across processes: every rank must launch the same "
+                "sequence, so buckets launch in index order ('index', the default there)"
+            )
+        return self
+
     def keep(self) -> int:
         """Timeline iterations to keep: the option, else $PYDDP_TIMELINE."""
         return timeline_from_env() if self.timeline is None else self.timeline

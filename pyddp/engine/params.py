@@ -1,10 +1,14 @@
 """Which parameters the replicas synchronise, checked once: trainable, dense,
 of a reducible dtype, identical in name, shape and dtype on every replica, each
-replica on one device."""
+replica on one device; and the checks that keep replicas from silently
+differing at construction: the replicas are identical, and no parameter is
+synchronised by two live reducers (which would reduce every gradient twice and
+fight over `param.grad`)."""
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+import weakref
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -59,3 +63,62 @@ def trainable_params(
                 )
         params.append([p for _, p in pairs])
     return names, params
+
+
+# Parameters synchronised by a live GradSync, by id (tensors cannot be weak
+# dictionary keys: their == is elementwise).
+_SYNCED: Dict[int, Tuple[Any, Any]] = {}
+
+
+def note_synced(sync: Any) -> None:
+    for key in [k for k, (p, s) in _SYNCED.items() if p() is None or s() is None]:
+        del _SYNCED[key]
+    for params in sync.params:
+        for p in params:
+            _SYNCED[id(p)] = (weakref.ref(p), weakref.ref(sync))
+
+
+def refuse_synced_twice(names: Sequence[str], params: Sequence[Sequence[torch.Tensor]]) -> None:
+    for replica in params:
+        for name, p in zip(names, replica):
+            p_ref, sync_ref = _SYNCED.get(id(p), (None, None))
+            other = sync_ref() if p_ref is not None and p_ref() is p else None
+            if other is not None and not other.closed:
+                raise ValueError(
+                    f"parameter {name!r} is already synchronised by a live pyddp model or "
+                    "GradSync (a model wrapped twice?): close() the first one, or wrap a copy "
+                    "(copy.deepcopy(model))"
+                )
+
+
+def check_identical(replicas: Sequence[nn.Module]) -> None:
+    """GradSync sums gradients of identical replicas: replicas that start apart
+    stay apart, silently. A one-time comparison of every parameter (frozen ones
+    included) and buffer."""
+
+    def state(m: nn.Module) -> Dict[str, torch.Tensor]:
+        return {**dict(m.named_parameters()), **dict(m.named_buffers())}
+
+    first = state(replicas[0])
+    with torch.no_grad():
+        for r, replica in enumerate(replicas[1:], start=1):
+            mine = state(replica)
+            if list(mine) != list(first):
+                raise ValueError(
+                    f"replica {r} has parameters and buffers {list(mine)[:5]}..., replica 0 has "
+                    f"{list(first)[:5]}...: replicas must be copies of one model"
+                )
+            for name, t in mine.items():
+                other = first[name].to(t.device)
+                if t.shape != other.shape or not torch.equal(t, other):
+                    gap = (
+                        (t.double() - other.double()).abs().max().item()
+                        if t.shape == other.shape
+                        else float("nan")
+                    )
+                    raise ValueError(
+                        f"replica {r}'s {name!r} differs from replica 0's (max abs difference "
+                        f"{gap:.3g}): GradSync needs identical replicas. Copy replica 0's state "
+                        "to the others (m.load_state_dict(m0.state_dict())), or pass "
+                        "check_replicas=False if you make them equal yourself"
+                    )

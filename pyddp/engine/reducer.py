@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 import weakref
 from collections import Counter
 from functools import partial
@@ -29,18 +28,16 @@ from torch import nn
 
 from .. import _C
 from .._link import WorkRecord, connect, resolve_group
-from .._link.route import DeviceRoute
 from ..errors import ProcessGroupError, ReduceError
 from ..runtime.libraries import make_backend
+from . import params as checked
 from .buckets import BucketLayout
 from .comm_hooks import resolve_hook
 from .hooks import install_hooks
 from .observe import Observer
 from .options import Options
-from .params import dtype_name, trainable_params
 from .placement import gpu_placement
 from .plan import Plan, first_plan
-from .replica_checks import check_identical, note_synced, refuse_synced_twice
 from .streams import StreamOrder
 
 
@@ -51,19 +48,12 @@ class Reducer:
 
     def __init__(self, replicas: List[nn.Module], opts: Options, prepare_on_forward: bool):
         group = resolve_group(opts.group)
-        if opts.reduce_order is None:
-            opts = opts.replace(reduce_order="ready" if group is None else "index")
-        elif group is not None and opts.reduce_order == "ready":
-            raise ValueError(
-                "reduce_order='ready' across processes: every rank must launch the same "
-                "sequence, so buckets launch in index order ('index', the default there)"
-            )
-        self.options = opts
+        self.options = opts = opts.in_group(group)
         self.replicas = replicas
-        self.names, self.params = trainable_params(replicas)
-        refuse_synced_twice(self.names, self.params)
+        self.names, self.params = checked.trainable_params(replicas)
+        checked.refuse_synced_twice(self.names, self.params)
         if opts.check_replicas:
-            check_identical(replicas)
+            checked.check_identical(replicas)
         self.devices = [params[0].device for params in self.params]
         gpu = gpu_placement(self.devices, "GradSync")
         self.gpu_devices: Optional[List[int]] = None if gpu is None else gpu[0]
@@ -112,7 +102,7 @@ class Reducer:
             return  # one replica in one process: nothing to reduce, stay out of the way
         self.backend, self.op, self.post_scale = reduction
         first = self.params[0]
-        dtypes = [dtype_name(n, p) for n, p in zip(self.names, first)]
+        dtypes = [checked.dtype_name(n, p) for n, p in zip(self.names, first)]
         buckets = first_plan(first, dtypes, opts)
         self.engine = _C.Engine(
             len(replicas),
@@ -144,17 +134,7 @@ class Reducer:
         # then do the hooks pay for the call (a Python call per gradient).
         began = len(replicas) == 1 and not prepare_on_forward
         install_hooks(self, self.handles, began, prepare_on_forward)
-        note_synced(self)
-        if prepare_on_forward and any(
-            isinstance(m, nn.SyncBatchNorm) for r in replicas for m in r.modules()
-        ):
-            # Used directly, GradSync reduces gradients only: the layers would
-            # normalize per replica (one process) or raise (torch's, on CPUs).
-            warnings.warn(
-                "pyddp.GradSync does not synchronize SyncBatchNorm statistics across its "
-                "replicas (only gradients): use pyddp.wrap, which does",
-                stacklevel=3,
-            )
+        checked.note_synced(self)
 
     # ----------------------------------------------------------------- state
     @property
@@ -176,13 +156,6 @@ class Reducer:
         """Whether replica 0's gradients left their bucket views (Module._apply
         replaced their storage, or a gradient was assigned): reattach() then."""
         return self.engine is not None and self.layout.moved()
-
-    def device_route(self) -> DeviceRoute:
-        """GPU replicas: sums outside the buckets on the engine's NCCL
-        communicator (every GPU of every process), on the current streams."""
-        if self.gpu_devices is None or self.engine is None:
-            raise RuntimeError("pyddp: device_route() needs GPU replicas that reduce")
-        return DeviceRoute(self.backend, self.gpu_devices, self.streams)
 
     @property
     def buckets(self) -> List[List[int]]:
@@ -319,33 +292,16 @@ class Reducer:
                 "the other ranks' synced backward; leave no_sync() before the Join block ends"
             )
         self.prepare_all()
-        kept = self._keep_grads()
+        self.order.fence_all()  # the copies read after any reduction still writing
+        kept = self.layout.keep(self.engine)
         self.zero_grad(set_to_none=True)  # every gradient absent here: zeros on the wire
         self.shadowing = True
         try:
             self.finish()
         finally:
             self.shadowing = False
-            self._restore_grads(kept)
-
-    def _keep_grads(self) -> Tuple[Any, List[bool], List[bool]]:
-        """This rank's gradients as they are: the layout's (values, which
-        are None), and the engine's (which it counts as present, which
-        replicas hold a reduced copy)."""
-        engine = self.engine
-        self.order.fence_all()  # the copies read after any reduction still writing
-        present = [engine.has_grad(i) for i in range(len(self.names))]
-        copies = [engine.holds_reduced_copy(r) for r in range(len(self.replicas))]
-        return self.layout.keep(), present, copies
-
-    def _restore_grads(self, kept: Tuple[Any, List[bool], List[bool]]) -> None:
-        grads, present, copies = kept
-        self.order.fence_all()  # after the shadowed reductions
-        self.layout.put_back(grads)
-        for i, had in enumerate(present):
-            self.engine.note_grad(i, had)
-        for r, held in enumerate(copies):
-            self.engine.restore_reduced_copy(r, held)
+            self.order.fence_all()  # after the shadowed reductions
+            self.layout.put_back(self.engine, kept)
 
     def _wait_for_link(self) -> Tuple[List[int], List[int], Any]:
         try:
@@ -463,13 +419,7 @@ class Reducer:
 
     # ------------------------------------------------------------ statistics
     def observe(self) -> None:
-        raw = self.engine.last_stats()
-        if not raw["iteration"] or (self.observer.last or {}).get("iteration") == raw["iteration"]:
-            return
-        # The flat buffers are the buckets: O(buckets) per step, no walk over parameters.
-        timeline = self.engine.last_timeline() if self.observer.keep else None
-        self.link.merge_timing(raw, timeline, self.finish_called_ns)
-        self.observer.record(raw, self.layout.bucket_bytes(), timeline)
+        self.observer.observe(self.engine, self.link, self.layout, self.finish_called_ns)
 
     def stats(self) -> Dict[str, Any]:
         return self.observer.stats(self.adopted, len(self.buckets), self.engine is not None)

@@ -6,6 +6,7 @@ there once."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, ContextManager, Dict, List, Sequence
 
 import torch
@@ -68,6 +69,16 @@ class GradSync:
             if not isinstance(m, nn.Module):
                 raise TypeError(f"replicas must be torch.nn.Module objects, got {type(m).__name__}")
         self._reducer = Reducer(replicas, Options.for_sync(options), prepare_on_forward=True)
+        if self._reducer.reduces and any(
+            isinstance(m, nn.SyncBatchNorm) for r in replicas for m in r.modules()
+        ):
+            # GradSync reduces gradients only: the layers would normalize per
+            # replica (one process) or raise (torch's, on CPUs).
+            warnings.warn(
+                "pyddp.GradSync does not synchronize SyncBatchNorm statistics across its "
+                "replicas (only gradients): use pyddp.wrap, which does",
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------- each step
     def finish(self) -> None:

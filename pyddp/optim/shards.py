@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
+from .._link.route import DeviceRoute
 from ..engine.reducer import Reducer
 
 # Optimizers whose update of each element depends on that element alone (and
@@ -100,7 +101,9 @@ class DeviceGather:
     them once; pyddp's backends have no all-gather.)"""
 
     def __init__(self, sync: Reducer, order: List[int]):
-        self.route = sync.device_route()
+        # Sums outside the buckets on the engine's NCCL communicator (every
+        # GPU of every process), on the current streams.
+        self.route = DeviceRoute(sync.backend, sync.gpu_devices, sync.streams)
         params0 = sync.params[0]
         by_dtype: Dict[torch.dtype, List[int]] = {}
         for i in order:
