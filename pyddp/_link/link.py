@@ -190,6 +190,12 @@ class Link:
         inputs (joining.JoinStep). One process: nothing to exchange."""
         return None
 
+    def enter_join(self, divide_by_active: bool) -> None:
+        """torch's Join hands out its hook: gradients are then averaged over
+        the ranks with inputs (`divide_by_active`, torch DDP's
+        divide_by_initial_world_size=False) or over every rank."""
+        self.divide_by_active = divide_by_active
+
     def leave_join(self) -> None:
         """After torch's Join, however it ended: nothing of it is left."""
         self.divide_by_active = False

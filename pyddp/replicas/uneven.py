@@ -116,7 +116,7 @@ class Joining(Joinable):
         divide = kwargs.get("divide_by_initial_world_size", True)
         if not isinstance(divide, bool):
             raise TypeError("divide_by_initial_world_size must be a bool")
-        self._reducer.link.divide_by_active = not divide
+        self._reducer.link.enter_join(divide_by_active=not divide)
         return _ShadowHook(self)
 
     @property
