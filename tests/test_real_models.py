@@ -3,8 +3,8 @@ an encoder classifier, an encoder-decoder, a vision model with BatchNorm),
 small and random-init with their default configs (tests/real_models.py),
 through `dmodel(**batch)`, `dmodel.loss` and the Trainer on 2 CPU replicas,
 each equal to single-device training; plus gradient checkpointing and
-torch.compile. Across processes: tests/test_multiprocess.py (scenario
-"real_models").
+torch.compile. Across processes: tests/test_real_models_processes.py (the
+multiprocess tier).
 
 Tolerance: float32 with reassociation (per-shard means weighted and summed
 instead of one mean, replicas' gradients summed), accumulated over two SGD

@@ -609,62 +609,6 @@ def two_models(out: dict) -> None:
     out["worst"] = worst
 
 
-def real_models(out: dict) -> None:
-    """transformers models (tests/real_models.py) across processes, with 1
-    and 2 replicas per process, through dm(**batch) and dm.loss: equal to
-    one device on the global batch. BatchNorm is left to the in-process
-    matrix (statistics per shard are no device's full batch)."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from real_models import FAMILIES, max_param_diff, split_inputs
-
-    rank, world = pyddp.rank(), pyddp.world()
-    rows, steps, sgd = 8, 2, dict(lr=0.1, momentum=0.9)
-    for name in ("gpt2", "llama", "bert-classifier", "t5"):
-        family = FAMILIES[name]
-        batches = [family.batch(rows, seed) for seed in range(steps)]
-        ref = family.build()
-        ref_opt = torch.optim.SGD(ref.parameters(), **sgd)
-        for batch in batches:
-            ref(**batch).loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-        for local in (1, 2):
-            for path in ("call", "loss"):
-                with pyddp.wrap(family.build(), ["cpu"] * local) as dm:
-                    opt = dm.optimizer(torch.optim.SGD, **sgd)
-                    for batch in batches:
-                        mine = {k: v[my_rows(rows, rank, world)] for k, v in batch.items()}
-                        if path == "loss":
-                            loss = dm.loss(family.loss, *split_inputs(mine))
-                        else:
-                            loss = dm(**mine).loss
-                        loss.backward()
-                        opt.step()
-                        opt.zero_grad()
-                    out[f"{name}/{local} per process/{path}"] = max_param_diff(dm.module, ref)
-    # The Trainer: a global batch of `rows` in order (shuffle=False), against
-    # one device on the same batches.
-    for name in ("gpt2", "bert-classifier"):
-        family = FAMILIES[name]
-        inputs, labels = split_inputs(family.batch(2 * rows, 7))
-        ref = family.build()
-        ref_opt = torch.optim.SGD(ref.parameters(), **sgd)
-        for start in range(0, 2 * rows, rows):
-            part = slice(start, start + rows)
-            family.loss(ref(**{k: v[part] for k, v in inputs.items()}), labels[part]).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-        for local in (1, 2):
-            cfg = pyddp.TrainConfig(batch_size=rows, max_epochs=1, shuffle=False, progress=False)
-            opt = functools.partial(torch.optim.SGD, **sgd)
-            devices = ["cpu"] * local
-            with pyddp.Trainer(
-                family.build(), devices, optimizer=opt, loss_fn=family.loss, config=cfg
-            ) as t:
-                t.fit((inputs, labels))
-                out[f"{name}/{local} per process/trainer"] = max_param_diff(t.model.module, ref)
-
-
 def zero_alone(out: dict) -> None:
     """A sharded optimizer's state_dict() called on rank 0 alone (to save
     it there) while rank 1 trains on: both ranks fail, saying the call is
