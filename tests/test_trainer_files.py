@@ -246,6 +246,10 @@ def _edited(payload, edit):
         payload["model"] = {k.replace("2.", "3."): v for k, v in payload["model"].items()}
     elif edit == "optimizer without groups":
         del payload["optimizer"]["param_groups"]
+    elif edit == "one rng state":  # the unreleased format before each rank's was kept
+        payload["rng"] = payload["rng"]["ranks"][0]
+    elif edit in ("no loss_scaler", "no classes", "no run"):
+        del payload[edit[3:]]
     return payload
 
 
@@ -257,6 +261,10 @@ def _edited(payload, edit):
         ("loop a list", '"loop" is a list, not a dict'),
         ("model of another net", "its model does not fit this Trainer"),
         ("optimizer without groups", "its optimizer state does not fit this Trainer"),
+        ("one rng state", '"rng" holds no "ranks"'),
+        ("no loss_scaler", 'no "loss_scaler"'),
+        ("no classes", 'no "classes"'),
+        ("no run", 'no "run"'),
     ],
 )
 def test_a_hand_edited_checkpoint_is_refused_naming_the_file_and_what_is_wrong(

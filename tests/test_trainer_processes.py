@@ -235,12 +235,11 @@ def rng(out: dict) -> None:
     resumed run restores each rank's own state (bitwise equal to a straight
     run: one CPU replica per process); from a checkpoint holding one state,
     the ranks other than 0 derive theirs from the seed, with a warning."""
-    import warnings
 
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
 
-    def run(name: str, max_steps: int, probe: bool = False, after: bool = False):
+    def run(name: str, max_steps: int, probe: bool = False):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 3))
         cfg = pyddp.TrainConfig(
@@ -254,26 +253,12 @@ def rng(out: dict) -> None:
             if probe:
                 return torch.rand(4).tolist()
             t.fit((x, y))
-            if after:
-                return torch.rand(4).tolist()
             return [p.detach().flatten().tolist() for p in t.model.module.parameters()]
 
     out["draws"] = run("probe", 1, probe=True)
     straight = run("straight", 6)
     run("split", 3)
     out["resumed_equal"] = run("split", 6) == straight
-    # A checkpoint in the format before every rank's state was kept (one
-    # state, rank 0's): every rank used to take it, drawing rank 0's masks.
-    run("old", 4)
-    if pyddp.rank() == 0:
-        path = os.path.join(out_dir(), "old", "checkpoints", "ckpt-00000004.pt")
-        payload = torch.load(path, weights_only=True)
-        payload["rng"] = payload["rng"]["ranks"][0]
-        torch.save(payload, path)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out["old_format_draws"] = run("old", 4, after=True)  # resumed, nothing to train
-    out["old_format_warnings"] = [str(w.message) for w in caught if "RNG" in str(w.message)]
 
 
 def test_ranks_draw_their_own_random_streams_and_resume_them(tmp_path):
@@ -282,10 +267,6 @@ def test_ranks_draw_their_own_random_streams_and_resume_them(tmp_path):
     ranks = spawn(rng, out=tmp_path)
     assert ranks[0]["draws"] != ranks[1]["draws"]
     assert all(r["resumed_equal"] for r in ranks)
-    # From a checkpoint of the older format (one state): still different streams.
-    assert ranks[0]["old_format_draws"] != ranks[1]["old_format_draws"]
-    said = ranks[0]["old_format_warnings"]
-    assert len(said) == 1 and "one RNG state" in said[0] and "derived from seed 5" in said[0], said
 
 
 def exchanges(out: dict) -> None:

@@ -39,36 +39,14 @@ def cuda_rng_states(devices: Sequence[torch.device]) -> List[torch.Tensor]:
     return [torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"]
 
 
-def restore_generators(
-    saved: Dict[str, Any], rank: int, devices: Sequence[torch.device], seed: int, step: int
-) -> bool:
-    """This rank's states from a checkpoint's "rng" entry. Returns True if
-    the checkpoint holds one state (written before every rank's was kept):
-    rank 0's, which rank 0 takes; every other rank derives a stream of its
-    own from `seed` and the checkpoint's `step` (taking rank 0's state
-    would give every rank the same dropout masks for the rest of the run;
-    the step keeps it from replaying the masks of the run's first steps)."""
-    if "ranks" in saved:
-        ranks = saved["ranks"]
-        if rank >= len(ranks):  # more processes than the run had (resume_if_changed)
-            seed_generators(int(torch.initial_seed()), rank, devices)
-            return False
-        mine = ranks[rank]
-        torch.set_rng_state(mine["torch"])
-        cuda = [d for d in devices if d.type == "cuda"]
-        for device, state in zip(cuda, mine["cuda"]):
-            torch.cuda.set_rng_state(state, device)
-        return False
-    if rank == 0:
-        torch.set_rng_state(saved["torch"])
-        if saved["cuda"]:
-            torch.cuda.set_rng_state_all(saved["cuda"])
-    else:
-        seed_generators(resumed_seed(seed, step), rank, devices)
-    return True
-
-
-def resumed_seed(seed: int, step: int) -> int:
-    """A seed for the streams of a run resumed at `step` without its ranks'
-    states: independent of the streams the run started with."""
-    return int(np.random.SeedSequence([seed, step, 1]).generate_state(1, np.uint64)[0] >> 1)
+def restore_generators(saved: Dict[str, Any], rank: int, devices: Sequence[torch.device]) -> None:
+    """This rank's states from a checkpoint's "rng" entry (every rank's)."""
+    ranks = saved["ranks"]
+    if rank >= len(ranks):  # more processes than the run had (resume_if_changed)
+        seed_generators(int(torch.initial_seed()), rank, devices)
+        return
+    mine = ranks[rank]
+    torch.set_rng_state(mine["torch"])
+    cuda = [d for d in devices if d.type == "cuda"]
+    for device, state in zip(cuda, mine["cuda"]):
+        torch.cuda.set_rng_state(state, device)

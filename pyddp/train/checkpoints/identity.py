@@ -11,7 +11,7 @@ import numbers
 import random
 import re
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -155,11 +155,8 @@ def _stable(value: Any) -> str:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
 
-def run_differences(saved: Optional[Dict[str, str]], mine: Dict[str, str]) -> List[str]:
-    """Lines naming each field that differs; none for a checkpoint written
-    before pyddp recorded its run (nothing to compare)."""
-    if saved is None:
-        return []
+def run_differences(saved: Dict[str, str], mine: Dict[str, str]) -> List[str]:
+    """Lines naming each field that differs."""
     return [
         f"{key}: checkpoint {saved.get(key, '(not recorded)')}, now {value}"
         for key, value in mine.items()

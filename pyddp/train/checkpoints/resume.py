@@ -66,23 +66,11 @@ class TrainerCheckpoints:
             with restoring(path, "scheduler state"):
                 self.scheduler.load_state_dict(payload["scheduler"])
         with restoring(path, "loss scaler state"):
-            if "loss_scaler" in payload:
-                self._scaler.load_state_dict(payload["loss_scaler"])
-            else:  # written before the clean-step count was kept
-                self._scaler.scale = float(payload["loss_scale"])
+            self._scaler.load_state_dict(payload["loss_scaler"])
         self.state = state
         self.best_state_dict = payload.get("best")
         with restoring(path, "RNG state"):
-            seed, step = self.config.seed, state.step
-            shared = restore_generators(payload["rng"], self.rank, self.model.devices, seed, step)
-        if shared and self.world > 1 and self.rank == 0:
-            warnings.warn(
-                f"pyddp: checkpoint {path} holds one RNG state (written before pyddp kept each "
-                "rank's): rank 0 resumes it, the other ranks draw new streams derived from seed "
-                f"{seed} and step {step}, so their dropout masks differ from rank 0's but are "
-                "not those of an uninterrupted run",
-                stacklevel=4,
-            )
+            restore_generators(payload["rng"], self.rank, self.model.devices)
         if self.rank == 0:
             print(f"pyddp: resumed from {path} (epoch {self.state.epoch}, step {self.state.step})")
 

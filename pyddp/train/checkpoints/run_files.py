@@ -87,8 +87,8 @@ class RunFiles:
             return None
         path, payload = found
         check_payload(path, payload, [f.name for f in dataclasses.fields(LoopState)])
-        check_classes(path, payload.get("classes"), self.classes)
-        changed = run_differences(payload.get("run"), {**self.signature, **self.data})
+        check_classes(path, payload["classes"], self.classes)
+        changed = run_differences(payload["run"], {**self.signature, **self.data})
         if changed and not self.config.resume_if_changed:
             raise ValueError(changed_run_message(path, changed))
         if changed and self.ranks.rank == 0:

@@ -78,15 +78,13 @@ def save_checkpoint(
 
 
 def check_classes(
-    path: Path, saved: Optional[Dict[str, Optional[str]]], mine: Dict[str, Optional[str]]
+    path: Path, saved: Dict[str, Optional[str]], mine: Dict[str, Optional[str]]
 ) -> None:
     """A checkpoint's optimizer state fits only the optimizer class that wrote
     it (Adam's lacks SGD's momentum, SGD's lacks Adam's betas): refuse another
     class at load rather than fail at the first step; likewise a scheduler of
     another class (adding or dropping a scheduler on resume is allowed).
     `saved`/`mine` map "optimizer" and "scheduler" to module.Class names."""
-    if saved is None:  # written before pyddp recorded the classes
-        return
     for kind, want in mine.items():
         if kind == "scheduler" and (want is None or saved.get(kind) is None):
             continue
@@ -104,16 +102,14 @@ def check_payload(path: Path, payload: Dict[str, Any], loop_fields: List[str]) -
     written by another version of pyddp): before anything is loaded, rather
     than as a bare KeyError or TypeError halfway through."""
     problems = []
-    for key in ("model", "optimizer", "loop", "rng"):
+    for key in ("model", "optimizer", "loop", "rng", "loss_scaler", "classes", "run"):
         if key not in payload:
             problems.append(f'no "{key}"')
         elif not isinstance(payload[key], dict):
             problems.append(f'"{key}" is a {type(payload[key]).__name__}, not a dict')
-    for key in ("scheduler", "best", "loss_scaler", "classes", "run"):
+    for key in ("scheduler", "best"):
         if payload.get(key) is not None and not isinstance(payload[key], dict):
             problems.append(f'"{key}" is a {type(payload[key]).__name__}, not a dict or None')
-    if "loss_scaler" not in payload and "loss_scale" not in payload:
-        problems.append('no "loss_scaler"')
     loop, rng = payload.get("loop"), payload.get("rng")
     if isinstance(loop, dict):
         unknown = sorted(str(k) for k in loop if k not in loop_fields)
@@ -122,8 +118,8 @@ def check_payload(path: Path, payload: Dict[str, Any], loop_fields: List[str]) -
             problems.append(f'"loop" has fields this pyddp does not know: {", ".join(unknown)}')
         if missing:
             problems.append(f'"loop" lacks {", ".join(missing)}')
-    if isinstance(rng, dict) and "ranks" not in rng and "torch" not in rng:
-        problems.append('"rng" holds neither "ranks" nor "torch"')
+    if isinstance(rng, dict) and "ranks" not in rng:
+        problems.append('"rng" holds no "ranks" (every rank\'s random state)')
     if problems:
         raise ValueError(
             f"pyddp: checkpoint {path} cannot be resumed: {'; '.join(problems)}. It was "
