@@ -1,10 +1,17 @@
 """Shared by the scenarios that run on several ranks (tests/spawn.py): the
 model they train (Net), its data, each rank's rows of a global batch, and the
-single-device training they are compared with. References are computed in
-every process (single-device training on the global batch; torch DDP on the
-same split)."""
+single-device training they are compared with; each rank's simulated GPUs
+for the scenarios that also run there. References are computed in every
+process (single-device training on the global batch; torch DDP on the same
+split)."""
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from typing import Any, Callable, List, Tuple
 
 import torch
 from torch import nn
@@ -99,3 +106,34 @@ def side_by_side(ddp, dopt, dm, batches) -> None:
         dopt.step()
         nn.functional.mse_loss(dm(xg[rows]), yg[rows]).backward()
         popt.step()
+
+
+def simulated_gpus_of_rank(replicas: int) -> Tuple[Any, Any, List[int]]:
+    """This rank's replicas on the simulated CUDA driver and NCCL (tests/simgpu),
+    one GPU each, numbered across ranks: the simulation, its stream provider
+    and the devices."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "simgpu"))
+    from simgpu import Sim, SimStreams
+
+    sim = Sim(os.environ["PYDDP_CUDA_LIBRARY"])
+    return sim, SimStreams(sim), [pyddp.rank() * replicas + i for i in range(replicas)]
+
+
+def maybe_simulated_gpus(replicas: int) -> Tuple[Any, Callable[[], None]]:
+    """With SCENARIO_SIMGPU set (spawn(..., simgpu=True)): this rank's
+    simulated GPUs for wrap_on (devices, streams), and the drain the host
+    calls before it reads what their streams wrote. Else: None (CPU), nothing."""
+    if not os.environ.get("SCENARIO_SIMGPU"):
+        return None, lambda: None
+    _, streams, devices = simulated_gpus_of_rank(replicas)
+    return (devices, streams), functools.partial(streams.synchronize_all, devices)
+
+
+def wrap_on(model: nn.Module, replicas: int, gpus: Any = None, **kw: Any) -> Any:
+    """pyddp.wrap over `replicas` CPU replicas, or over the simulated GPUs
+    `gpus` (devices, streams) when given."""
+    from pyddp.engine.placement import simulated_gpus
+
+    place = contextlib.nullcontext() if gpus is None else simulated_gpus(*gpus)
+    with place:
+        return pyddp.wrap(model, ["cpu"] * replicas, **kw)

@@ -1,15 +1,23 @@
-"""Sharded optimizer state in one process (dmodel.optimizer(..., shard=True)):
-equal to the unsharded optimizer bit for bit, state divided over the
-replicas, a consolidated state dict. Across processes: tests/test_multiprocess.py
-(`zero`, also against torch's ZeroRedundancyOptimizer)."""
+"""Sharded optimizer state (dmodel.optimizer(..., shard=True)): in one
+process, equal to the unsharded optimizer bit for bit, state divided over the
+replicas, a consolidated state dict; across processes (torchrun), also
+against torch's ZeroRedundancyOptimizer under torch DDP, and a state_dict()
+on one rank alone named as collective; on simulated GPUs, in one process and
+across two."""
 
 from __future__ import annotations
 
 import copy
+import os
 import pickle
+from typing import List
 
 import pytest
 import torch
+import torch.nn.functional as F
+from conftest import make_batches
+from ranks import SGD, TOL, data, eval_norm, max_diff, maybe_simulated_gpus, my_rows, net, wrap_on
+from spawn import expect_failure, run_alone, spawn
 from torch import nn
 
 import pyddp
@@ -67,8 +75,8 @@ def test_sharded_equals_unsharded_bit_for_bit(n, cls, kw):
 
 
 def assert_same_state_dict(a: dict, b: dict) -> None:
-    """Two optimizer state dicts are equal bit for bit (also used on the
-    simulated GPUs: test_simgpu.py)."""
+    """Two optimizer state dicts are equal bit for bit (also on the simulated
+    GPUs, below)."""
     assert a["param_groups"] == b["param_groups"]
     assert sorted(a["state"]) == sorted(b["state"])
     for k, state in a["state"].items():
@@ -214,3 +222,236 @@ def test_torchs_zero_spellings_port_unchanged():
     with pytest.raises(TypeError, match="once"):
         dm.optimizer(torch.optim.SGD, optimizer_class=torch.optim.SGD, lr=0.1)
     dm.close()
+
+
+# ------------------------------------------------- across processes (torchrun)
+def sharded_across_processes(out: dict) -> None:
+    """Sharded optimizer state (dmodel.optimizer(..., shard=True)) across
+    processes, SCENARIO_REPLICAS replicas each: equal to the unsharded
+    optimizer and to torch's ZeroRedundancyOptimizer under torch DDP (one
+    replica per process); its state dict equals the unsharded one's; the
+    state held per replica, measured."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import pyddp.optim.zero
+
+    replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
+    rank, world = pyddp.rank(), pyddp.world()
+    batches = data(5, 12)
+    adam = dict(lr=1e-2, weight_decay=1e-3)
+    gpus, settle = maybe_simulated_gpus(replicas)
+
+    def step(dm, opt, x, y) -> None:
+        rows = my_rows(len(x), rank, world)
+        opt.zero_grad()
+        dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
+        settle()  # simulated GPUs: the step reads what the streams wrote
+        opt.step()
+        settle()
+
+    def train(shard: bool):
+        dm = wrap_on(eval_norm(net()), replicas, gpus)
+        for m in dm.replicas:
+            m.norm.eval()
+        opt = dm.optimizer(torch.optim.AdamW, shard=shard, **adam)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+        for x, y in batches:
+            step(dm, opt, x, y)
+            sched.step()
+        return dm, opt
+
+    plain_dm, plain_opt = train(False)
+    dm, opt = train(True)
+    out["vs_unsharded"] = max_diff(dm.module, plain_dm.module)
+    out["replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
+    sd, plain_sd = opt.state_dict(), plain_opt.state_dict()
+    out["state_keys_equal"] = sorted(sd["state"]) == sorted(plain_sd["state"])
+    out["state_diff"] = max(
+        (a - b).abs().max().item()
+        for k in plain_sd["state"]
+        for a, b in zip(sd["state"][k].values(), plain_sd["state"][k].values())
+        if isinstance(a, torch.Tensor) and a.dim() > 0
+    )
+    out["bytes_sharded"] = pyddp.optim.zero.state_bytes(opt)
+    out["bytes_unsharded"] = pyddp.optim.zero.state_bytes(plain_opt)
+    # A new sharded optimizer loaded from the consolidated state steps on
+    # exactly as the first one does.
+    dm2 = wrap_on(copy.deepcopy(dm.module), replicas, gpus)
+    opt2 = dm2.optimizer(torch.optim.AdamW, shard=True, **adam)
+    opt2.load_state_dict(sd)
+    for d, o in ((dm, opt), (dm2, opt2)):
+        step(d, o, *batches[0])
+    out["resumed"] = max_diff(dm.module, dm2.module)
+    # One device on the global batches (AdamW): Net's `rare` has no gradient
+    # anywhere in some steps and stays None, as here.
+    ref = eval_norm(net())
+    ref_opt = torch.optim.AdamW(ref.parameters(), **adam)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 2, 0.5)
+    for x, y in batches:
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_sched.step()
+    out["vs_one_device"] = max_diff(plain_dm.module, ref)
+    if replicas == 1:
+        # torch's ZeroRedundancyOptimizer under torch DDP, on a model whose
+        # every parameter has a gradient each step (DDP gives a parameter
+        # unused everywhere a zero gradient, which AdamW then steps).
+        def mlp() -> nn.Module:
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+        ddp = nn.parallel.DistributedDataParallel(mlp())
+        zopt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, **adam)
+        zdm = pyddp.wrap(mlp(), ["cpu"])
+        popt = zdm.optimizer(torch.optim.AdamW, shard=True, **adam)
+        for x, y in batches:
+            rows = my_rows(len(x), rank, world)
+            for model, o in ((ddp, zopt), (zdm, popt)):
+                o.zero_grad()
+                nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+                o.step()
+        out["vs_torch_zero"] = max_diff(zdm.module, ddp.module)
+        zdm.close()
+    for d in (plain_dm, dm, dm2):
+        d.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_sharded_optimizer_state_across_processes(tmp_path, replicas):
+    # dmodel.optimizer(AdamW, shard=True) over 2 processes x `replicas`:
+    # bitwise the unsharded optimizer (and torch's ZeroRedundancyOptimizer
+    # under torch DDP), state per replica a share of one copy.
+    env = {"SCENARIO_REPLICAS": str(replicas)}
+    check_zero(spawn(sharded_across_processes, env=env, out=tmp_path), replicas)
+
+
+def check_zero(got: List[dict], replicas: int) -> None:
+    """sharded_across_processes's results (also on simulated GPUs, below)."""
+    for r in got:
+        assert r["vs_unsharded"] == 0.0 and r["replicas_equal"], r
+        assert r["vs_one_device"] <= TOL, r
+        assert r["state_keys_equal"] and r["state_diff"] == 0.0, r
+        assert r["resumed"] == 0.0, r
+        if replicas == 1:
+            assert r["vs_torch_zero"] <= TOL, r
+    shares, full = [b for r in got for b in r["bytes_sharded"]], got[0]["bytes_unsharded"][0]
+    assert full <= sum(shares) <= full + 64 * len(shares)  # scalar step counts of cut pieces
+    # Net's `never` (and `rare` on some steps) has no gradient, hence no state:
+    # the slots' shares of elements are equal, their state need not be.
+    assert max(shares) < 0.8 * full
+
+
+def state_dict_on_rank_0_alone(out: dict) -> None:
+    """A sharded optimizer's state_dict() called on rank 0 alone (to save
+    it there) while rank 1 trains on: both ranks fail, saying the call is
+    collective (it used to read as a rank that died or ran out of batches).
+    Before that, torch ZeroRedundancyOptimizer's way works: every rank
+    calls consolidate_state_dict(to=0), then rank 0 alone state_dict()."""
+    rank = pyddp.rank()
+    dm = pyddp.wrap(net(), ["cpu"])
+    opt = dm.optimizer(optimizer_class=torch.optim.SGD, shard=True, **SGD)
+    batches = data(3, 8)
+    nn.functional.mse_loss(dm(batches[0][0]), batches[0][1]).backward()
+    opt.step()
+    opt.zero_grad()
+    every = opt.state_dict()  # collective
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        alone = opt.state_dict()  # rank 0 alone: no exchange
+        pairs = zip(every["state"].values(), alone["state"].values())
+        out["consolidated_equal"] = len(every["state"]) == len(alone["state"]) and all(
+            torch.equal(a["momentum_buffer"], b["momentum_buffer"]) for a, b in pairs
+        )
+
+    def step(x, y) -> None:
+        nn.functional.mse_loss(dm(x[my_rows(8, rank, 2)]), y[my_rows(8, rank, 2)]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def run() -> None:
+        step(*batches[0])
+        if rank == 0:
+            opt.state_dict()
+        for x, y in batches[1:]:
+            step(x, y)
+
+    expect_failure(out, run)
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_optimizers_state_dict_on_rank_0_alone_is_named_as_collective(tmp_path):
+    got = spawn(state_dict_on_rank_0_alone, env={"PYDDP_TIMEOUT_S": "20"}, out=tmp_path)
+    for r in got:
+        assert r["error"] is not None and "state_dict() is collective" in r["error"], r
+    assert got[0]["consolidated_equal"] is True  # consolidate_state_dict(to=0), as torch's
+
+
+# -------------------------------------------------------- on simulated GPUs
+def sharded_on_simulated_gpus(devices, hook):
+    """In a process of its own on the simulated GPUs `devices` (run_alone)."""
+    from simulated import WithDouble, gpu_step, gpu_wrap, sim, streams
+
+    sim.lib.simgpu_set_delay_us(None, 200)
+    own = {d: sim.stream(d) for d in set(devices)}
+
+    def train(shard):
+        torch.manual_seed(0)
+        model = WithDouble()
+        with torch.no_grad():  # nobody trains `never`: its signed zeros must survive the gather
+            model.never.weight[0].fill_(-0.0)
+            model.never.weight[1].fill_(0.0)
+        dm = gpu_wrap(model, devices, bucket_cap_mb=0.0005)
+        if hook is not None:
+            dm.register_comm_hook(None, hook)
+        opt = dm.optimizer(torch.optim.AdamW, shard=shard, lr=0.01, weight_decay=0.1)
+        for x, y in make_batches(4, 13):
+            with streams.stream(own):
+                gpu_step(F.cross_entropy(dm(x), y), opt, devices)
+        return dm, opt
+
+    def bits(t):
+        return t.detach().reshape(-1).view(torch.uint8)  # -0.0 and +0.0 differ
+
+    plain, plain_opt = train(False)
+    dm, opt = train(True)
+    assert str(plain.module.never.weight[0, 0].item()) == "-0.0"
+    for m in (dm.module, *dm.replicas):
+        for (name, p), q in zip(m.named_parameters(), plain.module.parameters()):
+            assert torch.equal(bits(p), bits(q)), (name, (p - q).abs().max())
+    full, shares = state_bytes(plain_opt), state_bytes(opt)
+    n = len(devices)
+    # Divided, not copied (equal element counts; float64 ones weigh double,
+    # so the byte shares are not exactly 1/n: test_zero.py checks that).
+    assert full[0] <= sum(shares) <= full[0] + 64 * n and max(shares) < full[0] / 2, shares
+    assert_same_state_dict(plain_opt.state_dict(), opt.state_dict())
+    dm.close()
+    plain.close()
+
+
+@pytest.mark.simgpu
+@pytest.mark.parametrize(
+    "devices,hook", [([0, 1, 2], None), ([0, 0, 0], None), ([0, 1, 2], "fp16")]
+)
+def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(devices, hook):
+    # shard=True on GPU replicas: each steps its share of the elements, then
+    # every replica takes the others' through NCCL (one sum per dtype, -0.0
+    # from the non-owners) whose results land late and skewed per device.
+    # Bitwise the unsharded optimizer (AdamW, a float64 layer, parameters
+    # some replicas or nobody trains), replicas identical, the state divided,
+    # the consolidated state dict equal; with fp16 compression on the
+    # buckets, the parameters' sum still travels uncompressed (exact).
+    run_alone(sharded_on_simulated_gpus, devices, hook)
+
+
+@pytest.mark.simgpu
+@pytest.mark.parametrize("local", [1, 2])
+def test_sharded_optimizer_across_processes_on_simulated_gpus(tmp_path, local):
+    # sharded_across_processes with each rank's replicas on simulated GPUs:
+    # the parameters' sum on the one NCCL communicator of both processes.
+    # Bitwise the unsharded optimizer, a consolidated state dict equal to
+    # its, and a resumed run equal to an uninterrupted one.
+    env = {"SCENARIO_REPLICAS": str(local)}
+    got = spawn(sharded_across_processes, env=env, simgpu=True, out=tmp_path)
+    check_zero(got, local)

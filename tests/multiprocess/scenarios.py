@@ -5,15 +5,13 @@ training on the global batch; torch DDP on the same split)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import json
 import os
 import sys
 import time
 import traceback
-from typing import Any, Callable, List, Tuple
+from typing import Any, List
 
 import torch
 import torch.distributed as dist
@@ -23,8 +21,19 @@ from torch import nn
 import pyddp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ranks import SGD, data, eval_norm, max_diff, my_rows, net, reference  # noqa: E402
+from ranks import (  # noqa: E402
+    SGD,
+    data,
+    eval_norm,
+    max_diff,
+    my_rows,
+    net,
+    reference,
+    wrap_on,  # noqa: E402
+)
+from ranks import maybe_simulated_gpus as _maybe_simulated_gpus  # noqa: E402
 from ranks import sequence_of as _sequence_of  # noqa: E402
+from ranks import simulated_gpus_of_rank as _simulated_gpus  # noqa: E402
 
 
 # ------------------------------------------------------------------ scenarios
@@ -348,74 +357,6 @@ def gpu_processes(out: dict) -> None:
     dm.close()
 
 
-def zero_alone(out: dict) -> None:
-    """A sharded optimizer's state_dict() called on rank 0 alone (to save
-    it there) while rank 1 trains on: both ranks fail, saying the call is
-    collective (it used to read as a rank that died or ran out of batches).
-    Before that, torch ZeroRedundancyOptimizer's way works: every rank
-    calls consolidate_state_dict(to=0), then rank 0 alone state_dict()."""
-    rank = pyddp.rank()
-    dm = pyddp.wrap(net(), ["cpu"])
-    opt = dm.optimizer(optimizer_class=torch.optim.SGD, shard=True, **SGD)
-    batches = data(3, 8)
-    nn.functional.mse_loss(dm(batches[0][0]), batches[0][1]).backward()
-    opt.step()
-    opt.zero_grad()
-    every = opt.state_dict()  # collective
-    opt.consolidate_state_dict(to=0)
-    if rank == 0:
-        alone = opt.state_dict()  # rank 0 alone: no exchange
-        pairs = zip(every["state"].values(), alone["state"].values())
-        out["consolidated_equal"] = len(every["state"]) == len(alone["state"]) and all(
-            torch.equal(a["momentum_buffer"], b["momentum_buffer"]) for a, b in pairs
-        )
-
-    def step(x, y) -> None:
-        nn.functional.mse_loss(dm(x[my_rows(8, rank, 2)]), y[my_rows(8, rank, 2)]).backward()
-        opt.step()
-        opt.zero_grad()
-
-    def run() -> None:
-        step(*batches[0])
-        if rank == 0:
-            opt.state_dict()
-        for x, y in batches[1:]:
-            step(x, y)
-
-    _expect_failure(out, run)
-
-
-def _simulated_gpus(replicas: int) -> Tuple[Any, Any, List[int]]:
-    """This rank's replicas on the simulated CUDA driver and NCCL (tests/simgpu),
-    one GPU each, numbered across ranks: the simulation, its stream provider
-    and the devices."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "simgpu"))
-    from simgpu import Sim, SimStreams
-
-    sim = Sim(os.environ["PYDDP_CUDA_LIBRARY"])
-    return sim, SimStreams(sim), [pyddp.rank() * replicas + i for i in range(replicas)]
-
-
-def _maybe_simulated_gpus(replicas: int) -> Tuple[Any, Callable[[], None]]:
-    """With SCENARIO_SIMGPU set: this rank's simulated GPUs for wrap_on
-    (devices, streams), and the drain the host calls before it reads what
-    their streams wrote. Else: None (CPU), nothing."""
-    if not os.environ.get("SCENARIO_SIMGPU"):
-        return None, lambda: None
-    _, streams, devices = _simulated_gpus(replicas)
-    return (devices, streams), functools.partial(streams.synchronize_all, devices)
-
-
-def wrap_on(model: nn.Module, replicas: int, gpus: Any = None, **kw: Any) -> Any:
-    """pyddp.wrap over `replicas` CPU replicas, or over the simulated GPUs
-    `gpus` (devices, streams) when given."""
-    from pyddp.engine.placement import simulated_gpus
-
-    place = contextlib.nullcontext() if gpus is None else simulated_gpus(*gpus)
-    with place:
-        return pyddp.wrap(model, ["cpu"] * replicas, **kw)
-
-
 def syncbn_alone(out: dict) -> None:
     """SyncBatchNorm, hostile: rank 0 alone runs a forward in training mode
     without grad (logging) between two training steps. Its statistics
@@ -491,98 +432,6 @@ def syncbn(out: dict) -> None:
         with torch.no_grad():
             dm(torch.randn(4, 2, 5, 5))
     dm.close()
-
-
-def zero(out: dict) -> None:
-    """Sharded optimizer state (dmodel.optimizer(..., shard=True)) across
-    processes, SCENARIO_REPLICAS replicas each: equal to the unsharded
-    optimizer and to torch's ZeroRedundancyOptimizer under torch DDP (one
-    replica per process); its state dict equals the unsharded one's; the
-    state held per replica, measured."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    import pyddp.optim.zero
-
-    replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
-    rank, world = pyddp.rank(), pyddp.world()
-    batches = data(5, 12)
-    adam = dict(lr=1e-2, weight_decay=1e-3)
-    gpus, settle = _maybe_simulated_gpus(replicas)
-
-    def step(dm, opt, x, y) -> None:
-        rows = my_rows(len(x), rank, world)
-        opt.zero_grad()
-        dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
-        settle()  # simulated GPUs: the step reads what the streams wrote
-        opt.step()
-        settle()
-
-    def train(shard: bool):
-        dm = wrap_on(eval_norm(net()), replicas, gpus)
-        for m in dm.replicas:
-            m.norm.eval()
-        opt = dm.optimizer(torch.optim.AdamW, shard=shard, **adam)
-        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
-        for x, y in batches:
-            step(dm, opt, x, y)
-            sched.step()
-        return dm, opt
-
-    plain_dm, plain_opt = train(False)
-    dm, opt = train(True)
-    out["vs_unsharded"] = max_diff(dm.module, plain_dm.module)
-    out["replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
-    sd, plain_sd = opt.state_dict(), plain_opt.state_dict()
-    out["state_keys_equal"] = sorted(sd["state"]) == sorted(plain_sd["state"])
-    out["state_diff"] = max(
-        (a - b).abs().max().item()
-        for k in plain_sd["state"]
-        for a, b in zip(sd["state"][k].values(), plain_sd["state"][k].values())
-        if isinstance(a, torch.Tensor) and a.dim() > 0
-    )
-    out["bytes_sharded"] = pyddp.optim.zero.state_bytes(opt)
-    out["bytes_unsharded"] = pyddp.optim.zero.state_bytes(plain_opt)
-    # A new sharded optimizer loaded from the consolidated state steps on
-    # exactly as the first one does.
-    dm2 = wrap_on(copy.deepcopy(dm.module), replicas, gpus)
-    opt2 = dm2.optimizer(torch.optim.AdamW, shard=True, **adam)
-    opt2.load_state_dict(sd)
-    for d, o in ((dm, opt), (dm2, opt2)):
-        step(d, o, *batches[0])
-    out["resumed"] = max_diff(dm.module, dm2.module)
-    # One device on the global batches (AdamW): Net's `rare` has no gradient
-    # anywhere in some steps and stays None, as here.
-    ref = eval_norm(net())
-    ref_opt = torch.optim.AdamW(ref.parameters(), **adam)
-    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 2, 0.5)
-    for x, y in batches:
-        ref_opt.zero_grad()
-        nn.functional.mse_loss(ref(x), y).backward()
-        ref_opt.step()
-        ref_sched.step()
-    out["vs_one_device"] = max_diff(plain_dm.module, ref)
-    if replicas == 1:
-        # torch's ZeroRedundancyOptimizer under torch DDP, on a model whose
-        # every parameter has a gradient each step (DDP gives a parameter
-        # unused everywhere a zero gradient, which AdamW then steps).
-        def mlp() -> nn.Module:
-            torch.manual_seed(0)
-            return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
-        ddp = nn.parallel.DistributedDataParallel(mlp())
-        zopt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, **adam)
-        zdm = pyddp.wrap(mlp(), ["cpu"])
-        popt = zdm.optimizer(torch.optim.AdamW, shard=True, **adam)
-        for x, y in batches:
-            rows = my_rows(len(x), rank, world)
-            for model, o in ((ddp, zopt), (zdm, popt)):
-                o.zero_grad()
-                nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-                o.step()
-        out["vs_torch_zero"] = max_diff(zdm.module, ddp.module)
-        zdm.close()
-    for d in (plain_dm, dm, dm2):
-        d.close()
 
 
 def _expect_failure(out: dict, run) -> None:
