@@ -304,6 +304,9 @@ def _rank() -> int:
 
 def _main(argv: List[str]) -> None:
     target, folder = argv[1], argv[2]
+    # tests/simgpu's modules by name (`from simgpu import HostReads`), not the
+    # folder tests/simgpu as a namespace package.
+    sys.path.insert(1, str(HERE / "simgpu"))
     module, name = target.split(":")
     _target.update(dir=folder, name=name)
     fn = getattr(importlib.import_module(module), name)

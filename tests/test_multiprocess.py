@@ -89,26 +89,6 @@ def results(out: Path, scenario: str, world: int) -> List[dict]:
     return got
 
 
-def test_a_syncbatchnorm_forward_on_one_rank_is_named_on_every_rank(tmp_path):
-    """Issue 30, item 7 (tests/multiprocess/scenarios.py `syncbn_alone`):
-    SyncBatchNorm's exchanges carry a header like the control exchanges."""
-    run = torchrun("syncbn_alone", tmp_path, 2, {"PYDDP_TIMEOUT_S": "20"})
-    assert run.returncode == 0, run.stderr[-3000:]  # no SIGABRT
-    for r in results(tmp_path, "syncbn_alone", 2):
-        assert r["error"] and "do not pair across ranks" in r["error"], r
-        assert "a forward without grad" in r["error"] and "a forward with grad" in r["error"]
-
-
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_sync_batchnorm_across_processes_equals_one_device(tmp_path, replicas):
-    # torch's SyncBatchNorm refuses CPU tensors, so the reference is one
-    # device running BatchNorm on the global batch (every rank trains it).
-    run = torchrun("syncbn", tmp_path, 2, {"SCENARIO_REPLICAS": str(replicas)})
-    assert run.returncode == 0, run.stderr[-3000:]
-    for r in results(tmp_path, "syncbn", 2):
-        assert r["grad"] <= TOL and r["params"] <= TOL and r["buffers"] <= TOL, r
-
-
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_buffers_of_every_dtype_are_rank_zeros_bit_for_bit(tmp_path, replicas):
     # complex64 (rotary freqs_cis), int64 above 2**53, bool, float16 with a

@@ -274,51 +274,6 @@ def test_compression_hooks_on_nccl_are_torch_hooks_arithmetic(simlib, hook):
     )
 
 
-def test_syncbatchnorm_on_simulated_gpus_equals_one_device(simlib):
-    # SyncBatchNorm over 3 simulated GPUs (the statistics come to the host from
-    # each replica's current stream, where they land late, and go back on it):
-    # equal to one device running BatchNorm on the whole batch, parameters and
-    # running statistics, under the caller's own streams. Replicas sharing a
-    # GPU are refused by name (autograd would run their backwards on one thread).
-    run_sim(
-        simlib,
-        """
-    from test_syncbn import ConvNet, batches, assert_close_models
-    devices = [0, 1, 2]
-    torch.manual_seed(0)
-    model = ConvNet()
-    ref = copy.deepcopy(model)
-    dm = gpu_wrap(pyddp.convert_sync_batchnorm(model), devices)
-    opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    own = {d: sim.stream(d) for d in devices}
-    for x, y in batches(4):
-        with streams.stream(own):
-            gpu_step(F.cross_entropy(dm(x), y), opt, devices)
-        F.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    assert_close_models(dm.module, ref)
-    for rep in dm.replicas[1:]:
-        for p, p0 in zip(rep.parameters(), dm.module.parameters()):
-            assert torch.equal(p, p0), "replicas differ"
-    # A forward meeting waits for the GPU once (its statistics to the host),
-    # never to read back what the host summed.
-    from simgpu import HostReads
-    with streams.stream(own), HostReads(sim) as reads:
-        F.cross_entropy(dm(x), y).backward()
-    assert not [r for r in reads.reads if r.startswith("syncbn.py")], reads.reads
-    streams.synchronize_all(devices)
-    dm.close()
-    try:
-        gpu_wrap(pyddp.convert_sync_batchnorm(ConvNet()), [0, 0])
-        raise AssertionError("replicas sharing a GPU were accepted")
-    except NotImplementedError as e:
-        assert "sharing a GPU" in str(e), e
-    """,
-    )
-
-
 def test_custom_streams_under_wrap(simlib):
     # `with torch.cuda.stream(s)`: forward, backward, zeroing and the step all
     # on user streams; the workers must run replicas on them too.
@@ -709,20 +664,6 @@ def test_gradsync_across_processes_on_one_nccl_communicator(simlib, tmp_path, lo
         assert r["throttle_diff"] <= 1e-6, r
         assert r["throttle_waits"] == [3, 4] and r["throttle_waits_at_close"] == 3, r
         assert not r["violations"], r["violations"]
-
-
-@pytest.mark.parametrize("local", [1, 2])
-def test_syncbatchnorm_across_processes_on_simulated_gpus(simlib, tmp_path, local):
-    # The syncbn scenario (equal to one device on the global batch) with each
-    # rank's replicas on simulated GPUs: statistics over every GPU of both
-    # processes, from each replica's stream through the host and gloo.
-    from test_multiprocess import TOL, results, torchrun
-
-    env = sim_env(simlib, SCENARIO_SIMGPU="1", SCENARIO_REPLICAS=str(local))
-    run = torchrun("syncbn", tmp_path, 2, env)
-    assert run.returncode == 0, run.stderr[-3000:]
-    for r in results(tmp_path, "syncbn", 2):
-        assert r["grad"] <= TOL and r["params"] <= TOL and r["buffers"] <= TOL, r
 
 
 @pytest.mark.parametrize("local", [1, 2])

@@ -3,7 +3,9 @@ replicas equals one device running BatchNorm on the whole batch (losses,
 gradients, running statistics), through both forward paths and with
 accumulation; the layers are torch's again outside pyddp and after close;
 a failing replica or a replica that skips a layer is an error, not a hang.
-(Across processes: tests/test_multiprocess.py, scenario syncbn.)
+Below, across processes (torchrun: equal to one device on the global batch;
+a forward on one rank alone named) and on simulated GPUs (in one process and
+across two). A rank killed before a meeting: tests/test_failures.py.
 
 Tolerance: as tests/test_equivalence.py (1e-6 absolute, 1e-5 relative):
 per-channel sums are taken per shard and summed in float64, which changes
@@ -11,10 +13,13 @@ the float32 statistics by an ulp or so; measured max |difference| after 6
 steps: ~2e-7."""
 
 import copy
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from ranks import TOL, maybe_simulated_gpus, wrap_on
+from spawn import run_alone, spawn
 from torch import nn
 
 import pyddp
@@ -235,3 +240,160 @@ def test_bf16_autocast_keeps_the_dtype_and_equals_one_device_to_bf16_rounding():
     for (name, p), q in zip(ref.named_parameters(), dm.module.parameters()):
         assert q.grad.dtype == p.grad.dtype == torch.float32
         torch.testing.assert_close(q.grad, p.grad, atol=2**-7 * scale, rtol=0, msg=name)
+
+
+# ------------------------------------------------- across processes (torchrun)
+def synced_across_processes(out: dict) -> None:
+    """SyncBatchNorm across processes (SCENARIO_REPLICAS replicas each):
+    equal to one device running BatchNorm on the global batch, which every
+    rank also trains here. Rank r's rows are its slice of each global batch
+    (the same number per rank: the gradient average over processes is then
+    the global mean, as under torch DDP). A forward in eval mode on rank 0
+    alone afterwards: evaluation never meets."""
+    replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
+    rank, world = pyddp.rank(), pyddp.world()
+    gpus, settle = maybe_simulated_gpus(replicas)
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 8), nn.BatchNorm1d(8, momentum=None), nn.ReLU(), nn.Linear(8, 3),
+    )  # fmt: skip
+    dm = wrap_on(pyddp.convert_sync_batchnorm(copy.deepcopy(ref)), replicas, gpus)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    rows = 7  # per rank: uneven shards over 2 replicas
+    g = torch.Generator().manual_seed(3)
+    worst_grad = 0.0
+    for _ in range(5):
+        x = torch.randn(rows * world, 2, 5, 5, generator=g) * 2 + 1
+        y = torch.randint(0, 3, (rows * world,), generator=g)
+        mine = slice(rank * rows, (rank + 1) * rows)
+        F.cross_entropy(dm(x[mine]), y[mine]).backward()
+        settle()  # simulated GPUs: the host reads what the streams wrote
+        F.cross_entropy(ref(x), y).backward()
+        for p, q in zip(dm.module.parameters(), ref.parameters()):
+            worst_grad = max(worst_grad, (p.grad - q.grad).abs().max().item())
+        opt.step()
+        settle()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    out["grad"] = worst_grad
+    out["params"] = max(
+        (p - q).abs().max().item() for p, q in zip(dm.module.parameters(), ref.parameters())
+    )
+    out["buffers"] = max(
+        (b.float() - c.float()).abs().max().item()
+        for b, c in zip(dm.module.buffers(), ref.buffers())
+    )
+    if rank == 0:
+        dm.eval()
+        with torch.no_grad():
+            dm(torch.randn(4, 2, 5, 5))
+    dm.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_sync_batchnorm_across_processes_equals_one_device(tmp_path, replicas):
+    # torch's SyncBatchNorm refuses CPU tensors, so the reference is one
+    # device running BatchNorm on the global batch (every rank trains it).
+    env = {"SCENARIO_REPLICAS": str(replicas)}
+    for r in spawn(synced_across_processes, env=env, out=tmp_path):
+        assert r["grad"] <= TOL and r["params"] <= TOL and r["buffers"] <= TOL, r
+
+
+def forward_on_rank_0_alone(out: dict) -> None:
+    """SyncBatchNorm, hostile: rank 0 alone runs a forward in training mode
+    without grad (logging) between two training steps. Its statistics
+    exchange must not pair with rank 1's training forward: every rank
+    raises naming each rank's exchange (gloo aborted the process on the
+    sizes that differ, or the statistics mixed silently)."""
+    rank = pyddp.rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(model), ["cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    g = torch.Generator().manual_seed(4)
+    try:
+        for step in range(3):
+            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+            if step == 1 and rank == 0:
+                with torch.no_grad():
+                    dm(x)  # logging, on rank 0 only
+            nn.functional.mse_loss(dm(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    dm.close()
+
+
+@pytest.mark.multiprocess
+def test_a_syncbatchnorm_forward_on_one_rank_is_named_on_every_rank(tmp_path):
+    """Issue 30, item 7 (`forward_on_rank_0_alone` above):
+    SyncBatchNorm's exchanges carry a header like the control exchanges."""
+    # spawn fails the test on a rank's SIGABRT
+    for r in spawn(forward_on_rank_0_alone, env={"PYDDP_TIMEOUT_S": "20"}, out=tmp_path):
+        assert r["error"] and "do not pair across ranks" in r["error"], r
+        assert "a forward without grad" in r["error"] and "a forward with grad" in r["error"]
+
+
+# -------------------------------------------------------- on simulated GPUs
+def on_three_simulated_gpus():
+    """In a process of its own on the simulated GPUs (run_alone)."""
+    from simgpu import HostReads
+    from simulated import gpu_step, gpu_wrap, sim, streams
+
+    devices = [0, 1, 2]
+    torch.manual_seed(0)
+    model = ConvNet()
+    ref = copy.deepcopy(model)
+    dm = gpu_wrap(pyddp.convert_sync_batchnorm(model), devices)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    own = {d: sim.stream(d) for d in devices}
+    for x, y in batches(4):
+        with streams.stream(own):
+            gpu_step(F.cross_entropy(dm(x), y), opt, devices)
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_close_models(dm.module, ref)
+    for rep in dm.replicas[1:]:
+        for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+            assert torch.equal(p, p0), "replicas differ"
+    # A forward meeting waits for the GPU once (its statistics to the host),
+    # never to read back what the host summed.
+    with streams.stream(own), HostReads(sim) as reads:
+        F.cross_entropy(dm(x), y).backward()
+    assert not [r for r in reads.reads if r.startswith("syncbn.py")], reads.reads
+    streams.synchronize_all(devices)
+    dm.close()
+    try:
+        gpu_wrap(pyddp.convert_sync_batchnorm(ConvNet()), [0, 0])
+        raise AssertionError("replicas sharing a GPU were accepted")
+    except NotImplementedError as e:
+        assert "sharing a GPU" in str(e), e
+
+
+@pytest.mark.simgpu
+def test_syncbatchnorm_on_simulated_gpus_equals_one_device():
+    # SyncBatchNorm over 3 simulated GPUs (the statistics come to the host from
+    # each replica's current stream, where they land late, and go back on it):
+    # equal to one device running BatchNorm on the whole batch, parameters and
+    # running statistics, under the caller's own streams. Replicas sharing a
+    # GPU are refused by name (autograd would run their backwards on one thread).
+    run_alone(on_three_simulated_gpus)
+
+
+@pytest.mark.simgpu
+@pytest.mark.parametrize("local", [1, 2])
+def test_syncbatchnorm_across_processes_on_simulated_gpus(tmp_path, local):
+    # synced_across_processes (equal to one device on the global batch) with
+    # each rank's replicas on simulated GPUs: statistics over every GPU of
+    # both processes, from each replica's stream through the host and gloo.
+    env = {"SCENARIO_REPLICAS": str(local)}
+    for r in spawn(synced_across_processes, env=env, simgpu=True, out=tmp_path):
+        assert r["grad"] <= TOL and r["params"] <= TOL and r["buffers"] <= TOL, r

@@ -5,7 +5,6 @@ training on the global batch; torch DDP on the same split)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import sys
@@ -15,7 +14,6 @@ from typing import Any, List
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import pyddp
@@ -354,83 +352,6 @@ def gpu_processes(out: dict) -> None:
         dm.module.norm.running_mean.fill_(float(rank + 1))
     dm(batches[0][0][my_rows(12, rank, world)].to(dev))
     out["buffer"] = dm.module.norm.running_mean.cpu().tolist()
-    dm.close()
-
-
-def syncbn_alone(out: dict) -> None:
-    """SyncBatchNorm, hostile: rank 0 alone runs a forward in training mode
-    without grad (logging) between two training steps. Its statistics
-    exchange must not pair with rank 1's training forward: every rank
-    raises naming each rank's exchange (gloo aborted the process on the
-    sizes that differ, or the statistics mixed silently)."""
-    rank = pyddp.rank()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
-    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(model), ["cpu"])
-    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
-    g = torch.Generator().manual_seed(4)
-    try:
-        for step in range(3):
-            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
-            if step == 1 and rank == 0:
-                with torch.no_grad():
-                    dm(x)  # logging, on rank 0 only
-            nn.functional.mse_loss(dm(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        out["error"] = None
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        out["error"] = f"{type(e).__name__}: {e}"
-    dm.close()
-
-
-def syncbn(out: dict) -> None:
-    """SyncBatchNorm across processes (SCENARIO_REPLICAS replicas each):
-    equal to one device running BatchNorm on the global batch, which every
-    rank also trains here. Rank r's rows are its slice of each global batch
-    (the same number per rank: the gradient average over processes is then
-    the global mean, as under torch DDP). A forward in eval mode on rank 0
-    alone afterwards: evaluation never meets."""
-    replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
-    rank, world = pyddp.rank(), pyddp.world()
-    gpus, settle = _maybe_simulated_gpus(replicas)
-    torch.manual_seed(0)
-    ref = nn.Sequential(
-        nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-        nn.Linear(4 * 3 * 3, 8), nn.BatchNorm1d(8, momentum=None), nn.ReLU(), nn.Linear(8, 3),
-    )  # fmt: skip
-    dm = wrap_on(pyddp.convert_sync_batchnorm(copy.deepcopy(ref)), replicas, gpus)
-    opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    rows = 7  # per rank: uneven shards over 2 replicas
-    g = torch.Generator().manual_seed(3)
-    worst_grad = 0.0
-    for _ in range(5):
-        x = torch.randn(rows * world, 2, 5, 5, generator=g) * 2 + 1
-        y = torch.randint(0, 3, (rows * world,), generator=g)
-        mine = slice(rank * rows, (rank + 1) * rows)
-        F.cross_entropy(dm(x[mine]), y[mine]).backward()
-        settle()  # simulated GPUs: the host reads what the streams wrote
-        F.cross_entropy(ref(x), y).backward()
-        for p, q in zip(dm.module.parameters(), ref.parameters()):
-            worst_grad = max(worst_grad, (p.grad - q.grad).abs().max().item())
-        opt.step()
-        settle()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    out["grad"] = worst_grad
-    out["params"] = max(
-        (p - q).abs().max().item() for p, q in zip(dm.module.parameters(), ref.parameters())
-    )
-    out["buffers"] = max(
-        (b.float() - c.float()).abs().max().item()
-        for b, c in zip(dm.module.buffers(), ref.buffers())
-    )
-    if rank == 0:
-        dm.eval()
-        with torch.no_grad():
-            dm(torch.randn(4, 2, 5, 5))
     dm.close()
 
 
