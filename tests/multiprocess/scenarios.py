@@ -29,7 +29,6 @@ from ranks import (  # noqa: E402
     reference,
     wrap_on,  # noqa: E402
 )
-from ranks import maybe_simulated_gpus as _maybe_simulated_gpus  # noqa: E402
 from ranks import sequence_of as _sequence_of  # noqa: E402
 from ranks import simulated_gpus_of_rank as _simulated_gpus  # noqa: E402
 
@@ -117,59 +116,6 @@ def simgpu(out: dict) -> None:
     _throttle_on_simulated_gpus(out, devices, streams)
     _compression_on_simulated_gpus(out, devices, streams)
     out["violations"] = sim.violations()
-
-
-class _EveryDtype(nn.Module):
-    """Buffers of the types models register beside float32: rotary
-    position factors as complex64 (torchtitan's freqs_cis), int64 counters
-    above 2**53, bool masks, float16 with a signed zero and a subnormal."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(4, 2)
-        for name, value in self.values(0).items():
-            self.register_buffer(name, value)
-
-    @staticmethod
-    def values(rank: int) -> dict:
-        tiny = [-0.0 if rank == 0 else 0.0, 6e-8 * (rank + 1), 1.0]
-        return {
-            "freqs_cis": torch.polar(torch.ones(3), torch.arange(3.0) + rank),
-            "big": torch.tensor([2**53 + 1 + rank, -(2**62) + 3], dtype=torch.int64),
-            "mask": torch.tensor([True, rank % 2 == 1, False]),
-            "tiny": torch.tensor(tiny, dtype=torch.float16),
-        }
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) * self.freqs_cis.real[1]
-
-
-def _bits(t: torch.Tensor) -> List[int]:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).tolist()
-
-
-def buffers_every_dtype(out: dict) -> None:
-    """After a training step every replica of every rank holds rank 0's
-    buffers bit for bit, whatever their dtype (SCENARIO_REPLICAS replicas
-    each; on simulated GPUs with SCENARIO_SIMGPU)."""
-    replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
-    gpus, settle = _maybe_simulated_gpus(replicas)
-    rank = pyddp.rank()
-    want = [_bits(b) for b in _EveryDtype().buffers()]
-    dm = wrap_on(_EveryDtype(), replicas, gpus)
-    with torch.no_grad():  # each rank's own values now (wrap gave every rank rank 0's)
-        for m in dm.replicas:
-            for name, value in _EveryDtype.values(rank).items():
-                getattr(m, name).copy_(value)
-    settle()
-    out["before"] = [[_bits(b) for b in m.buffers()] == want for m in dm.replicas]
-    dm(torch.ones(2, 4)).sum().backward()
-    settle()
-    out["after"] = [[_bits(b) for b in m.buffers()] == want for m in dm.replicas]
-    dm.close()
-    if gpus:
-        out["violations"] = gpus[1].sim.violations()
 
 
 def _throttle_on_simulated_gpus(out: dict, devices, streams) -> None:
