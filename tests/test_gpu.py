@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import Mixed, make_batches
+from ranks import SGD, data, eval_norm, my_rows, net, reference
+from spawn import spawn
 from torch import nn
 
 import pyddp
@@ -175,6 +177,49 @@ def test_failed_reduction_on_gpu_then_a_clean_step():
         torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
 
 
+def gpu_processes(out: dict) -> None:
+    """Real GPUs (one per process): what gradsync_on_simulated_gpus
+    (tests/test_simgpu_processes.py) checks on the simulation, on hardware.
+    Equal to one device with an uneven, changing global batch (dmodel.loss),
+    rank 0's buffers through NCCL, and in steady state no host
+    synchronisation (torch's sync debug mode counts them)."""
+    import warnings
+
+    rank, world = pyddp.rank(), pyddp.world()
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    batches = data(2, 12) + data(1, 7, seed=2) + data(3, 12, seed=3)
+    ref = reference(batches)
+    model = eval_norm(net(seed=rank)).to(dev)
+    dm = pyddp.wrap(model, [dev])
+    dopt = dm.optimizer(torch.optim.SGD, **SGD)
+    syncs = []
+    for k, (x, y) in enumerate(batches):
+        rows = my_rows(len(x), rank, world)
+        xs, ys = x[rows].to(dev), y[rows].to(dev)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn" if k >= 3 else "default")
+            dopt.zero_grad()
+            dm.loss(nn.functional.mse_loss, xs, ys).backward()
+            dopt.step()
+            torch.cuda.set_sync_debug_mode("default")
+        syncs += [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    torch.cuda.synchronize()
+    out["diff"] = max((p.detach().cpu() - q).abs().max().item()
+                      for p, q in zip(dm.module.parameters(), ref.parameters()))  # fmt: skip
+    # `never` has no gradient anywhere: the agreement's wait leaves it None,
+    # which is a host wait each step; the syncs come from there only.
+    out["never_none"] = dm.module.never.weight.grad is None
+    out["syncs"] = syncs
+    with torch.no_grad():
+        dm.module.norm.running_mean.fill_(float(rank + 1))
+    dm(batches[0][0][my_rows(12, rank, world)].to(dev))
+    out["buffer"] = dm.module.norm.running_mean.cpu().tolist()
+    dm.close()
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
     reason="needs two CUDA GPUs (one per process)",
@@ -185,11 +230,7 @@ def test_two_processes_on_two_gpus(tmp_path):
     # device. The host syncs torch's sync debug mode reports in steady state
     # come only from the agreement's wait (the model has a parameter nobody
     # uses, which must stay None).
-    from test_multiprocess import results, torchrun
-
-    run = torchrun("gpu_processes", tmp_path, 2)
-    assert run.returncode == 0, run.stderr[-3000:]
-    for r in results(tmp_path, "gpu_processes", 2):
+    for r in spawn(gpu_processes, out=tmp_path):
         assert r["diff"] <= ATOL, r
         assert r["never_none"], r
         assert len(r["syncs"]) <= 3, r["syncs"]  # one per steady step at most

@@ -614,58 +614,6 @@ def test_simulated_nccl_spans_processes(simlib, mismatch):
     assert ("different count" in outs[0][1]) == mismatch
 
 
-@pytest.mark.parametrize("local", [1, 2])
-def test_gradsync_across_processes_on_one_nccl_communicator(simlib, tmp_path, local):
-    # Two processes x `local` simulated GPUs: one communicator across them
-    # (unique id through torch.distributed's store), equal to one device.
-    from test_multiprocess import env_launch, results
-
-    env = sim_env(simlib, LOCAL_REPLICAS=str(local))
-    codes = env_launch("simgpu", tmp_path, 2, env)
-    assert codes == [0, 0], codes
-    for r in results(tmp_path, "simgpu", 2):
-        assert r["backend"] == "nccl"
-        assert r["diff_cap0"] <= 1e-6 and r["diff_cap25"] <= 1e-6, r
-        assert r["never_none_cap0"] and r["never_none_cap25"]
-        # Steady state, a model with every gradient everywhere: the host never
-        # waits for a GPU (driver calls counted by the simulation), never reads
-        # a device value from pyddp's code, makes no gloo exchange.
-        assert r["all_used_steady_steps"] >= 4
-        assert r["all_used_host_waits"] == 0, r
-        assert r["all_used_host_reads"] == [], r
-        assert r["all_used_exchanges"] == 0, r
-        for cap in ("0", "25"):
-            # Net's `never` has no gradient here: to leave it None (nobody has
-            # one) the host waits for the agreement's sums once per step, as
-            # torch DDP's find_unused_parameters does; nothing else.
-            assert r[f"steady_host_waits_cap{cap}"] == 2, r
-            assert r[f"steady_host_reads_cap{cap}"] == [], r
-            assert r[f"steady_exchanges_cap{cap}"] == 0, r
-        for cap in ("0", "25"):  # buffers: rank 0's, through NCCL (no gloo exchange)
-            assert r[f"buffer_exchanges_cap{cap}"] == 0, r
-            for mean, tracked, zero in r[f"buffers_cap{cap}"]:
-                assert mean[1:] == [1.0] * 15 and tracked == 7 and zero == "-0.0", r
-        # Join: rank 0 runs out first and shadows through NCCL; one device
-        # on the global batch of the ranks with inputs.
-        assert r["join_diff"] <= 1e-6 and r["join_replicas_equal"], r
-        # BatchNorm training under Join (the ranks' buffers differ): as on CPUs.
-        assert r["join_buffers_moved"] and r["join_buffers_vs_cpu"] <= 1e-6, r
-        # fp16 compression on NCCL: torch's hook's arithmetic (bitwise the CPU
-        # path, where the hook itself runs, with one GPU per process: 2 ranks,
-        # where CPU and CUDA division agree); 11
-        # mantissa bits on the wire over 3 steps stay within 2e-3 of one device.
-        assert r["fp16_wire"] == "float16" and r["fp16_replicas_equal"], r
-        assert 0 < r["fp16_diff"] <= 2e-3, r
-        if local == 1:
-            assert r["fp16_vs_torch_hook"] == 0.0, r
-        # The GPUs far behind (no sums reach the host unasked): three sums
-        # stay unread; from the fourth synced backward on, the host waits for
-        # the oldest, one per step; close() reads the last three.
-        assert r["throttle_diff"] <= 1e-6, r
-        assert r["throttle_waits"] == [3, 4] and r["throttle_waits_at_close"] == 3, r
-        assert not r["violations"], r["violations"]
-
-
 @pytest.mark.parametrize("devices", [[0, 0, 0], [0, 1, 2]])
 def test_all_reduce_gpu_branch_orders_after_late_writes_on_current_streams(simlib, devices):
     # pyddp.all_reduce's GPU branch, through the same stream-provider seam as

@@ -1,25 +1,19 @@
-"""Run under torchrun by tests/test_multiprocess.py: `torchrun ... scenarios.py
-NAME OUT_DIR`. Each rank checks what it can and writes OUT_DIR/NAME.rankR.json;
-the test reads those. References are computed in every process (single-device
-training on the global batch; torch DDP on the same split)."""
+"""GradSync across processes on the simulated CUDA driver and NCCL
+(tests/simgpu; host tensors stand in for device memory): two processes x 1
+or 2 simulated GPUs on one NCCL communicator (its unique id through
+torch.distributed's store), equal to single-device training; in steady state
+the host neither waits for a GPU nor reads a device value nor makes a gloo
+exchange; rank 0's buffers through NCCL; Join, the GPUs far behind the host,
+and fp16 compression, there too. The simulation must report no broken rule."""
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import time
-import traceback
 from typing import Any, List
 
+import pytest
 import torch
-import torch.distributed as dist
-from torch import nn
-
-import pyddp
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ranks import (  # noqa: E402
+from ranks import (
     SGD,
     data,
     eval_norm,
@@ -27,20 +21,25 @@ from ranks import (  # noqa: E402
     my_rows,
     net,
     reference,
-    wrap_on,  # noqa: E402
+    sequence_of,
+    simulated_gpus_of_rank,
+    wrap_on,
 )
-from ranks import sequence_of as _sequence_of  # noqa: E402
-from ranks import simulated_gpus_of_rank as _simulated_gpus  # noqa: E402
+from spawn import launch
+from torch import nn
+
+import pyddp
+
+pytestmark = pytest.mark.simgpu
 
 
-# ------------------------------------------------------------------ scenarios
-def simgpu(out: dict) -> None:
+def gradsync_on_simulated_gpus(out: dict) -> None:
     """One NCCL communicator across processes, on the simulated CUDA driver and
     NCCL (tests/simgpu; host tensors stand in for device memory): equals
     single-device training; the simulation reports no broken rule."""
     rank, world = pyddp.rank(), pyddp.world()
     local = int(os.environ.get("LOCAL_REPLICAS", "1"))
-    sim, streams, devices = _simulated_gpus(local)
+    sim, streams, devices = simulated_gpus_of_rank(local)
     from simgpu import HostReads
 
     # The third global batch is smaller: dmodel.loss's rows, assumed after
@@ -55,7 +54,7 @@ def simgpu(out: dict) -> None:
         for k, (x, y) in enumerate(batches):
             rows = my_rows(len(x), rank, world)
             if k == 2:  # steady state from here: count the host's waits
-                waits, exchanges = sim.counter("host_sync"), _sequence_of(dm)
+                waits, exchanges = sim.counter("host_sync"), sequence_of(dm)
                 reads.__enter__()
             dopt.zero_grad()
             dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
@@ -65,7 +64,7 @@ def simgpu(out: dict) -> None:
         reads.__exit__(None, None, None)
         out[f"steady_host_waits_cap{cap:g}"] = sim.counter("host_sync") - waits
         out[f"steady_host_reads_cap{cap:g}"] = reads.reads
-        out[f"steady_exchanges_cap{cap:g}"] = _sequence_of(dm) - exchanges
+        out[f"steady_exchanges_cap{cap:g}"] = sequence_of(dm) - exchanges
         out[f"diff_cap{cap:g}"] = max_diff(dm.module, ref)
         out[f"never_none_cap{cap:g}"] = dm.module.never.weight.grad is None
         out["backend"] = dm._reducer.backend.name
@@ -77,10 +76,10 @@ def simgpu(out: dict) -> None:
                 m.norm.running_mean.fill_(float(rank + 1))
                 m.norm.running_mean[0] = -0.0 if rank == 0 else 5.0
                 m.norm.num_batches_tracked.fill_(7 + rank)
-        before = _sequence_of(dm)
+        before = sequence_of(dm)
         dm(batches[0][0][my_rows(12, rank, world)]).sum().backward()
         streams.synchronize_all(devices)
-        out[f"buffer_exchanges_cap{cap:g}"] = _sequence_of(dm) - before
+        out[f"buffer_exchanges_cap{cap:g}"] = sequence_of(dm) - before
         out[f"buffers_cap{cap:g}"] = [
             [m.norm.running_mean.tolist(), int(m.norm.num_batches_tracked),
              str(m.norm.running_mean[0].item())]
@@ -99,7 +98,7 @@ def simgpu(out: dict) -> None:
     for k, (x, y) in enumerate(batches + batches):
         rows = my_rows(len(x), rank, world)
         if k == 3:
-            waits, exchanges = sim.counter("host_sync"), _sequence_of(dm)
+            waits, exchanges = sim.counter("host_sync"), sequence_of(dm)
             reads.__enter__()
         dopt.zero_grad()
         dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
@@ -110,12 +109,66 @@ def simgpu(out: dict) -> None:
     out["all_used_steady_steps"] = len(batches) * 2 - 3
     out["all_used_host_waits"] = sim.counter("host_sync") - waits
     out["all_used_host_reads"] = reads.reads
-    out["all_used_exchanges"] = _sequence_of(dm) - exchanges
+    out["all_used_exchanges"] = sequence_of(dm) - exchanges
     dm.close()
     _join_on_simulated_gpus(out, devices, streams)
     _throttle_on_simulated_gpus(out, devices, streams)
     _compression_on_simulated_gpus(out, devices, streams)
     out["violations"] = sim.violations()
+
+
+def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
+    """Under Join on the simulated GPUs: rank 0 runs out after one step and
+    shadows the others' synced backwards through NCCL (the agreement on the
+    device, over the GPUs of the ranks with inputs); equal to one device on
+    the rows the ranks with inputs hold (dmodel.loss)."""
+    rank, world = pyddp.rank(), pyddp.world()
+    counts = [1] + [3] * (world - 1)
+    g = torch.Generator().manual_seed(21)
+    per_rank = [
+        [(torch.randn(6, 6, generator=g), torch.randn(6, 3, generator=g)) for _ in range(c)]
+        for c in counts
+    ]
+    ref = eval_norm(net())
+    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
+    for step in range(max(counts)):
+        here = [per_rank[r][step] for r in range(world) if step < counts[r]]
+        ref_opt.zero_grad()
+        x, y = torch.cat([b[0] for b in here]), torch.cat([b[1] for b in here])
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+
+    def joined(model: nn.Module, gpus: Any = None) -> Any:
+        """This rank's batches under dm.join(); the closed wrapped model."""
+        dm = wrap_on(model, len(devices), gpus)
+        for m in dm.replicas if not model.norm.training else []:
+            m.norm.eval()
+        dopt = dm.optimizer(torch.optim.SGD, **SGD)
+        with dm.join():
+            for x, y in per_rank[rank]:
+                dopt.zero_grad()
+                dm.loss(nn.functional.mse_loss, x, y).backward()
+                streams.synchronize_all(devices)
+                dopt.step()
+                streams.synchronize_all(devices)
+        streams.synchronize_all(devices)
+        dm.close()
+        return dm
+
+    dm = joined(eval_norm(net(seed=rank)), (devices, streams))
+    out["join_diff"] = max_diff(dm.module, ref)
+    out["join_replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
+
+    # BatchNorm training: the ranks' running statistics differ, and each
+    # training forward takes the highest rank with inputs' buffers (joined
+    # ranks shadow that broadcast through NCCL). The same as on CPUs (whose
+    # Join scenario matches torch DDP), parameters and buffers.
+    on_gpus = joined(net(seed=rank), (devices, streams)).module
+    on_cpus = joined(net(seed=rank)).module
+    pairs = list(zip(on_gpus.parameters(), on_cpus.parameters()))
+    pairs += list(zip(on_gpus.buffers(), on_cpus.buffers()))
+    out["join_buffers_vs_cpu"] = max((a.double() - b.double()).abs().max().item() for a, b in pairs)
+    out["join_buffers_moved"] = bool((on_gpus.norm.running_mean != 0).any())
 
 
 def _throttle_on_simulated_gpus(out: dict, devices, streams) -> None:
@@ -205,138 +258,51 @@ def _compression_on_simulated_gpus(out: dict, devices, streams) -> None:
     dm.close()
 
 
-def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
-    """Under Join on the simulated GPUs: rank 0 runs out after one step and
-    shadows the others' synced backwards through NCCL (the agreement on the
-    device, over the GPUs of the ranks with inputs); equal to one device on
-    the rows the ranks with inputs hold (dmodel.loss)."""
-    rank, world = pyddp.rank(), pyddp.world()
-    counts = [1] + [3] * (world - 1)
-    g = torch.Generator().manual_seed(21)
-    per_rank = [
-        [(torch.randn(6, 6, generator=g), torch.randn(6, 3, generator=g)) for _ in range(c)]
-        for c in counts
-    ]
-    ref = eval_norm(net())
-    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
-    for step in range(max(counts)):
-        here = [per_rank[r][step] for r in range(world) if step < counts[r]]
-        ref_opt.zero_grad()
-        x, y = torch.cat([b[0] for b in here]), torch.cat([b[1] for b in here])
-        nn.functional.mse_loss(ref(x), y).backward()
-        ref_opt.step()
-
-    def joined(model: nn.Module, gpus: Any = None) -> Any:
-        """This rank's batches under dm.join(); the closed wrapped model."""
-        dm = wrap_on(model, len(devices), gpus)
-        for m in dm.replicas if not model.norm.training else []:
-            m.norm.eval()
-        dopt = dm.optimizer(torch.optim.SGD, **SGD)
-        with dm.join():
-            for x, y in per_rank[rank]:
-                dopt.zero_grad()
-                dm.loss(nn.functional.mse_loss, x, y).backward()
-                streams.synchronize_all(devices)
-                dopt.step()
-                streams.synchronize_all(devices)
-        streams.synchronize_all(devices)
-        dm.close()
-        return dm
-
-    dm = joined(eval_norm(net(seed=rank)), (devices, streams))
-    out["join_diff"] = max_diff(dm.module, ref)
-    out["join_replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
-
-    # BatchNorm training: the ranks' running statistics differ, and each
-    # training forward takes the highest rank with inputs' buffers (joined
-    # ranks shadow that broadcast through NCCL). The same as on CPUs (whose
-    # Join scenario matches torch DDP), parameters and buffers.
-    on_gpus = joined(net(seed=rank), (devices, streams)).module
-    on_cpus = joined(net(seed=rank)).module
-    pairs = list(zip(on_gpus.parameters(), on_cpus.parameters()))
-    pairs += list(zip(on_gpus.buffers(), on_cpus.buffers()))
-    out["join_buffers_vs_cpu"] = max((a.double() - b.double()).abs().max().item() for a, b in pairs)
-    out["join_buffers_moved"] = bool((on_gpus.norm.running_mean != 0).any())
-
-
-def gpu_processes(out: dict) -> None:
-    """Real GPUs (one per process): what the simgpu scenario checks on the
-    simulation, on hardware. Equal to one device with an uneven, changing
-    global batch (dmodel.loss), rank 0's buffers through NCCL, and in steady
-    state no host synchronisation (torch's sync debug mode counts them)."""
-    import warnings
-
-    rank, world = pyddp.rank(), pyddp.world()
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    batches = data(2, 12) + data(1, 7, seed=2) + data(3, 12, seed=3)
-    ref = reference(batches)
-    model = eval_norm(net(seed=rank)).to(dev)
-    dm = pyddp.wrap(model, [dev])
-    dopt = dm.optimizer(torch.optim.SGD, **SGD)
-    syncs = []
-    for k, (x, y) in enumerate(batches):
-        rows = my_rows(len(x), rank, world)
-        xs, ys = x[rows].to(dev), y[rows].to(dev)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn" if k >= 3 else "default")
-            dopt.zero_grad()
-            dm.loss(nn.functional.mse_loss, xs, ys).backward()
-            dopt.step()
-            torch.cuda.set_sync_debug_mode("default")
-        syncs += [str(w.message) for w in caught if "synchroniz" in str(w.message)]
-    torch.cuda.synchronize()
-    out["diff"] = max((p.detach().cpu() - q).abs().max().item()
-                      for p, q in zip(dm.module.parameters(), ref.parameters()))  # fmt: skip
-    # `never` has no gradient anywhere: the agreement's wait leaves it None,
-    # which is a host wait each step; the syncs come from there only.
-    out["never_none"] = dm.module.never.weight.grad is None
-    out["syncs"] = syncs
-    with torch.no_grad():
-        dm.module.norm.running_mean.fill_(float(rank + 1))
-    dm(batches[0][0][my_rows(12, rank, world)].to(dev))
-    out["buffer"] = dm.module.norm.running_mean.cpu().tolist()
-    dm.close()
-
-
-def _expect_failure(out: dict, run) -> None:
-    """Runs `run`, records its error (None if it did not raise) and how long it
-    took, then writes `out` and ends the process."""
-    t0 = time.monotonic()
-    try:
-        run()
-        out["error"] = None
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["seconds"] = time.monotonic() - t0
-    _write_and_exit(out)
-
-
-def _write_and_exit(out: dict) -> None:
-    _write(out)
-    os._exit(0)  # the group is broken: no clean shutdown to wait for
-
-
-def _write(out: dict) -> None:
-    path = os.path.join(sys.argv[2], f"{sys.argv[1]}.rank{pyddp.rank()}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(out, f)
-    os.replace(path + ".tmp", path)
-
-
-def main() -> None:
-    name = sys.argv[1]
-    pyddp.init()
-    out: dict = {"world": pyddp.world()}
-    try:
-        globals()[name](out)
-    except Exception:  # noqa: BLE001 - the test shows it
-        out["exception"] = traceback.format_exc()
-    _write(out)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+@pytest.mark.parametrize("local", [1, 2])
+def test_gradsync_across_processes_on_one_nccl_communicator(tmp_path, local):
+    # Two processes x `local` simulated GPUs: one communicator across them
+    # (unique id through torch.distributed's store), equal to one device.
+    env = {"LOCAL_REPLICAS": str(local)}
+    run = launch(gradsync_on_simulated_gpus, out=tmp_path, env=env, simgpu=True, agent=False)
+    assert run.codes == [0, 0], run.codes
+    for r in run.results():
+        assert r["backend"] == "nccl"
+        assert r["diff_cap0"] <= 1e-6 and r["diff_cap25"] <= 1e-6, r
+        assert r["never_none_cap0"] and r["never_none_cap25"]
+        # Steady state, a model with every gradient everywhere: the host never
+        # waits for a GPU (driver calls counted by the simulation), never reads
+        # a device value from pyddp's code, makes no gloo exchange.
+        assert r["all_used_steady_steps"] >= 4
+        assert r["all_used_host_waits"] == 0, r
+        assert r["all_used_host_reads"] == [], r
+        assert r["all_used_exchanges"] == 0, r
+        for cap in ("0", "25"):
+            # Net's `never` has no gradient here: to leave it None (nobody has
+            # one) the host waits for the agreement's sums once per step, as
+            # torch DDP's find_unused_parameters does; nothing else.
+            assert r[f"steady_host_waits_cap{cap}"] == 2, r
+            assert r[f"steady_host_reads_cap{cap}"] == [], r
+            assert r[f"steady_exchanges_cap{cap}"] == 0, r
+        for cap in ("0", "25"):  # buffers: rank 0's, through NCCL (no gloo exchange)
+            assert r[f"buffer_exchanges_cap{cap}"] == 0, r
+            for mean, tracked, zero in r[f"buffers_cap{cap}"]:
+                assert mean[1:] == [1.0] * 15 and tracked == 7 and zero == "-0.0", r
+        # Join: rank 0 runs out first and shadows through NCCL; one device
+        # on the global batch of the ranks with inputs.
+        assert r["join_diff"] <= 1e-6 and r["join_replicas_equal"], r
+        # BatchNorm training under Join (the ranks' buffers differ): as on CPUs.
+        assert r["join_buffers_moved"] and r["join_buffers_vs_cpu"] <= 1e-6, r
+        # fp16 compression on NCCL: torch's hook's arithmetic (bitwise the CPU
+        # path, where the hook itself runs, with one GPU per process: 2 ranks,
+        # where CPU and CUDA division agree); 11
+        # mantissa bits on the wire over 3 steps stay within 2e-3 of one device.
+        assert r["fp16_wire"] == "float16" and r["fp16_replicas_equal"], r
+        assert 0 < r["fp16_diff"] <= 2e-3, r
+        if local == 1:
+            assert r["fp16_vs_torch_hook"] == 0.0, r
+        # The GPUs far behind (no sums reach the host unasked): three sums
+        # stay unread; from the fourth synced backward on, the host waits for
+        # the oldest, one per step; close() reads the last three.
+        assert r["throttle_diff"] <= 1e-6, r
+        assert r["throttle_waits"] == [3, 4] and r["throttle_waits_at_close"] == 3, r
+        assert not r["violations"], r["violations"]
