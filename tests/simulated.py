@@ -82,3 +82,9 @@ def check_equal_to_single_device(devices, cap, steps=4, stream_map=None, **kw):
     for p, q in zip(dm.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
     dm.close()
+
+
+# What a scenario leaves alive until its process exits, as a script's globals
+# are: what pyddp does at exit (its atexit hook closing what is still open
+# before the driver's teardown) is part of what some scenarios test.
+alive_at_exit: list = []

@@ -311,7 +311,7 @@ def _main(argv: List[str]) -> None:
     _target.update(dir=folder, name=name)
     fn = getattr(importlib.import_module(module), name)
     if os.environ.get("SPAWN_ALONE"):
-        _alone(fn, json.loads(argv[3]))
+        _alone(fn, json.loads(argv[3]) if len(argv) > 3 else [])
         return
     import torch.distributed as dist
 

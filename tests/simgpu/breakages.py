@@ -298,7 +298,7 @@ def run(name: str) -> list:
                 "simgpu",
                 "-p",
                 "no:cacheprovider",
-                os.path.join(src, "tests", "test_simgpu.py"),
+                os.path.join(src, "tests"),  # every simgpu test, whichever feature's file
             ],
             capture_output=True,
             text=True,
@@ -306,7 +306,7 @@ def run(name: str) -> list:
             cwd=tmp,
         )
         return [
-            line.split("::", 1)[1].split(" ")[0]
+            line.split(" ")[1].rsplit("tests/", 1)[-1]  # test_file.py::test_name[params]
             for line in out.stdout.splitlines()
             if line.startswith("FAILED")
         ]

@@ -1,0 +1,270 @@
+"""The simulation's own pieces under pyddp (tests/simgpu), each scenario a
+function run in a process of its own (tests/spawn.py's run_alone): the
+on-device kernel's 16-bit arithmetic (rounding, torch's wire scaling), how
+the kernel is loaded on CUDA 12 drivers and newer GPUs, the simulated NCCL
+across processes, and the doctor (its report and its selftest's -0.0
+checks) on the simulation."""
+
+import ctypes
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from spawn import command, out_dir, run_alone, simgpu_libraries
+
+import pyddp
+from pyddp import _C
+from pyddp.engine.placement import simulated_gpus
+from pyddp.runtime import libraries as _runtime
+
+pytestmark = pytest.mark.simgpu
+
+
+def kernel_16bit_rounding():
+    from simulated import sim, streams
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        for n in (2, 3):
+            backend = _runtime.make_backend([0] * n, timeout=30)
+            vals = [
+                (torch.randn(4099, generator=g)
+                 * 10.0 ** torch.randint(-7, 4, (4099,), generator=g)).to(dtype)
+                for _ in range(n)
+            ]  # fmt: skip
+            want = vals[0].float()
+            for v in vals[1:]:
+                want = want + v.float()
+            for op, expect in (("sum", want.to(dtype)), ("avg", (want / n).to(dtype))):
+                ts = [streams.upload(0, v) for v in vals]
+                backend.reduce([t.data_ptr() for t in ts], [0] * n, [0] * n, 4099,
+                               str(dtype).split(".")[1], op)  # fmt: skip
+                sim.synchronize(0, 0)
+                for t in ts:
+                    assert torch.equal(t, expect), (
+                        dtype, n, op, (t.float() - expect.float()).abs().max()
+                    )  # fmt: skip
+            backend.close()
+
+
+def test_kernel_16bit_rounding_matches_torch():
+    # The kernel sums in float32 in replica order and rounds once: exactly
+    # torch's float32 sum cast back, for random values (subnormals included).
+    run_alone(kernel_16bit_rounding)
+
+
+def kernel_route():
+    print(_C.load_device_kernel(0, os.environ["PYDDP_NVRTC_LIBRARY"]))
+
+
+def kernel_newer_than_the_driver():
+    try:
+        _C.load_device_kernel(0, os.environ["PYDDP_NVRTC_LIBRARY"])
+        raise AssertionError("loaded PTX newer than the driver")
+    except RuntimeError as e:
+        assert "rejected" in str(e) and "222" in str(e) and "PYDDP_NVRTC_LIBRARY" in str(e), e
+
+
+def test_kernel_loads_on_a_cuda_12_driver_and_newer_gpus():
+    # Defect: PTX from nvcc 13 (.version 9.0) is rejected by every CUDA 12
+    # driver. The NVRTC route gives a cubin for the device, and PTX at the
+    # NVRTC's own ISA only for a GPU newer than it knows.
+    for cc, how in (
+        ("80", "cubin for sm_80"),
+        ("75", "cubin for sm_75"),
+        ("100", "PTX (driver JIT) for compute_90"),
+    ):
+        out = run_alone(
+            kernel_route,
+            env={
+                "SIMGPU_DRIVER_VERSION": "12020" if cc != "100" else "12040",
+                "SIMGPU_CC": cc,
+                "SIMGPU_NVRTC_VERSION": "124",
+            },
+        )
+        assert how in out.stdout, out.stdout
+    # An NVRTC newer than the driver (PTX path): a clear error, not a crash.
+    run_alone(
+        kernel_newer_than_the_driver,
+        env={"SIMGPU_DRIVER_VERSION": "12040", "SIMGPU_CC": "110", "SIMGPU_NVRTC_VERSION": "130"},
+    )
+
+
+def test_doctor_names_the_simulation():
+    env = dict(os.environ, **simgpu_libraries())
+    out = subprocess.run(
+        [sys.executable, "-m", "pyddp.doctor"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=os.path.expanduser("~"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "SIMULATED" in out.stdout
+    assert "on-device kernel on cuda:0: loaded (cubin for sm_80" in out.stdout
+
+
+def nccl_rank(path, rank, uid, mismatch):
+    """One process of two, straight on the simulated driver and NCCL (ctypes)."""
+    lib = ctypes.CDLL(path)
+    uid = uid.encode()
+    vp = ctypes.c_void_p
+
+    class Id(ctypes.Structure):
+        _fields_ = [("internal", ctypes.c_char * 128)]
+
+    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(vp), ctypes.c_int]
+    lib.cuCtxSetCurrent.argtypes = [vp]
+    lib.cuStreamSynchronize.argtypes = [vp]
+    lib.ncclCommInitRank.argtypes = [ctypes.POINTER(vp), ctypes.c_int, Id, ctypes.c_int]
+    lib.ncclAllReduce.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, vp, vp]
+    lib.ncclCommGetAsyncError.argtypes = [vp, ctypes.POINTER(ctypes.c_int)]
+    assert lib.cuInit(0) == 0
+    ctx = vp()
+    lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), rank)
+    lib.cuCtxSetCurrent(ctx)
+    comm = vp()
+    assert lib.ncclCommInitRank(ctypes.byref(comm), 2, Id(uid), rank) == 0
+    n = 300_001  # several shared-memory chunks
+    buf = (ctypes.c_float * n)(*([rank + 1.0] * n))
+    size = ctypes.c_size_t
+    lib.simgpu_alloc.argtypes = [vp, size, size, size, ctypes.c_int, vp]
+    assert lib.simgpu_alloc(buf, 0, ctypes.sizeof(buf), 0, rank, None) == 0  # device memory
+    count = n - rank if mismatch else n
+    assert lib.ncclAllReduce(buf, buf, count, 7, 0, comm, None) == 0
+    assert lib.cuStreamSynchronize(None) == 0
+    err = ctypes.c_int()
+    lib.ncclCommGetAsyncError(comm, ctypes.byref(err))
+    if mismatch:
+        assert err.value == 5, err.value  # ncclInvalidUsage
+    else:
+        assert err.value == 0 and buf[0] == 3.0 and buf[n - 1] == 3.0, (
+            err.value, buf[0], buf[n - 1]
+        )  # fmt: skip
+    print("RANK-OK")
+
+
+@pytest.mark.parametrize("mismatch", [False, True])
+def test_simulated_nccl_spans_processes(mismatch):
+    # ncclCommInitRank with the unique id passed to another process (what
+    # multi-process pyddp needs): closed form, and mismatched counts flagged.
+    uid = f"simgpu:xproc:{os.getpid()}:{time.time_ns()}"
+    lib = simgpu_libraries()["PYDDP_CUDA_LIBRARY"]
+    with ThreadPoolExecutor(2) as pool:  # both at once: they meet in ncclCommInitRank
+        runs = [
+            pool.submit(run_alone, nccl_rank, lib, r, uid, mismatch, simgpu=False, timeout=60)
+            for r in range(2)
+        ]
+        outs = [run.result() for run in runs]
+    for out in outs:
+        assert out.returncode == 0 and "RANK-OK" in out.stdout, out.stdout + out.stderr
+    assert ("different count" in outs[0].stderr) == mismatch
+
+
+def wire_scaling():
+    from simulated import sim
+
+    run = sim.lib.simgpu_run_kernel
+    run.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                    ctypes.c_longlong, ctypes.c_int]  # fmt: skip
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)  # every pattern
+    cpu_differs = {}
+    for name, wire in (("f16", torch.float16), ("bf16", torch.bfloat16)):
+        x = bits.view(wire).float()  # exact in float32
+        nan = torch.isnan(x)
+        for n in range(1, 65):
+            out = torch.empty(65536, dtype=wire)
+            kernel = f"pyddp_compress_{name}".encode()
+            assert run(kernel, x.data_ptr(), out.data_ptr(), n, 65536, 0) == 0
+            inv = torch.tensor(1.0, dtype=torch.float32) / n  # in float, as torch's opmath
+            want = (x * inv).to(wire)
+            bad = (out.view(torch.int16) != want.view(torch.int16)) & ~nan
+            assert not bad.any(), (
+                name, n, int(bad.sum()), x[bad][:3].tolist(),
+                out[bad][:3].float().tolist(), want[bad][:3].float().tolist(),
+            )  # fmt: skip
+            assert torch.isnan(out[nan].float()).all(), (name, n)
+            on_cpu = bits.view(wire).clone().div_(n)  # torch's hook on a CPU tensor
+            if ((on_cpu.view(torch.int16) != want.view(torch.int16)) & ~nan).any():
+                cpu_differs.setdefault(name, []).append(n)
+    assert cpu_differs == {"f16": [14, 26, 28, 30, 52, 56, 60]}, cpu_differs
+
+
+def test_wire_scaling_is_torch_cuda_div_for_every_16_bit_value_and_1_to_64_ranks():
+    # torch's hooks: buffer.to(float16 or bfloat16).div_(world_size). On CUDA,
+    # div_ by a CPU scalar multiplies by the reciprocal computed in float
+    # (BinaryDivTrueKernel.cu: inv_b = opmath_t(1.0) / b, then a * inv_b,
+    # rounded once to the 16-bit type); dividing instead gives other float16
+    # subnormals for 14, 26, 28, 30, 52, 56 and 60 ranks. The compression
+    # kernel against that closed form, for every 16-bit pattern and 1..64
+    # ranks (NaN: any NaN). And what docs/across-processes.md says of the CPU
+    # path, where torch's hook itself runs: CPU div_ divides, so it differs
+    # from the GPU for exactly those world sizes (float16; bfloat16 never).
+    run_alone(wire_scaling)
+
+
+def minus_zero_child():
+    """The selftest's child process (pyddp/doctor/minus_zero.py `check`'s
+    command), on 3 simulated GPUs."""
+    from simulated import streams
+
+    from pyddp.doctor import minus_zero as _minus_zero
+
+    devs = [0, 1, 2]
+
+    def all_reduce(ts):
+        if os.environ["NCCL_ALGO"] == "NVLS":  # what NCCL says without NVLink SHARP
+            raise RuntimeError("NCCL error 5 (invalid usage): no algorithm/protocol available "
+                               "for function AllReduce; NCCL_ALGO was set to NVLS")  # fmt: skip
+        with simulated_gpus(devs, streams):
+            pyddp.all_reduce(ts)
+        streams.synchronize_all(devs)
+
+    _minus_zero.child(all_reduce, lambda r, t: streams.upload(devs[r], t), len(devs))
+
+
+def selftest_minus_zero():
+    from simulated import streams
+
+    from pyddp.doctor import minus_zero as _minus_zero
+
+    devs = [0, 1, 2]
+
+    def all_reduce(ts):
+        with simulated_gpus(devs, streams):
+            pyddp.all_reduce(ts)
+        streams.synchronize_all(devs)
+
+    results = _minus_zero.run_trick(all_reduce, lambda r, t: streams.upload(devs[r], t), 3)
+    assert set(results) == {"float32", "float16", "bfloat16", "float64"}, results
+    bad = {(d, c): w for d, per in results.items() for c, w in per.items() if w != "ok"}
+    # The simulated NCCL sums float16 through float32 and back, quieting a
+    # NaN to 0x7e00 (as pyddp's kernel conversion does; a GPU's half add
+    # gives its own canonical NaN): the payload is lost, the NaN kept.
+    assert list(bad) == [("float16", "NaN payloads")], bad
+    assert bad["float16", "NaN payloads"] == "payload 0x7e01 -> 0x7e00 on rank 0 (root 0)", bad
+    child = command(minus_zero_child, out_dir())  # this process's own environment
+    detail = _minus_zero.check("Ring", 3, child, timeout=100)
+    assert detail.startswith("bitwise on 3 GPUs: 4 dtypes"), detail
+    assert "NaN payloads not kept: float16 NaN payloads: payload 0x7e01" in detail, detail
+    try:
+        _minus_zero.check("NVLS", 3, child, timeout=100)
+        raise AssertionError("NVLS was not skipped")
+    except _minus_zero.Skipped as e:
+        assert "NCCL_ALGO=NVLS did not run here: RuntimeError: NCCL error 5" in str(e), e
+
+
+def test_selftest_minus_zero_checks_run_on_the_simulation():
+    # doctor --selftest's checks of the -0.0 trick (pyddp/doctor/minus_zero.py)
+    # are for real GPUs under NCCL_ALGO=Ring and NVLS; here their code runs on
+    # the simulated NCCL over 3 GPUs: the checks in this process (every class
+    # bitwise, as the simulation adds in IEEE float), then the selftest's
+    # child process and report. The simulation has no NVLS: under
+    # NCCL_ALGO=NVLS the child raises what NCCL says without NVLink SHARP, so
+    # the skip is what runs.
+    run_alone(selftest_minus_zero)
