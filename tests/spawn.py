@@ -217,14 +217,12 @@ def result(scenario: Scenario, out: Path, rank: int) -> dict:
 
 
 def _launch_without_agent(name, nproc, extra, timeout, out) -> Launched:
-    port = str(free_port())
+    port, stem = str(free_port()), name.rsplit(":", 1)[-1]
     procs = []
     for r in range(nproc):
         rank_env = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc)}
         rank_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **extra})
-        with open(
-            out / f"{name.rsplit(':', 1)[-1]}.rank{r}.log", "w"
-        ) as log:  # a pipe could fill and block
+        with open(out / f"{stem}.rank{r}.log", "w") as log:  # a pipe could fill and block
             procs.append(
                 subprocess.Popen(
                     command(name, out), env=environment(rank_env), cwd=out,
