@@ -63,6 +63,18 @@ def my_rows(n: int, rank: int, world: int) -> slice:
     return slice(start, start + base + (1 if rank < extra else 0))
 
 
+def step_on_rows(dm, opt, x, y, settle: Callable[[], None] = lambda: None) -> None:
+    """One training step of this rank's rows of the global batch (x, y):
+    `settle` drains simulated GPUs' streams before the host reads what they
+    wrote (the optimizer "kernel" runs in stream order)."""
+    rows = my_rows(len(x), pyddp.rank(), pyddp.world())
+    opt.zero_grad()
+    dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
+    settle()
+    opt.step()
+    settle()
+
+
 def sequence_of(dm) -> int:
     """Control exchanges made so far on dm's control group (header sequence)."""
     from pyddp._link.control import _sequence

@@ -9,6 +9,7 @@ and fp16 compression, there too. The simulation must report no broken rule."""
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any, List
 
 import pytest
@@ -23,6 +24,7 @@ from ranks import (
     reference,
     sequence_of,
     simulated_gpus_of_rank,
+    step_on_rows,
     wrap_on,
 )
 from spawn import launch
@@ -178,7 +180,6 @@ def _throttle_on_simulated_gpus(out: dict, devices, streams) -> None:
     step, so at most three are ever unread; training is unchanged."""
     from pyddp.engine.streams import HostCopy
 
-    rank, world = pyddp.rank(), pyddp.world()
     waits: List[int] = []
     step = [0]
     real_fetch = streams.fetch
@@ -209,12 +210,7 @@ def _throttle_on_simulated_gpus(out: dict, devices, streams) -> None:
         dopt = dm.optimizer(torch.optim.SGD, **SGD)
         for k, (x, y) in enumerate(batches):
             step[0] = k
-            rows = my_rows(len(x), rank, world)
-            dopt.zero_grad()
-            dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
-            streams.synchronize_all(devices)
-            dopt.step()
-            streams.synchronize_all(devices)
+            step_on_rows(dm, dopt, x, y, partial(streams.synchronize_all, devices))
         out["throttle_waits"] = waits[:]
         out["throttle_diff"] = max_diff(dm.module, ref)
         dm.close()  # reads the rest
@@ -230,7 +226,7 @@ def _compression_on_simulated_gpus(out: dict, devices, streams) -> None:
     agrees with CUDA's reciprocal there), bitwise the CPU path, where
     torch's own hook runs on gloo; with more, within fp16 rounding of one
     device."""
-    rank, world = pyddp.rank(), pyddp.world()
+    rank = pyddp.rank()
     batches = data(3, 12, seed=4)
     ref = reference(batches)
 
@@ -239,12 +235,7 @@ def _compression_on_simulated_gpus(out: dict, devices, streams) -> None:
         dm.register_comm_hook(None, "fp16")
         dopt = dm.optimizer(torch.optim.SGD, **SGD)
         for x, y in batches:
-            rows = my_rows(len(x), rank, world)
-            dopt.zero_grad()
-            dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
-            streams.synchronize_all(devices)
-            dopt.step()
-            streams.synchronize_all(devices)
+            step_on_rows(dm, dopt, x, y, partial(streams.synchronize_all, devices))
         return dm
 
     dm = train(devices, (devices, streams))

@@ -16,7 +16,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_batches
-from ranks import SGD, TOL, data, eval_norm, max_diff, maybe_simulated_gpus, my_rows, net, wrap_on
+from ranks import (
+    SGD,
+    TOL,
+    data,
+    eval_norm,
+    max_diff,
+    maybe_simulated_gpus,
+    my_rows,
+    net,
+    step_on_rows,
+    wrap_on,
+)
 from spawn import expect_failure, run_alone, spawn
 from torch import nn
 
@@ -241,14 +252,6 @@ def sharded_across_processes(out: dict) -> None:
     adam = dict(lr=1e-2, weight_decay=1e-3)
     gpus, settle = maybe_simulated_gpus(replicas)
 
-    def step(dm, opt, x, y) -> None:
-        rows = my_rows(len(x), rank, world)
-        opt.zero_grad()
-        dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
-        settle()  # simulated GPUs: the step reads what the streams wrote
-        opt.step()
-        settle()
-
     def train(shard: bool):
         dm = wrap_on(eval_norm(net()), replicas, gpus)
         for m in dm.replicas:
@@ -256,7 +259,7 @@ def sharded_across_processes(out: dict) -> None:
         opt = dm.optimizer(torch.optim.AdamW, shard=shard, **adam)
         sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
         for x, y in batches:
-            step(dm, opt, x, y)
+            step_on_rows(dm, opt, x, y, settle)
             sched.step()
         return dm, opt
 
@@ -280,7 +283,7 @@ def sharded_across_processes(out: dict) -> None:
     opt2 = dm2.optimizer(torch.optim.AdamW, shard=True, **adam)
     opt2.load_state_dict(sd)
     for d, o in ((dm, opt), (dm2, opt2)):
-        step(d, o, *batches[0])
+        step_on_rows(d, o, *batches[0], settle)
     out["resumed"] = max_diff(dm.module, dm2.module)
     # One device on the global batches (AdamW): Net's `rare` has no gradient
     # anywhere in some steps and stays None, as here.
