@@ -20,7 +20,16 @@ summed over every contributor (a process on CPU, a GPU on GPUs):
   every rank sees the same sums, so ranks that drifted apart all raise
   instead of averaging different iterations' gradients together.
 
-On CPU the host reads the sums after waiting for the buckets, as before. On
+On CPU the parts ride in the last bucket's all-reduce (Agreement.ride):
+replica 0's last bucket is allocated with room for them after it, and
+they are final when it launches (every parameter is then ready, or
+settled in finish() as absent), so they need no round trip of their own;
+the host reads the sums after waiting for the buckets. In a float32
+bucket every value stays exact (bytes, squares and flags are small
+integers; the rows travel as two parts), except loss x rows, summed in
+float32 (the global batch's loss, as precise as the float32 loss itself).
+A comm hook, a 16-bit last bucket or more than 256 processes (float32 sums
+of squared bytes) send them as their own reduction after the buckets. On
 GPUs the sums stay on the device: a rank that holds a gradient for every
 parameter cannot find one nobody holds (the common case), so it reads them
 later, when their copy to the host is done (polled, never waited for); only
@@ -31,6 +40,8 @@ from __future__ import annotations
 
 import collections
 import json
+import math
+import struct
 import time
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
@@ -38,9 +49,14 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .control import Control
+from .record import WorkRecord
+from .weighting import Weighting
 
 _BYTES = 8  # per record value (int64)
 LOADS = 4  # rows, loss x rows, rows changed, rows varied within the backward
+WEIGHED = "losses weighed by dmodel.loss without an exchange"
+RECORD_SLOTS = 8  # record fields a part riding in a bucket has room for
+_ROWS_SPLIT = 4096.0  # riding, the rows travel as rows // this and the rest
 
 
 @dataclass
@@ -54,25 +70,67 @@ class Sums:
     varied: float  # ranks that weighed different rows within this backward
 
 
-def encode(
-    has_grad: Sequence[bool], loads: Sequence[float], record: Dict[str, int]
-) -> torch.Tensor:
-    """One contributor's part, float64 (see the module's docstring); `loads`:
-    rows, loss x rows, rows changed."""
-    values = torch.tensor([int(v) for v in record.values()], dtype=torch.int64)
-    raw = values.view(torch.uint8).to(torch.float64)
-    flags = torch.tensor([1.0 if h else 0.0 for h in has_grad], dtype=torch.float64)
-    loads = torch.tensor([float(v) for v in loads], dtype=torch.float64)
-    return torch.cat([flags, loads, raw, raw * raw])
+def encode(has_grad: Sequence[bool], loads: Sequence[float], record: Dict[str, int]) -> List[float]:
+    """One contributor's part (see the module's docstring), as Python floats
+    (a few hundred values: list work costs less than tensor ops); `loads`:
+    rows, loss x rows, rows changed, rows varied."""
+    raw = list(struct.pack(f"<{len(record)}q", *(int(v) for v in record.values())))
+    flags = [1.0 if h else 0.0 for h in has_grad]
+    return flags + [float(v) for v in loads] + [float(b) for b in raw] + [float(b * b) for b in raw]
 
 
-def differing(summed: torch.Tensor, size: int, fields: Sequence[str], n: int) -> List[str]:
-    """The record's fields whose bytes differ between contributors."""
+def record_for(work: WorkRecord, weighting: Weighting, iteration: int) -> Dict[str, int]:
+    """The record compared at synced backward `iteration` + 1 (taken: the
+    next starts), with the weighings dmodel.loss made on assumed rows."""
+    record = work.take(iteration)
+    record[WEIGHED] = weighting.window.assumed
+    return record
+
+
+def ride_size(params: int, dtype: torch.dtype, contributors: int) -> int:
+    """The elements a part riding in a bucket of `dtype` takes, or 0 where
+    its sums would not be exact (see the module's docstring)."""
+    if dtype == torch.float32 and contributors * 255 * 255 < 2**24:
+        pass
+    elif dtype != torch.float64:
+        return 0
+    return params + LOADS + 1 + 2 * _BYTES * RECORD_SLOTS
+
+
+def to_ride(part: List[float], params: int) -> List[float]:
+    """A part (encode's layout) as it rides: the rows split in two, the
+    record padded with zero bytes to RECORD_SLOTS fields."""
+    raw = part[params + LOADS :]
+    k = len(raw) // 2
+    if k > RECORD_SLOTS * _BYTES:
+        raise RuntimeError(f"pyddp: the record has {k // _BYTES} fields, room for {RECORD_SLOTS}")
+    pad = [0.0] * (RECORD_SLOTS * _BYTES - k)
+    rows = part[params]
+    hi = float(math.floor(rows / _ROWS_SPLIT))
+    loads = [hi, rows - hi * _ROWS_SPLIT] + part[params + 1 : params + LOADS]
+    return part[:params] + loads + raw[:k] + pad + raw[k:] + pad
+
+
+def from_ride(wire: torch.Tensor, params: int, fields: int) -> List[float]:
+    """The sums of riding parts, back in encode's layout."""
+    w = wire.tolist()
+    k, room = fields * _BYTES, RECORD_SLOTS * _BYTES
+    raw = w[params + LOADS + 1 :]
+    rows = w[params] * _ROWS_SPLIT + w[params + 1]
+    return w[:params] + [rows] + w[params + 2 : params + LOADS + 1] + raw[:k] + raw[room : room + k]
+
+
+def differing(summed: List[float], size: int, fields: Sequence[str], n: int) -> List[str]:
+    """The record's fields whose bytes differ between contributors: N times
+    the sum of squares is the square of the sum exactly when all are equal."""
     raw = summed[size + LOADS :]
     k = len(fields) * _BYTES
-    s1, s2 = raw[:k], raw[k:]
-    bad = (s2 * n != s1 * s1).view(len(fields), _BYTES).any(dim=1)
-    return [f for f, b in zip(fields, bad.tolist()) if b]
+    s1, s2 = raw[:k], raw[k : 2 * k]
+    return [
+        f
+        for j, f in enumerate(fields)
+        if any(s2[i] * n != s1[i] * s1[i] for i in range(j * _BYTES, (j + 1) * _BYTES))
+    ]
 
 
 class Agreement:
@@ -84,6 +142,10 @@ class Agreement:
         self._size = 0
         self._absent: List[int] = []
         self._record: Dict[str, int] = {}
+        # Riding in the last bucket (CPU): the parameters with no gradient
+        # here and whether this rank shadows, final once it launches.
+        self._absent_next: List[int] = []
+        self._shadow_next = False
         # GPUs: sums on their way to the host, read when there:
         # (fetch, record, iteration, contributors).
         self._deferred: Deque[Tuple[Any, Dict[str, int], int, int]] = collections.deque()
@@ -96,27 +158,66 @@ class Agreement:
         loads: Sequence[float] = (0.0,) * LOADS,
         shadow: bool = False,
     ) -> None:
-        """This rank's part for the synced backward now ending; reduced by
-        the link after the buckets. `shadow`: a rank that joined (torch's
-        Join) takes part with zeros: no gradient, no rows, no record (the
-        ranks with inputs compare theirs among themselves)."""
-        self.failure.check()
+        """This rank's part for the synced backward now ending (self.part),
+        reduced by the link after the buckets. `shadow`: a rank that joined
+        (torch's Join) takes part with zeros: no gradient, no rows, no
+        record (the ranks with inputs compare theirs among themselves)."""
         t0 = time.perf_counter_ns()
-        gone = set(absent)
-        self.part = encode([i not in gone for i in range(size)], loads, record)
-        if shadow:
-            self.part.zero_()
-        self._size, self._absent, self._record = size, list(absent), dict(record)
+        part = self._encode(absent, size, record, loads, shadow)
+        self.part = torch.tensor(part, dtype=torch.float64)
         self.exposed_ns = time.perf_counter_ns() - t0
 
-    def read(self, summed: torch.Tensor, contributors: int, where: str) -> Sums:
-        """The sums (on the host), checked: raises on every rank, naming the
-        fields that differ and every rank's values, if the records differ."""
+    def _encode(
+        self,
+        absent: Sequence[int],
+        size: int,
+        record: Dict[str, int],
+        loads: Sequence[float],
+        shadow: bool,
+    ) -> List[float]:
+        self.failure.check()
+        gone = set(absent)
+        part = encode([i not in gone for i in range(size)], loads, record)
+        self._size, self._absent, self._record = size, list(absent), dict(record)
+        return [0.0] * len(part) if shadow else part
+
+    # -------------------------------------------- CPU: in the last bucket
+    def expect(self, absent: Sequence[int], shadow: bool) -> None:
+        """At the end of a synced backward whose part rides in its last
+        bucket: what ride() encodes, should that bucket launch after this
+        (in steady state it launched during backward: nothing was absent)."""
+        self._absent_next, self._shadow_next = list(absent), shadow
+
+    def ride(self, wire: torch.Tensor, count: int, work: WorkRecord, weighting: Weighting) -> None:
+        """On the engine's launcher thread as the last bucket (wire[:count])
+        launches: this rank's part into the room after it. The main thread
+        is past every hook and not yet past the engine's finish, which
+        waits for this launch: nothing read here changes meanwhile."""
         t0 = time.perf_counter_ns()
+        size = wire.numel() - count - (LOADS + 1 + 2 * _BYTES * RECORD_SLOTS)
+        record = record_for(work, weighting, self.peers.iteration)
+        loads = weighting.window.loads()
+        part = self._encode(self._absent_next, size, record, loads, self._shadow_next)
+        wire[count:] = torch.tensor(to_ride(part, size), dtype=wire.dtype)
+        self.exposed_ns = time.perf_counter_ns() - t0
+
+    def landed(self, wire: torch.Tensor, count: int) -> List[float]:
+        """After the wait: the riding parts' sums, in encode's layout; the
+        next synced backward's defaults."""
+        self._absent_next, self._shadow_next = [], False
+        return from_ride(wire[count:], self._size, len(self._record))
+
+    def read(self, summed: Any, contributors: int, where: str) -> Sums:
+        """The sums (a tensor on the host, or their list), checked: raises on
+        every rank, naming the fields that differ and every rank's values,
+        if the records differ."""
+        t0 = time.perf_counter_ns()
+        if isinstance(summed, torch.Tensor):
+            summed = summed.tolist()
         self._check(summed, self._record, contributors, where)
         size = self._size
-        unused = [i for i in self._absent if summed[i].item() == 0.0]
-        sums = Sums(unused, *(float(summed[size + k]) for k in range(LOADS)))
+        unused = [i for i in self._absent if summed[i] == 0.0]
+        sums = Sums(unused, *summed[size : size + LOADS])
         self.exposed_ns += time.perf_counter_ns() - t0
         return sums
 
@@ -144,10 +245,11 @@ class Agreement:
             if not (fetch.ready() or drain or len(self._deferred) > 2):
                 return
             self._deferred.popleft()
-            self._check(fetch.get(), record, contributors, f"synced backward {iteration}")
+            sums = fetch.get().tolist()
+            self._check(sums, record, contributors, f"synced backward {iteration}")
 
     # ------------------------------------------------------- disagreement
-    def _check(self, summed: torch.Tensor, record: Dict[str, int], n: int, where: str) -> None:
+    def _check(self, summed: List[float], record: Dict[str, int], n: int, where: str) -> None:
         fields = list(record)
         bad = differing(summed, self._size, fields, n)
         if bad:

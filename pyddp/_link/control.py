@@ -116,19 +116,35 @@ class Control:
                     "process must wrap the same model"
                 )
 
-    def broadcast(self, tensors: Sequence[torch.Tensor], what: str, root: int = 0) -> None:
+    def broadcast(
+        self, tensors: Sequence[torch.Tensor], what: str, root: int = 0, header: bool = True
+    ) -> None:
         """Overwrites `tensors` with rank `root`'s values (the group's rank 0
-        unless said; one message per dtype); nothing to send (a model without
-        buffers) sends nothing (the model check made the tensors the same on
-        every rank)."""
-        by_kind: Dict[tuple, List[torch.Tensor]] = {}
-        for t in tensors:
-            if t.numel():
-                by_kind.setdefault((t.dtype, t.device), []).append(t)
-        if not by_kind:
+        unless said): CPU tensors as one message of their bytes, whatever
+        their dtypes, others one message per dtype and device; nothing to
+        send (a model without buffers) sends nothing (the model check made
+        the tensors the same on every rank). `header` False: the caller
+        knows every rank is at this exchange (see ProcessLink.broadcast)."""
+        live = [t for t in tensors if t.numel()]
+        if not live:
             return
-        self.same_exchange(what)
+        if header:
+            self.same_exchange(what)
+        else:
+            self.failure.check()
         with torch.no_grad():
+            if all(t.device.type == "cpu" for t in live):
+                flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in live])
+                self.failure.call(what, broadcast, self.group, flat, root)
+                offset = 0
+                for t in live:
+                    n = t.numel() * t.element_size()
+                    t.copy_(flat[offset : offset + n].view(t.dtype).view(t.shape))
+                    offset += n
+                return
+            by_kind: Dict[tuple, List[torch.Tensor]] = {}
+            for t in live:
+                by_kind.setdefault((t.dtype, t.device), []).append(t)
             for group in by_kind.values():
                 flat = _flatten_dense_tensors([t.detach() for t in group])
                 self.failure.call(what, broadcast, self.group, flat, root)

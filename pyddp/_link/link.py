@@ -83,15 +83,22 @@ class Link:
         processes), the replicas' CUDA devices and the stream provider, for
         the agreement to travel on the device after the buckets."""
 
+    def spare_elements(self, dtype: torch.dtype) -> int:
+        """The elements the link wants after replica 0's last bucket (of
+        `dtype`), to send with it (the agreement, across processes)."""
+        return 0
+
     def set_buckets(
         self,
         flats: Sequence[torch.Tensor],
         buckets: Sequence[Sequence[int]],
         params: Sequence[torch.Tensor],
         views: Sequence[Any],
+        wire: Optional[torch.Tensor] = None,
     ) -> None:
         """Replica 0's flat buckets, their members, and its parameters and
-        gradient views by index (after every re-layout)."""
+        gradient views by index (after every re-layout); `wire`: its last
+        bucket followed by the spare elements (None if none were asked)."""
 
     def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
         """A communication hook for the bucket reductions across processes.

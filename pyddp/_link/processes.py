@@ -11,7 +11,7 @@ import torch
 
 from .. import _C
 from ..errors import ProcessGroupError
-from .agreement import Agreement
+from .agreement import Agreement, record_for, ride_size
 from .control import BUFFERS_BROADCAST, LOSS_WEIGHTS, PARAMS_BROADCAST, Control
 from .failure import Failure
 from .groups import Peers, first_line
@@ -43,6 +43,8 @@ class ProcessLink(Link):
         # DDP's divide_by_initial_world_size=False) rather than all ranks.
         self.join: Optional[JoinStep] = None
         self.divide_by_active = False
+        self.work: Optional[WorkRecord] = None  # the GradSync's (attach)
+        self._just_agreed = False  # the last thing done was a CPU agreement read
 
     @property
     def global_loss(self) -> Optional[float]:
@@ -82,6 +84,7 @@ class ProcessLink(Link):
 
     def watch(self, record: WorkRecord) -> None:
         watch_steps(record)
+        self.work = record
 
     def gpu_reduction(self, op: str, local: int) -> Tuple[str, float, Optional[Callable]]:
         return (*nccl_op(op, self.local_counts), self._nccl_rendezvous())
@@ -112,13 +115,26 @@ class ProcessLink(Link):
     def route_through(self, backend: Any, devices: Sequence[int], provider: Any) -> None:
         self._route = DeviceRoute(backend, devices, provider)
 
+    def spare_elements(self, dtype: torch.dtype) -> int:
+        # CPU: the agreement rides in the last bucket (on GPUs it is summed
+        # on the device after the buckets, never waited for).
+        if self._route is not None:
+            return 0
+        return ride_size(len(self.transport.names), dtype, self.world)
+
     def set_buckets(
         self,
         flats: Sequence[torch.Tensor],
         buckets: Sequence[Sequence[int]],
         params: Sequence[torch.Tensor],
         views: Sequence[Any],
+        wire: Optional[torch.Tensor] = None,
     ) -> None:
+        rider = None
+        if wire is not None and self.work is not None:
+            agreement, work, weighting = self.agreement, self.work, self.weighting
+            rider = lambda full, count: agreement.ride(full, count, work, weighting)  # noqa: E731
+        self.transport.ride_on(wire, rider)
         self.transport.flats = list(flats)
         self.transport.buckets = [list(b) for b in buckets]
         self.transport.params, self.transport.views = list(params), list(views)
@@ -146,11 +162,13 @@ class ProcessLink(Link):
     ) -> List[int]:
         # Every rank must launch the same buckets: a parameter without a
         # gradient here is reduced too, with zeros from here; which of them
-        # have a gradient on no process at all travels after the buckets.
-        window = self.weighting.window
-        work = record(self.peers.iteration)
-        work["losses weighed by dmodel.loss without an exchange"] = window.assumed
-        self.agreement.start(absent, size, work, window.loads(), shadow)
+        # have a gradient on no process at all travels in the last bucket
+        # (CPU) or after the buckets.
+        if self.transport.rides:
+            self.agreement.expect(absent, shadow)
+        else:
+            work = record_for(self.work, self.weighting, self.peers.iteration)
+            self.agreement.start(absent, size, work, self.weighting.window.loads(), shadow)
         return list(absent)
 
     def _contributors(self) -> int:
@@ -174,12 +192,22 @@ class ProcessLink(Link):
     def wait(self) -> Tuple[List[int], List[int], Any]:
         window = self.weighting.take_window()
         if self._route is None:
-            # CPU: the agreement follows the buckets on the data group.
-            part = self.agreement.part
-            self.transport.launch_tail(part)
-            launched = self.transport.wait()
+            # CPU: the agreement rode in the last bucket, or follows the
+            # buckets on the data group. While they are on the wire: the
+            # next synced backward's parameter checksum, if it takes one.
+            transport = self.transport
+            if transport.rides:
+                self.work.ahead(self.peers.iteration + 1)
+                launched = transport.wait()
+                summed = self.agreement.landed(transport.wire, transport.flats[-1].numel())
+            else:
+                summed = self.agreement.part
+                transport.launch_tail(summed)
+                self.work.ahead(self.peers.iteration + 1)
+                launched = transport.wait()
             where = f"synced backward {self.peers.iteration}"
-            sums = self.agreement.read(part, self._contributors(), where)
+            sums = self.agreement.read(summed, self._contributors(), where)
+            self._just_agreed = True  # (broadcast)
             factor = self.weighting.cpu_factor(window, sums, self.failure.fail)
             return launched, sums.unused, factor * self._join_divisor(window)
         # GPUs: through the NCCL communicator, after the buckets; nothing for
@@ -254,8 +282,13 @@ class ProcessLink(Link):
             # GPUs, after every synced training step: on the device, through
             # NCCL, as torch DDP does (no host round trip).
             self._route.broadcast(tensors, self.rank == root)
-        else:
-            self.control.broadcast(tensors, what, root)
+            return
+        # Right after a synced backward whose agreement every rank passed
+        # (outside Join), every rank is at this broadcast: the agreement
+        # was its header, and it goes as one message.
+        agreed, self._just_agreed = self._just_agreed, False
+        header = not (agreed and what == BUFFERS_BROADCAST and self.join is None)
+        self.control.broadcast(tensors, what, root, header)
 
     # ------------------------------------------------------ uneven inputs
     def join_step(self, has_inputs: bool, broadcasts: bool, syncs: bool, rows: float) -> JoinStep:

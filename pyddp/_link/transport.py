@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -78,9 +78,27 @@ class BucketTransport:
         self.params: List[torch.Tensor] = []
         self.views: List[Any] = []
         self.hook_error: Optional[BaseException] = None  # the hook's own exception
+        # The agreement riding in the last bucket (agreement.py): replica 0's
+        # last bucket with room after it, and what fills the room.
+        self.wire: Optional[torch.Tensor] = None
+        self._rider: Optional[Callable[[torch.Tensor, int], None]] = None
         self.wait_ns = 0  # the last iteration's wait for the reductions
         self.done_ns_last: Dict[int, int] = {}
         self._flight = _InFlight()
+
+    def ride_on(
+        self, wire: Optional[torch.Tensor], rider: Optional[Callable[[torch.Tensor, int], None]]
+    ) -> None:
+        """`wire`: replica 0's last bucket followed by room for the agreement,
+        which `rider(wire, bucket elements)` fills as it launches (None: the
+        agreement travels on its own after the buckets)."""
+        self.wire, self._rider = (wire, rider) if rider is not None else (None, None)
+
+    @property
+    def rides(self) -> bool:
+        """Whether the agreement rides in the last bucket (a hook replaces
+        what crosses the wire: then it travels on its own)."""
+        return self.wire is not None and self.hook is None
 
     def launch(self, bucket: int) -> None:
         """On the engine's launcher thread, in bucket-index order."""
@@ -91,7 +109,11 @@ class BucketTransport:
             # Averaged across processes (torch DDP's convention), divided before
             # the sum so 16-bit gradients do not overflow in transit.
             flat.div_(self.peers.world)
-            future = allreduce(self.group, flat).get_future()
+            wire = flat
+            if bucket == len(self.flats) - 1 and self.rides:
+                self._rider(self.wire, flat.numel())
+                wire = self.wire
+            future = allreduce(self.group, wire).get_future()
         else:
             future = self._hooked(bucket, flat)
         self._flight.launched(bucket)

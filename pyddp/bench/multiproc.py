@@ -169,6 +169,7 @@ def report(result: Dict[str, Any]) -> str:
             r["step_s"]["median"] * 1e3,
             r["step_s"]["p10"] * 1e3,
             r["step_s"]["p90"] * 1e3,
+            r["cpu_s"]["median"] * 1e3,
             f"{100 * r['overlap_fraction']:.0f}%",
             r["comm_s"] * 1e3,
             r["exposed_comm_s"] * 1e3,
@@ -177,7 +178,7 @@ def report(result: Dict[str, Any]) -> str:
         for r in result["results"]
     ]
     ratio, agree = result["ratio"], result["agreement"]
-    paired = ratio["paired"]
+    paired, cpaired = ratio["paired"], ratio["cpu_paired"]
     lines = [
         f"{cfg['model']} width {cfg['width']} depth {cfg['depth']}, global batch "
         f"{cfg['batch']}, {cfg['processes']} processes x 1 CPU replica (torchrun), "
@@ -190,6 +191,7 @@ def report(result: Dict[str, Any]) -> str:
                 "step ms",
                 "p10",
                 "p90",
+                "CPU ms",
                 "overlap",
                 "comm ms",
                 "exposed comm ms",
@@ -198,12 +200,15 @@ def report(result: Dict[str, Any]) -> str:
             rows,
         ),
         f"pyddp / torch DDP step time: {ratio['pyddp_over_ddp']:.3f}x (ratio of the medians); "
-        f"per-round paired ratios p10-p90 {paired['p10']:.3f}-{paired['p90']:.3f}",
+        f"per-round paired ratios p10-p90 {paired['p10']:.3f}-{paired['p90']:.3f}; CPU time "
+        f"{ratio['cpu_pyddp_over_ddp']:.3f}x (paired p10-p90 {cpaired['p10']:.3f}-"
+        f"{cpaired['p90']:.3f})",
         f"cross-process agreement (pyddp: building it and reading its sums, mean over ranks "
         f"and timed steps): {agree['mean_us']:.1f} us per step, "
         f"{100 * agree['fraction_of_step']:.2f}% of pyddp's median step; launch order: "
         "bucket index on rank 0's plan, agreed once at the first iteration (no per-step cost)",
-        "step: the slowest rank's mean per sample. overlap = overlap / comm (torch DDP's "
+        "step: the slowest rank's mean per sample; CPU: the process's CPU time per step (every "
+        "thread), mean over ranks. overlap = overlap / comm (torch DDP's "
         "definitions): pyddp from dm.stats()\nover every timed step, torch DDP from "
         "_get_ddp_logging_data() per iteration, one per sample.",
     ]
@@ -277,6 +282,7 @@ def worker(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
     cases: List[tuple] = [(PYDDP, pyddp_step), (DDP, ddp_step)]
     times: Dict[str, List[float]] = {PYDDP: [], DDP: []}
+    cpu: Dict[str, List[float]] = {PYDDP: [], DDP: []}  # this process's CPU time, all threads
     stats: Dict[str, List[Dict[str, float]]] = {PYDDP: [], DDP: []}
     rounds, steps = cfg["rounds"], cfg["steps"]
     bar = tqdm(
@@ -294,16 +300,17 @@ def worker(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             # includes waiting for another to arrive from the previous sample.
             dist.barrier(group=bench_group)
             dm._reducer.observer.reset()  # pyddp's means cover exactly the timed steps
-            start = time.perf_counter()
+            start, cpu0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 step()
             elapsed = (time.perf_counter() - start) / steps
             if r:
                 times[name].append(elapsed)
+                cpu[name].append((time.process_time() - cpu0) / steps)
                 stats[name].append(_pyddp_stats(dm) if name == PYDDP else _ddp_stats(ddp))
                 bar.update(1)
     bar.close()
-    mine = {"times": times, "stats": stats, "ddp_logging": _ddp_averages(ddp),
+    mine = {"times": times, "cpu": cpu, "stats": stats, "ddp_logging": _ddp_averages(ddp),
             "bucket_bytes_per_step": bucket_bytes,
             "wire_bytes_per_step": wire_bytes}  # fmt: skip
     gathered: Optional[List[Any]] = [None] * world if rank == 0 else None
@@ -382,9 +389,12 @@ def combine(cfg: Dict[str, Any], per_rank: Sequence[Dict[str, Any]]) -> Dict[str
     """Per-rank samples -> the results payload (rank 0, or a test)."""
     results = []
     step: Dict[str, List[float]] = {}
+    cpus: Dict[str, List[float]] = {}
     for name in (PYDDP, DDP):
         # A sample lasts as long as its slowest rank: the others waited for it.
         step[name] = [max(s) for s in zip(*(p["times"][name] for p in per_rank))]
+        # CPU time: the mean over ranks per sample (steadier on a shared machine).
+        cpus[name] = cpu = [sum(s) / len(s) for s in zip(*(p["cpu"][name] for p in per_rank))]
         pooled = [s for p in per_rank for s in p["stats"][name]]
         means = {k: _mean([s[k] for s in pooled]) for k in ("backward_compute_s", "comm_s")}
         overlap = _mean([s["overlap_s"] for s in pooled])
@@ -392,6 +402,7 @@ def combine(cfg: Dict[str, Any], per_rank: Sequence[Dict[str, Any]]) -> Dict[str
             {
                 "variant": name,
                 "step_s": summary(step[name]),
+                "cpu_s": summary(cpu),
                 "samples_s": step[name],
                 "overlap_fraction": overlap / means["comm_s"] if means["comm_s"] > 0 else 0.0,
                 "overlap_s": overlap,
@@ -410,6 +421,8 @@ def combine(cfg: Dict[str, Any], per_rank: Sequence[Dict[str, Any]]) -> Dict[str
             "pyddp_over_ddp": median_p / median_d,
             # Same-round pairs: the spread of the ratio itself, drift cancelled.
             "paired": summary([a / b for a, b in zip(step[PYDDP], step[DDP])]),
+            "cpu_pyddp_over_ddp": results[0]["cpu_s"]["median"] / results[1]["cpu_s"]["median"],
+            "cpu_paired": summary([a / b for a, b in zip(cpus[PYDDP], cpus[DDP])]),
         },
         "agreement": {
             "mean_s": agree,

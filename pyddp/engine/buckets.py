@@ -87,16 +87,24 @@ class BucketLayout:
         self._wire: List[List[torch.Tensor]] = [[] for _ in params]
         self._view_ptrs: List[int] = []
         self._versions: Optional[List[List[int]]] = None  # the buffers' at finish()
+        self.riding: Optional[torch.Tensor] = None  # allocate's `spare`
         self.adopted = 0  # gradients that arrived outside the buckets and were copied in
+        # Per replica and parameter: set to None by hand_over, not yet back.
+        self._handed = [[False] * n for _ in params]
 
-    def allocate(self, buckets: Sequence[Sequence[int]]) -> None:
+    def allocate(self, buckets: Sequence[Sequence[int]], spare: int = 0) -> None:
         """Allocates flat buffers for `buckets` and points every gradient there,
-        keeping the values gradients already hold."""
+        keeping the values gradients already hold. `spare`: elements after
+        replica 0's last bucket (self.riding: that bucket and them)."""
+        self.riding = None
         for r, params in enumerate(self.params):
             flats, wires = [], []
             for b, members in enumerate(buckets):
                 count = sum(params[i].numel() for i in members)
-                flat = self._zeros(count, params[members[0]].dtype, r)
+                room = spare if r == 0 and b == len(buckets) - 1 else 0
+                flat = self._zeros(count + room, params[members[0]].dtype, r)
+                if room:
+                    self.riding, flat = flat, flat[:count]
                 offset = 0
                 for i in members:
                     p = params[i]
@@ -137,7 +145,18 @@ class BucketLayout:
         return [f.numel() * f.element_size() for f in self.flat[0]]
 
     # ------------------------------------------------------ single gradients
-    def adopt(self, p: torch.Tensor, view: torch.Tensor) -> None:
+    def hand_over(self) -> None:
+        """zero_grad(set_to_none=True): every gradient None, the buckets left
+        as they are. Autograd hands each replica its next gradient as a new
+        tensor, which adopt() copies in (one pass over the memory, where
+        zeroing and then accumulating in place would take two). Not counted
+        as adopted: pyddp set them to None."""
+        for params, handed in zip(self.params, self._handed):
+            for i, p in enumerate(params):
+                p.grad = None
+                handed[i] = True
+
+    def adopt(self, p: torch.Tensor, view: torch.Tensor, r: int = 0, i: int = -1) -> None:
         """The gradient is not the bucket view (grad was None, or replaced by
         the user): copy it in once; later backwards accumulate in place."""
         g = p.grad
@@ -148,7 +167,10 @@ class BucketLayout:
             )
         view.copy_(g)
         p.grad = view
-        self.adopted += 1
+        if i >= 0 and self._handed[r][i]:
+            self._handed[r][i] = False
+        else:
+            self.adopted += 1
 
     def take_in(self, r: int, i: int) -> None:
         """Replica r produced no gradient for parameter i this backward: its
@@ -160,8 +182,9 @@ class BucketLayout:
             return
         if grad is None:
             view.zero_()
+            self._handed[r][i] = False
         else:
-            self.adopt(self.params[r][i], view)
+            self.adopt(self.params[r][i], view, r, i)
 
     def zero_param(self, i: int) -> None:
         """Parameter i's slice reads zero on every replica."""
@@ -208,6 +231,7 @@ class BucketLayout:
     def zero(self, r: int) -> None:
         for flat in self.flat[r]:
             flat.zero_()
+        self._handed[r] = [False] * len(self._handed[r])
 
     def copy_to_others(self, buckets: Sequence[int]) -> None:
         """Replica 0's values of `buckets` on every other replica (reduced

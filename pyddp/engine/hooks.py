@@ -50,7 +50,7 @@ def grad_hook(
 
         def on_grad(p: torch.Tensor) -> None:
             if p.grad is not views[i]:
-                _adopt(owner, p, views[i])
+                _adopt(owner, p, views[i], r, i)
             if began:
                 _began(owner)
             mark(r, i)
@@ -61,7 +61,7 @@ def grad_hook(
     def on_grad_gpu(p: torch.Tensor) -> None:
         if p.grad is not views[i]:
             streams.before_host_write(device)
-            _adopt(owner, p, views[i])
+            _adopt(owner, p, views[i], r, i)
         if began:
             _began(owner)
         if produced is not None:  # the simulation's late write (see engine/streams.py)
@@ -83,10 +83,10 @@ def _began(owner: Any) -> None:
             began()
 
 
-def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor) -> None:
+def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor, r: int, i: int) -> None:
     sync = owner()
     if sync is not None:
-        sync.layout.adopt(p, view)
+        sync.layout.adopt(p, view, r, i)
 
 
 class PrepareHook:

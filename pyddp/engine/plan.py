@@ -64,9 +64,12 @@ class Plan:
 
     def allocate(self, buckets: Sequence[Sequence[int]]) -> None:
         old = self.layout.memory()
-        self.layout.allocate(buckets)
+        # The link may send something with the last bucket (the agreement).
+        spare = self.link.spare_elements(self.params[buckets[-1][0]].dtype)
+        self.layout.allocate(buckets, spare)
         self.order.retire(self.engine, old)
-        self.link.set_buckets(self.layout.flat[0], buckets, self.params, self.layout.views[0])
+        layout = self.layout
+        self.link.set_buckets(layout.flat[0], buckets, self.params, layout.views[0], layout.riding)
 
     def rebuild_once(self) -> None:
         """After the first synced backward: every process plans from rank 0's

@@ -222,12 +222,13 @@ class Reducer:
         # Autograd is done here: what follows (settling unused parameters, the
         # agreement across processes) counts as finish, not backward compute.
         self.finish_called_ns = time.monotonic_ns()
-        self.work.backward_done()  # this backward, synced or under no_sync()
+        synced = self.engine.sync_enabled
+        if not synced:  # a micro-batch the next synced backward's record counts
+            self.work.backward_done()
         # Unmarked slices are reconciled on the current streams; their
         # reductions wait for them, and they wait for the reductions.
         streams = self.order.current()
         self.order.fence_all()
-        synced = self.engine.sync_enabled
         launched: List[int] = []
         unused: List[int] = []
         factor: Any = 1.0
@@ -359,11 +360,16 @@ class Reducer:
                     p.grad.zero_()
             return
         self.check_open()
-        for r in range(len(self.replicas)):
-            self.order.use_current(self.engine, r)
-        self.run_per_replica(
-            [partial(self.layout.zero, r) for r in range(len(self.replicas))], "zero_grad"
-        )
+        if set_to_none:
+            # No write to the buckets: the next gradients are copied in as
+            # they arrive (BucketLayout.hand_over).
+            self.layout.hand_over()
+        else:
+            for r in range(len(self.replicas)):
+                self.order.use_current(self.engine, r)
+            self.run_per_replica(
+                [partial(self.layout.zero, r) for r in range(len(self.replicas))], "zero_grad"
+            )
         self.engine.clear_grads(set_to_none)
         self.layout.forget_reduced()
 

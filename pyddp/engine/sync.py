@@ -105,9 +105,11 @@ class GradSync:
         self._reducer.check_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes every replica's gradients. With set_to_none, parameters that get
-        no gradient in the next backward read None afterwards, as on one device
-        (until then they read zeros: the bucket views stay attached)."""
+        """Clears every replica's gradients. set_to_none (the default): every
+        param.grad is None, as torch's; the next backward's gradients are
+        copied into the buckets as they arrive (a parameter that gets none
+        stays None). set_to_none=False: the buckets are zeroed and param.grad
+        keeps pointing into them (docs/semantics.md, zero_grad)."""
         self._reducer.zero_grad(set_to_none)
 
     # ---------------------------------------------------------- the gradients
