@@ -155,10 +155,11 @@ def write_json(path: Path, payload: Dict[str, Any]) -> Path:
 def make_model(kind: str, width: int, depth: int, classes: int = 10) -> nn.Module:
     """The benchmark models; every one maps make_input(kind, ...) to class logits."""
     torch.manual_seed(0)
-    if kind == "mlp":
+    if kind in ("mlp", "mlp_bn"):  # mlp_bn: BatchNorm1d after each hidden layer (buffers)
         layers: List[nn.Module] = []
         for _ in range(depth):
-            layers += [nn.Linear(width, width), nn.ReLU()]
+            norm = [nn.BatchNorm1d(width)] if kind == "mlp_bn" else []
+            layers += [nn.Linear(width, width), *norm, nn.ReLU()]
         return nn.Sequential(*layers, nn.Linear(width, classes))
     if kind == "conv":
         layers = [nn.Conv2d(3, width, 3, padding=1), nn.ReLU()]
@@ -169,7 +170,7 @@ def make_model(kind: str, width: int, depth: int, classes: int = 10) -> nn.Modul
         )
     if kind == "transformer":
         return _Transformer(width, depth, classes)
-    raise ValueError(f"model {kind!r}: use mlp, conv or transformer")
+    raise ValueError(f"model {kind!r}: use mlp, mlp_bn, conv or transformer")
 
 
 class _Transformer(nn.Module):
@@ -191,7 +192,7 @@ class _Transformer(nn.Module):
 
 def make_input(kind: str, width: int, batch: int, classes: int = 10, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    if kind == "mlp":
+    if kind in ("mlp", "mlp_bn"):
         x = torch.randn(batch, width, generator=g)
     elif kind == "conv":
         x = torch.randn(batch, 3, 32, 32, generator=g)

@@ -78,7 +78,10 @@ def _common(parser: argparse.ArgumentParser, top: bool) -> None:
 
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", choices=["mlp", "conv", "transformer"], default="mlp", help="model to train"
+        "--model",
+        choices=["mlp", "mlp_bn", "conv", "transformer"],
+        default="mlp",
+        help="model to train (mlp_bn: BatchNorm1d after each hidden layer)",
     )
     p.add_argument("--width", type=int, default=1024, help="hidden width (channels for conv)")
     p.add_argument("--depth", type=int, default=6, help="hidden layers")
