@@ -55,6 +55,46 @@ def test_no_sync_accumulation_equals_large_batch(path):
         assert_grads_close(grads(rep), grads(ref))
 
 
+class _RowGated(nn.Module):
+    """`rare` runs only on rows whose first feature is positive."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.rare, self.out = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        mask = x[:, :1] > 0
+        if bool(mask.any()):
+            h = torch.where(mask, self.rare(h), h)
+        return self.out(h)
+
+
+def test_a_layer_only_a_later_replica_used_under_no_sync_keeps_its_gradient():
+    # After zero_grad() (set_to_none) every replica's grads are None. A
+    # micro-batch under no_sync() where only replica 1's rows use `rare`,
+    # then a synced one where no replica uses it: replica 1's accumulated
+    # gradient must be reduced, though replica 0's `rare` grads are None.
+    torch.manual_seed(0)
+    model = _RowGated()
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    x1 = torch.randn(8, 4)
+    x1[:4, 0] = -1.0  # replica 0's rows: no `rare`
+    x1[4:, 0] = 1.0  # replica 1's: `rare`
+    x2 = torch.randn(8, 4)
+    x2[:, 0] = -1.0  # nobody's
+    for _ in range(2):  # the second time after zero_grad()
+        dm.zero_grad()
+        ref.zero_grad()
+        with dm.no_sync():
+            (dm(x1).pow(2).mean() / 2).backward()
+        (dm(x2).pow(2).mean() / 2).backward()
+        (ref(torch.cat([x1, x2])).pow(2).mean()).backward()
+        assert_grads_close(grads(dm.module), grads(ref))
+        assert dm.module.rare.weight.grad is not None
+
+
 def test_step_after_unreduced_no_sync_is_refused():
     dm, _ = wrapped(2)
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)

@@ -79,10 +79,13 @@ def encode(has_grad: Sequence[bool], loads: Sequence[float], record: Dict[str, i
     return flags + [float(v) for v in loads] + [float(b) for b in raw] + [float(b * b) for b in raw]
 
 
-def record_for(work: WorkRecord, weighting: Weighting, iteration: int) -> Dict[str, int]:
-    """The record compared at synced backward `iteration` + 1 (taken: the
-    next starts), with the weighings dmodel.loss made on assumed rows."""
-    record = work.take(iteration)
+def record_for(
+    work: WorkRecord, weighting: Weighting, iteration: int, peek: bool = False
+) -> Dict[str, int]:
+    """The record compared at synced backward `iteration` + 1, with the
+    weighings dmodel.loss made on assumed rows; taken (the next starts)
+    unless `peek` (the link calls work.synced() once the sums are read)."""
+    record = work.peek(iteration) if peek else work.take(iteration)
     record[WEIGHED] = weighting.window.assumed
     return record
 
@@ -189,16 +192,20 @@ class Agreement:
         self._absent_next, self._shadow_next = list(absent), shadow
 
     def ride(self, wire: torch.Tensor, count: int, work: WorkRecord, weighting: Weighting) -> None:
-        """On the engine's launcher thread as the last bucket (wire[:count])
-        launches: this rank's part into the room after it. The main thread
-        is past every hook and not yet past the engine's finish, which
-        waits for this launch: nothing read here changes meanwhile."""
+        """This rank's part into the room after the last bucket (wire[:count]):
+        on the engine's launcher thread as that bucket launches through
+        Python, or on the caller's at the end of the forward (the C++ launch
+        then sends it). Either way the main thread is before the engine's
+        finish returns (it waits for the launch) and after every hook or
+        before any: nothing read here changes meanwhile. The record is
+        peeked; the link starts the next (work.synced()) after reading."""
         t0 = time.perf_counter_ns()
         size = wire.numel() - count - (LOADS + 1 + 2 * _BYTES * RECORD_SLOTS)
-        record = record_for(work, weighting, self.peers.iteration)
+        record = record_for(work, weighting, self.peers.iteration, peek=True)
         loads = weighting.window.loads()
         part = self._encode(self._absent_next, size, record, loads, self._shadow_next)
-        wire[count:] = torch.tensor(to_ride(part, size), dtype=wire.dtype)
+        values = to_ride(part, size)
+        wire.narrow(0, count, len(values)).copy_(torch.tensor(values, dtype=wire.dtype))
         self.exposed_ns = time.perf_counter_ns() - t0
 
     def landed(self, wire: torch.Tensor, count: int) -> List[float]:

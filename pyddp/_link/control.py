@@ -139,7 +139,11 @@ class Control:
                 offset = 0
                 for t in live:
                     n = t.numel() * t.element_size()
-                    t.copy_(flat[offset : offset + n].view(t.dtype).view(t.shape))
+                    got = flat[offset : offset + n]
+                    if t.is_contiguous():  # bytes into bytes: no alignment needed
+                        t.view(-1).view(torch.uint8).copy_(got)
+                    else:  # realigned first, then by value
+                        t.copy_(got.clone().view(t.dtype).view(t.shape))
                     offset += n
                 return
             by_kind: Dict[tuple, List[torch.Tensor]] = {}

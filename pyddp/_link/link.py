@@ -129,6 +129,10 @@ class Link:
         joined, under torch's Join, and adds nothing). One process: none."""
         return []
 
+    def forward_ended(self, syncing: bool) -> None:
+        """A forward whose backward comes next ended (`syncing`: it reduces):
+        what the link sends with the buckets can be prepared now."""
+
     def wait(self) -> Tuple[List[int], List[int], Any]:
         """After the engine's finish: (buckets this link reduced, parameters
         with a gradient on no process, the factor every gradient still needs:

@@ -166,6 +166,10 @@ class ProcessLink(Link):
         # (CPU) or after the buckets.
         if self.transport.rides:
             self.agreement.expect(absent, shadow)
+            if self.transport.armed and (absent or shadow):
+                # Filled again (the last bucket, not launched while some
+                # parameter is unsettled, has not read it yet).
+                self.transport.arm()
         else:
             work = record_for(self.work, self.weighting, self.peers.iteration)
             self.agreement.start(absent, size, work, self.weighting.window.loads(), shadow)
@@ -189,6 +193,10 @@ class ProcessLink(Link):
             return 1.0
         return self.world / max(1, len(self.join.active))
 
+    def forward_ended(self, syncing: bool) -> None:
+        if syncing and self._route is None:
+            self.transport.arm()
+
     def wait(self) -> Tuple[List[int], List[int], Any]:
         window = self.weighting.take_window()
         if self._route is None:
@@ -207,6 +215,7 @@ class ProcessLink(Link):
                 launched = transport.wait()
             where = f"synced backward {self.peers.iteration}"
             sums = self.agreement.read(summed, self._contributors(), where)
+            self.work.synced()  # (a riding record was peeked)
             self._just_agreed = True  # (broadcast)
             factor = self.weighting.cpu_factor(window, sums, self.failure.fail)
             return launched, sums.unused, factor * self._join_divisor(window)

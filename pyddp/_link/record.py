@@ -48,18 +48,25 @@ class WorkRecord:
         return [o for o, ours in list(self._stepping.items()) if ours]
 
     def take(self, iteration: int) -> Dict[str, int]:
-        """The record of synced backward `iteration` + 1; starts the next. The
-        parameter checksum (the sum of replica 0's parameters' raw bits, as
-        integers: exact whatever the thread count) is taken every
-        CHECKSUM_EVERY synced backwards, on CPU replicas only (on GPUs it
-        would make the host wait); it sees any change, writes through .data
-        included. `ahead` (the link's wait before it) may have taken it
-        already, off the critical path."""
+        """peek(iteration), then synced(): the next record starts."""
+        record = self.peek(iteration)
+        self.synced()
+        return record
+
+    def peek(self, iteration: int) -> Dict[str, int]:
+        """The record of synced backward `iteration` + 1. The parameter
+        checksum (the sum of replica 0's parameters' raw bits, as integers:
+        exact whatever the thread count) is taken every CHECKSUM_EVERY synced
+        backwards, on CPU replicas only (on GPUs it would make the host
+        wait); it sees any change, writes through .data included. `ahead`
+        (the link's wait before it) may have taken it already, off the
+        critical path."""
         checksum = 0
         if not self.on_gpu and iteration % CHECKSUM_EVERY == 0:
-            taken, self._ahead = self._ahead, None
-            checksum = taken[1] if taken is not None and taken[0] == iteration else self.checksum()
-        record = {
+            if self._ahead is None or self._ahead[0] != iteration:
+                self._ahead = (iteration, self.checksum())
+            checksum = self._ahead[1]
+        return {
             "synced backward": iteration + 1,
             "optimizer steps": self.steps,
             # The no_sync() ones and this one.
@@ -68,8 +75,10 @@ class WorkRecord:
             "modules in training mode": sum(m.training for m in self._modules),
             "parameter checksum": checksum,
         }
+
+    def synced(self) -> None:
+        """A synced backward ended: the micro-batches count starts again."""
         self.backwards_since_sync = 0
-        return record
 
     def ahead(self, iteration: int) -> None:
         """While synced backward `iteration` - 1's reductions are on the

@@ -82,6 +82,7 @@ class BucketTransport:
         # last bucket with room after it, and what fills the room.
         self.wire: Optional[torch.Tensor] = None
         self._rider: Optional[Callable[[torch.Tensor, int], None]] = None
+        self.armed = False
         self.wait_ns = 0  # the last iteration's wait for the reductions
         self.done_ns_last: Dict[int, int] = {}
         self._flight = _InFlight()
@@ -93,6 +94,15 @@ class BucketTransport:
         which `rider(wire, bucket elements)` fills as it launches (None: the
         agreement travels on its own after the buckets)."""
         self.wire, self._rider = (wire, rider) if rider is not None else (None, None)
+        self.armed = False  # arm() filled the room for the next launch
+
+    def arm(self) -> None:
+        """At the end of a synced forward: the agreement's room filled now,
+        on the caller's thread, so the launch of the last bucket (on the
+        launcher thread, which takes the GIL for it) only sends it."""
+        if self.rides:
+            self._rider(self.wire, self.flats[-1].numel())
+            self.armed = True
 
     @property
     def rides(self) -> bool:
@@ -111,7 +121,9 @@ class BucketTransport:
             flat.div_(self.peers.world)
             wire = flat
             if bucket == len(self.flats) - 1 and self.rides:
-                self._rider(self.wire, flat.numel())
+                if not self.armed:  # no forward told the link (GradSync's own callers)
+                    self._rider(self.wire, flat.numel())
+                self.armed = False
                 wire = self.wire
             future = allreduce(self.group, wire).get_future()
         else:

@@ -322,7 +322,9 @@ class Reducer:
         (those return to None after the reductions)."""
         unmarked = self.engine.unmarked()
         nowhere = {i for i, n in Counter(i for _, i in unmarked).items() if n == len(self.replicas)}
-        none_here = {i for i in nowhere if self.params[0][i].grad is None}
+        # None on every replica (zero_grad(set_to_none=True) leaves replicas
+        # that accumulated under no_sync() with a gradient replica 0 lacks).
+        none_here = {i for i in nowhere if all(ps[i].grad is None for ps in self.params)}
         if self.engine.sync_enabled:
             absent = sorted(none_here | {i for i in nowhere if not self.engine.has_grad(i)})
             agreeing = self.link.start_agreement(
@@ -343,6 +345,7 @@ class Reducer:
         DDP's "backward compute"); wrap calls it for you."""
         if self.engine is not None:
             self.engine.note_forward_end()
+            self.link.forward_ended(self.engine.sync_enabled)
 
     def abort(self, reason: str = "abort() after a backward raised") -> None:
         """GradSync.abort (its docstring is the contract)."""

@@ -31,7 +31,7 @@ from ..runtime.libraries import timeout_s
 from ..runtime.torchrun import refuse_training_alone
 from .ddp_args import wrap_options
 from .mirror import ReplicaMirror
-from .scatter import gather
+from .scatter import batch_size, gather
 from .steps import ReplicaSteps
 from .syncbn import SyncBatchNorms, sync_layers
 from .uneven import Joinable, Joining
@@ -112,8 +112,10 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         self._output_in_backward = False  # the running backward went through a dmodel output
         if sync_layers(self.module) and not self._passthrough:
             self._syncbn = self._bind_sync_batchnorm(replicas, opts)
-        if len(replicas) == 1 and not self._passthrough:
+        one = len(replicas) == 1 and not self._passthrough
+        if one:
             self._reducer.on_backward_start = weakref.WeakMethod(self._backward_began)
+        self._direct = one and self.devices[0].type == "cpu"  # forward: _forward_direct
 
     def _bind_sync_batchnorm(self, replicas: List[nn.Module], opts: Options) -> SyncBatchNorms:
         gpus = self._reducer.gpu_devices
@@ -296,6 +298,8 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         if self._passthrough:
             return self.module(*args, **kwargs)
         self._notify_join()
+        if self._direct:
+            return self._forward_direct(args, kwargs)
         with self._abandon_on_error("forward"):
             shards, sizes = self._start((args, kwargs))
             with self._sync_batchnorm(len(shards)):
@@ -305,6 +309,19 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         if torch.is_grad_enabled():
             self._reducer.note_forward_end()
         return gather(outs, sizes, self.devices[0], self._combine)
+
+    def _forward_direct(self, args: Any, kwargs: Any) -> Any:
+        """One CPU replica in this process (across processes, as torch DDP
+        runs): the model runs on the inputs as given, with no scatter, no
+        worker hand-off and no combining node; the first gradient hook
+        queues the end of backward (_backward_began)."""
+        with self._abandon_on_error("forward"):
+            self._begin(batch_size((args, kwargs)) if self._join_config.enable else 0)
+            with self._sync_batchnorm(1):
+                out = self._call(0, args, kwargs)()
+        if torch.is_grad_enabled():
+            self._reducer.note_forward_end()
+        return out
 
     def map_replicas(
         self, fn: Callable[[int, nn.Module, Any], Any], shards: Sequence[Any], what: str = "map"
