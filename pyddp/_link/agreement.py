@@ -193,12 +193,12 @@ class Agreement:
 
     def ride(self, wire: torch.Tensor, count: int, work: WorkRecord, weighting: Weighting) -> None:
         """This rank's part into the room after the last bucket (wire[:count]):
-        on the engine's launcher thread as that bucket launches through
-        Python, or on the caller's at the end of the forward (the C++ launch
-        then sends it). Either way the main thread is before the engine's
-        finish returns (it waits for the launch) and after every hook or
-        before any: nothing read here changes meanwhile. The record is
-        peeked; the link starts the next (work.synced()) after reading."""
+        on the caller's thread at the end of a synced forward (transport.arm,
+        so the launch only sends it), or else on the engine's launcher thread
+        as that bucket launches (the main thread is then past every hook and
+        waits in the engine's finish for this launch: nothing read here
+        changes meanwhile). The record is peeked; the link starts the next
+        (work.synced()) once the sums are read."""
         t0 = time.perf_counter_ns()
         size = wire.numel() - count - (LOADS + 1 + 2 * _BYTES * RECORD_SLOTS)
         record = record_for(work, weighting, self.peers.iteration, peek=True)

@@ -156,6 +156,10 @@ class BucketLayout:
                 p.grad = None
                 handed[i] = True
 
+    def handed(self, r: int, i: int) -> bool:
+        """Replica r's gradient i is None since hand_over, none produced yet."""
+        return self._handed[r][i]
+
     def adopt(self, p: torch.Tensor, view: torch.Tensor, r: int = 0, i: int = -1) -> None:
         """The gradient is not the bucket view (grad was None, or replaced by
         the user): copy it in once; later backwards accumulate in place."""
