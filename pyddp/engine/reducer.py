@@ -373,13 +373,15 @@ class Reducer:
                     p.grad.zero_()
             return
         self.check_open()
+        # GPUs: the current streams after the reductions (what touches the
+        # buckets next runs there); a dead context says so here.
+        for r in range(len(self.replicas)):
+            self.order.use_current(self.engine, r)
         if set_to_none:
             # No write to the buckets: the next gradients are copied in as
             # they arrive (BucketLayout.hand_over).
             self.layout.hand_over()
         else:
-            for r in range(len(self.replicas)):
-                self.order.use_current(self.engine, r)
             self.run_per_replica(
                 [partial(self.layout.zero, r) for r in range(len(self.replicas))], "zero_grad"
             )
