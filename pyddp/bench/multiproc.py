@@ -17,8 +17,9 @@ pyddp's from `dm.stats()` over every timed step, DDP's from
 `ddp._get_ddp_logging_data()` per iteration, one per sample (DDP records an
 iteration's figures at the next forward, with the sample rate set to 1).
 pyddp's per-iteration agreement cost is `agree_s`: building the agreement
-(unused parameters, the work record) and reading its sums; its reduction
-follows the last bucket on the same group and is timed with them. The launch
+(unused parameters, the work record) and reading its sums; it rides in the
+last bucket's all-reduce and is timed with it. CPU time per step (the
+process's, every thread) is reported beside wall time. The launch
 order needs no per-iteration exchange: it is the bucket index, on rank 0's
 bucket plan agreed once after the first (warm-up) iteration."""
 
