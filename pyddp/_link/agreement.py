@@ -57,6 +57,7 @@ LOADS = 4  # rows, loss x rows, rows changed, rows varied within the backward
 WEIGHED = "losses weighed by dmodel.loss without an exchange"
 RECORD_SLOTS = 8  # record fields a part riding in a bucket has room for
 _ROWS_SPLIT = 4096.0  # riding, the rows travel as rows // this and the rest
+_RIDE_EXTRA = LOADS + 1 + 2 * _BYTES * RECORD_SLOTS  # a riding part beyond its flags
 
 
 @dataclass
@@ -97,7 +98,7 @@ def ride_size(params: int, dtype: torch.dtype, contributors: int) -> int:
         pass
     elif dtype != torch.float64:
         return 0
-    return params + LOADS + 1 + 2 * _BYTES * RECORD_SLOTS
+    return params + _RIDE_EXTRA
 
 
 def to_ride(part: List[float], params: int) -> List[float]:
@@ -200,7 +201,7 @@ class Agreement:
         changes meanwhile). The record is peeked; the link starts the next
         (work.synced()) once the sums are read."""
         t0 = time.perf_counter_ns()
-        size = wire.numel() - count - (LOADS + 1 + 2 * _BYTES * RECORD_SLOTS)
+        size = wire.numel() - count - _RIDE_EXTRA
         record = record_for(work, weighting, self.peers.iteration, peek=True)
         loads = weighting.window.loads()
         part = self._encode(self._absent_next, size, record, loads, self._shadow_next)

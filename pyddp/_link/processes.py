@@ -204,15 +204,14 @@ class ProcessLink(Link):
             # buckets on the data group. While they are on the wire: the
             # next synced backward's parameter checksum, if it takes one.
             transport = self.transport
+            if not transport.rides:
+                transport.launch_tail(self.agreement.part)
+            self.work.ahead(self.peers.iteration + 1)
+            launched = transport.wait()
             if transport.rides:
-                self.work.ahead(self.peers.iteration + 1)
-                launched = transport.wait()
                 summed = self.agreement.landed(transport.wire, transport.flats[-1].numel())
             else:
                 summed = self.agreement.part
-                transport.launch_tail(summed)
-                self.work.ahead(self.peers.iteration + 1)
-                launched = transport.wait()
             where = f"synced backward {self.peers.iteration}"
             sums = self.agreement.read(summed, self._contributors(), where)
             self.work.synced()  # (a riding record was peeked)

@@ -156,9 +156,15 @@ class BucketLayout:
                 p.grad = None
                 handed[i] = True
 
-    def handed(self, r: int, i: int) -> bool:
-        """Replica r's gradient i is None since hand_over, none produced yet."""
-        return self._handed[r][i]
+    def no_gradient(self, i: int) -> bool:
+        """No replica holds a gradient for parameter i: replica 0's is None,
+        and no other replica accumulated one (under no_sync()) since
+        hand_over set them all to None. A later replica's copy of an earlier
+        reduction does not count: torch's own zero_grad on the model resets
+        replica 0's alone."""
+        if self.params[0][i].grad is not None:
+            return False
+        return not (self._handed[0][i] and any(ps[i].grad is not None for ps in self.params[1:]))
 
     def adopt(self, p: torch.Tensor, view: torch.Tensor, r: int = 0, i: int = -1) -> None:
         """The gradient is not the bucket view (grad was None, or replaced by

@@ -322,7 +322,7 @@ class Reducer:
         (those return to None after the reductions)."""
         unmarked = self.engine.unmarked()
         nowhere = {i for i, n in Counter(i for _, i in unmarked).items() if n == len(self.replicas)}
-        none_here = {i for i in nowhere if self._no_gradient_here(i)}
+        none_here = {i for i in nowhere if self.layout.no_gradient(i)}
         if self.engine.sync_enabled:
             absent = sorted(none_here | {i for i in nowhere if not self.engine.has_grad(i)})
             agreeing = self.link.start_agreement(
@@ -337,18 +337,6 @@ class Reducer:
             self.layout.zero_param(i)  # None slices read zero (clipping sums buckets)
         for r, i in unmarked:
             self.layout.take_in(r, i)
-
-    def _no_gradient_here(self, i: int) -> bool:
-        """No replica of this process holds a gradient for parameter i:
-        replica 0's is None, and no other replica accumulated one (under
-        no_sync()) since zero_grad() set them all to None. A later replica's
-        copy of an earlier reduction does not count: torch's own zero_grad
-        on the model resets replica 0's alone."""
-        if self.params[0][i].grad is not None:
-            return False
-        return not (
-            self.layout.handed(0, i) and any(ps[i].grad is not None for ps in self.params[1:])
-        )
 
     def note_forward_end(self) -> None:
         """Marks the end of the forward whose backward comes next (the start of
