@@ -1,6 +1,11 @@
 // The one interface every communication backend implements. The engine's
-// launcher thread is its only caller of all_reduce during backward (invariant
-// 1); record_ready comes from the threads that produce gradients.
+// launcher thread is its only caller of collectives during backward
+// (invariant 1); record_ready comes from the threads that produce gradients.
+//
+// Four collectives, NCCL's: all_reduce, broadcast, all_gather and
+// reduce_scatter. Their "ranks" are every buffer of every process the
+// backend spans (ranks(); replica r of this process is rank_of(r)), and
+// element blocks are laid out in rank order, as NCCL lays them.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +15,9 @@
 #include "common.h"
 
 namespace pyddp {
+
+enum class Collective : uint8_t { kAllReduce, kBroadcast, kAllGather, kReduceScatter };
+const char* kind_name(Collective kind);
 
 class Backend {
  public:
@@ -21,6 +29,21 @@ class Backend {
   // (GPU) return once the reduction is enqueued, ordered after the work that
   // record_ready(replica, key, ...) captured for every replica.
   virtual void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) = 0;
+  // In place: afterwards every buffer holds the values of rank `root`'s.
+  virtual void broadcast(const std::vector<BufferRef>& bufs, int root, int key);
+  // sends[r]: `count` elements; recvs[r]: ranks() * count, block k is rank
+  // k's send. In place when sends[r] is recvs[r]'s own block (rank_of(r)).
+  virtual void all_gather(const std::vector<BufferRef>& sends, const std::vector<BufferRef>& recvs,
+                          int key);
+  // sends[r]: ranks() * count elements; recvs[r]: `count`, the reduction
+  // over every rank of block rank_of(r). In place when recvs[r] is that
+  // block of sends[r].
+  virtual void reduce_scatter(const std::vector<BufferRef>& sends,
+                              const std::vector<BufferRef>& recvs, ReduceOp op, int key);
+  // How many ranks the collectives span, and replica r's among them.
+  // `replicas`: how many buffers this process passes.
+  virtual int ranks(int replicas) const { return replicas; }
+  virtual int rank_of(int replica) const { return replica; }
   virtual bool asynchronous() const { return false; }
   // Keys are bucket indices in [0, n); key -1 is for one-off collectives.
   virtual void set_keys(int /*n*/) {}
@@ -44,5 +67,12 @@ class Backend {
   // Releases threads and communicators now; later calls raise. Idempotent.
   virtual void close() {}
 };
+
+// Checks one collective's buffers against the backend's ranks (recvs ==
+// sends for all_reduce and broadcast): one pair per replica, one dtype, the
+// counts the kind needs, in place only at the rank's own block; returns the
+// elements per rank. Throws UsageError naming what is wrong.
+int64_t check_collective(const Backend& backend, Collective kind, const std::vector<BufferRef>& sends,
+                         const std::vector<BufferRef>& recvs, int root = 0);
 
 }  // namespace pyddp

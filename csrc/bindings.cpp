@@ -44,6 +44,35 @@ BufferRef make_buffer(uintptr_t ptr, int64_t count, const std::string& dtype, in
   return b;
 }
 
+std::vector<BufferRef> make_buffers(const std::vector<uintptr_t>& ptrs, const std::vector<int>& devices,
+                                    int64_t count, const std::string& dtype) {
+  PYDDP_ENFORCE(ptrs.size() == devices.size(), "ptrs and devices differ in length");
+  std::vector<BufferRef> bufs;
+  for (size_t i = 0; i < ptrs.size(); ++i) bufs.push_back(make_buffer(ptrs[i], count, dtype, devices[i]));
+  return bufs;
+}
+
+// One collective outside the engine, ordered on `streams` (one per replica):
+// after what each stream queued so far, and each stream waits for the
+// result. Runs without the GIL.
+void stream_ordered(Backend& self, const std::vector<uintptr_t>& streams,
+                    const std::function<void()>& collective) {
+  py::gil_scoped_release release;
+  for (size_t i = 0; i < streams.size(); ++i) {
+    self.use_stream(static_cast<int>(i), streams[i]);
+    self.record_ready(static_cast<int>(i), -1, {streams[i]});
+  }
+  try {
+    collective();
+  } catch (...) {
+    // Kernels may be queued already: order the streams after them.
+    self.fence();
+    throw;
+  }
+  self.fence();
+  self.check();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -94,33 +123,61 @@ PYBIND11_MODULE(_C, m) {
           [](Backend& self, const std::vector<uintptr_t>& ptrs, const std::vector<int>& devices,
              const std::vector<uintptr_t>& streams, int64_t count, const std::string& dtype,
              const std::string& op) {
-            PYDDP_ENFORCE(ptrs.size() == devices.size() && streams.size() == devices.size(),
-                          "ptrs, devices and streams differ in length");
-            std::vector<BufferRef> bufs;
-            for (size_t i = 0; i < ptrs.size(); ++i) {
-              bufs.push_back(make_buffer(ptrs[i], count, dtype, devices[i]));
-            }
+            PYDDP_ENFORCE(streams.size() == devices.size(), "streams and devices differ in length");
+            const auto bufs = make_buffers(ptrs, devices, count, dtype);
             const ReduceOp rop = reduce_op_from_name(op);
-            py::gil_scoped_release release;
-            // Ordered after what each stream queued so far (the tensors'
-            // producers), and each stream waits for the result.
-            for (size_t i = 0; i < streams.size(); ++i) {
-              self.use_stream(static_cast<int>(i), streams[i]);
-              self.record_ready(static_cast<int>(i), -1, {streams[i]});
-            }
-            try {
-              self.all_reduce(bufs, rop, -1);
-            } catch (...) {
-              // Kernels may be queued already: order the streams after them.
-              self.fence();
-              throw;
-            }
-            self.fence();
-            self.check();
+            stream_ordered(self, streams, [&] { self.all_reduce(bufs, rop, -1); });
           },
           py::arg("ptrs"), py::arg("devices"), py::arg("streams"), py::arg("count"),
           py::arg("dtype"), py::arg("op") = "sum",
           "One stream-ordered in-place all-reduce outside the engine (collectives API).")
+      .def(
+          "broadcast",
+          [](Backend& self, const std::vector<uintptr_t>& ptrs, const std::vector<int>& devices,
+             const std::vector<uintptr_t>& streams, int64_t count, const std::string& dtype,
+             int root) {
+            PYDDP_ENFORCE(streams.size() == devices.size(), "streams and devices differ in length");
+            const auto bufs = make_buffers(ptrs, devices, count, dtype);
+            stream_ordered(self, streams, [&] { self.broadcast(bufs, root, -1); });
+          },
+          py::arg("ptrs"), py::arg("devices"), py::arg("streams"), py::arg("count"),
+          py::arg("dtype"), py::arg("root"),
+          "One stream-ordered in-place broadcast from rank `root` (see rank_of).")
+      .def(
+          "all_gather",
+          [](Backend& self, const std::vector<uintptr_t>& sends, const std::vector<uintptr_t>& recvs,
+             const std::vector<int>& devices, const std::vector<uintptr_t>& streams, int64_t count,
+             const std::string& dtype) {
+            PYDDP_ENFORCE(streams.size() == devices.size(), "streams and devices differ in length");
+            const int64_t total = count * self.ranks(static_cast<int>(devices.size()));
+            const auto s = make_buffers(sends, devices, count, dtype);
+            const auto r = make_buffers(recvs, devices, total, dtype);
+            stream_ordered(self, streams, [&] { self.all_gather(s, r, -1); });
+          },
+          py::arg("sends"), py::arg("recvs"), py::arg("devices"), py::arg("streams"),
+          py::arg("count"), py::arg("dtype"),
+          "One stream-ordered all-gather: `count` elements from every rank into each "
+          "receive buffer (ranks * count elements, in rank order).")
+      .def(
+          "reduce_scatter",
+          [](Backend& self, const std::vector<uintptr_t>& sends, const std::vector<uintptr_t>& recvs,
+             const std::vector<int>& devices, const std::vector<uintptr_t>& streams, int64_t count,
+             const std::string& dtype, const std::string& op) {
+            PYDDP_ENFORCE(streams.size() == devices.size(), "streams and devices differ in length");
+            const int64_t total = count * self.ranks(static_cast<int>(devices.size()));
+            const auto s = make_buffers(sends, devices, total, dtype);
+            const auto r = make_buffers(recvs, devices, count, dtype);
+            const ReduceOp rop = reduce_op_from_name(op);
+            stream_ordered(self, streams, [&] { self.reduce_scatter(s, r, rop, -1); });
+          },
+          py::arg("sends"), py::arg("recvs"), py::arg("devices"), py::arg("streams"),
+          py::arg("count"), py::arg("dtype"), py::arg("op") = "sum",
+          "One stream-ordered reduce-scatter: each receive buffer gets `count` elements, the "
+          "reduction of its rank's block of every send buffer (ranks * count elements).")
+      .def("ranks", &Backend::ranks, py::arg("replicas"),
+           "How many ranks the collectives span, for `replicas` buffers from this process.")
+      .def("rank_of", &Backend::rank_of, py::arg("replica"),
+           "Replica's rank among them (blocks and broadcast roots are by rank).")
       .def("close", &Backend::close, py::call_guard<py::gil_scoped_release>(),
            "Releases threads and communicators now; later use raises.");
 

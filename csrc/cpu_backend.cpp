@@ -37,30 +37,61 @@ struct Acc<BFloat16> {
   static BFloat16 store(float v) { return float_to_bfloat16(v); }
 };
 
+// Reduces elements [begin, end) of `ins` into every buffer of `outs` (all
+// the same count; `outs` may be `ins`: all-reduce, or one block's buffer:
+// reduce-scatter). Each block is read whole before any output is written.
 template <typename T>
-void reduce_typed(const std::vector<BufferRef>& bufs, ReduceOp op, int64_t begin, int64_t end) {
+void reduce_typed(const std::vector<BufferRef>& ins, const std::vector<BufferRef>& outs, ReduceOp op,
+                  int64_t begin, int64_t end) {
   using A = typename Acc<T>::type;
-  const size_t n = bufs.size();
+  const size_t n = ins.size();
   const A divisor = static_cast<A>(n);
   A acc[kBlock];
   for (int64_t lo = begin; lo < end; lo += kBlock) {
     const int64_t len = std::min(kBlock, end - lo);
-    const T* b0 = static_cast<const T*>(bufs[0].data) + lo;
+    const T* b0 = static_cast<const T*>(ins[0].data) + lo;
     for (int64_t i = 0; i < len; ++i) acc[i] = Acc<T>::load(b0[i]);
     // Fixed replica order 0, 1, ... so the result does not depend on timing.
     for (size_t r = 1; r < n; ++r) {
-      const T* br = static_cast<const T*>(bufs[r].data) + lo;
+      const T* br = static_cast<const T*>(ins[r].data) + lo;
       for (int64_t i = 0; i < len; ++i) acc[i] += Acc<T>::load(br[i]);
     }
     if (op == ReduceOp::kAvg) {
       for (int64_t i = 0; i < len; ++i) acc[i] /= divisor;
     }
-    T* out0 = static_cast<T*>(bufs[0].data) + lo;
+    T* out0 = static_cast<T*>(outs[0].data) + lo;
     for (int64_t i = 0; i < len; ++i) out0[i] = Acc<T>::store(acc[i]);
-    for (size_t r = 1; r < n; ++r) {
-      std::memcpy(static_cast<T*>(bufs[r].data) + lo, out0, static_cast<size_t>(len) * sizeof(T));
+    for (size_t r = 1; r < outs.size(); ++r) {
+      std::memcpy(static_cast<T*>(outs[r].data) + lo, out0, static_cast<size_t>(len) * sizeof(T));
     }
   }
+}
+
+void reduce_into(const std::vector<BufferRef>& ins, const std::vector<BufferRef>& outs, ReduceOp op,
+                 int64_t begin, int64_t end) {
+  switch (ins[0].dtype) {
+    case DType::kFloat32: return reduce_typed<float>(ins, outs, op, begin, end);
+    case DType::kFloat64: return reduce_typed<double>(ins, outs, op, begin, end);
+    case DType::kFloat16: return reduce_typed<Half>(ins, outs, op, begin, end);
+    case DType::kBFloat16: return reduce_typed<BFloat16>(ins, outs, op, begin, end);
+  }
+}
+
+// `buf` from element `at` on, `count` elements.
+BufferRef block(const BufferRef& buf, int64_t at, int64_t count) {
+  BufferRef b = buf;
+  b.data = static_cast<char*>(buf.data) + at * static_cast<int64_t>(dtype_size(buf.dtype));
+  b.count = count;
+  return b;
+}
+
+// Copies `count` elements of `from` to `to` unless they are the same memory
+// (a collective in place).
+void copy_elements(const BufferRef& to, const BufferRef& from, int64_t begin, int64_t end) {
+  const size_t es = dtype_size(from.dtype);
+  char* dst = static_cast<char*>(to.data) + begin * static_cast<int64_t>(es);
+  const char* src = static_cast<const char*>(from.data) + begin * static_cast<int64_t>(es);
+  if (dst != src && end > begin) std::memcpy(dst, src, static_cast<size_t>(end - begin) * es);
 }
 
 }  // namespace
@@ -70,12 +101,7 @@ void reduce_range(const std::vector<BufferRef>& bufs, ReduceOp op, int64_t begin
     // One replica: a sum is the identity and an average divides by one.
     return;
   }
-  switch (bufs[0].dtype) {
-    case DType::kFloat32: return reduce_typed<float>(bufs, op, begin, end);
-    case DType::kFloat64: return reduce_typed<double>(bufs, op, begin, end);
-    case DType::kFloat16: return reduce_typed<Half>(bufs, op, begin, end);
-    case DType::kBFloat16: return reduce_typed<BFloat16>(bufs, op, begin, end);
-  }
+  reduce_into(bufs, bufs, op, begin, end);
 }
 
 ChunkPool::ChunkPool(int threads) {
@@ -147,31 +173,86 @@ CpuBackend::CpuBackend(int threads)
 
 void CpuBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int /*key*/) {
   if (bufs.empty()) return;
-  const BufferRef& first = bufs[0];
   for (size_t r = 0; r < bufs.size(); ++r) {
     PYDDP_ENFORCE(bufs[r].device < 0, "cpu backend got a device buffer: replica ", r, " device ",
                   bufs[r].device);
-    PYDDP_ENFORCE(bufs[r].count == first.count, "buffer sizes differ: replica ", r, " has ",
-                  bufs[r].count, " elements, replica 0 has ", first.count);
-    PYDDP_ENFORCE(bufs[r].dtype == first.dtype, "buffer dtypes differ: replica ", r, " is ",
-                  dtype_name(bufs[r].dtype), ", replica 0 is ", dtype_name(first.dtype));
-    PYDDP_ENFORCE(first.count == 0 || bufs[r].data != nullptr, "null buffer for replica ", r);
   }
-  const int64_t count = first.count;
-  const int64_t bytes = count * static_cast<int64_t>(dtype_size(first.dtype));
+  const int64_t count = check_collective(*this, Collective::kAllReduce, bufs, bufs);
+  chunked(count, dtype_size(bufs[0].dtype),
+          [&](int64_t begin, int64_t end) { reduce_range(bufs, op, begin, end); });
+}
+
+void CpuBackend::broadcast(const std::vector<BufferRef>& bufs, int root, int /*key*/) {
+  check_host(bufs);
+  const int64_t count = check_collective(*this, Collective::kBroadcast, bufs, bufs, root);
+  chunked(count, dtype_size(bufs[0].dtype), [&](int64_t begin, int64_t end) {
+    for (const BufferRef& b : bufs) copy_elements(b, bufs[root], begin, end);
+  });
+}
+
+void CpuBackend::all_gather(const std::vector<BufferRef>& sends, const std::vector<BufferRef>& recvs,
+                            int /*key*/) {
+  check_host(sends);
+  check_host(recvs);
+  const int64_t count = check_collective(*this, Collective::kAllGather, sends, recvs);
+  const int64_t n = static_cast<int64_t>(sends.size());
+  // In place, each send is its own block of its receive buffer, which no
+  // other copy writes: the order of the copies does not matter.
+  chunked(count * n, dtype_size(sends[0].dtype), [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin / std::max<int64_t>(count, 1); k < n && k * count < end; ++k) {
+      const int64_t lo = std::max(begin, k * count) - k * count;
+      const int64_t hi = std::min(end, (k + 1) * count) - k * count;
+      for (const BufferRef& v : recvs) copy_elements(block(v, k * count, count), sends[k], lo, hi);
+    }
+  });
+}
+
+void CpuBackend::reduce_scatter(const std::vector<BufferRef>& sends,
+                                const std::vector<BufferRef>& recvs, ReduceOp op, int /*key*/) {
+  check_host(sends);
+  check_host(recvs);
+  const int64_t count = check_collective(*this, Collective::kReduceScatter, sends, recvs);
+  const int64_t n = static_cast<int64_t>(sends.size());
+  chunked(count * n, dtype_size(sends[0].dtype), [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin / std::max<int64_t>(count, 1); k < n && k * count < end; ++k) {
+      // Block k of every send, summed in replica order (bitwise all_reduce's
+      // block k), into replica k's receive buffer.
+      std::vector<BufferRef> ins;
+      for (const BufferRef& s : sends) ins.push_back(block(s, k * count, count));
+      const int64_t lo = std::max(begin, k * count) - k * count;
+      const int64_t hi = std::min(end, (k + 1) * count) - k * count;
+      if (n == 1) {
+        copy_elements(recvs[k], ins[0], lo, hi);
+      } else {
+        reduce_into(ins, {recvs[k]}, op, lo, hi);
+      }
+    }
+  });
+}
+
+void CpuBackend::check_host(const std::vector<BufferRef>& bufs) const {
+  for (size_t r = 0; r < bufs.size(); ++r) {
+    PYDDP_ENFORCE(bufs[r].device < 0, "cpu backend got a device buffer: replica ", r, " device ",
+                  bufs[r].device);
+  }
+}
+
+void CpuBackend::chunked(int64_t count, size_t element_size,
+                         const std::function<void(int64_t, int64_t)>& fn) {
+  const int64_t bytes = count * static_cast<int64_t>(element_size);
   int chunks = 1;
   if (bytes >= kParallelBytes) {
     chunks = static_cast<int>(std::min<int64_t>(pool_.threads(), bytes / (kParallelBytes / 2)));
   }
   if (chunks <= 1) {
-    reduce_range(bufs, op, 0, count);
+    fn(0, count);
     return;
   }
   const int64_t per = ((count + chunks - 1) / chunks + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
   pool_.run(chunks, [&](int c) {
     const int64_t begin = std::min(count, c * per);
     const int64_t end = std::min(count, begin + per);
-    reduce_range(bufs, op, begin, end);
+    fn(begin, end);
   });
 }
 

@@ -1,6 +1,7 @@
-// In-process all-reduce across N host buffers (several replicas in one
-// process). Large buffers are split into chunks reduced by a small thread pool
-// so the reduction runs near memory bandwidth; 16-bit types accumulate in fp32.
+// In-process collectives across N host buffers (several replicas in one
+// process): all-reduce, broadcast, all-gather and reduce-scatter. Large
+// buffers are split into chunks handled by a small thread pool so they run
+// near memory bandwidth; 16-bit types accumulate in fp32.
 #pragma once
 
 #include <atomic>
@@ -47,9 +48,19 @@ class CpuBackend : public Backend {
   explicit CpuBackend(int threads = 0);
   std::string name() const override { return "cpu"; }
   void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;
+  void broadcast(const std::vector<BufferRef>& bufs, int root, int key) override;
+  void all_gather(const std::vector<BufferRef>& sends, const std::vector<BufferRef>& recvs,
+                  int key) override;
+  void reduce_scatter(const std::vector<BufferRef>& sends, const std::vector<BufferRef>& recvs,
+                      ReduceOp op, int key) override;
   int threads() const { return pool_.threads(); }
 
  private:
+  void check_host(const std::vector<BufferRef>& bufs) const;
+  // fn(begin, end) over [0, count) elements, in chunks on the pool when the
+  // bytes are worth waking it.
+  void chunked(int64_t count, size_t element_size, const std::function<void(int64_t, int64_t)>& fn);
+
   ChunkPool pool_;
 };
 

@@ -130,6 +130,9 @@ const NcclApi& nccl(const std::string& path) {
                      bind(lib, n.ncclCommGetAsyncError, "ncclCommGetAsyncError", what);
                      bind(lib, n.ncclGetErrorString, "ncclGetErrorString", what);
                      bind(lib, n.ncclAllReduce, "ncclAllReduce", what);
+                     bind(lib, n.ncclBroadcast, "ncclBroadcast", what);
+                     bind(lib, n.ncclAllGather, "ncclAllGather", what);
+                     bind(lib, n.ncclReduceScatter, "ncclReduceScatter", what);
                      bind(lib, n.ncclGroupStart, "ncclGroupStart", what);
                      bind(lib, n.ncclGroupEnd, "ncclGroupEnd", what);
                    });

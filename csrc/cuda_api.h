@@ -89,6 +89,12 @@ struct NcclApi {
   ncclResult_t (*ncclCommGetAsyncError)(ncclComm_t, ncclResult_t*);
   const char* (*ncclGetErrorString)(ncclResult_t);
   ncclResult_t (*ncclAllReduce)(const void*, void*, size_t, int, int, ncclComm_t, CUstream);
+  // (send, recv, count, datatype, root, comm, stream)
+  ncclResult_t (*ncclBroadcast)(const void*, void*, size_t, int, int, ncclComm_t, CUstream);
+  // (send, recv, sendcount, datatype, comm, stream)
+  ncclResult_t (*ncclAllGather)(const void*, void*, size_t, int, ncclComm_t, CUstream);
+  // (send, recv, recvcount, datatype, op, comm, stream)
+  ncclResult_t (*ncclReduceScatter)(const void*, void*, size_t, int, int, ncclComm_t, CUstream);
   ncclResult_t (*ncclGroupStart)();
   ncclResult_t (*ncclGroupEnd)();
 };

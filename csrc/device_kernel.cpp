@@ -110,6 +110,18 @@ const DeviceKernels& device_kernels(int device, const std::string& nvrtc_path) {
     PYDDP_CU(d.cuModuleGetFunction(&out->compress[i], module, c.c_str()));
     PYDDP_CU(d.cuModuleGetFunction(&out->decompress[i], module, dc.c_str()));
   }
+  const char* widths[3] = {"b16", "b32", "b64"};
+  for (int i = 0; i < 3; ++i) {
+    const std::string b = std::string("pyddp_broadcast_") + widths[i];
+    const std::string g = std::string("pyddp_all_gather_") + widths[i];
+    PYDDP_CU(d.cuModuleGetFunction(&out->broadcast[i], module, b.c_str()));
+    PYDDP_CU(d.cuModuleGetFunction(&out->all_gather[i], module, g.c_str()));
+  }
+  const char* typed[4] = {"f32", "f64", "f16", "bf16"};  // DType order
+  for (int i = 0; i < 4; ++i) {
+    const std::string rs = std::string("pyddp_reduce_scatter_") + typed[i];
+    PYDDP_CU(d.cuModuleGetFunction(&out->reduce_scatter[i], module, rs.c_str()));
+  }
   out->how = detail::concat(arch.rfind("sm_", 0) == 0 ? "cubin for " : "PTX (driver JIT) for ",
                             arch, " by NVRTC ", version);
   return *g_loaded.emplace(device, std::move(out)).first->second;

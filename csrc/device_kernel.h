@@ -14,6 +14,7 @@
 
 #include <string>
 
+#include "common.h"
 #include "cuda_api.h"
 
 namespace pyddp {
@@ -23,8 +24,19 @@ struct DeviceKernels {
   // Wire compression of float32 buckets: [0] float16, [1] bfloat16.
   cuda::CUfunction compress[2] = {};
   cuda::CUfunction decompress[2] = {};
+  // Replicas sharing a GPU: broadcast and all-gather move elements of 2, 4
+  // or 8 bytes (indexed by kernel_width), reduce-scatter is typed (DType).
+  cuda::CUfunction broadcast[3] = {};
+  cuda::CUfunction all_gather[3] = {};
+  cuda::CUfunction reduce_scatter[4] = {};
   std::string how;              // what was built and loaded, for doctor
 };
+
+// The index of a copying kernel for elements of t's size: 2, 4, 8 bytes.
+inline int kernel_width(DType t) {
+  const size_t size = dtype_size(t);
+  return size == 2 ? 0 : size == 4 ? 1 : 2;
+}
 
 // Compiled and loaded once per device and process (later calls return the
 // cached module); throws UsageError with NVRTC's log or the driver's error.

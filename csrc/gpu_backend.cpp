@@ -404,10 +404,21 @@ void GpuBackend::watchdog_loop() {
 
 namespace {
 // Must match `Ptrs` in reduce_kernels.cu: passed by value as a kernel argument.
+// Room for every replica's send and receive buffer.
 struct KernelPtrs {
-  void* p[SharedGpuBackend::kMaxReplicas];
+  void* p[2 * SharedGpuBackend::kMaxReplicas];
 };
-static_assert(sizeof(KernelPtrs) == 64, "must match Ptrs in reduce_kernels.cu");
+static_assert(sizeof(KernelPtrs) == 128, "must match Ptrs in reduce_kernels.cu");
+
+int nccl_dtype(DType t) {
+  switch (t) {
+    case DType::kFloat32: return kNcclFloat32;
+    case DType::kFloat64: return kNcclFloat64;
+    case DType::kFloat16: return kNcclFloat16;
+    case DType::kBFloat16: return kNcclBfloat16;
+  }
+  return kNcclFloat32;
+}
 
 // Our kernels loop grid-stride: a few waves of blocks cover any count.
 constexpr unsigned kThreads = 256;
@@ -446,7 +457,7 @@ void NcclBackend::set_compression(const std::string& dtype, const std::string& n
 void NcclBackend::convert_locked(const CommSet& set, const std::vector<BufferRef>& bufs,
                                  bool to_wire, ReduceOp op) {
   const int w = wire_ == DType::kFloat16 ? 0 : 1;
-  int n = ranks();
+  int n = comm_ranks();
   long long count = bufs[0].count;
   int sum = op == ReduceOp::kSum ? 1 : 0;
   for (size_t r = 0; r < bufs.size(); ++r) {
@@ -462,37 +473,22 @@ void NcclBackend::convert_locked(const CommSet& set, const std::vector<BufferRef
   }
 }
 
-void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {
+void NcclBackend::launch_group(const std::vector<BufferRef>& bufs, int key, const std::string& what,
+                               const Call& call, const Around& before, const Around& after) {
   PYDDP_ENFORCE(bufs.size() == devices_.size(), "got ", bufs.size(), " buffers for ",
                 devices_.size(), " replicas");
-  // Compressed: float32 buckets travel as 16-bit copies, already divided by
-  // the ranks (so NCCL sums them), and come back into the bucket. Sums
-  // outside the engine (key -1: the agreement, broadcasts, a sharded
-  // optimizer's parameters) travel as they are: they must be exact.
-  const bool squeeze =
-      wire_ != DType::kFloat32 && bufs[0].dtype == DType::kFloat32 && key >= 0;
-  const DType on_wire = squeeze ? wire_ : bufs[0].dtype;
-  int dtype = kNcclFloat32;
-  switch (on_wire) {
-    case DType::kFloat32: dtype = kNcclFloat32; break;
-    case DType::kFloat64: dtype = kNcclFloat64; break;
-    case DType::kFloat16: dtype = kNcclFloat16; break;
-    case DType::kBFloat16: dtype = kNcclBfloat16; break;
-  }
   for (size_t r = 0; r < bufs.size(); ++r) {
     PYDDP_ENFORCE(bufs[r].device == devices_[r], "replica ", r, " buffer is on device ",
                   bufs[r].device, ", expected cuda:", devices_[r]);
-    PYDDP_ENFORCE(!squeeze || bufs[r].wire != nullptr || bufs[r].count == 0, "replica ", r,
-                  "'s float32 bucket has no ", dtype_name(wire_), " copy for the wire");
   }
-  const bool convert = squeeze && bufs[0].count > 0;
   Launch launch = lock_for_launch();
   const CommSet& set = *launch.set;
   const NcclApi& n = nccl(set.nccl_path);
   ContextRestore restore;
+  const std::string launching = what + " launch";
   try {
     wait_ready_locked(set, key);
-    if (convert) convert_locked(set, bufs, true, op);
+    if (before) before(set);
     // Several devices driven from one thread: the calls form one group, or
     // the first would wait for peers that are never launched.
     PYDDP_NCCL(n.ncclGroupStart());
@@ -500,11 +496,7 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, in
     for (size_t r = 0;
          r < bufs.size() && (launched == kNcclSuccess || launched == kNcclInProgress); ++r) {
       set_device(devices_[r]);
-      void* data = squeeze ? bufs[r].wire : bufs[r].data;
-      launched = n.ncclAllReduce(data, data, static_cast<size_t>(bufs[r].count), dtype,
-                                 squeeze || op == ReduceOp::kSum ? kNcclSum : kNcclAvg,
-                                 set.comms[comm_index(static_cast<int>(r))],
-                                 comm_stream(set, static_cast<int>(r)));
+      launched = call(n, set, static_cast<int>(r));
     }
     const ncclResult_t ended = n.ncclGroupEnd();
     if (launched != kNcclInProgress) PYDDP_NCCL(launched);
@@ -516,11 +508,9 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, in
                std::chrono::steady_clock::now() +
                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                        std::chrono::duration<double>(timeout_s())),
-               "all-reduce launch");
-    if (convert) convert_locked(set, bufs, false, op);
-    watch_locked(set, detail::concat("NCCL all-reduce of ", bufs[0].count, " ",
-                                     dtype_name(on_wire), " elements",
-                                     squeeze ? " (compressed float32)" : ""));
+               launching.c_str());
+    if (after) after(set);
+    watch_locked(set, what);
   } catch (const ReduceError& e) {
     // A communicator in error cannot be trusted again: fail, abort (outside
     // the launch lock, which the abort takes), and let recover() rebuild.
@@ -529,6 +519,80 @@ void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, in
     abort_communication();
     throw;
   }
+}
+
+void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {
+  check_collective(*this, Collective::kAllReduce, bufs, bufs);
+  // Compressed: float32 buckets travel as 16-bit copies, already divided by
+  // the ranks (so NCCL sums them), and come back into the bucket. Sums
+  // outside the engine (key -1: the agreement, a sharded optimizer's
+  // gradients) travel as they are: they must be exact.
+  const bool squeeze =
+      wire_ != DType::kFloat32 && bufs[0].dtype == DType::kFloat32 && key >= 0;
+  const DType on_wire = squeeze ? wire_ : bufs[0].dtype;
+  for (size_t r = 0; r < bufs.size(); ++r) {
+    PYDDP_ENFORCE(!squeeze || bufs[r].wire != nullptr || bufs[r].count == 0, "replica ", r,
+                  "'s float32 bucket has no ", dtype_name(wire_), " copy for the wire");
+  }
+  const bool convert = squeeze && bufs[0].count > 0;
+  const int dtype = nccl_dtype(on_wire);
+  const int nccl_op = squeeze || op == ReduceOp::kSum ? kNcclSum : kNcclAvg;
+  Around before, after;
+  if (convert) {
+    before = [&](const CommSet& set) { convert_locked(set, bufs, true, op); };
+    after = [&](const CommSet& set) { convert_locked(set, bufs, false, op); };
+  }
+  launch_group(
+      bufs, key,
+      detail::concat("NCCL all-reduce of ", bufs[0].count, " ", dtype_name(on_wire), " elements",
+                     squeeze ? " (compressed float32)" : ""),
+      [&](const NcclApi& n, const CommSet& set, int r) {
+        void* data = squeeze ? bufs[r].wire : bufs[r].data;
+        return n.ncclAllReduce(data, data, static_cast<size_t>(bufs[r].count), dtype, nccl_op,
+                               set.comms[comm_index(r)], comm_stream(set, r));
+      },
+      before, after);
+}
+
+void NcclBackend::broadcast(const std::vector<BufferRef>& bufs, int root, int key) {
+  const int64_t count = check_collective(*this, Collective::kBroadcast, bufs, bufs, root);
+  const int dtype = nccl_dtype(bufs[0].dtype);
+  launch_group(bufs, key,
+               detail::concat("NCCL broadcast of ", count, " ", dtype_name(bufs[0].dtype),
+                              " elements from rank ", root),
+               [&](const NcclApi& n, const CommSet& set, int r) {
+                 return n.ncclBroadcast(bufs[r].data, bufs[r].data, static_cast<size_t>(count),
+                                        dtype, root, set.comms[comm_index(r)],
+                                        comm_stream(set, r));
+               });
+}
+
+void NcclBackend::all_gather(const std::vector<BufferRef>& sends, const std::vector<BufferRef>& recvs,
+                             int key) {
+  const int64_t count = check_collective(*this, Collective::kAllGather, sends, recvs);
+  const int dtype = nccl_dtype(sends[0].dtype);
+  launch_group(recvs, key,
+               detail::concat("NCCL all-gather of ", count, " ", dtype_name(sends[0].dtype),
+                              " elements per rank"),
+               [&](const NcclApi& n, const CommSet& set, int r) {
+                 return n.ncclAllGather(sends[r].data, recvs[r].data, static_cast<size_t>(count),
+                                        dtype, set.comms[comm_index(r)], comm_stream(set, r));
+               });
+}
+
+void NcclBackend::reduce_scatter(const std::vector<BufferRef>& sends,
+                                 const std::vector<BufferRef>& recvs, ReduceOp op, int key) {
+  const int64_t count = check_collective(*this, Collective::kReduceScatter, sends, recvs);
+  const int dtype = nccl_dtype(sends[0].dtype);
+  const int nccl_op = op == ReduceOp::kSum ? kNcclSum : kNcclAvg;
+  launch_group(sends, key,
+               detail::concat("NCCL reduce-scatter of ", count, " ", dtype_name(sends[0].dtype),
+                              " elements per rank"),
+               [&](const NcclApi& n, const CommSet& set, int r) {
+                 return n.ncclReduceScatter(sends[r].data, recvs[r].data,
+                                            static_cast<size_t>(count), dtype, nccl_op,
+                                            set.comms[comm_index(r)], comm_stream(set, r));
+               });
 }
 
 void NcclBackend::check() {
@@ -568,31 +632,65 @@ SharedGpuBackend::SharedGpuBackend(int device, int replicas, double timeout_s,
   kernels_ = &device_kernels(device, nvrtc_path);
 }
 
-void SharedGpuBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {
-  PYDDP_ENFORCE(bufs.size() == devices_.size(), "got ", bufs.size(), " buffers for ",
+void SharedGpuBackend::launch_kernel(CUfunction fn, const std::vector<BufferRef>& sends,
+                                     const std::vector<BufferRef>& recvs, long long count, int arg,
+                                     int key, const std::string& what) {
+  PYDDP_ENFORCE(sends.size() == devices_.size(), "got ", sends.size(), " buffers for ",
                 devices_.size(), " replicas");
+  const size_t n = sends.size();
   KernelPtrs ptrs{};
-  for (size_t r = 0; r < bufs.size(); ++r) {
-    PYDDP_ENFORCE(bufs[r].device == devices_[0], "replica ", r, " buffer is on device ",
-                  bufs[r].device, ", expected cuda:", devices_[0]);
-    ptrs.p[r] = bufs[r].data;
+  for (size_t r = 0; r < n; ++r) {
+    PYDDP_ENFORCE(sends[r].device == devices_[0] && recvs[r].device == devices_[0], "replica ", r,
+                  " buffer is on device ", sends[r].device, ", expected cuda:", devices_[0]);
+    ptrs.p[r] = sends[r].data;
+    ptrs.p[n + r] = recvs[r].data;
   }
-  int n = static_cast<int>(bufs.size());
-  long long count = bufs[0].count;
-  int avg = op == ReduceOp::kAvg ? 1 : 0;
+  int replicas = static_cast<int>(n);
   Launch launch = lock_for_launch();
   const CommSet& set = *launch.set;
   ContextRestore restore;
   wait_ready_locked(set, key);
   if (count > 0) {
-    void* args[] = {&ptrs, &n, &count, &avg};
+    void* args[] = {&ptrs, &replicas, &count, &arg};
     set_device(devices_[0]);
-    PYDDP_CU(driver().cuLaunchKernel(kernels_->fn[static_cast<int>(bufs[0].dtype)],
-                                     grid_blocks(count), 1, 1, kThreads, 1, 1, 0,
+    PYDDP_CU(driver().cuLaunchKernel(fn, grid_blocks(count), 1, 1, kThreads, 1, 1, 0,
                                      comm_stream(set, 0), args, nullptr));
   }
-  watch_locked(set, detail::concat("on-device all-reduce of ", count, " ", dtype_name(bufs[0].dtype),
-                              " elements across ", n, " replicas"));
+  watch_locked(set, detail::concat(what, " across ", n, " replicas"));
+}
+
+void SharedGpuBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {
+  const int64_t count = check_collective(*this, Collective::kAllReduce, bufs, bufs);
+  const DType t = bufs[0].dtype;
+  launch_kernel(kernels_->fn[static_cast<int>(t)], bufs, bufs, count, op == ReduceOp::kAvg ? 1 : 0,
+                key, detail::concat("on-device all-reduce of ", count, " ", dtype_name(t), " elements"));
+}
+
+void SharedGpuBackend::broadcast(const std::vector<BufferRef>& bufs, int root, int key) {
+  const int64_t count = check_collective(*this, Collective::kBroadcast, bufs, bufs, root);
+  const DType t = bufs[0].dtype;
+  launch_kernel(kernels_->broadcast[kernel_width(t)], bufs, bufs, count, root, key,
+                detail::concat("on-device broadcast of ", count, " ", dtype_name(t),
+                               " elements from replica ", root));
+}
+
+void SharedGpuBackend::all_gather(const std::vector<BufferRef>& sends,
+                                  const std::vector<BufferRef>& recvs, int key) {
+  const int64_t count = check_collective(*this, Collective::kAllGather, sends, recvs);
+  const DType t = sends[0].dtype;
+  launch_kernel(kernels_->all_gather[kernel_width(t)], sends, recvs, count, 0, key,
+                detail::concat("on-device all-gather of ", count, " ", dtype_name(t),
+                               " elements per replica"));
+}
+
+void SharedGpuBackend::reduce_scatter(const std::vector<BufferRef>& sends,
+                                      const std::vector<BufferRef>& recvs, ReduceOp op, int key) {
+  const int64_t count = check_collective(*this, Collective::kReduceScatter, sends, recvs);
+  const DType t = sends[0].dtype;
+  launch_kernel(kernels_->reduce_scatter[static_cast<int>(t)], sends, recvs, count,
+                op == ReduceOp::kAvg ? 1 : 0, key,
+                detail::concat("on-device reduce-scatter of ", count, " ", dtype_name(t),
+                               " elements per replica"));
 }
 
 }  // namespace pyddp

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -67,9 +68,10 @@ class GpuBackend : public Backend {
   }
   int comm_index(int replica) const { return comm_index_[replica]; }
   // The communicator's ranks: every process's GPUs.
-  int ranks() const {
+  int comm_ranks() const {
     return rdzv_.spans_processes() ? rdzv_.nranks : static_cast<int>(devices_.size());
   }
+  int first_rank() const { return rdzv_.spans_processes() ? rdzv_.first_rank : 0; }
 
   const std::vector<int> devices_;
 
@@ -128,6 +130,15 @@ class NcclBackend : public GpuBackend {
   ~NcclBackend() override { close(); }
   std::string name() const override { return "nccl"; }
   void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;
+  void broadcast(const std::vector<BufferRef>& bufs, int root, int key) override;
+  void all_gather(const std::vector<BufferRef>& sends, const std::vector<BufferRef>& recvs,
+                  int key) override;
+  void reduce_scatter(const std::vector<BufferRef>& sends, const std::vector<BufferRef>& recvs,
+                      ReduceOp op, int key) override;
+  // NCCL's ranks: every GPU of every process; replica r is rank
+  // first_rank + its device's index among this process's sorted GPUs.
+  int ranks(int /*replicas*/) const override { return comm_ranks(); }
+  int rank_of(int replica) const override { return first_rank() + comm_index(replica); }
   void check() override;
   // Wire compression of float32 buckets: kFloat16 or kBFloat16 (by name),
   // "float32" for none. Loads the conversion kernels on every device.
@@ -135,6 +146,14 @@ class NcclBackend : public GpuBackend {
   std::string compression() const { return dtype_name(wire_); }
 
  private:
+  // One NCCL call per replica (`call(api, replica)`, on the replica's
+  // device) as one group, after the ready events of `key`, then the poll of
+  // the non-blocking launch and the timeout clock for `what`. `before` and
+  // `after` run under the launch lock around the group (wire compression).
+  using Call = std::function<cuda::ncclResult_t(const cuda::NcclApi&, const CommSet&, int)>;
+  using Around = std::function<void(const CommSet&)>;
+  void launch_group(const std::vector<BufferRef>& bufs, int key, const std::string& what,
+                    const Call& call, const Around& before = {}, const Around& after = {});
   // Launches one conversion kernel per replica on its communication stream.
   void convert_locked(const CommSet& set, const std::vector<BufferRef>& bufs, bool to_wire,
                       ReduceOp op);
@@ -150,9 +169,22 @@ class SharedGpuBackend : public GpuBackend {
   ~SharedGpuBackend() override { close(); }
   std::string name() const override { return "device"; }
   void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;
+  void broadcast(const std::vector<BufferRef>& bufs, int root, int key) override;
+  void all_gather(const std::vector<BufferRef>& sends, const std::vector<BufferRef>& recvs,
+                  int key) override;
+  void reduce_scatter(const std::vector<BufferRef>& sends, const std::vector<BufferRef>& recvs,
+                      ReduceOp op, int key) override;
+  int ranks(int replicas) const override { return replicas; }
+  int rank_of(int replica) const override { return replica; }
   std::string kernel_description() const { return kernels_->how; }
 
  private:
+  // One kernel over `count` elements on the GPU's communication stream,
+  // after the ready events of `key`; `ptrs`: sends then receives.
+  void launch_kernel(cuda::CUfunction fn, const std::vector<BufferRef>& sends,
+                     const std::vector<BufferRef>& recvs, long long count, int arg, int key,
+                     const std::string& what);
+
   const DeviceKernels* kernels_ = nullptr;
 };
 

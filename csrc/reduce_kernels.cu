@@ -18,8 +18,10 @@
 
 #define PYDDP_MAX_REPLICAS 8  // = SharedGpuBackend::kMaxReplicas
 
+// Every replica's buffer; for all-gather and reduce-scatter, the sends
+// (p[0..n)) then the receives (p[n..2n)).
 struct Ptrs {
-  void* p[PYDDP_MAX_REPLICAS];
+  void* p[2 * PYDDP_MAX_REPLICAS];
 };
 
 typedef unsigned short pyddp_u16;
@@ -130,6 +132,73 @@ extern "C" __global__ void pyddp_reduce_bf16(const __grid_constant__ Ptrs p, int
                                              long long count, int avg) {
   pyddp_reduce<BF16>(p, n, count, avg);
 }
+
+// Broadcast (replicas sharing a GPU): replica `root`'s elements into every
+// other buffer. Elements are moved as raw words of their size.
+template <typename W>
+__device__ void pyddp_broadcast(const Ptrs& p, int n, long long count, int root) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const W v = ((const W*)p.p[root])[i];
+    for (int r = 0; r < n; ++r) {
+      if (r != root) ((W*)p.p[r])[i] = v;
+    }
+  }
+}
+// All-gather: every replica's `count` elements (p[k]) into block k of every
+// receive buffer (p[n + r]). In place (p[k] is block k of p[n + k]), element
+// i of block k is read and written by the same thread only.
+template <typename W>
+__device__ void pyddp_all_gather(const Ptrs& p, int n, long long count) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
+    for (int k = 0; k < n; ++k) {
+      const W v = ((const W*)p.p[k])[i];
+      for (int r = 0; r < n; ++r) ((W*)p.p[n + r])[k * count + i] = v;
+    }
+  }
+}
+// Reduce-scatter: block r of every send (p[k], n * count elements), summed
+// in replica order like pyddp_reduce, into receive buffer r (p[n + r]). In
+// place (p[n + r] is block r of p[r]), a thread reads all it needs of a
+// block before writing that block's element.
+template <typename K>
+__device__ void pyddp_reduce_scatter(const Ptrs& p, int n, long long count, int avg) {
+  typedef typename K::T T;
+  typedef typename K::A A;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
+    for (int r = 0; r < n; ++r) {
+      A acc = K::load(((const T*)p.p[0])[r * count + i]);
+      for (int k = 1; k < n; ++k) acc += K::load(((const T*)p.p[k])[r * count + i]);
+      if (avg) acc /= (A)n;
+      ((T*)p.p[n + r])[i] = K::store(acc);
+    }
+  }
+}
+
+#define PYDDP_COPYING(W, NAME)                                                              \
+  extern "C" __global__ void pyddp_broadcast_##NAME(const __grid_constant__ Ptrs p, int n,  \
+                                                    long long count, int root) {            \
+    pyddp_broadcast<W>(p, n, count, root);                                                  \
+  }                                                                                         \
+  extern "C" __global__ void pyddp_all_gather_##NAME(const __grid_constant__ Ptrs p, int n, \
+                                                     long long count, int unused) {         \
+    pyddp_all_gather<W>(p, n, count);                                                       \
+  }
+PYDDP_COPYING(unsigned short, b16)
+PYDDP_COPYING(unsigned int, b32)
+PYDDP_COPYING(unsigned long long, b64)
+
+#define PYDDP_REDUCE_SCATTER(K, NAME)                                                          \
+  extern "C" __global__ void pyddp_reduce_scatter_##NAME(const __grid_constant__ Ptrs p, int n, \
+                                                         long long count, int avg) {           \
+    pyddp_reduce_scatter<K>(p, n, count, avg);                                                 \
+  }
+PYDDP_REDUCE_SCATTER(F32, f32)
+PYDDP_REDUCE_SCATTER(F64, f64)
+PYDDP_REDUCE_SCATTER(F16, f16)
+PYDDP_REDUCE_SCATTER(BF16, bf16)
 
 // Wire compression, as torch DDP's fp16_compress_hook / bf16_compress_hook
 // compute it on CUDA tensors, so results are bitwise theirs: each value cast

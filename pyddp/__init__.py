@@ -3,8 +3,8 @@ engine that reduces each gradient during backward, as soon as every replica has 
 
 Public API: `wrap` / `DistributedModel` (one-line data parallelism), `GradSync`
 (gradient sync for other training loops), `Trainer` / `TrainConfig` (the training
-loop), `all_reduce` (collectives), `init`/`rank`/`world` (across processes under
-torchrun), errors."""
+loop), `all_reduce`, `broadcast`, `all_gather`, `reduce_scatter` (collectives),
+`init`/`rank`/`world` (across processes under torchrun), errors."""
 
 from importlib.metadata import PackageNotFoundError, version
 
@@ -15,7 +15,7 @@ from ._source_tree import use_installed_build
 __path__ = use_installed_build(__path__)
 
 from .engine.buckets import plan_buckets
-from .engine.collectives import all_reduce
+from .engine.collectives import all_gather, all_reduce, broadcast, reduce_scatter
 from .engine.sync import GradSync
 from .errors import ReduceError, ReplicaError, TrainingError, UnsafePathError
 from .optim import zero  # dmodel.optimizer(..., shard=True); zero.state_bytes
@@ -48,7 +48,10 @@ __all__ = [
     "GradSync",
     "ReduceError",
     "ReplicaError",
+    "all_gather",
     "all_reduce",
+    "broadcast",
+    "reduce_scatter",
     "convert_sync_batchnorm",
     "default_devices",
     "init",

@@ -124,3 +124,95 @@ def test_sparse_rejected_as_unsupported(layout):
     sparse = torch.eye(3).to_sparse() if layout == "coo" else torch.eye(3).to_sparse_csr()
     with pytest.raises(ValueError, match=r"tensors\[1\] is torch.sparse_.*not supported.*to_dense"):
         pyddp.all_reduce([torch.eye(3), sparse])
+
+
+# ------------------------------------------------ broadcast, all-gather, reduce-scatter
+# Closed forms: replica r fills r+1 (plus its element index, so a block in
+# the wrong place shows), over the same grid of counts, sizes and dtypes.
+
+
+def _filled(n, size, dtype):
+    return [
+        (torch.arange(size, dtype=torch.float64) % 64 + 100 * (r + 1)).to(dtype) for r in range(n)
+    ]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast_all_gather_reduce_scatter_closed_form(n, size, dtype):
+    for root in {0, n - 1}:
+        tensors = _filled(n, size, dtype)
+        want = tensors[root].clone()
+        pyddp.broadcast(tensors, root=root)
+        assert all(torch.equal(t, want) for t in tensors)
+    tensors = _filled(n, size, dtype)
+    for out in pyddp.all_gather(tensors):
+        assert out.shape == (n, size)
+        assert all(torch.equal(out[k], tensors[k]) for k in range(n))
+    tensors = _filled(n, size * n, dtype)
+    reduced = [t.clone() for t in tensors]
+    pyddp.all_reduce(reduced)  # reduce-scatter is all_reduce's blocks, bit for bit
+    outs = pyddp.reduce_scatter(tensors)
+    for r, out in enumerate(outs):
+        assert torch.equal(out, reduced[0].view(n, size)[r])
+    # Closed form of the sum: sum_r (i % 64 + 100 (r + 1)), exact in every dtype here.
+    if size and dtype in (torch.float32, torch.float64):
+        i = torch.arange(size * n, dtype=torch.float64) % 64
+        want = (n * i + 100 * n * (n + 1) / 2).to(dtype).view(n, size)
+        assert all(torch.equal(out, want[r]) for r, out in enumerate(outs))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_scatter_avg_is_all_reduce_avg_block(dtype):
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(3, 700, generator=g).to(dtype) for _ in range(3)]
+    reduced = [t.clone() for t in tensors]
+    pyddp.all_reduce(reduced, op="avg")
+    outs = pyddp.reduce_scatter(tensors, op="avg")
+    for r, out in enumerate(outs):
+        assert torch.equal(out, reduced[0][r : r + 1])
+
+
+def test_all_gather_and_reduce_scatter_in_place_on_the_backend():
+    # NCCL's in-place layout: the smaller buffer is the rank's own block of
+    # the larger; the backend must read every block before writing over it.
+    from pyddp import _C
+
+    backend = _C.CpuBackend()
+    n, count = 3, (1 << 17) + 5  # large enough for the chunked path
+    bigs = [torch.zeros(n * count) for _ in range(n)]
+    for r, b in enumerate(bigs):
+        b[r * count : (r + 1) * count] = torch.arange(count, dtype=torch.float32) + 1000 * r
+    want = torch.cat([bigs[k][k * count : (k + 1) * count] for k in range(n)])
+    sends = [b.data_ptr() + r * count * 4 for r, b in enumerate(bigs)]
+    backend.all_gather(sends, [b.data_ptr() for b in bigs], [-1] * n, [0] * n, count, "float32")
+    assert all(torch.equal(b, want) for b in bigs)
+    sums = sum(bigs).clone()
+    recvs = [b.data_ptr() + r * count * 4 for r, b in enumerate(bigs)]
+    backend.reduce_scatter([b.data_ptr() for b in bigs], recvs, [-1] * n, [0] * n, count,
+                           "float32", "sum")  # fmt: skip
+    for r, b in enumerate(bigs):
+        assert torch.equal(b[r * count : (r + 1) * count], sums[r * count : (r + 1) * count])
+
+
+def test_collective_shapes_are_checked_by_name():
+    from pyddp import _C
+
+    backend = _C.CpuBackend()
+    a, b = torch.zeros(8), torch.zeros(8)
+    with pytest.raises(RuntimeError, match="root 2 is not one of the 2 ranks"):
+        backend.broadcast([a.data_ptr(), b.data_ptr()], [-1, -1], [0, 0], 8, "float32", 2)
+    # A send overlapping its receive buffer other than at its own block.
+    big = torch.zeros(16)
+    with pytest.raises(RuntimeError, match="overlap other than in place"):
+        backend.all_gather([big.data_ptr() + 4, a.data_ptr()], [big.data_ptr(), b.data_ptr() - 0],
+                           [-1, -1], [0, 0], 4, "float32")  # fmt: skip
+    with pytest.raises(ValueError, match="multiple of the 3 replicas"):
+        pyddp.reduce_scatter([torch.zeros(4)] * 1 + [torch.zeros(4), torch.zeros(4)])
+    with pytest.raises(ValueError, match="root=3 is not an index"):
+        pyddp.broadcast([torch.zeros(2), torch.zeros(2)], root=3)
+    with pytest.raises(ValueError, match="are the same tensor"):
+        pyddp.all_gather([a, a])
+    with pytest.raises(ValueError, match="op='max'"):
+        pyddp.reduce_scatter([torch.zeros(2), torch.zeros(2)], op="max")

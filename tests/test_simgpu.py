@@ -394,3 +394,62 @@ def test_a_forward_inside_cuda_graph_capture_is_refused_by_name():
     # Not modelled (docs/gpus.md): the simulation has no graph capture. What
     # pyddp does under one is: refuse, naming it, before anything is queued.
     run_alone(forward_inside_graph_capture)
+
+
+def _blocks(n, size, dtype):
+    # Replica r's values: i % 16 + 16 (r + 1), so a block in the wrong place
+    # shows, and every sum over up to 4 replicas is an integer under 256:
+    # exact in every dtype, bfloat16 included, in any order of summation.
+    i = torch.arange(size, dtype=torch.float64) % 16
+    return [(i + 16 * (r + 1)).to(dtype) for r in range(n)]
+
+
+def broadcast_gather_scatter_after_late_writes(devices):
+    from simulated import sim, streams
+
+    # Every input written 2 ms late on its device's own current stream (it
+    # reads NaN until that stream gets there), and NCCL's ranks finish at
+    # different times (the simulation's skew): the collectives must wait for
+    # the producing streams, and the current streams for them.
+    streams.late_us = 2000
+    own = {d: sim.stream(d) for d in set(devices)}
+    sim.lib.simgpu_set_delay_us(None, 100)
+    n = len(devices)
+
+    def run(inputs, collective):
+        ts = [streams.upload(d, t) for d, t in zip(devices, inputs)]
+        with streams.stream(own):
+            for d, t in zip(devices, ts):
+                streams.produced(d, t)
+            with simulated_gpus(devices, streams):
+                outs = collective(ts)
+            streams.synchronize_all(devices)
+        return ts if outs is None else outs
+
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for size in (1, 7, (1 << 16) + 3):
+            values = _blocks(n, size, dtype)
+            for root in (0, n - 1):
+                got = run(values, lambda ts, root=root: pyddp.broadcast(ts, root=root))
+                assert all(torch.equal(t, values[root]) for t in got), (dtype, size, root)
+            got = run(values, pyddp.all_gather)
+            for out in got:
+                assert all(torch.equal(out[k], values[k]) for k in range(n)), (dtype, size)
+            whole = _blocks(n, size * n, dtype)
+            if devices != sorted(devices):
+                with pytest.raises(NotImplementedError, match="increasing order"):
+                    run(whole, pyddp.reduce_scatter)
+                continue
+            got = run(whole, pyddp.reduce_scatter)
+            want = sum(t.double() for t in whole).to(dtype).view(n, size)
+            assert all(torch.equal(got[r], want[r]) for r in range(n)), (dtype, size)
+    assert not sim.violations(), sim.violations()
+
+
+@pytest.mark.parametrize("devices", [[0, 0, 0], [0, 1, 2], [2, 0, 1]])
+def test_broadcast_all_gather_reduce_scatter_order_after_late_writes(devices):
+    # pyddp.broadcast / all_gather / reduce_scatter on the device kernel
+    # (replicas sharing a GPU) and on NCCL, every dtype, sizes 1, odd and
+    # over one NCCL chunk, inputs written late: closed-form results. [2, 0,
+    # 1]: NCCL ranks follow the devices, so roots and blocks must be mapped.
+    run_alone(broadcast_gather_scatter_after_late_writes, devices)

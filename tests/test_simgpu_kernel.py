@@ -163,7 +163,7 @@ def test_simulated_nccl_spans_processes(mismatch):
         outs = [run.result() for run in runs]
     for out in outs:
         assert out.returncode == 0 and "RANK-OK" in out.stdout, out.stdout + out.stderr
-    assert ("different count" in outs[0].stderr) == mismatch
+    assert ("different kind/count" in outs[0].stderr) == mismatch
 
 
 def wire_scaling():

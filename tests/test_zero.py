@@ -435,12 +435,13 @@ def sharded_on_simulated_gpus(devices, hook):
 
 @pytest.mark.simgpu
 @pytest.mark.parametrize(
-    "devices,hook", [([0, 1, 2], None), ([0, 0, 0], None), ([0, 1, 2], "fp16")]
+    "devices,hook", [([2, 0, 1], None), ([0, 0, 0], None), ([0, 1, 2], "fp16")]
 )
 def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(devices, hook):
     # shard=True on GPU replicas: each steps its share of the elements, then
-    # every replica takes the others' through NCCL (one sum per dtype, -0.0
-    # from the non-owners) whose results land late and skewed per device.
+    # every replica takes the others' by one all-gather per dtype (NCCL, or
+    # the kernel on one GPU) whose results land late and skewed per device;
+    # [2, 0, 1]: NCCL's ranks follow the devices, not the replicas' order.
     # Bitwise the unsharded optimizer (AdamW, a float64 layer, parameters
     # some replicas or nobody trains), replicas identical, the state divided,
     # the consolidated state dict equal; with fp16 compression on the
@@ -452,7 +453,7 @@ def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(devices, h
 @pytest.mark.parametrize("local", [1, 2])
 def test_sharded_optimizer_across_processes_on_simulated_gpus(tmp_path, local):
     # sharded_across_processes with each rank's replicas on simulated GPUs:
-    # the parameters' sum on the one NCCL communicator of both processes.
+    # the parameters' all-gather on the one NCCL communicator of both processes.
     # Bitwise the unsharded optimizer, a consolidated state dict equal to
     # its, and a resumed run equal to an uninterrupted one.
     env = {"SCENARIO_REPLICAS": str(local)}

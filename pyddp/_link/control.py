@@ -185,6 +185,16 @@ class Control:
         self.failure.call(what, lambda: self.group.allgather([outs], [mine]).wait())
         return [pickle.loads(o[: int(n)].numpy().tobytes()) for o, n in zip(outs, sizes.tolist())]
 
+    def gather_tensor(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's `t` (CPU, the same size and dtype everywhere: the
+        header checks the exchange, not the sizes) end to end in group rank
+        order, as bytes through gloo's all-gather: bit for bit, any dtype."""
+        self.same_exchange(what)
+        mine = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        outs = [torch.empty_like(mine) for _ in range(self.peers.world)]
+        self.failure.call(what, lambda: self.group.allgather([outs], [mine]).wait())
+        return torch.cat(outs).view(t.dtype)
+
     def sum_over_ranks(self, values: Sequence[float], what: str) -> List[float]:
         """Element-wise sums over ranks (float64); `what` names the exchange
         (declared with `exchange`)."""

@@ -289,7 +289,8 @@ class ProcessLink(Link):
         if self._route is not None and what == BUFFERS_BROADCAST:
             # GPUs, after every synced training step: on the device, through
             # NCCL, as torch DDP does (no host round trip).
-            self._route.broadcast(tensors, self.rank == root)
+            # The NCCL root: the root process's first GPU.
+            self._route.broadcast(tensors, sum(self.local_counts[:root]))
             return
         # Right after a synced backward whose agreement every rank passed
         # (outside Join), every rank is at this broadcast: the agreement
@@ -333,6 +334,9 @@ class ProcessLink(Link):
 
     def sum_tensors(self, tensors: Sequence[torch.Tensor], what: str) -> List[torch.Tensor]:
         return self.control.sum_tensors(tensors, what)
+
+    def gather_tensor(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        return self.control.gather_tensor(t, what)
 
     def hook_error(self) -> Optional[BaseException]:
         return self.transport.hook_error

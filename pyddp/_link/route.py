@@ -1,10 +1,11 @@
-"""The way of the agreement and the buffer broadcast on GPUs across
-processes: the engine's NCCL communicator, ordered on the replicas' current
-streams (processes.py's ProcessLink uses it when its replicas are GPUs)."""
+"""The way of the agreement, the buffer broadcast and the sharded optimizer's
+all-gather on GPUs: the engine's backend (NCCL across processes), ordered on
+the replicas' current streams (processes.py's ProcessLink uses it when its
+replicas are GPUs, shards.py's DeviceGather for a sharded optimizer)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, List, Sequence
 
 import torch
 
@@ -41,55 +42,66 @@ class DeviceRoute:
         """Replica 0's sums on their way to the host."""
         return self.provider.fetch(self.devices[0], parts[0])
 
-    def broadcast(self, tensors: Sequence[torch.Tensor], root: bool) -> None:
-        """The root process's values of `tensors` (replica 0's, on
-        devices[0]) on every process, on the device, bit for bit: a sum in
-        which every other GPU contributes -0.0 (x + -0.0 == x for every
-        float x, signed zeros included; a NaN stays NaN, though a GPU's add
-        may drop its payload), per floating type in that type
-        (complex as its real pairs); any other type (integers, bool) travels
-        as its bytes, each exact in float16 (0..255, to which the others add
-        -0.0). A cast to one wide type would not do: float64 holds neither a
-        complex value nor an int64 above 2**53."""
-        groups: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for t in tensors:
-            if t.numel():
-                groups.setdefault(_wire_type(t.dtype), []).append(t)
-        for wire, ts in groups.items():
-            self._broadcast_group(wire, ts, root)
-
-    def _broadcast_group(self, wire: torch.dtype, ts: List[torch.Tensor], root: bool) -> None:
-        sizes = [_wire_count(t, wire) for t in ts]
+    def broadcast(self, tensors: Sequence[torch.Tensor], root: int) -> None:
+        """NCCL rank `root`'s process's values of `tensors` (replica 0's, on
+        devices[0]) on every process, on the device, bit for bit, by one
+        broadcast of their bytes (any dtypes; a broadcast copies, so a NaN's
+        payload and a signed zero travel as they are). The bytes travel as
+        16-bit words (padded to an even count): a copy has no arithmetic to
+        care about the type."""
+        live = [t for t in tensors if t.numel()]
+        if not live:
+            return
+        sizes = [t.numel() * t.element_size() for t in live]
         total = sum(sizes)
+        words = (total + 1) // 2
         first = self.devices[0]
-        parts = [self.provider.zeros(total, wire, d) for d in self.devices]
+        parts = [self.provider.zeros(words, torch.float16, d) for d in self.devices]
+        # The replica at rank `root` sends (on the root process: the one on
+        # its smallest device); the others receive.
+        sender = [r for r in range(len(self.devices)) if self.backend.rank_of(r) == root]
         with torch.no_grad():
-            self.provider.before_host_write(first)  # the simulation: stream order
-            dst = parts[0].split(sizes)
-            for t, d in zip(ts, dst):
-                if root:
-                    d.copy_(_as_wire(t, wire))
-                else:
-                    d.fill_(-0.0)
-            for d, p in zip(self.devices[1:], parts[1:]):
-                self.provider.before_host_write(d)
-                p.fill_(-0.0)
-            self._sum(parts, DTYPE_NAMES[wire])
+            if sender:
+                (s,) = sender
+                self.provider.before_host_write(self.devices[s])  # the simulation: stream order
+                packed = parts[s].view(torch.uint8)[:total]
+                torch._foreach_copy_(list(packed.split(sizes)), [_bytes_of(t) for t in live])
+            self.backend.broadcast(
+                [t.data_ptr() for t in parts],
+                self.devices,
+                [self.provider.current(d) for d in self.devices],
+                words,
+                "float16",
+                root,
+            )
             self.provider.before_host_write(first)
-            for t, d in zip(ts, parts[0].split(sizes)):
-                _from_wire(t, d)
+            got = parts[0].view(torch.uint8)[:total].split(sizes)
+            for t, b in zip(live, got):
+                if t.is_contiguous():
+                    t.detach().view(-1).view(torch.uint8).copy_(b)
+                else:  # realigned first, then by value
+                    t.detach().copy_(b.clone().view(t.dtype).view(t.shape))
+
+    def all_gather(self, sends: List[torch.Tensor], recvs: List[torch.Tensor]) -> None:
+        """Each replica's `sends` (one per replica, on its device, the same
+        length; may be its own block of its receive buffer) into every
+        replica's `recvs` (ranks x that length), in rank order (see
+        backend.rank_of), over every GPU of every process; each replica then
+        reads its own on its current stream (ordered after it)."""
+        self.backend.all_gather(
+            [t.data_ptr() for t in sends],
+            [t.data_ptr() for t in recvs],
+            self.devices,
+            [self.provider.current(d) for d in self.devices],
+            sends[0].numel(),
+            DTYPE_NAMES[sends[0].dtype],
+        )
+        for d in set(self.devices):
+            self.provider.before_host_write(d)  # the simulation: stream order
 
     def zeros(self, count: int, dtype: torch.dtype, replica: int) -> torch.Tensor:
         """Memory on replica's device (the simulation adds guard zones)."""
         return self.provider.zeros(count, dtype, self.devices[replica])
-
-    def sum_each(self, parts: List[torch.Tensor]) -> None:
-        """Sums `parts` (one per replica, on its device, in any dtype) over
-        every GPU of every process, in place: each replica then reads its own
-        on its current stream (ordered after the sum)."""
-        self._sum(parts, DTYPE_NAMES[parts[0].dtype])
-        for d in set(self.devices):
-            self.provider.before_host_write(d)  # the simulation: stream order
 
     def _sum(self, parts: List[torch.Tensor], dtype: str = "float64") -> None:
         """Sums `parts` (one per replica) over every GPU of every process, in
@@ -113,36 +125,6 @@ class DeviceRoute:
         return out
 
 
-def _wire_type(dtype: torch.dtype) -> torch.dtype:
-    """The floating type a buffer of `dtype` is broadcast in, exactly."""
-    if dtype in DTYPE_NAMES:
-        return dtype
-    if dtype.is_complex:
-        return torch.empty(0, dtype=dtype).real.dtype
-    return torch.float16  # its bytes, one per float16
-
-
-def _wire_count(t: torch.Tensor, wire: torch.dtype) -> int:
-    """How many `wire` elements carry `t`."""
-    if t.dtype == wire:
-        return t.numel()
-    return 2 * t.numel() if t.dtype.is_complex else t.numel() * t.element_size()
-
-
-def _as_wire(t: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
-    """`t`'s values as a flat tensor of `wire` (a copy where not a view)."""
-    flat = t.detach().reshape(-1)
-    if t.dtype == wire:
-        return flat
-    if t.dtype.is_complex:
-        return torch.view_as_real(flat).reshape(-1)
-    return flat.contiguous().view(torch.uint8).to(wire)
-
-
-def _from_wire(t: torch.Tensor, values: torch.Tensor) -> None:
-    """Writes `values` (as _as_wire gave them) back into `t`."""
-    if t.dtype.is_complex:
-        values = torch.view_as_complex(values.view(-1, 2))
-    elif values.dtype != t.dtype:
-        values = values.to(torch.uint8).view(t.dtype)
-    t.detach().copy_(values.view(t.shape))
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes, flat (a copy where `t` is not contiguous)."""
+    return t.detach().contiguous().view(-1).view(torch.uint8)

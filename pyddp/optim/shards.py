@@ -1,11 +1,12 @@
 """How a sharded optimizer's state is cut between replicas (plan_shards), one
-local replica's share (Shard), and how GPU replicas take the stepped elements
-they do not own (DeviceGather)."""
+local replica's share (Shard), and how replicas take the stepped elements
+they do not own: by all-gather, on GPUs (DeviceGather) and across processes
+on CPUs (HostGather)."""
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 
@@ -90,54 +91,154 @@ class Shard:
             opt.state[new] = opt.state.pop(old)
 
 
+Segment = Tuple[int, int, int]  # (parameter, first element, end element)
+
+
+class _Chunks(NamedTuple):
+    """One dtype's elements of the trained parameters, by slot: each slot's
+    segments of that dtype in plan order (laid end to end: its chunk), and
+    each chunk's length."""
+
+    dtype: torch.dtype
+    segments: List[List[Segment]]
+    sizes: List[int]
+
+
+def _chunks_by_dtype(
+    plan: List[List[Piece]], order: List[int], params0: Sequence[torch.Tensor]
+) -> List[_Chunks]:
+    by_dtype: Dict[torch.dtype, List[List[Segment]]] = {}
+    for s, pieces in enumerate(plan):
+        for k, lo, hi in pieces:
+            i = order[k]
+            by_dtype.setdefault(params0[i].dtype, [[] for _ in plan])[s].append((i, lo, hi))
+    return [
+        _Chunks(dtype, segs, [sum(hi - lo for _, lo, hi in seg) for seg in segs])
+        for dtype, segs in by_dtype.items()
+    ]
+
+
+def _views(
+    params: Sequence[torch.Tensor], flat: torch.Tensor, segments: List[Segment], at: int
+) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """(the parameters' elements, flat's elements from `at`) for `segments`
+    laid end to end there: a whole parameter as itself (any layout, so
+    channels_last too) and flat's part in its shape, a cut one as a flat
+    view of its (contiguous) elements."""
+    mine, there = [], []
+    for i, lo, hi in segments:
+        p, n = params[i], hi - lo
+        if lo == 0 and hi == p.numel():
+            mine.append(p)
+            there.append(flat[at : at + n].view(p.shape))
+        else:
+            mine.append(p.view(-1)[lo:hi])
+            there.append(flat[at : at + n])
+        at += n
+    return mine, there
+
+
 class DeviceGather:
-    """GPU replicas take the stepped elements they do not own on the devices,
-    in one process or across processes alike: per dtype, one sum over every
-    GPU of every process (the engine's NCCL communicator) of flat vectors in
-    which each replica holds its own pieces and -0.0 everywhere else. x + -0.0
-    is x bit for bit in every float dtype, in any order of summation, so the
-    sum is each element's owner's value exactly. (It moves the parameters
-    twice, as an all-reduce does: torch's ZeroRedundancyOptimizer broadcasts
-    them once; pyddp's backends have no all-gather.)"""
+    """GPU replicas take the stepped elements they do not own, in one
+    process or across processes alike: per dtype, one all-gather over every
+    GPU of every process (the engine's NCCL communicator, or pyddp's kernel
+    for replicas sharing one GPU), in place. Each replica's chunk is padded
+    to the largest slot's, c elements, and written into its own block of a
+    vector of slots x c; the collective fills the other blocks with their
+    owners' values, bit for bit. A replica's slot is its rank among the
+    collective's (`slot_of`), so the blocks come in slot order. Bytes moved:
+    the parameters once (as torch's ZeroRedundancyOptimizer's broadcasts),
+    plus the padding: under one element per slot for elementwise optimizers
+    (equal ranges), up to the largest whole parameter's excess for others."""
 
-    def __init__(self, sync: Reducer, order: List[int]):
-        # Sums outside the buckets on the engine's NCCL communicator (every
-        # GPU of every process), on the current streams.
+    def __init__(
+        self, sync: Reducer, plan: List[List[Piece]], order: List[int], slot_of: List[int]
+    ):
+        # Collectives outside the buckets on the engine's backend, on the
+        # current streams.
         self.route = DeviceRoute(sync.backend, sync.gpu_devices, sync.streams)
-        params0 = sync.params[0]
-        by_dtype: Dict[torch.dtype, List[int]] = {}
-        for i in order:
-            by_dtype.setdefault(params0[i].dtype, []).append(i)
-        self.offset: Dict[int, int] = {}  # parameter -> where it starts in its dtype's vector
-        # Per dtype: its length, and each replica's parameters of that dtype
-        # (laid end to end in `order`), their sizes and shapes.
-        self.groups: List[Tuple[torch.dtype, int, List[List[torch.Tensor]], List[int], list]] = []
-        for dtype, members in by_dtype.items():
-            numels = [params0[i].numel() for i in members]
-            for i, start in zip(members, itertools.accumulate([0] + numels)):
-                self.offset[i] = start
-            replicas = [[params[i] for i in members] for params in sync.params]
-            shapes = [params0[i].shape for i in members]
-            self.groups.append((dtype, sum(numels), replicas, numels, shapes))
+        self.params = sync.params
+        self.slot_of = slot_of
+        self.chunks = _chunks_by_dtype(plan, order, sync.params[0])
 
-    def __call__(self, shards: List[Shard]) -> None:
+    def __call__(self) -> None:
         with torch.no_grad():
-            for dtype, total, replicas, numels, shapes in self.groups:
-                flats = []
-                for r, shard in enumerate(shards):
-                    flat = self.route.zeros(total, dtype, r).fill_(-0.0)
-                    mine = [
-                        (self.offset[i], lo, hi, t)
-                        for i, lo, hi, t, _ in shard.pieces
-                        if t.dtype == dtype
-                    ]
-                    if mine:
-                        torch._foreach_copy_(
-                            [flat[at + lo : at + hi] for at, lo, hi, _ in mine],
-                            [t.reshape(-1) for *_, t in mine],  # whole, any layout: a copy
-                        )
-                    flats.append(flat)
-                self.route.sum_each(flats)
-                for params, flat in zip(replicas, flats):
-                    values = [v.view(shape) for v, shape in zip(flat.split(numels), shapes)]
-                    torch._foreach_copy_(params, values)  # any layout, channels_last included
+            for dtype, segments, sizes in self.chunks:
+                c, slots = max(sizes), len(sizes)
+                if c == 0:
+                    continue
+                recvs = [self.route.zeros(slots * c, dtype, r) for r in range(len(self.params))]
+                sends = []
+                for r, (params, recv) in enumerate(zip(self.params, recvs)):
+                    s = self.slot_of[r]
+                    mine, there = _views(params, recv, segments[s], s * c)
+                    if mine:  # whole parameters in any layout: copied by value
+                        torch._foreach_copy_(there, mine)
+                    sends.append(recv[s * c : (s + 1) * c])
+                self.route.all_gather(sends, recvs)
+                for r, (params, recv) in enumerate(zip(self.params, recvs)):
+                    dst, src = [], []
+                    for s in range(slots):
+                        if s != self.slot_of[r]:
+                            mine, there = _views(params, recv, segments[s], s * c)
+                            dst += mine
+                            src += there
+                    if dst:
+                        torch._foreach_copy_(dst, src)
+
+
+class HostGather:
+    """CPU replicas across processes take the elements other processes own:
+    per dtype, one all-gather over torch.distributed of each process's
+    chunks (its slots' end to end, as replica 0 holds them once it took its
+    process's other replicas' pieces in memory), padded to the largest
+    process's, as bytes: bit for bit."""
+
+    def __init__(self, sync: Reducer, plan: List[List[Piece]], order: List[int], what: str):
+        link = sync.link
+        self.link, self.what, self.params0 = link, what, sync.params[0]
+        firsts = list(itertools.accumulate([0] + list(link.local_counts)))
+        self.mine = range(firsts[link.rank], firsts[link.rank + 1])
+        # Per dtype: the chunks, each process's block length, and where each
+        # slot's chunk starts in the gathered vector.
+        self.plans: List[Tuple[_Chunks, int, List[int]]] = []
+        for chunks in _chunks_by_dtype(plan, order, sync.params[0]):
+            spans = list(zip(firsts, firsts[1:]))
+            block = max(sum(chunks.sizes[a:b]) for a, b in spans)
+            starts = [0] * len(chunks.sizes)
+            for p, (a, b) in enumerate(spans):
+                at = p * block
+                for slot in range(a, b):
+                    starts[slot], at = at, at + chunks.sizes[slot]
+            if block:
+                self.plans.append((chunks, block, starts))
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            for chunks, block, starts in self.plans:
+                out = torch.zeros(block, dtype=chunks.dtype)
+                base = self.link.rank * block
+                self._copy(chunks, out, starts, self.mine, -base, into_params=False)
+                flat = self.link.gather_tensor(out, self.what)
+                others = [s for s in range(len(chunks.sizes)) if s not in self.mine]
+                self._copy(chunks, flat, starts, others, 0, into_params=True)
+
+    def _copy(
+        self,
+        chunks: _Chunks,
+        flat: torch.Tensor,
+        starts: List[int],
+        slots: Sequence[int],
+        shift: int,
+        into_params: bool,
+    ) -> None:
+        params_v, flat_v = [], []
+        for s in slots:
+            p, f = _views(self.params0, flat, chunks.segments[s], starts[s] + shift)
+            params_v += p
+            flat_v += f
+        if params_v:
+            if into_params:
+                torch._foreach_copy_(params_v, flat_v)
+            else:
+                torch._foreach_copy_(flat_v, params_v)

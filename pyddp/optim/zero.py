@@ -9,9 +9,10 @@ per replica is about 1/(replicas over all processes) of the unsharded one.
 At each step, every slot steps its own parameters with the reduced gradient
 (the engine all-reduced it, as for any optimizer), then every replica takes
 the stepped values of the parameters it does not own: copied from their
-owner in this process, summed with -0.0 from every other process (x + -0.0
-is x bit for bit) across processes. The result is the unsharded optimizer's
-step exactly: the same arithmetic on the same values.
+owner in this process, by all-gather from the other processes (the bytes of
+each process's pieces, as torch's ZeroRedundancyOptimizer moves them once).
+The result is the unsharded optimizer's step exactly: the same arithmetic on
+the same values.
 
 The object returned is an instance of a subclass of the user's optimizer
 class over replica 0's parameters, so LR schedulers and `param_groups` work
@@ -20,9 +21,10 @@ format (loadable by the plain optimizer and back). Across processes,
 `step()`, `state_dict()` and `load_state_dict()` are collective: every rank
 calls them.
 
-On GPUs every replica takes the elements it does not own through the
-engine's NCCL communicator, in one process as across processes
-(shards.py's DeviceGather); the state dict is joined on replica 0's device."""
+On GPUs every replica takes the elements it does not own by one all-gather
+per dtype on the engine's backend (NCCL, or pyddp's kernel for replicas
+sharing a GPU), in one process as across processes (shards.py's
+DeviceGather); the state dict is joined on replica 0's device."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from .._link import exchange
 from ..engine.reducer import Reducer
 from ..errors import ReplicaError
 from .base import OptimState, PyddpOptimizer
-from .shards import ELEMENTWISE, DeviceGather, Piece, Shard, plan_shards
+from .shards import ELEMENTWISE, DeviceGather, HostGather, Shard, plan_shards
 
 SHARD_PARAMS = exchange("the gathering of a sharded optimizer step's parameters")
 # Named with its remedy: the usual mistake is calling state_dict() on the
@@ -59,18 +61,17 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> List[int]:
 @dataclass
 class ShardedState(OptimState):
     """Besides OptimState: the user's groups as global parameter indices
-    (layout) and laid end to end (order, with where each starts in the
-    elements: starts), this process's shards, the pieces other processes
-    own (theirs), whether parameters are cut inside (split), the state kept
-    by consolidate_state_dict(to=this rank), and the GPU gather."""
+    (layout) and laid end to end (order), this process's shards, whether
+    parameters are cut inside (split), the state kept by
+    consolidate_state_dict(to=this rank), and how the stepped elements
+    travel: on GPUs (on_gpus), across processes on CPUs (across)."""
 
     layout: List[List[int]]
     order: List[int]
-    starts: List[int]
     shards: List[Shard]
-    theirs: List[Piece]
     split: bool
     on_gpus: Optional[DeviceGather]
+    across: Optional[HostGather]
     consolidated: Optional[Dict[Any, Any]] = None
 
     @property
@@ -111,14 +112,21 @@ def sharded_optimizer(
     link = sync.link
     slots = sum(link.local_counts)
     first = sum(link.local_counts[: link.rank])  # this process's first slot
+    local = len(sync.replicas)
+    gpus = sync.gpu_devices is not None and sync.backend is not None
+    # A replica's slot: on GPUs its rank in the all-gather (NCCL numbers a
+    # process's GPUs by device, so [1, 0] has replica 0 at rank first + 1),
+    # else its place in the process's replicas.
+    slot_of = [sync.backend.rank_of(r) if gpus else first + r for r in range(local)]
+    assert sorted(slot_of) == list(range(first, first + local)), slot_of
     params0 = sync.params[0]
     split = cls in ELEMENTWISE and all(params0[i].is_contiguous() for i in order)
     plan = plan_shards([params0[i].numel() for i in order], slots, split)
     group_of = {i: g for g, idx in enumerate(layout) for i in idx}
     shards = []
-    for r in range(len(sync.replicas)):
+    for r in range(local):
         per_group: List[list] = [[] for _ in layout]
-        for k, lo, hi in plan[first + r]:
+        for k, lo, hi in plan[slot_of[r]]:
             i = order[k]
             p = sync.params[r][i]
             whole = lo == 0 and hi == p.numel()
@@ -129,21 +137,18 @@ def sharded_optimizer(
             pieces += members
             inner_groups.append({**_hyper(g), "params": [m[3] for m in members]})
         shards.append(Shard(pieces, cls(inner_groups, **kwargs)))
-    mine = range(first, first + len(shards))
-    starts = [0]
-    for i in order:
-        starts.append(starts[-1] + params0[i].numel())
     opt._pyddp = ShardedState(
         sync=sync,
         grads=[params[i] for params in sync.params for i in order],
         owns_all=set(order) >= set(range(len(index))),
         layout=layout,
         order=order,
-        starts=starts,
         shards=shards,
-        theirs=[pc for s, pcs in enumerate(plan) if s not in mine for pc in pcs],
         split=split,
-        on_gpus=None if sync.gpu_devices is None else DeviceGather(sync, order),
+        on_gpus=DeviceGather(sync, plan, order, slot_of) if gpus else None,
+        across=HostGather(sync, plan, order, SHARD_PARAMS)
+        if not gpus and link.spans_processes
+        else None,
     )
     return opt
 
@@ -185,7 +190,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
         def _pyddp_gather(self) -> None:
             """Every replica takes the stepped elements it does not own."""
             if self._pyddp.on_gpus is not None:
-                self._pyddp.on_gpus(self._pyddp.shards)
+                self._pyddp.on_gpus()
                 return
             sync = self._pyddp.sync
             local = len(sync.replicas)
@@ -201,22 +206,8 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                         src.append(t)
                 if dst:
                     torch._foreach_copy_(dst, src)
-                if sync.link.spans_processes:
-                    # The others' elements: a float64 sum to which every other
-                    # process adds -0.0 (x + -0.0 == x, bit for bit).
-                    order = self._pyddp.order
-                    ps = [sync.params[0][i] for i in order]
-                    flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in ps])
-                    starts = self._pyddp.starts
-                    for k, lo, hi in self._pyddp.theirs:
-                        flat[starts[k] + lo : starts[k] + hi] = -0.0
-                    (flat,) = sync.link.sum_tensors([flat], SHARD_PARAMS)
-                    for k, lo, hi in self._pyddp.theirs:
-                        src = flat[starts[k] + lo : starts[k] + hi]
-                        if lo == 0 and hi == ps[k].numel():  # whole: any layout
-                            ps[k].copy_(src.view(ps[k].shape))
-                        else:
-                            ps[k].view(-1)[lo:hi].copy_(src)
+                if self._pyddp.across is not None:
+                    self._pyddp.across()  # the other processes' elements, by all-gather
                 for r in range(1, local):
                     torch._foreach_copy_(sync.params[r], sync.params[0])
 

@@ -56,7 +56,7 @@ BREAKAGES = {
         "    wait_comms(n, set.comms,\n               std::chrono::steady_clock::now() +\n"
         "                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(\n"
         "                       std::chrono::duration<double>(timeout_s())),\n"
-        '               "all-reduce launch");',
+        "               launching.c_str());",
         "    (void)0;",
         "no poll of ncclCommGetAsyncError after a non-blocking launch returned ncclInProgress",
     ),
@@ -91,32 +91,42 @@ BREAKAGES = {
         "static_cast<size_t>(bufs[r].count) + 1,",
         "NCCL is given one element more than the bucket holds (caught by the bounds check)",
     ),
-    "buffer-broadcast-adds-plus-zero": (
-        "pyddp/_link/route.py",
-        "                    d.fill_(-0.0)",
-        "                    d.fill_(0.0)",
-        "non-root GPUs add +0.0 in the device buffer broadcast (a -0.0 becomes +0.0)",
-    ),
     "buffer-broadcast-on-the-first-gpu": (
         "pyddp/_link/route.py",
-        "parts = [self.provider.zeros(total, wire, d) for d in self.devices]",
-        "parts = [self.provider.zeros(total, wire, first) for d in self.devices]",
+        "parts = [self.provider.zeros(words, torch.float16, d) for d in self.devices]",
+        "parts = [self.provider.zeros(words, torch.float16, first) for d in self.devices]",
         "the device buffer broadcast gives every local GPU a buffer on the first GPU",
     ),
-    "integer-buffers-through-float64": (
-        "pyddp/_link/route.py",
+    "buffer-broadcast-root-by-process-rank": (
+        "pyddp/_link/processes.py",
+        "self._route.broadcast(tensors, sum(self.local_counts[:root]))",
+        "self._route.broadcast(tensors, root)",
+        "the device buffer broadcast names its root by process rank, not by NCCL rank (with 2 "
+        "GPUs per process, process 1's root is rank 2)",
+    ),
+    "broadcast-root-as-replica-index": (
+        "pyddp/engine/collectives.py",
+        "    rank = place.backend.rank_of(root)",
+        "    rank = root",
+        "pyddp.broadcast passes the replica's index as NCCL's root, not its rank (NCCL numbers "
+        "GPUs by device: replicas on [2, 0, 1] are ranks 2, 0, 1)",
+    ),
+    "all-gather-sendcount-is-the-total": (
+        "csrc/gpu_backend.cpp",
+        "return n.ncclAllGather(sends[r].data, recvs[r].data, static_cast<size_t>(count),",
+        "return n.ncclAllGather(sends[r].data, recvs[r].data, static_cast<size_t>(count * "
+        "comm_ranks()),",
+        "ncclAllGather is given the receive count (ranks x count) as its send count (NCCL "
+        "reads and writes past both buffers)",
+    ),
+    "reduce-scatter-kernel-reads-block-zero": (
+        "csrc/reduce_kernels.cu",
         (
-            "return torch.float16  # its bytes, one per float16",
-            "return flat.contiguous().view(torch.uint8).to(wire)",
-            "values = values.to(torch.uint8).view(t.dtype)",
+            "A acc = K::load(((const T*)p.p[0])[r * count + i]);",
+            "acc += K::load(((const T*)p.p[k])[r * count + i]);",
         ),
-        (
-            "return torch.float64",
-            "return flat.to(wire)",
-            "values = values.to(t.dtype)",
-        ),
-        "integer and bool buffers are broadcast as float64 values (an int64 above 2**53 is "
-        "rounded)",
+        ("A acc = K::load(((const T*)p.p[0])[i]);", "acc += K::load(((const T*)p.p[k])[i]);"),
+        "the on-device reduce-scatter sums block 0 of every send for every replica",
     ),
     "buckets-freed-without-record-stream": (
         "pyddp/engine/streams.py",
@@ -125,24 +135,24 @@ BREAKAGES = {
         "replaced buckets are dropped without Tensor.record_stream on the streams that used "
         "them (their allocation stream may hand them out again at once)",
     ),
-    "sharded-gather-adds-plus-zero": (
-        "pyddp/optim/shards.py",
-        "flat = self.route.zeros(total, dtype, r).fill_(-0.0)",
-        "flat = self.route.zeros(total, dtype, r).fill_(0.0)",
-        "the sharded optimizer's parameter exchange on GPUs adds +0.0 where a replica does not "
-        "own an element (a -0.0 parameter becomes +0.0 on every replica)",
+    "sharded-gather-slot-by-replica-index": (
+        "pyddp/optim/zero.py",
+        "slot_of = [sync.backend.rank_of(r) if gpus else first + r for r in range(local)]",
+        "slot_of = [first + r for r in range(local)]",
+        "a GPU replica's shard is its index among the process's replicas, not its rank in the "
+        "all-gather (on [2, 0, 1] the blocks land on the wrong parameters)",
     ),
     "join-buffers-from-rank-zero-on-gpus": (
         "pyddp/_link/processes.py",
-        "            self._route.broadcast(tensors, self.rank == root)",
-        "            self._route.broadcast(tensors, self.rank == 0)",
+        "self._route.broadcast(tensors, sum(self.local_counts[:root]))",
+        "self._route.broadcast(tensors, sum(self.local_counts[:0]))",
         "under Join the device buffer broadcast takes rank 0's buffers (joined, stale) instead "
         "of the highest rank with inputs'",
     ),
     "compress-before-ready-wait": (
         "csrc/gpu_backend.cpp",
-        "    wait_ready_locked(set, key);\n    if (convert) convert_locked(set, bufs, true, op);",
-        "    if (convert) convert_locked(set, bufs, true, op);\n    wait_ready_locked(set, key);",
+        "    wait_ready_locked(set, key);\n    if (before) before(set);",
+        "    if (before) before(set);\n    wait_ready_locked(set, key);",
         "the compression kernel is queued before the communication stream waits for the "
         "gradients (reads them before autograd's late writes land)",
     ),
@@ -150,11 +160,11 @@ BREAKAGES = {
         "csrc/gpu_backend.cpp",
         (
             "    wait_comms(n, set.comms,",
-            '"all-reduce launch");\n    if (convert) convert_locked(set, bufs, false, op);',
+            "launching.c_str());\n    if (after) after(set);",
         ),
         (
-            "    if (convert) convert_locked(set, bufs, false, op);\n    wait_comms(n, set.comms,",
-            '"all-reduce launch");',
+            "    if (after) after(set);\n    wait_comms(n, set.comms,",
+            "launching.c_str());",
         ),
         "the kernel copying the reduced 16-bit values back is queued before the non-blocking "
         "communicators have queued the all-reduce",
@@ -176,8 +186,8 @@ BREAKAGES = {
         "pyddp/_link/route.py",
         "        for d in set(self.devices):\n            self.provider.before_host_write(d)",
         "        for d in ():\n            self.provider.before_host_write(d)",
-        "a sharded optimizer's replicas copy the parameters' sum back before their streams "
-        "are past it (the other shards' elements read -0.0 or stale values)",
+        "a sharded optimizer's replicas copy the gathered parameters back before their "
+        "streams are past the all-gather (the other shards' elements read stale values)",
     ),
     "no-agreement-wait-when-missing": (
         "pyddp/_link/processes.py",

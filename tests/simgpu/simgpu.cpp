@@ -557,7 +557,30 @@ struct Bind<void (*)(A...), F> {
 const std::map<std::string, Invoke> kKernels = {
     KERNEL(pyddp_reduce_f32), KERNEL(pyddp_reduce_f64), KERNEL(pyddp_reduce_f16),
     KERNEL(pyddp_reduce_bf16), KERNEL(pyddp_compress_f16), KERNEL(pyddp_compress_bf16),
-    KERNEL(pyddp_decompress_f16), KERNEL(pyddp_decompress_bf16)};
+    KERNEL(pyddp_decompress_f16), KERNEL(pyddp_decompress_bf16),
+    KERNEL(pyddp_broadcast_b16), KERNEL(pyddp_broadcast_b32), KERNEL(pyddp_broadcast_b64),
+    KERNEL(pyddp_all_gather_b16), KERNEL(pyddp_all_gather_b32), KERNEL(pyddp_all_gather_b64),
+    KERNEL(pyddp_reduce_scatter_f32), KERNEL(pyddp_reduce_scatter_f64),
+    KERNEL(pyddp_reduce_scatter_f16), KERNEL(pyddp_reduce_scatter_bf16)};
+
+// The memory one of pyddp's kernels touches: (pointer index, bytes) for
+// each pointer it uses, from its name and its (n, count) arguments, so a
+// launch over more than the buffers hold is caught at the launch.
+std::vector<std::pair<int, size_t>> kernel_extents(const std::string& name, int n, long long count) {
+  const std::string suffix = name.substr(name.rfind('_') + 1);
+  const size_t es = suffix == "f64" || suffix == "b64" ? 8 : suffix == "f32" || suffix == "b32" ? 4 : 2;
+  const size_t c = static_cast<size_t>(count);
+  std::vector<std::pair<int, size_t>> out;
+  if (name.find("decompress") != std::string::npos) return {{0, c * 2}, {1, c * 4}};
+  if (name.find("compress") != std::string::npos) return {{0, c * 4}, {1, c * 2}};
+  const bool gather = name.find("all_gather") != std::string::npos;
+  const bool scatter = name.find("reduce_scatter") != std::string::npos;
+  for (int i = 0; i < n; ++i) out.push_back({i, c * es * (scatter ? n : 1)});
+  if (gather || scatter) {
+    for (int i = 0; i < n; ++i) out.push_back({n + i, c * es * (gather ? n : 1)});
+  }
+  return out;
+}
 
 struct Module {
   Ctx* ctx;
@@ -590,7 +613,7 @@ struct ShmSlot {
   std::atomic<uint64_t> departed;  // last step this rank finished reading
   std::atomic<int> device;
   uint64_t count;
-  int dtype, op;
+  int dtype, op, kind, root;
 };
 struct Shm {
   std::atomic<int> ready;  // the creator initialised the header
@@ -727,10 +750,26 @@ thread_local int t_group_depth = 0;
 thread_local std::vector<Pending> t_group;
 thread_local std::vector<Comm*> t_group_inits;
 
-// Runs on the rank's stream thread: post a chunk, wait for every rank, reduce
-// all chunks in rank order with one rounding to the element type per hop (as
-// a ring all-reduce does), wait until everyone has read, next chunk.
-void run_collective(Comm* comm, size_t count, int dtype, int op, const void* send, void* recv) {
+// The four collectives, and what one rank sends and receives (in elements,
+// `count` being the call's count argument) [NCCL, "Collective Operations"].
+enum Kind { kAllReduce, kBroadcast, kAllGather, kReduceScatter };
+const char* kKindNames[] = {"ncclAllReduce", "ncclBroadcast", "ncclAllGather", "ncclReduceScatter"};
+size_t send_elems(int kind, size_t count, int nranks) {
+  return kind == kReduceScatter ? count * nranks : count;
+}
+size_t recv_elems(int kind, size_t count, int nranks) {
+  return kind == kAllGather ? count * nranks : count;
+}
+
+// Runs on the rank's stream thread. Data moves in rounds: every rank posts a
+// chunk of its send buffer, waits for every rank, computes its part of the
+// result from all chunks (sums in rank order with one rounding to the
+// element type per hop, as a ring does), waits until everyone has read,
+// next round. Reduce-scatter posts block t of its send buffer in round t;
+// the others post their (only) send block. The result lands in `recv` only
+// at the end, after a rank-dependent delay (below).
+void run_collective(Comm* comm, int kind, size_t count, int dtype, int op, int root,
+                    const void* send, void* recv) {
   if (comm->aborted.load()) {
     // [NCCL, ncclCommAbort] the abort kills the communicator's kernels: a
     // queued collective no longer runs (it must not pair with a stale peer).
@@ -750,6 +789,7 @@ void run_collective(Comm* comm, size_t count, int dtype, int op, const void* sen
   }
   Shm* shm = comm->shm;
   ShmSlot& mine = shm->slot[comm->rank];
+  const int nranks = comm->nranks;
   const size_t es = nccl_size(dtype), per_step = kChunk / es;
   // Ranks finish a collective at different times on real hardware (a ring's
   // last hop reaches each rank at its own moment, and each GPU runs its own
@@ -757,54 +797,78 @@ void run_collective(Comm* comm, size_t count, int dtype, int op, const void* sen
   // after a rank-dependent delay (SIMGPU_SKEW_US per rank, default 1000), so a
   // stream that waits on another rank's completion, or on none, reads values
   // not yet written.
-  std::vector<char> result(count * es);
+  const size_t received = recv_elems(kind, count, nranks);
+  std::vector<char> result(received * es);
+  // A non-root rank's send buffer is not read by a broadcast [NCCL].
+  const bool sends = kind != kBroadcast || comm->rank == root;
   if (count) {
-    note_use(send);
+    if (sends) note_use(send);
     note_use(recv);
   }
-  size_t off = 0;
-  bool first = true, mismatch = false, complete = false;
-  while (!mismatch && (first || off < count)) {
-    const size_t n = std::min(per_step, count - off);
-    const uint64_t step = ++comm->step;
-    std::memcpy(shm->data[comm->rank], static_cast<const char*>(send) + off * es, n * es);
-    mine.count = count;
-    mine.dtype = dtype;
-    mine.op = op;
-    mine.arrived.store(step);
-    if (!wait_all(comm, &ShmSlot::arrived, step)) break;
-    for (int r = 0; r < comm->nranks; ++r) {
-      const ShmSlot& s = shm->slot[r];
-      // [NCCL] every rank must call the collective with the same count,
-      // datatype and op; the real library hangs or corrupts, we flag it.
-      if (s.count != count || s.dtype != dtype || s.op != op) mismatch = true;
-    }
-    if (mismatch) {
-      if (comm->rank == 0) violation(0, "collective called with different count/datatype/op across ranks");
-      comm->state = ncclInvalidUsage;
-    } else {
-      char* out = result.data() + off * es;
-      for (size_t i = 0; i < n; ++i) {
-        double acc = load_elem(shm->data[0], dtype, i);
-        for (int r = 1; r < comm->nranks; ++r) {
-          acc = round_to(acc + load_elem(shm->data[r], dtype, i), dtype);
-        }
-        if (op == 4) acc /= comm->nranks;  // ncclAvg
-        store_elem(out, dtype, i, acc);
+  const int blocks = kind == kReduceScatter ? nranks : 1;
+  bool mismatch = false, complete = false;
+  for (int t = 0; t < blocks && !mismatch; ++t) {
+    size_t off = 0;
+    bool first = true;
+    complete = false;
+    while (!mismatch && (first || off < count)) {
+      const size_t n = std::min(per_step, count - off);
+      const uint64_t step = ++comm->step;
+      if (sends) {
+        std::memcpy(shm->data[comm->rank], static_cast<const char*>(send) + (t * count + off) * es, n * es);
       }
+      mine.count = count;
+      mine.dtype = dtype;
+      mine.op = op;
+      mine.kind = kind;
+      mine.root = root;
+      mine.arrived.store(step);
+      if (!wait_all(comm, &ShmSlot::arrived, step)) break;
+      for (int r = 0; r < nranks; ++r) {
+        const ShmSlot& s = shm->slot[r];
+        // [NCCL] every rank must call the same collective with the same
+        // count, datatype, op and root; the real library hangs or
+        // corrupts, we flag it.
+        if (s.count != count || s.dtype != dtype || s.op != op || s.kind != kind || s.root != root) {
+          mismatch = true;
+        }
+      }
+      if (mismatch) {
+        if (comm->rank == 0) {
+          violation(0, "collective called with different kind/count/datatype/op/root across ranks");
+        }
+        comm->state = ncclInvalidUsage;
+      } else if (kind == kAllGather) {
+        for (int r = 0; r < nranks; ++r) {
+          std::memcpy(result.data() + (r * count + off) * es, shm->data[r], n * es);
+        }
+      } else if (kind == kBroadcast) {
+        std::memcpy(result.data() + off * es, shm->data[root], n * es);
+      } else if (kind == kAllReduce || t == comm->rank) {
+        char* out = result.data() + off * es;
+        for (size_t i = 0; i < n; ++i) {
+          double acc = load_elem(shm->data[0], dtype, i);
+          for (int r = 1; r < nranks; ++r) {
+            acc = round_to(acc + load_elem(shm->data[r], dtype, i), dtype);
+          }
+          if (op == 4) acc /= nranks;  // ncclAvg
+          store_elem(out, dtype, i, acc);
+        }
+      }
+      mine.departed.store(step);
+      if (!wait_all(comm, &ShmSlot::departed, step)) break;
+      off += n;
+      first = false;
+      complete = off >= count;
     }
-    mine.departed.store(step);
-    if (!wait_all(comm, &ShmSlot::departed, step)) break;
-    off += n;
-    first = false;
-    complete = off >= count;
+    if (!complete) break;
   }
   if (complete && !mismatch && count) {
     const long skew = env_int("SIMGPU_SKEW_US", 1000) * static_cast<long>(comm->rank);
     if (skew > 0) std::this_thread::sleep_for(std::chrono::microseconds(skew));
-    std::memcpy(recv, result.data(), count * es);
+    std::memcpy(recv, result.data(), received * es);
   }
-  check_guards(comm->device, "an NCCL all-reduce");
+  check_guards(comm->device, (std::string("an NCCL ") + kKindNames[kind]).c_str());
   {
     std::lock_guard<std::mutex> g(g_nccl_mu);
     auto it = g_fail_next.find(comm->device);
@@ -1171,21 +1235,28 @@ API int cuLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned
   std::memcpy(&a.avg, params[3], sizeof a.avg);
   Invoke invoke = f->invoke;
   const int device = t_current->device;
-  // Our kernels' pointers: the replicas' buffers (n of them), or for the
-  // wire's (de)compression the bucket and its 16-bit copy (n is then the
-  // number of ranks).
-  const int used = f->name.find("compress") != std::string::npos ? 2 : a.n;
-  if (used < 0 || used > PYDDP_MAX_REPLICAS) return CUDA_ERROR_INVALID_VALUE;
+  // Our kernels' pointers: the replicas' buffers (n of them; sends then
+  // receives for all-gather and reduce-scatter), or for the wire's
+  // (de)compression the bucket and its 16-bit copy (n is then the number of
+  // ranks). Each must hold what the kernel reads or writes through it.
+  const bool wire = f->name.find("compress") != std::string::npos;
+  if (!wire && (a.n < 1 || a.n > PYDDP_MAX_REPLICAS)) return CUDA_ERROR_INVALID_VALUE;
+  if (f->name.find("broadcast") != std::string::npos && (a.avg < 0 || a.avg >= a.n)) {
+    return violation(CUDA_ERROR_INVALID_VALUE, "pyddp broadcast kernel: root is not a replica");
+  }
+  const auto extents = kernel_extents(f->name, a.n, a.count);
   if (a.count > 0) {
-    for (int i = 0; i < used; ++i) {
-      if (!device_memory(device, a.ptrs.p[i], 1, "a pointer of a pyddp kernel")) {
+    for (const auto& [i, bytes] : extents) {
+      if (!device_memory(device, a.ptrs.p[i], bytes, ("pointer " + std::to_string(i) + " of " + f->name).c_str())) {
         return CUDA_ERROR_ILLEGAL_ADDRESS;
       }
     }
   }
+  std::vector<int> used;
+  for (const auto& e : extents) used.push_back(e.first);
   Op op;
   op.run = [invoke, a, gx, bx, device, used] {
-    for (int i = 0; i < used && a.count > 0; ++i) note_use(a.ptrs.p[i]);
+    for (size_t k = 0; k < used.size() && a.count > 0; ++k) note_use(a.ptrs.p[used[k]]);
     Args copy = a;
     void* p[] = {&copy.ptrs, &copy.n, &copy.count, &copy.avg};
     gridDim.x = gx;
@@ -1360,20 +1431,48 @@ API int ncclGroupStart() {
   ++t_group_depth;
   return ncclSuccess;
 }
-API int ncclAllReduce(const void* send, void* recv, size_t count, int dtype, int op, Comm* comm,
-                      void* stream) {
-  if (int rc = check_comm(comm, "ncclAllReduce")) return rc;
+namespace {
+// One collective call: checks what the real library checks or leaves
+// undefined, then queues the collective on `stream` (or holds it until
+// ncclGroupEnd inside a group).
+int collective(int kind, const void* send, void* recv, size_t count, int dtype, int op, int root,
+               Comm* comm, void* stream) {
+  const char* call = kKindNames[kind];
+  if (int rc = check_comm(comm, call)) return rc;
   Enter enter(comm);
   if (!enter.ok) return ncclInvalidUsage;
   // [NCCL] ncclDataType_t / ncclRedOp_t: built-in values only here.
   if (nccl_size(dtype) == 0 || op < 0 || op > 4) {
-    return violation(ncclInvalidArgument, "ncclAllReduce: invalid datatype or op enum");
+    return violation(ncclInvalidArgument, std::string(call) + ": invalid datatype or op enum");
   }
-  if (count > 0 && (send == nullptr || recv == nullptr)) return ncclInvalidArgument;
+  if (kind == kBroadcast && (root < 0 || root >= comm->nranks)) {
+    return violation(ncclInvalidArgument, "ncclBroadcast: root " + std::to_string(root) +
+                                              " is not a rank of the communicator");
+  }
+  const bool reads = kind != kBroadcast || comm->rank == root;
+  if (count > 0 && ((reads && send == nullptr) || recv == nullptr)) return ncclInvalidArgument;
   if (sticky(comm->device)) return ncclUnhandledCudaError;
-  if (count > 0 && (!device_memory(comm->device, send, count * nccl_size(dtype), "ncclAllReduce's sendbuff") ||
-                    !device_memory(comm->device, recv, count * nccl_size(dtype), "ncclAllReduce's recvbuff"))) {
+  const size_t es = nccl_size(dtype);
+  const size_t sent = send_elems(kind, count, comm->nranks) * es;
+  const size_t got = recv_elems(kind, count, comm->nranks) * es;
+  if (count > 0 && ((reads && !device_memory(comm->device, send, sent, (std::string(call) + "'s sendbuff").c_str())) ||
+                    !device_memory(comm->device, recv, got, (std::string(call) + "'s recvbuff").c_str()))) {
     return ncclUnhandledCudaError;
+  }
+  if (count > 0 && reads && (kind == kAllGather || kind == kReduceScatter)) {
+    // [NCCL, "In-place Operations"]: in place only when the smaller buffer
+    // is the rank's own block of the larger one; any other overlap is
+    // undefined (the ring overwrites data not yet sent).
+    const char* big = static_cast<const char*>(kind == kAllGather ? recv : send);
+    const char* small = static_cast<const char*>(kind == kAllGather ? send : recv);
+    const size_t block = count * es;
+    const bool own = small == big + comm->rank * block;
+    const bool apart = small + block <= big || big + block * comm->nranks <= small;
+    if (!own && !apart) {
+      return violation(ncclInvalidArgument, std::string(call) +
+                                                ": send and receive buffers overlap other than "
+                                                "at this rank's own block");
+    }
   }
   Stream* s = nullptr;
   {
@@ -1384,32 +1483,47 @@ API int ncclAllReduce(const void* send, void* recv, size_t count, int dtype, int
     if (rc) return ncclInvalidArgument;
   }
   if (s->ctx->device != comm->device) {
-    return violation(ncclInvalidArgument, "ncclAllReduce: stream of cuda:" + std::to_string(s->ctx->device) +
+    return violation(ncclInvalidArgument, std::string(call) + ": stream of cuda:" + std::to_string(s->ctx->device) +
                                               " for a communicator of cuda:" + std::to_string(comm->device));
   }
+  auto launch = [comm, kind, send, recv, count, dtype, op, root, s] {
+    ++comm->pending;
+    Op o;
+    o.run = [comm, kind, count, dtype, op, root, send, recv] {
+      run_collective(comm, kind, count, dtype, op, root, send, recv);
+    };
+    enqueue(s, std::move(o));
+  };
+  static const char* counters[] = {"nccl_allreduce", "nccl_broadcast", "nccl_allgather",
+                                   "nccl_reducescatter"};
+  bump(counters[kind]);
   if (t_group_depth > 0) {
     // Held until ncclGroupEnd: no other thread may use it in between.
-    Pending p{comm, nullptr};
-    p.launch = [comm, send, recv, count, dtype, op, s] {
-      ++comm->pending;
-      Op o;
-      o.run = [comm, count, dtype, op, send, recv] {
-        run_collective(comm, count, dtype, op, send, recv);
-      };
-      enqueue(s, std::move(o));
-    };
-    t_group.push_back(std::move(p));
+    t_group.push_back(Pending{comm, launch});
     comm->user.store(0);
     enter.comm = nullptr;
-    bump("nccl_allreduce");
     return ncclSuccess;
   }
-  ++comm->pending;
-  Op o;
-  o.run = [comm, count, dtype, op, send, recv] { run_collective(comm, count, dtype, op, send, recv); };
-  enqueue(s, std::move(o));
-  bump("nccl_allreduce");
+  launch();
   return ncclSuccess;
+}
+}  // namespace
+
+API int ncclAllReduce(const void* send, void* recv, size_t count, int dtype, int op, Comm* comm,
+                      void* stream) {
+  return collective(kAllReduce, send, recv, count, dtype, op, 0, comm, stream);
+}
+API int ncclBroadcast(const void* send, void* recv, size_t count, int dtype, int root, Comm* comm,
+                      void* stream) {
+  return collective(kBroadcast, send, recv, count, dtype, 0, root, comm, stream);
+}
+API int ncclAllGather(const void* send, void* recv, size_t sendcount, int dtype, Comm* comm,
+                      void* stream) {
+  return collective(kAllGather, send, recv, sendcount, dtype, 0, 0, comm, stream);
+}
+API int ncclReduceScatter(const void* send, void* recv, size_t recvcount, int dtype, int op,
+                          Comm* comm, void* stream) {
+  return collective(kReduceScatter, send, recv, recvcount, dtype, op, 0, comm, stream);
 }
 API int ncclGroupEnd() {
   if (t_group_depth == 0) return violation(ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
