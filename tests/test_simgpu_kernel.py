@@ -2,7 +2,7 @@
 function run in a process of its own (tests/spawn.py's run_alone): the
 on-device kernel's 16-bit arithmetic (rounding, torch's wire scaling), how
 the kernel is loaded on CUDA 12 drivers and newer GPUs, the simulated NCCL
-across processes, and the doctor (its report and its selftest's -0.0
+across processes, and the doctor (its report and its selftest's collectives
 checks) on the simulation."""
 
 import ctypes
@@ -14,9 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from spawn import command, out_dir, run_alone, simgpu_libraries
+from spawn import run_alone, simgpu_libraries
 
-import pyddp
 from pyddp import _C
 from pyddp.engine.placement import simulated_gpus
 from pyddp.runtime import libraries as _runtime
@@ -208,63 +207,26 @@ def test_wire_scaling_is_torch_cuda_div_for_every_16_bit_value_and_1_to_64_ranks
     run_alone(wire_scaling)
 
 
-def minus_zero_child():
-    """The selftest's child process (pyddp/doctor/minus_zero.py `check`'s
-    command), on 3 simulated GPUs."""
-    from simulated import streams
+def selftest_collectives(devs):
+    from simulated import sim, streams
 
-    from pyddp.doctor import minus_zero as _minus_zero
+    from pyddp.doctor import collectives
 
-    devs = [0, 1, 2]
-
-    def all_reduce(ts):
-        if os.environ["NCCL_ALGO"] == "NVLS":  # what NCCL says without NVLink SHARP
-            raise RuntimeError("NCCL error 5 (invalid usage): no algorithm/protocol available "
-                               "for function AllReduce; NCCL_ALGO was set to NVLS")  # fmt: skip
-        with simulated_gpus(devs, streams):
-            pyddp.all_reduce(ts)
-        streams.synchronize_all(devs)
-
-    _minus_zero.child(all_reduce, lambda r, t: streams.upload(devs[r], t), len(devs))
+    detail = collectives.check(
+        len(devs),
+        lambda r, t: streams.upload(devs[r], t),
+        lambda: streams.synchronize_all(devs),
+        lambda: simulated_gpus(devs, streams),
+        sizes=[0, 1, 7, (1 << 16) + 3],
+    )
+    assert detail.startswith("4 collectives x 4 dtypes x 4 sizes on"), detail
+    assert not sim.violations(), sim.violations()
 
 
-def selftest_minus_zero():
-    from simulated import streams
-
-    from pyddp.doctor import minus_zero as _minus_zero
-
-    devs = [0, 1, 2]
-
-    def all_reduce(ts):
-        with simulated_gpus(devs, streams):
-            pyddp.all_reduce(ts)
-        streams.synchronize_all(devs)
-
-    results = _minus_zero.run_trick(all_reduce, lambda r, t: streams.upload(devs[r], t), 3)
-    assert set(results) == {"float32", "float16", "bfloat16", "float64"}, results
-    bad = {(d, c): w for d, per in results.items() for c, w in per.items() if w != "ok"}
-    # The simulated NCCL sums float16 through float32 and back, quieting a
-    # NaN to 0x7e00 (as pyddp's kernel conversion does; a GPU's half add
-    # gives its own canonical NaN): the payload is lost, the NaN kept.
-    assert list(bad) == [("float16", "NaN payloads")], bad
-    assert bad["float16", "NaN payloads"] == "payload 0x7e01 -> 0x7e00 on rank 0 (root 0)", bad
-    child = command(minus_zero_child, out_dir())  # this process's own environment
-    detail = _minus_zero.check("Ring", 3, child, timeout=100)
-    assert detail.startswith("bitwise on 3 GPUs: 4 dtypes"), detail
-    assert "NaN payloads not kept: float16 NaN payloads: payload 0x7e01" in detail, detail
-    try:
-        _minus_zero.check("NVLS", 3, child, timeout=100)
-        raise AssertionError("NVLS was not skipped")
-    except _minus_zero.Skipped as e:
-        assert "NCCL_ALGO=NVLS did not run here: RuntimeError: NCCL error 5" in str(e), e
-
-
-def test_selftest_minus_zero_checks_run_on_the_simulation():
-    # doctor --selftest's checks of the -0.0 trick (pyddp/doctor/minus_zero.py)
-    # are for real GPUs under NCCL_ALGO=Ring and NVLS; here their code runs on
-    # the simulated NCCL over 3 GPUs: the checks in this process (every class
-    # bitwise, as the simulation adds in IEEE float), then the selftest's
-    # child process and report. The simulation has no NVLS: under
-    # NCCL_ALGO=NVLS the child raises what NCCL says without NVLink SHARP, so
-    # the skip is what runs.
-    run_alone(selftest_minus_zero)
+@pytest.mark.parametrize("devs", [[0, 1, 2], [0, 0]])
+def test_selftest_collectives_check_runs_on_the_simulation(devs):
+    # doctor --selftest's check of the four collectives (pyddp/doctor/
+    # collectives.py) is for real GPUs; its code runs here on the simulated
+    # NCCL (3 GPUs) and pyddp's kernels (2 replicas on one GPU): broadcast
+    # and all-gather bit for bit on random bit patterns, the sums closed form.
+    run_alone(selftest_collectives, devs)

@@ -91,9 +91,9 @@ def main(argv: List[str] = None) -> int:
     parser.add_argument(
         "--selftest",
         action="store_true",
-        help="run pyddp's GPU checks (equivalence, stream ordering, collectives, timeout; "
-        "with 2+ GPUs the -0.0 broadcast sums bitwise under NCCL_ALGO=Ring and NVLS) on this "
-        "machine's GPUs, a minute or two, and print a pass/fail/skip table",
+        help="run pyddp's GPU checks (equivalence, stream ordering, the four collectives, the "
+        "sharded optimizer, timeout; NCCL's with 2+ GPUs) on this "
+        "machine's GPUs, a minute or two, and print a pass/fail table",
     )
     args = parser.parse_args(argv)
     print("\n".join(report()))

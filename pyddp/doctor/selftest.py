@@ -2,10 +2,9 @@
 real GPUs. pyddp's GPU path is tested in CI against a simulated CUDA driver and
 NCCL only (no project machine has a GPU), so this is the first run on real
 hardware: equivalence with single-device training, stream ordering without host
-syncs (custom streams included), collectives in every dtype, the timeout, and
-(2+ GPUs) the -0.0 broadcast trick bitwise under NCCL_ALGO=Ring and NVLS
-(pyddp/doctor/minus_zero.py). Prints one pass/fail/skip table and what to put in a
-bug report."""
+syncs (custom streams included), the four collectives in every dtype (copies
+bit for bit: pyddp/doctor/collectives.py), the sharded optimizer, the timeout.
+Prints one pass/fail/skip table and what to put in a bug report."""
 
 from __future__ import annotations
 
@@ -18,24 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import minus_zero
+from . import collectives
 
 
 def _check_collectives(devices: List[str]) -> str:
-    import pyddp
-
-    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        for size in (0, 1, 7, (1 << 20) + 3):
-            ts = [
-                torch.full((size,), float(r + 1), dtype=dtype, device=d)
-                for r, d in enumerate(devices)
-            ]
-            pyddp.all_reduce(ts)
-            n = len(devices)
-            for t in ts:
-                if not torch.equal(t, torch.full_like(t, n * (n + 1) / 2)):
-                    raise AssertionError(f"{dtype} size {size}: got {t[:4].tolist()}")
-    return f"4 dtypes x 4 sizes on {devices}"
+    return (
+        collectives.check(len(devices), lambda r, t: t.to(devices[r]), torch.cuda.synchronize)
+        + f" ({', '.join(devices)})"
+    )
 
 
 def _check_equivalence(
@@ -171,19 +160,11 @@ def run() -> int:
             ("sharded optimizer state, NCCL", lambda: _check_equivalence(pair, True, shard=True)),
             ("fp16 compression on the wire, NCCL", lambda: _check_equivalence(pair, hook="fp16")),
         ]
-        # The buffer broadcast's -0.0 sums, bitwise, on every GPU, under each
-        # algorithm (NCCL reads NCCL_ALGO at communicator init: a child each).
-        for algo in ("Ring", "NVLS"):
-            checks.append(
-                (f"-0.0 broadcast sums, NCCL_ALGO={algo}", lambda a=algo: minus_zero.check(a, n))
-            )
     rows = []
     for name, fn in checks:
         t0 = time.perf_counter()
         try:
             detail, status = fn(), "PASS"
-        except minus_zero.Skipped as e:  # cannot run on this machine: said, not failed
-            detail, status = str(e), "SKIP"
         except Exception as e:  # reported in the table, with the traceback below it
             detail, status = f"{type(e).__name__}: {e}", "FAIL"
             traceback.print_exc()
@@ -193,10 +174,8 @@ def run() -> int:
     for name, status, secs, detail in rows:
         print(f"{name.ljust(width)}  {status:6}  {secs:5.1f}s  {detail}")
     failed = sum(r[1] == "FAIL" for r in rows)
-    skipped = sum(r[1] == "SKIP" for r in rows)
     print(
-        f"\n{len(rows) - failed - skipped}/{len(rows)} passed"
-        + (f", {skipped} skipped. " if skipped else ". ")
+        f"\n{len(rows) - failed}/{len(rows)} passed. "
         + ("All good." if not failed else "")
         + "\nBug report: paste this whole output (doctor report and table) and `nvidia-smi` "
         "into an issue."
