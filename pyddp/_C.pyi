@@ -5,7 +5,6 @@ pyddp engine (private; use the pyddp package)
 """
 
 from __future__ import annotations
-
 import collections.abc
 import typing
 
@@ -42,6 +41,30 @@ class ReduceError(RuntimeError):
     pass
 
 class Backend:
+    def all_gather(
+        self,
+        sends: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        recvs: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        devices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        streams: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        count: typing.SupportsInt | typing.SupportsIndex,
+        dtype: str,
+    ) -> None:
+        """
+        One stream-ordered all-gather: `count` elements from every rank into each receive buffer (ranks * count elements, in rank order).
+        """
+    def broadcast(
+        self,
+        ptrs: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        devices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        streams: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        count: typing.SupportsInt | typing.SupportsIndex,
+        dtype: str,
+        root: typing.SupportsInt | typing.SupportsIndex,
+    ) -> None:
+        """
+        One stream-ordered in-place broadcast from rank `root` (see rank_of).
+        """
     def check(self) -> None:
         """
         Raises ReduceError if a reduction failed or timed out.
@@ -49,6 +72,14 @@ class Backend:
     def close(self) -> None:
         """
         Releases threads and communicators now; later use raises.
+        """
+    def rank_of(self, replica: typing.SupportsInt | typing.SupportsIndex) -> int:
+        """
+        Replica's rank among them (blocks and broadcast roots are by rank).
+        """
+    def ranks(self, replicas: typing.SupportsInt | typing.SupportsIndex) -> int:
+        """
+        How many ranks the collectives span, for `replicas` buffers from this process.
         """
     def reduce(
         self,
@@ -61,6 +92,19 @@ class Backend:
     ) -> None:
         """
         One stream-ordered in-place all-reduce outside the engine (collectives API).
+        """
+    def reduce_scatter(
+        self,
+        sends: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        recvs: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        devices: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        streams: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
+        count: typing.SupportsInt | typing.SupportsIndex,
+        dtype: str,
+        op: str = "sum",
+    ) -> None:
+        """
+        One stream-ordered reduce-scatter: each receive buffer gets `count` elements, the reduction of its rank's block of every send buffer (ranks * count elements).
         """
     @property
     def name(self) -> str: ...
@@ -83,13 +127,12 @@ class NcclBackend(Backend):
         """
         One replica per GPU. With `id` (nccl_unique_id() from one process, given to all): one communicator across processes, this process's GPUs being ranks first_rank.. of nranks.
         """
-
-    @property
-    def compression(self) -> str: ...
     def set_compression(self, dtype: str, nvrtc_path: str) -> None:
         """
         Wire compression of float32 buckets ('float16' or 'bfloat16'; 'float32': none), as torch DDP's fp16/bf16 compression hooks: each buffer's `wire` holds the 16-bit copy NCCL reduces. The kernels are compiled with NVRTC.
         """
+    @property
+    def compression(self) -> str: ...
 
 class SharedGpuBackend(Backend):
     def __init__(
@@ -130,6 +173,7 @@ class Engine:
         self, streams: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex] = []
     ) -> tuple[list[int], list[int]]: ...
     def has_grad(self, param: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
+    def holds_reduced_copy(self, replica: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
     def inject_fault(
         self, bucket: typing.SupportsInt | typing.SupportsIndex, message: str
     ) -> None: ...
@@ -146,6 +190,9 @@ class Engine:
         self, param: typing.SupportsInt | typing.SupportsIndex, has_grad: bool
     ) -> None: ...
     def ready_order(self) -> list[int]: ...
+    def restore_reduced_copy(
+        self, replica: typing.SupportsInt | typing.SupportsIndex, held: bool
+    ) -> None: ...
     def set_buckets(
         self,
         buckets: collections.abc.Sequence[
@@ -165,10 +212,6 @@ class Engine:
     def set_sync(self, enabled: bool) -> None: ...
     def set_timeline(self, enabled: bool) -> None: ...
     def take_reduced_copy(self, replica: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
-    def holds_reduced_copy(self, replica: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
-    def restore_reduced_copy(
-        self, replica: typing.SupportsInt | typing.SupportsIndex, held: bool
-    ) -> None: ...
     def unmarked(self) -> list[tuple[int, int]]: ...
     def use_stream(
         self,
@@ -227,6 +270,7 @@ def plan_buckets(
     order: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex],
     first_cap_bytes: typing.SupportsInt | typing.SupportsIndex,
     cap_bytes: typing.SupportsInt | typing.SupportsIndex,
+    taper: bool = False,
 ) -> list[list[int]]: ...
 def stress_engine(
     replicas: typing.SupportsInt | typing.SupportsIndex,
