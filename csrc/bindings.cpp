@@ -233,7 +233,8 @@ PYBIND11_MODULE(_C, m) {
       "returns what was built.");
 
   py::class_<ProcessGroupBackend, Backend, std::shared_ptr<ProcessGroupBackend>>(m, "ProcessGroupBackend")
-      .def(py::init([](std::shared_ptr<Backend> local, py::function launch, std::string name) {
+      .def(py::init([](std::shared_ptr<Backend> local, py::function launch, std::string name,
+                       int first_rank, int nranks) {
              // Runs on the engine's launcher thread: takes the GIL for the
              // Python launch, and turns its exception into a ReduceError (the
              // engine names the bucket) instead of a Python error object
@@ -252,9 +253,10 @@ PYBIND11_MODULE(_C, m) {
                }
              };
              return std::make_shared<ProcessGroupBackend>(std::move(local), std::move(call),
-                                                   std::move(name));
+                                                   std::move(name), first_rank, nranks);
            }),
-           py::arg("local"), py::arg("launch"), py::arg("name"),
+           py::arg("local"), py::arg("launch"), py::arg("name"), py::arg("first_rank"),
+           py::arg("nranks"),
            "Local reduction, then launch(bucket) starts the cross-process one (Python).");
 
   py::class_<Engine>(m, "Engine")
@@ -304,6 +306,11 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>())
       .def("set_sync", &Engine::set_sync, py::arg("enabled"))
+      .def("set_scatter", &Engine::set_scatter, py::arg("ranks"),
+           "Sharded gradients: buckets reduce-scatter over `ranks` ranks (0: all-reduce); "
+           "buffers hold padded_count(bucket) elements.")
+      .def_property_readonly("scatter_ranks", &Engine::scatter_ranks)
+      .def("padded_count", &Engine::padded_count, py::arg("bucket"))
       .def_property_readonly("sync_enabled", &Engine::sync_enabled)
       // May rebuild NCCL communicators (seconds): other threads keep running.
       .def("clear_grads", &Engine::clear_grads, py::arg("set_to_none"),

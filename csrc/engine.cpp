@@ -95,6 +95,25 @@ void Engine::set_buckets(std::vector<std::vector<int>> buckets) {
   reset_iteration_locked();
 }
 
+void Engine::set_scatter(int ranks) {
+  std::unique_lock<std::mutex> lk(mu_);
+  PYDDP_ENFORCE(!active_.load() && !busy_, "cannot change the reduction while a backward is in flight");
+  PYDDP_ENFORCE(ranks >= 0, "scatter ranks must be >= 0, got ", ranks);
+  PYDDP_ENFORCE(ranks == 0 || ranks == backend_->ranks(num_replicas_), "scatter over ", ranks,
+                " ranks, but the backend spans ", backend_->ranks(num_replicas_));
+  scatter_ = ranks;
+  BufferRef unset;
+  unset.count = -1;
+  buffers_.assign(buckets_.size() * num_replicas_, unset);
+}
+
+int64_t Engine::padded_count(int bucket) const {
+  PYDDP_ENFORCE(bucket >= 0 && static_cast<size_t>(bucket) < buckets_.size(), "bucket ", bucket,
+                " out of range [0, ", buckets_.size(), ")");
+  const int64_t count = bucket_count_[bucket];
+  return scatter_ > 0 ? (count + scatter_ - 1) / scatter_ * scatter_ : count;
+}
+
 void Engine::set_buffer(int replica, int bucket, BufferRef buf) {
   std::lock_guard<std::mutex> lk(mu_);
   PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica, " out of range [0, ",
@@ -102,8 +121,9 @@ void Engine::set_buffer(int replica, int bucket, BufferRef buf) {
   PYDDP_ENFORCE(bucket >= 0 && static_cast<size_t>(bucket) < buckets_.size(), "bucket ", bucket,
                 " out of range [0, ", buckets_.size(), ")");
   PYDDP_ENFORCE(!active_.load() && !busy_, "cannot change buffers while a backward is in flight");
-  PYDDP_ENFORCE(buf.count == bucket_count_[bucket], "bucket ", bucket, " holds ",
-                bucket_count_[bucket], " elements, buffer has ", buf.count);
+  PYDDP_ENFORCE(buf.count == padded_count(bucket), "bucket ", bucket, " holds ",
+                padded_count(bucket), " elements", scatter_ > 0 ? " (padded)" : "",
+                ", buffer has ", buf.count);
   const DType want = params_[buckets_[bucket][0]].dtype;
   PYDDP_ENFORCE(buf.dtype == want, "bucket ", bucket, " is ", dtype_name(want), ", buffer is ",
                 dtype_name(buf.dtype));
@@ -221,7 +241,7 @@ std::vector<BufferRef> Engine::bucket_buffers(int bucket) const {
   std::vector<BufferRef> bufs(num_replicas_);
   for (int r = 0; r < num_replicas_; ++r) {
     bufs[r] = buffers_[static_cast<size_t>(r) * buckets_.size() + bucket];
-    PYDDP_ENFORCE(bufs[r].count == bucket_count_[bucket],
+    PYDDP_ENFORCE(bufs[r].count == padded_count(bucket),
                   "bucket ", bucket, " has no buffer for replica ", r, " (call set_buffer)");
   }
   return bufs;
@@ -251,14 +271,27 @@ void Engine::launcher_loop() {
     std::string err;
     try {
       if (fault) throw ReduceError(fault_message);
-      if (reduce) backend_->all_reduce(bucket_buffers(b), op_, b);
+      if (reduce && scatter_ > 0) {
+        const std::vector<BufferRef> sends = bucket_buffers(b);
+        std::vector<BufferRef> recvs = sends;
+        const int64_t block = sends[0].count / scatter_;
+        const size_t es = dtype_size(sends[0].dtype);
+        for (int r = 0; r < num_replicas_; ++r) {
+          recvs[r].data = static_cast<char*>(sends[r].data) + block * backend_->rank_of(r) * es;
+          recvs[r].count = block;
+          recvs[r].wire = nullptr;
+        }
+        backend_->reduce_scatter(sends, recvs, op_, b);
+      } else if (reduce) {
+        backend_->all_reduce(bucket_buffers(b), op_, b);
+      }
     } catch (const std::exception& e) {
       std::string names;
       for (size_t i = 0; i < buckets_[b].size() && i < 3; ++i) {
         names += (i ? ", " : "") + params_[buckets_[b][i]].name;
       }
       if (buckets_[b].size() > 3) names += ", ...";
-      err = detail::concat("pyddp: all-reduce of bucket ", b, " (", names, ") across ",
+      err = detail::concat("pyddp: ", scatter_ > 0 ? "reduce-scatter" : "all-reduce", " of bucket ", b, " (", names, ") across ",
                            num_replicas_, " replicas on backend '", backend_->name(),
                            "' failed: ", e.what());
     }
@@ -275,7 +308,7 @@ void Engine::launcher_loop() {
       bucket_done_ns_[b] = t_done;
       if (reduce) {
         ++current_.launches;
-        current_.bytes += bucket_count_[b] * static_cast<int64_t>(dtype_size(params_[buckets_[b][0]].dtype));
+        current_.bytes += padded_count(b) * static_cast<int64_t>(dtype_size(params_[buckets_[b][0]].dtype));
         if (current_.first_launch_ns == 0) current_.first_launch_ns = t_launch;
         current_.last_done_ns = t_done;
       }

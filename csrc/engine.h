@@ -60,6 +60,15 @@ class Engine {
   // must be set again before the next synced backward.
   void set_buckets(std::vector<std::vector<int>> buckets);
   void set_buffer(int replica, int bucket, BufferRef buf);
+  // Sharded gradients (ZeRO stage 2): `ranks` > 0 makes every bucket a
+  // reduce-scatter over the backend's `ranks` ranks instead of an
+  // all-reduce: a bucket's buffers then hold its elements padded to a
+  // multiple of `ranks` (padded_count), and afterwards replica r holds the
+  // reduction in its block only (block backend.rank_of(r)); 0: all-reduce.
+  // Only between iterations; buffers must be set again after.
+  void set_scatter(int ranks);
+  int scatter_ranks() const { return scatter_; }
+  int64_t padded_count(int bucket) const;
 
   // Hot path: thread-safe, never waits for communication. `stream` (GPU
   // backends) is the stream current where the gradient was accumulated: the
@@ -163,6 +172,7 @@ class Engine {
   std::vector<int> bucket_of_;
   std::vector<int64_t> bucket_count_;
   std::vector<BufferRef> buffers_;  // [replica * num_buckets + bucket]
+  int scatter_ = 0;                 // set_scatter's ranks; 0: all-reduce
 
   // Per-iteration counters, reset by finish()/abort().
   std::unique_ptr<std::atomic<int>[]> param_count_;

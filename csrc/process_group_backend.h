@@ -21,15 +21,26 @@ class ProcessGroupBackend : public Backend {
   // launch(key): starts the cross-process reduction of bucket `key` (replica
   // 0's buffer, already holding this process's sum). Called from the engine's
   // launcher thread only, in bucket-index order.
-  ProcessGroupBackend(std::shared_ptr<Backend> local, std::function<void(int)> launch, std::string name);
+  // `first_rank`, `nranks`: this process's replicas are ranks first_rank..
+  // of nranks over every process (for reduce_scatter's blocks).
+  ProcessGroupBackend(std::shared_ptr<Backend> local, std::function<void(int)> launch, std::string name,
+                      int first_rank, int nranks);
   std::string name() const override { return name_; }
   void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;
+  // Sharded gradients: the local sum (every local replica holds the
+  // process's), then launch(key): the cross-process part writes each
+  // replica's block (the Python layer's reduce-scatter over processes).
+  void reduce_scatter(const std::vector<BufferRef>& sends, const std::vector<BufferRef>& recvs,
+                      ReduceOp op, int key) override;
+  int ranks(int /*replicas*/) const override { return nranks_; }
+  int rank_of(int replica) const override { return first_rank_ + replica; }
   void close() override;
 
  private:
   std::shared_ptr<Backend> local_;
   std::function<void(int)> launch_;
   const std::string name_;
+  const int first_rank_, nranks_;
   std::mutex mu_;  // close() vs a launch in progress
   bool closed_ = false;
 };

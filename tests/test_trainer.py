@@ -132,14 +132,25 @@ def test_shard_optimizer_is_bitwise_the_unsharded_run_and_resumes_either_way(tmp
     shares = pyddp.zero.state_bytes(sharded.optimizer)
     whole = pyddp.zero.state_bytes(full.optimizer)
     assert max(shares) <= whole[0] / 3 + 64 and sum(shares) >= whole[0], (shares, whole)
-    for shard_first in (True, False):
-        out = str(tmp_path / f"resumed-{shard_first}")
-        first = trainer(max_epochs=3, max_steps=5, output_dir=out, shard_optimizer=shard_first)
+    stage2 = trainer(max_epochs=3, shard_optimizer="gradients")
+    stage2.fit((x, y))
+    assert stage2.model._reducer.engine.scatter_ranks == 3
+    shares = pyddp.zero.state_bytes(stage2.optimizer)
+    assert max(shares) <= whole[0] / 3 + 64 and sum(shares) >= whole[0], (shares, whole)
+    # Resumed with sharding off and on, and from one stage into the other.
+    for first_shard, then in (
+        (True, False),
+        (False, True),
+        ("gradients", True),
+        (True, "gradients"),
+    ):
+        out = str(tmp_path / f"resumed-{first_shard}-{then}")
+        first = trainer(max_epochs=3, max_steps=5, output_dir=out, shard_optimizer=first_shard)
         assert first.fit((x, y)).stop_reason == "max_steps"
-        second = trainer(max_epochs=3, output_dir=out, shard_optimizer=not shard_first)
+        second = trainer(max_epochs=3, output_dir=out, shard_optimizer=then)
         second.fit((x, y))
         assert second.state.step == 12
-        for t in (sharded, second):
+        for t in (sharded, stage2, second):
             for p, q in zip(t.model.module.parameters(), full.model.module.parameters()):
                 assert torch.equal(p, q)
 

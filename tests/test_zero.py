@@ -7,6 +7,7 @@ across two."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -43,15 +44,17 @@ def _model() -> nn.Module:
     )
 
 
-def _train(shard, n, cls, steps=4, params=None, **kw):
+def _train(shard, n, cls, steps=4, params=None, cap=25.0, clip=None, **kw):
     torch.manual_seed(1)
     x, y = torch.randn(24, 8), torch.randn(24, 4)
-    dm = pyddp.wrap(_model(), ["cpu"] * n)
+    dm = pyddp.wrap(_model(), ["cpu"] * n, bucket_cap_mb=cap)
     opt = dm.optimizer(cls, params, shard=shard, **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
     for _ in range(steps):
         opt.zero_grad()
         nn.functional.mse_loss(dm(x), y).backward()
+        if clip is not None:
+            dm.clip_grad_norm_(clip)
         opt.step()
         sched.step()
     return dm, opt
@@ -66,9 +69,14 @@ OPTIMIZERS = [
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=[c.__name__ for c, _ in OPTIMIZERS])
-def test_sharded_equals_unsharded_bit_for_bit(n, cls, kw):
-    a, oa = _train(False, n, cls, **kw)
-    b, ob = _train(True, n, cls, **kw)
+@pytest.mark.parametrize("shard,cap", [(True, 25.0), ("gradients", 25.0), ("gradients", 0.0)])
+def test_sharded_equals_unsharded_bit_for_bit(n, cls, kw, shard, cap):
+    # shard="gradients" (ZeRO stage 2) reduce-scatters the buckets (one, or
+    # one per parameter with cap 0): each replica's block is bitwise the
+    # all-reduce's, so the step is too.
+    a, oa = _train(False, n, cls, cap=cap, **kw)
+    b, ob = _train(shard, n, cls, cap=cap, **kw)
+    assert b._reducer.engine.scatter_ranks == (n if shard == "gradients" else 0)
     assert type(ob).__name__ == f"Sharded{cls.__name__}" and isinstance(ob, cls)
     for p, q in zip(a.module.parameters(), b.module.parameters()):
         assert torch.equal(p, q)
@@ -187,8 +195,10 @@ def test_plan_shards_divides_elements_or_whole_parameters():
 
 def test_misuse_is_refused():
     dm = pyddp.wrap(_model(), ["cpu", "cpu"])
-    with pytest.raises(TypeError, match="shard must be a bool"):
+    with pytest.raises(ValueError, match="shard='yes': use False, True or 'state'"):
         dm.optimizer(torch.optim.SGD, shard="yes", lr=0.1)
+    with pytest.raises(ValueError, match="shard=1"):
+        dm.optimizer(torch.optim.SGD, shard=1, lr=0.1)
     opt = dm.optimizer(torch.optim.SGD, shard=True, lr=0.1)
     with pytest.raises(RuntimeError, match="add_param_group"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
@@ -211,6 +221,85 @@ def test_misuse_is_refused():
     with pytest.raises(ValueError, match="momentum_buffer"):
         opt.load_state_dict(sd)
     dm.close()
+
+
+def test_stage2_clip_grad_norm_is_the_global_norm():
+    # dmodel.clip_grad_norm_ under shard="gradients" combines every
+    # replica's blocks. The norm is summed in another grouping than the
+    # unsharded one (per block in float64 against per bucket in float32),
+    # so the clip coefficient may differ by a float32 rounding: parameters
+    # within 1e-6 of the unsharded run after 4 clipped steps.
+    for p in (2.0, 1.0, float("inf")):
+        a, _ = _train(False, 3, torch.optim.AdamW, cap=0.0005, clip=0.05, lr=1e-2)
+        b, _ = _train("gradients", 3, torch.optim.AdamW, cap=0.0005, clip=0.05, lr=1e-2)
+        for q, r in zip(a.module.parameters(), b.module.parameters()):
+            torch.testing.assert_close(q, r, atol=1e-6, rtol=0)
+        x = torch.randn(5, 8)
+        for d in (a, b):
+            d(x).sum().backward()
+        want = a.clip_grad_norm_(1e9, p)
+        got = b.clip_grad_norm_(1e9, p)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("loss", ["gathered", "per_replica"])
+def test_stage2_accumulates_like_the_unsharded_optimizer(loss):
+    # Micro-batches under no_sync(), then two synced backwards in a row with
+    # no zero_grad between (the second adds to the first's reduction: each
+    # replica keeps its block of it, times the copies the unsharded rule
+    # keeps, and zeros the rest). The sums are associated in another order
+    # than the unsharded ones (an owner's block plus the others' zeros), so
+    # within float32 rounding: 1e-6 after 3 steps.
+    def run(shard):
+        torch.manual_seed(1)
+        dm = pyddp.wrap(_model(), ["cpu"] * 3, bucket_cap_mb=0.0005)
+        opt = dm.optimizer(torch.optim.SGD, shard=shard, lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            opt.zero_grad()
+            for k in range(4):
+                x, y = torch.randn(12, 8, generator=g), torch.randn(12, 4, generator=g)
+                ctx = dm.no_sync() if k < 2 else contextlib.nullcontext()
+                with ctx:
+                    if loss == "gathered":
+                        F.mse_loss(dm(x), y).backward()
+                    else:
+                        dm.loss(F.mse_loss, x, y).backward()
+            opt.step()
+        return dm
+
+    a, b = run(False), run("gradients")
+    for p, q in zip(a.module.parameters(), b.module.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+    for m in b.replicas:
+        for p, q in zip(m.parameters(), b.module.parameters()):
+            assert torch.equal(p, q)
+
+
+def test_stage2_refuses_what_it_cannot_do_by_name():
+    def model():
+        return pyddp.wrap(_model(), ["cpu"] * 2)
+
+    with pytest.raises(ValueError, match="Adafactor .* needs shard=True"):
+        model().optimizer(torch.optim.Adafactor, shard="gradients", lr=1e-2)
+    with pytest.raises(ValueError, match="every parameter the model trains"):
+        model().optimizer(torch.optim.SGD, lambda m: m[0].parameters(), shard="gradients", lr=0.1)
+    hooked = model()
+    with pytest.warns(UserWarning, match="hook is not used"):  # one process: said
+        hooked.register_comm_hook(None, lambda state, bucket: None)
+    with pytest.raises(NotImplementedError, match="communication hook"):
+        hooked.optimizer(torch.optim.SGD, shard="gradients", lr=0.1)
+    dm = model()
+    opt = dm.optimizer(torch.optim.SGD, shard="gradients", lr=0.1)
+    for shard in (False, True, "gradients"):
+        with pytest.raises(RuntimeError, match="gradients are sharded"):
+            dm.optimizer(torch.optim.SGD, shard=shard, lr=0.1)
+    # torch's own clipping over the model's parameters sees replica 0's
+    # buffers (its block reduced, the rest its own): refused at the step.
+    dm(torch.randn(4, 8)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(dm.module.parameters(), 0.1)
+    with pytest.raises(RuntimeError, match="clip with dmodel.clip_grad_norm_"):
+        opt.step()
 
 
 def test_torchs_zero_spellings_port_unchanged():

@@ -179,6 +179,13 @@ def allreduce(pg: Any, t: Any, op: Any = None) -> Any:
     return pg.allreduce([t], opts)
 
 
+def reduce_scatter(pg: Any, out: Any, t: Any) -> Any:
+    """An asynchronous reduce-scatter (sum) of `t` on a gloo group, rank k
+    getting block k in `out` (may be its own block of `t`): its work, which
+    gloo gives no future (poll is_completed())."""
+    return pg._reduce_scatter_base(out, t, dist.ReduceScatterOptions())
+
+
 def broadcast(pg: Any, t: Any, root: int = 0) -> None:
     """The group's rank `root`'s `t` everywhere (a rank in the group's
     order), blocking."""

@@ -83,6 +83,10 @@ class Link:
         processes), the replicas' CUDA devices and the stream provider, for
         the agreement to travel on the device after the buckets."""
 
+    def set_scatter(self, ranks: int) -> None:
+        """Sharded gradients from now on: buckets are reduce-scattered over
+        `ranks` ranks (nothing rides with them)."""
+
     def spare_elements(self, dtype: torch.dtype) -> int:
         """The elements the link wants after replica 0's last bucket (of
         `dtype`), to send with it (the agreement, across processes)."""

@@ -110,15 +110,24 @@ class ProcessLink(Link):
             return local  # NCCL's communicator spans the processes itself
         # This process's replicas sum in C++, then the launcher hands each
         # bucket to the transport (launch holds no reference to the link).
-        return _C.ProcessGroupBackend(local, self.transport.launch, f"{local.name}+gloo")
+        first = sum(self.local_counts[: self.rank])
+        return _C.ProcessGroupBackend(
+            local, self.transport.launch, f"{local.name}+gloo", first, sum(self.local_counts)
+        )
 
     def route_through(self, backend: Any, devices: Sequence[int], provider: Any) -> None:
         self._route = DeviceRoute(backend, devices, provider)
 
+    def set_scatter(self, ranks: int) -> None:
+        # On GPUs NCCL reduce-scatters; on CPUs the transport, one replica
+        # per process (zero.py refuses more), so its ranks are processes.
+        self.transport.scatter = self._route is None and ranks > 0
+
     def spare_elements(self, dtype: torch.dtype) -> int:
         # CPU: the agreement rides in the last bucket (on GPUs it is summed
-        # on the device after the buckets, never waited for).
-        if self._route is not None:
+        # on the device after the buckets, never waited for); a bucket
+        # reduce-scattered carries nothing else.
+        if self._route is not None or self.transport.scatter:
             return 0
         return ride_size(len(self.transport.names), dtype, self.world)
 

@@ -88,6 +88,9 @@ class BucketLayout:
         self._view_ptrs: List[int] = []
         self._versions: Optional[List[List[int]]] = None  # the buffers' at finish()
         self.riding: Optional[torch.Tensor] = None  # allocate's `spare`
+        # Sharded gradients (Engine.set_scatter): every bucket padded to a
+        # multiple of the ranks, one block each.
+        self.pad_to = 1
         self.adopted = 0  # gradients that arrived outside the buckets and were copied in
         # Per replica and parameter: set to None by hand_over, not yet back.
         self._handed = [[False] * n for _ in params]
@@ -97,10 +100,12 @@ class BucketLayout:
         keeping the values gradients already hold. `spare`: elements after
         replica 0's last bucket (self.riding: that bucket and them)."""
         self.riding = None
+        pad = self.pad_to
         for r, params in enumerate(self.params):
             flats, wires = [], []
             for b, members in enumerate(buckets):
                 count = sum(params[i].numel() for i in members)
+                count = -(-count // pad) * pad  # sharded gradients: a block per rank
                 room = spare if r == 0 and b == len(buckets) - 1 else 0
                 flat = self._zeros(count + room, params[members[0]].dtype, r)
                 if room:
@@ -243,6 +248,18 @@ class BucketLayout:
             flat.zero_()
         self._handed[r] = [False] * len(self._handed[r])
 
+    def keep_block(self, r: int, k: int, ranks: int, times: float) -> None:
+        """Sharded gradients: replica r keeps block k (of `ranks`) of every
+        bucket, times `times`, and zeros the rest."""
+        with torch.no_grad():
+            for flat in self.flat[r]:
+                c = flat.numel() // ranks
+                flat[: k * c].zero_()
+                flat[(k + 1) * c :].zero_()
+                if times != 1:
+                    flat[k * c : (k + 1) * c].mul_(times)
+        self._handed[r] = [False] * len(self._handed[r])
+
     def copy_to_others(self, buckets: Sequence[int]) -> None:
         """Replica 0's values of `buckets` on every other replica (reduced
         across processes through replica 0's buffers)."""
@@ -277,6 +294,13 @@ class BucketLayout:
         now = [[f._version for f in flats] for flats in self.flat]
         if now == self._versions:
             return
+        if self.pad_to > 1:
+            raise RuntimeError(
+                "pyddp: gradients were changed after backward under shard='gradients', where "
+                "each replica holds the reduced gradient in its own block only (the rest is its "
+                "own, unreduced): clip with dmodel.clip_grad_norm_(max_norm), which combines "
+                "every replica's blocks"
+            )
         moved0 = [a - b for a, b in zip(now[0], self._versions[0])]
         for r in range(1, len(self.flat)):
             moved = [a - b for a, b in zip(now[r], self._versions[r])]

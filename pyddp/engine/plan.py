@@ -71,6 +71,19 @@ class Plan:
         layout = self.layout
         self.link.set_buckets(layout.flat[0], buckets, self.params, layout.views[0], layout.riding)
 
+    def set_scatter(self, ranks: int) -> None:
+        """Sharded gradients from the next backward on: every bucket a
+        reduce-scatter over `ranks` ranks, padded to a block per rank; the
+        bucket plan is final from now on (the shards are cut from it)."""
+        if self.engine.active:
+            self.engine.abort()
+        self.order.fence_all()
+        self.rebuild_pending = False
+        self.layout.pad_to = ranks
+        self.link.set_scatter(ranks)
+        self.engine.set_scatter(ranks)
+        self.allocate(self.engine.buckets)
+
     def rebuild_once(self) -> None:
         """After the first synced backward: every process plans from rank 0's
         ready order."""

@@ -187,7 +187,19 @@ class Reducer:
         next one. Average: every copy does (each holds the mean, and the next
         mean of (mean + new) is mean + new mean). `fence`: order the current
         stream after the reductions first (prepare has done it already)."""
-        if not (self.engine.take_reduced_copy(replica) and replica > 0 and self.op == "sum"):
+        held = self.engine.take_reduced_copy(replica)
+        if held and self.engine.scatter_ranks:
+            # Sharded gradients: replica r holds the reduction in its block
+            # only. Each keeps its block and zeros the rest, times the copies
+            # the unsharded rule keeps (each process's replica 0; for an
+            # average, every replica): the sum over ranks is the same.
+            if fence:
+                self.order.use_current(self.engine, replica)
+            copies = self.link.world * (len(self.replicas) if self.op == "avg" else 1)
+            ranks = self.engine.scatter_ranks
+            self.layout.keep_block(replica, self.backend.rank_of(replica), ranks, copies)
+            return
+        if not (held and replica > 0 and self.op == "sum"):
             return
         if fence:
             self.order.use_current(self.engine, replica)

@@ -1,6 +1,7 @@
 """`dmodel.optimizer(cls, params, shard=...)`: the optimizer for a wrapped
 model's replicas: the plain one for a single replica, else the replicated one
-(replicated.py) or, with `shard=True` and more than one replica anywhere, the
+(replicated.py) or, with `shard=True` ("state", ZeRO stage 1) or
+`shard="gradients"` (ZeRO stage 2) and more than one replica anywhere, the
 sharded one (zero.py)."""
 
 from __future__ import annotations
@@ -21,16 +22,30 @@ def make_optimizer(
     sync: Reducer,
     cls: Type[torch.optim.Optimizer],
     params: Optional[ParamsFn] = None,
-    shard: bool = False,
+    shard: Any = False,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer class must be a torch.optim.Optimizer subclass, got {cls!r}")
-    if not isinstance(shard, bool):
-        raise TypeError(f"shard must be a bool, got {type(shard).__name__}")
+    if (
+        shard not in (False, True, "state", "gradients")
+        or isinstance(shard, int)
+        and not isinstance(shard, bool)
+    ):
+        raise ValueError(
+            f"shard={shard!r}: use False, True or 'state' (optimizer state, ZeRO stage 1), or "
+            "'gradients' (gradients and optimizer state, ZeRO stage 2)"
+        )
+    if sync.engine is not None and sync.engine.scatter_ranks:
+        raise RuntimeError(
+            "pyddp: this model's gradients are sharded (an optimizer with shard='gradients' "
+            "was made for it): every replica holds only its block of each reduced gradient, so "
+            "no other optimizer can step it; make one optimizer with shard='gradients' over "
+            "every parameter (param groups for different settings)"
+        )
     groups = [_param_groups(m, params) for m in sync.replicas]
     if shard and (len(groups) > 1 or sync.link.spans_processes):
-        return sharded_optimizer(sync, cls, groups, **kwargs)
+        return sharded_optimizer(sync, cls, groups, shard == "gradients", **kwargs)
     if len(groups) == 1:
         return cls(groups[0], **kwargs)  # one replica: the plain optimizer, no overhead
     return replicated_optimizer(sync, cls, groups, **kwargs)

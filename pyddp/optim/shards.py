@@ -10,6 +10,7 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 
+from .._link import exchange
 from .._link.route import DeviceRoute
 from ..engine.reducer import Reducer
 
@@ -22,6 +23,7 @@ ELEMENTWISE = {
 }  # fmt: skip
 
 Piece = Tuple[int, int, int]  # (parameter, first element, end element)
+CLIP_NORMS = exchange("the gathering of each rank's gradient norm for clip_grad_norm_")
 
 
 def plan_shards(numels: Sequence[int], slots: int, split: bool) -> List[List[Piece]]:
@@ -242,3 +244,46 @@ class HostGather:
                 torch._foreach_copy_(params_v, flat_v)
             else:
                 torch._foreach_copy_(flat_v, params_v)
+
+
+def clip_sharded(sync: Reducer, max_norm: float, norm_type: float) -> torch.Tensor:
+    """dmodel.clip_grad_norm_ under shard='gradients': each replica holds
+    the reduced gradient in its block of every bucket only, so each takes
+    the norm of its blocks, the partial norms of every replica of every
+    process are all-gathered (on GPUs on the engine's backend, no host
+    wait; across processes on CPUs through gloo) and combined, and each
+    replica scales its blocks. Returns the total norm (on replica 0's
+    device)."""
+    ranks = sync.engine.scatter_ranks
+    p = float(norm_type)
+    blocks = []
+    for r, flats in enumerate(sync.layout.flat):
+        k = sync.backend.rank_of(r)
+        blocks.append([f[f.numel() // ranks * k : f.numel() // ranks * (k + 1)] for f in flats])
+    partials = []
+    for own in blocks:
+        norms = torch.stack(
+            [torch.linalg.vector_norm(b, p, dtype=torch.float64) for b in own]
+        )  # padding is zero: it adds nothing
+        partials.append(norms.max() if p == float("inf") else norms.pow(p).sum())
+    with torch.no_grad():
+        if sync.gpu_devices is not None:
+            route = DeviceRoute(sync.backend, sync.gpu_devices, sync.streams)
+            sends = [route.zeros(1, torch.float64, r) for r in range(len(blocks))]
+            recvs = [route.zeros(ranks, torch.float64, r) for r in range(len(blocks))]
+            for s, part in zip(sends, partials):
+                s.copy_(part.reshape(1))
+            route.all_gather(sends, recvs)
+            everyone = recvs
+        else:
+            mine = torch.stack(partials).reshape(-1)
+            everyone = [sync.link.gather_tensor(mine, CLIP_NORMS)] * len(blocks)
+        coefs, total0 = [], None
+        for all_partials in everyone:
+            total = all_partials.max() if p == float("inf") else all_partials.sum().pow(1.0 / p)
+            total0 = total if total0 is None else total0
+            coefs.append(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        for own, coef in zip(blocks, coefs):
+            torch._foreach_mul_(own, coef.to(own[0].dtype))
+    sync.layout.mark_reduced()  # the blocks changed on purpose: not a user's edit
+    return total0.to(torch.float32) if total0.dtype != torch.float32 else total0

@@ -38,7 +38,7 @@ from .._link import exchange
 from ..engine.reducer import Reducer
 from ..errors import ReplicaError
 from .base import OptimState, PyddpOptimizer
-from .shards import ELEMENTWISE, DeviceGather, HostGather, Shard, plan_shards
+from .shards import ELEMENTWISE, DeviceGather, HostGather, Piece, Shard, plan_shards
 
 SHARD_PARAMS = exchange("the gathering of a sharded optimizer step's parameters")
 # Named with its remedy: the usual mistake is calling state_dict() on the
@@ -92,10 +92,14 @@ def _bytes(state: Any) -> int:
 
 
 def sharded_optimizer(
-    sync: Reducer, cls: Type[torch.optim.Optimizer], groups: List[list], **kwargs: Any
+    sync: Reducer,
+    cls: Type[torch.optim.Optimizer],
+    groups: List[list],
+    gradients: bool = False,
+    **kwargs: Any,
 ) -> torch.optim.Optimizer:
     """`groups[r]`: replica r's parameters or param groups (as the user gave
-    them, applied to each replica)."""
+    them, applied to each replica); `gradients`: ZeRO stage 2."""
     opt = _sharded_class(cls)(groups[0], **kwargs)
     opt.state.clear()  # state made at construction (Adagrad's sum) is the shards' to hold
     index = {id(p): i for i, p in enumerate(sync.params[0])}
@@ -121,7 +125,16 @@ def sharded_optimizer(
     assert sorted(slot_of) == list(range(first, first + local)), slot_of
     params0 = sync.params[0]
     split = cls in ELEMENTWISE and all(params0[i].is_contiguous() for i in order)
-    plan = plan_shards([params0[i].numel() for i in order], slots, split)
+    numels = [params0[i].numel() for i in order]
+    if gradients:
+        _check_gradients(sync, cls, split, set(order) >= set(range(len(index))), gpus)
+        # The engine reduce-scatters every bucket, one block per slot (its
+        # rank): a slot's shard is its block of every bucket, so the two
+        # plans agree by construction, and the bucket plan is final now.
+        sync.plan.set_scatter(slots)
+        plan = plan_from_buckets(sync.engine.buckets, [p.numel() for p in params0], order, slots)
+    else:
+        plan = plan_shards(numels, slots, split)
     group_of = {i: g for g, idx in enumerate(layout) for i in idx}
     shards = []
     for r in range(local):
@@ -151,6 +164,55 @@ def sharded_optimizer(
         else None,
     )
     return opt
+
+
+def _check_gradients(sync: Reducer, cls: type, split: bool, owns_all: bool, gpus: bool) -> None:
+    """shard='gradients' refuses, by name, what it cannot do."""
+    if not split:
+        raise ValueError(
+            f"pyddp: shard='gradients' needs an optimizer whose update of each element depends "
+            f"on that element alone (SGD, Adam, AdamW, ...) over contiguous parameters: each "
+            f"replica steps the block of every bucket it reduced, cut inside parameters; "
+            f"{cls.__name__} (or a non-contiguous parameter) needs shard=True"
+        )
+    if not owns_all:
+        raise ValueError(
+            "pyddp: shard='gradients' must step every parameter the model trains (pass param "
+            "groups for different settings): the other parameters' gradients would be left "
+            "unreduced outside each replica's block"
+        )
+    if sync.plan.hook_set:
+        raise NotImplementedError(
+            "pyddp: shard='gradients' with a communication hook: a hook sees and returns whole "
+            "buckets, which are reduce-scattered here; use shard=True with the hook"
+        )
+    if sync.link.spans_processes and not gpus and len(sync.replicas) > 1:
+        raise NotImplementedError(
+            "pyddp: shard='gradients' across processes with several CPU replicas per process; "
+            "use one replica per process (torchrun --nproc-per-node), or shard=True"
+        )
+
+
+def plan_from_buckets(
+    buckets: Sequence[Sequence[int]], numels: Sequence[int], order: List[int], slots: int
+) -> List[List[Piece]]:
+    """ZeRO stage 2's shards: slot s owns block s of every bucket (the
+    bucket's elements padded to a multiple of `slots`, cut into equal
+    blocks), as pieces (index in `order`, first, end) like plan_shards'."""
+    position = {i: k for k, i in enumerate(order)}
+    plan: List[List[Piece]] = [[] for _ in range(slots)]
+    for members in buckets:
+        block = -(-sum(numels[i] for i in members) // slots)
+        start = 0
+        for i in members:
+            for s in range(slots):
+                lo, hi = max(start, s * block), min(start + numels[i], (s + 1) * block)
+                if lo < hi:
+                    plan[s].append((position[i], lo - start, hi - start))
+            start += numels[i]
+    for pieces in plan:
+        pieces.sort()
+    return plan
 
 
 @functools.cache  # one subclass per optimizer class

@@ -17,6 +17,7 @@ from typing import (
     Optional,
     Sequence,
     Type,
+    Union,
 )
 
 import torch
@@ -26,6 +27,7 @@ from .._link.ranks import Ranks
 from ..engine.options import Options
 from ..engine.reducer import Reducer
 from ..optim.factory import ParamsFn, make_optimizer
+from ..optim.shards import clip_sharded
 from ..runtime.devices import DeviceLike, parse_devices, process_devices
 from ..runtime.libraries import timeout_s
 from ..runtime.torchrun import refuse_training_alone
@@ -155,15 +157,17 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         cls: Optional[Type[torch.optim.Optimizer]] = None,
         params: Optional[ParamsFn] = None,
         *,
-        shard: bool = False,
+        shard: Union[bool, str] = False,
         optimizer_class: Optional[Type[torch.optim.Optimizer]] = None,
         **kwargs: Any,
     ) -> torch.optim.Optimizer:
         """One optimizer stepping every replica (an instance of `cls`'s subclass).
         `params`, if given, maps a replica module to its parameters or groups.
-        `shard=True`: ZeRO stage 1 (pyddp.optim.zero): each replica of each process
-        holds optimizer state for its share of the parameters only, and
-        state_dict() is the unsharded one's (CPU replicas)."""
+        `shard=True` (or "state"): ZeRO stage 1 (pyddp.optim.zero): each replica
+        of each process holds optimizer state for its share of the parameters
+        only, and state_dict() is the unsharded one's. `shard="gradients"`:
+        ZeRO stage 2: buckets are reduce-scattered, each replica keeps the
+        reduced gradient of its share only (clip with dmodel.clip_grad_norm_)."""
         self._check_open()
         if (cls is None) == (optimizer_class is None):
             raise TypeError(
@@ -214,6 +218,9 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         """Clips every replica's gradients by their global norm and returns that
         norm: the norm of the full-batch gradient, not sqrt(N) times it."""
         self._check_open()
+        engine = self._reducer.engine
+        if engine is not None and engine.scatter_ranks:  # shard="gradients": blocks only
+            return clip_sharded(self._reducer, max_norm, norm_type)
         if len(self._replicas) == 1:
             return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
         flats = self._reducer.flat_grads(0)  # replicas hold the same reduced values

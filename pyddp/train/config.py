@@ -28,8 +28,9 @@ class TrainConfig:
     scheduler_interval: str = "step"  # when the LR scheduler steps: "step" or "epoch"
     clip_grad_norm: Optional[float] = None  # max global gradient norm
     # Optimizer state divided over every replica of every process (ZeRO stage
-    # 1, dmodel.optimizer(..., shard=True)); the same result bit for bit.
-    shard_optimizer: bool = False
+    # 1, dmodel.optimizer(..., shard=True)), or "gradients" too (stage 2:
+    # buckets reduce-scattered); the same result bit for bit.
+    shard_optimizer: Union[bool, str] = False
     precision: str = "fp32"  # "fp32", "bf16" (autocast), "fp16" (autocast + loss scaling, GPU)
     seed: int = 0  # in [0, 2**32)
     shuffle: bool = True
@@ -83,6 +84,15 @@ def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise _fail(name, value, "True or False")
     return value
+
+
+def _flag_or(word: str):
+    def flag_or(name: str, value: Any) -> Union[bool, str]:
+        if not isinstance(value, bool) and value != word:
+            raise _fail(name, value, f"True, False or {word!r}")
+        return value
+
+    return flag_or
 
 
 def _choice(*choices: str):
@@ -150,5 +160,5 @@ _CHECKS = {
     "smoothing": _smoothing,
     "early_stopping_patience": _optional(_positive_int),
     "progress": _flag,
-    "shard_optimizer": _flag,
+    "shard_optimizer": _flag_or("gradients"),
 }
