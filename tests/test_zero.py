@@ -336,6 +336,7 @@ def sharded_across_processes(out: dict) -> None:
     import pyddp.optim.zero
 
     replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
+    stage = os.environ.get("SCENARIO_SHARD", "state")  # or "gradients": ZeRO stage 2
     rank, world = pyddp.rank(), pyddp.world()
     batches = data(5, 12)
     adam = dict(lr=1e-2, weight_decay=1e-3)
@@ -353,7 +354,9 @@ def sharded_across_processes(out: dict) -> None:
         return dm, opt
 
     plain_dm, plain_opt = train(False)
-    dm, opt = train(True)
+    dm, opt = train(stage)
+    out["scatter_ranks"] = dm._reducer.engine.scatter_ranks
+    out["bucket_bytes"] = [plain_dm.stats()["bytes"], dm.stats()["bytes"]]
     out["vs_unsharded"] = max_diff(dm.module, plain_dm.module)
     out["replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
     sd, plain_sd = opt.state_dict(), plain_opt.state_dict()
@@ -369,7 +372,7 @@ def sharded_across_processes(out: dict) -> None:
     # A new sharded optimizer loaded from the consolidated state steps on
     # exactly as the first one does.
     dm2 = wrap_on(copy.deepcopy(dm.module), replicas, gpus)
-    opt2 = dm2.optimizer(torch.optim.AdamW, shard=True, **adam)
+    opt2 = dm2.optimizer(torch.optim.AdamW, shard=stage, **adam)
     opt2.load_state_dict(sd)
     for d, o in ((dm, opt), (dm2, opt2)):
         step_on_rows(d, o, *batches[0], settle)
@@ -396,7 +399,7 @@ def sharded_across_processes(out: dict) -> None:
         ddp = nn.parallel.DistributedDataParallel(mlp())
         zopt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, **adam)
         zdm = pyddp.wrap(mlp(), ["cpu"])
-        popt = zdm.optimizer(torch.optim.AdamW, shard=True, **adam)
+        popt = zdm.optimizer(torch.optim.AdamW, shard=stage, **adam)
         for x, y in batches:
             rows = my_rows(len(x), rank, world)
             for model, o in ((ddp, zopt), (zdm, popt)):
@@ -410,18 +413,34 @@ def sharded_across_processes(out: dict) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_sharded_optimizer_state_across_processes(tmp_path, replicas):
+@pytest.mark.parametrize("replicas,stage", [(1, "state"), (2, "state"), (1, "gradients")])
+def test_sharded_optimizer_state_across_processes(tmp_path, replicas, stage):
     # dmodel.optimizer(AdamW, shard=True) over 2 processes x `replicas`:
     # bitwise the unsharded optimizer (and torch's ZeroRedundancyOptimizer
-    # under torch DDP), state per replica a share of one copy.
-    env = {"SCENARIO_REPLICAS": str(replicas)}
-    check_zero(spawn(sharded_across_processes, env=env, out=tmp_path), replicas)
+    # under torch DDP), state per replica a share of one copy. Stage 2
+    # (shard="gradients": gloo's reduce-scatter of each bucket, one replica
+    # per process) too: with 2 processes a block's sum has one order.
+    env = {"SCENARIO_REPLICAS": str(replicas), "SCENARIO_SHARD": stage}
+    check_zero(spawn(sharded_across_processes, env=env, out=tmp_path), replicas, stage)
 
 
-def check_zero(got: List[dict], replicas: int) -> None:
+def stage2_with_two_cpu_replicas(out: dict) -> None:
+    dm = wrap_on(eval_norm(net()), 2)
+    expect_failure(out, lambda: dm.optimizer(torch.optim.AdamW, shard="gradients", lr=1e-2))
+
+
+@pytest.mark.multiprocess
+def test_stage2_across_processes_with_several_cpu_replicas_is_refused(tmp_path):
+    for r in spawn(stage2_with_two_cpu_replicas, out=tmp_path):
+        assert "several CPU replicas per process" in (r["error"] or ""), r
+
+
+def check_zero(got: List[dict], replicas: int, stage: str = "state") -> None:
     """sharded_across_processes's results (also on simulated GPUs, below)."""
     for r in got:
+        assert r["scatter_ranks"] == (2 * replicas if stage == "gradients" else 0), r
+        plain, sharded = r["bucket_bytes"]  # handed to the bucket collectives per step
+        assert plain <= sharded < plain + 4 * 2 * replicas * 8, r  # padding only
         assert r["vs_unsharded"] == 0.0 and r["replicas_equal"], r
         assert r["vs_one_device"] <= TOL, r
         assert r["state_keys_equal"] and r["state_diff"] == 0.0, r

@@ -182,7 +182,7 @@ def allreduce(pg: Any, t: Any, op: Any = None) -> Any:
 def reduce_scatter(pg: Any, out: Any, t: Any) -> Any:
     """An asynchronous reduce-scatter (sum) of `t` on a gloo group, rank k
     getting block k in `out` (may be its own block of `t`): its work, which
-    gloo gives no future (poll is_completed())."""
+    gloo gives no future (it completes inside wait())."""
     return pg._reduce_scatter_base(out, t, dist.ReduceScatterOptions())
 
 

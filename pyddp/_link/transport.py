@@ -8,8 +8,10 @@ waits for them with pyddp's timeout. Also the blocking reduction
 from __future__ import annotations
 
 import functools
+import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -31,24 +33,11 @@ class _InFlight:
         self.errors: Dict[int, str] = {}
         self.order: List[int] = []
         self.done_ns: Dict[int, int] = {}
-        # Launches whose work has no future (gloo's reduce-scatter): polled.
-        self.polled: List[Any] = []
 
-    def launched(self, bucket: int, work: Any = None) -> None:
-        """`work`: a gloo work without a future, polled by wait()."""
+    def launched(self, bucket: int) -> None:
         with self.cv:
             self.pending += 1
             self.order.append(bucket)
-            if work is not None:
-                self.polled.append((bucket, work))
-
-    def poll(self) -> None:
-        """Completes the polled launches whose work is done."""
-        with self.cv:
-            ready = [(b, w) for b, w in self.polled if w.is_completed()]
-            self.polled = [(b, w) for b, w in self.polled if not w.is_completed()]
-        for b, w in ready:
-            self.done(b, _Waited(w))
 
     def done(self, bucket: int, fut: Any) -> None:
         err = None
@@ -73,14 +62,46 @@ class _InFlight:
 
 
 class _Waited:
-    """A completed work's result as done() reads a future's (wait() raises
-    the work's error)."""
+    """A work's result as done() reads a future's: value() waits for it and
+    raises its error."""
 
     def __init__(self, work: Any):
         self.work = work
 
     def value(self) -> None:
         self.work.wait()
+
+
+class _Waiter:
+    """One thread per transport that waits, in launch order, for the works
+    gloo gives no future (its reduce-scatter: neither a future nor a working
+    is_completed(); it completes inside wait()), and completes them in the
+    flight record as a future's callback would. It holds the flight record
+    and its queue only, never the link; stop() (or the transport's
+    finalizer) ends it."""
+
+    def __init__(self, flight: _InFlight):
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=_Waiter._run, args=(self.queue, flight), name="pyddp-gloo-waiter", daemon=True
+        )
+        self.thread.start()
+
+    @staticmethod
+    def _run(q: queue.SimpleQueue[Any], flight: _InFlight) -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            bucket, work = item
+            flight.done(bucket, _Waited(work))
+
+    def put(self, bucket: int, work: Any) -> None:
+        self.queue.put((bucket, work))
+
+    @staticmethod
+    def stop(q: queue.SimpleQueue[Any]) -> None:
+        q.put(None)
 
 
 class BucketTransport:
@@ -111,8 +132,10 @@ class BucketTransport:
         self.done_ns_last: Dict[int, int] = {}
         self._flight = _InFlight()
         # Sharded gradients (shard='gradients', one replica per process):
-        # buckets reduce-scatter, this process keeping block `rank`.
+        # buckets reduce-scatter, this process keeping block `rank`; their
+        # works are waited for by a thread of the transport's own.
         self.scatter = False
+        self._waiter: Optional[_Waiter] = None
 
     def ride_on(
         self, wire: Optional[torch.Tensor], rider: Optional[Callable[[torch.Tensor, int], None]]
@@ -148,7 +171,12 @@ class BucketTransport:
             flat.div_(self.peers.world)
             block = flat.numel() // self.peers.world
             mine = flat[self.peers.rank * block : (self.peers.rank + 1) * block]
-            self._flight.launched(bucket, reduce_scatter(self.group, mine, flat))
+            if self._waiter is None:
+                self._waiter = _Waiter(self._flight)
+                weakref.finalize(self, _Waiter.stop, self._waiter.queue)
+            work = reduce_scatter(self.group, mine, flat)
+            self._flight.launched(bucket)
+            self._waiter.put(bucket, work)
             return
         if self.hook is None:
             # Averaged across processes (torch DDP's convention), divided before
@@ -244,7 +272,6 @@ class BucketTransport:
         ends within the second touches the store not at all)."""
         next_poll = time.monotonic() + 1.0
         while True:
-            flight.poll()
             with flight.cv:
                 if flight.pending == 0 or flight.errors:
                     return
@@ -252,9 +279,7 @@ class BucketTransport:
                 if now >= deadline:
                     return
                 if now < next_poll:
-                    # Works without a future are polled every 0.2 ms.
-                    step = 0.0002 if flight.polled else min(deadline, next_poll) - now
-                    flight.cv.wait(step)
+                    flight.cv.wait(min(deadline, next_poll) - now)
                     continue
             next_poll = time.monotonic() + 1.0
             self.failure.check_abandoned()
