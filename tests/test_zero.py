@@ -500,7 +500,7 @@ def test_a_sharded_optimizers_state_dict_on_rank_0_alone_is_named_as_collective(
 
 
 # -------------------------------------------------------- on simulated GPUs
-def sharded_on_simulated_gpus(devices, hook):
+def sharded_on_simulated_gpus(devices, hook, stage=True):
     """In a process of its own on the simulated GPUs `devices` (run_alone)."""
     from simulated import WithDouble, gpu_step, gpu_wrap, sim, streams
 
@@ -526,7 +526,8 @@ def sharded_on_simulated_gpus(devices, hook):
         return t.detach().reshape(-1).view(torch.uint8)  # -0.0 and +0.0 differ
 
     plain, plain_opt = train(False)
-    dm, opt = train(True)
+    dm, opt = train(stage)
+    assert dm._reducer.engine.scatter_ranks == (len(devices) if stage == "gradients" else 0)
     assert str(plain.module.never.weight[0, 0].item()) == "-0.0"
     for m in (dm.module, *dm.replicas):
         for (name, p), q in zip(m.named_parameters(), plain.module.parameters()):
@@ -543,9 +544,16 @@ def sharded_on_simulated_gpus(devices, hook):
 
 @pytest.mark.simgpu
 @pytest.mark.parametrize(
-    "devices,hook", [([2, 0, 1], None), ([0, 0, 0], None), ([0, 1, 2], "fp16")]
+    "devices,hook,stage",
+    [
+        ([2, 0, 1], None, True),
+        ([0, 0, 0], None, True),
+        ([0, 1, 2], "fp16", True),
+        ([2, 0, 1], None, "gradients"),
+        ([0, 0, 0], None, "gradients"),
+    ],
 )
-def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(devices, hook):
+def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(devices, hook, stage):
     # shard=True on GPU replicas: each steps its share of the elements, then
     # every replica takes the others' by one all-gather per dtype (NCCL, or
     # the kernel on one GPU) whose results land late and skewed per device;
@@ -554,16 +562,20 @@ def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(devices, h
     # some replicas or nobody trains), replicas identical, the state divided,
     # the consolidated state dict equal; with fp16 compression on the
     # buckets, the parameters' sum still travels uncompressed (exact).
-    run_alone(sharded_on_simulated_gpus, devices, hook)
+    # Stage 2 (shard="gradients"): NCCL's reduce-scatter (or the kernel's)
+    # of every bucket, landing late and skewed, each replica stepping its
+    # block: bitwise the same.
+    run_alone(sharded_on_simulated_gpus, devices, hook, stage)
 
 
 @pytest.mark.simgpu
 @pytest.mark.parametrize("local", [1, 2])
-def test_sharded_optimizer_across_processes_on_simulated_gpus(tmp_path, local):
+@pytest.mark.parametrize("stage", ["state", "gradients"])
+def test_sharded_optimizer_across_processes_on_simulated_gpus(tmp_path, local, stage):
     # sharded_across_processes with each rank's replicas on simulated GPUs:
     # the parameters' all-gather on the one NCCL communicator of both processes.
     # Bitwise the unsharded optimizer, a consolidated state dict equal to
     # its, and a resumed run equal to an uninterrupted one.
-    env = {"SCENARIO_REPLICAS": str(local)}
+    env = {"SCENARIO_REPLICAS": str(local), "SCENARIO_SHARD": stage}
     got = spawn(sharded_across_processes, env=env, simgpu=True, out=tmp_path)
-    check_zero(got, local)
+    check_zero(got, local, stage)

@@ -77,7 +77,11 @@ class Plan:
         bucket plan is final from now on (the shards are cut from it)."""
         if self.engine.active:
             self.engine.abort()
-        self.order.fence_all()
+        if any(p.grad is not None for p in self.params):
+            # allocate() copies them into the new buckets on the host: after
+            # the reductions still reading the old ones. (Without gradients
+            # nothing is written; the old buckets are retired either way.)
+            self.order.fence_all()
         self.rebuild_pending = False
         self.layout.pad_to = ranks
         self.link.set_scatter(ranks)

@@ -142,6 +142,13 @@ BREAKAGES = {
         "a GPU replica's shard is its index among the process's replicas, not its rank in the "
         "all-gather (on [2, 0, 1] the blocks land on the wrong parameters)",
     ),
+    "scatter-block-by-replica-index": (
+        "csrc/engine.cpp",
+        "recvs[r].data = static_cast<char*>(sends[r].data) + block * backend_->rank_of(r) * es;",
+        "recvs[r].data = static_cast<char*>(sends[r].data) + block * r * es;",
+        "ZeRO stage 2's reduce-scatter gives replica r block r, not its NCCL rank's (on "
+        "[2, 0, 1] the blocks and the shards disagree)",
+    ),
     "join-buffers-from-rank-zero-on-gpus": (
         "pyddp/_link/processes.py",
         "self._route.broadcast(tensors, sum(self.local_counts[:root]))",
