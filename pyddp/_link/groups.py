@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
+import torch
 import torch.distributed as dist
 
 from ..errors import ProcessGroupError
@@ -179,11 +180,12 @@ def allreduce(pg: Any, t: Any, op: Any = None) -> Any:
     return pg.allreduce([t], opts)
 
 
-def reduce_scatter(pg: Any, out: Any, t: Any) -> Any:
-    """An asynchronous reduce-scatter (sum) of `t` on a gloo group, rank k
-    getting block k in `out` (may be its own block of `t`): its work, which
-    gloo gives no future (it completes inside wait())."""
-    return pg._reduce_scatter_base(out, t, dist.ReduceScatterOptions())
+def all_to_all(pg: Any, t: Any) -> Any:
+    """An asynchronous all-to-all of `t` (cut into one equal block per rank)
+    on a gloo group: block k goes to rank k; the future's value holds the
+    blocks received, in source rank order."""
+    out = torch.empty_like(t)
+    return pg.alltoall_base(out, t, [], [], dist.AllToAllOptions()).get_future()
 
 
 def broadcast(pg: Any, t: Any, root: int = 0) -> None:

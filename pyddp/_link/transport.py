@@ -8,17 +8,15 @@ waits for them with pyddp's timeout. Also the blocking reduction
 from __future__ import annotations
 
 import functools
-import queue
 import threading
 import time
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .failure import Failure, WaitPost
-from .groups import Peers, allreduce, first_line, own_group, reduce_scatter
+from .groups import Peers, all_to_all, allreduce, first_line, own_group
 
 TAIL = -1  # the agreement's reduction, after the buckets
 
@@ -61,49 +59,6 @@ class _InFlight:
         return done
 
 
-class _Waited:
-    """A work's result as done() reads a future's: value() waits for it and
-    raises its error."""
-
-    def __init__(self, work: Any):
-        self.work = work
-
-    def value(self) -> None:
-        self.work.wait()
-
-
-class _Waiter:
-    """One thread per transport that waits, in launch order, for the works
-    gloo gives no future (its reduce-scatter: neither a future nor a working
-    is_completed(); it completes inside wait()), and completes them in the
-    flight record as a future's callback would. It holds the flight record
-    and its queue only, never the link; stop() (or the transport's
-    finalizer) ends it."""
-
-    def __init__(self, flight: _InFlight):
-        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.thread = threading.Thread(
-            target=_Waiter._run, args=(self.queue, flight), name="pyddp-gloo-waiter", daemon=True
-        )
-        self.thread.start()
-
-    @staticmethod
-    def _run(q: queue.SimpleQueue[Any], flight: _InFlight) -> None:
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            bucket, work = item
-            flight.done(bucket, _Waited(work))
-
-    def put(self, bucket: int, work: Any) -> None:
-        self.queue.put((bucket, work))
-
-    @staticmethod
-    def stop(q: queue.SimpleQueue[Any]) -> None:
-        q.put(None)
-
-
 class BucketTransport:
     def __init__(self, peers: Peers, failure: Failure, names: Sequence[str]):
         self.peers, self.failure = peers, failure
@@ -132,10 +87,8 @@ class BucketTransport:
         self.done_ns_last: Dict[int, int] = {}
         self._flight = _InFlight()
         # Sharded gradients (shard='gradients', one replica per process):
-        # buckets reduce-scatter, this process keeping block `rank`; their
-        # works are waited for by a thread of the transport's own.
+        # buckets reduce-scatter, this process keeping block `rank`.
         self.scatter = False
-        self._waiter: Optional[_Waiter] = None
 
     def ride_on(
         self, wire: Optional[torch.Tensor], rider: Optional[Callable[[torch.Tensor, int], None]]
@@ -166,17 +119,17 @@ class BucketTransport:
         flat = self.flats[bucket]
         self.peers.in_backward = True
         if self.scatter:
-            # Block `rank` of the average, in place (gloo's reduce-scatter
-            # has no future: wait() polls it).
+            # Block `rank` of the average. gloo's own reduce-scatter moves an
+            # all-reduce's bytes (measured: bench/wire_bytes.py), so: an
+            # all-to-all (each rank sends block k to rank k, (N-1)/N of the
+            # bucket), then the N blocks received summed in rank order into
+            # this rank's block, on gloo's thread as the future completes.
             flat.div_(self.peers.world)
-            block = flat.numel() // self.peers.world
-            mine = flat[self.peers.rank * block : (self.peers.rank + 1) * block]
-            if self._waiter is None:
-                self._waiter = _Waiter(self._flight)
-                weakref.finalize(self, _Waiter.stop, self._waiter.queue)
-            work = reduce_scatter(self.group, mine, flat)
+            future = all_to_all(self.group, flat).then(
+                functools.partial(_sum_blocks, flat, self.peers.rank, self.peers.world)
+            )
             self._flight.launched(bucket)
-            self._waiter.put(bucket, work)
+            future.then(functools.partial(self._flight.done, bucket))
             return
         if self.hook is None:
             # Averaged across processes (torch DDP's convention), divided before
@@ -330,6 +283,21 @@ class GradBucket:
 
     def parameters(self) -> List[torch.Tensor]:
         return list(self._params)
+
+
+def _sum_blocks(flat: torch.Tensor, rank: int, world: int, future: Any) -> torch.Tensor:
+    """Sharded gradients: the all-to-all's blocks (one per source rank,
+    block `rank` of each one's bucket) summed in rank order into this
+    rank's block of `flat`."""
+    got = future.value()
+    got = got[0] if isinstance(got, (list, tuple)) else got
+    c = flat.numel() // world
+    blocks = got.view(world, c)
+    mine = flat[rank * c : (rank + 1) * c]
+    mine.copy_(blocks[0])
+    for k in range(1, world):
+        mine.add_(blocks[k])
+    return flat
 
 
 def _into_bucket(flat: torch.Tensor, future: Any) -> torch.Tensor:
