@@ -1,12 +1,13 @@
 """Sharded optimizer state (ZeRO stage 1, `dmodel.optimizer(..., shard=True)`)
-against the unsharded optimizer, side by side in one process on CPU replicas:
-optimizer-state bytes held per replica, and the time of a training step
+and sharded gradients (stage 2, `shard="gradients"`) against the unsharded
+optimizer, side by side in one process on CPU replicas: optimizer-state bytes
+and gradient-buffer bytes held per replica, and the time of a training step
 (forward, backward, AdamW step) as median and p10/p90 over interleaved runs.
 Models: a GPT-2 from transformers (random init, default config but 4 layers,
-no download) and the digits MLP. Also checks that both end with the same
-parameters, bit for bit.
+no download; `--gpt2-layers 12`: GPT-2 small) and the digits MLP. Also checks
+that all end with the same parameters, bit for bit.
 
-    python bench/zero_memory.py [--quick] [--replicas 2 4] [--steps 12]"""
+    python bench/zero_memory.py [--quick] [--replicas 2 4] [--steps 12] [--gpt2-layers 4]"""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ import pyddp
 from pyddp.examples._trainers import make_model
 from pyddp.optim.zero import state_bytes
 
+Built = Tuple[nn.Module, Callable[[nn.Module, Any], torch.Tensor], Any]
 
-def gpt2(quick: bool) -> Tuple[nn.Module, Callable[[nn.Module, Any], torch.Tensor], Any]:
+
+def gpt2(quick: bool, layers: int = 4) -> Built:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    layers, seq, rows = (1, 16, 4) if quick else (4, 64, 8)
+    layers, seq, rows = (1, 16, 4) if quick else (layers, 64, 8)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=layers, attn_pdrop=0.0, resid_pdrop=0.0,
                                        embd_pdrop=0.0))  # fmt: skip
@@ -48,15 +51,19 @@ def digits(quick: bool) -> Tuple[nn.Module, Callable[[nn.Module, Any], torch.Ten
     return make_model(), loss, (x, y)
 
 
+MODES = [False, True, "gradients"]
+NAMES = {False: "unsharded", True: "sharded", "gradients": "sharded_gradients"}
+
+
 def measure(model: nn.Module, loss_fn: Any, batch: Any, replicas: int, steps: int) -> Dict:
     runs = {}
-    for shard in (False, True):
+    for shard in MODES:
         dm = pyddp.wrap(copy.deepcopy(model), ["cpu"] * replicas)
         opt = dm.optimizer(torch.optim.AdamW, shard=shard, lr=1e-4)
         runs[shard] = (dm, opt)
-    times: Dict[bool, List[float]] = {False: [], True: []}
+    times: Dict[Any, List[float]] = {m: [] for m in MODES}
     for k in range(steps):
-        for shard in rotated([False, True], k):
+        for shard in rotated(MODES, k):
             dm, opt = runs[shard]
             start = time.perf_counter()
             opt.zero_grad()
@@ -66,14 +73,20 @@ def measure(model: nn.Module, loss_fn: Any, batch: Any, replicas: int, steps: in
                 times[shard].append(time.perf_counter() - start)
     equal = all(
         torch.equal(p, q)
-        for p, q in zip(runs[False][0].module.parameters(), runs[True][0].module.parameters())
+        for m in MODES[1:]
+        for p, q in zip(runs[False][0].module.parameters(), runs[m][0].module.parameters())
     )
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     out = {"replicas": replicas, "param_bytes": params, "equal_bitwise": equal}
     for shard, (dm, opt) in runs.items():
-        name = "sharded" if shard else "unsharded"
-        per = state_bytes(opt)
-        out[name] = {"state_bytes_per_replica": per, "step_s": summary(times[shard])}
+        # Gradient memory: every tensor holding a replica's bucket memory.
+        grads = [sum(t.numel() * t.element_size() for t in mem) for mem in
+                 dm._reducer.layout.memory()]  # fmt: skip
+        out[NAMES[shard]] = {
+            "state_bytes_per_replica": state_bytes(opt),
+            "grad_bytes_per_replica": grads,
+            "step_s": summary(times[shard]),
+        }
         dm.close()
     return out
 
@@ -82,27 +95,34 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--gpt2-layers", type=int, default=4, help="12: GPT-2 small")
+    p.add_argument("--no-digits", action="store_true", help="GPT-2 only")
     args = p.parse_args()
     print(header())
     steps = 3 if args.quick else args.steps
     results: Dict[str, Any] = {}
     rows = []
-    for name, build in (("gpt2", gpt2), ("digits_mlp", digits)):
+    models = [("gpt2", lambda q: gpt2(q, args.gpt2_layers))]
+    if not args.no_digits:
+        models.append(("digits_mlp", digits))
+    for name, build in models:
         model, loss_fn, batch = build(args.quick)
         for n in args.replicas:
             r = measure(model, loss_fn, batch, n, steps)
             results[f"{name}_x{n}"] = r
-            full, shard = r["unsharded"], r["sharded"]
-            rows.append([
-                name, n, r["param_bytes"] / 2**20,
-                max(full["state_bytes_per_replica"]) / 2**20,
-                max(shard["state_bytes_per_replica"]) / 2**20,
-                max(shard["state_bytes_per_replica"]) / max(full["state_bytes_per_replica"]),
-                full["step_s"]["median"] * 1e3, shard["step_s"]["median"] * 1e3,
-                shard["step_s"]["median"] / full["step_s"]["median"], r["equal_bitwise"],
-            ])  # fmt: skip
-    print(table(["model", "replicas", "params MiB", "state MiB/replica", "sharded",
-                 "ratio", "step ms", "sharded", "ratio", "bitwise"], rows))  # fmt: skip
+            full = r["unsharded"]
+            for mode in MODES:
+                got = r[NAMES[mode]]
+                rows.append([
+                    name, n, NAMES[mode], r["param_bytes"] / 2**20,
+                    max(got["state_bytes_per_replica"]) / 2**20,
+                    max(got["state_bytes_per_replica"]) / max(full["state_bytes_per_replica"]),
+                    max(got["grad_bytes_per_replica"]) / 2**20,
+                    got["step_s"]["median"] * 1e3,
+                    got["step_s"]["median"] / full["step_s"]["median"], r["equal_bitwise"],
+                ])  # fmt: skip
+    print(table(["model", "replicas", "optimizer", "params MiB", "state MiB/replica", "ratio",
+                 "grads MiB/replica", "step ms", "ratio", "bitwise"], rows))  # fmt: skip
     write_results("zero_memory", args, results)
 
 
