@@ -80,9 +80,10 @@ def add_options(s: argparse.ArgumentParser) -> None:
         "--sharding",
         choices=simulate.SHARDINGS,
         default="none",
-        help="optimizer state sharded over the GPUs: zero1 (ZeRO stage 1 as torch's "
-        "ZeroRedundancyOptimizer and DeepSpeed run it: an all-gather of the parameters after "
-        "each step) or zero2 (also a reduce-scatter per bucket instead of the all-reduce)",
+        help="optimizer state sharded over the GPUs: zero1 (ZeRO stage 1, pyddp's shard=True, "
+        "as torch's ZeroRedundancyOptimizer: an all-gather of the parameters after each step) "
+        "or zero2 (pyddp's shard='gradients': also a reduce-scatter per bucket instead of the "
+        "all-reduce)",
     )
     s.add_argument(
         "--policy",

@@ -47,9 +47,9 @@ memory-bound kernels more on its path, as the hook runs them: the cast down
 2) and the copy back into the bucket (read 2, write 4), each at
 Gpu.memory_eff of the HBM bandwidth and at least Gpu.kernel_floor_s.
 
-Sharded optimizer state ("zero1": ZeRO stage 1 as torch's
-ZeroRedundancyOptimizer and DeepSpeed run it on GPUs; pyddp's `shard=True`
-is CPU-only for now and exchanges parameters differently; "zero2": stage 2): each GPU
+Sharded optimizer state ("zero1": ZeRO stage 1, pyddp's `shard=True`, as
+torch's ZeroRedundancyOptimizer and DeepSpeed run it; "zero2": stage 2,
+pyddp's `shard="gradients"`; pyddp makes exactly these exchanges): each GPU
 steps 1/n of the parameters (the optimizer step, elementwise and
 memory-bound, takes 1/n of its time), then an all-gather of every
 parameter follows the step, exposed; "zero2" also reduce-scatters each
