@@ -286,6 +286,19 @@ def synced_across_processes(out: dict) -> None:
         (b.float() - c.float()).abs().max().item()
         for b, c in zip(dm.module.buffers(), ref.buffers())
     )
+    if gpus is not None:  # one more step on simulated GPUs: no host wait, no host read
+        from simgpu import HostReads
+
+        sim = gpus[1].sim
+        x = torch.randn(rows * world, 2, 5, 5, generator=g)
+        y = torch.randint(0, 3, (rows * world,), generator=g)
+        waits = sim.counter("host_sync")
+        with HostReads(sim) as reads:
+            F.cross_entropy(dm(x[mine]), y[mine]).backward()
+        out["steady_host_waits"] = sim.counter("host_sync") - waits
+        out["steady_host_reads"] = reads.reads
+        settle()
+        opt.zero_grad()
     if rank == 0:
         dm.eval()
         with torch.no_grad():
@@ -364,11 +377,15 @@ def on_three_simulated_gpus():
     for rep in dm.replicas[1:]:
         for p, p0 in zip(rep.parameters(), dm.module.parameters()):
             assert torch.equal(p, p0), "replicas differ"
-    # A forward meeting waits for the GPU once (its statistics to the host),
-    # never to read back what the host summed.
+    # A steady step: the statistics are summed on the devices (NCCL, after
+    # each replica's current stream), so the host never waits for a GPU
+    # (host-blocking driver calls, counted by the simulation) nor reads a
+    # device value.
+    waits = sim.counter("host_sync")
     with streams.stream(own), HostReads(sim) as reads:
         F.cross_entropy(dm(x), y).backward()
-    assert not [r for r in reads.reads if r.startswith("syncbn.py")], reads.reads
+    assert sim.counter("host_sync") - waits == 0
+    assert not reads.reads, reads.reads
     streams.synchronize_all(devices)
     dm.close()
     try:
@@ -380,11 +397,13 @@ def on_three_simulated_gpus():
 
 @pytest.mark.simgpu
 def test_syncbatchnorm_on_simulated_gpus_equals_one_device():
-    # SyncBatchNorm over 3 simulated GPUs (the statistics come to the host from
-    # each replica's current stream, where they land late, and go back on it):
-    # equal to one device running BatchNorm on the whole batch, parameters and
-    # running statistics, under the caller's own streams. Replicas sharing a
-    # GPU are refused by name (autograd would run their backwards on one thread).
+    # SyncBatchNorm over 3 simulated GPUs (the statistics, landing late on
+    # each replica's current stream, summed by NCCL ordered after those
+    # streams, which wait for the sum): equal to one device running BatchNorm
+    # on the whole batch, parameters and running statistics, under the
+    # caller's own streams, with no host wait in a steady step. Replicas
+    # sharing a GPU are refused by name (autograd would run their backwards
+    # on one thread).
     run_alone(on_three_simulated_gpus)
 
 
@@ -392,8 +411,10 @@ def test_syncbatchnorm_on_simulated_gpus_equals_one_device():
 @pytest.mark.parametrize("local", [1, 2])
 def test_syncbatchnorm_across_processes_on_simulated_gpus(tmp_path, local):
     # synced_across_processes (equal to one device on the global batch) with
-    # each rank's replicas on simulated GPUs: statistics over every GPU of
-    # both processes, from each replica's stream through the host and gloo.
+    # each rank's replicas on simulated GPUs: statistics summed over every GPU
+    # of both processes by NCCL (a communicator of SyncBatchNorm's own), on
+    # the devices: a steady step makes no host wait and no host read.
     env = {"SCENARIO_REPLICAS": str(local)}
     for r in spawn(synced_across_processes, env=env, simgpu=True, out=tmp_path):
         assert r["grad"] <= TOL and r["params"] <= TOL and r["buffers"] <= TOL, r
+        assert r["steady_host_waits"] == 0 and r["steady_host_reads"] == [], r

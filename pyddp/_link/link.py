@@ -225,6 +225,15 @@ class Link:
         returns that rank. One process: this one."""
         return 0
 
+    def stats_backend(self, devices: Sequence[int], timeout: Optional[float]) -> Any:
+        """For SyncBatchNorm on GPUs: a backend whose collectives span every
+        GPU of every process, apart from the buckets' (one process: the same
+        communicators, whose launches each cover every GPU of the process
+        under one lock, so any interleaving pairs)."""
+        from ..runtime.libraries import make_backend
+
+        return make_backend(list(devices), timeout)
+
     def stats_summer(self) -> Optional[Callable[[torch.Tensor, str], None]]:
         """For SyncBatchNorm: a function that sums a CPU tensor over the
         processes in place, given "forward" or "backward" (None: one

@@ -89,12 +89,13 @@ class ProcessLink(Link):
     def gpu_reduction(self, op: str, local: int) -> Tuple[str, float, Optional[Callable]]:
         return (*nccl_op(op, self.local_counts), self._nccl_rendezvous())
 
-    def _nccl_rendezvous(self) -> Callable[[str], tuple]:
+    def _nccl_rendezvous(self, role: str = "nccl_id") -> Callable[[str], tuple]:
         """For make_backend: one NCCL communicator over every process's GPUs.
-        Rank 0's unique id travels through torch.distributed's store; this
-        process's GPUs are ranks first.. of the total."""
+        Rank 0's unique id travels through torch.distributed's store (under
+        `role`: one communicator per role); this process's GPUs are ranks
+        first.. of the total."""
         first, total = sum(self.local_counts[: self.rank]), sum(self.local_counts)
-        store, key = self.peers.store, f"{self.peers.prefix}/nccl_id"
+        store, key = self.peers.store, f"{self.peers.prefix}/{role}"
 
         def rendezvous(nccl_path: str) -> tuple:
             if store is None:
@@ -358,6 +359,15 @@ class ProcessLink(Link):
 
     def gather_objects(self, obj: Any, what: str) -> List[Any]:
         return self.control.gather_objects(obj, what)
+
+    def stats_backend(self, devices: Sequence[int], timeout: Optional[float]) -> Any:
+        # A communicator of its own: the statistics' sums are launched from
+        # the replicas' threads mid-forward and mid-backward while the
+        # launcher launches buckets; on one communicator the two orders
+        # could differ between processes.
+        from ..runtime.libraries import make_backend
+
+        return make_backend(list(devices), timeout, self._nccl_rendezvous("nccl_id_syncbn"))
 
     def stats_summer(self) -> Optional[Callable[[torch.Tensor, str], None]]:
         return Meetings(self.peers, self.failure)

@@ -121,13 +121,21 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
 
     def _bind_sync_batchnorm(self, replicas: List[nn.Module], opts: Options) -> SyncBatchNorms:
         gpus = self._reducer.gpu_devices
+        link = self._reducer.link
         try:
             return SyncBatchNorms(
                 replicas,
                 self.devices[0],
-                self._reducer.link.stats_summer(),
+                # On GPUs the statistics are summed on the devices instead.
+                link.stats_summer() if gpus is None else None,
                 opts.timeout_s or timeout_s(),
-                None if gpus is None else (gpus, self._reducer.streams),
+                None
+                if gpus is None
+                else (
+                    gpus,
+                    self._reducer.streams,
+                    lambda: link.stats_backend(gpus, opts.timeout_s),
+                ),
             )
         except BaseException:
             self._reducer.close()

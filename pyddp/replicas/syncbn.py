@@ -12,13 +12,17 @@ their own (so they never pair with a gradient bucket in flight). A replica
 that raises before a meeting breaks it, so the others raise instead of
 waiting. Outside a pyddp forward the layers are torch's own again.
 
-On GPUs each replica brings its statistics to the host itself (a copy that
-waits for its own current stream, the one that computed them), the sums
-are made on the host, and each replica queues the total's copy back on its
-own current stream: no stream of one thread is ever ordered against
-another thread's, which autograd's per-device backward threads would not
-guarantee. The price is one host wait per replica per meeting (two per
-layer per step), which torch's SyncBatchNorm on NCCL does not pay."""
+On GPUs the statistics are summed on the devices: the replicas' threads
+meet on the host (they only count arrivals), then the last to arrive
+launches one NCCL all-reduce over every GPU of every process (a
+communicator of SyncBatchNorm's own across processes, apart from the
+buckets'), ordered after each replica's current stream as it was when that
+replica arrived (an event recorded there: autograd's per-device backward
+threads each have theirs), and each of those streams waits for the sum. The
+host never waits for a GPU (the global count stays on the device too), as
+with torch's SyncBatchNorm on NCCL; like it, across processes on GPUs the
+meetings are not compared by a header first (a forward in training mode on
+some ranks only is found by the timeout)."""
 
 from __future__ import annotations
 
@@ -66,11 +70,11 @@ class Meeting:
         device: torch.device,
         across: Optional[Callable[[torch.Tensor, str], None]],
         timeout_s: float,
-        gpu: Optional[Tuple[Sequence[int], Any]] = None,
+        gpu: Optional[Tuple[Sequence[int], Any, Any]] = None,
     ):
-        """`gpu`: (CUDA device per replica, stream provider) for GPU
-        replicas, whose statistics meet on the host (`device` is then the
-        CPU)."""
+        """`gpu`: (CUDA device per replica, stream provider, backend) for
+        GPU replicas, whose statistics are summed on the devices by the
+        backend (every GPU of every process)."""
         self.device, self.across, self.timeout_s = device, across, timeout_s
         self.gpu = gpu
         self.replicas = replicas
@@ -101,32 +105,62 @@ class Meeting:
     def sum(self, r: int, t: torch.Tensor, what: str) -> torch.Tensor:
         return self.sum_and_host(r, t, what)[0]
 
-    def sum_and_host(self, r: int, t: torch.Tensor, what: str) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The sum on `t`'s device, and on the host (where it was summed:
-        reading it there waits for no GPU)."""
+    def sum_and_host(
+        self, r: int, t: torch.Tensor, what: str
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The sum on `t`'s device, and on the host where it was summed
+        there (reading it waits for no GPU); GPUs: the sum on the device
+        only (None)."""
         if self.gpu is None:
             total = self._sum(r, t, what)
             return total.to(t.device), total
-        devices, streams = self.gpu
-        if streams.produced is not None:  # the simulation: t lands late on the current stream
-            streams.produced(devices[r], t)
-        total = self._sum(r, streams.fetch(devices[r], t).get(), what)
-        return streams.upload(devices[r], total), total
+        devices, streams, _ = self.gpu
+        # The buffer the collective sums: the stream provider's memory (the
+        # simulation's carries guards), filled on the current stream.
+        buf = streams.zeros(t.numel(), t.dtype, devices[r]).view(t.shape)
+        buf.copy_(t)
+        if streams.produced is not None:  # the simulation: it lands late on the current stream
+            streams.produced(devices[r], buf)
+        self._sum(r, (buf, streams.current(devices[r])), what)
+        streams.before_host_write(devices[r])  # the simulation: the sum lands in stream order
+        return buf, None
 
-    def _sum(self, r: int, t: torch.Tensor, what: str) -> torch.Tensor:
+    def _device_sum(self, slots: List[Any]) -> None:
+        """Sums the replicas' (tensor, stream) in place over every GPU of
+        every process; replicas left out of this forward (fewer shards)
+        add zeros, as every GPU of the communicator must take part."""
+        devices, streams, backend = self.gpu  # type: ignore[misc]
+        first = next(s for s in slots if s is not None)[0]
+        parts, order = [], []
+        for r, d in enumerate(devices):
+            if slots[r] is None:
+                parts.append(streams.zeros(first.numel(), first.dtype, d))
+                order.append(streams.current(d))
+            else:
+                parts.append(slots[r][0])
+                order.append(slots[r][1])
+        backend.reduce([p.data_ptr() for p in parts], list(devices), order, first.numel(),
+                       "float64", "sum")  # fmt: skip
+
+    def _sum(self, r: int, t: Any, what: str) -> torch.Tensor:
         with self._cond:
             self._raise_if_broken(r, what)
             generation = self._generation
             self._slots[r] = t
             self._arrived += 1
             if self._arrived == self.replicas:
-                total = self._slots[0].to(self.device)  # type: ignore[union-attr]
-                for s in self._slots[1:]:
-                    total = total + s.to(self.device)  # type: ignore[union-attr]
                 try:
-                    if self.across is not None:
-                        # One thread per process: the same order everywhere.
-                        self.across(total, what)
+                    if self.gpu is not None:
+                        full = self._slots + [None] * (len(self.gpu[0]) - self.replicas)
+                        self._device_sum(full)
+                        total = t[0]
+                    else:
+                        total = self._slots[0].to(self.device)  # type: ignore[union-attr]
+                        for s in self._slots[1:]:
+                            total = total + s.to(self.device)  # type: ignore[union-attr]
+                        if self.across is not None:
+                            # One thread per process: the same order everywhere.
+                            self.across(total, what)
                 except BaseException as e:
                     self._broken = f"replica {r}'s exchange across processes raised: {e}"
                     self._cond.notify_all()
@@ -273,12 +307,22 @@ def _global_forward(
         m64, v64 = m.to(STATS_DTYPE), var.to(STATS_DTYPE)
         stats = torch.stack([torch.full_like(m64, float(n)), n * m64, n * (v64 + m64 * m64)])
         total, on_host = meeting.sum_and_host(r, stats, what)
-        count = float(on_host[0, 0])  # no wait for the GPU: the host summed it
-        if count <= 1:
-            raise ValueError(
-                "pyddp: SyncBatchNorm needs more than one value per channel over the "
-                f"global batch, got {count:g} (input of shape {tuple(x.shape)})"
-            )
+        if on_host is not None:
+            count: Any = float(on_host[0, 0])  # no wait for the GPU: the host summed it
+            if count <= 1:
+                raise ValueError(
+                    "pyddp: SyncBatchNorm needs more than one value per channel over the "
+                    f"global batch, got {count:g} (input of shape {tuple(x.shape)})"
+                )
+        else:
+            # GPUs: the global count stays on the device (reading it would
+            # wait for the GPU); torch's rule for what the host knows.
+            count = total[0, 0]
+            if n <= 1 and meeting.gpu[2].ranks(len(meeting.gpu[0])) == 1:
+                raise ValueError(
+                    "pyddp: SyncBatchNorm needs more than one value per channel, got 1 (input "
+                    f"of shape {tuple(x.shape)})"
+                )
         mean64 = total[1] / count
         var64 = (total[2] / count - mean64 * mean64).clamp_min(0)
         mean, var = mean64.to(dtype), var64.to(dtype)
@@ -309,14 +353,20 @@ class SyncBatchNorms:
         device: torch.device,
         across: Optional[Callable[[torch.Tensor, str], None]],
         timeout_s: float,
-        gpu: Optional[Tuple[Sequence[int], Any]] = None,
+        gpu: Optional[Tuple[Sequence[int], Any, Callable[[], Any]]] = None,
     ):
+        """`gpu`: (CUDA device per replica, stream provider, a function
+        making the backend the statistics are summed on)."""
         if gpu is not None and len(set(gpu[0])) != len(gpu[0]):
             raise NotImplementedError(
                 "pyddp: SyncBatchNorm with replicas sharing a GPU: autograd runs one device's "
                 "backward on one thread, so those replicas could never meet mid-backward; use "
                 "one replica per GPU, or BatchNorm"
             )
+        self.backend = None
+        if gpu is not None:
+            self.backend = gpu[2]()
+            gpu = (gpu[0], gpu[1], self.backend)
         device = torch.device("cpu") if gpu is not None else device
         self.meeting = Meeting(len(replicas), device, across, timeout_s, gpu)
         self._bound: List[nn.Module] = []
@@ -358,3 +408,5 @@ class SyncBatchNorms:
             layer.__dict__.pop("_pyddp_binding", None)
             layer.__class__ = nn.SyncBatchNorm
         self._bound = []
+        if self.backend is not None:
+            self.backend.close()

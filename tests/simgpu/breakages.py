@@ -184,10 +184,10 @@ BREAKAGES = {
     ),
     "syncbn-reads-stats-before-their-stream": (
         "pyddp/replicas/syncbn.py",
-        "total = self._sum(r, streams.fetch(devices[r], t).get(), what)",
-        "total = self._sum(r, t, what)",
-        "SyncBatchNorm sums a replica's statistics without waiting for the stream that "
-        "computed them",
+        "self._sum(r, (buf, streams.current(devices[r])), what)",
+        "self._sum(r, (buf, 0), what)",
+        "SyncBatchNorm's device sum is ordered after the legacy default stream, not the "
+        "replica's current stream that computed the statistics",
     ),
     "zero-gather-reads-before-the-sum-lands": (
         "pyddp/_link/route.py",
