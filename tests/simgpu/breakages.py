@@ -3,8 +3,9 @@ time to a copy of the repository, builds it into a temporary directory (the
 installed pyddp is not touched), runs `pytest -m simgpu` against it, and
 prints which tests failed. Every breakage must fail at least one test.
 
-    python tests/simgpu/breakages.py            # all breakages, ~2 min each
+    python tests/simgpu/breakages.py            # all breakages, ~8 min each
     python tests/simgpu/breakages.py no-fence   # one
+    python tests/simgpu/breakages.py no-fence --tests test_simgpu.py  # those files only
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ def shadow_editable_install(site: str) -> None:
         )
 
 
-def run(name: str) -> list:
+def run(name: str, files: tuple = ()) -> list:
     with tempfile.TemporaryDirectory(prefix=f"pyddp-break-{name}-") as tmp:
         src, site = os.path.join(tmp, "src"), os.path.join(tmp, "site")
         copy_tree(src)
@@ -315,7 +316,8 @@ def run(name: str) -> list:
                 "simgpu",
                 "-p",
                 "no:cacheprovider",
-                os.path.join(src, "tests"),  # every simgpu test, whichever feature's file
+                # every simgpu test, whichever feature's file (or those asked for)
+                *([os.path.join(src, "tests", f) for f in files] or [os.path.join(src, "tests")]),
             ],
             capture_output=True,
             text=True,
@@ -329,11 +331,15 @@ def run(name: str) -> list:
         ]
 
 
-def main(names: list) -> int:
-    names = names or list(BREAKAGES)
+def main(argv: list) -> int:
+    files: tuple = ()
+    if "--tests" in argv:
+        at = argv.index("--tests")
+        argv, files = argv[:at], tuple(argv[at + 1 :])
+    names = argv or list(BREAKAGES)
     missed = 0
     for name in names:
-        failed = run(name)
+        failed = run(name, files)
         missed += not failed
         print(f"{name}: {BREAKAGES[name][3]}")
         listed = ", ".join(failed) if failed else "NONE (the tests miss it)"
