@@ -203,14 +203,6 @@ class Control:
         self.failure.call(what, self._sum, t)
         return t.tolist()
 
-    def sum_tensors(self, tensors: Sequence[torch.Tensor], what: str) -> List[torch.Tensor]:
-        """Element-wise sums over ranks of CPU tensors, in place; `what`
-        names the exchange (declared with `exchange`)."""
-        self.same_exchange(what)
-        for t in tensors:
-            self.failure.call(what, self._sum, t)
-        return list(tensors)
-
     def counts(self, local: int) -> List[int]:
         """Every rank's number of replicas (they may differ)."""
         counts = torch.zeros(self.peers.world, dtype=torch.int64)

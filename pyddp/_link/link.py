@@ -177,10 +177,6 @@ class Link:
         """Element-wise sums over processes (`what` names the exchange)."""
         return [float(v) for v in values]
 
-    def sum_tensors(self, tensors: Sequence[torch.Tensor], what: str) -> List[torch.Tensor]:
-        """Element-wise sums over processes of CPU tensors, in place."""
-        return list(tensors)
-
     def hook_error(self) -> Optional[BaseException]:
         """The exception a communication hook raised, if one did (the
         user's own, which finish() raises with its type)."""

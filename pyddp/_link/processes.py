@@ -342,9 +342,6 @@ class ProcessLink(Link):
     def sum_over_ranks(self, values: Sequence[float], what: str) -> List[float]:
         return self.control.sum_over_ranks(values, what)
 
-    def sum_tensors(self, tensors: Sequence[torch.Tensor], what: str) -> List[torch.Tensor]:
-        return self.control.sum_tensors(tensors, what)
-
     def gather_tensor(self, t: torch.Tensor, what: str) -> torch.Tensor:
         return self.control.gather_tensor(t, what)
 

@@ -162,7 +162,8 @@ class Meeting:
                             # One thread per process: the same order everywhere.
                             self.across(total, what)
                 except BaseException as e:
-                    self._broken = f"replica {r}'s exchange across processes raised: {e}"
+                    where = "exchange across processes" if self.gpu is None else "device sum"
+                    self._broken = f"replica {r}'s {where} raised: {e}"
                     self._cond.notify_all()
                     raise
                 self._total, self._slots = total, [None] * self.replicas
