@@ -421,9 +421,11 @@ def broadcast_gather_scatter_after_late_writes(devices):
         with streams.stream(own):
             for d, t in zip(devices, ts):
                 streams.produced(d, t)
-            with simulated_gpus(devices, streams):
-                outs = collective(ts)
-            streams.synchronize_all(devices)
+            try:
+                with simulated_gpus(devices, streams):
+                    outs = collective(ts)
+            finally:  # a refused call too: the late writes land before ts is freed
+                streams.synchronize_all(devices)
         return ts if outs is None else outs
 
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
@@ -443,6 +445,10 @@ def broadcast_gather_scatter_after_late_writes(devices):
             got = run(whole, pyddp.reduce_scatter)
             want = sum(t.double() for t in whole).to(dtype).view(n, size)
             assert all(torch.equal(got[r], want[r]) for r in range(n)), (dtype, size)
+            # The mean: 3 (i % 16) + 96 over 3 replicas, exact too.
+            got = run(whole, lambda ts: pyddp.reduce_scatter(ts, op="avg"))
+            want = (sum(t.double() for t in whole) / n).to(dtype).view(n, size)
+            assert all(torch.equal(got[r], want[r]) for r in range(n)), ("avg", dtype, size)
     assert not sim.violations(), sim.violations()
 
 
