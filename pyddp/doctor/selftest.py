@@ -3,15 +3,16 @@ real GPUs. pyddp's GPU path is tested in CI against a simulated CUDA driver and
 NCCL only (no project machine has a GPU), so this is the first run on real
 hardware: equivalence with single-device training, stream ordering without host
 syncs (custom streams included), the four collectives in every dtype (copies
-bit for bit: pyddp/doctor/collectives.py), the sharded optimizer, the timeout.
-Prints one pass/fail/skip table and what to put in a bug report."""
+bit for bit: pyddp/doctor/collectives.py), the sharded optimizer (stages 1
+and 2), SyncBatchNorm summed on the devices (2+ GPUs), the timeout. Prints
+one pass/fail table and what to put in a bug report."""
 
 from __future__ import annotations
 
 import copy
 import time
 import traceback
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,15 +29,15 @@ def _check_collectives(devices: List[str]) -> str:
 
 
 def _check_equivalence(
-    devices: List[str], stream: bool = False, shard: bool = False, hook: Optional[str] = None
+    devices: List[str], stream: bool = False, shard: Any = False, hook: Optional[str] = None
 ) -> str:
     """Five SGD steps of a wrapped model against one device. `stream`: under
     a side stream, with small buckets, so that the first step's rebuild frees
     buckets the model's default stream allocated while the side stream used
     them (torch's caching allocator must not hand them out early); `shard`:
-    sharded optimizer state (bitwise the unsharded step, so the same
-    tolerance); `hook`: "fp16" compression on the wire (11 mantissa bits:
-    1e-2)."""
+    sharded optimizer state, or "gradients" (ZeRO stage 2: the backend's
+    reduce-scatter; bitwise the unsharded step, so the same tolerance);
+    `hook`: "fp16" compression on the wire (11 mantissa bits: 1e-2)."""
     import pyddp
 
     torch.manual_seed(0)
@@ -76,6 +77,43 @@ def _check_equivalence(
     if worst > (1e-2 if hook is not None else 1e-4):
         raise AssertionError(f"parameters differ from single-device training by {worst:.2e}")
     return f"max |diff| {worst:.1e} after 5 steps"
+
+
+def _check_syncbn(devices: List[str]) -> str:
+    """SyncBatchNorm on one replica per GPU (statistics summed by NCCL on the
+    devices) against one device running BatchNorm on the whole batch, 3
+    SGD steps."""
+    import pyddp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    model = model.cuda()
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(model), devices)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator(device="cpu").manual_seed(2)
+    for _ in range(3):
+        x = (torch.randn(24, 16, generator=g) * 2 + 1).cuda()
+        y = torch.randint(0, 4, (24,), generator=g).cuda()
+        F.cross_entropy(dm(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    torch.cuda.synchronize()
+    worst = max(
+        (a.float() - b.float()).abs().max().item()
+        for a, b in zip(
+            list(dm.module.parameters()) + list(dm.module.buffers()),
+            list(ref.parameters()) + list(ref.buffers()),
+        )
+    )
+    dm.close()
+    if worst > 1e-4:
+        raise AssertionError(f"SyncBatchNorm differs from one device's BatchNorm by {worst:.2e}")
+    return f"max |diff| {worst:.1e} after 3 steps (parameters and running statistics)"
 
 
 def _check_ordering(devices: List[str]) -> str:
@@ -148,6 +186,10 @@ def run() -> int:
             "sharded optimizer state, 2 replicas on cuda:0",
             lambda: _check_equivalence(shared, shard=True),
         ),
+        (
+            "sharded gradients (ZeRO-2), 2 replicas on cuda:0",
+            lambda: _check_equivalence(shared, shard="gradients"),
+        ),
         ("timeout of a stalled reduction", lambda: _check_timeout(shared)),
     ]
     if n >= 2:
@@ -158,6 +200,11 @@ def run() -> int:
             ("equivalence, NCCL under a side stream", lambda: _check_equivalence(pair, True)),
             ("stream ordering, NCCL", lambda: _check_ordering(pair)),
             ("sharded optimizer state, NCCL", lambda: _check_equivalence(pair, True, shard=True)),
+            (
+                "sharded gradients (ZeRO-2), NCCL",
+                lambda: _check_equivalence(pair, True, shard="gradients"),
+            ),
+            ("SyncBatchNorm on the devices, NCCL", lambda: _check_syncbn(pair)),
             ("fp16 compression on the wire, NCCL", lambda: _check_equivalence(pair, hook="fp16")),
         ]
     rows = []
