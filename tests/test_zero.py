@@ -300,6 +300,8 @@ def test_stage2_refuses_what_it_cannot_do_by_name():
     torch.nn.utils.clip_grad_norm_(dm.module.parameters(), 0.1)
     with pytest.raises(RuntimeError, match="clip with dmodel.clip_grad_norm_"):
         opt.step()
+    with pytest.raises(RuntimeError, match="hook on a model whose gradients are sharded"):
+        dm.register_comm_hook(None, lambda state, bucket: None)
 
 
 def test_torchs_zero_spellings_port_unchanged():

@@ -294,17 +294,20 @@ class BucketLayout:
         now = [[f._version for f in flats] for flats in self.flat]
         if now == self._versions:
             return
-        if self.pad_to > 1:
-            raise RuntimeError(
-                "pyddp: gradients were changed after backward under shard='gradients', where "
-                "each replica holds the reduced gradient in its own block only (the rest is its "
-                "own, unreduced): clip with dmodel.clip_grad_norm_(max_norm), which combines "
-                "every replica's blocks"
-            )
         moved0 = [a - b for a, b in zip(now[0], self._versions[0])]
         for r in range(1, len(self.flat)):
             moved = [a - b for a, b in zip(now[r], self._versions[r])]
             for b, (m, m0) in enumerate(zip(moved, moved0)):
+                if m != m0 and self.pad_to > 1:
+                    # (Every replica's buffers changed alike, as the
+                    # Trainer's unscaling does, is fine.)
+                    raise RuntimeError(
+                        "pyddp: gradients were changed after backward on some replicas only "
+                        "under shard='gradients', where each replica holds the reduced "
+                        "gradient in its own block only (the rest is its own, unreduced): "
+                        "clip with dmodel.clip_grad_norm_(max_norm), which combines every "
+                        "replica's blocks"
+                    )
                 if m != m0:
                     self._before_host_write(r)
                     with torch.no_grad():

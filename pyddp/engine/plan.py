@@ -140,6 +140,12 @@ class Plan:
         """GradSync.register_comm_hook, once the hook is known valid for now
         (`used`: a backward or a step already ran)."""
         hook = resolve_hook(hook)
+        if self.engine.scatter_ranks:
+            raise RuntimeError(
+                "pyddp: a communication hook on a model whose gradients are sharded "
+                "(shard='gradients'): a hook sees and returns whole buckets, which are "
+                "reduce-scattered here; use shard=True with the hook"
+            )
         if self.hook_set:
             raise RuntimeError(
                 "pyddp: a communication hook is already registered; register one, once, as "
