@@ -5,7 +5,6 @@ pyddp engine (private; use the pyddp package)
 """
 
 from __future__ import annotations
-
 import collections.abc
 import typing
 
@@ -147,7 +146,14 @@ class SharedGpuBackend(Backend):
     def kernel(self) -> str: ...
 
 class ProcessGroupBackend(Backend):
-    def __init__(self, local: Backend, launch: collections.abc.Callable, name: str) -> None:
+    def __init__(
+        self,
+        local: Backend,
+        launch: collections.abc.Callable,
+        name: str,
+        first_rank: typing.SupportsInt | typing.SupportsIndex,
+        nranks: typing.SupportsInt | typing.SupportsIndex,
+    ) -> None:
         """
         Local reduction, then launch(bucket) starts the cross-process one (Python).
         """
@@ -190,6 +196,7 @@ class Engine:
     def note_grad(
         self, param: typing.SupportsInt | typing.SupportsIndex, has_grad: bool
     ) -> None: ...
+    def padded_count(self, bucket: typing.SupportsInt | typing.SupportsIndex) -> int: ...
     def ready_order(self) -> list[int]: ...
     def restore_reduced_copy(
         self, replica: typing.SupportsInt | typing.SupportsIndex, held: bool
@@ -210,6 +217,10 @@ class Engine:
         device: typing.SupportsInt | typing.SupportsIndex = -1,
         wire: typing.SupportsInt | typing.SupportsIndex = 0,
     ) -> None: ...
+    def set_scatter(self, ranks: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        Sharded gradients: buckets reduce-scatter over `ranks` ranks (0: all-reduce); buffers hold padded_count(bucket) elements.
+        """
     def set_sync(self, enabled: bool) -> None: ...
     def set_timeline(self, enabled: bool) -> None: ...
     def take_reduced_copy(self, replica: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
@@ -233,6 +244,8 @@ class Engine:
     def partial(self) -> bool: ...
     @property
     def partial_reason(self) -> str: ...
+    @property
+    def scatter_ranks(self) -> int: ...
     @property
     def sync_enabled(self) -> bool: ...
 
