@@ -5,6 +5,7 @@ pyddp engine (private; use the pyddp package)
 """
 
 from __future__ import annotations
+
 import collections.abc
 import typing
 
