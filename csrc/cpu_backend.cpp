@@ -173,10 +173,7 @@ CpuBackend::CpuBackend(int threads)
 
 void CpuBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int /*key*/) {
   if (bufs.empty()) return;
-  for (size_t r = 0; r < bufs.size(); ++r) {
-    PYDDP_ENFORCE(bufs[r].device < 0, "cpu backend got a device buffer: replica ", r, " device ",
-                  bufs[r].device);
-  }
+  check_host(bufs);
   const int64_t count = check_collective(*this, Collective::kAllReduce, bufs, bufs);
   chunked(count, dtype_size(bufs[0].dtype),
           [&](int64_t begin, int64_t end) { reduce_range(bufs, op, begin, end); });
@@ -195,15 +192,10 @@ void CpuBackend::all_gather(const std::vector<BufferRef>& sends, const std::vect
   check_host(sends);
   check_host(recvs);
   const int64_t count = check_collective(*this, Collective::kAllGather, sends, recvs);
-  const int64_t n = static_cast<int64_t>(sends.size());
   // In place, each send is its own block of its receive buffer, which no
   // other copy writes: the order of the copies does not matter.
-  chunked(count * n, dtype_size(sends[0].dtype), [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin / std::max<int64_t>(count, 1); k < n && k * count < end; ++k) {
-      const int64_t lo = std::max(begin, k * count) - k * count;
-      const int64_t hi = std::min(end, (k + 1) * count) - k * count;
-      for (const BufferRef& v : recvs) copy_elements(block(v, k * count, count), sends[k], lo, hi);
-    }
+  by_block(count, sends.size(), dtype_size(sends[0].dtype), [&](int64_t k, int64_t lo, int64_t hi) {
+    for (const BufferRef& v : recvs) copy_elements(block(v, k * count, count), sends[k], lo, hi);
   });
 }
 
@@ -212,20 +204,21 @@ void CpuBackend::reduce_scatter(const std::vector<BufferRef>& sends,
   check_host(sends);
   check_host(recvs);
   const int64_t count = check_collective(*this, Collective::kReduceScatter, sends, recvs);
-  const int64_t n = static_cast<int64_t>(sends.size());
-  chunked(count * n, dtype_size(sends[0].dtype), [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin / std::max<int64_t>(count, 1); k < n && k * count < end; ++k) {
-      // Block k of every send, summed in replica order (bitwise all_reduce's
-      // block k), into replica k's receive buffer.
-      std::vector<BufferRef> ins;
-      for (const BufferRef& s : sends) ins.push_back(block(s, k * count, count));
-      const int64_t lo = std::max(begin, k * count) - k * count;
-      const int64_t hi = std::min(end, (k + 1) * count) - k * count;
-      if (n == 1) {
-        copy_elements(recvs[k], ins[0], lo, hi);
-      } else {
-        reduce_into(ins, {recvs[k]}, op, lo, hi);
-      }
+  // Block k of every send, summed in replica order (bitwise all_reduce's
+  // block k), into replica k's receive buffer.
+  by_block(count, sends.size(), dtype_size(sends[0].dtype), [&](int64_t k, int64_t lo, int64_t hi) {
+    std::vector<BufferRef> ins;
+    for (const BufferRef& s : sends) ins.push_back(block(s, k * count, count));
+    reduce_into(ins, {recvs[k]}, op, lo, hi);
+  });
+}
+
+void CpuBackend::by_block(int64_t count, size_t n, size_t element_size,
+                          const std::function<void(int64_t, int64_t, int64_t)>& fn) {
+  const int64_t blocks = static_cast<int64_t>(n);
+  chunked(count * blocks, element_size, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin / std::max<int64_t>(count, 1); k < blocks && k * count < end; ++k) {
+      fn(k, std::max(begin, k * count) - k * count, std::min(end, (k + 1) * count) - k * count);
     }
   });
 }

@@ -60,6 +60,10 @@ class CpuBackend : public Backend {
   // fn(begin, end) over [0, count) elements, in chunks on the pool when the
   // bytes are worth waking it.
   void chunked(int64_t count, size_t element_size, const std::function<void(int64_t, int64_t)>& fn);
+  // chunked() over n blocks of `count` elements laid end to end:
+  // fn(block, first, end) for the part of each block a chunk covers.
+  void by_block(int64_t count, size_t n, size_t element_size,
+                const std::function<void(int64_t, int64_t, int64_t)>& fn);
 
   ChunkPool pool_;
 };

@@ -228,7 +228,11 @@ class Link:
         under one lock, so any interleaving pairs)."""
         from ..runtime.libraries import make_backend
 
-        return make_backend(list(devices), timeout)
+        return make_backend(list(devices), timeout, self.stats_rendezvous())
+
+    def stats_rendezvous(self) -> Optional[Callable[[str], tuple]]:
+        """The NCCL rendezvous of stats_backend (None: this process's GPUs)."""
+        return None
 
     def stats_summer(self) -> Optional[Callable[[torch.Tensor, str], None]]:
         """For SyncBatchNorm: a function that sums a CPU tensor over the

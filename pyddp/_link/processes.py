@@ -357,14 +357,12 @@ class ProcessLink(Link):
     def gather_objects(self, obj: Any, what: str) -> List[Any]:
         return self.control.gather_objects(obj, what)
 
-    def stats_backend(self, devices: Sequence[int], timeout: Optional[float]) -> Any:
+    def stats_rendezvous(self) -> Optional[Callable[[str], tuple]]:
         # A communicator of its own: the statistics' sums are launched from
         # the replicas' threads mid-forward and mid-backward while the
         # launcher launches buckets; on one communicator the two orders
         # could differ between processes.
-        from ..runtime.libraries import make_backend
-
-        return make_backend(list(devices), timeout, self._nccl_rendezvous("nccl_id_syncbn"))
+        return self._nccl_rendezvous("nccl_id_syncbn")
 
     def stats_summer(self) -> Optional[Callable[[torch.Tensor, str], None]]:
         return Meetings(self.peers, self.failure)

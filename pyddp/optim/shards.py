@@ -201,6 +201,7 @@ class HostGather:
         self.link, self.what, self.params0 = link, what, sync.params[0]
         firsts = list(itertools.accumulate([0] + list(link.local_counts)))
         self.mine = range(firsts[link.rank], firsts[link.rank + 1])
+        self.others = [s for s in range(firsts[-1]) if s not in self.mine]
         # Per dtype: the chunks, each process's block length, and where each
         # slot's chunk starts in the gathered vector.
         self.plans: List[Tuple[_Chunks, int, List[int]]] = []
@@ -222,8 +223,7 @@ class HostGather:
                 base = self.link.rank * block
                 self._copy(chunks, out, starts, self.mine, -base, into_params=False)
                 flat = self.link.gather_tensor(out, self.what)
-                others = [s for s in range(len(chunks.sizes)) if s not in self.mine]
-                self._copy(chunks, flat, starts, others, 0, into_params=True)
+                self._copy(chunks, flat, starts, self.others, 0, into_params=True)
 
     def _copy(
         self,
