@@ -216,3 +216,18 @@ def test_collective_shapes_are_checked_by_name():
         pyddp.all_gather([a, a])
     with pytest.raises(ValueError, match="op='max'"):
         pyddp.reduce_scatter([torch.zeros(2), torch.zeros(2)], op="max")
+
+
+@pytest.mark.parametrize("name", ["all_reduce", "broadcast", "all_gather", "reduce_scatter"])
+def test_one_tensor_is_refused_not_taken_for_replicas(name):
+    # torch.distributed's spelling, all_reduce(t): iterating over t would
+    # take its rows for replicas ([1, 2, 3, 4] summed to [10, 10, 10, 10]).
+    t = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    with pytest.raises(TypeError, match=rf"one tensor per replica \(pyddp.{name}\(\[t0, t1\]\)\)"):
+        getattr(pyddp, name)(t)
+    assert torch.equal(t, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    with pytest.raises(TypeError, match="list or tuple of tensors"):
+        getattr(pyddp, name)(3)
+    # A tuple and a generator of per-replica tensors still work.
+    a, b = torch.ones(4), torch.full((4,), 2.0)
+    getattr(pyddp, name)(x for x in (a, b))

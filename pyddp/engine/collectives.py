@@ -45,6 +45,7 @@ def all_reduce(
     or `group=` a process group; every rank must call it): the tensors of
     every process are reduced, "avg" dividing by their total count. CPU
     tensors only for now; this blocks until done."""
+    tensors = _per_replica("all_reduce", tensors)
     cupy_streams = [_cupy_stream(t) for t in tensors]
     tensors = _check_tensors("all_reduce", [_as_tensor(t, i) for i, t in enumerate(tensors)])
     if op not in ("sum", "avg"):
@@ -225,6 +226,7 @@ def _name(t: torch.Tensor) -> str:
 def _checked(what: str, tensors: Sequence[Any]) -> Tuple[List[Any], List[torch.Tensor]]:
     """The CuPy streams and tensors of a one-process collective, checked as
     all_reduce checks them; across processes refused by name."""
+    tensors = _per_replica(what, tensors)
     cupy_streams = [_cupy_stream(t) for t in tensors]
     checked = _check_tensors(what, [_as_tensor(t, i, what) for i, t in enumerate(tensors)])
     if resolve_group(None) is not None:
@@ -233,6 +235,25 @@ def _checked(what: str, tensors: Sequence[Any]) -> Tuple[List[Any], List[torch.T
             f"torch.distributed's {what}"
         )
     return cupy_streams, checked
+
+
+def _per_replica(what: str, tensors: Any) -> List[Any]:
+    """`tensors` as the list of per-replica tensors every collective takes.
+    One tensor (or CUDA array) is refused: torch.distributed's spelling
+    (`all_reduce(t)`) would otherwise iterate over its rows and reduce
+    them as if they were replicas."""
+    if isinstance(tensors, torch.Tensor) or hasattr(tensors, "__cuda_array_interface__"):
+        raise TypeError(
+            f"pyddp.{what} takes a list with one tensor per replica (pyddp.{what}([t0, t1])); "
+            f"got one {type(tensors).__name__}, whose rows would be taken for replicas. "
+            f"Across processes, one tensor per rank, use torch.distributed.{what}"
+        )
+    if isinstance(tensors, (str, bytes, dict)) or not hasattr(tensors, "__iter__"):
+        raise TypeError(
+            f"pyddp.{what}: tensors must be a list or tuple of tensors, one per replica; got "
+            f"{type(tensors).__name__}"
+        )
+    return list(tensors)
 
 
 def _ptrs(tensors: Sequence[torch.Tensor]) -> List[int]:
