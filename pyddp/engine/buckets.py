@@ -7,6 +7,7 @@ in step, and settling parameters a replica produced no gradient for."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -59,6 +60,15 @@ def ddp_plan(
     return [list(b) for b in buckets]
 
 
+_CHANGED_UNDER_SCATTER = (
+    "pyddp: gradients were changed or assigned after backward on some replicas only (the "
+    "model's own) under shard='gradients', where each replica holds the reduced gradient in "
+    "its own block only (the rest is its own, unreduced): clip with "
+    "dmodel.clip_grad_norm_(max_norm), which combines every replica's blocks; other changes "
+    "to the reduced gradients need shard=True"
+)
+
+
 class BucketLayout:
     def __init__(
         self,
@@ -94,6 +104,7 @@ class BucketLayout:
         self.adopted = 0  # gradients that arrived outside the buckets and were copied in
         # Per replica and parameter: set to None by hand_over, not yet back.
         self._handed = [[False] * n for _ in params]
+        self._resets_lock = threading.Lock()
 
     def allocate(self, buckets: Sequence[Sequence[int]], spare: int = 0) -> None:
         """Allocates flat buffers for `buckets` and points every gradient there,
@@ -260,6 +271,58 @@ class BucketLayout:
                     flat[k * c : (k + 1) * c].mul_(times)
         self._handed[r] = [False] * len(self._handed[r])
 
+    def follow_resets(self, engine: Any) -> None:
+        """Once per reduction, before any replica accumulates on it, where
+        every replica keeps a copy of it (sharded gradients: each its
+        block; op="avg": each the mean): replica 0's gradients reset by the
+        user since (torch's `model.zero_grad()`) are reset on every replica,
+        or the others would add the old reduction into the next one."""
+        with self._resets_lock:  # prepare(r) runs in each replica's forward
+            if len(self.flat) > 1 and all(
+                engine.holds_reduced_copy(r) for r in range(len(self.flat))
+            ):
+                self._follow_resets(engine.scatter_ranks > 0)
+
+    def _follow_resets(self, scattered: bool) -> None:
+        """Replica 0's gradients reset by the user are reset on every
+        replica. A gradient set to None (torch's zero_grad) resets its
+        parameter; a bucket changed in place on replica 0 alone
+        is reset if it now reads zero (`zero_grad(set_to_none=False)`,
+        `p.grad.zero_()` over the bucket), else copied to the others
+        (op="avg": each copy is the whole mean) or, under sharded
+        gradients, refused: replica 0's bucket is reduced in its block
+        only, so no other change there has a meaning."""
+        for i, p in enumerate(self.params[0]):
+            if p.grad is None and not self._handed[0][i]:
+                for r, views in enumerate(self.views):
+                    self._before_host_write(r)
+                    views[i].zero_()
+        if self._versions is None:
+            return
+        now = [[f._version for f in flats] for flats in self.flat]
+        with torch.no_grad():
+            for b, flat0 in enumerate(self.flat[0]):
+                moved0 = now[0][b] - self._versions[0][b]
+                if all(now[r][b] - self._versions[r][b] == moved0 for r in range(1, len(now))):
+                    continue  # untouched, or changed alike on every replica (pyddp's own)
+                if not bool(flat0.count_nonzero() == 0):
+                    if scattered:
+                        raise RuntimeError(
+                            "pyddp: gradients were changed in place on the model's own "
+                            "parameters after the step under shard='gradients', where each "
+                            "replica keeps its block of the last reduction: reset them with "
+                            "model.zero_grad() (or the optimizer's zero_grad()), or zero "
+                            "every gradient of the model, not some"
+                        )
+                    for r in range(1, len(self.flat)):
+                        self._before_host_write(r)
+                        self.flat[r][b].copy_(flat0)
+                    continue
+                for r in range(1, len(self.flat)):
+                    self._before_host_write(r)
+                    self.flat[r][b].zero_()
+        self.mark_reduced()
+
     def copy_to_others(self, buckets: Sequence[int]) -> None:
         """Replica 0's values of `buckets` on every other replica (reduced
         across processes through replica 0's buffers)."""
@@ -277,6 +340,32 @@ class BucketLayout:
             for flats, f in zip(self.flat, factors):
                 torch._foreach_mul_(flats, f)
 
+    def _follow_assigned(self) -> None:
+        """Gradients assigned on replica 0 since finish() (`p.grad = p.grad
+        * 0.5`, a clamp, a projection): copied into its bucket view, which
+        becomes its gradient again, so the version check below carries the
+        values to the other replicas. A gradient set to None: None on every
+        replica (the optimizer skips the parameter, as on one device)."""
+        for i, (p, view) in enumerate(zip(self.params[0], self.views[0])):
+            g = p.grad
+            if g is view:
+                continue
+            if g is None:
+                for params in self.params[1:]:
+                    params[i].grad = None
+                continue
+            if self.pad_to > 1:
+                raise RuntimeError(_CHANGED_UNDER_SCATTER)
+            if g.is_sparse:
+                raise RuntimeError(
+                    f"pyddp: a sparse gradient was assigned to parameter {i} after backward; "
+                    "assign a dense one (.to_dense())"
+                )
+            self._before_host_write(0)
+            with torch.no_grad():
+                view.copy_(g)
+            p.grad = view
+
     def mark_reduced(self) -> None:
         """At the end of finish(): the buffers' versions, for align()."""
         self._versions = [[f._version for f in flats] for flats in self.flat]
@@ -291,6 +380,7 @@ class BucketLayout:
         steps on the same values. Seen through the buffers' version counters."""
         if self._versions is None:
             return
+        self._follow_assigned()
         now = [[f._version for f in flats] for flats in self.flat]
         if now == self._versions:
             return
@@ -301,13 +391,7 @@ class BucketLayout:
                 if m != m0 and self.pad_to > 1:
                     # (Every replica's buffers changed alike, as the
                     # Trainer's unscaling does, is fine.)
-                    raise RuntimeError(
-                        "pyddp: gradients were changed after backward on some replicas only "
-                        "under shard='gradients', where each replica holds the reduced "
-                        "gradient in its own block only (the rest is its own, unreduced): "
-                        "clip with dmodel.clip_grad_norm_(max_norm), which combines every "
-                        "replica's blocks"
-                    )
+                    raise RuntimeError(_CHANGED_UNDER_SCATTER)
                 if m != m0:
                     self._before_host_write(r)
                     with torch.no_grad():

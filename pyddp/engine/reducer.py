@@ -179,7 +179,13 @@ class Reducer:
         # Backward runs on the stream its forward runs on: this one. It and the
         # zeroing below come after the last reduction of these buckets.
         self.order.use_current(self.engine, replica)
+        self._follow_resets()
         self._clear_reduced_copy(replica)
+
+    def _follow_resets(self) -> None:
+        # Every replica keeps a copy of the last reduction (its block; the mean).
+        if self.engine.scatter_ranks or self.op == "avg":
+            self.layout.follow_resets(self.engine)
 
     def _clear_reduced_copy(self, replica: int, fence: bool = False) -> None:
         """Drops replica `replica`'s copy of the last reduction, if it holds
@@ -212,6 +218,7 @@ class Reducer:
         does, so the sum over replicas stays exact."""
         if self.engine is None:
             return
+        self._follow_resets()
         for r in range(len(self.replicas)):
             self._clear_reduced_copy(r, fence=True)
 
@@ -335,8 +342,10 @@ class Reducer:
         unmarked = self.engine.unmarked()
         nowhere = {i for i, n in Counter(i for _, i in unmarked).items() if n == len(self.replicas)}
         none_here = {i for i in nowhere if self.layout.no_gradient(i)}
+        for i in nowhere - none_here:  # set by hand, unused: kept (one device, torch DDP)
+            self.engine.note_grad(i, True)
         if self.engine.sync_enabled:
-            absent = sorted(none_here | {i for i in nowhere if not self.engine.has_grad(i)})
+            absent = sorted(none_here)
             agreeing = self.link.start_agreement(
                 absent, len(self.names), self.work.take, self.shadowing
             )
