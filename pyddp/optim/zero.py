@@ -38,6 +38,7 @@ from .._link import exchange
 from ..engine.reducer import Reducer
 from ..errors import ReplicaError
 from .base import OptimState, PyddpOptimizer
+from .guard import guard
 from .shards import ELEMENTWISE, DeviceGather, HostGather, Piece, Shard, plan_shards
 
 SHARD_PARAMS = exchange("the gathering of a sharded optimizer step's parameters")
@@ -150,6 +151,8 @@ def sharded_optimizer(
             pieces += members
             inner_groups.append({**_hyper(g), "params": [m[3] for m in members]})
         shards.append(Shard(pieces, cls(inner_groups, **kwargs)))
+    if gradients:
+        guard([p for params in sync.params for p in params], opt)
     opt._pyddp = ShardedState(
         sync=sync,
         grads=[params[i] for params in sync.params for i in order],
