@@ -248,12 +248,37 @@ class HostGather:
 
 def clip_sharded(sync: Reducer, max_norm: float, norm_type: float) -> torch.Tensor:
     """dmodel.clip_grad_norm_ under shard='gradients': each replica holds
-    the reduced gradient in its block of every bucket only, so each takes
-    the norm of its blocks, the partial norms of every replica of every
-    process are all-gathered (on GPUs on the engine's backend, no host
-    wait; across processes on CPUs through gloo) and combined, and each
-    replica scales its blocks. Returns the total norm (on replica 0's
-    device)."""
+    the reduced gradient in its block of every bucket only, so the global
+    norm combines every replica's (sharded_norm), and each replica scales
+    its blocks. Returns the total norm (on replica 0's device)."""
+    blocks, totals = sharded_norm(sync, norm_type)
+    with torch.no_grad():
+        for own, total in zip(blocks, totals):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_(own, coef.to(own[0].dtype))
+    sync.layout.mark_reduced()  # the blocks changed on purpose: not a user's edit
+    total0 = totals[0]
+    return total0.to(torch.float32) if total0.dtype != torch.float32 else total0
+
+
+def sharded_finite(sync: Reducer) -> bool:
+    """Under shard='gradients': whether every replica's blocks of every
+    process are finite (fp16 loss scaling's overflow check; one replica's
+    blocks alone would miss an overflow elsewhere). Every rank gets the
+    same answer: the norms are all-gathered. Reads the host (GPUs wait)."""
+    _, totals = sharded_norm(sync, 2.0)
+    return bool(torch.isfinite(totals[0]))
+
+
+def sharded_norm(
+    sync: Reducer, norm_type: float
+) -> Tuple[List[List[torch.Tensor]], List[torch.Tensor]]:
+    """Each replica's blocks of every bucket, and on each replica the
+    global norm of the reduced gradient: each takes its blocks' norm, the
+    partial norms of every replica of every process are all-gathered (on
+    GPUs on the engine's backend, no host wait; across processes on CPUs
+    through gloo) and combined, in float64 (a non-finite element makes the
+    norm non-finite)."""
     ranks = sync.engine.scatter_ranks
     p = float(norm_type)
     blocks = []
@@ -278,12 +303,7 @@ def clip_sharded(sync: Reducer, max_norm: float, norm_type: float) -> torch.Tens
         else:
             mine = torch.stack(partials).reshape(-1)
             everyone = [sync.link.gather_tensor(mine, CLIP_NORMS)] * len(blocks)
-        coefs, total0 = [], None
-        for all_partials in everyone:
-            total = all_partials.max() if p == float("inf") else all_partials.sum().pow(1.0 / p)
-            total0 = total if total0 is None else total0
-            coefs.append(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        for own, coef in zip(blocks, coefs):
-            torch._foreach_mul_(own, coef.to(own[0].dtype))
-    sync.layout.mark_reduced()  # the blocks changed on purpose: not a user's edit
-    return total0.to(torch.float32) if total0.dtype != torch.float32 else total0
+        totals = [
+            parts.max() if p == float("inf") else parts.sum().pow(1.0 / p) for parts in everyone
+        ]
+    return blocks, totals

@@ -27,7 +27,7 @@ from .._link.ranks import Ranks
 from ..engine.options import Options
 from ..engine.reducer import Reducer
 from ..optim.factory import ParamsFn, make_optimizer
-from ..optim.shards import clip_sharded
+from ..optim.shards import clip_sharded, sharded_finite
 from ..runtime.devices import DeviceLike, parse_devices, process_devices
 from ..runtime.libraries import timeout_s
 from ..runtime.torchrun import refuse_training_alone
@@ -244,6 +244,15 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             grads = self._reducer.flat_grads(r)
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         return total
+
+    def _sharded_finite(self) -> Optional[Callable[[], bool]]:
+        """Under shard='gradients', the check that every replica's blocks
+        (of every process) are finite, for fp16 loss scaling; else None
+        (replica 0's reduced gradients hold every value)."""
+        engine = self._reducer.engine
+        if engine is None or not engine.scatter_ranks:
+            return None
+        return partial(sharded_finite, self._reducer)
 
     def train(self, mode: bool = True) -> DistributedModel:
         super().train(mode)

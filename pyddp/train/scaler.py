@@ -5,7 +5,7 @@ resumed run doubles the scale at the same step as an uninterrupted one."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -21,11 +21,16 @@ class LossScaler:
     def enabled(self) -> bool:
         return self.scale != 1.0
 
-    def unscale_(self, flats: Sequence[List[torch.Tensor]]) -> bool:
+    def unscale_(
+        self, flats: Sequence[List[torch.Tensor]], finite: Optional[Callable[[], bool]] = None
+    ) -> bool:
         """Divides every replica's gradients (flats[r]: its flat buffers) by the
         scale; False (and a halved scale) if they overflowed. Replicas hold the
-        same reduced values, so replica 0's check decides for all."""
-        if not all(bool(torch.isfinite(f).all()) for f in flats[0]):
+        same reduced values, so replica 0's check decides for all, unless
+        `finite` decides (sharded gradients: each replica holds its block only)."""
+        if finite is None:
+            finite = lambda: all(bool(torch.isfinite(f).all()) for f in flats[0])  # noqa: E731
+        if not finite():
             self.scale /= 2
             self.clean_steps = 0
             return False
