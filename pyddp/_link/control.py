@@ -43,6 +43,10 @@ PARAMS_BROADCAST = exchange("the broadcast of rank 0's parameters and buffers")
 BUFFERS_BROADCAST = exchange("the broadcast of rank 0's buffers before a training forward")
 PLAN_BROADCAST = exchange("the bucket plan broadcast")
 LOSS_WEIGHTS = exchange("the loss weighting of a training step")
+SHARD_MODES = exchange(
+    "the comparison of shard modes before a first synced backward (each rank's "
+    "dmodel.optimizer(..., shard=...))"
+)
 
 
 class Control:

@@ -6,9 +6,13 @@ the store's host may itself be stopped."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import json
+import logging
 import os
+import sys
 import threading
 import time
 from typing import Any, Dict, Optional
@@ -45,6 +49,7 @@ class Failure:
             )
             report_to_launcher(self.failed)
             self._publish(reason)
+            exit_without_teardown()
 
     def call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         """fn(*args, **kwargs) on a group; its failure is named after `what`."""
@@ -98,6 +103,7 @@ class Failure:
             "its last checkpoint)"
         )
         report_to_launcher(f"ProcessGroupError: {self.failed}")
+        exit_without_teardown()
         raise ProcessGroupError(self.failed)
 
     # ------------------------------------------------------------ the store
@@ -240,6 +246,36 @@ def _quoted(text: str, limit: int = 300) -> str:
     # Quotes, not repr(): repr escapes the apostrophes of pyddp's own
     # messages ("rank 0\'s buffers") once they also hold double quotes.
     return "'" + clean[:limit] + ("..." if len(clean) > limit else "") + "'"
+
+
+_exit_armed: Dict[str, bool] = {}
+
+
+def exit_without_teardown() -> None:
+    """After a link failed, this process ends without Python's teardown.
+    The failure leaves gloo operations pending (a peer stopped at another
+    exchange), each with a Python callback on its future; when the peer
+    exits and closes its sockets they fail on gloo's threads, and one that
+    runs its callback while the interpreter finalizes cannot take the
+    interpreter lock, is unwound by the thread exit through a noexcept frame,
+    and aborts the process (SIGABRT, "terminate called after throwing an
+    instance of 'gloo::IoException'") after pyddp's named error. So at exit
+    (first among the exit handlers: registered last) the standard streams
+    and logging are flushed and the process leaves with os._exit: code 1
+    after an uncaught exception (Python's own), else 0 (a `sys.exit(n)`
+    after the failure reads 0 too)."""
+    if not _exit_armed:
+        _exit_armed["armed"] = True
+        atexit.register(_leave)
+
+
+def _leave() -> None:
+    code = 1 if hasattr(sys, "last_value") else 0  # set when Python printed an uncaught error
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing to say there
+            stream.flush()
+    os._exit(code)
 
 
 def report_to_launcher(message: str) -> None:

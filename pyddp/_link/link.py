@@ -137,6 +137,11 @@ class Link:
         """A forward whose backward comes next ended (`syncing`: it reduces):
         what the link sends with the buckets can be prepared now."""
 
+    def settings_changed(self) -> None:
+        """dmodel.optimizer made an optimizer (its shard mode is the work
+        record's): across processes, compared before the next synced
+        backward."""
+
     def wait(self) -> Tuple[List[int], List[int], Any]:
         """After the engine's finish: (buckets this link reduced, parameters
         with a gradient on no process, the factor every gradient still needs:

@@ -12,7 +12,7 @@ import torch
 from .. import _C
 from ..errors import ProcessGroupError
 from .agreement import Agreement, record_for, ride_size
-from .control import BUFFERS_BROADCAST, LOSS_WEIGHTS, PARAMS_BROADCAST, Control
+from .control import BUFFERS_BROADCAST, LOSS_WEIGHTS, PARAMS_BROADCAST, SHARD_MODES, Control
 from .failure import Failure
 from .groups import Peers, first_line
 from .joining import JOIN_FINAL, JOIN_LAST, JOIN_STEP, JoinStep, decode, encode, last_joiner
@@ -45,6 +45,11 @@ class ProcessLink(Link):
         self.divide_by_active = False
         self.work: Optional[WorkRecord] = None  # the GradSync's (attach)
         self._just_agreed = False  # the last thing done was a CPU agreement read
+        # The shard mode is compared before the first synced backward and
+        # after each dmodel.optimizer: under shard='gradients' the buckets
+        # are reduce-scattered, which cannot pair with another rank's
+        # all-reduce (the agreement riding after them would never come).
+        self._settings_due = True
 
     @property
     def global_loss(self) -> Optional[float]:
@@ -204,8 +209,26 @@ class ProcessLink(Link):
         return self.world / max(1, len(self.join.active))
 
     def forward_ended(self, syncing: bool) -> None:
+        if syncing and self._settings_due and self.work is not None and self.work.module.training:
+            self._settings_due = False
+            self._compare_settings()
         if syncing and self._route is None:
             self.transport.arm()
+
+    def settings_changed(self) -> None:
+        self._settings_due = True
+
+    def _compare_settings(self) -> None:
+        shards = self.gather_objects(self.work.shard, SHARD_MODES)
+        if len(set(map(repr, shards))) > 1:
+            ranks = self.peers.ranks
+            shown = ", ".join(f"rank {ranks[r]} shard={s!r}" for r, s in enumerate(shards))
+            self.failure.fail(
+                f"the ranks' optimizers shard differently ({shown}): every rank must make its "
+                "optimizer with the same dmodel.optimizer(..., shard=...) (shard='gradients' "
+                "reduce-scatters each bucket, which cannot pair with an all-reduce)",
+                census=False,
+            )
 
     def wait(self) -> Tuple[List[int], List[int], Any]:
         window = self.weighting.take_window()

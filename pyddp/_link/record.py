@@ -6,6 +6,7 @@ diverge for good."""
 from __future__ import annotations
 
 import weakref
+import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -29,6 +30,10 @@ class WorkRecord:
         self.steps = 0  # optimizer steps over replica 0's parameters
         self._stepping: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._ahead: Optional[Tuple[int, int]] = None  # (synced backward, its checksum)
+        # How this rank's optimizers shard (dmodel.optimizer's shard=): a
+        # sharded step's all-gather makes the parameters equal again, so
+        # the checksum cannot see ranks stepping with different settings.
+        self.shard: Any = False
 
     def backward_done(self) -> None:
         self.backwards_since_sync += 1
@@ -74,7 +79,23 @@ class WorkRecord:
             # One BatchNorm left in eval() counts, not only the whole model.
             "modules in training mode": sum(m.training for m in self._modules),
             "parameter checksum": checksum,
+            "optimizer settings (shard mode, class and per-group hyper-parameters, hashed)": (
+                self.settings_hash()
+            ),
         }
+
+    def settings_hash(self) -> int:
+        """A hash, equal on ranks with equal settings, of the shard mode and
+        of every optimizer seen stepping replica 0's parameters: its class
+        and each param group's hyper-parameters (a learning rate a
+        scheduler changed on one rank only, AdamW on one and SGD on
+        another). Tensor values are hashed by dtype and shape (reading
+        them would make a GPU's host wait)."""
+        parts = sorted(
+            repr((type(o).__qualname__, [_hyper(g) for g in o.param_groups]))
+            for o in self.stepping()
+        )
+        return zlib.crc32(repr((self.shard, parts)).encode())
 
     def synced(self) -> None:
         """A synced backward ended: the micro-batches count starts again."""
@@ -91,6 +112,14 @@ class WorkRecord:
     def checksum(self) -> int:
         with torch.no_grad():
             return sum(bits_sum(p) for p in self.params) & 0x7FFFFFFFFFFFFFFF
+
+
+def _hyper(group: Dict[str, Any]) -> List[Tuple[str, str]]:
+    return [
+        (k, f"tensor {v.dtype} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else repr(v))
+        for k, v in sorted(group.items())
+        if k != "params"
+    ]
 
 
 _watched: weakref.WeakSet[WorkRecord] = weakref.WeakSet()
