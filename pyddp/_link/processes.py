@@ -209,7 +209,9 @@ class ProcessLink(Link):
         return self.world / max(1, len(self.join.active))
 
     def forward_ended(self, syncing: bool) -> None:
-        if syncing and self._settings_due and self.work is not None and self.work.module.training:
+        # (Under torch's Join a rank that joined shadows without a forward:
+        # compared after the Join.)
+        if syncing and self._settings_due and self.work is not None and self.join is None:
             self._settings_due = False
             self._compare_settings()
         if syncing and self._route is None:

@@ -34,6 +34,7 @@ class WorkRecord:
         # sharded step's all-gather makes the parameters equal again, so
         # the checksum cannot see ranks stepping with different settings.
         self.shard: Any = False
+        self._made: List[weakref.ref] = []  # dmodel.optimizer's, in the order made
 
     def backward_done(self) -> None:
         self.backwards_since_sync += 1
@@ -84,17 +85,25 @@ class WorkRecord:
             ),
         }
 
+    def note_made(self, optimizer: Any) -> None:
+        """dmodel.optimizer made `optimizer` (every rank makes its own)."""
+        self._made = [ref for ref in self._made if ref() is not None]
+        self._made.append(weakref.ref(optimizer))
+
     def settings_hash(self) -> int:
         """A hash, equal on ranks with equal settings, of the shard mode and
-        of every optimizer seen stepping replica 0's parameters: its class
-        and each param group's hyper-parameters (a learning rate a
-        scheduler changed on one rank only, AdamW on one and SGD on
-        another). Tensor values are hashed by dtype and shape (reading
-        them would make a GPU's host wait)."""
-        parts = sorted(
+        of every live optimizer dmodel.optimizer made: its class and each
+        param group's hyper-parameters (a learning rate a scheduler changed
+        on one rank only, AdamW on one and SGD on another). An optimizer of
+        your own is not in it (a rank may never have stepped it, under
+        Join); the parameter checksum sees where it steps differently.
+        Tensor values are hashed by dtype and shape (reading them would
+        make a GPU's host wait)."""
+        parts = [
             repr((type(o).__qualname__, [_hyper(g) for g in o.param_groups]))
-            for o in self.stepping()
-        )
+            for o in (ref() for ref in self._made)
+            if o is not None
+        ]
         return zlib.crc32(repr((self.shard, parts)).encode())
 
     def synced(self) -> None:

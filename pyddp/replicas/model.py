@@ -184,6 +184,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             )
         opt = make_optimizer(self._reducer, cls or optimizer_class, params, shard, **kwargs)
         self._reducer.work.shard = {"state": True}.get(shard, shard)  # type: ignore[call-overload]
+        self._reducer.work.note_made(opt)
         self._reducer.link.settings_changed()
         if not shard:  # a sharded one cannot step under Join (zero.py)
             self._optimizers.append(weakref.ref(opt))
