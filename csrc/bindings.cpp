@@ -287,6 +287,10 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("replica"), py::arg("bucket"), py::arg("ptr"), py::arg("count"),
           py::arg("dtype"), py::arg("device") = -1, py::arg("wire") = 0)
+      .def("release_buffer", &Engine::release_buffer, py::arg("replica"), py::arg("bucket"),
+           "Sharded gradients: the bucket's buffer was freed (launching it again raises).")
+      .def("take_completed", &Engine::take_completed,
+           "Buckets whose reduction call returned since the last call (CPU: reduced).")
       // Holds the GIL: it only counts (no waiting), and a release/reacquire
       // would cost more than the call itself.
       .def("mark_ready", &Engine::mark_ready, py::arg("replica"), py::arg("param"),

@@ -89,6 +89,7 @@ void Engine::set_buckets(std::vector<std::vector<int>> buckets) {
   replica_streams_.assign(nb * num_replicas_, {});
   backend_->set_keys(static_cast<int>(nb));
   bucket_ready_.assign(nb, 0);
+  bucket_returned_.assign(nb, 0);
   bucket_ready_ns_.reset(new std::atomic<int64_t>[nb]);
   bucket_launch_ns_.assign(nb, 0);
   bucket_done_ns_.assign(nb, 0);
@@ -120,7 +121,8 @@ void Engine::set_buffer(int replica, int bucket, BufferRef buf) {
                 num_replicas_, ")");
   PYDDP_ENFORCE(bucket >= 0 && static_cast<size_t>(bucket) < buckets_.size(), "bucket ", bucket,
                 " out of range [0, ", buckets_.size(), ")");
-  PYDDP_ENFORCE(!active_.load() && !busy_, "cannot change buffers while a backward is in flight");
+  PYDDP_ENFORCE(!active_.load() || bucket_pending_[bucket].load() > 0,
+                "cannot change bucket ", bucket, "'s buffers once its reduction may launch");
   PYDDP_ENFORCE(buf.count == padded_count(bucket), "bucket ", bucket, " holds ",
                 padded_count(bucket), " elements", scatter_ > 0 ? " (padded)" : "",
                 ", buffer has ", buf.count);
@@ -129,6 +131,24 @@ void Engine::set_buffer(int replica, int bucket, BufferRef buf) {
                 dtype_name(buf.dtype));
   PYDDP_ENFORCE(buf.data != nullptr || buf.count == 0, "null buffer for bucket ", bucket);
   buffers_[static_cast<size_t>(replica) * buckets_.size() + bucket] = buf;
+}
+
+void Engine::release_buffer(int replica, int bucket) {
+  std::lock_guard<std::mutex> lk(mu_);
+  PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica, " out of range [0, ",
+                num_replicas_, ")");
+  PYDDP_ENFORCE(bucket >= 0 && static_cast<size_t>(bucket) < buckets_.size(), "bucket ", bucket,
+                " out of range [0, ", buckets_.size(), ")");
+  PYDDP_ENFORCE(!active_.load() || bucket_returned_[bucket],
+                "cannot release bucket ", bucket, "'s buffer before its reduction returned");
+  buffers_[static_cast<size_t>(replica) * buckets_.size() + bucket] = BufferRef{};
+}
+
+std::vector<int> Engine::take_completed() {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<int> out;
+  out.swap(completed_);
+  return out;
 }
 
 void Engine::fail_mark(int replica, int param, const std::string& why) const {
@@ -242,7 +262,8 @@ std::vector<BufferRef> Engine::bucket_buffers(int bucket) const {
   for (int r = 0; r < num_replicas_; ++r) {
     bufs[r] = buffers_[static_cast<size_t>(r) * buckets_.size() + bucket];
     PYDDP_ENFORCE(bufs[r].count == padded_count(bucket),
-                  "bucket ", bucket, " has no buffer for replica ", r, " (call set_buffer)");
+                  "bucket ", bucket, " has no buffer for replica ", r,
+                  bufs[r].count == 0 ? " (released, and not set again)" : " (call set_buffer)");
   }
   return bufs;
 }
@@ -304,6 +325,8 @@ void Engine::launcher_loop() {
       ready_queue_.clear();
     } else {
       ++done_;
+      bucket_returned_[b] = 1;
+      completed_.push_back(b);
       bucket_launch_ns_[b] = t_launch;
       bucket_done_ns_[b] = t_done;
       if (reduce) {
@@ -426,6 +449,8 @@ void Engine::reset_iteration_locked() {
   }
   ready_queue_.clear();
   std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
+  std::fill(bucket_returned_.begin(), bucket_returned_.end(), 0);
+  completed_.clear();
   next_index_ = 0;
   done_ = 0;
   error_.clear();

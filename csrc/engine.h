@@ -59,7 +59,16 @@ class Engine {
   // Layout: replaces the bucket plan (only between iterations); every buffer
   // must be set again before the next synced backward.
   void set_buckets(std::vector<std::vector<int>> buckets);
+  // During a synced backward too, for a bucket not complete yet: sharded
+  // gradients allocate a replica's bucket at its first gradient.
   void set_buffer(int replica, int bucket, BufferRef buf);
+  // The bucket's buffer is gone (sharded gradients free a bucket once its
+  // block is copied out): allowed between backwards, or once the bucket's
+  // reduction returned; launching it again without set_buffer raises.
+  void release_buffer(int replica, int bucket);
+  // Buckets whose reduction call returned since the last call, in that
+  // order (for backends that reduce within the call, the CPU one: done).
+  std::vector<int> take_completed();
   // Sharded gradients (ZeRO stage 2): `ranks` > 0 makes every bucket a
   // reduce-scatter over the backend's `ranks` ranks instead of an
   // all-reduce: a bucket's buffers then hold its elements padded to a
@@ -172,6 +181,8 @@ class Engine {
   std::vector<int> bucket_of_;
   std::vector<int64_t> bucket_count_;
   std::vector<BufferRef> buffers_;  // [replica * num_buckets + bucket]
+  std::vector<char> bucket_returned_;  // this iteration, guarded by mu_
+  std::vector<int> completed_;         // take_completed's, guarded by mu_
   int scatter_ = 0;                 // set_scatter's ranks; 0: all-reduce
 
   // Per-iteration counters, reset by finish()/abort().

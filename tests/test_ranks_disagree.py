@@ -126,7 +126,8 @@ rank = pyddp.rank()
 torch.manual_seed(0)
 x, y = torch.randn(8, 6), torch.randn(8, 3)
 dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), ["cpu"])
-opt = dm.optimizer(torch.optim.SGD, shard="gradients" if sys.argv[1] == "gradients" else True, lr=0.1)
+shard = "gradients" if sys.argv[1] == "gradients" else True
+opt = dm.optimizer(torch.optim.SGD, shard=shard, lr=0.1)
 for k in range(6):
     opt.zero_grad()
     nn.functional.mse_loss(dm(x), y).backward()

@@ -111,37 +111,58 @@ def test_a_gradient_replaced_after_backward_reaches_every_replica(shard, change)
     assert _diff(dm.replicas[1], dm.module) == 0
 
 
-def test_under_sharded_gradients_a_replaced_gradient_is_refused_and_none_skips():
-    dm, opt, ref, ref_opt = _both(2, "gradients")
+def test_under_sharded_gradients_grad_is_a_placeholder_that_does_what_one_device_does():
+    # After backward the reduced gradient is in each replica's blocks, and
+    # the model's `.grad` a placeholder (one zero expanded): set to None it
+    # skips the parameter, zeroed it zeroes the gradient, as on one device;
+    # a tensor assigned is refused (it cannot hold the reduced values), and
+    # in-place arithmetic on it raises (torch's clip would otherwise clip
+    # nothing).
     x, y = torch.randn(6, 4), torch.randn(6, 2)
+    dm, opt, ref, ref_opt = _both(2, "gradients")
     _loss(dm, x, y).backward()
     w = dm.module.a.weight
-    w.grad = w.grad * 0.5  # replica 0's buffer is reduced in its block only
-    with pytest.raises(RuntimeError, match="changed or assigned after backward on some replicas"):
+    assert w.grad.shape == w.shape and w.grad.stride() == (0, 0) and not w.grad.any()
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        w.grad.mul_(0.5)
+    w.grad = w.grad * 0.5
+    with pytest.raises(RuntimeError, match="a tensor was assigned as the gradient of parameter 0"):
         opt.step()
-    # None: the parameter is skipped on every replica, as on one device.
     dm, opt, ref, ref_opt = _both(2, "gradients")
-    for _ in range(3):
+    for k in range(4):
         opt.zero_grad()
         ref_opt.zero_grad()
         _loss(dm, x, y).backward()
         _loss(ref, x, y).backward()
-        dm.module.b.bias.grad = None
-        ref.b.bias.grad = None
+        for model in (dm.module, ref):
+            if k % 2:
+                model.b.bias.grad = None  # skipped by the step
+            else:
+                model.a.bias.grad.zero_()  # stepped with zeros (momentum goes on)
         opt.step()
         ref_opt.step()
     assert _diff(dm.module, ref) < TOL
     assert _diff(dm.replicas[1], dm.module) == 0
 
 
-def test_under_sharded_gradients_some_gradients_changed_in_place_after_the_step_are_refused():
-    dm, opt, _, _ = _both(2, "gradients")
-    x, y = torch.randn(6, 4), torch.randn(6, 2)
-    _loss(dm, x, y).backward()
-    opt.step()
-    dm.module.a.weight.grad.mul_(0.5)  # not a reset: no meaning on a block
-    with pytest.raises(RuntimeError, match="changed in place on the model's own parameters"):
-        dm(x)
+def test_under_sharded_gradients_gradients_kept_across_a_step_accumulate_as_on_one_device():
+    # No reset between a step and the next backward: one device adds the
+    # next gradient to the kept one; so do the blocks. Some parameters
+    # reset by hand (None, zeroed in place) start again from zero.
+    dm, opt, ref, ref_opt = _both(3, "gradients")
+    torch.manual_seed(1)
+    for k in range(4):
+        x, y = torch.randn(6, 4), torch.randn(6, 2)
+        if k == 2:
+            for model in (dm.module, ref):
+                model.a.weight.grad = None
+                model.b.weight.grad.zero_()
+        _loss(dm, x, y).backward()
+        _loss(ref, x, y).backward()
+        opt.step()
+        ref_opt.step()
+    assert _diff(dm.module, ref) < TOL
+    assert _diff(dm.replicas[2], dm.module) == 0
 
 
 @pytest.mark.parametrize("shard", MODES)
@@ -158,7 +179,8 @@ def test_a_gradient_set_by_hand_on_an_unused_parameter_is_kept(shard):
             model.unused.weight.grad = torch.full((2, 4), 0.25)
         _loss(dm, x, y).backward()
         _loss(ref, x, y).backward()
-        assert torch.equal(dm.module.unused.weight.grad, torch.full((2, 4), 0.25))
+        if shard != "gradients":  # (there: a placeholder, the gradient in the blocks)
+            assert torch.equal(dm.module.unused.weight.grad, torch.full((2, 4), 0.25))
         assert dm.module.unused.bias.grad is None  # no gradient anywhere: None, as on one device
         opt.step()
         ref_opt.step()

@@ -294,11 +294,15 @@ def test_stage2_refuses_what_it_cannot_do_by_name():
     for shard in (False, True, "gradients"):
         with pytest.raises(RuntimeError, match="gradients are sharded"):
             dm.optimizer(torch.optim.SGD, shard=shard, lr=0.1)
-    # torch's own clipping over the model's parameters sees replica 0's
-    # buffers (its block reduced, the rest its own): refused at the step.
+    # After backward the model's `.grad` are placeholders (the reduced
+    # gradient is in each replica's blocks): torch's own clipping over them
+    # raises (it scales them in place) instead of clipping nothing, and a
+    # tensor assigned there is refused at the step.
     dm(torch.randn(4, 8)).sum().backward()
-    torch.nn.utils.clip_grad_norm_(dm.module.parameters(), 0.1)
-    with pytest.raises(RuntimeError, match="clip with dmodel.clip_grad_norm_"):
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        torch.nn.utils.clip_grad_norm_(dm.module.parameters(), 0.1)
+    dm.module[0].weight.grad = torch.ones_like(dm.module[0].weight)
+    with pytest.raises(RuntimeError, match="a tensor was assigned as the gradient of parameter 0"):
         opt.step()
     with pytest.raises(RuntimeError, match="hook on a model whose gradients are sharded"):
         dm.register_comm_hook(None, lambda state, bucket: None)

@@ -150,9 +150,11 @@ class ProcessLink(Link):
             agreement, work, weighting = self.agreement, self.work, self.weighting
             rider = lambda full, count: agreement.ride(full, count, work, weighting)  # noqa: E731
         self.transport.ride_on(wire, rider)
-        self.transport.flats = list(flats)
+        # The layout's own lists: under shard='gradients' a bucket's buffer
+        # is allocated at its first gradient and freed after its reduction.
+        self.transport.flats = flats  # type: ignore[assignment]
         self.transport.buckets = [list(b) for b in buckets]
-        self.transport.params, self.transport.views = list(params), list(views)
+        self.transport.params, self.transport.views = list(params), views  # type: ignore[assignment]
 
     def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
         # CPU replicas (GradSync checks once-before-the-first-backward for

@@ -13,6 +13,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from .. import _C
+from .scattered import Scattered
 
 
 def plan_buckets(
@@ -104,13 +105,61 @@ class BucketLayout:
         self.adopted = 0  # gradients that arrived outside the buckets and were copied in
         # Per replica and parameter: set to None by hand_over, not yet back.
         self._handed = [[False] * n for _ in params]
+        # Sharded gradients (scattered.py): blocks kept, buckets transient.
+        self.scattered: Optional[Scattered] = None
+        self._scatter_setup: Optional[tuple] = None
+        # The gradient hooks' poll after marking (Scattered.poll, or None).
+        self.poll: List[Optional[Callable[[], None]]] = [None]
         self._resets_lock = threading.Lock()
+
+    def scatter_setup(
+        self, rank_of: Sequence[int], engine: Any, retire: Callable[..., None], early: bool
+    ) -> None:
+        """Sharded gradients from the next allocate on (pad_to > 1): see
+        scattered.py for the arguments."""
+        self._scatter_setup = (list(rank_of), engine, retire, early)
+
+    def zeros_for(self, count: int, dtype: torch.dtype, r: int) -> torch.Tensor:
+        return self._zeros(count, dtype, r)
+
+    def tell_engine(self, r: int, b: int, flat: torch.Tensor) -> None:
+        """Replica r's bucket b now lives in `flat` (sharded gradients)."""
+        device = -1 if self._gpu_devices is None else self._gpu_devices[r]
+        dtype = self.dtypes[self.scattered.buckets[b][0]]
+        self._set_buffer(r, b, flat.data_ptr(), flat.numel(), dtype, device, 0)
+
+    def handed(self, r: int, i: int) -> None:
+        self._handed[r][i] = True
+
+    def _allocate_scattered(self, buckets: Sequence[Sequence[int]]) -> None:
+        """Sharded gradients: every replica's blocks, and no bucket until a
+        gradient needs one; gradients held now are copied into theirs."""
+        rank_of, engine, retire, early = self._scatter_setup
+        held = [[p.grad for p in params] for params in self.params]
+        for r in range(len(self.params)):
+            self.flat[r] = [None] * len(buckets)  # type: ignore[list-item]
+            self.views[r][:] = [None] * len(self.views[r])
+            self._wire[r] = []
+        self.scattered = Scattered(self, buckets, self.pad_to, rank_of, engine, retire, early)
+        self.poll[0] = self.scattered.poll if early else None
+        with torch.no_grad():
+            for r, grads in enumerate(held):
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        self.scattered.ensure(r, self.scattered.bucket_of[i])
+                        self.views[r][i].copy_(g)
+                        self.params[r][i].grad = self.views[r][i]
+        self._view_ptrs = []
+        self._versions = None
 
     def allocate(self, buckets: Sequence[Sequence[int]], spare: int = 0) -> None:
         """Allocates flat buffers for `buckets` and points every gradient there,
         keeping the values gradients already hold. `spare`: elements after
         replica 0's last bucket (self.riding: that bucket and them)."""
         self.riding = None
+        if self.pad_to > 1:
+            self._allocate_scattered(buckets)
+            return
         pad = self.pad_to
         for r, params in enumerate(self.params):
             flats, wires = [], []
@@ -144,6 +193,8 @@ class BucketLayout:
 
     def memory(self) -> List[List[torch.Tensor]]:
         """Per replica, every tensor holding its bucket memory now."""
+        if self.scattered is not None:
+            return [self.scattered.memory(r) for r in range(len(self.params))]
         return [flats + wires for flats, wires in zip(self.flat, self._wire)]
 
     def moved(self) -> bool:
@@ -151,6 +202,8 @@ class BucketLayout:
         replaced their storage, or a gradient was assigned). Reliable where
         parameter pointers are not: the buckets stay allocated, so a replaced
         gradient cannot reuse their addresses."""
+        if self.scattered is not None:
+            return False  # gradients are copied into transient buckets at each backward
         for p, ptr in zip(self.params[0], self._view_ptrs):
             g = p.grad
             if g is not None and g.data_ptr() != ptr:
@@ -158,6 +211,8 @@ class BucketLayout:
         return False
 
     def bucket_bytes(self) -> List[int]:
+        if self.scattered is not None:
+            return self.scattered.bucket_bytes()
         return [f.numel() * f.element_size() for f in self.flat[0]]
 
     # ------------------------------------------------------ single gradients
@@ -171,6 +226,8 @@ class BucketLayout:
             for i, p in enumerate(params):
                 p.grad = None
                 handed[i] = True
+        if self.scattered is not None:
+            self.scattered.consume()
 
     def no_gradient(self, i: int) -> bool:
         """No replica holds a gradient for parameter i: replica 0's is None,
@@ -180,6 +237,8 @@ class BucketLayout:
         replica 0's alone."""
         if self.params[0][i].grad is not None:
             return False
+        if self.scattered is not None and self.scattered.kept[i]:
+            return False  # kept in the blocks since the step (scattered.py)
         return not (self._handed[0][i] and any(ps[i].grad is not None for ps in self.params[1:]))
 
     def adopt(self, p: torch.Tensor, view: torch.Tensor, r: int = 0, i: int = -1) -> None:
@@ -191,6 +250,9 @@ class BucketLayout:
                 "pyddp: a parameter produced a sparse gradient; sparse gradients are not "
                 "supported (construct nn.Embedding/EmbeddingBag with sparse=False)"
             )
+        if view is None:  # sharded gradients: the bucket's first gradient on this replica
+            self.scattered.ensure(r, self.scattered.bucket_of[i])
+            view = self.views[r][i]
         view.copy_(g)
         p.grad = view
         if i >= 0 and self._handed[r][i]:
@@ -203,6 +265,8 @@ class BucketLayout:
         slice takes part as is, unless its grad was reset behind pyddp's back
         (torch's zero_grad sets None: the slice is stale and counts as zero)
         or replaced (copied in)."""
+        if self.views[r][i] is None:  # sharded gradients: its bucket is needed now
+            self.scattered.ensure(r, self.scattered.bucket_of[i])
         grad, view = self.params[r][i].grad, self.views[r][i]
         if grad is view:
             return
@@ -214,7 +278,9 @@ class BucketLayout:
 
     def zero_param(self, i: int) -> None:
         """Parameter i's slice reads zero on every replica."""
-        for views in self.views:
+        for r, views in enumerate(self.views):
+            if views[i] is None:  # sharded gradients: a fresh bucket reads zero
+                self.scattered.ensure(r, self.scattered.bucket_of[i])
             views[i].zero_()
 
     def grads_to_none(self, i: int) -> None:
@@ -234,6 +300,11 @@ class BucketLayout:
         """Every replica's gradients as they are (put_back restores them):
         the buckets' values, which gradients are None, and the engine's view
         (which it counts as present, which replicas hold a reduced copy)."""
+        if self.scattered is not None:
+            raise NotImplementedError(
+                "pyddp: shard='gradients' under torch's Join (dmodel.join()): a rank that "
+                "joined would have to shadow the reduce-scatters; use shard=True or shard=False"
+            )
         values = [[f.clone() for f in flats] for flats in self.flat]
         nones = [[p.grad is None for p in params] for params in self.params]
         present = [engine.has_grad(i) for i in range(len(self.params[0]))]
@@ -255,20 +326,11 @@ class BucketLayout:
             engine.restore_reduced_copy(r, held)
 
     def zero(self, r: int) -> None:
+        if self.scattered is not None:
+            self.scattered.zero(r)
         for flat in self.flat[r]:
-            flat.zero_()
-        self._handed[r] = [False] * len(self._handed[r])
-
-    def keep_block(self, r: int, k: int, ranks: int, times: float) -> None:
-        """Sharded gradients: replica r keeps block k (of `ranks`) of every
-        bucket, times `times`, and zeros the rest."""
-        with torch.no_grad():
-            for flat in self.flat[r]:
-                c = flat.numel() // ranks
-                flat[: k * c].zero_()
-                flat[(k + 1) * c :].zero_()
-                if times != 1:
-                    flat[k * c : (k + 1) * c].mul_(times)
+            if flat is not None:
+                flat.zero_()
         self._handed[r] = [False] * len(self._handed[r])
 
     def follow_resets(self, engine: Any) -> None:
@@ -278,6 +340,9 @@ class BucketLayout:
         user since (torch's `model.zero_grad()`) are reset on every replica,
         or the others would add the old reduction into the next one."""
         with self._resets_lock:  # prepare(r) runs in each replica's forward
+            if self.scattered is not None:
+                self.scattered.reconcile(before_step=False)  # replica 0's placeholders
+                return
             if len(self.flat) > 1 and all(
                 engine.holds_reduced_copy(r) for r in range(len(self.flat))
             ):
@@ -330,7 +395,8 @@ class BucketLayout:
             with torch.no_grad():
                 for b in buckets:
                     for flats in self.flat[1:]:
-                        flats[b].copy_(self.flat[0][b])
+                        if flats[b] is not None:
+                            flats[b].copy_(self.flat[0][b])
 
     def scale(self, factor: Any) -> None:
         """Every bucket times `factor`: a float, or one 0-dim tensor per
@@ -338,7 +404,11 @@ class BucketLayout:
         factors = factor if isinstance(factor, (list, tuple)) else [factor] * len(self.flat)
         with torch.no_grad():
             for flats, f in zip(self.flat, factors):
-                torch._foreach_mul_(flats, f)
+                # Sharded gradients on CPUs in one process free buckets
+                # during backward: there nothing is scaled (factor 1).
+                held = [t for t in flats if t is not None]
+                if held:
+                    torch._foreach_mul_(held, f)
 
     def _follow_assigned(self) -> None:
         """Gradients assigned on replica 0 since finish() (`p.grad = p.grad
@@ -368,6 +438,8 @@ class BucketLayout:
 
     def mark_reduced(self) -> None:
         """At the end of finish(): the buffers' versions, for align()."""
+        if self.scattered is not None:
+            return  # no buffer outlives a synced backward: nothing to compare
         self._versions = [[f._version for f in flats] for flats in self.flat]
 
     def forget_reduced(self) -> None:
@@ -378,9 +450,14 @@ class BucketLayout:
         (torch's clip_grad_norm_ or a GradScaler's unscale_ over the model's
         own parameters) are copied to the other replicas, so every replica
         steps on the same values. Seen through the buffers' version counters."""
+        if self.scattered is not None:
+            self.scattered.reconcile(before_step=True)  # replica 0's placeholders
+            return
         if self._versions is None:
             return
         self._follow_assigned()
+        if self._versions is None:
+            return
         now = [[f._version for f in flats] for flats in self.flat]
         if now == self._versions:
             return

@@ -84,6 +84,11 @@ class Plan:
             self.order.fence_all()
         self.rebuild_pending = False
         self.layout.pad_to = ranks
+        # CPUs in one process: a bucket's reduction is done when the engine's
+        # call returns, so its buffers are freed during backward.
+        early = self.order.devices is None and not self.link.spans_processes
+        rank_of = [self.backend.rank_of(r) for r in range(len(self.layout.params))]
+        self.layout.scatter_setup(rank_of, self.engine, self.order.retire, early)
         self.link.set_scatter(ranks)
         self.engine.set_scatter(ranks)
         self.allocate(self.engine.buckets)

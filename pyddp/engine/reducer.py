@@ -166,6 +166,8 @@ class Reducer:
     def flat_grads(self, replica: int) -> List[Any]:
         if self.engine is None:  # the gradients themselves: in-place ops must reach them
             return [p.grad for p in self.params[replica] if p.grad is not None]
+        if self.layout.scattered is not None:  # sharded gradients: the reduced blocks
+            return list(self.layout.scattered.blocks[replica])
         return list(self.layout.flat[replica])
 
     # ------------------------------------------------------------- iteration
@@ -194,17 +196,8 @@ class Reducer:
         mean of (mean + new) is mean + new mean). `fence`: order the current
         stream after the reductions first (prepare has done it already)."""
         held = self.engine.take_reduced_copy(replica)
-        if held and self.engine.scatter_ranks:
-            # Sharded gradients: replica r holds the reduction in its block
-            # only. Each keeps its block and zeros the rest, times the copies
-            # the unsharded rule keeps (each process's replica 0; for an
-            # average, every replica): the sum over ranks is the same.
-            if fence:
-                self.order.use_current(self.engine, replica)
-            copies = self.link.world * (len(self.replicas) if self.op == "avg" else 1)
-            ranks = self.engine.scatter_ranks
-            self.layout.keep_block(replica, self.backend.rank_of(replica), ranks, copies)
-            return
+        if self.layout.scattered is not None:
+            return  # sharded gradients: no bucket outlives its reduction (scattered.py)
         if not (held and replica > 0 and self.op == "sum"):
             return
         if fence:
@@ -290,6 +283,10 @@ class Reducer:
             # global batch's own (a float, or per replica on its GPU).
             self.order.fence_all()
             self.layout.scale(factor)
+        if synced and self.layout.scattered is not None:
+            self.order.fence_all()  # the copies out read the reductions' results
+            self.layout.scattered.release_all()
+            self.layout.scattered.after_backward(self.engine.has_grad)
         if synced:
             self.plan.rebuild_once()
         self.layout.mark_reduced()

@@ -62,7 +62,7 @@ class Shard:
         self.pieces = pieces
         self.optimizer = optimizer
 
-    def attach_grads(self, params: Sequence[torch.Tensor]) -> None:
+    def attach_grads(self, params: Sequence[torch.Tensor], grads: bool = True) -> None:
         """Split pieces step with the matching elements of the gradient. A
         parameter given new storage since (Module._apply: .half().float(),
         .to(memory_format=...)) gets its views re-pointed, state kept."""
@@ -81,8 +81,23 @@ class Shard:
                 self._replace(t, fresh)
                 self.pieces[k] = (i, lo, hi, fresh, whole)
                 t = fresh
-            g = p.grad
-            t.grad = None if g is None else g.detach().view(-1)[lo:hi]
+            if grads:  # (sharded gradients: attach_blocks sets them)
+                g = p.grad
+                t.grad = None if g is None else g.detach().view(-1)[lo:hi]
+
+    def attach_blocks(self, scattered: Any, r: int, has_grad: Any) -> None:
+        """Sharded gradients: each piece steps with its elements of replica
+        r's blocks (the reduced gradient; None where the parameter has no
+        gradient anywhere, so the step skips it as on one device)."""
+        for i, lo, hi, t, whole in self.pieces:
+            g = scattered.piece(r, i, lo, hi) if has_grad(i) else None
+            t.grad = g.view_as(t) if g is not None and whole else g
+
+    def detach_blocks(self) -> None:
+        """After the step: no piece keeps a view of the blocks (a whole
+        parameter's own `.grad` would receive the next backward's gradient)."""
+        for _, _, _, t, _ in self.pieces:
+            t.grad = None
 
     def _replace(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """The inner optimizer steps `new` where it stepped `old`, with its state."""
@@ -281,10 +296,7 @@ def sharded_norm(
     norm non-finite)."""
     ranks = sync.engine.scatter_ranks
     p = float(norm_type)
-    blocks = []
-    for r, flats in enumerate(sync.layout.flat):
-        k = sync.backend.rank_of(r)
-        blocks.append([f[f.numel() // ranks * k : f.numel() // ranks * (k + 1)] for f in flats])
+    blocks = [list(held) for held in sync.layout.scattered.blocks]
     partials = []
     for own in blocks:
         norms = torch.stack(

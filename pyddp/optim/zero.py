@@ -232,8 +232,11 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                     "ranks that joined would have to step their shards too; use shard=False "
                     "under dmodel.join()"
                 )
+            scattered = sync.layout.scattered  # shard='gradients': the reduced blocks
             for r, shard in enumerate(self._pyddp.shards):
-                shard.attach_grads(sync.params[r])
+                shard.attach_grads(sync.params[r], grads=scattered is None)
+                if scattered is not None:
+                    shard.attach_blocks(scattered, r, scattered.present.__getitem__)
             try:
                 sync.run_per_replica([_unhooked(o) for o in self._pyddp.inner], "optimizer step")
                 self._pyddp_gather()
@@ -246,6 +249,12 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 if isinstance(e, ReplicaError):
                     raise ReplicaError(e.replica, "sharded optimizer step", e.cause) from e.cause
                 raise
+            finally:
+                if scattered is not None:
+                    for shard in self._pyddp.shards:
+                        shard.detach_blocks()
+            if scattered is not None:
+                scattered.place()  # placeholders again: is a gradient reset before the next?
             return None
 
         # Not marked hooked: torch wraps this step with the optimizer step

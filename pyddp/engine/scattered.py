@@ -1,0 +1,256 @@
+"""Gradient memory under sharded gradients (ZeRO stage 2, shard='gradients'):
+each replica keeps, between backwards, only its block of every bucket (the
+reduced gradient of the elements it steps): 1/N of the gradients. A
+bucket's full buffer on a replica exists from the replica's first gradient
+of it in a backward until its reduce-scatter is done and the replica's
+block is copied out; then it is freed and the parameters' `.grad` on that
+replica return to None.
+
+When the block is copied out: on CPU replicas in one process as soon as
+the bucket's reduction returns (the engine reports it; the gradient hooks
+that follow collect it), so a backward holds the blocks and the buckets
+still being filled or reduced; elsewhere (GPUs, where the copy is ordered
+on the streams after the reduction; processes, where the reduction ends in
+the link's wait) at the end of backward, before the optimizer step and the
+next forward. Under no_sync() nothing is reduced: the buffers stay, holding
+the accumulated gradient, until the next synced backward.
+
+After backward the reduced gradient is in the blocks (dmodel.clip_grad_norm_
+and the sharded optimizer read them), and each parameter with a gradient
+has a placeholder as its `.grad` on the user's model (replica 0): one zero
+expanded to the parameter's shape, which reads zero and refuses in-place
+arithmetic (torch's own clip_grad_norm_ over it raises instead of clipping
+nothing). What the user does to it is what one device would do to the
+gradient: set to None, the parameter is skipped by the step and its
+gradient reset; zeroed in place (`zero_grad(set_to_none=False)`), its
+gradient is reset; any other tensor assigned is refused at the step (it
+could not hold the reduced values). After the step the placeholders are
+set again, so a reset before the next forward (torch's `model.zero_grad()`)
+is seen too; left alone, the next backward adds to the blocks, as one
+device adds to `.grad`. They are removed before each backward (autograd
+cannot accumulate into them); a tensor assigned there then becomes the
+parameter's gradient, as on one device. zero_grad() through pyddp (the
+optimizer's, dmodel's, the Trainer's) resets everything at once."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+
+class Scattered:
+    """One wrapped model's blocks and transient buckets (owned by its
+    BucketLayout, which holds the buffers' lists `flat` and `views`)."""
+
+    def __init__(
+        self,
+        layout: Any,
+        buckets: Sequence[Sequence[int]],
+        ranks: int,
+        rank_of: Sequence[int],
+        engine: Any,
+        retire: Callable[[Any, Sequence[Sequence[torch.Tensor]]], None],
+        early: bool,
+    ):
+        """`rank_of[r]`: replica r's block; `retire(engine, per_replica)`:
+        orders the freeing of bucket memory after the reductions that use it
+        (GPUs); `early`: the bucket's reduction is done when it returns (the
+        CPU backend in one process), so buffers are freed during backward."""
+        self.layout, self.engine, self.ranks = layout, engine, ranks
+        self.buckets = [list(b) for b in buckets]
+        self.rank_of = list(rank_of)
+        self._retire = retire
+        self.early = early
+        params = layout.params[0]
+        self.bucket_of = [0] * len(params)
+        self.offset = [0] * len(params)
+        self.counts: List[int] = []
+        for b, members in enumerate(self.buckets):
+            start = 0
+            for i in members:
+                self.bucket_of[i], self.offset[i] = b, start
+                start += params[i].numel()
+            self.counts.append(-(-start // ranks) * ranks)
+        self.block = [c // ranks for c in self.counts]
+        self.blocks = [
+            [layout.zeros_for(c, params[m[0]].dtype, r) for c, m in zip(self.block, self.buckets)]
+            for r in range(len(layout.params))
+        ]
+        self.fresh = [True] * len(layout.params)  # the next reduction replaces the blocks
+        # After a step: replica 0's markers (see the module's docstring).
+        self.markers: List[Optional[torch.Tensor]] = [None] * len(params)
+        self._marker_versions: List[int] = [0] * len(params)
+        self.kept = [False] * len(params)  # not reset since the step: its gradient stays
+        self.present = [False] * len(params)  # holds a gradient (the step steps it)
+        self._cache: List[Optional[torch.Tensor]] = [None] * len(params)
+        self._lock = threading.Lock()  # replicas' hooks allocate and free concurrently
+        self.held = [self._bytes(r) for r in range(len(layout.params))]
+        self.peak = list(self.held)
+
+    def _bytes(self, r: int) -> int:
+        total = sum(t.numel() * t.element_size() for t in self.blocks[r])
+        return total + sum(
+            f.numel() * f.element_size() for f in self.layout.flat[r] if f is not None
+        )
+
+    # ------------------------------------------------------------ buckets
+    def ensure(self, r: int, b: int) -> None:
+        """Replica r's buffer of bucket b exists (allocated zeroed, the
+        engine told where, the gradients' views laid out in it)."""
+        with self._lock:
+            if self.layout.flat[r][b] is not None:
+                return
+            params = self.layout.params[r]
+            members = self.buckets[b]
+            flat = self.layout.zeros_for(self.counts[b], params[members[0]].dtype, r)
+            for i in members:
+                p, start = params[i], self.offset[i]
+                self.layout.views[r][i] = flat[start : start + p.numel()].view_as(p)
+            self.layout.flat[r][b] = flat
+            self.layout.tell_engine(r, b, flat)
+            self.held[r] += flat.numel() * flat.element_size()
+            self.peak[r] = max(self.peak[r], self.held[r])
+
+    def release(self, r: int, b: int) -> None:
+        """Replica r's block of bucket b (reduced) into its blocks, then the
+        buffer is freed; its parameters' `.grad` there return to None."""
+        with self._lock:
+            flat = self.layout.flat[r][b]
+            if flat is None:
+                return
+            k, c = self.rank_of[r], self.block[b]
+            with torch.no_grad():
+                if self.fresh[r]:
+                    self.blocks[r][b].copy_(flat[k * c : (k + 1) * c])
+                else:
+                    self.blocks[r][b].add_(flat[k * c : (k + 1) * c])
+            params, views = self.layout.params[r], self.layout.views[r]
+            for i in self.buckets[b]:
+                if params[i].grad is views[i]:
+                    params[i].grad = None
+                    self.layout.handed(r, i)  # pyddp set it to None: not "adopted" next time
+                views[i] = None
+            self.layout.flat[r][b] = None
+            self.engine.release_buffer(r, b)
+            self._retire(self.engine, [[flat] if q == r else [] for q in range(len(self.blocks))])
+            self.held[r] -= flat.numel() * flat.element_size()
+
+    def poll(self) -> None:
+        """During a synced backward (early): frees the buckets whose
+        reduction returned since the last poll, on every replica."""
+        for b in self.engine.take_completed():
+            for r in range(len(self.blocks)):
+                self.release(r, b)
+
+    def release_all(self) -> None:
+        """At the end of a synced backward: every bucket still held."""
+        for r in range(len(self.blocks)):
+            for b in range(len(self.buckets)):
+                self.release(r, b)
+            self.fresh[r] = False
+
+    # ------------------------------------------------------------ blocks
+    def consume(self) -> None:
+        """zero_grad() through pyddp: every gradient gone (the placeholders
+        with the other gradients); the next reduction replaces the blocks."""
+        self.fresh = [True] * len(self.blocks)
+        self.markers = [None] * len(self.markers)
+        self.present = [False] * len(self.present)
+
+    def zero(self, r: int) -> None:
+        with torch.no_grad():
+            for t in self.blocks[r]:
+                t.zero_()
+        self.fresh[r] = True
+
+    def after_backward(self, has_grad: Callable[[int], bool]) -> None:
+        """A synced backward ended: which parameters hold a gradient, and
+        their placeholders on replica 0."""
+        self.present = [has_grad(i) for i in range(len(self.present))]
+        self.kept = [False] * len(self.kept)
+        self.place()
+
+    def place(self) -> None:
+        """A placeholder as replica 0's `.grad` of every parameter holding a
+        gradient (after backward, and again after the step)."""
+        for i, p in enumerate(self.layout.params[0]):
+            if self.present[i] and p.grad is None:
+                marker = self._cache[i]
+                if marker is None or marker.dtype != p.dtype or marker.device != p.device:
+                    marker = torch.zeros(1, dtype=p.dtype, device=p.device).expand_as(p)
+                    self._cache[i] = marker
+                p.grad = marker
+                self.markers[i], self._marker_versions[i] = marker, marker._version
+
+    def is_marker(self, i: int, g: Optional[torch.Tensor]) -> bool:
+        return g is not None and g is self.markers[i]
+
+    def reconcile(self, before_step: bool) -> None:
+        """What the user did to replica 0's placeholders (see the module's
+        docstring), applied to every replica's blocks; the placeholders
+        are removed. `before_step`: at the step (a tensor assigned is
+        refused) rather than before a backward (it becomes the gradient)."""
+        if not any(m is not None for m in self.markers):
+            return
+        params = self.layout.params[0]
+        reset = []
+        for i, (p, marker) in enumerate(zip(params, self.markers)):
+            if marker is None:
+                continue
+            g = p.grad
+            if g is marker and marker._version == self._marker_versions[i]:
+                self.kept[i] = not before_step  # left alone: the next backward adds to it
+            elif g is None or g is marker:
+                reset.append(i)
+                self.present[i] = self.present[i] and g is marker  # None: skipped
+            elif before_step:
+                self.markers = [None] * len(self.markers)
+                raise RuntimeError(
+                    f"pyddp: a tensor was assigned as the gradient of parameter {i} of the "
+                    "wrapped model after backward under shard='gradients', where the reduced "
+                    "gradient lives in each replica's blocks and `.grad` is a placeholder: "
+                    "set it to None to skip the parameter, zero it, or clip with "
+                    "dmodel.clip_grad_norm_; other changes need shard=True"
+                )
+            else:
+                reset.append(i)  # assigned before a backward: it is the gradient now
+                continue
+            if g is marker or g is None:
+                p.grad = None
+        self.markers = [None] * len(self.markers)
+        if not before_step and not any(self.kept):
+            self.fresh = [True] * len(self.blocks)  # every gradient reset: replace
+            return
+        with torch.no_grad():
+            for i in reset:
+                b, n = self.bucket_of[i], params[i].numel()
+                for r, blocks in enumerate(self.blocks):
+                    base = self.rank_of[r] * self.block[b]
+                    lo = max(self.offset[i], base)
+                    hi = min(self.offset[i] + n, base + self.block[b])
+                    if lo < hi:
+                        blocks[b][lo - base : hi - base].zero_()
+
+    def piece(self, r: int, i: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of parameter i's reduced gradient, which lie in
+        replica r's block of its bucket."""
+        b = self.bucket_of[i]
+        start = self.offset[i] + lo - self.rank_of[r] * self.block[b]
+        return self.blocks[r][b][start : start + hi - lo]
+
+    def memory(self, r: int) -> List[torch.Tensor]:
+        return self.blocks[r] + [f for f in self.layout.flat[r] if f is not None]
+
+    def bucket_bytes(self) -> List[int]:
+        params = self.layout.params[0]
+        return [c * params[m[0]].element_size() for c, m in zip(self.counts, self.buckets)]
+
+    def reset_peak(self) -> None:
+        self.peak = list(self.held)
+
+
+def poll_of(scattered: Optional[Scattered]) -> Optional[Callable[[], None]]:
+    """The poll the gradient hooks call after marking, or None."""
+    return scattered.poll if scattered is not None and scattered.early else None
