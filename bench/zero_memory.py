@@ -1,7 +1,9 @@
 """Sharded optimizer state (ZeRO stage 1, `dmodel.optimizer(..., shard=True)`)
 and sharded gradients (stage 2, `shard="gradients"`) against the unsharded
 optimizer, side by side in one process on CPU replicas: optimizer-state bytes
-and gradient-buffer bytes held per replica, and the time of a training step
+and gradient-buffer bytes held per replica (between steps, and the peak
+during a step: under stage 2 a bucket's buffer lives only from its first
+gradient until its block is copied out), and the time of a training step
 (forward, backward, AdamW step) as median and p10/p90 over interleaved runs.
 Models: a GPT-2 from transformers (random init, default config but 4 layers,
 no download; `--gpt2-layers 12`: GPT-2 small) and the digits MLP. Also checks
@@ -81,12 +83,18 @@ def measure(
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     out = {"replicas": replicas, "param_bytes": params, "equal_bitwise": equal}
     for shard, (dm, opt) in runs.items():
-        # Gradient memory: every tensor holding a replica's bucket memory.
-        grads = [sum(t.numel() * t.element_size() for t in mem) for mem in
-                 dm._reducer.layout.memory()]  # fmt: skip
+        # Gradient memory: every tensor holding a replica's bucket memory,
+        # after the last step; its peak over the run (stage 2 counts its
+        # blocks and the transient buckets as they are allocated and freed;
+        # the other modes' buckets never change).
+        layout = dm._reducer.layout
+        grads = [sum(t.numel() * t.element_size() for t in mem) for mem in layout.memory()]
+        scattered = layout.scattered
         out[NAMES[shard]] = {
             "state_bytes_per_replica": state_bytes(opt),
             "grad_bytes_per_replica": grads,
+            "grad_peak_bytes_per_replica": list(scattered.peak) if scattered else grads,
+            "largest_bucket_bytes": max(layout.bucket_bytes()),
             "step_s": summary(times[shard]),
         }
         dm.close()
@@ -128,11 +136,14 @@ def main() -> None:
                     max(got["state_bytes_per_replica"]) / 2**20,
                     max(got["state_bytes_per_replica"]) / max(full["state_bytes_per_replica"]),
                     max(got["grad_bytes_per_replica"]) / 2**20,
+                    max(got["grad_peak_bytes_per_replica"]) / 2**20,
+                    got["largest_bucket_bytes"] / 2**20,
                     got["step_s"]["median"] * 1e3,
                     got["step_s"]["median"] / full["step_s"]["median"], r["equal_bitwise"],
                 ])  # fmt: skip
     print(table(["model", "replicas", "optimizer", "params MiB", "state MiB/replica",
-                 "vs first", "grads MiB/replica", "step ms", "vs first", "bitwise"],
+                 "vs first", "grads MiB/replica", "peak MiB/replica", "largest bucket MiB",
+                 "step ms", "vs first", "bitwise"],
                 rows))  # fmt: skip
     write_results("zero_memory", args, results)
 

@@ -122,6 +122,14 @@ class BucketLayout:
     def zeros_for(self, count: int, dtype: torch.dtype, r: int) -> torch.Tensor:
         return self._zeros(count, dtype, r)
 
+    def empty_for(self, count: int, dtype: torch.dtype, r: int) -> torch.Tensor:
+        """Uninitialised on CPUs (the caller writes every element); zeroed on
+        GPUs, where the stream provider allocates (and the simulation lays
+        guard zones around it)."""
+        if self._gpu_devices is None:
+            return torch.empty(count, dtype=dtype)
+        return self._zeros(count, dtype, r)
+
     def tell_engine(self, r: int, b: int, flat: torch.Tensor) -> None:
         """Replica r's bucket b now lives in `flat` (sharded gradients)."""
         device = -1 if self._gpu_devices is None else self._gpu_devices[r]

@@ -85,7 +85,10 @@ class Scattered:
         self.kept = [False] * len(params)  # not reset since the step: its gradient stays
         self.present = [False] * len(params)  # holds a gradient (the step steps it)
         self._cache: List[Optional[torch.Tensor]] = [None] * len(params)
-        self._lock = threading.Lock()  # replicas' hooks allocate and free concurrently
+        # Per replica: its hooks allocate its buckets while another replica's
+        # hook (or the main thread) frees them; replicas never wait on each
+        # other's allocations.
+        self._locks = [threading.Lock() for _ in layout.params]
         self.held = [self._bytes(r) for r in range(len(layout.params))]
         self.peak = list(self.held)
 
@@ -99,12 +102,17 @@ class Scattered:
     def ensure(self, r: int, b: int) -> None:
         """Replica r's buffer of bucket b exists (allocated zeroed, the
         engine told where, the gradients' views laid out in it)."""
-        with self._lock:
+        with self._locks[r]:
             if self.layout.flat[r][b] is not None:
                 return
             params = self.layout.params[r]
             members = self.buckets[b]
-            flat = self.layout.zeros_for(self.counts[b], params[members[0]].dtype, r)
+            # Uninitialised but for the padding: every parameter's slice is
+            # written before the bucket can launch (its gradient copied in,
+            # or zeroed when it has none: BucketLayout.adopt and take_in).
+            flat = self.layout.empty_for(self.counts[b], params[members[0]].dtype, r)
+            used = self.offset[members[-1]] + params[members[-1]].numel()
+            flat[used:].zero_()
             for i in members:
                 p, start = params[i], self.offset[i]
                 self.layout.views[r][i] = flat[start : start + p.numel()].view_as(p)
@@ -116,7 +124,7 @@ class Scattered:
     def release(self, r: int, b: int) -> None:
         """Replica r's block of bucket b (reduced) into its blocks, then the
         buffer is freed; its parameters' `.grad` there return to None."""
-        with self._lock:
+        with self._locks[r]:
             flat = self.layout.flat[r][b]
             if flat is None:
                 return
