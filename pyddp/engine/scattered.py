@@ -100,8 +100,11 @@ class Scattered:
 
     # ------------------------------------------------------------ buckets
     def ensure(self, r: int, b: int) -> None:
-        """Replica r's buffer of bucket b exists (allocated zeroed, the
-        engine told where, the gradients' views laid out in it)."""
+        """Replica r's buffer of bucket b exists (allocated, the engine told
+        where, the gradients' views laid out in it). Buckets whose reduction
+        returned are freed first, so their memory can serve this one."""
+        if self.early and self.layout.flat[r][b] is None:
+            self.poll()
         with self._locks[r]:
             if self.layout.flat[r][b] is not None:
                 return
