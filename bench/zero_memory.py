@@ -7,9 +7,13 @@ gradient until its block is copied out), and the time of a training step
 (forward, backward, AdamW step) as median and p10/p90 over interleaved runs.
 Models: a GPT-2 from transformers (random init, default config but 4 layers,
 no download; `--gpt2-layers 12`: GPT-2 small) and the digits MLP. Also checks
-that all end with the same parameters, bit for bit.
+that all end with the same parameters, bit for bit. `--torch-ddp` adds torch
+DDP's gradient memory per replica from its own account (buckets, and the
+`.grad` tensors unless gradient_as_bucket_view; ZeroRedundancyOptimizer, stage
+1, leaves it as it is).
 
-    python bench/zero_memory.py [--quick] [--replicas 2 4] [--steps 12] [--gpt2-layers 4]"""
+    python bench/zero_memory.py [--quick] [--replicas 2 4] [--steps 12] [--gpt2-layers 4]
+                                [--torch-ddp]"""
 
 from __future__ import annotations
 
@@ -58,7 +62,13 @@ NAMES = {False: "unsharded", True: "sharded", "gradients": "sharded_gradients"}
 
 
 def measure(
-    model: nn.Module, loss_fn: Any, batch: Any, replicas: int, steps: int, modes: List[Any]
+    model: nn.Module,
+    loss_fn: Any,
+    batch: Any,
+    replicas: int,
+    steps: int,
+    modes: List[Any],
+    torch_rows: bool = False,
 ) -> Dict:
     runs = {}
     for shard in modes:
@@ -98,7 +108,30 @@ def measure(
             "step_s": summary(times[shard]),
         }
         dm.close()
+    if torch_rows:
+        out.update(torch_ddp(model, loss_fn, batch))
     return out
+
+
+def torch_ddp(model: nn.Module, loss_fn: Any, batch: Any) -> Dict[str, Any]:
+    """torch DDP's gradient memory per replica, from its own account (its
+    buckets, plus the `.grad` tensors unless gradient_as_bucket_view), in
+    a process group of one: it does not depend on the number of replicas,
+    and ZeroRedundancyOptimizer (stage 1) leaves it as it is."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rows = {}
+    for name, as_view in (("torch_ddp", False), ("torch_ddp_bucket_view", True)):
+        ddp = DDP(copy.deepcopy(model), gradient_as_bucket_view=as_view)
+        loss_fn(ddp, batch).backward()
+        data = ddp._get_ddp_logging_data()
+        buckets = sum(int(b) for b in str(data["bucket_sizes"]).split(","))
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in ddp.parameters())
+        rows[name] = {"grad_bytes_per_replica": [buckets + (0 if as_view else grads)]}
+    return rows
 
 
 def main() -> None:
@@ -114,6 +147,11 @@ def main() -> None:
         default=list(NAMES.values()),
         help="the optimizers to run side by side (fewer: less memory)",
     )
+    p.add_argument(
+        "--torch-ddp",
+        action="store_true",
+        help="also torch DDP's gradient memory per replica (its buckets and .grad)",
+    )
     args = p.parse_args()
     print(header())
     steps = 3 if args.quick else args.steps
@@ -126,7 +164,7 @@ def main() -> None:
         model, loss_fn, batch = build(args.quick)
         for n in args.replicas:
             modes = [m for m in MODES if NAMES[m] in args.modes]
-            r = measure(model, loss_fn, batch, n, steps, modes)
+            r = measure(model, loss_fn, batch, n, steps, modes, args.torch_ddp)
             results[f"{name}_x{n}"] = r
             full = r[NAMES[modes[0]]]
             for mode in modes:
@@ -141,6 +179,11 @@ def main() -> None:
                     got["step_s"]["median"] * 1e3,
                     got["step_s"]["median"] / full["step_s"]["median"], r["equal_bitwise"],
                 ])  # fmt: skip
+            for row in ("torch_ddp", "torch_ddp_bucket_view"):
+                if row in r:
+                    grads = r[row]["grad_bytes_per_replica"][0] / 2**20
+                    rows.append([name, n, row, r["param_bytes"] / 2**20, "", "", grads,
+                                 grads, "", "", "", ""])  # fmt: skip
     print(table(["model", "replicas", "optimizer", "params MiB", "state MiB/replica",
                  "vs first", "grads MiB/replica", "peak MiB/replica", "largest bucket MiB",
                  "step ms", "vs first", "bitwise"],
