@@ -585,3 +585,36 @@ def test_sharded_optimizer_across_processes_on_simulated_gpus(tmp_path, local, s
     env = {"SCENARIO_REPLICAS": str(local), "SCENARIO_SHARD": stage}
     got = spawn(sharded_across_processes, env=env, simgpu=True, out=tmp_path)
     check_zero(got, local, stage)
+
+
+def test_stage2_keeps_one_block_per_replica_between_backwards():
+    # ZeRO stage 2's saving: between backwards each replica holds only its
+    # block of every bucket (1/N of the padded gradients); a bucket's full
+    # buffer lives from the replica's first gradient of it until its block
+    # is copied out. Under no_sync() the buffers stay (they hold the
+    # accumulated gradient) until the synced backward.
+    n = 3
+    dm = pyddp.wrap(_model(), ["cpu"] * n, bucket_cap_mb=0.0005)
+    opt = dm.optimizer(torch.optim.SGD, shard="gradients", lr=0.1)
+    layout = dm._reducer.layout
+    padded = sum(layout.bucket_bytes())
+    x, y = torch.randn(12, 8), torch.randn(12, 4)
+
+    def held(r):
+        return sum(t.numel() * t.element_size() for t in layout.memory()[r])
+
+    for _ in range(2):
+        opt.zero_grad()
+        with dm.no_sync():
+            F.mse_loss(dm(x), y).backward()
+        assert all(f is not None for f in layout.flat[0])  # the local sum waits in them
+        F.mse_loss(dm(x), y).backward()
+        for r in range(n):
+            assert all(f is None for f in layout.flat[r]), r
+            assert held(r) == padded // n
+            assert layout.scattered.peak[r] >= padded  # the buckets existed in backward
+        for p in dm.module.parameters():  # placeholders: one element, expanded
+            assert p.grad.shape == p.shape and p.grad.untyped_storage().nbytes() == 4
+        for m in dm.replicas[1:]:
+            assert all(p.grad is None for p in m.parameters())
+        opt.step()

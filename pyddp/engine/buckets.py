@@ -343,10 +343,11 @@ class BucketLayout:
 
     def follow_resets(self, engine: Any) -> None:
         """Once per reduction, before any replica accumulates on it, where
-        every replica keeps a copy of it (sharded gradients: each its
-        block; op="avg": each the mean): replica 0's gradients reset by the
-        user since (torch's `model.zero_grad()`) are reset on every replica,
-        or the others would add the old reduction into the next one."""
+        every replica keeps a copy of it (op="avg": each the mean): replica
+        0's gradients reset by the user since (torch's `model.zero_grad()`)
+        are reset on every replica, or the others would add the old
+        reduction into the next one. Sharded gradients: what the user did to
+        replica 0's placeholders (scattered.py)."""
         with self._resets_lock:  # prepare(r) runs in each replica's forward
             if self.scattered is not None:
                 self.scattered.reconcile(before_step=False)  # replica 0's placeholders
@@ -354,17 +355,15 @@ class BucketLayout:
             if len(self.flat) > 1 and all(
                 engine.holds_reduced_copy(r) for r in range(len(self.flat))
             ):
-                self._follow_resets(engine.scatter_ranks > 0)
+                self._follow_resets()
 
-    def _follow_resets(self, scattered: bool) -> None:
+    def _follow_resets(self) -> None:
         """Replica 0's gradients reset by the user are reset on every
         replica. A gradient set to None (torch's zero_grad) resets its
         parameter; a bucket changed in place on replica 0 alone
         is reset if it now reads zero (`zero_grad(set_to_none=False)`,
-        `p.grad.zero_()` over the bucket), else copied to the others
-        (op="avg": each copy is the whole mean) or, under sharded
-        gradients, refused: replica 0's bucket is reduced in its block
-        only, so no other change there has a meaning."""
+        `p.grad.zero_()` over the bucket), else copied to the others (each
+        copy is the whole mean)."""
         for i, p in enumerate(self.params[0]):
             if p.grad is None and not self._handed[0][i]:
                 for r, views in enumerate(self.views):
@@ -379,14 +378,6 @@ class BucketLayout:
                 if all(now[r][b] - self._versions[r][b] == moved0 for r in range(1, len(now))):
                     continue  # untouched, or changed alike on every replica (pyddp's own)
                 if not bool(flat0.count_nonzero() == 0):
-                    if scattered:
-                        raise RuntimeError(
-                            "pyddp: gradients were changed in place on the model's own "
-                            "parameters after the step under shard='gradients', where each "
-                            "replica keeps its block of the last reduction: reset them with "
-                            "model.zero_grad() (or the optimizer's zero_grad()), or zero "
-                            "every gradient of the model, not some"
-                        )
                     for r in range(1, len(self.flat)):
                         self._before_host_write(r)
                         self.flat[r][b].copy_(flat0)

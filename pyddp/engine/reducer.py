@@ -185,7 +185,8 @@ class Reducer:
         self._clear_reduced_copy(replica)
 
     def _follow_resets(self) -> None:
-        # Every replica keeps a copy of the last reduction (its block; the mean).
+        # Every replica keeps a copy of the last reduction (op="avg": the
+        # mean), or its placeholders tell the user's resets (sharded gradients).
         if self.engine.scatter_ranks or self.op == "avg":
             self.layout.follow_resets(self.engine)
 
