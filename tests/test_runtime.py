@@ -184,3 +184,25 @@ def test_real_nvrtc_compiles_the_kernel_for_common_gpus():
             lib.nvrtcGetCUBIN(prog, image)
             assert name in image.raw, (arch, name)
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the ELF dynamic linker's view")
+def test_the_extension_uses_the_shared_cpp_runtime():
+    # Built where gcc's folder holds only libstdc++.a (a lent H200 image,
+    # 2026-11-27), _C carried a private libstdc++ whose iostream state was
+    # never set up: the first number it formatted crashed the process, on
+    # every on-device collective. CMakeLists.txt links the shared one by
+    # the path g++ finds; this machine builds it either way, so this
+    # guards the property, not the failure.
+    import shutil
+
+    from pyddp import _C
+
+    ldd = shutil.which("ldd")
+    if ldd is None:
+        pytest.skip("no ldd")
+    linked = subprocess.run([ldd, _C.__file__], capture_output=True, text=True).stdout
+    assert "libstdc++.so" in linked, linked
+    # And a message with numbers in it formats (the crash's own path).
+    with pytest.raises(RuntimeError, match="names parameter 5 but there are 1"):
+        _C.plan_buckets([1], ["float32"], [5], 0, 0, False)
