@@ -289,6 +289,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("dtype"), py::arg("device") = -1, py::arg("wire") = 0)
       .def("release_buffer", &Engine::release_buffer, py::arg("replica"), py::arg("bucket"),
            "Sharded gradients: the bucket's buffer was freed (launching it again raises).")
+      .def("set_recv", &Engine::set_recv, py::arg("replica"), py::arg("bucket"), py::arg("recv"),
+           "Sharded gradients: the replica's block of the bucket lands at `recv` (0: in place).")
       .def("take_completed", &Engine::take_completed,
            "Buckets whose reduction call returned since the last call (CPU: reduced).")
       // Holds the GIL: it only counts (no waiting), and a release/reacquire

@@ -90,6 +90,7 @@ void Engine::set_buckets(std::vector<std::vector<int>> buckets) {
   backend_->set_keys(static_cast<int>(nb));
   bucket_ready_.assign(nb, 0);
   bucket_returned_.assign(nb, 0);
+  recvs_.assign(nb * num_replicas_, nullptr);
   bucket_ready_ns_.reset(new std::atomic<int64_t>[nb]);
   bucket_launch_ns_.assign(nb, 0);
   bucket_done_ns_.assign(nb, 0);
@@ -106,6 +107,7 @@ void Engine::set_scatter(int ranks) {
   BufferRef unset;
   unset.count = -1;
   buffers_.assign(buckets_.size() * num_replicas_, unset);
+  recvs_.assign(buckets_.size() * num_replicas_, nullptr);
 }
 
 int64_t Engine::padded_count(int bucket) const {
@@ -142,6 +144,19 @@ void Engine::release_buffer(int replica, int bucket) {
   PYDDP_ENFORCE(!active_.load() || bucket_returned_[bucket],
                 "cannot release bucket ", bucket, "'s buffer before its reduction returned");
   buffers_[static_cast<size_t>(replica) * buckets_.size() + bucket] = BufferRef{};
+  recvs_[static_cast<size_t>(replica) * buckets_.size() + bucket] = nullptr;
+}
+
+void Engine::set_recv(int replica, int bucket, uintptr_t recv) {
+  std::lock_guard<std::mutex> lk(mu_);
+  PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica, " out of range [0, ",
+                num_replicas_, ")");
+  PYDDP_ENFORCE(bucket >= 0 && static_cast<size_t>(bucket) < buckets_.size(), "bucket ", bucket,
+                " out of range [0, ", buckets_.size(), ")");
+  PYDDP_ENFORCE(scatter_ > 0, "set_recv needs sharded gradients (set_scatter)");
+  PYDDP_ENFORCE(!active_.load() || bucket_pending_[bucket].load() > 0,
+                "cannot change bucket ", bucket, "'s receive buffer once its reduction may launch");
+  recvs_[static_cast<size_t>(replica) * buckets_.size() + bucket] = reinterpret_cast<void*>(recv);
 }
 
 std::vector<int> Engine::take_completed() {
@@ -299,6 +314,9 @@ void Engine::launcher_loop() {
         const size_t es = dtype_size(sends[0].dtype);
         for (int r = 0; r < num_replicas_; ++r) {
           recvs[r].data = static_cast<char*>(sends[r].data) + block * backend_->rank_of(r) * es;
+          // set_recv: the block lands in the replica's own memory instead.
+          void* own = recvs_[static_cast<size_t>(r) * buckets_.size() + b];
+          if (own != nullptr) recvs[r].data = own;
           recvs[r].count = block;
           recvs[r].wire = nullptr;
         }

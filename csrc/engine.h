@@ -66,6 +66,11 @@ class Engine {
   // block is copied out): allowed between backwards, or once the bucket's
   // reduction returned; launching it again without set_buffer raises.
   void release_buffer(int replica, int bucket);
+  // Sharded gradients: replica's block of the bucket's reduce-scatter lands
+  // at `recv` (its own memory, `padded_count / ranks` elements) instead of
+  // in place in the bucket; 0 restores in place. Set like set_buffer; the
+  // backend must honour receive buffers (not the cross-process one).
+  void set_recv(int replica, int bucket, uintptr_t recv);
   // Buckets whose reduction call returned since the last call, in that
   // order (for backends that reduce within the call, the CPU one: done).
   std::vector<int> take_completed();
@@ -181,6 +186,7 @@ class Engine {
   std::vector<int> bucket_of_;
   std::vector<int64_t> bucket_count_;
   std::vector<BufferRef> buffers_;  // [replica * num_buckets + bucket]
+  std::vector<void*> recvs_;           // set_recv's, [replica * num_buckets + bucket]
   std::vector<char> bucket_returned_;  // this iteration, guarded by mu_
   std::vector<int> completed_;         // take_completed's, guarded by mu_
   int scatter_ = 0;                 // set_scatter's ranks; 0: all-reduce

@@ -232,6 +232,15 @@ class Engine:
         """
     def set_sync(self, enabled: bool) -> None: ...
     def set_timeline(self, enabled: bool) -> None: ...
+    def set_recv(
+        self,
+        replica: typing.SupportsInt | typing.SupportsIndex,
+        bucket: typing.SupportsInt | typing.SupportsIndex,
+        recv: typing.SupportsInt | typing.SupportsIndex,
+    ) -> None:
+        """
+        Sharded gradients: the replica's block of the bucket lands at `recv` (0: in place).
+        """
     def take_completed(self) -> list[int]:
         """
         Buckets whose reduction call returned since the last call (CPU: reduced).

@@ -108,16 +108,19 @@ class BucketLayout:
         # Sharded gradients (scattered.py): blocks kept, buckets transient.
         self.scattered: Optional[Scattered] = None
         self._scatter_setup: Optional[tuple] = None
-        # The gradient hooks' poll after marking (Scattered.poll, or None).
-        self.poll: List[Optional[Callable[[], None]]] = [None]
         self._resets_lock = threading.Lock()
 
     def scatter_setup(
-        self, rank_of: Sequence[int], engine: Any, retire: Callable[..., None], early: bool
+        self,
+        rank_of: Sequence[int],
+        engine: Any,
+        retire: Callable[..., None],
+        early: bool,
+        direct: bool,
     ) -> None:
         """Sharded gradients from the next allocate on (pad_to > 1): see
         scattered.py for the arguments."""
-        self._scatter_setup = (list(rank_of), engine, retire, early)
+        self._scatter_setup = (list(rank_of), engine, retire, early, direct)
 
     def zeros_for(self, count: int, dtype: torch.dtype, r: int) -> torch.Tensor:
         return self._zeros(count, dtype, r)
@@ -142,14 +145,15 @@ class BucketLayout:
     def _allocate_scattered(self, buckets: Sequence[Sequence[int]]) -> None:
         """Sharded gradients: every replica's blocks, and no bucket until a
         gradient needs one; gradients held now are copied into theirs."""
-        rank_of, engine, retire, early = self._scatter_setup
+        rank_of, engine, retire, early, direct = self._scatter_setup
         held = [[p.grad for p in params] for params in self.params]
         for r in range(len(self.params)):
             self.flat[r] = [None] * len(buckets)  # type: ignore[list-item]
             self.views[r][:] = [None] * len(self.views[r])
             self._wire[r] = []
-        self.scattered = Scattered(self, buckets, self.pad_to, rank_of, engine, retire, early)
-        self.poll[0] = self.scattered.poll if early else None
+        self.scattered = Scattered(
+            self, buckets, self.pad_to, rank_of, engine, retire, early, direct
+        )
         with torch.no_grad():
             for r, grads in enumerate(held):
                 for i, g in enumerate(grads):

@@ -25,9 +25,7 @@ def install_hooks(reducer: Any, handles: List[Any], began: bool, prepare_on_forw
         device = -1 if reducer.gpu_devices is None else reducer.gpu_devices[r]
         views = reducer.layout.views[r]
         for i, p in enumerate(params):
-            hook = grad_hook(
-                owner, views, r, i, mark, reducer.streams, device, began, reducer.layout.poll
-            )
+            hook = grad_hook(owner, views, r, i, mark, reducer.streams, device, began)
             handles.append(p.register_post_accumulate_grad_hook(hook))
         if prepare_on_forward:  # wrap prepares all replicas itself, hook-free
             handles.append(module.register_forward_pre_hook(PrepareHook(reducer, r)))
@@ -42,16 +40,12 @@ def grad_hook(
     streams: Any = None,
     device: int = -1,
     began: bool = False,
-    poll: Optional[List[Optional[Callable[[], None]]]] = None,
 ) -> Callable[[torch.Tensor], None]:
     """Replica r's post-accumulate-grad hook for parameter i. `owner` is a
     weak reference to the reducer; `views[i]` is the gradient's bucket view.
     `began`: tell the owner's wrapped model a gradient arrived (one replica
     per process, where a backward may bypass the model's outputs); every
-    other hook skips that call. `poll[0]`: called after marking, when set
-    (sharded gradients on CPUs in one process free each bucket once its
-    reduction returned: scattered.py)."""
-    polls = poll if poll is not None else [None]
+    other hook skips that call."""
     if streams is None:
 
         def on_grad(p: torch.Tensor) -> None:
@@ -60,8 +54,6 @@ def grad_hook(
             if began:
                 _began(owner)
             mark(r, i)
-            if polls[0] is not None:
-                polls[0]()
 
         return on_grad
     current, produced = streams.current, streams.produced

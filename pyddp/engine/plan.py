@@ -87,8 +87,10 @@ class Plan:
         # CPUs in one process: a bucket's reduction is done when the engine's
         # call returns, so its buffers are freed during backward.
         early = self.order.devices is None and not self.link.spans_processes
+        # The cross-process CPU backend writes each block in place itself.
+        direct = self.order.devices is not None or not self.link.spans_processes
         rank_of = [self.backend.rank_of(r) for r in range(len(self.layout.params))]
-        self.layout.scatter_setup(rank_of, self.engine, self.order.retire, early)
+        self.layout.scatter_setup(rank_of, self.engine, self.order.retire, early, direct)
         self.link.set_scatter(ranks)
         self.engine.set_scatter(ranks)
         self.allocate(self.engine.buckets)

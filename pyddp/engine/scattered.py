@@ -6,10 +6,11 @@ of it in a backward until its reduce-scatter is done and the replica's
 block is copied out; then it is freed and the parameters' `.grad` on that
 replica return to None.
 
-When the block is copied out: on CPU replicas in one process as soon as
-the bucket's reduction returns (the engine reports it; the gradient hooks
-that follow collect it), so a backward holds the blocks and the buckets
-still being filled or reduced; elsewhere (GPUs, where the copy is ordered
+When the block is copied out: on CPU replicas in one process once the
+bucket's reduction returned (the engine reports it), collected before a
+replica allocates its next bucket, so a backward holds the blocks and the
+buckets still being filled or reduced (and those that returned after the
+replica's last allocation, until the end of backward); elsewhere (GPUs, where the copy is ordered
 on the streams after the reduction; processes, where the reduction ends in
 the link's wait) at the end of backward, before the optimizer step and the
 next forward. Under no_sync() nothing is reduced: the buffers stay, holding
@@ -53,12 +54,19 @@ class Scattered:
         engine: Any,
         retire: Callable[[Any, Sequence[Sequence[torch.Tensor]]], None],
         early: bool,
+        direct: bool = False,
     ):
         """`rank_of[r]`: replica r's block; `retire(engine, per_replica)`:
         orders the freeing of bucket memory after the reductions that use it
         (GPUs); `early`: the bucket's reduction is done when it returns (the
-        CPU backend in one process), so buffers are freed during backward."""
+        CPU backend in one process), so buffers are freed during backward;
+        `direct`: the backend writes a reduce-scatter's block where it is
+        told (not the cross-process one), so a reduction that replaces the
+        blocks lands in them, with no copy out of the bucket."""
         self.layout, self.engine, self.ranks = layout, engine, ranks
+        self.direct = direct
+        # Per replica and bucket: its reduction lands in the block (set_recv).
+        self._landing: List[List[bool]] = []
         self.buckets = [list(b) for b in buckets]
         self.rank_of = list(rank_of)
         self._retire = retire
@@ -78,6 +86,7 @@ class Scattered:
             [layout.zeros_for(c, params[m[0]].dtype, r) for c, m in zip(self.block, self.buckets)]
             for r in range(len(layout.params))
         ]
+        self._landing = [[False] * len(self.buckets) for _ in layout.params]
         self.fresh = [True] * len(layout.params)  # the next reduction replaces the blocks
         # After a step: replica 0's markers (see the module's docstring).
         self.markers: List[Optional[torch.Tensor]] = [None] * len(params)
@@ -121,6 +130,9 @@ class Scattered:
                 self.layout.views[r][i] = flat[start : start + p.numel()].view_as(p)
             self.layout.flat[r][b] = flat
             self.layout.tell_engine(r, b, flat)
+            if self.direct and self.fresh[r]:  # replaced: the reduction writes the block
+                self.engine.set_recv(r, b, self.blocks[r][b].data_ptr())
+                self._landing[r][b] = True
             self.held[r] += flat.numel() * flat.element_size()
             self.peak[r] = max(self.peak[r], self.held[r])
 
@@ -133,10 +145,16 @@ class Scattered:
                 return
             k, c = self.rank_of[r], self.block[b]
             with torch.no_grad():
-                if self.fresh[r]:
+                if self._landing[r][b]:
+                    # The reduction wrote the block, unless the bucket held no
+                    # gradient anywhere (not reduced): then it reads zero.
+                    if not any(self.engine.has_grad(i) for i in self.buckets[b]):
+                        self.blocks[r][b].zero_()
+                elif self.fresh[r]:
                     self.blocks[r][b].copy_(flat[k * c : (k + 1) * c])
                 else:
                     self.blocks[r][b].add_(flat[k * c : (k + 1) * c])
+            self._landing[r][b] = False
             params, views = self.layout.params[r], self.layout.views[r]
             for i in self.buckets[b]:
                 if params[i].grad is views[i]:
@@ -150,7 +168,8 @@ class Scattered:
 
     def poll(self) -> None:
         """During a synced backward (early): frees the buckets whose
-        reduction returned since the last poll, on every replica."""
+        reduction returned since the last poll, on every replica (called
+        before each allocation, not per gradient: no cost on the hooks)."""
         for b in self.engine.take_completed():
             for r in range(len(self.blocks)):
                 self.release(r, b)
@@ -260,8 +279,3 @@ class Scattered:
 
     def reset_peak(self) -> None:
         self.peak = list(self.held)
-
-
-def poll_of(scattered: Optional[Scattered]) -> Optional[Callable[[], None]]:
-    """The poll the gradient hooks call after marking, or None."""
-    return scattered.poll if scattered is not None and scattered.early else None

@@ -150,6 +150,13 @@ BREAKAGES = {
         "ZeRO stage 2's reduce-scatter gives replica r block r, not its NCCL rank's (on "
         "[2, 0, 1] the blocks and the shards disagree)",
     ),
+    "scatter-piece-by-replica-index": (
+        "pyddp/engine/scattered.py",
+        "start = self.offset[i] + lo - self.rank_of[r] * self.block[b]",
+        "start = self.offset[i] + lo - r * self.block[b]",
+        "ZeRO stage 2's optimizer reads replica r's pieces as if its block were block r, not "
+        "its NCCL rank's (the reduce-scatter lands block rank(r) in replica r's blocks)",
+    ),
     "join-buffers-from-rank-zero-on-gpus": (
         "pyddp/_link/processes.py",
         "self._route.broadcast(tensors, sum(self.local_counts[:root]))",
