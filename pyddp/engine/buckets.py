@@ -406,10 +406,13 @@ class BucketLayout:
         replica (on its device)."""
         factors = factor if isinstance(factor, (list, tuple)) else [factor] * len(self.flat)
         with torch.no_grad():
-            for flats, f in zip(self.flat, factors):
-                # Sharded gradients on CPUs in one process free buckets
-                # during backward: there nothing is scaled (factor 1).
-                held = [t for t in flats if t is not None]
+            for r, (flats, f) in enumerate(zip(self.flat, factors)):
+                # Sharded gradients: a reduction that landed in the blocks
+                # is scaled there; CPUs in one process free buckets during
+                # backward, and there nothing is scaled (factor 1).
+                landed = self.scattered.landed(r) if self.scattered is not None else []
+                held = [t for b, t in enumerate(flats) if t is not None and b not in landed]
+                held += [self.scattered.blocks[r][b] for b in landed]
                 if held:
                     torch._foreach_mul_(held, f)
 

@@ -270,6 +270,11 @@ class Scattered:
         start = self.offset[i] + lo - self.rank_of[r] * self.block[b]
         return self.blocks[r][b][start : start + hi - lo]
 
+    def landed(self, r: int) -> List[int]:
+        """The buckets whose reduction lands (landed) in replica r's blocks
+        this backward, their buffers still held."""
+        return [b for b, landing in enumerate(self._landing[r]) if landing]
+
     def memory(self, r: int) -> List[torch.Tensor]:
         return self.blocks[r] + [f for f in self.layout.flat[r] if f is not None]
 
