@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch
+from spawn import spawn
 from torch import nn
 
 import pyddp
@@ -247,3 +248,31 @@ def test_a_torch_optimizer_over_a_model_with_sharded_gradients_is_refused(made):
     other = nn.Linear(2, 2)
     other(torch.randn(1, 2)).sum().backward()
     torch.optim.SGD(other.parameters(), lr=0.1).step()
+
+
+def unused_hand_set_across_processes(out: dict) -> None:
+    # Every rank sets the same gradient by hand on a parameter no forward
+    # uses: kept and averaged over the ranks (the same value), as torch DDP
+    # with find_unused_parameters=True keeps it; the step equals one device.
+    dm, opt, ref, ref_opt = _both(1, out.get("shard", False))
+    torch.manual_seed(1)
+    kept = []
+    for _ in range(3):
+        x, y = torch.randn(6, 4), torch.randn(6, 2)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for model in (dm.module, ref):
+            model.unused.weight.grad = torch.full((2, 4), 0.25)
+        _loss(dm, x, y).backward()  # every rank the same batch: the mean is one device's
+        _loss(ref, x, y).backward()
+        kept.append(torch.equal(dm.module.unused.weight.grad, torch.full((2, 4), 0.25)))
+        opt.step()
+        ref_opt.step()
+    out["kept"] = kept
+    out["diff"] = _diff(dm.module, ref)
+
+
+@pytest.mark.multiprocess
+def test_a_gradient_set_by_hand_on_an_unused_parameter_is_kept_across_processes(tmp_path):
+    for r in spawn(unused_hand_set_across_processes, out=tmp_path):
+        assert r["kept"] == [True] * 3 and r["diff"] < TOL, r
