@@ -117,12 +117,17 @@ int64_t Engine::padded_count(int bucket) const {
   return scatter_ > 0 ? (count + scatter_ - 1) / scatter_ * scatter_ : count;
 }
 
-void Engine::set_buffer(int replica, int bucket, BufferRef buf) {
-  std::lock_guard<std::mutex> lk(mu_);
+size_t Engine::slot(int replica, int bucket) const {
   PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica, " out of range [0, ",
                 num_replicas_, ")");
   PYDDP_ENFORCE(bucket >= 0 && static_cast<size_t>(bucket) < buckets_.size(), "bucket ", bucket,
                 " out of range [0, ", buckets_.size(), ")");
+  return static_cast<size_t>(replica) * buckets_.size() + bucket;
+}
+
+void Engine::set_buffer(int replica, int bucket, BufferRef buf) {
+  std::lock_guard<std::mutex> lk(mu_);
+  const size_t at = slot(replica, bucket);
   PYDDP_ENFORCE(!active_.load() || bucket_pending_[bucket].load() > 0,
                 "cannot change bucket ", bucket, "'s buffers once its reduction may launch");
   PYDDP_ENFORCE(buf.count == padded_count(bucket), "bucket ", bucket, " holds ",
@@ -132,31 +137,25 @@ void Engine::set_buffer(int replica, int bucket, BufferRef buf) {
   PYDDP_ENFORCE(buf.dtype == want, "bucket ", bucket, " is ", dtype_name(want), ", buffer is ",
                 dtype_name(buf.dtype));
   PYDDP_ENFORCE(buf.data != nullptr || buf.count == 0, "null buffer for bucket ", bucket);
-  buffers_[static_cast<size_t>(replica) * buckets_.size() + bucket] = buf;
+  buffers_[at] = buf;
 }
 
 void Engine::release_buffer(int replica, int bucket) {
   std::lock_guard<std::mutex> lk(mu_);
-  PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica, " out of range [0, ",
-                num_replicas_, ")");
-  PYDDP_ENFORCE(bucket >= 0 && static_cast<size_t>(bucket) < buckets_.size(), "bucket ", bucket,
-                " out of range [0, ", buckets_.size(), ")");
+  const size_t at = slot(replica, bucket);
   PYDDP_ENFORCE(!active_.load() || bucket_returned_[bucket],
                 "cannot release bucket ", bucket, "'s buffer before its reduction returned");
-  buffers_[static_cast<size_t>(replica) * buckets_.size() + bucket] = BufferRef{};
-  recvs_[static_cast<size_t>(replica) * buckets_.size() + bucket] = nullptr;
+  buffers_[at] = BufferRef{};
+  recvs_[at] = nullptr;
 }
 
 void Engine::set_recv(int replica, int bucket, uintptr_t recv) {
   std::lock_guard<std::mutex> lk(mu_);
-  PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica, " out of range [0, ",
-                num_replicas_, ")");
-  PYDDP_ENFORCE(bucket >= 0 && static_cast<size_t>(bucket) < buckets_.size(), "bucket ", bucket,
-                " out of range [0, ", buckets_.size(), ")");
+  const size_t at = slot(replica, bucket);
   PYDDP_ENFORCE(scatter_ > 0, "set_recv needs sharded gradients (set_scatter)");
   PYDDP_ENFORCE(!active_.load() || bucket_pending_[bucket].load() > 0,
                 "cannot change bucket ", bucket, "'s receive buffer once its reduction may launch");
-  recvs_[static_cast<size_t>(replica) * buckets_.size() + bucket] = reinterpret_cast<void*>(recv);
+  recvs_[at] = reinterpret_cast<void*>(recv);
 }
 
 std::vector<int> Engine::take_completed() {

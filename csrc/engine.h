@@ -169,6 +169,8 @@ class Engine {
   void launcher_loop();
   void stop_launcher();
   std::vector<BufferRef> bucket_buffers(int bucket) const;
+  // buffers_/recvs_ index of (replica, bucket), both checked in range.
+  size_t slot(int replica, int bucket) const;
   bool bucket_has_grad(int bucket) const;
   [[noreturn]] void fail_mark(int replica, int param, const std::string& why) const;
   // GPU: one more of replica's parameters in `bucket` is written (by

@@ -53,6 +53,32 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
+def _side_by_side(dm, opt, ref, ref_opt, steps, *, zero=True, before=None, after=None) -> None:
+    """Trains the wrapped model and one device on the same batches, and
+    checks they agree (and every replica equals the model): per step the
+    optimizers' zero_grad (`zero`), `before(model, k)` on both models,
+    backward, `after(model, k)` on both, the step."""
+    torch.manual_seed(1)
+    for k in range(steps):
+        x, y = torch.randn(6, 4), torch.randn(6, 2)
+        if zero:
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        for model in (dm.module, ref):
+            if before is not None:
+                before(model, k)
+        _loss(dm, x, y).backward()
+        _loss(ref, x, y).backward()
+        for model in (dm.module, ref):
+            if after is not None:
+                after(model, k)
+        opt.step()
+        ref_opt.step()
+    assert _diff(dm.module, ref) < TOL
+    for replica in dm.replicas[1:]:
+        assert _diff(replica, dm.module) == 0
+
+
 def _reset(model: nn.Module, how: str) -> None:
     if how == "zero_grad":
         model.zero_grad()
@@ -70,19 +96,7 @@ def _reset(model: nn.Module, how: str) -> None:
 def test_resetting_the_models_own_gradients_trains_as_one_device(shard, how, n):
     # Found training 0.225 from one device under shard="gradients": the
     # other replicas kept their block of the last reduction and added it in.
-    dm, opt, ref, ref_opt = _both(n, shard)
-    torch.manual_seed(1)
-    for _ in range(4):
-        x, y = torch.randn(6, 4), torch.randn(6, 2)
-        _reset(dm.module, how)
-        _reset(ref, how)
-        _loss(dm, x, y).backward()
-        _loss(ref, x, y).backward()
-        opt.step()
-        ref_opt.step()
-    assert _diff(dm.module, ref) < TOL
-    for replica in dm.replicas[1:]:
-        assert _diff(replica, dm.module) == 0
+    _side_by_side(*_both(n, shard), 4, zero=False, before=lambda model, k: _reset(model, how))
 
 
 @pytest.mark.parametrize("shard", [False, True])
@@ -90,26 +104,17 @@ def test_resetting_the_models_own_gradients_trains_as_one_device(shard, how, n):
 def test_a_gradient_replaced_after_backward_reaches_every_replica(shard, change):
     # Found reaching replica 0 only: replica 1 0.23 from replica 0 after 3
     # steps with momentum (in-place changes were followed, assignments not).
-    dm, opt, ref, ref_opt = _both(2, shard)
-    torch.manual_seed(1)
-    for _ in range(3):
-        x, y = torch.randn(6, 4), torch.randn(6, 2)
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        _loss(dm, x, y).backward()
-        _loss(ref, x, y).backward()
-        for model in (dm.module, ref):
-            w = model.a.weight
-            if change == "scale":
-                w.grad = w.grad * 0.5
-            elif change == "clamp":
-                w.grad = w.grad.clamp(-0.01, 0.01)
-            else:
-                model.b.bias.grad = None  # the optimizer skips it, as on one device
-        opt.step()
-        ref_opt.step()
-    assert _diff(dm.module, ref) < TOL
-    assert _diff(dm.replicas[1], dm.module) == 0
+
+    def replace(model, k):
+        w = model.a.weight
+        if change == "scale":
+            w.grad = w.grad * 0.5
+        elif change == "clamp":
+            w.grad = w.grad.clamp(-0.01, 0.01)
+        else:
+            model.b.bias.grad = None  # the optimizer skips it, as on one device
+
+    _side_by_side(*_both(2, shard), 3, after=replace)
 
 
 def test_under_sharded_gradients_grad_is_a_placeholder_that_does_what_one_device_does():
@@ -129,41 +134,27 @@ def test_under_sharded_gradients_grad_is_a_placeholder_that_does_what_one_device
     w.grad = w.grad * 0.5
     with pytest.raises(RuntimeError, match="a tensor was assigned as the gradient of parameter 0"):
         opt.step()
-    dm, opt, ref, ref_opt = _both(2, "gradients")
-    for k in range(4):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        _loss(dm, x, y).backward()
-        _loss(ref, x, y).backward()
-        for model in (dm.module, ref):
-            if k % 2:
-                model.b.bias.grad = None  # skipped by the step
-            else:
-                model.a.bias.grad.zero_()  # stepped with zeros (momentum goes on)
-        opt.step()
-        ref_opt.step()
-    assert _diff(dm.module, ref) < TOL
-    assert _diff(dm.replicas[1], dm.module) == 0
+
+    def touch(model, k):
+        if k % 2:
+            model.b.bias.grad = None  # skipped by the step
+        else:
+            model.a.bias.grad.zero_()  # stepped with zeros (momentum goes on)
+
+    _side_by_side(*_both(2, "gradients"), 4, after=touch)
 
 
 def test_under_sharded_gradients_gradients_kept_across_a_step_accumulate_as_on_one_device():
     # No reset between a step and the next backward: one device adds the
     # next gradient to the kept one; so do the blocks. Some parameters
     # reset by hand (None, zeroed in place) start again from zero.
-    dm, opt, ref, ref_opt = _both(3, "gradients")
-    torch.manual_seed(1)
-    for k in range(4):
-        x, y = torch.randn(6, 4), torch.randn(6, 2)
+
+    def reset_some(model, k):
         if k == 2:
-            for model in (dm.module, ref):
-                model.a.weight.grad = None
-                model.b.weight.grad.zero_()
-        _loss(dm, x, y).backward()
-        _loss(ref, x, y).backward()
-        opt.step()
-        ref_opt.step()
-    assert _diff(dm.module, ref) < TOL
-    assert _diff(dm.replicas[2], dm.module) == 0
+            model.a.weight.grad = None
+            model.b.weight.grad.zero_()
+
+    _side_by_side(*_both(3, "gradients"), 4, zero=False, before=reset_some)
 
 
 @pytest.mark.parametrize("shard", MODES)
@@ -171,22 +162,17 @@ def test_a_gradient_set_by_hand_on_an_unused_parameter_is_kept(shard):
     # Found dropped to None (so never stepped); one device and torch DDP
     # with find_unused_parameters=True keep it.
     dm, opt, ref, ref_opt = _both(2, shard)
-    torch.manual_seed(1)
-    for _ in range(3):
-        x, y = torch.randn(6, 4), torch.randn(6, 2)
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        for model in (dm.module, ref):
-            model.unused.weight.grad = torch.full((2, 4), 0.25)
-        _loss(dm, x, y).backward()
-        _loss(ref, x, y).backward()
-        if shard != "gradients":  # (there: a placeholder, the gradient in the blocks)
-            assert torch.equal(dm.module.unused.weight.grad, torch.full((2, 4), 0.25))
-        assert dm.module.unused.bias.grad is None  # no gradient anywhere: None, as on one device
-        opt.step()
-        ref_opt.step()
-    assert _diff(dm.module, ref) < TOL
-    assert _diff(dm.replicas[1], dm.module) == 0
+
+    def check(model, k):
+        if model is dm.module and shard != "gradients":  # (there: a placeholder)
+            assert torch.equal(model.unused.weight.grad, torch.full((2, 4), 0.25))
+        assert model.unused.bias.grad is None  # no gradient anywhere: None, as on one device
+
+    _side_by_side(dm, opt, ref, ref_opt, 3, before=_hand_set, after=check)
+
+
+def _hand_set(model: nn.Module, k: int) -> None:
+    model.unused.weight.grad = torch.full((2, 4), 0.25)
 
 
 @pytest.mark.parametrize("how", ["zero_grad", "zero_grad_in_place", "in_place_scale"])
@@ -254,20 +240,15 @@ def unused_hand_set_across_processes(out: dict) -> None:
     # Every rank sets the same gradient by hand on a parameter no forward
     # uses: kept and averaged over the ranks (the same value), as torch DDP
     # with find_unused_parameters=True keeps it; the step equals one device.
-    dm, opt, ref, ref_opt = _both(1, out.get("shard", False))
-    torch.manual_seed(1)
+    # (Every rank trains on the same batches: the mean is one device's.)
+    dm, opt, ref, ref_opt = _both(1, False)
     kept = []
-    for _ in range(3):
-        x, y = torch.randn(6, 4), torch.randn(6, 2)
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        for model in (dm.module, ref):
-            model.unused.weight.grad = torch.full((2, 4), 0.25)
-        _loss(dm, x, y).backward()  # every rank the same batch: the mean is one device's
-        _loss(ref, x, y).backward()
-        kept.append(torch.equal(dm.module.unused.weight.grad, torch.full((2, 4), 0.25)))
-        opt.step()
-        ref_opt.step()
+
+    def check(model, k):
+        if model is dm.module:
+            kept.append(torch.equal(model.unused.weight.grad, torch.full((2, 4), 0.25)))
+
+    _side_by_side(dm, opt, ref, ref_opt, 3, before=_hand_set, after=check)
     out["kept"] = kept
     out["diff"] = _diff(dm.module, ref)
 

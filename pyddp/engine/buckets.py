@@ -61,15 +61,6 @@ def ddp_plan(
     return [list(b) for b in buckets]
 
 
-_CHANGED_UNDER_SCATTER = (
-    "pyddp: gradients were changed or assigned after backward on some replicas only (the "
-    "model's own) under shard='gradients', where each replica holds the reduced gradient in "
-    "its own block only (the rest is its own, unreduced): clip with "
-    "dmodel.clip_grad_norm_(max_norm), which combines every replica's blocks; other changes "
-    "to the reduced gradients need shard=True"
-)
-
-
 class BucketLayout:
     def __init__(
         self,
@@ -263,8 +254,7 @@ class BucketLayout:
                 "supported (construct nn.Embedding/EmbeddingBag with sparse=False)"
             )
         if view is None:  # sharded gradients: the bucket's first gradient on this replica
-            self.scattered.ensure(r, self.scattered.bucket_of[i])
-            view = self.views[r][i]
+            view = self._view(r, i)
         view.copy_(g)
         p.grad = view
         if i >= 0 and self._handed[r][i]:
@@ -277,9 +267,7 @@ class BucketLayout:
         slice takes part as is, unless its grad was reset behind pyddp's back
         (torch's zero_grad sets None: the slice is stale and counts as zero)
         or replaced (copied in)."""
-        if self.views[r][i] is None:  # sharded gradients: its bucket is needed now
-            self.scattered.ensure(r, self.scattered.bucket_of[i])
-        grad, view = self.params[r][i].grad, self.views[r][i]
+        grad, view = self.params[r][i].grad, self._view(r, i)
         if grad is view:
             return
         if grad is None:
@@ -290,10 +278,17 @@ class BucketLayout:
 
     def zero_param(self, i: int) -> None:
         """Parameter i's slice reads zero on every replica."""
-        for r, views in enumerate(self.views):
-            if views[i] is None:  # sharded gradients: a fresh bucket reads zero
-                self.scattered.ensure(r, self.scattered.bucket_of[i])
-            views[i].zero_()
+        for r in range(len(self.views)):
+            self._view(r, i).zero_()
+
+    def _view(self, r: int, i: int) -> torch.Tensor:
+        """Replica r's view of parameter i's gradient slice; under sharded
+        gradients its bucket is allocated first if the replica holds none."""
+        view = self.views[r][i]
+        if view is None:
+            self.scattered.ensure(r, self.scattered.bucket_of[i])
+            view = self.views[r][i]
+        return view
 
     def grads_to_none(self, i: int) -> None:
         """Parameter i has no gradient anywhere: None, as on one device."""
@@ -410,7 +405,7 @@ class BucketLayout:
                 # Sharded gradients: a reduction that landed in the blocks
                 # is scaled there; CPUs in one process free buckets during
                 # backward, and there nothing is scaled (factor 1).
-                landed = self.scattered.landed(r) if self.scattered is not None else []
+                landed = self.scattered.landed(r) if self.scattered is not None else set()
                 held = [t for b, t in enumerate(flats) if t is not None and b not in landed]
                 held += [self.scattered.blocks[r][b] for b in landed]
                 if held:
@@ -430,8 +425,6 @@ class BucketLayout:
                 for params in self.params[1:]:
                     params[i].grad = None
                 continue
-            if self.pad_to > 1:
-                raise RuntimeError(_CHANGED_UNDER_SCATTER)
             if g.is_sparse:
                 raise RuntimeError(
                     f"pyddp: a sparse gradient was assigned to parameter {i} after backward; "
@@ -462,8 +455,6 @@ class BucketLayout:
         if self._versions is None:
             return
         self._follow_assigned()
-        if self._versions is None:
-            return
         now = [[f._version for f in flats] for flats in self.flat]
         if now == self._versions:
             return
@@ -471,10 +462,6 @@ class BucketLayout:
         for r in range(1, len(self.flat)):
             moved = [a - b for a, b in zip(now[r], self._versions[r])]
             for b, (m, m0) in enumerate(zip(moved, moved0)):
-                if m != m0 and self.pad_to > 1:
-                    # (Every replica's buffers changed alike, as the
-                    # Trainer's unscaling does, is fine.)
-                    raise RuntimeError(_CHANGED_UNDER_SCATTER)
                 if m != m0:
                     self._before_host_write(r)
                     with torch.no_grad():

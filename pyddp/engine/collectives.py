@@ -45,9 +45,7 @@ def all_reduce(
     or `group=` a process group; every rank must call it): the tensors of
     every process are reduced, "avg" dividing by their total count. CPU
     tensors only for now; this blocks until done."""
-    tensors = _per_replica("all_reduce", tensors)
-    cupy_streams = [_cupy_stream(t) for t in tensors]
-    tensors = _check_tensors("all_reduce", [_as_tensor(t, i) for i, t in enumerate(tensors)])
+    cupy_streams, tensors = _prepared("all_reduce", tensors)
     if op not in ("sum", "avg"):
         raise ValueError(f"all_reduce: op={op!r}, use 'sum' or 'avg'")
     xgroup = resolve_group(group)
@@ -226,9 +224,7 @@ def _name(t: torch.Tensor) -> str:
 def _checked(what: str, tensors: Sequence[Any]) -> Tuple[List[Any], List[torch.Tensor]]:
     """The CuPy streams and tensors of a one-process collective, checked as
     all_reduce checks them; across processes refused by name."""
-    tensors = _per_replica(what, tensors)
-    cupy_streams = [_cupy_stream(t) for t in tensors]
-    checked = _check_tensors(what, [_as_tensor(t, i, what) for i, t in enumerate(tensors)])
+    cupy_streams, checked = _prepared(what, tensors)
     if resolve_group(None) is not None:
         raise NotImplementedError(
             f"pyddp.{what} runs over one process's tensors; across processes use "
@@ -237,11 +233,11 @@ def _checked(what: str, tensors: Sequence[Any]) -> Tuple[List[Any], List[torch.T
     return cupy_streams, checked
 
 
-def _per_replica(what: str, tensors: Any) -> List[Any]:
-    """`tensors` as the list of per-replica tensors every collective takes.
-    One tensor (or CUDA array) is refused: torch.distributed's spelling
-    (`all_reduce(t)`) would otherwise iterate over its rows and reduce
-    them as if they were replicas."""
+def _prepared(what: str, tensors: Any) -> Tuple[List[Any], List[torch.Tensor]]:
+    """Every collective's arguments: `tensors` (one per replica, checked by
+    _check_tensors) and their CuPy streams. One tensor (or CUDA array) is
+    refused: torch.distributed's spelling (`all_reduce(t)`) would otherwise
+    iterate over its rows and reduce them as if they were replicas."""
     if isinstance(tensors, torch.Tensor) or hasattr(tensors, "__cuda_array_interface__"):
         raise TypeError(
             f"pyddp.{what} takes a list with one tensor per replica (pyddp.{what}([t0, t1])); "
@@ -253,7 +249,11 @@ def _per_replica(what: str, tensors: Any) -> List[Any]:
             f"pyddp.{what}: tensors must be a list or tuple of tensors, one per replica; got "
             f"{type(tensors).__name__}"
         )
-    return list(tensors)
+    tensors = list(tensors)
+    cupy_streams = [_cupy_stream(t) for t in tensors]
+    return cupy_streams, _check_tensors(
+        what, [_as_tensor(t, i, what) for i, t in enumerate(tensors)]
+    )
 
 
 def _ptrs(tensors: Sequence[torch.Tensor]) -> List[int]:

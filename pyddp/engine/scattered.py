@@ -36,7 +36,7 @@ optimizer's, dmodel's, the Trainer's) resets everything at once."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Set
 
 import torch
 
@@ -94,6 +94,7 @@ class Scattered:
         self.kept = [False] * len(params)  # not reset since the step: its gradient stays
         self.present = [False] * len(params)  # holds a gradient (the step steps it)
         self._cache: List[Optional[torch.Tensor]] = [None] * len(params)
+        self._placed = False  # some placeholder is out (reconcile has work)
         # Per replica: its hooks allocate its buckets while another replica's
         # hook (or the main thread) frees them; replicas never wait on each
         # other's allocations.
@@ -187,6 +188,7 @@ class Scattered:
         with the other gradients); the next reduction replaces the blocks."""
         self.fresh = [True] * len(self.blocks)
         self.markers = [None] * len(self.markers)
+        self._placed = False
         self.present = [False] * len(self.present)
 
     def zero(self, r: int) -> None:
@@ -213,17 +215,16 @@ class Scattered:
                     self._cache[i] = marker
                 p.grad = marker
                 self.markers[i], self._marker_versions[i] = marker, marker._version
-
-    def is_marker(self, i: int, g: Optional[torch.Tensor]) -> bool:
-        return g is not None and g is self.markers[i]
+                self._placed = True
 
     def reconcile(self, before_step: bool) -> None:
         """What the user did to replica 0's placeholders (see the module's
         docstring), applied to every replica's blocks; the placeholders
         are removed. `before_step`: at the step (a tensor assigned is
         refused) rather than before a backward (it becomes the gradient)."""
-        if not any(m is not None for m in self.markers):
+        if not self._placed:
             return
+        self._placed = False
         params = self.layout.params[0]
         reset = []
         for i, (p, marker) in enumerate(zip(params, self.markers)):
@@ -270,10 +271,10 @@ class Scattered:
         start = self.offset[i] + lo - self.rank_of[r] * self.block[b]
         return self.blocks[r][b][start : start + hi - lo]
 
-    def landed(self, r: int) -> List[int]:
+    def landed(self, r: int) -> Set[int]:
         """The buckets whose reduction lands (landed) in replica r's blocks
         this backward, their buffers still held."""
-        return [b for b, landing in enumerate(self._landing[r]) if landing]
+        return {b for b, landing in enumerate(self._landing[r]) if landing}
 
     def memory(self, r: int) -> List[torch.Tensor]:
         return self.blocks[r] + [f for f in self.layout.flat[r] if f is not None]
@@ -281,6 +282,3 @@ class Scattered:
     def bucket_bytes(self) -> List[int]:
         params = self.layout.params[0]
         return [c * params[m[0]].element_size() for c, m in zip(self.counts, self.buckets)]
-
-    def reset_peak(self) -> None:
-        self.peak = list(self.held)

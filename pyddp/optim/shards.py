@@ -85,12 +85,12 @@ class Shard:
                 g = p.grad
                 t.grad = None if g is None else g.detach().view(-1)[lo:hi]
 
-    def attach_blocks(self, scattered: Any, r: int, has_grad: Any) -> None:
+    def attach_blocks(self, scattered: Any, r: int) -> None:
         """Sharded gradients: each piece steps with its elements of replica
-        r's blocks (the reduced gradient; None where the parameter has no
-        gradient anywhere, so the step skips it as on one device)."""
+        r's blocks (the reduced gradient; None where the parameter holds no
+        gradient, so the step skips it as on one device)."""
         for i, lo, hi, t, whole in self.pieces:
-            g = scattered.piece(r, i, lo, hi) if has_grad(i) else None
+            g = scattered.piece(r, i, lo, hi) if scattered.present[i] else None
             t.grad = g.view_as(t) if g is not None and whole else g
 
     def detach_blocks(self) -> None:
@@ -271,7 +271,6 @@ def clip_sharded(sync: Reducer, max_norm: float, norm_type: float) -> torch.Tens
         for own, total in zip(blocks, totals):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_(own, coef.to(own[0].dtype))
-    sync.layout.mark_reduced()  # the blocks changed on purpose: not a user's edit
     total0 = totals[0]
     return total0.to(torch.float32) if total0.dtype != torch.float32 else total0
 

@@ -236,7 +236,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             for r, shard in enumerate(self._pyddp.shards):
                 shard.attach_grads(sync.params[r], grads=scattered is None)
                 if scattered is not None:
-                    shard.attach_blocks(scattered, r, scattered.present.__getitem__)
+                    shard.attach_blocks(scattered, r)
             try:
                 sync.run_per_replica([_unhooked(o) for o in self._pyddp.inner], "optimizer step")
                 self._pyddp_gather()
