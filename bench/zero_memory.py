@@ -97,7 +97,7 @@ def measure(
         # after the last step; its peak over the run (stage 2 counts its
         # blocks and the transient buckets as they are allocated and freed;
         # the other modes' buckets never change).
-        layout = dm._reducer.layout
+        layout = dm._reducer._layout
         grads = [sum(t.numel() * t.element_size() for t in mem) for mem in layout.memory()]
         scattered = layout.scattered
         out[NAMES[shard]] = {

@@ -102,7 +102,7 @@ def main() -> None:
         dm = pyddp.wrap(fresh(), ["cuda:0", "cuda:0"])
         opt = dm.optimizer(torch.optim.AdamW, shard=shard, lr=1e-4)
         got = measure(stepper(opt, lambda dm=dm: dm.loss(lm_loss, ids, target)))
-        layout = dm._reducer.layout
+        layout = dm._reducer._layout
         held = [sum(t.numel() * t.element_size() for t in m) for m in layout.memory()]
         peak = layout.scattered.peak if layout.scattered is not None else held
         got["grad_buffers_MiB_per_replica"] = max(held) / MIB

@@ -14,8 +14,8 @@ from ._source_tree import use_installed_build
 # compiled _C: the rest of the package then comes from the installed build.
 __path__ = use_installed_build(__path__)
 
-from .engine.buckets import plan_buckets
 from .engine.collectives import all_gather, all_reduce, broadcast, reduce_scatter
+from .engine.plan import plan_buckets
 from .engine.sync import GradSync
 from .errors import ReduceError, ReplicaError, TrainingError, UnsafePathError
 from .optim import zero  # dmodel.optimizer(..., shard=True); zero.state_bytes

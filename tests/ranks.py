@@ -79,7 +79,7 @@ def sequence_of(dm) -> int:
     """Control exchanges made so far on dm's control group (header sequence)."""
     from pyddp._link.control import _sequence
 
-    return _sequence.get(tuple(dm._reducer.link.peers.ranks), 0)
+    return _sequence.get(tuple(dm._reducer._link.peers.ranks), 0)
 
 
 def max_diff(a: nn.Module, b: nn.Module) -> float:
@@ -144,7 +144,7 @@ def maybe_simulated_gpus(replicas: int) -> Tuple[Any, Callable[[], None]]:
 def wrap_on(model: nn.Module, replicas: int, gpus: Any = None, **kw: Any) -> Any:
     """pyddp.wrap over `replicas` CPU replicas, or over the simulated GPUs
     `gpus` (devices, streams) when given."""
-    from pyddp.engine.placement import simulated_gpus
+    from pyddp.engine.streams import simulated_gpus
 
     place = contextlib.nullcontext() if gpus is None else simulated_gpus(*gpus)
     with place:

@@ -17,7 +17,7 @@ from conftest import Mixed, make_batches
 from torch import nn
 
 import pyddp
-from pyddp.engine.placement import simulated_gpus
+from pyddp.engine.streams import simulated_gpus
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "simgpu"))
 from simgpu import Sim, SimStreams  # noqa: E402

@@ -215,6 +215,6 @@ def test_taper_buckets_option_reaches_the_engine():
     untapered = pyddp.wrap(
         copy.deepcopy(model), ["cpu", "cpu"], bucket_cap_mb=0.05, first_bucket_cap_mb=0.01
     )
-    assert len(dm._reducer.engine.buckets) > len(untapered._reducer.engine.buckets)
+    assert len(dm._reducer._engine.buckets) > len(untapered._reducer._engine.buckets)
     with pytest.raises(TypeError, match="taper_buckets"):
         pyddp.wrap(copy.deepcopy(model), ["cpu", "cpu"], taper_buckets=1)

@@ -166,7 +166,7 @@ def test_failed_reduction_raises_and_the_next_step_is_clean():
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     (x, y), (x2, y2) = make_batches(2, 8)
-    dm._reducer.engine.inject_fault(0, "simulated link failure")
+    dm._reducer._engine.inject_fault(0, "simulated link failure")
     with pytest.raises(pyddp.ReduceError, match="bucket 0 .*simulated link failure"):
         F.cross_entropy(dm(x), y).backward()
     with pytest.raises(RuntimeError, match="zero_grad"):

@@ -185,7 +185,7 @@ def foreign_note(out: dict) -> None:
     rank = pyddp.rank()
     torch.manual_seed(0)
     dm = pyddp.wrap(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)), ["cpu"])
-    out["prefix"] = dm._reducer.link.prefix
+    out["prefix"] = dm._reducer._link.prefix
     x, y = torch.randn(8, 6), torch.randn(8, 3)
     nn.functional.mse_loss(dm(x), y).backward()
     if rank == 1:

@@ -165,7 +165,7 @@ def test_failed_reduction_on_gpu_then_a_clean_step():
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     (x, y), (x2, y2) = [(a.cuda(), b.cuda()) for a, b in make_batches(2, 8)]
-    dm._reducer.engine.inject_fault(3, "simulated failure")
+    dm._reducer._engine.inject_fault(3, "simulated failure")
     with pytest.raises(pyddp.ReduceError, match="simulated failure"):
         F.cross_entropy(dm(x), y).backward()
     opt.zero_grad()

@@ -62,7 +62,7 @@ def test_after_backward_order_launches_nothing_during_backward():
     train(dm, 2)
     s = dm.stats()
     assert s["overlap_s"] == 0 and s["comm_s"] > 0 and s["exposed_comm_s"] == s["comm_s"]
-    raw = dm._reducer.observer.timelines[-1]["raw"]
+    raw = dm._reducer._observer.timelines[-1]["raw"]
     assert raw["first_launch_ns"] >= raw["finish_start_ns"]
 
 
@@ -80,11 +80,11 @@ def test_chrome_trace_structure_and_bounded_memory(tmp_path):
         assert e["dur"] >= 0
         assert e["ts"] >= 0
     marks = [e for e in events if e["ph"] == "i" and e["tid"] >= 10]
-    assert len(marks) == 2 * 2 * len(dm._reducer.names)  # iterations x replicas x parameters
+    assert len(marks) == 2 * 2 * len(dm._reducer._names)  # iterations x replicas x parameters
     assert {e["tid"] for e in marks} == {10, 11}
     assert ready  # bucket-ready instants are there
     # Each reduction launches after its bucket became ready (the last iteration).
-    last = dm._reducer.observer.timelines[-1]
+    last = dm._reducer._observer.timelines[-1]
     for b in range(len(dm._reducer.buckets)):
         assert (
             last["bucket_ready_ns"][b] <= last["bucket_launch_ns"][b] <= last["bucket_done_ns"][b]

@@ -408,7 +408,7 @@ def test_buckets_are_rebuilt_once_from_the_observed_ready_order():
     (x, y), (x2, y2) = make_batches(2, 8)
     F.cross_entropy(dm(x), y).backward()
     first_copies = dm._reducer.adopted  # grads were None: copied into the buckets once
-    order = dm._reducer.engine.ready_order()
+    order = dm._reducer._engine.ready_order()
     rebuilt = dm._reducer.buckets
     assert len(rebuilt) > 1
     assert [p for b in rebuilt for p in b] == order  # one dtype: buckets follow the order

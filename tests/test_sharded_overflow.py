@@ -50,8 +50,8 @@ def test_an_overflow_in_another_replicas_block_skips_the_trainers_step():
     trainer._scaler = LossScaler(enabled=True)
     dm = trainer.model
     (dm(_rows(2, hot_replica=1)).mean() * trainer._scaler.scale).backward()
-    k = dm._reducer.backend.rank_of(0)
-    assert k == 0 and bool(torch.isfinite(dm._reducer.layout.scattered.blocks[0][0]).all())
+    k = dm._reducer._backend.rank_of(0)
+    assert k == 0 and bool(torch.isfinite(dm._reducer._layout.scattered.blocks[0][0]).all())
     before = dm.module.w.detach().clone()
     assert trainer._optimizer_step() is False  # skipped
     assert trainer._scaler.scale == 2.0**15
@@ -74,7 +74,7 @@ def overflow_on_simulated_gpus(devices):
         streams.synchronize_all(devices)
         scaler = LossScaler(enabled=True)
         flats = [dm._reducer.flat_grads(r) for r in range(len(devices))]
-        hot_rank = dm._reducer.backend.rank_of(hot)
+        hot_rank = dm._reducer._backend.rank_of(hot)
         assert scaler.unscale_(flats, dm._sharded_finite()) is False, (hot, hot_rank)
         assert scaler.scale == 2.0**15
         opt.zero_grad()
@@ -97,7 +97,7 @@ def overflow_across_processes(out: dict) -> None:
     (dm(x).mean() * 2.0**16).backward()
     scaler = LossScaler(enabled=True)
     out["stepped"] = scaler.unscale_([dm._reducer.flat_grads(0)], dm._sharded_finite())
-    out["own_block_finite"] = bool(torch.isfinite(dm._reducer.layout.scattered.blocks[0][0]).all())
+    out["own_block_finite"] = bool(torch.isfinite(dm._reducer._layout.scattered.blocks[0][0]).all())
     out["scale"] = scaler.scale
 
 

@@ -21,7 +21,7 @@ from spawn import run_alone
 from torch import nn
 
 import pyddp
-from pyddp.engine.placement import simulated_gpus
+from pyddp.engine.streams import simulated_gpus
 from pyddp.runtime import libraries as _runtime
 
 pytestmark = pytest.mark.simgpu
@@ -111,7 +111,7 @@ def compression_hooks_arithmetic(hook):
     model = WithDouble()
     dm = gpu_wrap(model, devices, bucket_cap_mb=0.0005)
     dm.register_comm_hook(None, hook)
-    op = dm._reducer.op
+    op = dm._reducer._op
     for step, (x, y) in enumerate(make_batches(2, 13)):
         with dm.no_sync():
             F.cross_entropy(dm(x), y).backward()
@@ -142,7 +142,7 @@ def compression_hooks_arithmetic(hook):
         dm.optimizer(torch.optim.SGD, lr=0.1).step() if step == 0 else None
         dm.zero_grad()
         streams.synchronize_all(devices)
-    assert dm._reducer.backend.compression == str(wire).split(".")[1]
+    assert dm._reducer._backend.compression == str(wire).split(".")[1]
     dm.close()
 
 
@@ -233,7 +233,7 @@ def reduction_waits_for_the_producing_stream(comm_hook):
         expect = late[0, i] + late[1, i]
         if comm_hook:  # torch's fp16 hook's arithmetic: cast, halve, sum in fp16
             expect = (late[0, i].half() / 2 + late[1, i].half() / 2).float()
-            expect *= 2 if sync._reducer.op == "sum" else 1
+            expect *= 2 if sync._reducer._op == "sum" else 1
         assert torch.equal(p.grad, expect), (p.grad - expect).abs().max()
         assert torch.equal(list(reps[1].parameters())[i].grad, expect)
     sync.close()

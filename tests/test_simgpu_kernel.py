@@ -17,7 +17,7 @@ import torch
 from spawn import run_alone, simgpu_libraries
 
 from pyddp import _C
-from pyddp.engine.placement import simulated_gpus
+from pyddp.engine.streams import simulated_gpus
 from pyddp.runtime import libraries as _runtime
 
 pytestmark = pytest.mark.simgpu

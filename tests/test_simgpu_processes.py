@@ -69,7 +69,7 @@ def gradsync_on_simulated_gpus(out: dict) -> None:
         out[f"steady_exchanges_cap{cap:g}"] = sequence_of(dm) - exchanges
         out[f"diff_cap{cap:g}"] = max_diff(dm.module, ref)
         out[f"never_none_cap{cap:g}"] = dm.module.never.weight.grad is None
-        out["backend"] = dm._reducer.backend.name
+        out["backend"] = dm._reducer._backend.name
         # Buffers after a synced training step (torch DDP's rule): rank 0's,
         # on the device (NCCL), bit for bit (a signed zero and an integer
         # counter included; BatchNorm is in eval mode: nothing else moves them).
@@ -239,7 +239,7 @@ def _compression_on_simulated_gpus(out: dict, devices, streams) -> None:
         return dm
 
     dm = train(devices, (devices, streams))
-    out["fp16_wire"] = dm._reducer.backend.compression
+    out["fp16_wire"] = dm._reducer._backend.compression
     out["fp16_diff"] = max_diff(dm.module, ref)
     out["fp16_replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
     if len(devices) == 1:

@@ -134,7 +134,7 @@ def test_shard_optimizer_is_bitwise_the_unsharded_run_and_resumes_either_way(tmp
     assert max(shares) <= whole[0] / 3 + 64 and sum(shares) >= whole[0], (shares, whole)
     stage2 = trainer(max_epochs=3, shard_optimizer="gradients")
     stage2.fit((x, y))
-    assert stage2.model._reducer.engine.scatter_ranks == 3
+    assert stage2.model._reducer._engine.scatter_ranks == 3
     shares = pyddp.zero.state_bytes(stage2.optimizer)
     assert max(shares) <= whole[0] / 3 + 64 and sum(shares) >= whole[0], (shares, whole)
     # Resumed with sharding off and on, and from one stage into the other.

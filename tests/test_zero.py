@@ -76,7 +76,7 @@ def test_sharded_equals_unsharded_bit_for_bit(n, cls, kw, shard, cap):
     # all-reduce's, so the step is too.
     a, oa = _train(False, n, cls, cap=cap, **kw)
     b, ob = _train(shard, n, cls, cap=cap, **kw)
-    assert b._reducer.engine.scatter_ranks == (n if shard == "gradients" else 0)
+    assert b._reducer._engine.scatter_ranks == (n if shard == "gradients" else 0)
     assert type(ob).__name__ == f"Sharded{cls.__name__}" and isinstance(ob, cls)
     for p, q in zip(a.module.parameters(), b.module.parameters()):
         assert torch.equal(p, q)
@@ -361,7 +361,7 @@ def sharded_across_processes(out: dict) -> None:
 
     plain_dm, plain_opt = train(False)
     dm, opt = train(stage)
-    out["scatter_ranks"] = dm._reducer.engine.scatter_ranks
+    out["scatter_ranks"] = dm._reducer._engine.scatter_ranks
     out["bucket_bytes"] = [plain_dm.stats()["bytes"], dm.stats()["bytes"]]
     out["vs_unsharded"] = max_diff(dm.module, plain_dm.module)
     out["replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
@@ -533,7 +533,7 @@ def sharded_on_simulated_gpus(devices, hook, stage=True):
 
     plain, plain_opt = train(False)
     dm, opt = train(stage)
-    assert dm._reducer.engine.scatter_ranks == (len(devices) if stage == "gradients" else 0)
+    assert dm._reducer._engine.scatter_ranks == (len(devices) if stage == "gradients" else 0)
     assert str(plain.module.never.weight[0, 0].item()) == "-0.0"
     for m in (dm.module, *dm.replicas):
         for (name, p), q in zip(m.named_parameters(), plain.module.parameters()):
@@ -596,7 +596,7 @@ def test_stage2_keeps_one_block_per_replica_between_backwards():
     n = 3
     dm = pyddp.wrap(_model(), ["cpu"] * n, bucket_cap_mb=0.0005)
     opt = dm.optimizer(torch.optim.SGD, shard="gradients", lr=0.1)
-    layout = dm._reducer.layout
+    layout = dm._reducer._layout
     padded = sum(layout.bucket_bytes())
     x, y = torch.randn(12, 8), torch.randn(12, 4)
 

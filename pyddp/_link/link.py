@@ -178,6 +178,10 @@ class Link:
     def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         """Rank 0's values into `tensors` on every process."""
 
+    def global_ranks(self) -> List[int]:
+        """Each process's global rank (torch.distributed's), in rank order."""
+        return [0]
+
     def sum_over_ranks(self, values: Sequence[float], what: str) -> List[float]:
         """Element-wise sums over processes (`what` names the exchange)."""
         return [float(v) for v in values]

@@ -366,6 +366,9 @@ class ProcessLink(Link):
         self.control.broadcast(state, JOIN_FINAL, source)
         return source
 
+    def global_ranks(self) -> List[int]:
+        return list(self.peers.ranks)
+
     def sum_over_ranks(self, values: Sequence[float], what: str) -> List[float]:
         return self.control.sum_over_ranks(values, what)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, List, Sequence
 
+import torch
+
 from .link import Link
 
 
@@ -35,6 +37,11 @@ class Ranks:
     def spans_processes(self) -> bool:
         return self._link.spans_processes
 
+    @property
+    def global_ranks(self) -> List[int]:
+        """Each rank's global rank (torch.distributed's), for messages."""
+        return self._link.global_ranks()
+
     def sum(self, values: Sequence[float], what: str) -> List[float]:
         """Element-wise sums of `values` over the ranks."""
         return self._link.sum_over_ranks(values, what)
@@ -46,3 +53,8 @@ class Ranks:
     def gather(self, obj: Any, what: str) -> List[Any]:
         """Every rank's `obj` (picklable), in rank order."""
         return self._link.gather_objects(obj, what)
+
+    def gather_tensor(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's `t` (a CPU tensor of the same size and dtype on
+        every rank), end to end in rank order, bit for bit."""
+        return self._link.gather_tensor(t, what)

@@ -300,7 +300,7 @@ def worker(cfg: Dict[str, Any]) -> Optional[Dict[str, Any]]:
             # Why: every rank starts the sample together, so no rank's clock
             # includes waiting for another to arrive from the previous sample.
             dist.barrier(group=bench_group)
-            dm._reducer.observer.reset()  # pyddp's means cover exactly the timed steps
+            dm.reset_stats()  # pyddp's means cover exactly the timed steps
             start, cpu0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 step()

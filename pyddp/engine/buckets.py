@@ -12,53 +12,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _C
 from .scattered import Scattered
-
-
-def plan_buckets(
-    numels: Sequence[int],
-    dtypes: Sequence[str],
-    order: Sequence[int],
-    first_cap: int,
-    cap: int,
-    taper: bool = False,
-) -> List[List[int]]:
-    """The engine's bucket plan (csrc/bucket_plan.cpp), public for planners
-    such as the simulator: parameters taken in `order` (their ready order),
-    one open bucket per dtype ("float32", ...); a bucket closes once it holds
-    `first_cap` bytes (the first to close) or `cap` (every later one); the
-    partial buckets left at the end follow. `taper` (the engine's
-    `taper_buckets=True`): a later bucket opened when R bytes of its dtype
-    are still unplaced closes at min(cap, max(first_cap, R / 2)), so the last
-    buckets shrink by halves down to the first one's size. `cap` 0: one
-    bucket per parameter."""
-    if not isinstance(taper, bool):
-        raise TypeError(f"taper={taper!r} must be True or False")
-    return _C.plan_buckets(list(numels), list(dtypes), list(order), first_cap, cap, taper)
-
-
-def ddp_plan(
-    params: Sequence[torch.Tensor], limits: Sequence[int], order: Optional[Sequence[int]] = None
-) -> List[List[int]]:
-    """torch DDP's bucket plan, by torch's own assignment: with `order`
-    None, its plan at construction (parameters in model order, buckets
-    reversed so the last layers' launch first); with `order` (rank 0's
-    ready order), its rebuilt plan after the first iteration. A
-    communication hook sees these buckets, so a hook that depends on the
-    grouping gives DDP's numbers (GradSync.register_comm_hook)."""
-    import torch.distributed as dist  # torch's own; only a hooked model asks
-
-    if order is None:
-        buckets, _ = dist._compute_bucket_assignment_by_size(
-            list(params), list(limits), [False] * len(params)
-        )
-        return [list(b) for b in reversed(buckets)]
-    tensors = [params[i] for i in order]
-    buckets, _ = dist._compute_bucket_assignment_by_size(
-        tensors, list(limits), [False] * len(tensors), list(order)
-    )
-    return [list(b) for b in buckets]
 
 
 class BucketLayout:

@@ -17,7 +17,7 @@ from .._link import resolve_group
 from .._link.transport import all_reduce_blocking
 from ..errors import ReduceError
 from ..runtime.libraries import DTYPE_NAMES, backend_kind, make_backend
-from .placement import gpu_placement
+from .streams import gpu_placement
 
 # (kind, devices) -> (backend, lock). A backend is not re-entrant: one call at
 # a time; a backend that failed is dropped so the next call builds a fresh one.

@@ -20,12 +20,13 @@ def install_hooks(reducer: Any, handles: List[Any], began: bool, prepare_on_forw
     """The reducer's hooks on every replica, their handles into `handles`:
     a post-accumulate-grad hook per parameter, and (`prepare_on_forward`)
     a forward pre-hook per replica."""
-    owner, mark = weakref.ref(reducer), reducer.engine.mark_ready
-    for r, (module, params) in enumerate(zip(reducer.replicas, reducer.params)):
-        device = -1 if reducer.gpu_devices is None else reducer.gpu_devices[r]
-        views = reducer.layout.views[r]
+    owner, mark = weakref.ref(reducer), reducer._engine.mark_ready
+    gpus, streams = reducer._gpu_devices, reducer._streams
+    for r, (module, params) in enumerate(zip(reducer._replicas, reducer._params)):
+        device = -1 if gpus is None else gpus[r]
+        views = reducer._layout.views[r]
         for i, p in enumerate(params):
-            hook = grad_hook(owner, views, r, i, mark, reducer.streams, device, began)
+            hook = grad_hook(owner, views, r, i, mark, streams, device, began)
             handles.append(p.register_post_accumulate_grad_hook(hook))
         if prepare_on_forward:  # wrap prepares all replicas itself, hook-free
             handles.append(module.register_forward_pre_hook(PrepareHook(reducer, r)))
@@ -74,19 +75,17 @@ def grad_hook(
 
 
 def _began(owner: Any) -> None:
-    """Tells the wrapped model a gradient arrived (Reducer.on_backward_start,
-    a weak method, set where a backward may bypass its outputs)."""
-    sync = owner()
-    if sync is not None and sync.on_backward_start is not None:
-        began = sync.on_backward_start()
-        if began is not None:
-            began()
+    """Tells the wrapped model a gradient arrived (Reducer._began: set where
+    a backward may bypass its outputs)."""
+    reducer = owner()
+    if reducer is not None:
+        reducer._began()
 
 
 def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor, r: int, i: int) -> None:
-    sync = owner()
-    if sync is not None:
-        sync.layout.adopt(p, view, r, i)
+    reducer = owner()
+    if reducer is not None:
+        reducer._adopt_grad(p, view, r, i)
 
 
 class PrepareHook:

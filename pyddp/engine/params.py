@@ -3,17 +3,78 @@ of a reducible dtype, identical in name, shape and dtype on every replica, each
 replica on one device; and the checks that keep replicas from silently
 differing at construction: the replicas are identical, and no parameter is
 synchronised by two live reducers (which would reduce every gradient twice and
-fight over `param.grad`)."""
+fight over `param.grad`). `assemble` makes, from those checks, the parts a
+Reducer is built from, so that its owner holds the same link, work record and
+placement instead of reaching into the reducer for them."""
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from .._link import Link, WorkRecord, connect, resolve_group
 from ..runtime.libraries import DTYPE_NAMES
+from .options import Options
+from .streams import Placement, gpu_placement
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a Reducer is built from, checked and connected (`assemble`)."""
+
+    replicas: List[nn.Module]
+    options: Options  # resolved in the group
+    names: List[str]  # the trainable parameters', replica 0's order
+    params: List[List[nn.Parameter]]  # [replica][parameter]
+    devices: List[torch.device]  # per replica
+    gpu: Optional[Placement]  # (CUDA device per replica, stream provider); None on CPUs
+    link: Link  # to the other processes (one process: a link that does nothing)
+    work: WorkRecord  # compared across processes at every synced backward
+
+    @property
+    def gpu_devices(self) -> Optional[List[int]]:
+        return None if self.gpu is None else self.gpu[0]
+
+    @property
+    def streams(self) -> Optional[Any]:
+        return None if self.gpu is None else self.gpu[1]
+
+    @property
+    def reduces(self) -> bool:
+        """False for one replica in one process: nothing to reduce."""
+        return len(self.replicas) > 1 or self.link.spans_processes
+
+
+def assemble(replicas: List[nn.Module], opts: Options, what: str = "GradSync") -> Parts:
+    """Checks `replicas` (trainable parameters, none synchronised twice,
+    identical unless opts says the caller made them so), places them and
+    connects them to the other processes of `opts.group`."""
+    group = resolve_group(opts.group)
+    opts = opts.in_group(group)
+    names, params = trainable_params(replicas)
+    refuse_synced_twice(names, params)
+    if opts.check_replicas:
+        check_identical(replicas)
+    devices = [ps[0].device for ps in params]
+    gpu = gpu_placement(devices, what)
+    # The group says which ranks: pyddp reduces on gloo groups of its own
+    # over them (and NCCL for GPUs), whatever the group's backend.
+    link = connect(
+        group,
+        replicas,
+        names,
+        devices[0].type,
+        opts.timeout_s,
+        opts.op,
+        opts.compared(),
+        None if gpu is None else gpu[0],
+    )
+    work = WorkRecord(params[0], replicas[0], gpu is not None)
+    return Parts(list(replicas), opts, names, params, devices, gpu, link, work)
 
 
 def dtype_name(name: str, p: torch.Tensor) -> str:
@@ -70,11 +131,12 @@ def trainable_params(
 _SYNCED: Dict[int, Tuple[Any, Any]] = {}
 
 
-def note_synced(sync: Any) -> None:
+def note_synced(sync: Any, params: Sequence[Sequence[torch.Tensor]]) -> None:
+    """`sync` (with a `closed` attribute) synchronises `params` from now on."""
     for key in [k for k, (p, s) in _SYNCED.items() if p() is None or s() is None]:
         del _SYNCED[key]
-    for params in sync.params:
-        for p in params:
+    for replica in params:
+        for p in replica:
             _SYNCED[id(p)] = (weakref.ref(p), weakref.ref(sync))
 
 

@@ -1,26 +1,146 @@
-"""The bucket plan over a GradSync's life: the first plan (pyddp's, from the
+"""The bucket plan over a GradSync's life: the planners (pyddp's, public,
+and torch DDP's by torch's own assignment), the first plan (pyddp's, from the
 parameters in reverse order), the one rebuild from the ready order observed in
 the first synced backward (rank 0's, across processes), torch DDP's plan once a
 communication hook sees the buckets, 16-bit wire copies on GPUs, and the
 re-allocation after Module._apply moved the gradients. Every change lays the
 buckets out again and retires the old memory after the reductions that may
-still use it."""
+still use it.
+
+Communication hooks (torch DDP's `register_comm_hook`) land here too, since a
+hook changes the plan: torch's built-in hooks by short name, and how each
+reaches the buckets. On CPU replicas across processes the hook itself runs on
+every summed bucket (the link's transport calls it). On GPUs the buckets never
+come back to Python: NCCL reduces them from pyddp's C++ core, which runs
+torch's 16-bit compression hooks itself (cast, scale by 1/ranks, NCCL sum in
+16 bits, cast back; the scaling bitwise the hooks' own arithmetic on CUDA
+tensors, the sums NCCL's: docs/across-processes.md), so only those are
+accepted there."""
 
 from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import _C
 from ..runtime.libraries import nvrtc_path
-from .buckets import BucketLayout, ddp_plan, plan_buckets
-from .comm_hooks import WIRE_DTYPES, check_gpu_state, gpu_wire_dtype, resolve_hook
+from .buckets import BucketLayout
 from .options import Options
+from .params import dtype_name
 from .streams import StreamOrder
 
 _MIB = 1 << 20
+
+WIRE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _default_hooks() -> Any:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks
+
+
+def builtin_comm_hook(name: str) -> Callable[..., Any]:
+    """torch DDP's built-in compression hooks, by short name."""
+    hooks = _default_hooks()
+    named = {
+        "fp16": hooks.fp16_compress_hook,
+        "bf16": hooks.bf16_compress_hook,
+        "allreduce": hooks.allreduce_hook,
+    }
+    if name not in named:
+        raise ValueError(f"register_comm_hook: unknown hook {name!r}; built in: {', '.join(named)}")
+    return named[name]
+
+
+def resolve_hook(hook: Any) -> Callable[..., Any]:
+    """A hook by name or a callable (state, bucket) -> Future."""
+    if isinstance(hook, str):
+        hook = builtin_comm_hook(hook)
+    if not callable(hook):
+        raise TypeError(
+            f"register_comm_hook: hook must be callable (state, bucket) -> Future, or "
+            f"'fp16'/'bf16', got {type(hook).__name__}"
+        )
+    return hook
+
+
+def gpu_wire_dtype(hook: Callable[..., Any]) -> str:
+    """The wire type that runs `hook` on GPUs in pyddp's core ("float32":
+    the plain all-reduce), or an error naming what is supported."""
+    hooks = _default_hooks()
+    wire = {
+        hooks.fp16_compress_hook: "float16",
+        hooks.bf16_compress_hook: "bfloat16",
+        hooks.allreduce_hook: "float32",
+    }.get(hook)
+    if wire is None:
+        name = getattr(hook, "__qualname__", type(hook).__name__)
+        raise NotImplementedError(
+            f"pyddp: on GPUs, NCCL reduces the buckets inside pyddp's C++ core, without Python, "
+            f"so it runs torch DDP's built-in hooks there ('fp16', 'bf16', 'allreduce', or "
+            f"default_hooks' functions), not {name}; Python hooks (PowerSGD, your own) run on "
+            "CPU replicas across processes"
+        )
+    return wire
+
+
+def check_gpu_state(state: Any, group: Optional[Any]) -> None:
+    """torch's hooks take the process group as their state; on GPUs pyddp's
+    NCCL communicator spans the wrapped group, so that is the only one."""
+    if state is not None and state is not group:
+        raise ValueError(
+            "register_comm_hook: on GPUs the hook's state must be None or the process group "
+            f"the model was wrapped with (pyddp's NCCL communicator spans it), got {state!r}"
+        )
+
+
+def plan_buckets(
+    numels: Sequence[int],
+    dtypes: Sequence[str],
+    order: Sequence[int],
+    first_cap: int,
+    cap: int,
+    taper: bool = False,
+) -> List[List[int]]:
+    """The engine's bucket plan (csrc/bucket_plan.cpp), public for planners
+    such as the simulator: parameters taken in `order` (their ready order),
+    one open bucket per dtype ("float32", ...); a bucket closes once it holds
+    `first_cap` bytes (the first to close) or `cap` (every later one); the
+    partial buckets left at the end follow. `taper` (the engine's
+    `taper_buckets=True`): a later bucket opened when R bytes of its dtype
+    are still unplaced closes at min(cap, max(first_cap, R / 2)), so the last
+    buckets shrink by halves down to the first one's size. `cap` 0: one
+    bucket per parameter."""
+    if not isinstance(taper, bool):
+        raise TypeError(f"taper={taper!r} must be True or False")
+    return _C.plan_buckets(list(numels), list(dtypes), list(order), first_cap, cap, taper)
+
+
+def ddp_plan(
+    params: Sequence[torch.Tensor], limits: Sequence[int], order: Optional[Sequence[int]] = None
+) -> List[List[int]]:
+    """torch DDP's bucket plan, by torch's own assignment: with `order`
+    None, its plan at construction (parameters in model order, buckets
+    reversed so the last layers' launch first); with `order` (rank 0's
+    ready order), its rebuilt plan after the first iteration. A
+    communication hook sees these buckets, so a hook that depends on the
+    grouping gives DDP's numbers (GradSync.register_comm_hook)."""
+    import torch.distributed as dist  # torch's own; only a hooked model asks
+
+    if order is None:
+        buckets, _ = dist._compute_bucket_assignment_by_size(
+            list(params), list(limits), [False] * len(params)
+        )
+        return [list(b) for b in reversed(buckets)]
+    tensors = [params[i] for i in order]
+    buckets, _ = dist._compute_bucket_assignment_by_size(
+        tensors, list(limits), [False] * len(tensors), list(order)
+    )
+    return [list(b) for b in buckets]
 
 
 def first_plan(params: Sequence[torch.Tensor], dtypes: List[str], opts: Options) -> List[List[int]]:
@@ -61,6 +181,32 @@ class Plan:
         self.ddp_args = (opts.static_graph, opts.find_unused_parameters)
         self.ddp = False
         self.hook_set = False  # register_comm_hook was called (once, as with DDP)
+
+    @staticmethod
+    def build(
+        names: Sequence[str],
+        params: Sequence[Sequence[torch.Tensor]],
+        opts: Options,
+        backend: Any,
+        op: str,
+        order: StreamOrder,
+        link: Any,
+    ) -> Tuple[Any, BucketLayout, Plan]:
+        """A reducer's engine (on the first plan), its bucket layout
+        (allocated) and this plan over both, for `params[replica][i]`."""
+        first = params[0]
+        dtypes = [dtype_name(n, p) for n, p in zip(names, first)]
+        buckets = first_plan(first, dtypes, opts)
+        numels = [p.numel() for p in first]
+        engine = _C.Engine(
+            len(params), list(names), numels, dtypes, buckets, opts.reduce_order, op, backend
+        )
+        layout = BucketLayout(
+            params, dtypes, engine.set_buffer, order.devices, order.fence, order.zeros
+        )
+        plan = Plan(engine, layout, order, link, first, backend, opts)
+        plan.allocate(buckets)
+        return engine, layout, plan
 
     def allocate(self, buckets: Sequence[Sequence[int]]) -> None:
         old = self.layout.memory()

@@ -14,6 +14,7 @@ from torch import nn
 
 from .observe import ReadyTimes
 from .options import Options
+from .params import assemble
 from .reducer import Reducer
 
 
@@ -68,7 +69,8 @@ class GradSync:
         for m in replicas:
             if not isinstance(m, nn.Module):
                 raise TypeError(f"replicas must be torch.nn.Module objects, got {type(m).__name__}")
-        self._reducer = Reducer(replicas, Options.for_sync(options), prepare_on_forward=True)
+        parts = assemble(replicas, Options.for_sync(options))
+        self._reducer = Reducer(parts, prepare_on_forward=True)
         if self._reducer.reduces and any(
             isinstance(m, nn.SyncBatchNorm) for r in replicas for m in r.modules()
         ):

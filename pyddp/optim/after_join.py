@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from typing import Any, List
+from typing import List, Sequence
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from .._link.joining import JOIN_OPTIMIZERS, JOIN_OPTIMIZERS_CHECK
+from .._link.ranks import Ranks
 
 
 def schedulers_of(opt: torch.optim.Optimizer) -> List[LRScheduler]:
@@ -58,48 +59,53 @@ def _describe(opt: torch.optim.Optimizer) -> str:
     return f"{type(opt).__module__}.{type(opt).__qualname__}"
 
 
-def align_optimizers(model: Any, source: int, steps: int) -> str:
+def align_optimizers(
+    ours: Sequence[torch.optim.Optimizer],
+    stepping: Sequence[torch.optim.Optimizer],
+    ranks: Ranks,
+    source: int,
+    steps: int,
+) -> str:
     """On every rank, after the last joiner's parameters arrived: every
-    optimizer dmodel.optimizer made takes the state of rank `source`'s (in
-    the group's order), its schedulers too, or every rank raises. `steps`:
-    this rank's optimizer steps before Join ended. Returns why the next
-    training forward must be refused ("" if nothing)."""
-    link = model._reducer.link
-    ours = model.optimizers_made()
+    optimizer dmodel.optimizer made (`ours`) takes the state of rank
+    `source`'s (in the group's order), its schedulers too, or every rank
+    raises. `stepping`: the optimizers seen stepping the model (its work
+    record's); `steps`: this rank's optimizer steps before Join ended.
+    Returns why the next training forward must be refused ("" if nothing)."""
     scheds = [schedulers_of(o) for o in ours]  # a scan of the heap each: once
     mine = {id(o) for o in ours}
-    foreign = [o for o in model._reducer.work.stepping() if id(o) not in mine]
+    foreign = [o for o in stepping if id(o) not in mine]
     summary = {
         "ours": [(_describe(o), [type(s).__qualname__ for s in ss]) for o, ss in zip(ours, scheds)],
         "foreign": [_describe(o) for o in foreign if _stateful(o)],
         "steps": steps,
     }
-    every = link.gather_objects(summary, JOIN_OPTIMIZERS_CHECK)
-    ranks = link.peers.ranks
+    every = ranks.gather(summary, JOIN_OPTIMIZERS_CHECK)
+    names = ranks.global_ranks
     ref = every[source]
     for r, got in enumerate(every):  # every rank sees every summary: raises alike
         if got["ours"] != ref["ours"]:
             raise RuntimeError(
-                f"pyddp: at the end of Join, rank {ranks[r]} has the optimizers "
-                f"{got['ours']} from dmodel.optimizer where rank {ranks[source]} (the last to "
+                f"pyddp: at the end of Join, rank {names[r]} has the optimizers "
+                f"{got['ours']} from dmodel.optimizer where rank {names[source]} (the last to "
                 f"join) has {ref['ours']}; every rank must make the same optimizers and "
                 "schedulers"
             )
     states = [(o.state_dict(), [s.state_dict() for s in ss]) for o, ss in zip(ours, scheds)]
-    states = link.from_root(states, JOIN_OPTIMIZERS, root=source)
-    if link.rank != source:
+    states = ranks.from_root(states, JOIN_OPTIMIZERS, root=source)
+    if ranks.rank != source:
         for o, ss, (state, sched_states) in zip(ours, scheds, states):
             o.load_state_dict(state)
             for s, st in zip(ss, sched_states):
                 s.load_state_dict(st)
-    behind = [ranks[r] for r, got in enumerate(every) if got["steps"] != ref["steps"]]
-    stateful = sorted({(ranks[r], name) for r, got in enumerate(every) for name in got["foreign"]})
+    behind = [names[r] for r, got in enumerate(every) if got["steps"] != ref["steps"]]
+    stateful = sorted({(names[r], name) for r, got in enumerate(every) for name in got["foreign"]})
     if not (behind and stateful):
         return ""
     rank, name = stateful[0]
     return (
         f"pyddp: the last Join ended with rank(s) {behind} behind the last joiner (rank "
-        f"{ranks[source]}) by optimizer steps, and rank {rank} steps this model with its own "
+        f"{names[source]}) by optimizer steps, and rank {rank} steps this model with its own "
         f"{name}, which holds state those steps would have changed (momentum, moments or an "
         "LR scheduler): its ranks differ now, so training on is refused. Make the optimizer "
         "with dmodel.optimizer(cls, ...), which pyddp aligns to the last joiner's when Join "

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from ..engine.reducer import Reducer
+from ..engine.faces import GradientShards
 
 
 @dataclass
@@ -19,7 +19,7 @@ class OptimState:
     every parameter (zero_grad then goes through the buckets), and why it
     refuses to step (a failed step left the replicas differing)."""
 
-    sync: Reducer
+    reducer: GradientShards
     grads: List[torch.Tensor]
     owns_all: bool
     broken: str = field(default="", init=False)
@@ -47,7 +47,7 @@ class PyddpOptimizer:
                 "pyddp optimizers do not take a closure: re-evaluating the loss would "
                 "need a forward and backward on every replica"
             )
-        self._pyddp.sync.check_step()
+        self._pyddp.reducer.check_step()
         for other in others:
             for mine, theirs in zip(self.param_groups, other.param_groups):
                 for key, value in mine.items():
@@ -58,7 +58,7 @@ class PyddpOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pyddp.owns_all:
-            self._pyddp.sync.zero_grad(set_to_none)  # one memset per bucket
+            self._pyddp.reducer.zero_grad(set_to_none)  # one memset per bucket
             return
         # Only part of the model (several optimizers): leave the other
         # parameters' gradients alone. GradSync re-attaches these on the

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional, Type
 import torch
 from torch import nn
 
-from ..engine.reducer import Reducer
+from ..engine.faces import GradientShards
 from .replicated import replicated_optimizer
 from .zero import sharded_optimizer
 
@@ -19,7 +19,7 @@ ParamsFn = Callable[[nn.Module], Iterable[Any]]
 
 
 def make_optimizer(
-    sync: Reducer,
+    reducer: GradientShards,
     cls: Type[torch.optim.Optimizer],
     params: Optional[ParamsFn] = None,
     shard: Any = False,
@@ -36,19 +36,19 @@ def make_optimizer(
             f"shard={shard!r}: use False, True or 'state' (optimizer state, ZeRO stage 1), or "
             "'gradients' (gradients and optimizer state, ZeRO stage 2)"
         )
-    if sync.engine is not None and sync.engine.scatter_ranks:
+    if reducer.scatter_ranks:
         raise RuntimeError(
             "pyddp: this model's gradients are sharded (an optimizer with shard='gradients' "
             "was made for it): every replica holds only its block of each reduced gradient, so "
             "no other optimizer can step it; make one optimizer with shard='gradients' over "
             "every parameter (param groups for different settings)"
         )
-    groups = [_param_groups(m, params) for m in sync.replicas]
-    if shard and (len(groups) > 1 or sync.link.spans_processes):
-        return sharded_optimizer(sync, cls, groups, shard == "gradients", **kwargs)
+    groups = [_param_groups(m, params) for m in reducer.replicas]
+    if shard and (len(groups) > 1 or reducer.ranks.spans_processes):
+        return sharded_optimizer(reducer, cls, groups, shard == "gradients", **kwargs)
     if len(groups) == 1:
         return cls(groups[0], **kwargs)  # one replica: the plain optimizer, no overhead
-    return replicated_optimizer(sync, cls, groups, **kwargs)
+    return replicated_optimizer(reducer, cls, groups, **kwargs)
 
 
 def _param_groups(module: nn.Module, params: Optional[ParamsFn]) -> list:

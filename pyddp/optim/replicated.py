@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Type
 
 import torch
 
-from ..engine.reducer import Reducer
+from ..engine.faces import GradientShards
 from ..errors import ReplicaError
 from .base import OptimState, PyddpOptimizer
 
@@ -29,15 +29,15 @@ class ReplicatedState(OptimState):
 
 
 def replicated_optimizer(
-    sync: Reducer, cls: Type[torch.optim.Optimizer], groups: List[list], **kwargs: Any
+    reducer: GradientShards, cls: Type[torch.optim.Optimizer], groups: List[list], **kwargs: Any
 ) -> torch.optim.Optimizer:
     """`groups[r]`: replica r's parameters or param groups."""
     opt = _replicated_class(cls)(groups[0], **kwargs)
     others = [cls(g, **kwargs) for g in groups[1:]]
     mine = {id(p) for group in opt.param_groups for p in group["params"]}
     grads = [p for o in (opt, *others) for g in o.param_groups for p in g["params"]]
-    owns_all = mine >= {id(p) for p in sync.params[0]}
-    opt._pyddp = ReplicatedState(sync=sync, grads=grads, owns_all=owns_all, others=others)
+    owns_all = mine >= {id(p) for p in reducer.params[0]}
+    opt._pyddp = ReplicatedState(reducer=reducer, grads=grads, owns_all=owns_all, others=others)
     return opt
 
 
@@ -48,7 +48,7 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
             self._pyddp_begin_step(closure, self._pyddp.others)
             steps = [super().step] + [other.step for other in self._pyddp.others]
             try:
-                return self._pyddp.sync.run_per_replica(steps, "optimizer step")[0]
+                return self._pyddp.reducer.run_per_replica(steps, "optimizer step")[0]
             except ReplicaError as e:
                 # Some replicas stepped and some did not: make them all replica
                 # 0 again (the user's model) before anything else runs.
@@ -86,10 +86,10 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
             """`param_group["params"]` are the wrapped model's (replica 0's)
             parameters; each replica's optimizer gets its own copies' group."""
             state = self._pyddp
-            sync, others = state.sync, state.others
+            reducer, others = state.reducer, state.others
             params = param_group.get("params")
             params = [params] if isinstance(params, torch.Tensor) else list(params or [])
-            index = {id(p): i for i, p in enumerate(sync.params[0])}
+            index = {id(p): i for i, p in enumerate(reducer.params[0])}
             unknown = [p for p in params if id(p) not in index]
             if unknown:
                 raise ValueError(
@@ -100,11 +100,11 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
             # The user's class: PyddpOptimizer's own would call back here.
             super(PyddpOptimizer, self).add_param_group({**param_group, "params": params})  # type: ignore[misc]
             for r, other in enumerate(others, start=1):
-                copies = [sync.params[r][index[id(p)]] for p in params]
+                copies = [reducer.params[r][index[id(p)]] for p in params]
                 other.add_param_group({**param_group, "params": copies})
-            state.grads += [p for ps in sync.params for p in (ps[index[id(q)]] for q in params)]
+            state.grads += [p for ps in reducer.params for p in (ps[index[id(q)]] for q in params)]
             mine = {id(p) for group in self.param_groups for p in group["params"]}
-            state.owns_all = mine >= {id(p) for p in sync.params[0]}
+            state.owns_all = mine >= {id(p) for p in reducer.params[0]}
 
         # The parent's step is already wrapped with the optimizer's step hooks;
         # marking this one as wrapped keeps each hook to one call per step.

@@ -11,8 +11,7 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 import torch
 
 from .._link import exchange
-from .._link.route import DeviceRoute
-from ..engine.reducer import Reducer
+from ..engine.faces import GradientShards
 
 # Optimizers whose update of each element depends on that element alone (and
 # scalars): their state can be split inside a parameter, exactly.
@@ -85,12 +84,12 @@ class Shard:
                 g = p.grad
                 t.grad = None if g is None else g.detach().view(-1)[lo:hi]
 
-    def attach_blocks(self, scattered: Any, r: int) -> None:
+    def attach_blocks(self, reducer: GradientShards, r: int) -> None:
         """Sharded gradients: each piece steps with its elements of replica
         r's blocks (the reduced gradient; None where the parameter holds no
         gradient, so the step skips it as on one device)."""
         for i, lo, hi, t, whole in self.pieces:
-            g = scattered.piece(r, i, lo, hi) if scattered.present[i] else None
+            g = reducer.block_piece(r, i, lo, hi)
             t.grad = g.view_as(t) if g is not None and whole else g
 
     def detach_blocks(self) -> None:
@@ -169,14 +168,16 @@ class DeviceGather:
     (equal ranges), up to the largest whole parameter's excess for others."""
 
     def __init__(
-        self, sync: Reducer, plan: List[List[Piece]], order: List[int], slot_of: List[int]
+        self, reducer: GradientShards, plan: List[List[Piece]], order: List[int], slot_of: List[int]
     ):
         # Collectives outside the buckets on the engine's backend, on the
         # current streams.
-        self.route = DeviceRoute(sync.backend, sync.gpu_devices, sync.streams)
-        self.params = sync.params
+        route = reducer.route()
+        assert route is not None  # GPU replicas only
+        self.route = route
+        self.params = reducer.params
         self.slot_of = slot_of
-        self.chunks = _chunks_by_dtype(plan, order, sync.params[0])
+        self.chunks = _chunks_by_dtype(plan, order, reducer.params[0])
 
     def __call__(self) -> None:
         with torch.no_grad():
@@ -211,16 +212,18 @@ class HostGather:
     process's other replicas' pieces in memory), padded to the largest
     process's, as bytes: bit for bit."""
 
-    def __init__(self, sync: Reducer, plan: List[List[Piece]], order: List[int], what: str):
-        link = sync.link
-        self.link, self.what, self.params0 = link, what, sync.params[0]
-        firsts = list(itertools.accumulate([0] + list(link.local_counts)))
-        self.mine = range(firsts[link.rank], firsts[link.rank + 1])
+    def __init__(
+        self, reducer: GradientShards, plan: List[List[Piece]], order: List[int], what: str
+    ):
+        ranks = reducer.ranks
+        self.ranks, self.what, self.params0 = ranks, what, reducer.params[0]
+        firsts = list(itertools.accumulate([0] + ranks.replicas_per_rank))
+        self.mine = range(firsts[ranks.rank], firsts[ranks.rank + 1])
         self.others = [s for s in range(firsts[-1]) if s not in self.mine]
         # Per dtype: the chunks, each process's block length, and where each
         # slot's chunk starts in the gathered vector.
         self.plans: List[Tuple[_Chunks, int, List[int]]] = []
-        for chunks in _chunks_by_dtype(plan, order, sync.params[0]):
+        for chunks in _chunks_by_dtype(plan, order, reducer.params[0]):
             spans = list(zip(firsts, firsts[1:]))
             block = max(sum(chunks.sizes[a:b]) for a, b in spans)
             starts = [0] * len(chunks.sizes)
@@ -235,9 +238,9 @@ class HostGather:
         with torch.no_grad():
             for chunks, block, starts in self.plans:
                 out = torch.zeros(block, dtype=chunks.dtype)
-                base = self.link.rank * block
+                base = self.ranks.rank * block
                 self._copy(chunks, out, starts, self.mine, -base, into_params=False)
-                flat = self.link.gather_tensor(out, self.what)
+                flat = self.ranks.gather_tensor(out, self.what)
                 self._copy(chunks, flat, starts, self.others, 0, into_params=True)
 
     def _copy(
@@ -261,12 +264,12 @@ class HostGather:
                 torch._foreach_copy_(flat_v, params_v)
 
 
-def clip_sharded(sync: Reducer, max_norm: float, norm_type: float) -> torch.Tensor:
+def clip_sharded(reducer: GradientShards, max_norm: float, norm_type: float) -> torch.Tensor:
     """dmodel.clip_grad_norm_ under shard='gradients': each replica holds
     the reduced gradient in its block of every bucket only, so the global
     norm combines every replica's (sharded_norm), and each replica scales
     its blocks. Returns the total norm (on replica 0's device)."""
-    blocks, totals = sharded_norm(sync, norm_type)
+    blocks, totals = sharded_norm(reducer, norm_type)
     with torch.no_grad():
         for own, total in zip(blocks, totals):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -275,17 +278,17 @@ def clip_sharded(sync: Reducer, max_norm: float, norm_type: float) -> torch.Tens
     return total0.to(torch.float32) if total0.dtype != torch.float32 else total0
 
 
-def sharded_finite(sync: Reducer) -> bool:
+def sharded_finite(reducer: GradientShards) -> bool:
     """Under shard='gradients': whether every replica's blocks of every
     process are finite (fp16 loss scaling's overflow check; one replica's
     blocks alone would miss an overflow elsewhere). Every rank gets the
     same answer: the norms are all-gathered. Reads the host (GPUs wait)."""
-    _, totals = sharded_norm(sync, 2.0)
+    _, totals = sharded_norm(reducer, 2.0)
     return bool(torch.isfinite(totals[0]))
 
 
 def sharded_norm(
-    sync: Reducer, norm_type: float
+    reducer: GradientShards, norm_type: float
 ) -> Tuple[List[List[torch.Tensor]], List[torch.Tensor]]:
     """Each replica's blocks of every bucket, and on each replica the
     global norm of the reduced gradient: each takes its blocks' norm, the
@@ -293,9 +296,9 @@ def sharded_norm(
     GPUs on the engine's backend, no host wait; across processes on CPUs
     through gloo) and combined, in float64 (a non-finite element makes the
     norm non-finite)."""
-    ranks = sync.engine.scatter_ranks
+    ranks = reducer.scatter_ranks
     p = float(norm_type)
-    blocks = [list(held) for held in sync.layout.scattered.blocks]
+    blocks = reducer.blocks
     partials = []
     for own in blocks:
         norms = torch.stack(
@@ -303,8 +306,8 @@ def sharded_norm(
         )  # padding is zero: it adds nothing
         partials.append(norms.max() if p == float("inf") else norms.pow(p).sum())
     with torch.no_grad():
-        if sync.gpu_devices is not None:
-            route = DeviceRoute(sync.backend, sync.gpu_devices, sync.streams)
+        route = reducer.route()
+        if route is not None:
             sends = [route.zeros(1, torch.float64, r) for r in range(len(blocks))]
             recvs = [route.zeros(ranks, torch.float64, r) for r in range(len(blocks))]
             for s, part in zip(sends, partials):
@@ -313,7 +316,7 @@ def sharded_norm(
             everyone = recvs
         else:
             mine = torch.stack(partials).reshape(-1)
-            everyone = [sync.link.gather_tensor(mine, CLIP_NORMS)] * len(blocks)
+            everyone = [reducer.ranks.gather_tensor(mine, CLIP_NORMS)] * len(blocks)
         totals = [
             parts.max() if p == float("inf") else parts.sum().pow(1.0 / p) for parts in everyone
         ]

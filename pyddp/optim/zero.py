@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 import torch
 
 from .._link import exchange
-from ..engine.reducer import Reducer
+from ..engine.faces import GradientShards
 from ..errors import ReplicaError
 from .base import OptimState, PyddpOptimizer
 from .guard import guard
@@ -93,7 +93,7 @@ def _bytes(state: Any) -> int:
 
 
 def sharded_optimizer(
-    sync: Reducer,
+    reducer: GradientShards,
     cls: Type[torch.optim.Optimizer],
     groups: List[list],
     gradients: bool = False,
@@ -103,7 +103,7 @@ def sharded_optimizer(
     them, applied to each replica); `gradients`: ZeRO stage 2."""
     opt = _sharded_class(cls)(groups[0], **kwargs)
     opt.state.clear()  # state made at construction (Adagrad's sum) is the shards' to hold
-    index = {id(p): i for i, p in enumerate(sync.params[0])}
+    index = {id(p): i for i, p in enumerate(reducer.params[0])}
     layout = []  # per group: the global index of each of its parameters
     for g in opt.param_groups:
         missing = [p for p in g["params"] if id(p) not in index]
@@ -114,26 +114,23 @@ def sharded_optimizer(
             )
         layout.append([index[id(p)] for p in g["params"]])
     order = [i for idx in layout for i in idx]
-    link = sync.link
-    slots = sum(link.local_counts)
-    first = sum(link.local_counts[: link.rank])  # this process's first slot
-    local = len(sync.replicas)
-    gpus = sync.gpu_devices is not None and sync.backend is not None
-    # A replica's slot: on GPUs its rank in the all-gather (NCCL numbers a
-    # process's GPUs by device, so [1, 0] has replica 0 at rank first + 1),
-    # else its place in the process's replicas.
-    slot_of = [sync.backend.rank_of(r) if gpus else first + r for r in range(local)]
+    ranks = reducer.ranks
+    slots = sum(ranks.replicas_per_rank)
+    first = sum(ranks.replicas_per_rank[: ranks.rank])  # this process's first slot
+    local = len(reducer.replicas)
+    gpus = reducer.on_gpus
+    slot_of = [reducer.slot_of(r) for r in range(local)]
     assert sorted(slot_of) == list(range(first, first + local)), slot_of
-    params0 = sync.params[0]
+    params0 = reducer.params[0]
     split = cls in ELEMENTWISE and all(params0[i].is_contiguous() for i in order)
     numels = [params0[i].numel() for i in order]
     if gradients:
-        _check_gradients(sync, cls, split, set(order) >= set(range(len(index))), gpus)
+        _check_gradients(reducer, cls, split, set(order) >= set(range(len(index))), gpus)
         # The engine reduce-scatters every bucket, one block per slot (its
         # rank): a slot's shard is its block of every bucket, so the two
         # plans agree by construction, and the bucket plan is final now.
-        sync.plan.set_scatter(slots)
-        plan = plan_from_buckets(sync.engine.buckets, [p.numel() for p in params0], order, slots)
+        reducer.set_scatter(slots)
+        plan = plan_from_buckets(reducer.buckets, [p.numel() for p in params0], order, slots)
     else:
         plan = plan_shards(numels, slots, split)
     group_of = {i: g for g, idx in enumerate(layout) for i in idx}
@@ -142,7 +139,7 @@ def sharded_optimizer(
         per_group: List[list] = [[] for _ in layout]
         for k, lo, hi in plan[slot_of[r]]:
             i = order[k]
-            p = sync.params[r][i]
+            p = reducer.params[r][i]
             whole = lo == 0 and hi == p.numel()
             t = p if whole else p.detach().view(-1)[lo:hi]
             per_group[group_of[i]].append((i, lo, hi, t, whole))
@@ -152,24 +149,26 @@ def sharded_optimizer(
             inner_groups.append({**_hyper(g), "params": [m[3] for m in members]})
         shards.append(Shard(pieces, cls(inner_groups, **kwargs)))
     if gradients:
-        guard([p for params in sync.params for p in params], opt)
+        guard([p for params in reducer.params for p in params], opt)
     opt._pyddp = ShardedState(
-        sync=sync,
-        grads=[params[i] for params in sync.params for i in order],
+        reducer=reducer,
+        grads=[params[i] for params in reducer.params for i in order],
         owns_all=set(order) >= set(range(len(index))),
         layout=layout,
         order=order,
         shards=shards,
         split=split,
-        on_gpus=DeviceGather(sync, plan, order, slot_of) if gpus else None,
-        across=HostGather(sync, plan, order, SHARD_PARAMS)
-        if not gpus and link.spans_processes
+        on_gpus=DeviceGather(reducer, plan, order, slot_of) if gpus else None,
+        across=HostGather(reducer, plan, order, SHARD_PARAMS)
+        if not gpus and ranks.spans_processes
         else None,
     )
     return opt
 
 
-def _check_gradients(sync: Reducer, cls: type, split: bool, owns_all: bool, gpus: bool) -> None:
+def _check_gradients(
+    reducer: GradientShards, cls: type, split: bool, owns_all: bool, gpus: bool
+) -> None:
     """shard='gradients' refuses, by name, what it cannot do."""
     if not split:
         raise ValueError(
@@ -184,12 +183,12 @@ def _check_gradients(sync: Reducer, cls: type, split: bool, owns_all: bool, gpus
             "groups for different settings): the other parameters' gradients would be left "
             "unreduced outside each replica's block"
         )
-    if sync.plan.hook_set:
+    if reducer.hook_set:
         raise NotImplementedError(
             "pyddp: shard='gradients' with a communication hook: a hook sees and returns whole "
             "buckets, which are reduce-scattered here; use shard=True with the hook"
         )
-    if sync.link.spans_processes and not gpus and len(sync.replicas) > 1:
+    if reducer.ranks.spans_processes and not gpus and len(reducer.replicas) > 1:
         raise NotImplementedError(
             "pyddp: shard='gradients' across processes with several CPU replicas per process; "
             "use one replica per process (torchrun --nproc-per-node), or shard=True"
@@ -225,20 +224,20 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             state = self._pyddp
             self._pyddp_begin_step(closure, state.inner)
             self._pyddp.consolidated = None  # the state moves on
-            sync = self._pyddp.sync
-            if sync.link.join is not None:
+            reducer = self._pyddp.reducer
+            if reducer.under_join:
                 raise NotImplementedError(
                     "pyddp: a sharded optimizer (shard=True) cannot step under Join yet: the "
                     "ranks that joined would have to step their shards too; use shard=False "
                     "under dmodel.join()"
                 )
-            scattered = sync.layout.scattered  # shard='gradients': the reduced blocks
+            scattered = reducer.gradients_sharded  # shard='gradients': the reduced blocks
             for r, shard in enumerate(self._pyddp.shards):
-                shard.attach_grads(sync.params[r], grads=scattered is None)
-                if scattered is not None:
-                    shard.attach_blocks(scattered, r)
+                shard.attach_grads(reducer.params[r], grads=not scattered)
+                if scattered:
+                    shard.attach_blocks(reducer, r)
             try:
-                sync.run_per_replica([_unhooked(o) for o in self._pyddp.inner], "optimizer step")
+                reducer.run_per_replica([_unhooked(o) for o in self._pyddp.inner], "optimizer step")
                 self._pyddp_gather()
             except BaseException as e:
                 self._pyddp.broken = (
@@ -250,11 +249,11 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                     raise ReplicaError(e.replica, "sharded optimizer step", e.cause) from e.cause
                 raise
             finally:
-                if scattered is not None:
+                if scattered:
                     for shard in self._pyddp.shards:
                         shard.detach_blocks()
-            if scattered is not None:
-                scattered.place()  # placeholders again: is a gradient reset before the next?
+            if scattered:
+                reducer.after_step()  # placeholders again: is a gradient reset before the next?
             return None
 
         # Not marked hooked: torch wraps this step with the optimizer step
@@ -266,8 +265,8 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             if self._pyddp.on_gpus is not None:
                 self._pyddp.on_gpus()
                 return
-            sync = self._pyddp.sync
-            local = len(sync.replicas)
+            reducer = self._pyddp.reducer
+            local = len(reducer.replicas)
             with torch.no_grad():
                 # Replica 0 first: from this process's other replicas (whole
                 # parameters in any layout, channels_last included).
@@ -275,7 +274,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 for r in range(1, local):
                     for i, lo, hi, t, whole in self._pyddp.shards[r].pieces:
                         dst.append(
-                            sync.params[0][i] if whole else sync.params[0][i].view(-1)[lo:hi]
+                            reducer.params[0][i] if whole else reducer.params[0][i].view(-1)[lo:hi]
                         )
                         src.append(t)
                 if dst:
@@ -283,7 +282,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 if self._pyddp.across is not None:
                     self._pyddp.across()  # the other processes' elements, by all-gather
                 for r in range(1, local):
-                    torch._foreach_copy_(sync.params[r], sync.params[0])
+                    torch._foreach_copy_(reducer.params[r], reducer.params[0])
 
         def consolidate_state_dict(self, to: int = 0) -> None:
             """torch's ZeroRedundancyOptimizer spelling, for ported code:
@@ -291,11 +290,11 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             wrapped model's group) may call state_dict() alone, until the
             next step or load. state_dict() called on every rank needs no
             consolidation."""
-            link = self._pyddp.sync.link
-            if not isinstance(to, int) or not 0 <= to < link.world:
+            ranks = self._pyddp.reducer.ranks
+            if not isinstance(to, int) or not 0 <= to < ranks.world:
                 raise ValueError(f"consolidate_state_dict: to={to!r} is not a rank of the group")
             full = self.state_dict()
-            self._pyddp.consolidated = full["state"] if link.rank == to else None
+            self._pyddp.consolidated = full["state"] if ranks.rank == to else None
 
         def state_dict(self) -> Dict[str, Any]:
             """The unsharded optimizer's state dict (collective across
@@ -305,10 +304,10 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             kept = self._pyddp.consolidated
             if kept is not None:  # hyper-parameters as they are now (LR schedulers)
                 return {"state": kept, "param_groups": _numbered(self.param_groups, sizes)}
-            sync = self._pyddp.sync
+            reducer = self._pyddp.reducer
             # GPUs: pieces cross processes through the host, and are joined
             # on replica 0's device.
-            travel = self._pyddp.on_gpus is not None and sync.link.spans_processes
+            travel = self._pyddp.on_gpus is not None and reducer.ranks.spans_processes
             local = []
             for shard in self._pyddp.shards:
                 saved = shard.optimizer.state_dict()["state"]
@@ -317,8 +316,8 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                         value = _per_element_on(saved[j], "cpu") if travel else saved[j]
                         local.append((i, lo, whole, value))
             parts: Dict[int, list] = {}
-            params0 = sync.params[0]
-            for got in sync.link.gather_objects(local, SHARD_STATE):
+            params0 = reducer.params[0]
+            for got in reducer.ranks.gather(local, SHARD_STATE):
                 for i, lo, whole, value in got:
                     value = _per_element_on(value, params0[i].device)
                     parts.setdefault(i, []).append((lo, whole, value))
@@ -364,7 +363,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 for i, j in zip(self._pyddp.order, saved_ids)
                 if j in state_dict["state"]
             }
-            params0 = self._pyddp.sync.params[0]
+            params0 = self._pyddp.reducer.params[0]
             for shard in self._pyddp.shards:
                 sub_state = {}
                 for j, (i, lo, hi, _, whole) in enumerate(shard.pieces):
@@ -376,7 +375,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                         if per_element and v.numel() != params0[i].numel():
                             raise ValueError(
                                 f"loaded state dict: state {key!r} of parameter "
-                                f"{self._pyddp.sync.names[i]} has shape {tuple(v.shape)}, "
+                                f"{self._pyddp.reducer.names[i]} has shape {tuple(v.shape)}, "
                                 f"the parameter {tuple(params0[i].shape)}"
                             )
                     if not whole:

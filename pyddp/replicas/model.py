@@ -24,7 +24,9 @@ import torch
 from torch import nn
 
 from .._link.ranks import Ranks
+from ..engine.faces import ReplicaDriver
 from ..engine.options import Options
+from ..engine.params import assemble
 from ..engine.reducer import Reducer
 from ..optim.factory import ParamsFn, make_optimizer
 from ..optim.shards import clip_sharded, sharded_finite
@@ -79,17 +81,12 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         # A plain list, not submodules: parameters() and state_dict() show one copy.
         self._replicas: List[nn.Module] = replicas
         self._callables: List[Callable[..., Any]] = list(replicas)  # compiled by compile()
-        # opts has check_replicas=False: deep copies of replica 0. _begin
-        # prepares every replica; no hook on the user's model (a hook there
-        # would also sit inside `dmodel.compile()`'s graphs).
-        self._reducer = Reducer(replicas, opts, prepare_on_forward=False)
-        try:
-            self._mirror = (
-                ReplicaMirror(replicas, self._reducer.names) if len(replicas) > 1 else None
-            )
-        except BaseException:
-            self._reducer.close()  # no hooks left behind on the user's model
-            raise
+        # opts has check_replicas=False: deep copies of replica 0. The link
+        # to the other processes, the work record they compare and the GPU
+        # placement are the model's as much as the reducer's: both hold them.
+        parts = assemble(replicas, opts, "pyddp.wrap")
+        self._link, self._work = parts.link, parts.work
+        self._gpus, self._streams = parts.gpu_devices, parts.streams
         self.broadcast_buffers = opts.broadcast_buffers
         threads_per_replica = opts.threads_per_replica
         if threads_per_replica is None and len(replicas) > 1 and self.devices[0].type == "cpu":
@@ -97,9 +94,25 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             # replica using torch's full intra-op count (oversubscription).
             threads_per_replica = max(1, torch.get_num_threads() // len(replicas))
         self._workers = ReplicaWorkers(
-            len(replicas), threads_per_replica, self.devices, streams=self._reducer.streams
+            len(replicas), threads_per_replica, self.devices, streams=self._streams
         )
-        self._reducer.run_per_replica = self._workers.run
+        # One replica in a process of several: a backward may bypass the
+        # model's outputs; the first gradient hook queues its end then.
+        one = len(replicas) == 1 and parts.reduces
+        # _begin prepares every replica; no hook on the user's model (a hook
+        # there would also sit inside `dmodel.compile()`'s graphs).
+        self._reducer: ReplicaDriver = Reducer(
+            parts,
+            prepare_on_forward=False,
+            run_per_replica=self._workers.run,
+            on_backward_start=weakref.WeakMethod(self._backward_began) if one else None,
+        )
+        try:
+            self._mirror = ReplicaMirror(replicas, parts.names) if len(replicas) > 1 else None
+        except BaseException:
+            self._reducer.close()  # no hooks left behind on the user's model
+            self._workers.close()
+            raise
         # CPU replicas: autograd would run every replica's backward on the one
         # calling thread, so backward is dispatched to the replica workers.
         # CUDA replicas get a thread per device from autograd itself.
@@ -114,14 +127,10 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         self._output_in_backward = False  # the running backward went through a dmodel output
         if sync_layers(self.module) and not self._passthrough:
             self._syncbn = self._bind_sync_batchnorm(replicas, opts)
-        one = len(replicas) == 1 and not self._passthrough
-        if one:
-            self._reducer.on_backward_start = weakref.WeakMethod(self._backward_began)
         self._direct = one and self.devices[0].type == "cpu"  # forward: _forward_direct
 
     def _bind_sync_batchnorm(self, replicas: List[nn.Module], opts: Options) -> SyncBatchNorms:
-        gpus = self._reducer.gpu_devices
-        link = self._reducer.link
+        gpus, link = self._gpus, self._link
         try:
             return SyncBatchNorms(
                 replicas,
@@ -133,7 +142,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
                 if gpus is None
                 else (
                     gpus,
-                    self._reducer.streams,
+                    self._streams,
                     lambda: link.stats_backend(gpus, opts.timeout_s),
                 ),
             )
@@ -150,7 +159,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
     def ranks(self) -> Ranks:
         """The processes this model spans (`pyddp._link.ranks.Ranks`): this
         rank, the world, and the collective exchanges the Trainer makes."""
-        return Ranks(self._reducer.link)
+        return Ranks(self._link)
 
     @property
     def last_global_loss(self) -> Optional[float]:
@@ -158,7 +167,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         last training step's dmodel.loss, known once its backward finished
         (None in one process, and on GPUs, where reading it would make the
         host wait)."""
-        return self._reducer.link.global_loss
+        return self._link.global_loss
 
     def optimizer(
         self,
@@ -182,15 +191,17 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
                 "dmodel.optimizer takes the optimizer class once: as its first argument, or "
                 "as optimizer_class= (torch's ZeroRedundancyOptimizer spelling)"
             )
-        opt = make_optimizer(self._reducer, cls or optimizer_class, params, shard, **kwargs)
-        self._reducer.work.shard = {"state": True}.get(shard, shard)  # type: ignore[call-overload]
-        self._reducer.work.note_made(opt)
-        self._reducer.link.settings_changed()
+        opt = make_optimizer(
+            self._reducer.gradients(), cls or optimizer_class, params, shard, **kwargs
+        )
+        self._work.shard = {"state": True}.get(shard, shard)  # type: ignore[call-overload]
+        self._work.note_made(opt)
+        self._link.settings_changed()
         if not shard:  # a sharded one cannot step under Join (zero.py)
             self._optimizers.append(weakref.ref(opt))
         return opt
 
-    def optimizers_made(self) -> List[torch.optim.Optimizer]:
+    def _optimizers_made(self) -> List[torch.optim.Optimizer]:
         """The optimizers dmodel.optimizer made that are still alive, in the
         order made (Join aligns them to the last joiner's at its end)."""
         alive = [o for o in (ref() for ref in self._optimizers) if o is not None]
@@ -216,6 +227,10 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         """Last iteration's communication figures and running means (GradSync.stats)."""
         return self._reducer.stats()
 
+    def reset_stats(self) -> None:
+        """Forgets the running means of stats() (e.g. after a warm-up)."""
+        self._reducer.reset_stats()
+
     def export_timeline(self, path: Any) -> Any:
         """Chrome trace JSON of the kept iterations (wrap(..., timeline=N))."""
         return self._reducer.export_timeline(path)
@@ -229,9 +244,8 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         """Clips every replica's gradients by their global norm and returns that
         norm: the norm of the full-batch gradient, not sqrt(N) times it."""
         self._check_open()
-        engine = self._reducer.engine
-        if engine is not None and engine.scatter_ranks:  # shard="gradients": blocks only
-            return clip_sharded(self._reducer, max_norm, norm_type)
+        if self._reducer.sharded:  # shard="gradients": blocks only
+            return clip_sharded(self._reducer.gradients(), max_norm, norm_type)
         if len(self._replicas) == 1:
             return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
         flats = self._reducer.flat_grads(0)  # replicas hold the same reduced values
@@ -248,14 +262,25 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             torch._foreach_mul_(grads, coef.to(grads[0].device))
         return total
 
+    def _flat_grads(self) -> List[List[torch.Tensor]]:
+        """Each replica's gradients as the reducer holds them (the flat
+        buckets, or the blocks under shard='gradients'), for the Trainer's
+        loss scaling."""
+        return [self._reducer.flat_grads(r) for r in range(len(self._replicas))]
+
+    def _drop_interrupted_step(self) -> None:
+        """After a step cut short (Ctrl-C): the replicas' queued work ends,
+        then the backward still open in the engine is dropped."""
+        self._map_replicas(lambda r, m, s: None, [None] * len(self._replicas), "wait")
+        self._reducer.abort()
+
     def _sharded_finite(self) -> Optional[Callable[[], bool]]:
         """Under shard='gradients', the check that every replica's blocks
         (of every process) are finite, for fp16 loss scaling; else None
         (replica 0's reduced gradients hold every value)."""
-        engine = self._reducer.engine
-        if engine is None or not engine.scatter_ranks:
+        if not self._reducer.sharded:
             return None
-        return partial(sharded_finite, self._reducer)
+        return partial(sharded_finite, self._reducer.gradients())
 
     def train(self, mode: bool = True) -> DistributedModel:
         super().train(mode)
@@ -350,7 +375,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             self._reducer.note_forward_end()
         return out
 
-    def map_replicas(
+    def _map_replicas(
         self, fn: Callable[[int, nn.Module, Any], Any], shards: Sequence[Any], what: str = "map"
     ) -> List[Any]:
         """Runs fn(r, replica r, shards[r]) on every replica's worker, in parallel
@@ -385,7 +410,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             self._mirror.copy_all()
             self._copy_buffers()
 
-    def broadcast_buffers_now(self) -> None:
+    def _broadcast_buffers_now(self) -> None:
         """Copies replica 0's buffers (BatchNorm statistics) to this
         process's other replicas, if broadcast_buffers is on: before every
         forward, so every replica runs with replica 0's. Across processes

@@ -87,9 +87,7 @@ class ReplicaSteps:
             )
         # Training steps only: an evaluation (eval mode) may run on some ranks alone.
         if self.training and torch.is_grad_enabled():
-            losses = self._reducer.link.weigh_losses(
-                losses, total, reduction, self._reducer.syncing
-            )
+            losses = self._link.weigh_losses(losses, total, reduction, self._reducer.syncing)
         if torch.is_grad_enabled():
             self._reducer.note_forward_end()
         if self._passthrough or not any(v.requires_grad for v in losses):
@@ -105,7 +103,7 @@ class ReplicaSteps:
         try:
             yield
         except BaseException as e:
-            if self._reducer.link.spans_processes and torch.is_grad_enabled():
+            if self._link.spans_processes and torch.is_grad_enabled():
                 self._reducer.abort(f"its {what} raised {type(e).__name__}: {e}")
             raise
 
@@ -141,14 +139,14 @@ class ReplicaSteps:
         if torch.is_grad_enabled():
             self._buffers_due = (
                 self.broadcast_buffers
-                and self._reducer.link.spans_processes
+                and self._link.spans_processes
                 and self.module.training
                 and self._reducer.syncing
             )
         self._join_forward(rows)  # under Join: what the joined ranks shadow
         # Training forwards (DDP's default) and eval forwards alike: replicas > 0
         # updated their own BatchNorm statistics in their last training forward.
-        self.broadcast_buffers_now()
+        self._broadcast_buffers_now()
 
     def _call(self, r: int, args: Any, kwargs: Any) -> Callable[[], Any]:
         return self._breaking_meetings(r, lambda: self._callables[r](*args, **kwargs))
@@ -276,7 +274,7 @@ class ReplicaSteps:
         and may still run on some ranks only."""
         if self._buffers_due:
             self._buffers_due = False
-            self._reducer.link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
+            self._link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
             if len(self._replicas) > 1:
                 self._copy_buffers()  # this process's other replicas too, at once
 

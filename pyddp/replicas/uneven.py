@@ -70,7 +70,7 @@ class Joining(Joinable):
             if not isinstance(value, bool):
                 raise TypeError(f"join(): {name} must be a bool, got {type(value).__name__}")
         self._check_open()
-        if not self._reducer.link.spans_processes or not enable:
+        if not self._link.spans_processes or not enable:
             return contextlib.nullcontext()  # nothing to join
         return self._joined(enable, throw_on_early_termination, divide_by_initial_world_size)
 
@@ -102,7 +102,7 @@ class Joining(Joinable):
         """torch's Joinable: the hook a joined rank runs for each step of
         the others (kwargs: divide_by_initial_world_size, default True)."""
         self._check_open()
-        if not self._reducer.link.spans_processes:
+        if not self._link.spans_processes:
             raise RuntimeError(
                 "pyddp: Join needs processes to join: this wrapped model runs in one process "
                 "(dmodel.join() is a no-op there)"
@@ -116,14 +116,14 @@ class Joining(Joinable):
         divide = kwargs.get("divide_by_initial_world_size", True)
         if not isinstance(divide, bool):
             raise TypeError("divide_by_initial_world_size must be a bool")
-        self._reducer.link.enter_join(divide_by_active=not divide)
+        self._link.enter_join(divide_by_active=not divide)
         return _ShadowHook(self)
 
     @property
     def join_device(self) -> torch.device:
         """torch's Joinable: where Join's own all-reduces live (the CPU for
         gloo, this process's GPU for NCCL)."""
-        group = self._reducer.link.group
+        group = self._link.group
         if group is not None and dist.get_backend(group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -132,7 +132,7 @@ class Joining(Joinable):
     def join_process_group(self) -> Any:
         """torch's Joinable: the process group this model spans (Join's own
         all-reduces run there, as torch DDP's do on its group)."""
-        return self._reducer.link.group
+        return self._link.group
 
     # ------------------------------------------------ from DistributedModel
     def _notify_join(self) -> None:
@@ -154,7 +154,7 @@ class Joining(Joinable):
         except RuntimeError as e:
             if isinstance(e, _OWN) or ("exhausted" in str(e) and not isinstance(e, dist.DistError)):
                 raise  # pyddp's, already named (a shadowed step), or torch's throw
-            self._reducer.link.name_failure(what, e)
+            self._link.name_failure(what, e)
 
     def _join_forward(self, rows: int) -> None:
         """Under Join, before the buffer broadcast of a forward: pyddp's
@@ -162,7 +162,7 @@ class Joining(Joinable):
         if not self._join_config.enable:
             return
         grad = torch.is_grad_enabled()
-        self._reducer.link.join_step(
+        self._link.join_step(
             True,
             grad and self._buffers_due,
             grad and self._reducer.syncing,
@@ -174,7 +174,7 @@ class Joining(Joinable):
         when the block raised): no step exchange, rank 0's buffers, the
         rows dmodel.loss weighs exchanged again."""
         self._join_config = type(self._join_config).construct_disabled_join_config()
-        self._reducer.link.leave_join()
+        self._link.leave_join()
 
 
 class _ShadowHook(JoinHook):
@@ -185,24 +185,26 @@ class _ShadowHook(JoinHook):
         """One step of the ranks with inputs, shadowed."""
         m = self.model
         m._check_open()
-        step = m._reducer.link.join_step(False, False, False, 0.0)
+        step = m._link.join_step(False, False, False, 0.0)
         if step.syncs:
             m._reducer.shadow_backward()
         if step.broadcasts:  # after the backward, as the ranks with inputs
-            m._reducer.link.broadcast(list(m.module.buffers()), BUFFERS_BROADCAST)
+            m._link.broadcast(list(m.module.buffers()), BUFFERS_BROADCAST)
             m._copy_buffers()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank joined: every rank takes the last joiner's model."""
         m = self.model
-        record = m._reducer.work
+        record = m._work
         steps = record.steps
         counters = torch.tensor([record.steps, record.backwards_since_sync], dtype=torch.int64)
         state: List[torch.Tensor] = list(m.module.parameters()) + list(m.module.buffers())
-        source = m._reducer.link.end_join(is_last_joiner, [t.detach() for t in state] + [counters])
+        source = m._link.end_join(is_last_joiner, [t.detach() for t in state] + [counters])
         record.steps, record.backwards_since_sync = (int(v) for v in counters.tolist())
         m.sync_replicas()
         try:
-            m._apart_after_join = align_optimizers(m, source, steps)  # and schedulers
+            m._apart_after_join = align_optimizers(  # and schedulers
+                m._optimizers_made(), record.stepping(), m.ranks, source, steps
+            )
         finally:
             m._leave_join()

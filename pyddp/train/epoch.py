@@ -115,8 +115,7 @@ class EpochLoop:
         return True
 
     def _unscale(self) -> bool:
-        flats = [self.model._reducer.flat_grads(r) for r in range(len(self.model.replicas))]
-        return self._scaler.unscale_(flats, self.model._sharded_finite())
+        return self._scaler.unscale_(self.model._flat_grads(), self.model._sharded_finite())
 
     def _after_step(self, valid_data: Any, metrics: Dict[str, Any]) -> None:
         cfg, state = self.config, self.state

@@ -47,7 +47,7 @@ def evaluate(
     # Each module's own mode comes back afterwards (a user may keep, say,
     # BatchNorm in eval mode while training the rest).
     modes = [(m, m.training) for m in model.module.modules()]
-    model.broadcast_buffers_now()  # evaluate replica 0's statistics everywhere
+    model._broadcast_buffers_now()  # evaluate replica 0's statistics everywhere
     model.eval()
     names = ["loss", *metrics]
     totals: Optional[torch.Tensor] = None
@@ -67,7 +67,7 @@ def evaluate(
             for shards in batches:
                 if not shards:  # none of this batch's rows are this rank's
                     continue
-                sums = model.map_replicas(shard_sums, shards, "evaluate")
+                sums = model._map_replicas(shard_sums, shards, "evaluate")
                 batch = sum(s.to(model.devices[0]) for s in sums)
                 totals = batch if totals is None else totals + batch
                 rows += sum(shard_rows(s) for s in shards)

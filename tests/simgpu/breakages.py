@@ -137,9 +137,9 @@ BREAKAGES = {
         "them (their allocation stream may hand them out again at once)",
     ),
     "sharded-gather-slot-by-replica-index": (
-        "pyddp/optim/zero.py",
-        "slot_of = [sync.backend.rank_of(r) if gpus else first + r for r in range(local)]",
-        "slot_of = [first + r for r in range(local)]",
+        "pyddp/engine/faces.py",
+        "            return self._r._backend.rank_of(replica)",
+        "            return sum(self.ranks.replicas_per_rank[: self.ranks.rank]) + replica",
         "a GPU replica's shard is its index among the process's replicas, not its rank in the "
         "all-gather (on [2, 0, 1] the blocks land on the wrong parameters)",
     ),

@@ -107,9 +107,7 @@ class TrainerCheckpoints:
         # Replica work still queued from the aborted step (a Ctrl-C leaves the
         # other replicas' backward running) ends before fit() zeroes the
         # gradients it writes.
-        n = len(self.model.replicas)
-        self.model.map_replicas(lambda r, m, s: None, [None] * n, "wait")
-        self.model._reducer.abort()  # a backward cut short is still open in the engine
+        self.model._drop_interrupted_step()
         self.state.batch_in_epoch = self._window
         self._window = self._interrupted_in = None
 

@@ -1,0 +1,93 @@
+"""The end of a backward (Reducer.finish), before and after the engine's
+own finish: the parameters some replica produced no gradient for, settled
+before the last buckets launch, and the gradients made final once every
+reduction (and the link's agreement) returned: None where no process had
+one, scaled to the average the caller asked for, the reduced blocks kept
+under shard='gradients'."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Sequence
+
+from .._link import Link, WorkRecord
+from .buckets import BucketLayout
+from .streams import StreamOrder
+
+
+def settle_unmarked(
+    engine: Any, layout: BucketLayout, link: Link, work: WorkRecord, shadowing: bool
+) -> None:
+    """Parameters some replica produced no gradient for. A replica that
+    produced none contributes its bucket slice as is (or zero, if its
+    grad was reset behind pyddp's back). A parameter produced by no
+    replica whose canonical copy (replica 0) is None stays None
+    everywhere, as on one device; across processes every rank must
+    launch the same buckets, so such parameters are reduced with zeros
+    while the link agrees which have a gradient on no process at all
+    (those return to None after the reductions). `shadowing`: this rank
+    joined (torch's Join) and adds nothing to the agreement."""
+    unmarked = engine.unmarked()
+    replicas = len(layout.views)
+    nowhere = {i for i, n in Counter(i for _, i in unmarked).items() if n == replicas}
+    none_here = {i for i in nowhere if layout.no_gradient(i)}
+    for i in nowhere - none_here:  # set by hand, unused: kept (one device, torch DDP)
+        engine.note_grad(i, True)
+    if engine.sync_enabled:
+        size = len(layout.views[0])
+        agreeing = link.start_agreement(sorted(none_here), size, work.take, shadowing)
+        for i in agreeing:
+            engine.note_grad(i, True)
+            layout.zero_param(i)
+            none_here.discard(i)
+    for i in sorted(none_here):
+        engine.note_grad(i, False)
+        layout.zero_param(i)  # None slices read zero (clipping sums buckets)
+    for r, i in unmarked:
+        layout.take_in(r, i)
+
+
+def final_gradients(
+    engine: Any,
+    layout: BucketLayout,
+    order: StreamOrder,
+    synced: bool,
+    no_grad: Sequence[int],
+    reduced_partly: Sequence[int],
+    launched: Sequence[int],
+    unused: Sequence[int],
+    post_scale: float,
+    factor: Any,
+) -> None:
+    """After the engine's finish and the link's wait (`synced`: the
+    backward reduced): `no_grad` (no gradient on any replica) to None,
+    `reduced_partly` pointed at their views again, the buckets the link
+    reduced through replica 0 copied to the others, `unused` (no gradient
+    on any process) to None; scaled by `post_scale` (NCCL summed over every
+    process's GPUs: 1/processes) and `factor` (dmodel.loss's rows across
+    processes); under shard='gradients' the blocks copied out and the
+    buckets freed."""
+    for i in no_grad:
+        layout.grads_to_none(i)
+    for i in reduced_partly:
+        layout.point_grads(i)
+    # Reduced across processes through replica 0's buffers (already
+    # divided by the number of processes): the other replicas get them.
+    layout.copy_to_others(launched)
+    for i in unused:  # no gradient on any process: None, as on one device
+        engine.note_grad(i, False)
+        layout.grads_to_none(i)
+    if synced and post_scale != 1.0:
+        # On the caller's streams, which finish() ordered after the
+        # reductions (no host wait on a GPU).
+        order.fence_all()
+        layout.scale(post_scale)
+    if isinstance(factor, list) or factor != 1.0:
+        # dmodel.loss weighed on the rows assumed across processes: the
+        # global batch's own (a float, or per replica on its GPU).
+        order.fence_all()
+        layout.scale(factor)
+    if synced and layout.scattered is not None:
+        order.fence_all()  # the copies out read the reductions' results
+        layout.scattered.release_all()
+        layout.scattered.after_backward(engine.has_grad)

@@ -1,0 +1,162 @@
+"""The reducer's two narrow faces (reducer.py keeps its state private):
+
+- `ReplicaDriver`: what the wrapped model (replicas/) drives, the
+  per-backward protocol and its detours, nothing of the engine, layout or
+  plan behind it. The link, the work record and the GPU placement are the
+  model's own: params.assemble makes them and both hold them.
+- `GradientShards`: what the optimizers (optim/) see: the parameters of
+  every replica, the slot (rank) of each, the buckets and their sharding,
+  the reduced blocks, and the few calls a sharded step makes.
+
+tests/test_layout.py checks that replicas/ and optim/ use nothing else."""
+
+from __future__ import annotations
+
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+)
+
+from .._link.ranks import Ranks
+from .._link.route import DeviceRoute
+
+
+class ReplicaDriver(Protocol):
+    """The reducer as the wrapped model drives it (replicas/)."""
+
+    @property
+    def reduces(self) -> bool: ...  # False: one replica, one process
+    @property
+    def syncing(self) -> bool: ...  # the next backward reduces
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def sharded(self) -> bool: ...  # shard='gradients'
+
+    # one training step, in order
+    def prepare_all(self) -> None: ...
+    def note_forward_end(self) -> None: ...
+    def restart_accumulation(self) -> None: ...
+    def finish(self) -> None: ...
+    def check_step(self) -> None: ...
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    # the detours
+    def no_sync(self) -> ContextManager[None]: ...
+    def shadow_backward(self) -> None: ...
+    def abort(self, reason: str = ...) -> None: ...
+    def grads_moved(self) -> bool: ...
+    def reattach(self) -> None: ...
+    def register_comm_hook(self, state: Any, hook: Any) -> None: ...
+
+    # what the model reads and hands on
+    def flat_grads(self, replica: int) -> List[Any]: ...
+    def gradients(self) -> GradientShards: ...
+    def stats(self) -> Dict[str, Any]: ...
+    def reset_stats(self) -> None: ...
+    def export_timeline(self, path: Any) -> Any: ...
+    def ready_times(self) -> Any: ...
+    def close(self) -> None: ...
+
+
+class GradientShards:
+    """The reducer as the optimizers see it (optim/): made by
+    Reducer.gradients(), holding the reducer (an optimizer keeps its model's
+    reducer alive, as before; the reducer never holds this view)."""
+
+    def __init__(self, reducer: Any):  # a Reducer (reducer.py imports this file)
+        self._r = reducer
+        # The replicas' parameters, [replica][parameter], in the reducer's order.
+        self.params: List[List[Any]] = reducer._params
+        self.names: List[str] = reducer._names
+        self.replicas: List[Any] = reducer._replicas  # this process's replica modules
+        self.on_gpus = reducer._gpu_devices is not None and reducer._engine is not None
+        # The processes: their replica counts, the exchanges a sharded step makes.
+        self.ranks = Ranks(reducer._link)
+
+    # ------------------------------------------------------------ the slots
+    def slot_of(self, replica: int) -> int:
+        """`replica`'s rank among every replica of every process: on GPUs
+        its NCCL rank (NCCL numbers a process's GPUs by device, so [1, 0]
+        has replica 0 at rank first + 1), else its place after the replicas
+        of the ranks before this one."""
+        if self.on_gpus:
+            return self._r._backend.rank_of(replica)
+        return sum(self.ranks.replicas_per_rank[: self.ranks.rank]) + replica
+
+    def route(self) -> Optional[DeviceRoute]:
+        """GPU replicas: collectives outside the buckets on the engine's
+        backend, on the replicas' current streams (None on CPUs)."""
+        if not self.on_gpus:
+            return None
+        return DeviceRoute(self._r._backend, self._r._gpu_devices, self._r._streams)
+
+    # ---------------------------------------------------------- the buckets
+    @property
+    def buckets(self) -> List[List[int]]:
+        return self._r.buckets
+
+    @property
+    def scatter_ranks(self) -> int:
+        """The ranks every bucket is reduce-scattered over (0: all-reduced)."""
+        engine = self._r._engine
+        return 0 if engine is None else engine.scatter_ranks
+
+    def set_scatter(self, ranks: int) -> None:
+        """Reduce-scatter every bucket over `ranks` from now on (the plan is final)."""
+        self._r._plan.set_scatter(ranks)
+
+    @property
+    def hook_set(self) -> bool:
+        """A communication hook sees the buckets."""
+        return self._r._engine is not None and self._r._plan.hook_set
+
+    @property
+    def gradients_sharded(self) -> bool:
+        """Each replica keeps only its blocks of the reduced buckets."""
+        return self._r._engine is not None and self._r._layout.scattered is not None
+
+    @property
+    def blocks(self) -> List[List[Any]]:
+        """Under shard='gradients': each replica's reduced blocks, one per bucket."""
+        return [list(held) for held in self._scattered().blocks]
+
+    def block_piece(self, replica: int, i: int, lo: int, hi: int) -> Optional[Any]:
+        """Elements [lo, hi) of parameter i's reduced gradient in `replica`'s
+        blocks; None where the parameter holds no gradient (the step skips it,
+        as on one device)."""
+        scattered = self._scattered()
+        return scattered.piece(replica, i, lo, hi) if scattered.present[i] else None
+
+    def after_step(self) -> None:
+        """The placeholders on the model again (scattered.py): a gradient
+        reset before the next backward is seen."""
+        self._scattered().place()
+
+    def _scattered(self) -> Any:
+        scattered = None if self._r._engine is None else self._r._layout.scattered
+        if scattered is None:
+            raise RuntimeError("pyddp: the gradients are not sharded (shard='gradients')")
+        return scattered
+
+    @property
+    def under_join(self) -> bool:
+        """torch's Join runs a step of this rank's right now."""
+        return self._r._link.join is not None
+
+    # -------------------------------------------------------- a step's calls
+    def run_per_replica(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
+        """fns[r]() on replica r's worker (in parallel under wrap)."""
+        return self._r._run_per_replica(fns, what)
+
+    def check_step(self) -> None:
+        self._r.check_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._r.zero_grad(set_to_none)
