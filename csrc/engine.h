@@ -2,7 +2,7 @@
 // param); when a parameter is ready on every replica its bucket's count drops,
 // and a complete bucket is handed to the single launcher thread, which reduces
 // it in place through the backend while backward goes on. finish() settles what
-// was never marked and waits for every reduction (see DESIGN.md, invariants 1-3, 6).
+// was never marked and waits for every reduction (docs/design.md, invariants 1-3, 6).
 #pragma once
 
 #include <atomic>

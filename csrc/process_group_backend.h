@@ -1,7 +1,7 @@
 // Across processes: the replicas of this process reduce in process (a local
 // backend), then one cross-process all-reduce per bucket is launched through a
 // callback that the Python layer provides (torch.distributed, usually gloo),
-// so rendezvous and transport come from the existing stack (DESIGN.md,
+// so rendezvous and transport come from the existing stack (docs/design.md,
 // invariant 10). The launch is asynchronous: the callback enqueues the work and
 // returns; the Python layer waits for it at the end of backward.
 #pragma once

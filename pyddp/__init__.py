@@ -4,7 +4,8 @@ engine that reduces each gradient during backward, as soon as every replica has 
 Public API: `wrap` / `DistributedModel` (one-line data parallelism), `GradSync`
 (gradient sync for other training loops), `Trainer` / `TrainConfig` (the training
 loop), `all_reduce`, `broadcast`, `all_gather`, `reduce_scatter` (collectives),
-`init`/`rank`/`world` (across processes under torchrun), errors."""
+`init`/`rank`/`world` (across processes under torchrun), `Ranks` (`dmodel.ranks`:
+the processes a model spans, and their small exchanges), errors."""
 
 from importlib.metadata import PackageNotFoundError, version
 
@@ -14,6 +15,7 @@ from ._source_tree import use_installed_build
 # compiled _C: the rest of the package then comes from the installed build.
 __path__ = use_installed_build(__path__)
 
+from ._link.control import Ranks
 from .engine.collectives import all_gather, all_reduce, broadcast, reduce_scatter
 from .engine.plan import plan_buckets
 from .engine.sync import GradSync
@@ -41,6 +43,7 @@ __all__ = [
     "LoopState",
     "MetricsLogger",
     "ProgressBar",
+    "Ranks",
     "TrainConfig",
     "Trainer",
     "TrainingError",

@@ -122,7 +122,7 @@ def test_the_layer_check_sees_a_function_level_import_up(tmp_path):
 
 
 def test_files_and_folders_stay_small():
-    # The size guide (STYLE.md): a module reads in one sitting, a folder is
+    # The size guide (CONTRIBUTING.md, "Size"): a module reads in one sitting, a folder is
     # one part. A file past 500 lines or a folder past 14 modules is a part
     # that wants splitting, said here before it grows further.
     for mod, path in _modules().items():

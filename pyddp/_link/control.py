@@ -3,6 +3,9 @@ of their own (the model check and broadcast at wrap, sums and values from
 rank 0 for the Trainer, rank 0's bucket plan), never interleaved with
 bucket reductions still in flight.
 
+`Ranks` is the face of these exchanges for the optimizers, the Trainer,
+its checkpoints and evaluation (`dmodel.ranks`, `pyddp.Ranks`).
+
 Every exchange is preceded by a header (its name's tag, its place in the
 group's sequence and the wrapped model), compared on every rank: two ranks
 at different exchanges raise, naming both, instead of pairing (an
@@ -234,3 +237,63 @@ def _entry(e: Any) -> str:
     if e is None:
         return "nothing (fewer entries)"
     return " ".join(str(x) for x in e)
+
+
+class Ranks:
+    """The processes a wrapped model spans, as the Trainer, its checkpoints,
+    evaluation and the sharded optimizers see them: where this process is,
+    and the small exchanges they make (sums, rank `root`'s value, everyone's
+    values). Every exchange is collective (every rank calls it, in the same
+    order) and named (`what`, an exchange name from `exchange`), so a rank
+    that calls another one fails naming both. One process: every answer is
+    this process's own. `pyddp.Ranks`; `dmodel.ranks` gives one."""
+
+    def __init__(self, link: Any):
+        self._link = link  # a Link: its rank, world, replica counts and Control
+
+    @property
+    def rank(self) -> int:
+        """This process's index among the ranks (0 in one process)."""
+        return self._link.rank
+
+    @property
+    def world(self) -> int:
+        """How many processes."""
+        return self._link.world
+
+    @property
+    def replicas_per_rank(self) -> List[int]:
+        """Each rank's number of replicas, in rank order."""
+        return list(self._link.local_counts)
+
+    @property
+    def spans_processes(self) -> bool:
+        return self._link.spans_processes
+
+    @property
+    def global_ranks(self) -> List[int]:
+        """Each rank's global rank (torch.distributed's), for messages."""
+        return list(self._link.peers.ranks) if self.spans_processes else [0]
+
+    def sum(self, values: Sequence[float], what: str) -> List[float]:
+        """Element-wise sums of `values` over the ranks."""
+        control = self._link.control
+        return (
+            [float(v) for v in values] if control is None else control.sum_over_ranks(values, what)
+        )
+
+    def from_root(self, obj: Any, what: str, root: int = 0) -> Any:
+        """Rank `root`'s `obj` (picklable) on every rank."""
+        control = self._link.control
+        return obj if control is None else control.from_root(obj, what, root)
+
+    def gather(self, obj: Any, what: str) -> List[Any]:
+        """Every rank's `obj` (picklable), in rank order."""
+        control = self._link.control
+        return [obj] if control is None else control.gather_objects(obj, what)
+
+    def gather_tensor(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's `t` (a CPU tensor of the same size and dtype on
+        every rank), end to end in rank order, bit for bit."""
+        control = self._link.control
+        return t if control is None else control.gather_tensor(t, what)

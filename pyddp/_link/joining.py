@@ -14,14 +14,23 @@ of the global batch over them, so that dmodel.loss weighs every forward
 exactly without an exchange of its own.
 The active ranks must agree on the first two (one rank in eval(), or under
 no_sync() alone, would make the joined ranks shadow the wrong work): every
-rank raises otherwise."""
+rank raises otherwise.
+
+`Joining` is what the wrapped model drives (replicas/uneven.py): the step
+of the forward under way, and the exchanges at each forward, at each join
+hook call and at the end. One process has nothing to join (`Joining`);
+across processes the link holds a `ProcessJoining`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
-from .control import exchange
+import torch
+
+from .control import Control, exchange
+from .failure import Failure
+from .groups import Peers, first_line
 
 JOIN_STEP = exchange("the uneven-inputs exchange of a forward under Join")
 JOIN_LAST = exchange("the choice of the last rank to join, at the end of Join")
@@ -85,3 +94,78 @@ def last_joiner(sums: Sequence[float]) -> int:
 
 def _ranks(ranks: Sequence[int], active: Sequence[int]) -> str:
     return ", ".join(str(ranks[r]) for r in active) if active else "none"
+
+
+class Joining:
+    """torch's Join on the link of one process: nothing to exchange."""
+
+    def __init__(self) -> None:
+        self.group: Any = None  # the process group spanned (torch's Join runs on it)
+        self.step: Optional[JoinStep] = None  # under Join, this forward's step
+        # Gradients averaged over the ranks with inputs (torch DDP's
+        # divide_by_initial_world_size=False) rather than over every rank.
+        self.divide_by_active = False
+
+    def enter(self, divide_by_active: bool) -> None:
+        """torch's Join hands out its hook: gradients are then averaged over
+        the ranks with inputs (`divide_by_active`) or over every rank."""
+        self.divide_by_active = divide_by_active
+
+    def exchange_step(
+        self, has_inputs: bool, broadcasts: bool, syncs: bool, rows: float
+    ) -> Optional[JoinStep]:
+        """Under Join, once per forward of the ranks with inputs, and once
+        per join hook call on each rank without (has_inputs False, adding
+        nothing): what this iteration does, as every rank sees it."""
+        return None
+
+    def leave(self) -> None:
+        """After torch's Join, however it ended: nothing of it is left."""
+        self.step = None
+        self.divide_by_active = False
+
+    def end(self, last: bool, state: Sequence[torch.Tensor]) -> int:
+        """After torch's Join, on every rank: the highest of the last ranks
+        to join sends `state` (its parameters, buffers and counters) to
+        every other (the joined ranks missed the steps taken after they
+        joined); returns that rank (in the group's order). leave() follows."""
+        return 0
+
+    def name_failure(self, what: str, error: BaseException) -> None:
+        """`error` from one of torch's Join's own collectives: raised again,
+        across processes named after `what` with the ranks that died or
+        stopped (the link then fails for good)."""
+        raise error
+
+
+class ProcessJoining(Joining):
+    def __init__(self, peers: Peers, control: Control, failure: Failure, weighting: Any):
+        super().__init__()
+        self.peers, self.control, self.failure = peers, control, failure
+        self.weighting = weighting  # dmodel.loss's: its rows exchanged again after Join
+
+    def exchange_step(
+        self, has_inputs: bool, broadcasts: bool, syncs: bool, rows: float
+    ) -> Optional[JoinStep]:
+        rank = self.peers.rank if has_inputs else None
+        part = encode(self.peers.world, rank, broadcasts, syncs, rows)
+        sums = self.control.sum_over_ranks(part, JOIN_STEP)
+        try:
+            self.step = decode(sums, self.peers.ranks)
+        except ValueError as e:
+            self.failure.fail(str(e), census=False)
+        return self.step
+
+    def leave(self) -> None:
+        super().leave()
+        self.weighting.agreed = None  # exchanged again at the next weighing
+
+    def end(self, last: bool, state: Sequence[torch.Tensor]) -> int:
+        flags = [0.0] * self.peers.world
+        flags[self.peers.rank] = 1.0 if last else 0.0
+        source = last_joiner(self.control.sum_over_ranks(flags, JOIN_LAST))
+        self.control.broadcast(state, JOIN_FINAL, source)
+        return source
+
+    def name_failure(self, what: str, error: BaseException) -> None:
+        self.failure.fail(f"{what} failed: {first_line(error)}")

@@ -1,7 +1,13 @@
 """The link's contract, and the link of a single process: there is nobody to
 talk to, so every exchange returns this process's own value and every hand-off
 does nothing. GradSync always holds a link (this one, or a ProcessLink across
-processes) and never asks which."""
+processes) and never asks which.
+
+Its methods serve the engine (construction, per backward) and the wrapped
+model (loss weighting, buffer broadcasts). Its other callers get a face of
+their own: `ranks` (control.Ranks: the optimizers, the Trainer), `joining`
+(joining.Joining: torch's Join) and `statistics` (meetings.Statistics:
+SyncBatchNorm)."""
 
 from __future__ import annotations
 
@@ -10,6 +16,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
+from .control import Ranks
+from .joining import Joining
+from .meetings import Statistics
 from .record import WorkRecord
 
 
@@ -33,9 +42,18 @@ class Link:
         # The global batch's loss of the last training step's dmodel.loss, when
         # the link learns it on the host (CPU replicas across processes).
         self.global_loss: Optional[float] = None
-        self.group: Any = None  # the process group spanned (torch's Join runs on it)
-        self.divide_by_active = False  # under Join (across processes only)
-        self.join: Any = None  # under Join, this forward's step (across processes only)
+        self.control: Any = None  # the control exchanges (control.Control; none here)
+        self.joining = Joining()  # torch's Join (nothing to exchange in one process)
+
+    @property
+    def statistics(self) -> Statistics:
+        """SyncBatchNorm's statistics (nothing to sum in one process)."""
+        return Statistics()
+
+    @property
+    def ranks(self) -> Ranks:
+        """The face of the processes for the optimizers and the Trainer."""
+        return Ranks(self)
 
     # ------------------------------------------------------- construction
     def attach(
@@ -149,6 +167,11 @@ class Link:
         ProcessGroupError."""
         return [], [], 1.0
 
+    def hook_error(self) -> Optional[BaseException]:
+        """The exception a communication hook raised, if one did (the
+        user's own, which finish() raises with its type)."""
+        return None
+
     def settle(self) -> None:
         """At close: checks what the link left to check later (GPUs)."""
 
@@ -177,74 +200,3 @@ class Link:
 
     def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         """Rank 0's values into `tensors` on every process."""
-
-    def global_ranks(self) -> List[int]:
-        """Each process's global rank (torch.distributed's), in rank order."""
-        return [0]
-
-    def sum_over_ranks(self, values: Sequence[float], what: str) -> List[float]:
-        """Element-wise sums over processes (`what` names the exchange)."""
-        return [float(v) for v in values]
-
-    def hook_error(self) -> Optional[BaseException]:
-        """The exception a communication hook raised, if one did (the
-        user's own, which finish() raises with its type)."""
-        return None
-
-    def name_failure(self, what: str, error: BaseException) -> None:
-        """`error` from a collective of someone else's on the group (torch's
-        Join's): raised again, across processes named after `what` with the
-        ranks that died or stopped (the link then fails for good)."""
-        raise error
-
-    def gather_tensor(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """Every process's `t` (a CPU tensor of the same size and dtype on
-        every rank), end to end in rank order, bit for bit."""
-        return t
-
-    def from_root(self, obj: Any, what: str, root: int = 0) -> Any:
-        """Rank `root`'s `obj` on every process (rank 0 unless said)."""
-        return obj
-
-    def gather_objects(self, obj: Any, what: str) -> List[Any]:
-        """Every process's `obj`, in rank order."""
-        return [obj]
-
-    def join_step(self, has_inputs: bool, broadcasts: bool, syncs: bool, rows: float) -> Any:
-        """Under torch's Join: what this forward does on the ranks with
-        inputs (joining.JoinStep). One process: nothing to exchange."""
-        return None
-
-    def enter_join(self, divide_by_active: bool) -> None:
-        """torch's Join hands out its hook: gradients are then averaged over
-        the ranks with inputs (`divide_by_active`, torch DDP's
-        divide_by_initial_world_size=False) or over every rank."""
-        self.divide_by_active = divide_by_active
-
-    def leave_join(self) -> None:
-        """After torch's Join, however it ended: nothing of it is left."""
-        self.divide_by_active = False
-
-    def end_join(self, last: bool, state: Sequence[torch.Tensor]) -> int:
-        """After torch's Join: every rank takes the last joiner's `state`;
-        returns that rank. One process: this one."""
-        return 0
-
-    def stats_backend(self, devices: Sequence[int], timeout: Optional[float]) -> Any:
-        """For SyncBatchNorm on GPUs: a backend whose collectives span every
-        GPU of every process, apart from the buckets' (one process: the same
-        communicators, whose launches each cover every GPU of the process
-        under one lock, so any interleaving pairs)."""
-        from ..runtime.libraries import make_backend
-
-        return make_backend(list(devices), timeout, self.stats_rendezvous())
-
-    def stats_rendezvous(self) -> Optional[Callable[[str], tuple]]:
-        """The NCCL rendezvous of stats_backend (None: this process's GPUs)."""
-        return None
-
-    def stats_summer(self) -> Optional[Callable[[torch.Tensor, str], None]]:
-        """For SyncBatchNorm: a function that sums a CPU tensor over the
-        processes in place, given "forward" or "backward" (None: one
-        process, nothing to sum)."""
-        return None

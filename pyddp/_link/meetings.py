@@ -5,16 +5,54 @@ place in this model's sequence of meetings, what it is (a forward with grad,
 one without, a backward), its size and the wrapped model. A forward on some
 ranks only (a logging forward in training mode on rank 0) then raises on
 every rank naming each rank's meeting, instead of summing its statistics
-into another rank's step, or gloo aborting the process on different sizes."""
+into another rank's step, or gloo aborting the process on different sizes.
+
+`Statistics` is what the wrapped model asks of the link for its
+SyncBatchNorm layers: the summer of CPU statistics across processes (these
+meetings) and, on GPUs, a backend of the statistics' own."""
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
+from ..runtime.libraries import make_backend
 from .failure import Failure
 from .groups import Peers, allreduce, own_group
+
+
+class Statistics:
+    """SyncBatchNorm's statistics on the link: across processes `peers`
+    and `failure` make the CPU meetings, `rendezvous` the GPUs'
+    communicator; one process has neither."""
+
+    def __init__(
+        self,
+        peers: Optional[Peers] = None,
+        failure: Optional[Failure] = None,
+        rendezvous: Optional[Callable[[str], tuple]] = None,
+    ):
+        self.peers, self.failure, self.rendezvous = peers, failure, rendezvous
+
+    def summer(self) -> Optional[Callable[[torch.Tensor, str], None]]:
+        """A function that sums a CPU tensor over the processes in place,
+        given "forward", "forward without grad" or "backward" (None in one
+        process: nothing to sum). Made at wrap, on every rank."""
+        if self.peers is None or self.failure is None:
+            return None
+        return Meetings(self.peers, self.failure)
+
+    def backend(self, devices: Sequence[int], timeout: Optional[float]) -> Any:
+        """For GPUs: a backend whose collectives span every GPU of every
+        process, apart from the buckets' (its own communicator: the sums
+        are launched from the replicas' threads mid-forward and
+        mid-backward while the launcher launches buckets; on one
+        communicator the two orders could differ between processes). One
+        process: communicators whose launches each cover every GPU of the
+        process under one lock, so any interleaving pairs."""
+        return make_backend(list(devices), timeout, self.rendezvous)
+
 
 _KINDS: Dict[int, str] = {1: "a forward with grad", 2: "a forward without grad", 3: "a backward"}
 

@@ -11,13 +11,14 @@ import torch
 
 from .. import _C
 from ..errors import ProcessGroupError
+from ..runtime.libraries import process_group_backend
 from .agreement import Agreement, record_for, ride_size
 from .control import BUFFERS_BROADCAST, LOSS_WEIGHTS, PARAMS_BROADCAST, SHARD_MODES, Control
 from .failure import Failure
-from .groups import Peers, first_line
-from .joining import JOIN_FINAL, JOIN_LAST, JOIN_STEP, JoinStep, decode, encode, last_joiner
+from .groups import Peers
+from .joining import ProcessJoining
 from .link import Link
-from .meetings import Meetings
+from .meetings import Statistics
 from .record import WorkRecord, watch_steps
 from .route import DeviceRoute
 from .transport import BucketTransport
@@ -37,12 +38,9 @@ class ProcessLink(Link):
         self.local_counts: List[int] = []
         self.weighting = Weighting(self.world)  # dmodel.loss's (weighting.py)
         self._route: Optional[DeviceRoute] = None
-        self.group: Any = None  # the caller's process group (torch's Join runs on it)
-        # Under torch's Join: this forward's step, as every rank saw it, and
-        # whether gradients are averaged over the ranks with inputs (torch
-        # DDP's divide_by_initial_world_size=False) rather than all ranks.
-        self.join: Optional[JoinStep] = None
-        self.divide_by_active = False
+        # torch's Join (its step as every rank saw it, how gradients
+        # average): a face of its own for the model.
+        self.joining = ProcessJoining(peers, self.control, self.failure, self.weighting)
         self.work: Optional[WorkRecord] = None  # the GradSync's (attach)
         self._just_agreed = False  # the last thing done was a CPU agreement read
         # The shard mode is compared before the first synced backward and
@@ -54,6 +52,12 @@ class ProcessLink(Link):
     @property
     def global_loss(self) -> Optional[float]:
         return self.weighting.global_loss
+
+    @property
+    def statistics(self) -> Statistics:
+        # Made when asked (at wrap, once the replica counts are known); the
+        # GPUs' statistics get a communicator of their own.
+        return Statistics(self.peers, self.failure, self._nccl_rendezvous("nccl_id_syncbn"))
 
     @property
     def prefix(self) -> str:
@@ -117,9 +121,7 @@ class ProcessLink(Link):
         # This process's replicas sum in C++, then the launcher hands each
         # bucket to the transport (launch holds no reference to the link).
         first = sum(self.local_counts[: self.rank])
-        return _C.ProcessGroupBackend(
-            local, self.transport.launch, f"{local.name}+gloo", first, sum(self.local_counts)
-        )
+        return process_group_backend(local, self.transport.launch, first, sum(self.local_counts))
 
     def route_through(self, backend: Any, devices: Sequence[int], provider: Any) -> None:
         self._route = DeviceRoute(backend, devices, provider)
@@ -196,7 +198,7 @@ class ProcessLink(Link):
         """Who adds a part to the agreement: every process (CPU) or GPU;
         under Join, those of the ranks with inputs (a joined rank's part is
         zeros)."""
-        ranks = self.join.active if self.join is not None else range(self.world)
+        ranks = self.joining.step.active if self.joining.step is not None else range(self.world)
         if self._route is None:
             return len(ranks)
         return sum(self.local_counts[r] for r in ranks)
@@ -206,14 +208,14 @@ class ProcessLink(Link):
         averaged over every rank (joined ones adding zeros) are brought to
         the average over the ranks with inputs. dmodel.loss weighs the rows
         that exist already (exact either way)."""
-        if self.join is None or not self.divide_by_active or window.weighed:
+        if self.joining.step is None or not self.joining.divide_by_active or window.weighed:
             return 1.0
-        return self.world / max(1, len(self.join.active))
+        return self.world / max(1, len(self.joining.step.active))
 
     def forward_ended(self, syncing: bool) -> None:
         # (Under torch's Join a rank that joined shadows without a forward:
         # compared after the Join.)
-        if syncing and self._settings_due and self.work is not None and self.join is None:
+        if syncing and self._settings_due and self.work is not None and self.joining.step is None:
             self._settings_due = False
             self._compare_settings()
         if syncing and self._route is None:
@@ -223,7 +225,7 @@ class ProcessLink(Link):
         self._settings_due = True
 
     def _compare_settings(self) -> None:
-        shards = self.gather_objects(self.work.shard, SHARD_MODES)
+        shards = self.control.gather_objects(self.work.shard, SHARD_MODES)
         if len(set(map(repr, shards))) > 1:
             ranks = self.peers.ranks
             shown = ", ".join(f"rank {ranks[r]} shard={s!r}" for r, s in enumerate(shards))
@@ -315,14 +317,18 @@ class ProcessLink(Link):
             rows,
             reduction,
             synced,
-            self.join,
+            self.joining.step,
             self._route is None,
-            lambda values: self.sum_over_ranks(values, LOSS_WEIGHTS),
+            lambda values: self.control.sum_over_ranks(values, LOSS_WEIGHTS),
         )
 
     def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         # Under Join, rank 0 may have joined: the highest rank with inputs.
-        root = self.join.source if self.join is not None and what == BUFFERS_BROADCAST else 0
+        root = (
+            self.joining.step.source
+            if self.joining.step is not None and what == BUFFERS_BROADCAST
+            else 0
+        )
         if self._route is not None and what == BUFFERS_BROADCAST:
             # GPUs, after every synced training step: on the device, through
             # NCCL, as torch DDP does (no host round trip).
@@ -333,69 +339,11 @@ class ProcessLink(Link):
         # (outside Join), every rank is at this broadcast: the agreement
         # was its header, and it goes as one message.
         agreed, self._just_agreed = self._just_agreed, False
-        header = not (agreed and what == BUFFERS_BROADCAST and self.join is None)
+        header = not (agreed and what == BUFFERS_BROADCAST and self.joining.step is None)
         self.control.broadcast(tensors, what, root, header)
-
-    # ------------------------------------------------------ uneven inputs
-    def join_step(self, has_inputs: bool, broadcasts: bool, syncs: bool, rows: float) -> JoinStep:
-        """Under torch's Join, once per forward of the ranks with inputs,
-        and once per join hook call on each rank without (has_inputs False,
-        adding nothing): what this iteration does, as every rank sees it
-        (joining.py)."""
-        part = encode(self.world, self.rank if has_inputs else None, broadcasts, syncs, rows)
-        sums = self.sum_over_ranks(part, JOIN_STEP)
-        try:
-            self.join = decode(sums, self.peers.ranks)
-        except ValueError as e:
-            self.failure.fail(str(e), census=False)
-        return self.join
-
-    def leave_join(self) -> None:
-        self.join = None
-        self.weighting.agreed = None  # exchanged again at the next weighing
-        self.divide_by_active = False
-
-    def end_join(self, last: bool, state: Sequence[torch.Tensor]) -> int:
-        """After torch's Join, on every rank: the highest of the last ranks
-        to join sends `state` (its parameters, buffers and counters) to every
-        other (the joined ranks missed the steps taken after they joined);
-        returns that rank (in the group's order). leave_join() follows."""
-        flags = [0.0] * self.world
-        flags[self.rank] = 1.0 if last else 0.0
-        source = last_joiner(self.sum_over_ranks(flags, JOIN_LAST))
-        self.control.broadcast(state, JOIN_FINAL, source)
-        return source
-
-    def global_ranks(self) -> List[int]:
-        return list(self.peers.ranks)
-
-    def sum_over_ranks(self, values: Sequence[float], what: str) -> List[float]:
-        return self.control.sum_over_ranks(values, what)
-
-    def gather_tensor(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        return self.control.gather_tensor(t, what)
 
     def hook_error(self) -> Optional[BaseException]:
         return self.transport.hook_error
-
-    def name_failure(self, what: str, error: BaseException) -> None:
-        self.failure.fail(f"{what} failed: {first_line(error)}")
-
-    def from_root(self, obj: Any, what: str, root: int = 0) -> Any:
-        return self.control.from_root(obj, what, root)
-
-    def gather_objects(self, obj: Any, what: str) -> List[Any]:
-        return self.control.gather_objects(obj, what)
-
-    def stats_rendezvous(self) -> Optional[Callable[[str], tuple]]:
-        # A communicator of its own: the statistics' sums are launched from
-        # the replicas' threads mid-forward and mid-backward while the
-        # launcher launches buckets; on one communicator the two orders
-        # could differ between processes.
-        return self._nccl_rendezvous("nccl_id_syncbn")
-
-    def stats_summer(self) -> Optional[Callable[[torch.Tensor, str], None]]:
-        return Meetings(self.peers, self.failure)
 
 
 def model_signature(entries: Sequence[tuple], device_type: str) -> List[tuple]:

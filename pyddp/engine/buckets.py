@@ -1,6 +1,6 @@
 """The bucket layout: each replica's gradients live in flat per-bucket
 buffers and every `param.grad` is a view into them, so reducing a bucket
-needs no copy (DESIGN.md, invariant 2). This object owns the buffers, the
+needs no copy (docs/design.md, invariant 2). This object owns the buffers, the
 views, their addresses and version counters: laying them out (again, after
 a rebuild or after Module._apply moved storage), keeping replicas' copies
 in step, and settling parameters a replica produced no gradient for."""

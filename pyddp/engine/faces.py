@@ -23,7 +23,7 @@ from typing import (
     Sequence,
 )
 
-from .._link.ranks import Ranks
+from .._link.control import Ranks
 from .._link.route import DeviceRoute
 
 
@@ -148,7 +148,7 @@ class GradientShards:
     @property
     def under_join(self) -> bool:
         """torch's Join runs a step of this rank's right now."""
-        return self._r._link.join is not None
+        return self._r._link.joining.step is not None
 
     # -------------------------------------------------------- a step's calls
     def run_per_replica(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:

@@ -21,8 +21,8 @@ from typing import List, Sequence
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from .._link.control import Ranks
 from .._link.joining import JOIN_OPTIMIZERS, JOIN_OPTIMIZERS_CHECK
-from .._link.ranks import Ranks
 
 
 def schedulers_of(opt: torch.optim.Optimizer) -> List[LRScheduler]:

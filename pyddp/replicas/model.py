@@ -23,7 +23,7 @@ from typing import (
 import torch
 from torch import nn
 
-from .._link.ranks import Ranks
+from .._link.control import Ranks
 from ..engine.faces import ReplicaDriver
 from ..engine.options import Options
 from ..engine.params import assemble
@@ -86,6 +86,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         # placement are the model's as much as the reducer's: both hold them.
         parts = assemble(replicas, opts, "pyddp.wrap")
         self._link, self._work = parts.link, parts.work
+        self._join = parts.link.joining  # torch's Join's exchanges and state (uneven.py)
         self._gpus, self._streams = parts.gpu_devices, parts.streams
         self.broadcast_buffers = opts.broadcast_buffers
         threads_per_replica = opts.threads_per_replica
@@ -130,20 +131,20 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         self._direct = one and self.devices[0].type == "cpu"  # forward: _forward_direct
 
     def _bind_sync_batchnorm(self, replicas: List[nn.Module], opts: Options) -> SyncBatchNorms:
-        gpus, link = self._gpus, self._link
+        gpus, stats = self._gpus, self._link.statistics
         try:
             return SyncBatchNorms(
                 replicas,
                 self.devices[0],
                 # On GPUs the statistics are summed on the devices instead.
-                link.stats_summer() if gpus is None else None,
+                stats.summer() if gpus is None else None,
                 opts.timeout_s or timeout_s(),
                 None
                 if gpus is None
                 else (
                     gpus,
                     self._streams,
-                    lambda: link.stats_backend(gpus, opts.timeout_s),
+                    lambda: stats.backend(gpus, opts.timeout_s),
                 ),
             )
         except BaseException:
@@ -157,9 +158,9 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
 
     @property
     def ranks(self) -> Ranks:
-        """The processes this model spans (`pyddp._link.ranks.Ranks`): this
+        """The processes this model spans (`pyddp.Ranks`): this
         rank, the world, and the collective exchanges the Trainer makes."""
-        return Ranks(self._link)
+        return self._link.ranks
 
     @property
     def last_global_loss(self) -> Optional[float]:

@@ -116,14 +116,14 @@ class Joining(Joinable):
         divide = kwargs.get("divide_by_initial_world_size", True)
         if not isinstance(divide, bool):
             raise TypeError("divide_by_initial_world_size must be a bool")
-        self._link.enter_join(divide_by_active=not divide)
+        self._join.enter(divide_by_active=not divide)
         return _ShadowHook(self)
 
     @property
     def join_device(self) -> torch.device:
         """torch's Joinable: where Join's own all-reduces live (the CPU for
         gloo, this process's GPU for NCCL)."""
-        group = self._link.group
+        group = self._join.group
         if group is not None and dist.get_backend(group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -132,7 +132,7 @@ class Joining(Joinable):
     def join_process_group(self) -> Any:
         """torch's Joinable: the process group this model spans (Join's own
         all-reduces run there, as torch DDP's do on its group)."""
-        return self._link.group
+        return self._join.group
 
     # ------------------------------------------------ from DistributedModel
     def _notify_join(self) -> None:
@@ -154,7 +154,7 @@ class Joining(Joinable):
         except RuntimeError as e:
             if isinstance(e, _OWN) or ("exhausted" in str(e) and not isinstance(e, dist.DistError)):
                 raise  # pyddp's, already named (a shadowed step), or torch's throw
-            self._link.name_failure(what, e)
+            self._join.name_failure(what, e)
 
     def _join_forward(self, rows: int) -> None:
         """Under Join, before the buffer broadcast of a forward: pyddp's
@@ -162,7 +162,7 @@ class Joining(Joinable):
         if not self._join_config.enable:
             return
         grad = torch.is_grad_enabled()
-        self._link.join_step(
+        self._join.exchange_step(
             True,
             grad and self._buffers_due,
             grad and self._reducer.syncing,
@@ -174,7 +174,7 @@ class Joining(Joinable):
         when the block raised): no step exchange, rank 0's buffers, the
         rows dmodel.loss weighs exchanged again."""
         self._join_config = type(self._join_config).construct_disabled_join_config()
-        self._link.leave_join()
+        self._join.leave()
 
 
 class _ShadowHook(JoinHook):
@@ -185,7 +185,8 @@ class _ShadowHook(JoinHook):
         """One step of the ranks with inputs, shadowed."""
         m = self.model
         m._check_open()
-        step = m._link.join_step(False, False, False, 0.0)
+        step = m._join.exchange_step(False, False, False, 0.0)
+        assert step is not None  # across processes only (join_hook refuses one)
         if step.syncs:
             m._reducer.shadow_backward()
         if step.broadcasts:  # after the backward, as the ranks with inputs
@@ -199,7 +200,7 @@ class _ShadowHook(JoinHook):
         steps = record.steps
         counters = torch.tensor([record.steps, record.backwards_since_sync], dtype=torch.int64)
         state: List[torch.Tensor] = list(m.module.parameters()) + list(m.module.buffers())
-        source = m._link.end_join(is_last_joiner, [t.detach() for t in state] + [counters])
+        source = m._join.end(is_last_joiner, [t.detach() for t in state] + [counters])
         record.steps, record.backwards_since_sync = (int(v) for v in counters.tolist())
         m.sync_replicas()
         try:

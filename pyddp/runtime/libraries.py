@@ -242,6 +242,14 @@ def backend_kind(devices: Sequence[Any]) -> str:
     )
 
 
+def process_group_backend(local: Any, launch: Any, first: int, total: int) -> Any:
+    """The engine backend across processes on CPUs: `local` (this process's
+    backend) sums the process's replicas in C++, then the launcher hands
+    each summed bucket to `launch` (the link's transport), with no reference
+    to the link; this process's replicas are ranks first.. of `total`."""
+    return _C.ProcessGroupBackend(local, launch, f"{local.name}+gloo", first, total)
+
+
 def make_backend(
     devices: Sequence[Any], timeout: Optional[float] = None, rendezvous: Optional[Any] = None
 ):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..._link import exchange
-from ..._link.ranks import Ranks
+from ..._link.control import Ranks
 from ..config import TrainConfig
 from ..state import LoopState
 from .identity import (
