@@ -167,3 +167,149 @@ def test_every_deliberate_breakage_still_finds_the_code_it_breaks():
             text = text.replace(o, n)
         if path.endswith(".py"):  # the broken variant must still import
             compile(text, path, "exec")
+
+
+# ---------------------------------------------------------------- the walls
+# docs/design.md, "Walls inside the rooms": the Reducer's state is its own;
+# the wrapped model (replicas/) drives it through faces.ReplicaDriver, the
+# optimizers (optim/) see faces.GradientShards, everyone else calls dmodel.
+FACES = {"ReplicaDriver", "GradientShards"}
+
+
+def _face_members(name: str) -> Set[str]:
+    from pyddp.engine import faces
+
+    cls = getattr(faces, name)
+    members = set(dir(cls)) | set(getattr(cls, "__annotations__", {}))
+    return {m for m in members if not m.startswith("_")}
+
+
+def _uses_through(tree: ast.AST, ends_with: str) -> Dict[str, List[int]]:
+    """Attributes read on any expression whose last name is `ends_with`
+    (`self._reducer.x`, `m._reducer.x`, `reducer.x`, `state.reducer.x`)."""
+    used: Dict[str, List[int]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        base = node.value
+        last = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
+        if last == ends_with:
+            used.setdefault(node.attr, []).append(node.lineno)
+    return used
+
+
+def _reaches(mods: Dict[str, Path]) -> Dict[str, List[str]]:
+    """What reaches through the walls, by module: `._reducer` outside the
+    wrapped model, members outside the faces, the reducer's own state."""
+    driver, shards = _face_members("ReplicaDriver"), _face_members("GradientShards")
+    # (The link and the work record are the model's too: params.assemble.)
+    private = {"_engine", "_layout", "_plan", "_backend", "_observer", "_order"}
+    found: Dict[str, List[str]] = {}
+    for mod, path in mods.items():
+        if mod.startswith("pyddp.engine"):
+            continue  # the owner
+        tree = ast.parse(path.read_text())
+        wrong = found.setdefault(mod, [])
+        for attr, lines in _uses_through(tree, "_reducer").items():
+            if not mod.startswith("pyddp.replicas"):
+                wrong.append(f"_reducer.{attr} (line {lines[0]}): only the wrapped model holds it")
+            elif attr not in driver:
+                wrong.append(f"_reducer.{attr} (line {lines[0]}) is not in ReplicaDriver")
+        if mod.startswith("pyddp.optim"):
+            for attr, lines in _uses_through(tree, "reducer").items():
+                if attr not in shards:
+                    wrong.append(f"reducer.{attr} (line {lines[0]}) is not in GradientShards")
+        for node in ast.walk(tree):
+            mine = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in private
+                and not (
+                    mine and node.value.id == "self"  # type: ignore[attr-defined]
+                )
+            ):
+                wrong.append(f"{ast.unparse(node)} (line {node.lineno}): a reducer's state")
+        if not found[mod]:
+            del found[mod]
+    return found
+
+
+def test_nothing_reaches_through_the_walls():
+    mods = _modules()
+    assert _reaches(mods) == {}
+    # Who may build or import what of engine/: the faces, the options, and
+    # the reducer itself only where it is made.
+    graph = _imports(mods)
+    makers = {"pyddp.replicas.model", "pyddp.engine.sync"}
+    for mod, deps in graph.items():
+        if "pyddp.engine.reducer" in deps and not mod.startswith("pyddp.engine"):
+            assert mod in makers, f"{mod} imports the Reducer"
+        if mod.startswith("pyddp.optim"):
+            engine = {d for d in deps if d.startswith("pyddp.engine")}
+            assert engine <= {"pyddp.engine.faces"}, (mod, engine)
+
+
+def test_the_wall_check_sees_a_reach(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "def f(model, reducer, m):\n"
+        "    model._reducer.engine.buckets\n"
+        "    reducer._layout.scattered\n"
+        "    reducer.not_a_member\n"
+        "    m._reducer.finish()\n"
+    )
+    found = _reaches({"pyddp.train.x": bad, "pyddp.optim.y": bad, "pyddp.replicas.z": bad})
+    assert any("only the wrapped model" in w for w in found["pyddp.train.x"])
+    assert any("reducer.not_a_member" in w for w in found["pyddp.optim.y"])
+    assert any("a reducer's state" in w for w in found["pyddp.optim.y"])
+    assert any("_reducer.engine" in w and "ReplicaDriver" in w for w in found["pyddp.replicas.z"])
+    assert not any("_reducer.finish" in w for w in found["pyddp.replicas.z"])
+
+
+# A class spread over files by mixins: each mixin file opens with a Protocol
+# of what it reads from `self` and does not define (CONTRIBUTING.md), and
+# the class's files together define everything each Protocol names.
+MIXINS = {
+    "replicas/steps.py": ("StepsHost", ["replicas/model.py", "replicas/uneven.py"]),
+    "replicas/uneven.py": ("JoiningHost", ["replicas/model.py", "replicas/steps.py"]),
+    "train/epoch.py": ("EpochHost", ["train/trainer.py", "train/checkpoints/resume.py"]),
+    "train/checkpoints/resume.py": ("CheckpointsHost", ["train/trainer.py", "train/epoch.py"]),
+}
+
+
+def _self_attributes(tree: ast.AST, skip: str = "") -> Dict[str, Set[str]]:
+    """Attributes of `self` read and defined (assigned, or methods and
+    properties) in the classes of a file, the class named `skip` left out."""
+    read: Set[str] = set()
+    defined: Set[str] = set()
+    for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name != skip]:
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "self":
+                (defined if isinstance(node.ctx, ast.Store) else read).add(node.attr)
+    return {"read": read, "defined": defined}
+
+
+def _protocol_members(tree: ast.AST, name: str) -> Set[str]:
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+    members = set()
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            members.add(node.target.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            members.add(node.name)
+    return members
+
+
+def test_each_mixin_says_what_it_reads():
+    for rel, (protocol, others) in MIXINS.items():
+        tree = ast.parse((ROOT / rel).read_text())
+        members = _protocol_members(tree, protocol)
+        own = _self_attributes(tree, skip=protocol)
+        unsaid = own["read"] - own["defined"] - members
+        assert unsaid == set(), (rel, protocol, sorted(unsaid))
+        everywhere: Set[str] = set(own["defined"])
+        for other in others:
+            everywhere |= _self_attributes(ast.parse((ROOT / other).read_text()))["defined"]
+        assert members - everywhere == set(), (rel, protocol, "names what no file defines")

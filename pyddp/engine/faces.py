@@ -70,15 +70,18 @@ class GradientShards:
     Reducer.gradients(), holding the reducer (an optimizer keeps its model's
     reducer alive, as before; the reducer never holds this view)."""
 
+    params: List[List[Any]]  # [replica][parameter], in the reducer's order
+    names: List[str]  # the parameters' names
+    replicas: List[Any]  # this process's replica modules
+    on_gpus: bool  # GPU replicas, reduced (the engine's backend runs the collectives)
+    ranks: Ranks  # the processes: replica counts, the exchanges a sharded step makes
+
     def __init__(self, reducer: Any):  # a Reducer (reducer.py imports this file)
         self._r = reducer
-        # The replicas' parameters, [replica][parameter], in the reducer's order.
-        self.params: List[List[Any]] = reducer._params
-        self.names: List[str] = reducer._names
-        self.replicas: List[Any] = reducer._replicas  # this process's replica modules
+        self.params, self.names = reducer._params, reducer._names
+        self.replicas = reducer._replicas
         self.on_gpus = reducer._gpu_devices is not None and reducer._engine is not None
-        # The processes: their replica counts, the exchanges a sharded step makes.
-        self.ranks = Ranks(reducer._link)
+        self.ranks = reducer._link.ranks
 
     # ------------------------------------------------------------ the slots
     def slot_of(self, replica: int) -> int:

@@ -11,14 +11,54 @@ it reads."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+)
 
 import torch
+from torch import nn
 
+from .._link import Link
 from .._link.control import BUFFERS_BROADCAST
+from ..engine.faces import ReplicaDriver
 from ..errors import ReplicaError
 from .combine import Combine, combine_column
 from .scatter import batch_size, call_arguments, scatter
+from .syncbn import SyncBatchNorms
+from .workers import ReplicaWorkers
+
+
+class StepsHost(Protocol):
+    """What ReplicaSteps reads of the DistributedModel it is mixed into
+    (model.py, and uneven.py for Join) and does not define itself."""
+
+    module: nn.Module  # the user's model: replica 0
+    devices: List[torch.device]
+    broadcast_buffers: bool
+    _replicas: List[nn.Module]
+    _callables: List[Callable[..., Any]]  # the replicas, compiled by dmodel.compile()
+    _reducer: ReplicaDriver
+    _link: Link
+    _workers: ReplicaWorkers
+    _syncbn: Optional[SyncBatchNorms]
+    _passthrough: bool  # one replica, one process: nothing to scatter or reduce
+    _parallel_backward: bool  # CPU replicas' backward on their workers
+    _apart_after_join: str  # why training is refused after Join ("" if not)
+
+    def _check_open(self) -> None: ...
+    def _follow_model(self) -> None: ...
+    def _copy_buffers(self) -> None: ...
+    def _broadcast_buffers_now(self) -> None: ...
+    def _notify_join(self) -> None: ...
+    def _join_forward(self, rows: int) -> None: ...
 
 
 class ReplicaSteps:

@@ -25,17 +25,36 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from .._link import Link
 from .._link.control import BUFFERS_BROADCAST
+from .._link.joining import Joining as JoinState
+from ..engine.faces import ReplicaDriver
 from ..errors import ReduceError, ReplicaError, TrainingError
 from ..optim.after_join import align_optimizers
+from .syncbn import SyncBatchNorms
 
 _OWN = (ReduceError, ReplicaError, TrainingError)  # pyddp's errors name their cause
+
+
+class JoiningHost(Protocol):
+    """What Joining reads of the DistributedModel it is mixed into (model.py)
+    and does not define itself; _ShadowHook and the end of Join also read
+    `m.module`, `m.ranks`, `m._copy_buffers`, `m._optimizers_made` and
+    `m._work` of the model they shadow."""
+
+    _reducer: ReplicaDriver
+    _link: Link
+    _join: JoinState  # the link's Join state and exchanges (_link/joining.py)
+    _syncbn: Optional[SyncBatchNorms]
+    _buffers_due: bool  # rank 0's buffers to every rank after this backward
+
+    def _check_open(self) -> None: ...
 
 
 class Joining(Joinable):

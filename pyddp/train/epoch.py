@@ -7,20 +7,49 @@ mixin of Trainer (trainer.py), whose state it reads."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Optional
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Protocol
 
 import torch
 
 from .._link import exchange
+from .._link.control import Ranks
 from ..errors import ReduceError, ReplicaError, TrainingError
+from ..replicas.model import DistributedModel
+from .checkpoints.run_files import RunFiles
 from .checkpoints.saving import save_atomic
+from .config import TrainConfig
 from .data import ShardedLoader
 from .evaluation import shard_rows
-from .interrupt import sigint_deferred
+from .interrupt import CtrlC, sigint_deferred
+from .scaler import LossScaler
+from .state import LoopState
 
 _TRAIN_LOSS = exchange("the training loss of a step (GPU replicas)")
 _STOP = exchange("the stop decision after a step (Ctrl-C on any rank)")
 _BEST = exchange("rank 0's writing of best.pt")
+
+
+class EpochHost(Protocol):
+    """What EpochLoop reads of the Trainer it is mixed into (trainer.py;
+    train/checkpoints/resume.py for `_checkpoint`) and does not define."""
+
+    config: TrainConfig
+    state: LoopState
+    model: DistributedModel
+    optimizer: torch.optim.Optimizer
+    scheduler: Optional[Any]  # an LR scheduler, or None
+    loss_fn: Callable[..., torch.Tensor]
+    output_dir: Optional[Path]
+    ranks: Ranks
+    _scaler: LossScaler
+    _ctrl_c: CtrlC
+    _files: Optional[RunFiles]  # None without output_dir
+
+    def _checkpoint(self) -> None: ...
+    def _evaluate(self, data: Any, across_ranks: bool) -> Dict[str, float]: ...
+    def _autocast(self) -> contextlib.AbstractContextManager: ...
+    def _emit(self, hook: str, *args: Any) -> None: ...
 
 
 class EpochLoop:

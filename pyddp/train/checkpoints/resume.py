@@ -9,19 +9,40 @@ from __future__ import annotations
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Protocol
 
 import torch
 
 from ..._link import exchange
+from ..._link.control import Ranks
+from ...replicas.model import DistributedModel
+from ..config import TrainConfig
 from ..rng import cuda_rng_states, restore_generators
+from ..scaler import LossScaler
 from ..state import LoopState
 from .identity import data_signature
+from .run_files import RunFiles
 from .saving import restoring
 
 _RNG = exchange("the RNG states for a checkpoint")
 _SAVED = exchange("rank 0's writing of a checkpoint")
 _DATA = exchange("each rank's training data signature")
+
+
+class CheckpointsHost(Protocol):
+    """What TrainerCheckpoints reads of the Trainer it is mixed into
+    (trainer.py) and does not define."""
+
+    config: TrainConfig
+    model: DistributedModel
+    optimizer: torch.optim.Optimizer
+    scheduler: Optional[Any]  # an LR scheduler, or None
+    rank: int
+    ranks: Ranks
+    _scaler: LossScaler
+    _files: Optional[RunFiles]  # None without output_dir
+
+    def _emit(self, hook: str, *args: Any) -> None: ...
 
 
 class TrainerCheckpoints:
