@@ -98,3 +98,16 @@ def test_timeline_off_by_default_and_env_validated(monkeypatch):
     monkeypatch.setenv("PYDDP_TIMELINE", "many")
     with pytest.raises(ValueError, match="PYDDP_TIMELINE"):
         pyddp.wrap(mlp(), ["cpu", "cpu"])
+
+
+def test_reset_stats_forgets_the_means_not_the_last_iteration():
+    dm = pyddp.wrap(mlp(), ["cpu", "cpu"], bucket_cap_mb=0)
+    train(dm, iterations=3)
+    before = dm.stats()
+    assert before["mean"]["launches"] == before["launches"]
+    dm.reset_stats()  # e.g. after a benchmark's warm-up
+    after = dm.stats()
+    assert after["mean"] == {} and after["iteration"] == 3
+    train(dm, iterations=2)
+    again = dm.stats()
+    assert again["iteration"] == 5 and again["mean"]["launches"] == again["launches"]

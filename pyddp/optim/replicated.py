@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 import torch
 
@@ -119,3 +119,20 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
 
     Replicated.__name__ = Replicated.__qualname__ = f"Replicated{cls.__name__}"
     return Replicated
+
+
+def clip_replicas(
+    flats: Sequence[Sequence[torch.Tensor]], max_norm: float, norm_type: float
+) -> torch.Tensor:
+    """dmodel.clip_grad_norm_ over replicas that each hold the whole reduced
+    gradient (`flats[r]`: replica r's flat buckets): the norm is replica
+    0's, and every replica scales by the same coefficient. Returns it."""
+    norms = [
+        torch.linalg.vector_norm(f, norm_type, dtype=torch.promote_types(f.dtype, torch.float32))
+        for f in flats[0]  # replicas hold the same reduced values
+    ]
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grads in flats:
+        torch._foreach_mul_(list(grads), coef.to(grads[0].device))
+    return total

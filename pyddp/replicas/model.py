@@ -29,6 +29,7 @@ from ..engine.options import Options
 from ..engine.params import assemble
 from ..engine.reducer import Reducer
 from ..optim.factory import ParamsFn, make_optimizer
+from ..optim.replicated import clip_replicas
 from ..optim.shards import clip_sharded, sharded_finite
 from ..runtime.devices import DeviceLike, parse_devices, process_devices
 from ..runtime.libraries import timeout_s
@@ -249,19 +250,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             return clip_sharded(self._reducer.gradients(), max_norm, norm_type)
         if len(self._replicas) == 1:
             return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
-        flats = self._reducer.flat_grads(0)  # replicas hold the same reduced values
-        norms = [
-            torch.linalg.vector_norm(
-                f, norm_type, dtype=torch.promote_types(f.dtype, torch.float32)
-            )
-            for f in flats
-        ]
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for r in range(len(self._replicas)):
-            grads = self._reducer.flat_grads(r)
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return total
+        return clip_replicas(self._flat_grads(), max_norm, norm_type)
 
     def _flat_grads(self) -> List[List[torch.Tensor]]:
         """Each replica's gradients as the reducer holds them (the flat

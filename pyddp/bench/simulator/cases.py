@@ -3,12 +3,11 @@ against (published.py reproduces each): per case, the publication's model,
 per-GPU batch, precision, hardware (a hardware.SYSTEMS preset), the
 gradient-sync policy its framework used, its throughput where the
 calibration is taken, and its efficiency at other GPU counts, with the
-source and its words. Also the split into a fit half and a held-out half
-(held_out), fixed before anything was fitted."""
+source and its words. The split into a fit half and a held-out half is
+published.held_out."""
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Sequence, Tuple
 
@@ -447,11 +446,3 @@ CASES: Sequence[Case] = (
         "network is not stated (a DGX A100 has 8x HDR 200 Gb/s)",
     ),
 )
-
-
-def held_out(case: Case) -> bool:
-    """THE SPLIT, fixed before anything was fitted: a case (every point of one
-    publication's setup together, so no setup is on both sides) is held out
-    when the CRC-32 of its name is odd. Effects are fitted on the other half
-    only; the held-out half's miss is what the README reports."""
-    return zlib.crc32(case.name.encode()) % 2 == 1

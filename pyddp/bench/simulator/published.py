@@ -18,6 +18,7 @@ Two predictions per point:
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import astuple, replace
 from functools import cache
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -28,9 +29,17 @@ import torch
 from .._util import pyplot, save_figure
 from . import costmodel, hardware, simulate
 from .architectures import PRESETS
-from .cases import CASES, Case, Point, held_out
+from .cases import CASES, Case, Point
 
 __all__ = ["CASES", "Case", "Point", "held_out", "run", "fit", "cross_validate", "band"]
+
+
+def held_out(case: Case) -> bool:
+    """THE SPLIT, fixed before anything was fitted: a case (every point of one
+    publication's setup together, so no setup is on both sides) is held out
+    when the CRC-32 of its name is odd. Effects are fitted on the other half
+    only; the held-out half's miss is what the README reports."""
+    return zlib.crc32(case.name.encode()) % 2 == 1
 
 
 def calibrated_at(
