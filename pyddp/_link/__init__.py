@@ -49,6 +49,6 @@ def connect(
         )
     seconds = default_timeout() if timeout_s is None else float(timeout_s)
     link = ProcessLink(peers_of(group, seconds), names)
-    link.joining.group = group
+    link.group = group
     link.adopt_root_model(replicas, device_type, op, settings)
     return link

@@ -100,7 +100,6 @@ class Joining:
     """torch's Join on the link of one process: nothing to exchange."""
 
     def __init__(self) -> None:
-        self.group: Any = None  # the process group spanned (torch's Join runs on it)
         self.step: Optional[JoinStep] = None  # under Join, this forward's step
         # Gradients averaged over the ranks with inputs (torch DDP's
         # divide_by_initial_world_size=False) rather than over every rank.

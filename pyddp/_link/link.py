@@ -42,6 +42,7 @@ class Link:
         # The global batch's loss of the last training step's dmodel.loss, when
         # the link learns it on the host (CPU replicas across processes).
         self.global_loss: Optional[float] = None
+        self.group: Any = None  # the process group spanned (torch's Join runs on it)
         self.control: Any = None  # the control exchanges (control.Control; none here)
         self.joining = Joining()  # torch's Join (nothing to exchange in one process)
 

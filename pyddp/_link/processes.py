@@ -38,6 +38,7 @@ class ProcessLink(Link):
         self.local_counts: List[int] = []
         self.weighting = Weighting(self.world)  # dmodel.loss's (weighting.py)
         self._route: Optional[DeviceRoute] = None
+        self.group: Any = None  # the caller's process group (torch's Join runs on it)
         # torch's Join (its step as every rank saw it, how gradients
         # average): a face of its own for the model.
         self.joining = ProcessJoining(peers, self.control, self.failure, self.weighting)

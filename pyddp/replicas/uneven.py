@@ -142,7 +142,7 @@ class Joining(Joinable):
     def join_device(self) -> torch.device:
         """torch's Joinable: where Join's own all-reduces live (the CPU for
         gloo, this process's GPU for NCCL)."""
-        group = self._join.group
+        group = self._link.group
         if group is not None and dist.get_backend(group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -151,7 +151,7 @@ class Joining(Joinable):
     def join_process_group(self) -> Any:
         """torch's Joinable: the process group this model spans (Join's own
         all-reduces run there, as torch DDP's do on its group)."""
-        return self._join.group
+        return self._link.group
 
     # ------------------------------------------------ from DistributedModel
     def _notify_join(self) -> None:
