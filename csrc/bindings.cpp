@@ -1,5 +1,7 @@
 // pybind11 glue for pyddp._C: no logic here. C++ exceptions map to Python ones
 // and the GIL is released around every call that can wait.
+#include <cstdio>
+
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -71,6 +73,27 @@ void stream_ordered(Backend& self, const std::vector<uintptr_t>& streams,
   }
   self.fence();
   self.check();
+}
+
+// The engine's mark_ready for the torch-linked hot path (pyddp._hot), which
+// calls it from C++ gradient hooks without Python: a plain C function, so no
+// C++ type or exception crosses between the two modules. Returns 0, or 1
+// (ReduceError) / 2 (UsageError) / 3 (anything else) with the message in msg.
+extern "C" int pyddp_engine_mark(void* engine, int replica, int param, uintptr_t stream,
+                                 char* msg, size_t cap) {
+  try {
+    static_cast<Engine*>(engine)->mark_ready(replica, param, stream);
+    return 0;
+  } catch (const ReduceError& e) {
+    std::snprintf(msg, cap, "%s", e.what());
+    return 1;
+  } catch (const UsageError& e) {
+    std::snprintf(msg, cap, "%s", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::snprintf(msg, cap, "%s", e.what());
+    return 3;
+  }
 }
 
 }  // namespace
@@ -297,6 +320,14 @@ PYBIND11_MODULE(_C, m) {
       // would cost more than the call itself.
       .def("mark_ready", &Engine::mark_ready, py::arg("replica"), py::arg("param"),
            py::arg("stream") = 0)
+      .def(
+          "hot_entry",
+          [](Engine& self) {
+            return py::make_tuple(reinterpret_cast<uintptr_t>(&self),
+                                  reinterpret_cast<uintptr_t>(&pyddp_engine_mark));
+          },
+          "(this engine's address, the address of pyddp_engine_mark): for pyddp._hot's "
+          "gradient hooks; valid while this object lives")
       .def(
           "finish",
           [](Engine& self, const std::vector<uintptr_t>& streams) {

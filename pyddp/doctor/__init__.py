@@ -13,7 +13,15 @@ from typing import List
 import torch
 
 from .. import _C, __version__
-from ..runtime.libraries import NCCL_ENV, NVRTC_ENV, cuda_driver, find_nccl, find_nvrtc, timeout_s
+from ..runtime.libraries import (
+    NCCL_ENV,
+    NVRTC_ENV,
+    cuda_driver,
+    find_nccl,
+    find_nvrtc,
+    hot_status,
+    timeout_s,
+)
 
 
 def report() -> List[str]:
@@ -51,6 +59,8 @@ def report() -> List[str]:
                 lines.append(f"on-device kernel on cuda:{i}: FAILED to compile or load: {e}")
     else:
         lines.append("on-device kernel (replicas sharing a GPU): not tried (no GPU or no NVRTC)")
+    _, why = hot_status()
+    lines.append(f"torch-linked hot path (C++ gradient hooks, CPU replicas): {why}")
     lines.append(f"collective timeout: {timeout_s():g} s")
     lines.append("backends by replica placement:")
     lines.append("  cpu, cpu, ...          -> cpu (in-process)")

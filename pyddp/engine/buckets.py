@@ -47,9 +47,12 @@ class BucketLayout:
         # Sharded gradients (Engine.set_scatter): every bucket padded to a
         # multiple of the ranks, one block each.
         self.pad_to = 1
-        self.adopted = 0  # gradients that arrived outside the buckets and were copied in
+        self._adopted = 0  # gradients that arrived outside the buckets and were copied in
         # Per replica and parameter: set to None by hand_over, not yet back.
-        self._handed = [[False] * n for _ in params]
+        # Bytearrays: the C++ hooks (pyddp._hot) read and clear them in place.
+        self._handed = [bytearray(n) for _ in params]
+        # The C++ hooks, if any (hooks.py): told the views after each layout.
+        self.hot: Optional[Any] = None
         # Sharded gradients (scattered.py): blocks kept, buckets transient.
         self.scattered: Optional[Scattered] = None
         self._scatter_setup: Optional[tuple] = None
@@ -87,6 +90,21 @@ class BucketLayout:
     def handed(self, r: int, i: int) -> None:
         self._handed[r][i] = True
 
+    @property
+    def adopted(self) -> int:
+        """Gradients that arrived outside the buckets and were copied in
+        (by the Python hooks and the C++ ones)."""
+        return self._adopted + (self.hot.adopted() if self.hot is not None else 0)
+
+    def tell_hooks(self) -> None:
+        """The C++ hooks learn every replica's views (after each layout);
+        under sharded gradients they hand every gradient to Python."""
+        if self.hot is None:
+            return
+        self.hot.set_python_only(self.scattered is not None)
+        for r, views in enumerate(self.views):
+            self.hot.set_views(r, views)
+
     def _allocate_scattered(self, buckets: Sequence[Sequence[int]]) -> None:
         """Sharded gradients: every replica's blocks, and no bucket until a
         gradient needs one; gradients held now are copied into theirs."""
@@ -108,6 +126,7 @@ class BucketLayout:
                         self.params[r][i].grad = self.views[r][i]
         self._view_ptrs = []
         self._versions = None
+        self.tell_hooks()
 
     def allocate(self, buckets: Sequence[Sequence[int]], spare: int = 0) -> None:
         """Allocates flat buffers for `buckets` and points every gradient there,
@@ -147,6 +166,7 @@ class BucketLayout:
             self.flat[r], self._wire[r] = flats, wires
         self._view_ptrs = [v.data_ptr() for v in self.views[0]]
         self._versions = None
+        self.tell_hooks()
 
     def memory(self) -> List[List[torch.Tensor]]:
         """Per replica, every tensor holding its bucket memory now."""
@@ -214,7 +234,7 @@ class BucketLayout:
         if i >= 0 and self._handed[r][i]:
             self._handed[r][i] = False
         else:
-            self.adopted += 1
+            self._adopted += 1
 
     def take_in(self, r: int, i: int) -> None:
         """Replica r produced no gradient for parameter i this backward: its
@@ -292,7 +312,7 @@ class BucketLayout:
         for flat in self.flat[r]:
             if flat is not None:
                 flat.zero_()
-        self._handed[r] = [False] * len(self._handed[r])
+        self._handed[r][:] = bytes(len(self._handed[r]))  # in place: the C++ hooks hold it
 
     def follow_resets(self, engine: Any) -> None:
         """Once per reduction, before any replica accumulates on it, where

@@ -4,7 +4,14 @@ forward pre-hook readies the replica for the next backward. Hooks sit on the
 replicas' parameters, replica 0's being the user's model: they hold their
 reducer weakly, so dropping the wrapped model releases it, and they copy as
 standard-library callables, so a copied or pickled model carries no live
-pyddp state."""
+pyddp state.
+
+CPU replicas get C++ hooks instead where the torch-linked hot path is built
+for this torch (pyddp._hot, runtime.libraries.hot): on each parameter's
+gradient accumulator, as torch DDP's reducer registers them, doing the
+common case (copy into the bucket view, mark ready) without Python, and
+handing the rest to the Python hook below. They live on the accumulators,
+not the parameters, so a copied model carries none either."""
 
 from __future__ import annotations
 
@@ -15,6 +22,9 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import nn
 
+from .. import _C
+from ..runtime.libraries import hot
+
 
 def install_hooks(reducer: Any, handles: List[Any], began: bool, prepare_on_forward: bool) -> None:
     """The reducer's hooks on every replica, their handles into `handles`:
@@ -22,14 +32,46 @@ def install_hooks(reducer: Any, handles: List[Any], began: bool, prepare_on_forw
     a forward pre-hook per replica."""
     owner, mark = weakref.ref(reducer), reducer._engine.mark_ready
     gpus, streams = reducer._gpu_devices, reducer._streams
+    layout = reducer._layout
+    fast = hot() if gpus is None else None
+    python_hooks: List[List[Callable[[torch.Tensor], None]]] = []
     for r, (module, params) in enumerate(zip(reducer._replicas, reducer._params)):
         device = -1 if gpus is None else gpus[r]
-        views = reducer._layout.views[r]
+        views = layout.views[r]
+        python_hooks.append([])
         for i, p in enumerate(params):
             hook = grad_hook(owner, views, r, i, mark, streams, device, began)
-            handles.append(p.register_post_accumulate_grad_hook(hook))
+            if fast is None:
+                handles.append(p.register_post_accumulate_grad_hook(hook))
+            python_hooks[r].append(hook)
         if prepare_on_forward:  # wrap prepares all replicas itself, hook-free
             handles.append(module.register_forward_pre_hook(PrepareHook(reducer, r)))
+    if fast is not None:
+        layout.hot = _cpp_hooks(fast, reducer, python_hooks, began)
+        handles.append(layout.hot)
+        layout.tell_hooks()
+
+
+def _cpp_hooks(fast: Any, reducer: Any, python_hooks: List[List[Any]], began: bool) -> Any:
+    """pyddp._hot's hooks for CPU replicas: `python_hooks[r][i]` runs for
+    whatever they leave to Python (called with the parameter)."""
+    params = reducer._params
+    owner = weakref.ref(reducer)
+
+    def fallback(r: int, i: int) -> None:
+        python_hooks[r][i](params[r][i])
+
+    engine, mark = reducer._engine.hot_entry()
+    return fast.HookSet(
+        params,
+        engine,
+        mark,
+        fallback,
+        functools.partial(_began, owner) if began else None,
+        _C.ReduceError,
+        _C.UsageError,
+        reducer._layout._handed,
+    )
 
 
 def grad_hook(
@@ -75,17 +117,28 @@ def grad_hook(
 
 
 def _began(owner: Any) -> None:
-    """Tells the wrapped model a gradient arrived (Reducer._began: set where
-    a backward may bypass its outputs)."""
+    """Tells the wrapped model a gradient arrived (its on_backward_start,
+    set where a backward may bypass its outputs)."""
     reducer = owner()
-    if reducer is not None:
-        reducer._began()
+    if reducer is not None and reducer._on_backward_start is not None:
+        began = reducer._on_backward_start()
+        if began is not None:
+            began()
+
+
+def arm_began(reducer: Any) -> None:
+    """The C++ hooks tell the wrapped model of the next backward's first
+    gradient (once per backward; the Python hooks tell it of every one):
+    armed at construction, before each forward, after finish and abort."""
+    if reducer._on_backward_start is not None and reducer._layout.hot is not None:
+        reducer._layout.hot.arm_began()
 
 
 def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor, r: int, i: int) -> None:
+    """A gradient that arrived outside its bucket view is copied in."""
     reducer = owner()
     if reducer is not None:
-        reducer._adopt_grad(p, view, r, i)
+        reducer._layout.adopt(p, view, r, i)
 
 
 class PrepareHook:

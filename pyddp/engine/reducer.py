@@ -31,7 +31,7 @@ from ..runtime.libraries import make_backend
 from . import params as checked
 from .ending import final_gradients, settle_unmarked
 from .faces import GradientShards
-from .hooks import install_hooks
+from .hooks import arm_began, install_hooks
 from .observe import Observer
 from .plan import Plan, resolve_hook
 from .streams import StreamOrder
@@ -98,6 +98,7 @@ class Reducer:
         self._finalizer = weakref.finalize(self, _release, self._handles, self._engine)
         began = on_backward_start is not None
         install_hooks(self, self._handles, began, prepare_on_forward)
+        arm_began(self)
         checked.note_synced(self, self._params)
 
     # ----------------------------------------------------------------- state
@@ -204,6 +205,7 @@ class Reducer:
             self._link.abandon_unfinished()
         for r in range(len(self._replicas)):
             self.prepare(r)
+        arm_began(self)
 
     def finish(self) -> None:
         """GradSync.finish (its docstring is the contract)."""
@@ -257,6 +259,7 @@ class Reducer:
         if synced:
             self._plan.rebuild_once()
         self._layout.mark_reduced()
+        arm_began(self)
 
     def shadow_backward(self) -> None:
         """Under torch's Join, on a rank whose inputs ran out: takes part in
@@ -305,6 +308,7 @@ class Reducer:
         """GradSync.abort (its docstring is the contract)."""
         if self._engine is not None:
             self._engine.abort()
+            arm_began(self)
         self._link.abandon(reason)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -381,18 +385,6 @@ class Reducer:
         self._check_open()
         used = self._observer.last is not None or self._engine.active
         self._plan.register_comm_hook(state, hook, self._gpu_devices is not None, used)
-
-    # -------------------------------------------------- for the hooks (hooks.py)
-    def _adopt_grad(self, p: Any, view: Any, r: int, i: int) -> None:
-        """A gradient that arrived outside its bucket view is copied in."""
-        self._layout.adopt(p, view, r, i)
-
-    def _began(self) -> None:
-        """A gradient arrived: the wrapped model hears the backward began."""
-        if self._on_backward_start is not None:
-            began = self._on_backward_start()
-            if began is not None:
-                began()
 
     # ------------------------------------------------------------ statistics
     def _observe(self) -> None:

@@ -10,9 +10,12 @@ the driver's own teardown."""
 from __future__ import annotations
 
 import atexit
+import functools
 import glob
+import importlib
 import os
 import re
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence
@@ -163,6 +166,52 @@ def _require(info: LibraryInfo, need: str, install: str, env: str) -> str:
 
 
 _live_backends: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+HOT_ENV = "PYDDP_HOT"  # "0": the Python path, even where pyddp._hot was built
+
+
+def hot_status() -> tuple:
+    """(pyddp._hot or None, why not): the torch-linked hot path (C++
+    gradient hooks), loaded only if this build made it for the running
+    torch and PYDDP_HOT is not "0"."""
+    return _load_hot(os.environ.get(HOT_ENV, "1").strip() != "0")
+
+
+def hot() -> Optional[Any]:
+    """pyddp._hot, or None; the first time it is missing for a reason the
+    user can act on (built for another torch), says so once."""
+    module, why = hot_status()
+    if module is None and why.startswith("built for torch"):
+        _say_once(why)
+    return module
+
+
+@functools.cache
+def _load_hot(enabled: bool) -> tuple:
+    if not enabled:
+        return None, f"switched off ({HOT_ENV}=0): Python gradient hooks"
+    try:
+        built = importlib.import_module("pyddp._hot_build").TORCH_VERSION
+    except ImportError:
+        return None, (
+            "not built (pip install --no-build-isolation builds it against the installed "
+            "torch): Python gradient hooks"
+        )
+    if built != torch.__version__:
+        return None, (
+            f"built for torch {built}, running torch {torch.__version__}: Python gradient "
+            "hooks; reinstall pyddp (pip install --no-build-isolation) to build it for this torch"
+        )
+    try:
+        return importlib.import_module("pyddp._hot"), f"loaded (built for torch {built})"
+    except ImportError as e:
+        return None, f"failed to load ({e}): Python gradient hooks"
+
+
+@functools.cache
+def _say_once(why: str) -> None:
+    warnings.warn(f"pyddp: the torch-linked hot path is {why}", RuntimeWarning, stacklevel=3)
 
 
 @atexit.register

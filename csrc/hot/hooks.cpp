@@ -1,0 +1,209 @@
+// pyddp._hot: the torch-linked hot path, built against the torch installed at
+// build time (docs/design.md, "Layers"). It holds what must not touch Python
+// per step: a C++ hook on each parameter's gradient accumulator (the node
+// torch DDP's reducer hooks too) that, for CPU replicas, copies a gradient
+// into its bucket view when it is not that view yet (the hand-over after
+// zero_grad) and marks it ready in pyddp's engine through the engine's plain C
+// entry point (_C's pyddp_engine_mark), without taking the interpreter lock.
+// Whatever is not that common case (no view yet, a sparse or mismatched
+// gradient, sharded gradients, the wrapped model to tell once per backward)
+// goes to the Python hook, which does what it always did.
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+using torch::autograd::variable_list;
+
+namespace {
+
+using MarkFn = int (*)(void*, int, int, uintptr_t, char*, size_t);
+
+// What every hook of one reducer shares. Python objects are borrowed from the
+// HookSet that owns them: hooks use them only while `enabled` is set, and
+// HookSet::remove clears it before it lets them go.
+struct State {
+  std::atomic<bool> enabled{true};
+  std::atomic<bool> python_only{false};  // every gradient to the Python hook
+  std::atomic<bool> began_due{false};    // tell the wrapped model a backward began
+  void* engine = nullptr;
+  MarkFn mark = nullptr;
+  std::vector<std::vector<at::Tensor>> params;  // [replica][parameter]
+  std::vector<std::vector<at::Tensor>> views;   // their bucket views (undefined: none)
+  std::vector<uint8_t*> handed;  // per replica: the layout's bytearray (set to None by pyddp)
+  std::atomic<int64_t> adopted{0};
+  PyObject* fallback = nullptr;  // python(replica, param): the Python hook
+  PyObject* began = nullptr;     // the wrapped model's, or nullptr
+  PyObject* errors[4] = {nullptr, nullptr, nullptr, nullptr};
+};
+
+// A Python error raised inside autograd's thread: torch hands it to the
+// thread that called backward() with its type (python_error).
+// Fetched here, with the lock held, as autograd would do it itself: the
+// error must not depend on this thread's interpreter state outliving it.
+[[noreturn]] void raise_python(py::error_already_set& e) {
+  e.restore();
+  python_error err;
+  err.persist();
+  throw err;
+}
+
+// fn(replica, param), or fn() with replica < 0; Python objects are made only
+// once the interpreter lock is held (autograd's threads run without it).
+void call_python(PyObject* fn, int replica = -1, int param = -1) {
+  py::gil_scoped_acquire gil;
+  try {
+    auto f = py::reinterpret_borrow<py::object>(fn);
+    if (replica < 0) {
+      f();
+    } else {
+      f(replica, param);
+    }
+  } catch (py::error_already_set& e) {
+    raise_python(e);
+  }
+}
+
+struct MarkHook : public torch::autograd::FunctionPostHook {
+  std::shared_ptr<State> s;
+  int r, i;
+  MarkHook(std::shared_ptr<State> state, int replica, int param)
+      : s(std::move(state)), r(replica), i(param) {}
+
+  variable_list operator()(const variable_list& outputs, const variable_list&) override {
+    State& st = *s;
+    if (!st.enabled.load(std::memory_order_acquire)) return outputs;
+    const at::Tensor& view = st.views[r][i];
+    if (st.python_only.load(std::memory_order_relaxed) || !view.defined()) {
+      call_python(st.fallback, r, i);
+      return outputs;
+    }
+    at::Tensor& param = st.params[r][i];
+    const at::Tensor& grad = param.grad();
+    if (!grad.defined() || grad.unsafeGetTensorImpl() != view.unsafeGetTensorImpl()) {
+      if (!grad.defined() || grad.is_sparse() || grad.sizes() != view.sizes() ||
+          grad.scalar_type() != view.scalar_type() || grad.device() != view.device()) {
+        call_python(st.fallback, r, i);  // named there, or handled
+        return outputs;
+      }
+      {
+        at::NoGradGuard no_grad;
+        const_cast<at::Tensor&>(view).copy_(grad);  // one pass over the memory
+      }
+      param.mutable_grad() = view;  // later backwards accumulate in place
+      if (st.handed[r][i]) {
+        st.handed[r][i] = 0;  // pyddp set it to None (zero_grad): not counted
+      } else {
+        st.adopted.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    if (st.began != nullptr && st.began_due.exchange(false)) {
+      call_python(st.began);
+    }
+    char msg[2048];
+    const int kind = st.mark(st.engine, r, i, 0, msg, sizeof(msg));
+    if (kind != 0) {
+      py::gil_scoped_acquire gil;
+      PyErr_SetString(st.errors[kind], msg);
+      python_error err;
+      err.persist();
+      throw err;
+    }
+    return outputs;
+  }
+};
+
+// One reducer's hooks. Owns the accumulators (keeping each hook's node alive,
+// as torch DDP's reducer does) and the Python objects the hooks borrow.
+class HookSet {
+ public:
+  HookSet(std::vector<std::vector<at::Tensor>> params, uintptr_t engine, uintptr_t mark,
+          py::object fallback, py::object began, py::object reduce_error,
+          py::object usage_error, std::vector<py::bytearray> handed)
+      : state_(std::make_shared<State>()),
+        fallback_(std::move(fallback)),
+        began_(std::move(began)),
+        reduce_error_(std::move(reduce_error)),
+        usage_error_(std::move(usage_error)),
+        handed_(std::move(handed)) {
+    State& s = *state_;
+    s.engine = reinterpret_cast<void*>(engine);
+    s.mark = reinterpret_cast<MarkFn>(mark);
+    s.fallback = fallback_.ptr();
+    s.began = began_.is_none() ? nullptr : began_.ptr();
+    s.errors[1] = reduce_error_.ptr();
+    s.errors[2] = usage_error_.ptr();
+    s.errors[3] = PyExc_RuntimeError;
+    s.params = std::move(params);
+    s.views.resize(s.params.size());
+    TORCH_CHECK(handed_.size() == s.params.size(), "pyddp._hot: one bytearray per replica");
+    for (size_t r = 0; r < s.params.size(); ++r) {
+      s.views[r].resize(s.params[r].size());
+      auto* bytes = reinterpret_cast<uint8_t*>(PyByteArray_AsString(handed_[r].ptr()));
+      TORCH_CHECK(static_cast<size_t>(PyByteArray_Size(handed_[r].ptr())) == s.params[r].size(),
+                  "pyddp._hot: a handed bytearray per parameter");
+      s.handed.push_back(bytes);
+      for (size_t i = 0; i < s.params[r].size(); ++i) {
+        auto acc = torch::autograd::impl::grad_accumulator(s.params[r][i]);
+        TORCH_CHECK(acc, "pyddp._hot: parameter ", i, " of replica ", r,
+                    " has no gradient accumulator (requires_grad=False?)");
+        acc->add_post_hook(std::make_unique<MarkHook>(state_, static_cast<int>(r),
+                                                      static_cast<int>(i)));
+        accumulators_.push_back(std::move(acc));
+      }
+    }
+  }
+
+  // The bucket views of replica r (None where it has none), after each layout.
+  void set_views(int r, const std::vector<std::optional<at::Tensor>>& views) {
+    State& s = *state_;
+    TORCH_CHECK(r >= 0 && static_cast<size_t>(r) < s.views.size(), "replica out of range");
+    TORCH_CHECK(views.size() == s.views[r].size(), "one view per parameter");
+    for (size_t i = 0; i < views.size(); ++i) {
+      s.views[r][i] = views[i].has_value() ? *views[i] : at::Tensor();
+    }
+  }
+
+  void set_python_only(bool on) { state_->python_only.store(on); }
+  void arm_began() { state_->began_due.store(true); }
+  int64_t adopted() const { return state_->adopted.load(); }
+
+  // Hooks do nothing from now on; the nodes (and with them the hooks) go
+  // once no graph holds them.
+  void remove() {
+    state_->enabled.store(false, std::memory_order_release);
+    accumulators_.clear();
+  }
+
+ private:
+  std::shared_ptr<State> state_;
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>
+      accumulators_;
+  py::object fallback_, began_, reduce_error_, usage_error_;
+  std::vector<py::bytearray> handed_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_hot, m) {
+  m.doc() = "pyddp's torch-linked hot path (private; see pyddp.runtime.libraries.hot)";
+  m.attr("TORCH_VERSION") = PYDDP_TORCH_VERSION;
+  py::class_<HookSet>(m, "HookSet")
+      .def(py::init<std::vector<std::vector<at::Tensor>>, uintptr_t, uintptr_t, py::object,
+                    py::object, py::object, py::object, std::vector<py::bytearray>>(),
+           py::arg("params"), py::arg("engine"), py::arg("mark"), py::arg("fallback"),
+           py::arg("began"), py::arg("reduce_error"), py::arg("usage_error"), py::arg("handed"))
+      .def("set_views", &HookSet::set_views, py::arg("replica"), py::arg("views"))
+      .def("set_python_only", &HookSet::set_python_only, py::arg("on"))
+      .def("arm_began", &HookSet::arm_began)
+      .def("adopted", &HookSet::adopted)
+      .def("remove", &HookSet::remove);
+}

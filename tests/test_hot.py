@@ -1,0 +1,95 @@
+"""The torch-linked hot path (pyddp._hot): C++ hooks on the gradient
+accumulators of CPU replicas. Where it is built for this torch (pip install
+--no-build-isolation) it is used unless PYDDP_HOT=0; CI runs the fast tier
+both ways, so every other test covers both paths. Here: which path is on,
+and the Python work per step counted (calls, not times)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+import pyddp
+from pyddp.runtime import libraries
+
+BUILT = importlib.util.find_spec("pyddp._hot_build") is not None
+SWITCHED_OFF = os.environ.get("PYDDP_HOT", "1").strip() == "0"
+
+
+def test_the_hot_path_is_on_exactly_where_built_and_not_switched_off():
+    module, why = libraries.hot_status()
+    assert (module is not None) == (BUILT and not SWITCHED_OFF), why
+    if SWITCHED_OFF:
+        assert "PYDDP_HOT=0" in why
+    elif not BUILT:
+        assert why.startswith("not built")
+    else:
+        assert torch.__version__ == module.TORCH_VERSION
+
+
+def test_a_build_for_another_torch_is_not_loaded_and_says_so(monkeypatch):
+    if not BUILT:
+        pytest.skip("pyddp._hot is not built here")
+    import pyddp._hot_build as build
+
+    monkeypatch.setattr(build, "TORCH_VERSION", "0.0.0+elsewhere")
+    monkeypatch.setenv("PYDDP_HOT", "1")  # as if not switched off (CI runs both)
+    libraries._load_hot.cache_clear()
+    libraries._say_once.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="built for torch 0.0.0\\+elsewhere"):
+            assert libraries.hot() is None
+    finally:
+        libraries._load_hot.cache_clear()
+        libraries._say_once.cache_clear()
+
+
+def _calls_per_step(layers: int) -> Counter:
+    """pyddp's Python function calls in one synced step of 2 CPU replicas
+    driven from this thread (GradSync: every hook runs here, so the profiler
+    sees it), after warm-up steps."""
+    torch.manual_seed(0)
+    m0 = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+    m1 = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+    m1.load_state_dict(m0.state_dict())
+    sync = pyddp.GradSync([m0, m1], bucket_cap_mb=1000, first_bucket_cap_mb=1000)
+    x = torch.randn(4, 8)
+
+    def step() -> None:
+        for m in (m0, m1):
+            m(x).sum().backward()
+        sync.finish()
+        sync.check_step()
+        sync.zero_grad()  # to None: the next gradients are copied in (the hand-over)
+
+    for _ in range(3):
+        step()
+    calls: Counter = Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and f"pyddp{os.sep}" in frame.f_code.co_filename:
+            calls[frame.f_code.co_name] += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    sync.close()
+    return calls
+
+
+def test_python_calls_per_step_do_not_grow_with_the_parameters_on_the_hot_path():
+    small, large = _calls_per_step(4), _calls_per_step(40)  # 8 and 80 parameters
+    grown = {k: (small[k], large[k]) for k in set(small) | set(large) if small[k] != large[k]}
+    if libraries.hot() is not None:
+        assert grown == {}, grown  # O(buckets): one bucket here, whatever the parameters
+    else:
+        # The Python path: a hook call per parameter per replica (the counter sees it).
+        assert large["on_grad"] - small["on_grad"] == 2 * (80 - 8), grown
