@@ -93,3 +93,36 @@ def test_python_calls_per_step_do_not_grow_with_the_parameters_on_the_hot_path()
     else:
         # The Python path: a hook call per parameter per replica (the counter sees it).
         assert large["on_grad"] - small["on_grad"] == 2 * (80 - 8), grown
+
+
+def test_the_cpp_hooks_follow_a_parameter_given_a_new_accumulator():
+    # torch gives a parameter a new gradient accumulator when its data
+    # changes dtype or device (Module._apply: .half().float()); hooks left on
+    # the old one would never run again (the reductions would wait for the
+    # end of backward, and the hand-over would fall to finish()).
+    if libraries.hot() is None:
+        pytest.skip("the hot path is off here (not built, or PYDDP_HOT=0)")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    ref.load_state_dict(m.state_dict())
+    dm = pyddp.wrap(m, ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    hot = dm._reducer._layout.hot
+    x = torch.randn(8, 4)
+    for step in range(3):
+        if step == 1:
+            m.half().float()
+            ref.half().float()
+        before = hot.marks()
+        dm(x).sum().backward()
+        assert hot.marks() - before == 2 * 4, step  # every gradient of both replicas, from C++
+        opt.step()
+        opt.zero_grad()
+        ref(x).sum().backward()
+        ropt.step()
+        ropt.zero_grad()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)  # float32 sums of 2 halves
+    dm.close()

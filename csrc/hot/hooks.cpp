@@ -40,6 +40,7 @@ struct State {
   std::vector<std::vector<at::Tensor>> views;   // their bucket views (undefined: none)
   std::vector<uint8_t*> handed;  // per replica: the layout's bytearray (set to None by pyddp)
   std::atomic<int64_t> adopted{0};
+  std::atomic<int64_t> marks{0};  // gradients marked from C++ (counted, for the tests)
   PyObject* fallback = nullptr;  // python(replica, param): the Python hook
   PyObject* began = nullptr;     // the wrapped model's, or nullptr
   PyObject* errors[4] = {nullptr, nullptr, nullptr, nullptr};
@@ -110,6 +111,7 @@ struct MarkHook : public torch::autograd::FunctionPostHook {
     }
     char msg[2048];
     const int kind = st.mark(st.engine, r, i, 0, msg, sizeof(msg));
+    st.marks.fetch_add(1, std::memory_order_relaxed);
     if (kind != 0) {
       py::gil_scoped_acquire gil;
       PyErr_SetString(st.errors[kind], msg);
@@ -145,20 +147,32 @@ class HookSet {
     s.params = std::move(params);
     s.views.resize(s.params.size());
     TORCH_CHECK(handed_.size() == s.params.size(), "pyddp._hot: one bytearray per replica");
+    accumulators_.resize(s.params.size());
     for (size_t r = 0; r < s.params.size(); ++r) {
       s.views[r].resize(s.params[r].size());
       auto* bytes = reinterpret_cast<uint8_t*>(PyByteArray_AsString(handed_[r].ptr()));
       TORCH_CHECK(static_cast<size_t>(PyByteArray_Size(handed_[r].ptr())) == s.params[r].size(),
                   "pyddp._hot: a handed bytearray per parameter");
       s.handed.push_back(bytes);
-      for (size_t i = 0; i < s.params[r].size(); ++i) {
-        auto acc = torch::autograd::impl::grad_accumulator(s.params[r][i]);
-        TORCH_CHECK(acc, "pyddp._hot: parameter ", i, " of replica ", r,
-                    " has no gradient accumulator (requires_grad=False?)");
-        acc->add_post_hook(std::make_unique<MarkHook>(state_, static_cast<int>(r),
-                                                      static_cast<int>(i)));
-        accumulators_.push_back(std::move(acc));
-      }
+      accumulators_[r].resize(s.params[r].size());
+      refresh(static_cast<int>(r));
+    }
+  }
+
+  // Replica r's hooks on the accumulators its parameters have now. torch
+  // makes a parameter a new one when its data changes dtype or device
+  // (Module._apply: .half().float(), .to(...)); the old one never runs
+  // again. Called before each forward (Reducer.prepare): a C++ loop.
+  void refresh(int r) {
+    State& s = *state_;
+    TORCH_CHECK(r >= 0 && static_cast<size_t>(r) < s.params.size(), "replica out of range");
+    for (size_t i = 0; i < s.params[r].size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(s.params[r][i]);
+      // None while frozen (requires_grad=False): no gradient to mark; the
+      // model's follow names what changed (replicas/mirror.py).
+      if (!acc || acc.get() == accumulators_[r][i].get()) continue;
+      acc->add_post_hook(std::make_unique<MarkHook>(state_, r, static_cast<int>(i)));
+      accumulators_[r][i] = std::move(acc);
     }
   }
 
@@ -175,6 +189,7 @@ class HookSet {
   void set_python_only(bool on) { state_->python_only.store(on); }
   void arm_began() { state_->began_due.store(true); }
   int64_t adopted() const { return state_->adopted.load(); }
+  int64_t marks() const { return state_->marks.load(); }
 
   // Hooks do nothing from now on; the nodes (and with them the hooks) go
   // once no graph holds them.
@@ -185,8 +200,9 @@ class HookSet {
 
  private:
   std::shared_ptr<State> state_;
-  std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>
-      accumulators_;
+  std::vector<
+      std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>>
+      accumulators_;  // [replica][parameter]
   py::object fallback_, began_, reduce_error_, usage_error_;
   std::vector<py::bytearray> handed_;
 };
@@ -205,5 +221,7 @@ PYBIND11_MODULE(_hot, m) {
       .def("set_python_only", &HookSet::set_python_only, py::arg("on"))
       .def("arm_began", &HookSet::arm_began)
       .def("adopted", &HookSet::adopted)
+      .def("marks", &HookSet::marks)
+      .def("refresh", &HookSet::refresh, py::arg("replica"))
       .def("remove", &HookSet::remove);
 }

@@ -159,6 +159,8 @@ class Reducer:
         # Backward runs on the stream its forward runs on: this one. It and the
         # zeroing below come after the last reduction of these buckets.
         self._order.use_current(self._engine, replica)
+        if self._layout.hot is not None:  # C++ hooks on the accumulators there are now
+            self._layout.hot.refresh(replica)
         self._follow_resets()
         self._clear_reduced_copy(replica)
 
