@@ -257,7 +257,7 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<ProcessGroupBackend, Backend, std::shared_ptr<ProcessGroupBackend>>(m, "ProcessGroupBackend")
       .def(py::init([](std::shared_ptr<Backend> local, py::function launch, std::string name,
-                       int first_rank, int nranks) {
+                       int first_rank, int nranks, py::object hot) {
              // Runs on the engine's launcher thread: takes the GIL for the
              // Python launch, and turns its exception into a ReduceError (the
              // engine names the bucket) instead of a Python error object
@@ -267,7 +267,29 @@ PYBIND11_MODULE(_C, m) {
                                                   py::gil_scoped_acquire gil;
                                                   delete f;
                                                 });
-             std::function<void(int)> call = [held](int key) {
+             // `hot`: pyddp._hot's Wire, whose plain C entry point launches
+             // a bucket without the GIL, or answers 1 (Python launches it).
+             // Held here: the backend outlives no launch of it.
+             using HotLaunch = int (*)(void*, int, char*, size_t);
+             HotLaunch hot_fn = nullptr;
+             void* hot_ctx = nullptr;
+             std::shared_ptr<py::object> hot_owner;
+             if (!hot.is_none()) {
+               auto entry = hot.attr("entry")().cast<std::pair<uintptr_t, uintptr_t>>();
+               hot_ctx = reinterpret_cast<void*>(entry.first);
+               hot_fn = reinterpret_cast<HotLaunch>(entry.second);
+               hot_owner.reset(new py::object(std::move(hot)), [](py::object* o) {
+                 py::gil_scoped_acquire gil;
+                 delete o;
+               });
+             }
+             std::function<void(int)> call = [held, hot_fn, hot_ctx, hot_owner](int key) {
+               if (hot_fn != nullptr) {
+                 char msg[2048] = {0};
+                 const int rc = hot_fn(hot_ctx, key, msg, sizeof(msg));
+                 if (rc == 0) return;
+                 if (rc < 0) throw ReduceError(msg);
+               }
                py::gil_scoped_acquire gil;
                try {
                  (*held)(key);
@@ -279,8 +301,9 @@ PYBIND11_MODULE(_C, m) {
                                                    std::move(name), first_rank, nranks);
            }),
            py::arg("local"), py::arg("launch"), py::arg("name"), py::arg("first_rank"),
-           py::arg("nranks"),
-           "Local reduction, then launch(bucket) starts the cross-process one (Python).");
+           py::arg("nranks"), py::arg("hot") = py::none(),
+           "Local reduction, then launch(bucket) starts the cross-process one (hot: from C++ "
+           "where pyddp._hot's Wire can, else Python).");
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](int num_replicas, const std::vector<std::string>& names,

@@ -154,9 +154,10 @@ class ProcessGroupBackend(Backend):
         name: str,
         first_rank: typing.SupportsInt | typing.SupportsIndex,
         nranks: typing.SupportsInt | typing.SupportsIndex,
+        hot: typing.Any = None,
     ) -> None:
         """
-        Local reduction, then launch(bucket) starts the cross-process one (Python).
+        Local reduction, then launch(bucket) starts the cross-process one (hot: from C++ where pyddp._hot's Wire can, else Python).
         """
 
 class Engine:

@@ -126,3 +126,85 @@ def test_the_cpp_hooks_follow_a_parameter_given_a_new_accumulator():
     for p, q in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)  # float32 sums of 2 halves
     dm.close()
+
+
+def launches_per_step(out: dict) -> None:
+    """2 processes x 1 CPU replica: who launches each bucket across the
+    processes (pyddp._hot's Wire in C++, or the transport's Python launch)
+    and who completes it, per synced step, after warm-up; and the trained
+    parameters, to compare with one device."""
+    import pyddp._link.transport as transport
+
+    python_launches, python_done = Counter(), Counter()
+    launch, done = transport.BucketTransport.launch, transport._done
+
+    def counted_launch(self, bucket):
+        python_launches[bucket] += 1
+        return launch(self, bucket)
+
+    def counted_done(flight, bucket, fut):
+        python_done[bucket] += 1
+        return done(flight, bucket, fut)
+
+    transport.BucketTransport.launch = counted_launch
+    transport._done = counted_done
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    # About 16 KiB per layer: buckets of one or two layers.
+    dm = pyddp.wrap(model, ["cpu"], bucket_cap_mb=0.04, first_bucket_cap_mb=0.02)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 64, generator=gen) for _ in range(6)]
+    rank, world = pyddp.rank(), pyddp.world()
+    wire = dm._reducer._link.transport.wire_hot
+    out["hot"] = wire is not None
+    out["steps"] = []
+    for step, x in enumerate(batches):
+        python_launches.clear()
+        python_done.clear()
+        before = wire.launches() if wire is not None else 0
+        dm(x.chunk(world)[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        out["steps"].append(
+            {
+                "python_launches": sum(python_launches.values()),
+                "python_done": sum(python_done.values()),
+                "cpp_launches": (wire.launches() if wire is not None else 0) - before,
+                "buckets": len(dm._reducer.buckets),
+            }
+        )
+    out["params"] = [p.detach().tolist() for p in model.parameters()]
+    out["batches"] = [x.tolist() for x in batches]
+    dm.close()
+
+
+@pytest.mark.multiprocess
+def test_buckets_cross_processes_without_python_per_bucket_on_the_hot_path(tmp_path):
+    from spawn import spawn
+
+    got = spawn(launches_per_step, 2, out=tmp_path)
+    hot_here = libraries.hot() is not None
+    for r in got:
+        assert r["hot"] == hot_here
+        for s in r["steps"][2:]:  # after the first steps (the plan may be rebuilt)
+            assert s["buckets"] >= 3, s
+            if hot_here:
+                # Every bucket launched and completed in C++, the agreement
+                # riding in the last: no Python per bucket, none per step.
+                assert s == {**s, "python_launches": 0, "python_done": 0}, s
+                assert s["cpp_launches"] == s["buckets"], s
+            else:
+                assert s["python_launches"] == s["buckets"] == s["python_done"], s
+    # Both ranks trained as one device on the whole batches (float32 sums of
+    # two halves: a few ulps).
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for x in got[0]["batches"]:
+        ref(torch.tensor(x)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for r in got:
+        for p, q in zip(ref.parameters(), r["params"]):
+            torch.testing.assert_close(torch.tensor(q), p.detach(), rtol=1e-5, atol=1e-6)

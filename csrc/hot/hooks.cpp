@@ -209,6 +209,8 @@ class HookSet {
 
 }  // namespace
 
+void bind_wire(py::module_& m);  // wire.cpp
+
 PYBIND11_MODULE(_hot, m) {
   m.doc() = "pyddp's torch-linked hot path (private; see pyddp.runtime.libraries.hot)";
   m.attr("TORCH_VERSION") = PYDDP_TORCH_VERSION;
@@ -224,4 +226,5 @@ PYBIND11_MODULE(_hot, m) {
       .def("marks", &HookSet::marks)
       .def("refresh", &HookSet::refresh, py::arg("replica"))
       .def("remove", &HookSet::remove);
+  bind_wire(m);
 }

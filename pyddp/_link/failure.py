@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -29,9 +29,26 @@ class Failure:
 
     def __init__(self, peers: Peers):
         self.peers = peers
-        self.failed: Optional[str] = None
+        self._failed: Optional[str] = None
         self._store_unreachable = False
         self._store_misses = 0
+        self._stops: List[Callable[[], None]] = []
+
+    @property
+    def failed(self) -> Optional[str]:
+        return self._failed
+
+    @failed.setter
+    def failed(self, why: Optional[str]) -> None:
+        self._failed = why
+        if why is not None:
+            for stop in self._stops:
+                stop()
+
+    def on_fail(self, stop: Callable[[], None]) -> None:
+        """`stop()` runs once the link fails: what launches on the groups
+        outside Python (pyddp._hot's Wire) launches nothing more."""
+        self._stops.append(stop)
 
     def check(self) -> None:
         """Raises the failure, if there was one: nothing more goes on the groups."""

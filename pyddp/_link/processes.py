@@ -122,7 +122,9 @@ class ProcessLink(Link):
         # This process's replicas sum in C++, then the launcher hands each
         # bucket to the transport (launch holds no reference to the link).
         first = sum(self.local_counts[: self.rank])
-        return process_group_backend(local, self.transport.launch, first, sum(self.local_counts))
+        return process_group_backend(
+            local, self.transport.launch, first, sum(self.local_counts), self.transport.wire_hot
+        )
 
     def route_through(self, backend: Any, devices: Sequence[int], provider: Any) -> None:
         self._route = DeviceRoute(backend, devices, provider)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .failure import Failure, WaitPost
+from ..runtime.libraries import hot
 from .groups import Peers, all_to_all, allreduce, first_line, own_group
 
 TAIL = -1  # the agreement's reduction, after the buckets
@@ -23,7 +24,8 @@ TAIL = -1  # the agreement's reduction, after the buckets
 
 class _InFlight:
     """The bucket reductions launched in this iteration and their completion
-    times, completed from gloo's worker threads."""
+    times, completed from gloo's worker threads (pyddp._hot's Flight is the
+    same record in C++, where its launches complete)."""
 
     def __init__(self) -> None:
         self.cv = threading.Condition()
@@ -37,26 +39,42 @@ class _InFlight:
             self.pending += 1
             self.order.append(bucket)
 
-    def done(self, bucket: int, fut: Any) -> None:
-        err = None
-        try:
-            fut.value()
-        except Exception as e:  # noqa: BLE001 - reported by wait()
-            err = first_line(e)
+    def finished(self, bucket: int, error: Optional[str]) -> None:
         with self.cv:
             self.done_ns[bucket] = time.monotonic_ns()
-            if err is not None:
-                self.errors[bucket] = err
+            if error is not None:
+                self.errors[bucket] = error
             self.pending -= 1
             self.cv.notify_all()
 
-    def next(self) -> Dict[int, int]:
+    def settle(self, seconds: float) -> bool:
+        """Waits at most `seconds` for every launch to complete or one to
+        fail; whether that happened."""
+        with self.cv:
+            return self.cv.wait_for(lambda: self.pending == 0 or bool(self.errors), seconds)
+
+    def snapshot(self) -> Tuple[List[int], Dict[int, str], int, List[int]]:
+        """(launched in order, errors, still pending, done buckets)."""
+        with self.cv:
+            return list(self.order), dict(self.errors), self.pending, list(self.done_ns)
+
+    def next(self, tail: int) -> Dict[int, int]:
         """Starts the next iteration; returns this one's completion times."""
         with self.cv:
-            done = {b: t for b, t in self.done_ns.items() if b != TAIL}
+            done = {b: t for b, t in self.done_ns.items() if b != tail}
             self.order.clear()
             self.done_ns.clear()
         return done
+
+
+def _done(flight: Any, bucket: int, fut: Any) -> None:
+    """A Python-launched reduction completed (on a gloo worker thread)."""
+    err = None
+    try:
+        fut.value()
+    except Exception as e:  # noqa: BLE001 - reported by wait()
+        err = first_line(e)
+    flight.finished(bucket, err)
 
 
 class BucketTransport:
@@ -68,12 +86,12 @@ class BucketTransport:
         # pair one model's bucket with another's.
         self.group = own_group(peers, "data")
         self.names = list(names)
-        self.flats: List[torch.Tensor] = []  # replica 0's buckets
+        self._flats: List[torch.Tensor] = []  # replica 0's buckets
         self.buckets: List[List[int]] = []
         # A communication hook (torch DDP's signature: hook(state, bucket) ->
         # Future of the reduced bucket) and what its buckets show: replica
         # 0's parameters and gradient views, by parameter index.
-        self.hook: Any = None
+        self._hook: Any = None
         self.hook_state: Any = None
         self.params: List[torch.Tensor] = []
         self.views: List[Any] = []
@@ -82,13 +100,77 @@ class BucketTransport:
         # last bucket with room after it, and what fills the room.
         self.wire: Optional[torch.Tensor] = None
         self._rider: Optional[Callable[[torch.Tensor, int], None]] = None
-        self.armed = False
+        self._armed = False
         self.wait_ns = 0  # the last iteration's wait for the reductions
         self.done_ns_last: Dict[int, int] = {}
-        self._flight = _InFlight()
         # Sharded gradients (shard='gradients', one replica per process):
         # buckets reduce-scatter, this process keeping block `rank`.
-        self.scatter = False
+        self._scatter = False
+        # The torch-linked hot path: pyddp._hot's Wire launches the plain
+        # buckets from the engine's launcher thread in C++, without the
+        # interpreter lock, and completes them in its Flight, which this
+        # transport's own launches (hooks, reduce-scatter, the agreement's
+        # tail, an unfilled rider) share. None: every launch is Python's.
+        fast = hot()
+        self.wire_hot = None if fast is None else fast.Wire(self.group, peers.world)
+        self._flight: Any = _InFlight() if fast is None else self.wire_hot.flight()
+        failure.on_fail(self._stop_wire)
+
+    # What the Wire may launch itself, told again whenever it changes.
+    @property
+    def flats(self) -> List[torch.Tensor]:
+        return self._flats
+
+    @flats.setter
+    def flats(self, flats: List[torch.Tensor]) -> None:
+        self._flats = flats
+        self._tell_wire()
+
+    @property
+    def hook(self) -> Any:
+        return self._hook
+
+    @hook.setter
+    def hook(self, hook: Any) -> None:
+        self._hook = hook
+        self._tell_wire()
+
+    @property
+    def scatter(self) -> bool:
+        return self._scatter
+
+    @scatter.setter
+    def scatter(self, on: bool) -> None:
+        self._scatter = on
+        self._tell_wire()
+
+    def _tell_wire(self) -> None:
+        """The Wire's buckets: replica 0's, unless a hook or reduce-scatter
+        launches them in Python (then none: under sharded gradients the
+        layout frees its buckets, which the Wire must not hold)."""
+        if self.wire_hot is not None:
+            plain = self._hook is None and not self._scatter
+            self.wire_hot.set_buckets(
+                list(self._flats) if plain else [], self.wire if plain and self.rides else None
+            )
+
+    @property
+    def armed(self) -> bool:
+        """Whether the agreement's room holds this step's record, not sent
+        yet (the Wire's own flag where it launches: its launch of the last
+        bucket clears it)."""
+        return self.wire_hot.armed() if self.wire_hot is not None else self._armed
+
+    @armed.setter
+    def armed(self, on: bool) -> None:
+        self._armed = on
+        if self.wire_hot is not None:
+            self.wire_hot.arm(on)
+
+    def _stop_wire(self) -> None:
+        """The link failed: nothing more from C++ (the Python launch raises)."""
+        if self.wire_hot is not None:
+            self.wire_hot.stop()
 
     def ride_on(
         self, wire: Optional[torch.Tensor], rider: Optional[Callable[[torch.Tensor, int], None]]
@@ -98,6 +180,7 @@ class BucketTransport:
         agreement travels on its own after the buckets)."""
         self.wire, self._rider = (wire, rider) if rider is not None else (None, None)
         self.armed = False  # arm() filled the room for the next launch
+        self._tell_wire()
 
     def arm(self) -> None:
         """At the end of a synced forward: the agreement's room filled now,
@@ -106,6 +189,7 @@ class BucketTransport:
         if self.rides:
             self._rider(self.wire, self.flats[-1].numel())
             self.armed = True
+            self.peers.in_backward = True  # (the launches may all be C++'s)
 
     @property
     def rides(self) -> bool:
@@ -114,7 +198,8 @@ class BucketTransport:
         return self.wire is not None and self.hook is None
 
     def launch(self, bucket: int) -> None:
-        """On the engine's launcher thread, in bucket-index order."""
+        """On the engine's launcher thread, in bucket-index order, for what
+        the Wire leaves to Python (every bucket without it)."""
         self.failure.check()
         flat = self.flats[bucket]
         self.peers.in_backward = True
@@ -129,7 +214,7 @@ class BucketTransport:
                 functools.partial(_sum_blocks, flat, self.peers.rank, self.peers.world)
             )
             self._flight.launched(bucket)
-            future.then(functools.partial(self._flight.done, bucket))
+            future.then(functools.partial(_done, self._flight, bucket))
             return
         if self.hook is None:
             # Averaged across processes (torch DDP's convention), divided before
@@ -149,7 +234,7 @@ class BucketTransport:
         # record, never the link: were it to drop the last reference to the
         # group there, the group would join that very thread (std::terminate,
         # "Resource deadlock avoided").
-        future.then(functools.partial(self._flight.done, bucket))
+        future.then(functools.partial(_done, self._flight, bucket))
 
     def _hooked(self, bucket: int, flat: torch.Tensor) -> Any:
         """The user's hook reduces the bucket (it averages, as under DDP);
@@ -183,7 +268,7 @@ class BucketTransport:
         self.failure.check()
         work = allreduce(self.group, part)
         self._flight.launched(TAIL)
-        work.get_future().then(functools.partial(self._flight.done, TAIL))
+        work.get_future().then(functools.partial(_done, self._flight, TAIL))
 
     def wait(self) -> List[int]:
         """Waits for every launched bucket (and the agreement's sums), at most
@@ -192,6 +277,7 @@ class BucketTransport:
         start = time.monotonic()
         deadline = start + timeout
         flight = self._flight
+        self.peers.in_backward = True
         post = WaitPost(
             self.failure, f"the reductions of synced backward {self.peers.iteration + 1}"
         )
@@ -199,11 +285,8 @@ class BucketTransport:
             self._wait_flight(flight, deadline, post)
         finally:
             post.withdraw()
-        with flight.cv:
-            launched = [b for b in flight.order if b != TAIL]
-            errors = dict(flight.errors)
-            pending = flight.pending
-            done = set(flight.done_ns)
+        order, errors, pending, done = flight.snapshot()
+        launched = [b for b in order if b != TAIL]
         if errors or pending:
             failed = sorted(b for b in errors if b != TAIL)
             waiting = [b for b in launched if b not in done]
@@ -214,27 +297,21 @@ class BucketTransport:
             what = "the agreement after the buckets" if bucket == TAIL else f"bucket {bucket}"
             self.failure.fail(f"all-reduce of {what} ({self._names(bucket)}) failed: {why}")
         self.wait_ns = int((time.monotonic() - start) * 1e9)
-        self.done_ns_last = flight.next()
+        self.done_ns_last = flight.next(TAIL)
         self.peers.iteration += 1
         self.peers.in_backward = False
         return launched
 
-    def _wait_flight(self, flight: _InFlight, deadline: float, post: WaitPost) -> None:
+    def _wait_flight(self, flight: Any, deadline: float, post: WaitPost) -> None:
         """Waits for the flight; the store is read once a second of waiting,
         not at each completion (a store call costs a round trip: a wait that
         ends within the second touches the store not at all)."""
-        next_poll = time.monotonic() + 1.0
         while True:
-            with flight.cv:
-                if flight.pending == 0 or flight.errors:
-                    return
-                now = time.monotonic()
-                if now >= deadline:
-                    return
-                if now < next_poll:
-                    flight.cv.wait(min(deadline, next_poll) - now)
-                    continue
-            next_poll = time.monotonic() + 1.0
+            now = time.monotonic()
+            if now >= deadline or flight.settle(min(deadline - now, 1.0)):
+                return
+            if time.monotonic() >= deadline:
+                return
             self.failure.check_abandoned()
             post.poll()
 

@@ -291,12 +291,15 @@ def backend_kind(devices: Sequence[Any]) -> str:
     )
 
 
-def process_group_backend(local: Any, launch: Any, first: int, total: int) -> Any:
+def process_group_backend(
+    local: Any, launch: Any, first: int, total: int, wire: Optional[Any] = None
+) -> Any:
     """The engine backend across processes on CPUs: `local` (this process's
     backend) sums the process's replicas in C++, then the launcher hands
-    each summed bucket to `launch` (the link's transport), with no reference
+    each summed bucket to `wire` (pyddp._hot's, in C++), or to `launch` (the
+    link's transport) where there is none or it declines, with no reference
     to the link; this process's replicas are ranks first.. of `total`."""
-    return _C.ProcessGroupBackend(local, launch, f"{local.name}+gloo", first, total)
+    return _C.ProcessGroupBackend(local, launch, f"{local.name}+gloo", first, total, wire)
 
 
 def make_backend(
