@@ -159,7 +159,7 @@ def launches_per_step(out: dict) -> None:
     wire = dm._reducer._link.transport.wire_hot
     out["hot"] = wire is not None
     out["steps"] = []
-    for step, x in enumerate(batches):
+    for x in batches:
         python_launches.clear()
         python_done.clear()
         before = wire.launches() if wire is not None else 0

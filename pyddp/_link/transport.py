@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .failure import Failure, WaitPost
 from ..runtime.libraries import hot
+from .failure import Failure, WaitPost
 from .groups import Peers, all_to_all, allreduce, first_line, own_group
 
 TAIL = -1  # the agreement's reduction, after the buckets
