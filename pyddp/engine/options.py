@@ -68,6 +68,14 @@ class Options:
     threads_per_replica: Optional[int] = None
     """wrap: each replica's torch intra-op threads (None on CPUs:
     torch.get_num_threads() // replicas, at least 1)."""
+    run_replicas: str = "auto"
+    """wrap, CPU replicas: "threads" (each on its own thread, at once),
+    "in_turn" (one after another on the caller's thread: no hand-offs, no
+    interpreter lock passed at every op; faster where ops are small), or
+    "auto": both timed for each kind of work (forward, backward, optimizer
+    step, ...) over its first calls, the faster kept (dmodel.run_replicas()
+    says which). GPU replicas and SyncBatchNorm (whose replicas meet inside
+    forward and backward) always run on threads."""
     find_unused_parameters: bool = False
     """torch DDP's, for code ported from it: pyddp finds unused parameters
     itself at every step; this shapes only the buckets a communication hook
@@ -108,6 +116,11 @@ class Options:
             raise ValueError(
                 f"threads_per_replica={self.threads_per_replica!r} must be an int >= 1"
             )
+        if self.run_replicas not in RUN_REPLICAS:
+            raise ValueError(
+                f"run_replicas={self.run_replicas!r} must be one of "
+                f"{', '.join(map(repr, RUN_REPLICAS))}"
+            )
         for name in (
             "taper_buckets",
             "rebuild_buckets",
@@ -136,7 +149,9 @@ class Options:
     def for_sync(cls, options: Mapping[str, Any]) -> Options:
         """GradSync's keywords: the engine's options (not wrap's own)."""
         unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
-        wrap_only = sorted(set(options) & {"broadcast_buffers", "threads_per_replica"})
+        wrap_only = sorted(
+            set(options) & {"broadcast_buffers", "threads_per_replica", "run_replicas"}
+        )
         if unknown or wrap_only:
             raise TypeError(
                 f"GradSync got unknown option(s) {', '.join(unknown + wrap_only)}"
@@ -170,8 +185,11 @@ class Options:
         return dataclasses.replace(self, **changes)
 
 
+RUN_REPLICAS = ("auto", "threads", "in_turn")
+
 # What wrap (and the Trainer, for its model) accepts; GradSync takes the
-# engine's options (all but the last two) as keywords of its own.
+# engine's options (all but broadcast_buffers, threads_per_replica and
+# run_replicas) as keywords of its own.
 WRAP_OPTIONS = (
     "bucket_cap_mb",
     "first_bucket_cap_mb",
@@ -180,6 +198,7 @@ WRAP_OPTIONS = (
     "rebuild_buckets",
     "broadcast_buffers",
     "threads_per_replica",
+    "run_replicas",
     "timeout_s",
     "timeline",
     "group",

@@ -9,16 +9,7 @@ from __future__ import annotations
 import copy
 import weakref
 from functools import partial
-from typing import (
-    Any,
-    Callable,
-    Dict,
-    List,
-    Optional,
-    Sequence,
-    Type,
-    Union,
-)
+from typing import Any, Callable, Dict, List, Optional, Sequence, Type, Union
 
 import torch
 from torch import nn
@@ -130,6 +121,17 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         if sync_layers(self.module) and not self._passthrough:
             self._syncbn = self._bind_sync_batchnorm(replicas, opts)
         self._direct = one and self.devices[0].type == "cpu"  # forward: _forward_direct
+        try:
+            self._workers.set_mode(opts.run_replicas, self.devices, self._syncbn is not None)
+        except ValueError:
+            self.close()
+            raise
+
+    def run_replicas(self) -> Dict[str, str]:
+        """How each kind of the replicas' work runs now (wrap's run_replicas),
+        e.g. {"forward": "in_turn", "backward": "threads"}; "trying" while
+        "auto" times both ways; {"*": mode} where the mode is fixed."""
+        return self._workers.choices()
 
     def _bind_sync_batchnorm(self, replicas: List[nn.Module], opts: Options) -> SyncBatchNorms:
         gpus, stats = self._gpus, self._link.statistics

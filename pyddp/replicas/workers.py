@@ -2,13 +2,23 @@
 replica r > 0 on its own long-lived thread, so a step creates no threads. The
 caller's grad mode, autocast regions and current CUDA streams go with every task: a replica's
 forward runs on the stream the caller chose (``with torch.cuda.stream(s)``),
-so its backward and pyddp's zeroing of its buckets stay on one stream."""
+so its backward and pyddp's zeroing of its buckets stay on one stream.
+
+CPU replicas may instead run in turn on the caller's thread (wrap's
+`run_replicas`): where each op is small, the hand-offs between threads and
+the interpreter lock passing between them at every op cost more than the
+threads save. "auto" times both ways for each kind of work (forward,
+backward, optimizer step, ...) and keeps the faster; the results are the
+same bytes either way (each replica's work is the same, and the engine sums
+the replicas in a fixed order)."""
 
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,11 +50,50 @@ class ReplicaWorkers:
             for r in range(1, num_replicas)
         ]
 
+        self.mode = "threads"
+        self._choices: Dict[str, _Choice] = {}
+
+    def set_mode(self, mode: str, devices: Sequence[torch.device], meet: bool) -> None:
+        """ "threads", "in_turn" (every replica on the caller's thread, one
+        after another) or "auto" (whichever is faster, per kind of work).
+        In turn only where no replica needs a thread of its own (GPU
+        replicas' current device and streams) or meets the others inside
+        forward and backward (`meet`: SyncBatchNorm)."""
+        why = ""
+        if any(d.type != "cpu" for d in devices):
+            why = "GPU replicas run on their own threads (each its device's current stream)"
+        elif meet:
+            why = "SyncBatchNorm's replicas meet inside forward and backward, so they run at once"
+        if why and mode == "in_turn":
+            raise ValueError(f"run_replicas='in_turn': {why}; use 'auto' or 'threads'")
+        self.mode = "threads" if why else mode
+        self._choices = {}
+
+    def choices(self) -> Dict[str, str]:
+        """How each kind of work runs now: "threads", "in_turn", or "trying"
+        while "auto" still times both."""
+        if self.mode != "auto":
+            return {"*": self.mode}
+        return {what: c.how() or "trying" for what, c in self._choices.items()}
+
     def run(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
-        """Runs fns[r] for replica r in parallel; returns results in order. All
-        replicas finish before this returns, even when one raises."""
+        """Runs fns[r] for replica r, in parallel (or in turn, see the module);
+        returns results in order. All replicas finish before this returns,
+        even when one raises."""
         if not self._pools and len(fns) > 1:
             raise RuntimeError("pyddp: this model was closed; wrap the model again to use it")
+        if len(fns) < 2 or self.mode == "threads":
+            return self._threads(fns, what)
+        if self.mode == "in_turn":
+            return _in_turn(fns, what)
+        choice = self._choices.setdefault(what, _Choice())
+        how = choice.next()
+        start = time.perf_counter()
+        results = _in_turn(fns, what) if how == "in_turn" else self._threads(fns, what)
+        choice.took(how, time.perf_counter() - start)
+        return results
+
+    def _threads(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
         grad = torch.is_grad_enabled()
         autocast = _autocast_state() if len(fns) > 1 else ()
         streams = self.streams.snapshot() if self.streams is not None and len(fns) > 1 else None
@@ -127,3 +176,52 @@ def _with_caller_state(
         if provider is not None and streams is not None:
             stack.enter_context(provider.use(streams))
         return fn()
+
+
+def _in_turn(fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
+    """Every replica's work on the caller's thread, in replica order. As with
+    threads, every replica runs even when one raises (a Ctrl-C stops at once:
+    the interrupted step is dropped)."""
+    results: List[Any] = [None] * len(fns)
+    first: Optional[ReplicaError] = None
+    for r, fn in enumerate(fns):
+        try:
+            results[r] = fn()
+        except Exception as e:  # re-raised below, after every replica ran
+            if first is None:
+                first = ReplicaError(r, what, e)
+    if first is not None:
+        raise first from first.cause
+    return results
+
+
+class _Choice:
+    """run_replicas="auto" for one kind of work: after WARMUP calls on
+    threads, TRIALS calls each way, alternating, timed; then the way with the
+    lower median, kept. A call that raised is not timed (took is not called)."""
+
+    WARMUP, TRIALS = 2, 5
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.times: Dict[str, List[float]] = {"threads": [], "in_turn": []}
+        self.chosen: Optional[str] = None
+
+    def next(self) -> str:
+        if self.chosen is not None:
+            return self.chosen
+        self.calls += 1
+        if self.calls <= self.WARMUP:
+            return "threads"
+        return "in_turn" if (self.calls - self.WARMUP) % 2 else "threads"
+
+    def took(self, how: str, seconds: float) -> None:
+        if self.chosen is not None or self.calls <= self.WARMUP:
+            return
+        self.times[how].append(seconds)
+        if all(len(t) >= self.TRIALS for t in self.times.values()):
+            medians = {h: statistics.median(t) for h, t in self.times.items()}
+            self.chosen = min(medians, key=lambda h: (medians[h], h != "threads"))
+
+    def how(self) -> Optional[str]:
+        return self.chosen
