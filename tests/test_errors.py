@@ -121,8 +121,9 @@ def assert_identical(dm):
             assert torch.equal(p, p0)
 
 
-def test_exception_in_one_replica_forward_reaches_caller_and_next_step_works():
-    dm = pyddp.wrap(Flaky(), ["cpu"] * 3)
+@pytest.mark.parametrize("run", ["threads", "in_turn"])
+def test_exception_in_one_replica_forward_reaches_caller_and_next_step_works(run):
+    dm = pyddp.wrap(Flaky(), ["cpu"] * 3, run_replicas=run)
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     x = torch.ones(6, 2)
     x[4, 0] = -1  # rows 4-5 go to replica 2
@@ -133,12 +134,13 @@ def test_exception_in_one_replica_forward_reaches_caller_and_next_step_works():
     assert_identical(dm)
 
 
-def test_exception_in_one_replica_backward_reaches_caller_and_next_step_works():
+@pytest.mark.parametrize("run", ["threads", "in_turn"])
+def test_exception_in_one_replica_backward_reaches_caller_and_next_step_works(run):
     torch.manual_seed(0)
     model = Flaky()
     ref = copy.deepcopy(model)
     model.fail_backward = True
-    dm = pyddp.wrap(model, ["cpu"] * 2)
+    dm = pyddp.wrap(model, ["cpu"] * 2, run_replicas=run)
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     x = torch.ones(4, 2)
     x[3, 1] = -1  # replica 1

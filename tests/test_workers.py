@@ -1,7 +1,9 @@
-"""Replica workers keep their own intra-op thread count."""
+"""Replica workers keep their own intra-op thread count; CPU replicas run on
+threads or in turn (wrap's run_replicas) to the same bytes."""
 
 import threading
 
+import pytest
 import torch
 
 from pyddp.replicas.workers import _init_worker
@@ -31,3 +33,70 @@ def test_worker_keeps_its_intra_op_thread_count():
     t.join()
     torch.set_num_threads(caller)
     assert seen == [1]
+
+
+# ------------------------------------------------ run_replicas (wrap's option)
+def _train(run: str, steps: int, loss_path: bool):
+    """A small MLP on 2 CPU replicas for `steps` SGD-momentum steps; the
+    parameters after, the threads replica 1's forward ran on, and the
+    model's account of how each kind of work ran."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    import pyddp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    dm = pyddp.wrap(model, ["cpu", "cpu"], run_replicas=run)
+    threads = set()
+    dm.replicas[1].register_forward_pre_hook(lambda m, a: threads.add(threading.get_ident()))
+    opt = dm.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        if loss_path:
+            dm.loss(F.cross_entropy, x, y).backward()
+        else:
+            F.cross_entropy(dm(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    params = [p.detach().clone() for p in model.parameters()]
+    how = dm.run_replicas()
+    dm.close()
+    return params, threads, how
+
+
+@pytest.mark.parametrize("loss_path", [False, True], ids=["gathered", "dm.loss"])
+def test_replicas_in_turn_train_to_the_same_bytes_as_on_threads(loss_path):
+    steps = 16  # "auto" decides after 2 + 2 x 5 calls of each kind of work
+    threaded, on_threads, how = _train("threads", steps, loss_path)
+    assert how == {"*": "threads"}
+    assert threading.get_ident() not in on_threads  # replica 1 on its worker
+    in_turn, turn_threads, how = _train("in_turn", steps, loss_path)
+    assert how == {"*": "in_turn"}
+    assert turn_threads == {threading.get_ident()}  # replica 1 on the caller's thread
+    auto, _, how = _train("auto", steps, loss_path)
+    kinds = {"forward/loss"} if loss_path else {"forward"}
+    assert kinds | {"backward", "optimizer step"} <= set(how), how
+    assert set(how.values()) <= {"threads", "in_turn"}, how  # decided, whichever was faster
+    for a, b, c in zip(threaded, in_turn, auto):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_run_replicas_is_checked_and_in_turn_refused_where_replicas_meet():
+    from torch import nn
+
+    import pyddp
+
+    with pytest.raises(ValueError, match="run_replicas='fast' must be one of 'auto', 'threads'"):
+        pyddp.wrap(nn.Linear(2, 2), ["cpu", "cpu"], run_replicas="fast")
+    with pytest.raises(TypeError, match="run_replicas.*options of pyddp.wrap"):
+        pyddp.GradSync([nn.Linear(2, 2), nn.Linear(2, 2)], run_replicas="in_turn")
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(
+        nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    )
+    with pytest.raises(ValueError, match="in_turn.*SyncBatchNorm's replicas meet"):
+        pyddp.wrap(model, ["cpu", "cpu"], run_replicas="in_turn")
+    dm = pyddp.wrap(model, ["cpu", "cpu"])  # "auto": threads, where they must meet
+    assert dm.run_replicas() == {"*": "threads"}
+    dm.close()
