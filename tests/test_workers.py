@@ -68,7 +68,7 @@ def _train(run: str, steps: int, loss_path: bool):
 
 @pytest.mark.parametrize("loss_path", [False, True], ids=["gathered", "dm.loss"])
 def test_replicas_in_turn_train_to_the_same_bytes_as_on_threads(loss_path):
-    steps = 16  # "auto" decides after 2 + 2 x 5 calls of each kind of work
+    steps = 22  # "auto" decides after 5 + 2 x 8 calls of each kind of work
     threaded, on_threads, how = _train("threads", steps, loss_path)
     assert how == {"*": "threads"}
     assert threading.get_ident() not in on_threads  # replica 1 on its worker

@@ -73,9 +73,10 @@ class Options:
     "in_turn" (one after another on the caller's thread: no hand-offs, no
     interpreter lock passed at every op; faster where ops are small), or
     "auto": both timed for each kind of work (forward, backward, optimizer
-    step, ...) over its first calls, the faster kept (dmodel.run_replicas()
-    says which). GPU replicas and SyncBatchNorm (whose replicas meet inside
-    forward and backward) always run on threads."""
+    step, ...) over its first 21 calls, in turn kept where it is at least
+    10% faster, else threads (dmodel.run_replicas() says which). GPU
+    replicas and SyncBatchNorm (whose replicas meet inside forward and
+    backward) always run on threads."""
     find_unused_parameters: bool = False
     """torch DDP's, for code ported from it: pyddp finds unused parameters
     itself at every step; this shapes only the buckets a communication hook

@@ -85,12 +85,39 @@ class ReplicaWorkers:
         if len(fns) < 2 or self.mode == "threads":
             return self._threads(fns, what)
         if self.mode == "in_turn":
-            return _in_turn(fns, what)
+            return self._in_turn(fns, what)
         choice = self._choices.setdefault(what, _Choice())
         how = choice.next()
         start = time.perf_counter()
-        results = _in_turn(fns, what) if how == "in_turn" else self._threads(fns, what)
+        results = self._in_turn(fns, what) if how == "in_turn" else self._threads(fns, what)
         choice.took(how, time.perf_counter() - start)
+        return results
+
+    def _in_turn(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
+        """Every replica's work on the caller's thread, in replica order, at
+        the replicas' intra-op thread count (as replica 0 on threads: an
+        OpenMP team of another size beside the workers' oversubscribes the
+        cores and stops libgomp spinning process-wide, so the cost of one
+        kind of work would land in another's). As with threads, every
+        replica runs even when one raises (a Ctrl-C stops at once: the
+        interrupted step is dropped)."""
+        results: List[Any] = [None] * len(fns)
+        first: Optional[ReplicaError] = None
+        caller_threads = torch.get_num_threads()
+        if self.threads is not None and self.threads != caller_threads:
+            torch.set_num_threads(self.threads)
+        try:
+            for r, fn in enumerate(fns):
+                try:
+                    results[r] = fn()
+                except Exception as e:  # re-raised below, after every replica ran
+                    if first is None:
+                        first = ReplicaError(r, what, e)
+        finally:
+            if self.threads is not None and self.threads != caller_threads:
+                torch.set_num_threads(caller_threads)
+        if first is not None:
+            raise first from first.cause
         return results
 
     def _threads(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
@@ -178,29 +205,15 @@ def _with_caller_state(
         return fn()
 
 
-def _in_turn(fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
-    """Every replica's work on the caller's thread, in replica order. As with
-    threads, every replica runs even when one raises (a Ctrl-C stops at once:
-    the interrupted step is dropped)."""
-    results: List[Any] = [None] * len(fns)
-    first: Optional[ReplicaError] = None
-    for r, fn in enumerate(fns):
-        try:
-            results[r] = fn()
-        except Exception as e:  # re-raised below, after every replica ran
-            if first is None:
-                first = ReplicaError(r, what, e)
-    if first is not None:
-        raise first from first.cause
-    return results
-
-
 class _Choice:
     """run_replicas="auto" for one kind of work: after WARMUP calls on
-    threads, TRIALS calls each way, alternating, timed; then the way with the
-    lower median, kept. A call that raised is not timed (took is not called)."""
+    threads, TRIALS calls each way, alternating, timed; then in turn if its
+    median is below MARGIN times that of threads, else threads, kept. The
+    margin keeps threads where the two are close (a wrong pick on a noisy
+    machine costs less that way: where in turn wins, it wins by far more). A
+    call that raised is not timed (took is not called)."""
 
-    WARMUP, TRIALS = 2, 5
+    WARMUP, TRIALS, MARGIN = 5, 8, 0.9
 
     def __init__(self) -> None:
         self.calls = 0
@@ -221,7 +234,8 @@ class _Choice:
         self.times[how].append(seconds)
         if all(len(t) >= self.TRIALS for t in self.times.values()):
             medians = {h: statistics.median(t) for h, t in self.times.items()}
-            self.chosen = min(medians, key=lambda h: (medians[h], h != "threads"))
+            faster = medians["in_turn"] < self.MARGIN * medians["threads"]
+            self.chosen = "in_turn" if faster else "threads"
 
     def how(self) -> Optional[str]:
         return self.chosen
