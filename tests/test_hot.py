@@ -1,6 +1,7 @@
 """The torch-linked hot path (pyddp._hot): C++ hooks on the gradient
-accumulators of CPU replicas. Where it is built for this torch (pip install
---no-build-isolation) it is used unless PYDDP_HOT=0; CI runs the fast tier
+accumulators of CPU replicas, and cross-process bucket launches. Where it is
+built for this torch (torch installed before pyddp) it is used unless
+PYDDP_HOT=0; CI runs the fast tier
 both ways, so every other test covers both paths. Here: which path is on,
 and the Python work per step counted (calls, not times)."""
 

@@ -306,14 +306,20 @@ class BucketTransport:
         """Waits for the flight; the store is read once a second of waiting,
         not at each completion (a store call costs a round trip: a wait that
         ends within the second touches the store not at all)."""
+        next_poll = time.monotonic() + 1.0
         while True:
             now = time.monotonic()
-            if now >= deadline or flight.settle(min(deadline - now, 1.0)):
+            # Slices of 0.1 s: the C++ flight waits without the interpreter,
+            # which runs a Ctrl-C's handler only between slices.
+            if now >= deadline or flight.settle(min(deadline, next_poll, now + 0.1) - now):
                 return
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return
-            self.failure.check_abandoned()
-            post.poll()
+            if now >= next_poll:
+                next_poll = now + 1.0
+                self.failure.check_abandoned()
+                post.poll()
 
     def _names(self, bucket: int) -> str:
         if bucket == TAIL:

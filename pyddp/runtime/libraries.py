@@ -190,23 +190,23 @@ def hot() -> Optional[Any]:
 @functools.cache
 def _load_hot(enabled: bool) -> tuple:
     if not enabled:
-        return None, f"switched off ({HOT_ENV}=0): Python gradient hooks"
+        return None, f"switched off ({HOT_ENV}=0): Python gradient hooks and bucket launches"
     try:
         built = importlib.import_module("pyddp._hot_build").TORCH_VERSION
     except ImportError:
         return None, (
-            "not built (pip install --no-build-isolation builds it against the installed "
-            "torch): Python gradient hooks"
+            "not built (no torch at pyddp's build: install torch, then pyddp again): "
+            "Python gradient hooks and bucket launches"
         )
     if built != torch.__version__:
         return None, (
             f"built for torch {built}, running torch {torch.__version__}: Python gradient "
-            "hooks; reinstall pyddp (pip install --no-build-isolation) to build it for this torch"
+            "hooks and bucket launches; reinstall pyddp to build it for this torch"
         )
     try:
         return importlib.import_module("pyddp._hot"), f"loaded (built for torch {built})"
     except ImportError as e:
-        return None, f"failed to load ({e}): Python gradient hooks"
+        return None, f"failed to load ({e}): Python gradient hooks and bucket launches"
 
 
 @functools.cache
