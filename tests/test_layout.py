@@ -78,12 +78,17 @@ def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 # public names at the top) may import anything.
 LAYERS = ["errors", "runtime", "_link", "engine", "optim", "replicas", "train", "integrations"]
 CLIENTS = {"bench", "doctor", "examples", "lightning", "accelerate", "hf", "ray", "_source_tree"}
+# Written by the build beside the compiled modules (what pyddp._hot was built
+# against): a leaf below every layer, like _C itself.
+GENERATED = {"_hot_build"}
 
 
 def _layer(mod: str) -> object:
     parts = mod.split(".")
     if len(parts) == 1:
         return "face"
+    if parts[1] in GENERATED:
+        return -1
     return LAYERS.index(parts[1]) if parts[1] in LAYERS else parts[1]
 
 
