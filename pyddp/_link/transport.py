@@ -106,6 +106,7 @@ class BucketTransport:
         # Sharded gradients (shard='gradients', one replica per process):
         # buckets reduce-scatter, this process keeping block `rank`.
         self._scatter = False
+        self.bypassed = False  # GPUs: the buckets go through NCCL (bypass)
         # The torch-linked hot path: pyddp._hot's Wire launches the plain
         # buckets from the engine's launcher thread in C++, without the
         # interpreter lock, and completes them in its Flight, which this
@@ -149,10 +150,18 @@ class BucketTransport:
         launches them in Python (then none: under sharded gradients the
         layout frees its buckets, which the Wire must not hold)."""
         if self.wire_hot is not None:
-            plain = self._hook is None and not self._scatter
+            # (A bucket of a sharded layout may be None: not allocated now.)
+            plain = self._hook is None and not self._scatter and not self.bypassed
+            plain = plain and all(f is not None for f in self._flats)
             self.wire_hot.set_buckets(
                 list(self._flats) if plain else [], self.wire if plain and self.rides else None
             )
+
+    def bypass(self) -> None:
+        """GPUs: NCCL's communicator carries the buckets, never this
+        transport (it only counts the iterations): the Wire holds none."""
+        self.bypassed = True
+        self._tell_wire()
 
     @property
     def armed(self) -> bool:
