@@ -75,6 +75,7 @@ def pyddp_step(
         opt.step()
         opt.zero_grad()
 
+    step.dm = dm  # type: ignore[attr-defined]  # (how its replicas ran: run_replicas())
     return step
 
 
@@ -102,6 +103,12 @@ def pyddp_child(threads: int, cfg: Dict[str, Any], cmd: Any, res: Any) -> None:
     res.put((0, torch.get_num_threads()))
     while (msg := cmd.get()) is not None:
         name, n = msg
+        if name == "run_replicas":  # how each wrapped model's replicas ran
+            how = getattr(pyddp.DistributedModel, "run_replicas", None)
+            res.put(
+                (0, {k: f.dm.run_replicas() for k, f in steps.items() if how and hasattr(f, "dm")})
+            )
+            continue
         res.put((0, timed_block(steps[name], n)))
 
 
@@ -275,6 +282,7 @@ def part_b(cfg: Dict[str, Any], rounds: int, block: int) -> Dict[str, Any]:
         configs["ddp"] = lambda n: groups[-1].block("ddp", n)
         try:
             times = rotate_blocks(configs, rounds, block)
+            runs = {g.name: g.block("run_replicas", 0) for g in groups[:-1]}
         finally:
             for g in groups:
                 g.stop()
@@ -282,7 +290,12 @@ def part_b(cfg: Dict[str, Any], rounds: int, block: int) -> Dict[str, Any]:
     ddp = s["ddp"]
     rows = [["torch DDP gloo, 2 procs x 1 thread (rank 0)", cfg["batch"] // 2] + _ms(ddp)]
     rows[0] += [1.0, "-", "-"]
-    out: Dict[str, Any] = {"ddp_rank0": ddp, "configs": {}, "startup_s": started}
+    out: Dict[str, Any] = {
+        "ddp_rank0": ddp,
+        "configs": {},
+        "startup_s": started,
+        "run_replicas": runs,
+    }
     for g in groups[:-1]:
         bare = s[f"{g.name}: bare"]
         out["configs"][g.name] = {"torch_threads": g.threads}
@@ -312,6 +325,9 @@ def part_b(cfg: Dict[str, Any], rounds: int, block: int) -> Dict[str, Any]:
         "each replica\nthat count // replicas (at least 1) intra-op threads: 'x N thread(s)'. "
         "DDP ranks time their own steps; rank 0 shown."
     )
+    for name, how in runs.items():
+        shown = "; ".join(f"{k}: {v}" for k, v in how.items()) or "(this pyddp has no run_replicas)"
+        print(f"how the replicas ran ({name}, dmodel.run_replicas()): {shown}")
     return out
 
 
