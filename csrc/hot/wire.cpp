@@ -125,7 +125,6 @@ class Wire {
   bool armed() const { return armed_.load(); }
   // Nothing more from C++: a failed link, whose Python launch raises.
   void stop() { stopped_.store(true); }
-  bool stopped() const { return stopped_.load(); }
   int64_t launches() const { return launches_.load(); }
   std::shared_ptr<Flight> flight() const { return flight_; }
 
@@ -197,7 +196,6 @@ void bind_wire(py::module_& m) {
       .def("arm", &Wire::arm, py::arg("on"))
       .def("armed", &Wire::armed)
       .def("stop", &Wire::stop)
-      .def("stopped", &Wire::stopped)
       .def("launches", &Wire::launches)
       .def("flight", &Wire::flight)
       .def("entry",

@@ -128,7 +128,7 @@ class ProcessLink(Link):
 
     def route_through(self, backend: Any, devices: Sequence[int], provider: Any) -> None:
         self._route = DeviceRoute(backend, devices, provider)
-        self.transport.bypass()
+        self.transport.bypassed = True  # (NCCL carries the buckets: the Wire holds none)
 
     def set_scatter(self, ranks: int) -> None:
         # On GPUs NCCL reduce-scatters; on CPUs the transport, one replica

@@ -77,6 +77,21 @@ def _done(flight: Any, bucket: int, fut: Any) -> None:
     flight.finished(bucket, err)
 
 
+class _TellsWire:
+    """A BucketTransport attribute (kept as `_name`) whose every change
+    tells pyddp._hot's Wire again what it may launch."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj, self.slot, value)
+        obj._tell_wire()
+
+
 class BucketTransport:
     def __init__(self, peers: Peers, failure: Failure, names: Sequence[str]):
         self.peers, self.failure = peers, failure
@@ -106,7 +121,7 @@ class BucketTransport:
         # Sharded gradients (shard='gradients', one replica per process):
         # buckets reduce-scatter, this process keeping block `rank`.
         self._scatter = False
-        self.bypassed = False  # GPUs: the buckets go through NCCL (bypass)
+        self._bypassed = False
         # The torch-linked hot path: pyddp._hot's Wire launches the plain
         # buckets from the engine's launcher thread in C++, without the
         # interpreter lock, and completes them in its Flight, which this
@@ -117,33 +132,11 @@ class BucketTransport:
         self._flight: Any = _InFlight() if fast is None else self.wire_hot.flight()
         failure.on_fail(self._stop_wire)
 
-    # What the Wire may launch itself, told again whenever it changes.
-    @property
-    def flats(self) -> List[torch.Tensor]:
-        return self._flats
-
-    @flats.setter
-    def flats(self, flats: List[torch.Tensor]) -> None:
-        self._flats = flats
-        self._tell_wire()
-
-    @property
-    def hook(self) -> Any:
-        return self._hook
-
-    @hook.setter
-    def hook(self, hook: Any) -> None:
-        self._hook = hook
-        self._tell_wire()
-
-    @property
-    def scatter(self) -> bool:
-        return self._scatter
-
-    @scatter.setter
-    def scatter(self, on: bool) -> None:
-        self._scatter = on
-        self._tell_wire()
+    # What the Wire may launch itself: a change tells it again.
+    flats = _TellsWire()  # replica 0's buckets (the layout's own list)
+    hook = _TellsWire()  # a communication hook, or None
+    scatter = _TellsWire()  # reduce-scatter (sharded gradients, CPU)
+    bypassed = _TellsWire()  # GPUs: NCCL's communicator carries the buckets
 
     def _tell_wire(self) -> None:
         """The Wire's buckets: replica 0's, unless a hook or reduce-scatter
@@ -151,17 +144,11 @@ class BucketTransport:
         layout frees its buckets, which the Wire must not hold)."""
         if self.wire_hot is not None:
             # (A bucket of a sharded layout may be None: not allocated now.)
-            plain = self._hook is None and not self._scatter and not self.bypassed
+            plain = self._hook is None and not self._scatter and not self._bypassed
             plain = plain and all(f is not None for f in self._flats)
             self.wire_hot.set_buckets(
                 list(self._flats) if plain else [], self.wire if plain and self.rides else None
             )
-
-    def bypass(self) -> None:
-        """GPUs: NCCL's communicator carries the buckets, never this
-        transport (it only counts the iterations): the Wire holds none."""
-        self.bypassed = True
-        self._tell_wire()
 
     @property
     def armed(self) -> bool:

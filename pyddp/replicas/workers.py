@@ -18,7 +18,7 @@ import contextlib
 import statistics
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -74,7 +74,7 @@ class ReplicaWorkers:
         while "auto" still times both."""
         if self.mode != "auto":
             return {"*": self.mode}
-        return {what: c.how() or "trying" for what, c in self._choices.items()}
+        return {what: c.chosen or "trying" for what, c in self._choices.items()}
 
     def run(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
         """Runs fns[r] for replica r, in parallel (or in turn, see the module);
@@ -103,19 +103,13 @@ class ReplicaWorkers:
         interrupted step is dropped)."""
         results: List[Any] = [None] * len(fns)
         first: Optional[ReplicaError] = None
-        caller_threads = torch.get_num_threads()
-        if self.threads is not None and self.threads != caller_threads:
-            torch.set_num_threads(self.threads)
-        try:
+        with self._replica_threads():
             for r, fn in enumerate(fns):
                 try:
                     results[r] = fn()
                 except Exception as e:  # re-raised below, after every replica ran
                     if first is None:
                         first = ReplicaError(r, what, e)
-        finally:
-            if self.threads is not None and self.threads != caller_threads:
-                torch.set_num_threads(caller_threads)
         if first is not None:
             raise first from first.cause
         return results
@@ -136,18 +130,13 @@ class ReplicaWorkers:
         first: Optional[ReplicaError] = None
         interrupt: Optional[BaseException] = None
         if fns:
-            caller_threads = torch.get_num_threads()
-            if self.threads is not None and self.threads != caller_threads:
-                torch.set_num_threads(self.threads)
             try:
-                results[0] = fns[0]()
+                with self._replica_threads():
+                    results[0] = fns[0]()
             except Exception as e:  # re-raised below, after every replica is done
                 first = ReplicaError(0, what, e)
             except BaseException as e:  # KeyboardInterrupt: also only once all are done
                 interrupt = e
-            finally:
-                if self.threads is not None and self.threads != caller_threads:
-                    torch.set_num_threads(caller_threads)
         for r in range(1, len(fns)):
             try:
                 results[r] = futures[r].result()
@@ -161,6 +150,19 @@ class ReplicaWorkers:
         if first is not None:
             raise first from first.cause
         return results
+
+    @contextlib.contextmanager
+    def _replica_threads(self) -> Iterator[None]:
+        """The caller's thread at a replica's intra-op thread count, then back."""
+        caller_threads = torch.get_num_threads()
+        switch = self.threads is not None and self.threads != caller_threads
+        if switch:
+            torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            if switch:
+                torch.set_num_threads(caller_threads)
 
     def close(self) -> None:
         for pool in self._pools:
@@ -236,6 +238,3 @@ class _Choice:
             medians = {h: statistics.median(t) for h, t in self.times.items()}
             faster = medians["in_turn"] < self.MARGIN * medians["threads"]
             self.chosen = "in_turn" if faster else "threads"
-
-    def how(self) -> Optional[str]:
-        return self.chosen
