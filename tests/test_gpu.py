@@ -96,6 +96,32 @@ def test_stream_ordering_without_host_syncs():
         assert torch.equal(dm.replicas[1].w.grad, grad)
 
 
+def test_cpp_hooks_mark_every_gradient_with_its_producing_stream_on_gpu():
+    # pyddp._hot's hooks on GPU replicas read torch's current stream from C++
+    # (c10, each stream id turned into its CUstream once): on the default
+    # stream and on a stream of the user's, every gradient is marked from
+    # C++ and the reduction orders after the delayed kernels (closed form).
+    if _runtime.hot() is None:
+        pytest.skip("pyddp._hot is not loaded (not built, or PYDDP_HOT=0)")
+    torch.manual_seed(0)
+    dm = pyddp.wrap(Big().cuda(), ["cuda:0", "cuda:0"], bucket_cap_mb=0)
+    hot = dm._reducer._layout.hot
+    assert hot is not None
+    x = torch.ones(8, 4096, device="cuda")
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side, side, torch.cuda.current_stream()):
+        with torch.cuda.stream(stream):
+            dm.zero_grad()
+            before = hot.marks()
+            dm(x).sum().backward()
+            assert hot.marks() - before == 2  # one parameter on each replica, from C++
+            grad = dm.module.w.grad.clone()
+            assert torch.equal(grad, torch.full_like(grad, 8.0))
+            assert torch.equal(dm.replicas[1].w.grad, grad)
+    torch.cuda.synchronize()
+    dm.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_collectives_closed_form_on_one_gpu(dtype, n):

@@ -7,6 +7,7 @@ and the Python work per step counted (calls, not times)."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import sys
@@ -51,30 +52,13 @@ def test_a_build_for_another_torch_is_not_loaded_and_says_so(monkeypatch):
         libraries._say_once.cache_clear()
 
 
-def _calls_per_step(layers: int) -> Counter:
-    """pyddp's Python function calls in one synced step of 2 CPU replicas
-    driven from this thread (GradSync: every hook runs here, so the profiler
-    sees it), after warm-up steps."""
-    torch.manual_seed(0)
-    m0 = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
-    m1 = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
-    m1.load_state_dict(m0.state_dict())
-    sync = pyddp.GradSync([m0, m1], bucket_cap_mb=1000, first_bucket_cap_mb=1000)
-    x = torch.randn(4, 8)
-
-    def step() -> None:
-        for m in (m0, m1):
-            m(x).sum().backward()
-        sync.finish()
-        sync.check_step()
-        sync.zero_grad()  # to None: the next gradients are copied in (the hand-over)
-
-    for _ in range(3):
-        step()
+def _profiled(step) -> Counter:
+    """pyddp's Python function calls in `step()` on this thread."""
     calls: Counter = Counter()
+    package = os.path.dirname(os.path.abspath(pyddp.__file__)) + os.sep
 
     def profile(frame, event, arg):
-        if event == "call" and f"pyddp{os.sep}" in frame.f_code.co_filename:
+        if event == "call" and frame.f_code.co_filename.startswith(package):
             calls[frame.f_code.co_name] += 1
 
     sys.setprofile(profile)
@@ -82,18 +66,92 @@ def _calls_per_step(layers: int) -> Counter:
         step()
     finally:
         sys.setprofile(None)
+    return calls
+
+
+def _synced_step(sync, replicas, x, after_backward=lambda: None):
+    """One synced step of GradSync's `replicas` driven from this thread (every
+    hook runs here, so the profiler sees it), ending in zero_grad (to None:
+    the next gradients are copied in, the hand-over)."""
+
+    def step() -> None:
+        rows = len(x) // len(replicas)
+        for r, m in enumerate(replicas):
+            m(x[r * rows : (r + 1) * rows]).sum().backward()
+        sync.finish()
+        after_backward()
+        sync.check_step()
+        sync.zero_grad()
+
+    return step
+
+
+def _calls_per_step(layers: int) -> Counter:
+    """pyddp's Python calls in one synced step of 2 CPU replicas, after
+    warm-up steps."""
+    torch.manual_seed(0)
+    m0 = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+    m1 = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+    m1.load_state_dict(m0.state_dict())
+    sync = pyddp.GradSync([m0, m1], bucket_cap_mb=1000, first_bucket_cap_mb=1000)
+    step = _synced_step(sync, [m0, m1], torch.randn(8, 8))
+    for _ in range(3):
+        step()
+    calls = _profiled(step)
     sync.close()
     return calls
 
 
-def test_python_calls_per_step_do_not_grow_with_the_parameters_on_the_hot_path():
-    small, large = _calls_per_step(4), _calls_per_step(40)  # 8 and 80 parameters
+def _assert_o_buckets(small: Counter, large: Counter, hook: str, replicas: int) -> None:
+    """`small` and `large`: the calls of steps with 8 and 80 parameters."""
     grown = {k: (small[k], large[k]) for k in set(small) | set(large) if small[k] != large[k]}
     if libraries.hot() is not None:
         assert grown == {}, grown  # O(buckets): one bucket here, whatever the parameters
     else:
         # The Python path: a hook call per parameter per replica (the counter sees it).
-        assert large["on_grad"] - small["on_grad"] == 2 * (80 - 8), grown
+        assert large[hook] - small[hook] == replicas * (80 - 8), grown
+
+
+def test_python_calls_per_step_do_not_grow_with_the_parameters_on_the_hot_path():
+    _assert_o_buckets(_calls_per_step(4), _calls_per_step(40), "on_grad", 2)
+
+
+def gpu_calls_per_step(devices):
+    """The same count for GPU replicas on the simulated driver (GradSync
+    on `devices`), with the C++ hooks' marks: every gradient of every
+    replica marked from C++ (with the stream that produced it: the simgpu
+    tier's equivalence tests and tests/simgpu/breakages.py's
+    ready-event-on-wrong-stream-hot show that)."""
+    from simulated import streams
+
+    from pyddp.engine.streams import simulated_gpus
+
+    counts = []
+    for layers in (4, 40):
+        torch.manual_seed(0)
+        base = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+        reps = [base] + [copy.deepcopy(base) for _ in devices[1:]]
+        with simulated_gpus(devices, streams):
+            sync = pyddp.GradSync(reps, bucket_cap_mb=1000, first_bucket_cap_mb=1000)
+        x = torch.randn(4 * len(devices), 8)
+        step = _synced_step(sync, reps, x, lambda: streams.synchronize_all(devices))
+        for _ in range(3):
+            step()
+        hot = sync._reducer._layout.hot
+        before = hot.marks() if hot is not None else 0
+        counts.append(_profiled(step))
+        if libraries.hot() is not None:
+            assert hot.marks() - before == len(devices) * 2 * layers
+        sync.close()
+    _assert_o_buckets(counts[0], counts[1], "on_grad_gpu", len(devices))
+
+
+@pytest.mark.simgpu
+@pytest.mark.parametrize("devices", [[0, 1], [0, 0]])
+def test_gpu_replicas_python_calls_per_step_do_not_grow_with_the_parameters(devices):
+    from spawn import run_alone
+
+    run_alone(gpu_calls_per_step, devices)
 
 
 def test_the_cpp_hooks_follow_a_parameter_given_a_new_accumulator():

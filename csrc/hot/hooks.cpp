@@ -1,13 +1,17 @@
 // pyddp._hot: the torch-linked hot path, built against the torch installed at
 // build time (docs/design.md, "Layers"). It holds what must not touch Python
 // per step: a C++ hook on each parameter's gradient accumulator (the node
-// torch DDP's reducer hooks too) that, for CPU replicas, copies a gradient
-// into its bucket view when it is not that view yet (the hand-over after
-// zero_grad) and marks it ready in pyddp's engine through the engine's plain C
-// entry point (_C's pyddp_engine_mark), without taking the interpreter lock.
+// torch DDP's reducer hooks too) that copies a gradient into its bucket view
+// when it is not that view yet (the hand-over after zero_grad) and marks it
+// ready in pyddp's engine through the engine's plain C entry point (_C's
+// pyddp_engine_mark), without taking the interpreter lock. On GPU replicas it
+// marks it with the stream that produced it: autograd runs the hook on that
+// stream, and the hook reads it from torch's stream state (c10), or from the
+// stream source the test suite's simulated driver gives (C functions too).
 // Whatever is not that common case (no view yet, a sparse or mismatched
 // gradient, sharded gradients, the wrapped model to tell once per backward)
 // goes to the Python hook, which does what it always did.
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -16,7 +20,10 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -26,6 +33,13 @@ using torch::autograd::variable_list;
 namespace {
 
 using MarkFn = int (*)(void*, int, int, uintptr_t, char*, size_t);
+// A stream source other than torch's (the simulated driver's, see
+// pyddp/engine/streams.py): the calling thread's current stream of a device;
+// the wait before the host writes a bucket view standing in for a kernel on
+// it (a CUDA error code, 0: done); a gradient's write still running there.
+using CurrentFn = void* (*)(int);
+using BeforeWriteFn = int (*)(int);
+using ProducedFn = int (*)(int, void*, void*, size_t);
 
 // What every hook of one reducer shares. Python objects are borrowed from the
 // HookSet that owns them: hooks use them only while `enabled` is set, and
@@ -44,6 +58,17 @@ struct State {
   PyObject* fallback = nullptr;  // python(replica, param): the Python hook
   PyObject* began = nullptr;     // the wrapped model's, or nullptr
   PyObject* errors[4] = {nullptr, nullptr, nullptr, nullptr};
+  // GPU replicas: each replica's CUDA device (empty: CPU replicas), and
+  // where their current streams come from: `current` and the rest where
+  // given, else torch's (c10), whose stream ids `translate(device, id)`
+  // turns into CUstream handles once each (cached).
+  std::vector<int> devices;
+  CurrentFn current = nullptr;
+  BeforeWriteFn before_write = nullptr;
+  ProducedFn produced = nullptr;
+  PyObject* translate = nullptr;
+  std::mutex handles_mu;
+  std::vector<std::tuple<int, int64_t, uintptr_t>> handles;  // (device, stream id, CUstream)
 };
 
 // A Python error raised inside autograd's thread: torch hands it to the
@@ -73,6 +98,49 @@ void call_python(PyObject* fn, int replica = -1, int param = -1) {
   }
 }
 
+// Raises `type(msg)` in the thread that called backward (see raise_python).
+[[noreturn]] void raise_error(PyObject* type, const std::string& msg) {
+  py::gil_scoped_acquire gil;
+  PyErr_SetString(type, msg.c_str());
+  python_error err;
+  err.persist();
+  throw err;
+}
+
+// The CUstream current on this thread for `device` in torch's stream state.
+uintptr_t torch_stream(State& st, int device) {
+  const c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+                                 ->getStream(c10::Device(c10::DeviceType::CUDA,
+                                                         static_cast<c10::DeviceIndex>(device)));
+  const int64_t id = stream.id();
+  {
+    std::lock_guard<std::mutex> lk(st.handles_mu);
+    for (const auto& [d, sid, handle] : st.handles) {
+      if (d == device && sid == id) return handle;
+    }
+  }
+  uintptr_t handle = 0;
+  {
+    py::gil_scoped_acquire gil;
+    try {
+      handle = py::reinterpret_borrow<py::object>(st.translate)(device, id).cast<uintptr_t>();
+    } catch (py::error_already_set& e) {
+      raise_python(e);
+    }
+  }
+  std::lock_guard<std::mutex> lk(st.handles_mu);
+  if (st.handles.size() >= 4096) st.handles.clear();  // external streams come and go
+  st.handles.emplace_back(device, id, handle);
+  return handle;
+}
+
+// A stream source's CUDA error, as torch names a dead context.
+[[noreturn]] void raise_cuda(int code, const char* when) {
+  raise_error(PyExc_RuntimeError,
+              code == 700 ? std::string("CUDA error: an illegal memory access was encountered")
+                          : "CUDA error " + std::to_string(code) + " " + when);
+}
+
 struct MarkHook : public torch::autograd::FunctionPostHook {
   std::shared_ptr<State> s;
   int r, i;
@@ -89,11 +157,15 @@ struct MarkHook : public torch::autograd::FunctionPostHook {
     }
     at::Tensor& param = st.params[r][i];
     const at::Tensor& grad = param.grad();
+    const int device = st.devices.empty() ? -1 : st.devices[r];
     if (!grad.defined() || grad.unsafeGetTensorImpl() != view.unsafeGetTensorImpl()) {
       if (!grad.defined() || grad.is_sparse() || grad.sizes() != view.sizes() ||
           grad.scalar_type() != view.scalar_type() || grad.device() != view.device()) {
         call_python(st.fallback, r, i);  // named there, or handled
         return outputs;
+      }
+      if (device >= 0 && st.before_write != nullptr) {
+        if (const int code = st.before_write(device)) raise_cuda(code, "before a gradient's copy");
       }
       {
         at::NoGradGuard no_grad;
@@ -109,16 +181,24 @@ struct MarkHook : public torch::autograd::FunctionPostHook {
     if (st.began != nullptr && st.began_due.exchange(false)) {
       call_python(st.began);
     }
-    char msg[2048];
-    const int kind = st.mark(st.engine, r, i, 0, msg, sizeof(msg));
-    st.marks.fetch_add(1, std::memory_order_relaxed);
-    if (kind != 0) {
-      py::gil_scoped_acquire gil;
-      PyErr_SetString(st.errors[kind], msg);
-      python_error err;
-      err.persist();
-      throw err;
+    // Autograd runs this hook on the stream that accumulated the gradient:
+    // the reduction waits for that stream, not another.
+    uintptr_t stream = 0;
+    if (device >= 0) {
+      stream = st.current != nullptr ? reinterpret_cast<uintptr_t>(st.current(device))
+                                     : torch_stream(st, device);
+      if (st.produced != nullptr && view.is_floating_point() && view.numel() > 0) {
+        const size_t bytes = static_cast<size_t>(view.numel()) * view.element_size();
+        if (const int code = st.produced(device, reinterpret_cast<void*>(stream),
+                                         view.data_ptr(), bytes)) {
+          raise_cuda(code, "recording a gradient's write");
+        }
+      }
     }
+    char msg[2048];
+    const int kind = st.mark(st.engine, r, i, stream, msg, sizeof(msg));
+    st.marks.fetch_add(1, std::memory_order_relaxed);
+    if (kind != 0) raise_error(st.errors[kind], msg);
     return outputs;
   }
 };
@@ -129,13 +209,15 @@ class HookSet {
  public:
   HookSet(std::vector<std::vector<at::Tensor>> params, uintptr_t engine, uintptr_t mark,
           py::object fallback, py::object began, py::object reduce_error,
-          py::object usage_error, std::vector<py::bytearray> handed)
+          py::object usage_error, std::vector<py::bytearray> handed, std::vector<int> devices,
+          std::optional<std::tuple<uintptr_t, uintptr_t, uintptr_t>> source, py::object translate)
       : state_(std::make_shared<State>()),
         fallback_(std::move(fallback)),
         began_(std::move(began)),
         reduce_error_(std::move(reduce_error)),
         usage_error_(std::move(usage_error)),
-        handed_(std::move(handed)) {
+        handed_(std::move(handed)),
+        translate_(std::move(translate)) {
     State& s = *state_;
     s.engine = reinterpret_cast<void*>(engine);
     s.mark = reinterpret_cast<MarkFn>(mark);
@@ -145,6 +227,18 @@ class HookSet {
     s.errors[2] = usage_error_.ptr();
     s.errors[3] = PyExc_RuntimeError;
     s.params = std::move(params);
+    TORCH_CHECK(devices.empty() || devices.size() == s.params.size(),
+                "pyddp._hot: a device per replica, or none (CPU replicas)");
+    s.devices = std::move(devices);
+    if (source.has_value()) {
+      s.current = reinterpret_cast<CurrentFn>(std::get<0>(*source));
+      s.before_write = reinterpret_cast<BeforeWriteFn>(std::get<1>(*source));
+      s.produced = reinterpret_cast<ProducedFn>(std::get<2>(*source));
+      TORCH_CHECK(s.current != nullptr, "pyddp._hot: a stream source without current()");
+    } else if (!s.devices.empty()) {
+      TORCH_CHECK(!translate_.is_none(), "pyddp._hot: GPU replicas need translate or a source");
+    }
+    s.translate = translate_.is_none() ? nullptr : translate_.ptr();
     s.views.resize(s.params.size());
     TORCH_CHECK(handed_.size() == s.params.size(), "pyddp._hot: one bytearray per replica");
     accumulators_.resize(s.params.size());
@@ -205,6 +299,7 @@ class HookSet {
       accumulators_;  // [replica][parameter]
   py::object fallback_, began_, reduce_error_, usage_error_;
   std::vector<py::bytearray> handed_;
+  py::object translate_;
 };
 
 }  // namespace
@@ -216,9 +311,13 @@ PYBIND11_MODULE(_hot, m) {
   m.attr("TORCH_VERSION") = PYDDP_TORCH_VERSION;
   py::class_<HookSet>(m, "HookSet")
       .def(py::init<std::vector<std::vector<at::Tensor>>, uintptr_t, uintptr_t, py::object,
-                    py::object, py::object, py::object, std::vector<py::bytearray>>(),
+                    py::object, py::object, py::object, std::vector<py::bytearray>,
+                    std::vector<int>, std::optional<std::tuple<uintptr_t, uintptr_t, uintptr_t>>,
+                    py::object>(),
            py::arg("params"), py::arg("engine"), py::arg("mark"), py::arg("fallback"),
-           py::arg("began"), py::arg("reduce_error"), py::arg("usage_error"), py::arg("handed"))
+           py::arg("began"), py::arg("reduce_error"), py::arg("usage_error"), py::arg("handed"),
+           py::arg("devices") = std::vector<int>{}, py::arg("source") = py::none(),
+           py::arg("translate") = py::none())
       .def("set_views", &HookSet::set_views, py::arg("replica"), py::arg("views"))
       .def("set_python_only", &HookSet::set_python_only, py::arg("on"))
       .def("arm_began", &HookSet::arm_began)

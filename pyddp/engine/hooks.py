@@ -6,12 +6,14 @@ reducer weakly, so dropping the wrapped model releases it, and they copy as
 standard-library callables, so a copied or pickled model carries no live
 pyddp state.
 
-CPU replicas get C++ hooks instead where the torch-linked hot path is built
-for this torch (pyddp._hot, runtime.libraries.hot): on each parameter's
+Replicas get C++ hooks instead where the torch-linked hot path is built for
+this torch (pyddp._hot, runtime.libraries.hot): on each parameter's
 gradient accumulator, as torch DDP's reducer registers them, doing the
-common case (copy into the bucket view, mark ready) without Python, and
-handing the rest to the Python hook below. They live on the accumulators,
-not the parameters, so a copied model carries none either."""
+common case (copy into the bucket view, mark ready; on GPUs with the
+current stream, read from torch's stream state or the stream provider's C
+entry points) without Python, and handing the rest to the Python hook
+below. They live on the accumulators, not the parameters, so a copied model
+carries none either."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from torch import nn
 
 from .. import _C
 from ..runtime.libraries import hot
+from .streams import cuda_stream_handle
 
 
 def install_hooks(reducer: Any, handles: List[Any], began: bool, prepare_on_forward: bool) -> None:
@@ -33,7 +36,7 @@ def install_hooks(reducer: Any, handles: List[Any], began: bool, prepare_on_forw
     owner, mark = weakref.ref(reducer), reducer._engine.mark_ready
     gpus, streams = reducer._gpu_devices, reducer._streams
     layout = reducer._layout
-    fast = hot() if gpus is None else None
+    fast = hot()
     python_hooks: List[List[Callable[[torch.Tensor], None]]] = []
     for r, (module, params) in enumerate(zip(reducer._replicas, reducer._params)):
         device = -1 if gpus is None else gpus[r]
@@ -47,14 +50,24 @@ def install_hooks(reducer: Any, handles: List[Any], began: bool, prepare_on_forw
         if prepare_on_forward:  # wrap prepares all replicas itself, hook-free
             handles.append(module.register_forward_pre_hook(PrepareHook(reducer, r)))
     if fast is not None:
-        layout.hot = _cpp_hooks(fast, reducer, python_hooks, began)
+        layout.hot = _cpp_hooks(fast, reducer, python_hooks, began, gpus, streams)
         handles.append(layout.hot)
         layout.tell_hooks()
 
 
-def _cpp_hooks(fast: Any, reducer: Any, python_hooks: List[List[Any]], began: bool) -> Any:
-    """pyddp._hot's hooks for CPU replicas: `python_hooks[r][i]` runs for
-    whatever they leave to Python (called with the parameter)."""
+def _cpp_hooks(
+    fast: Any,
+    reducer: Any,
+    python_hooks: List[List[Any]],
+    began: bool,
+    gpus: Optional[List[int]],
+    streams: Any,
+) -> Any:
+    """pyddp._hot's hooks: `python_hooks[r][i]` runs for whatever they leave
+    to Python (called with the parameter). GPU replicas (`gpus`, their
+    devices) read their current streams from the stream provider's C entry
+    points (`streams.hot_source()`), or from torch's stream state where it
+    has none."""
     params = reducer._params
     owner = weakref.ref(reducer)
 
@@ -71,6 +84,9 @@ def _cpp_hooks(fast: Any, reducer: Any, python_hooks: List[List[Any]], began: bo
         _C.ReduceError,
         _C.UsageError,
         reducer._layout._handed,
+        devices=[] if gpus is None else list(gpus),
+        source=None if gpus is None else streams.hot_source(),
+        translate=None if gpus is None else cuda_stream_handle,
     )
 
 

@@ -22,6 +22,13 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 
+def cuda_stream_handle(device: int, stream_id: int) -> int:
+    """The CUstream of torch's CUDA stream `stream_id` on `device` (an id
+    of c10's stream state, as pyddp._hot's hooks read it)."""
+    cuda = 1  # c10::DeviceType::CUDA
+    return torch.cuda.Stream(stream_id=stream_id, device_index=device, device_type=cuda).cuda_stream
+
+
 class TorchStreams:
     """torch.cuda's current streams; handles are raw CUstream integers."""
 
@@ -49,6 +56,13 @@ class TorchStreams:
 
     def before_host_write(self, device: int) -> None:
         """torch ops are queued on the current stream: nothing to do."""
+
+    def hot_source(self) -> None:
+        """pyddp._hot's C++ hooks read torch's stream state themselves (c10),
+        with cuda_stream_handle for each stream they meet the first time; a
+        provider without torch's streams gives the C entry points of its
+        current(), before_host_write() and produced() instead."""
+        return None
 
     def capturing(self, device: int) -> bool:
         """Whether the current stream is capturing a CUDA graph."""

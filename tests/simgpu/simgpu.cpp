@@ -1857,6 +1857,67 @@ API int simgpu_copy(void* stream, void* dst, const void* src, size_t bytes) {
     std::memcpy(dst, src, bytes);
   });
 }
+// ---------------------------------------------------------------- the test stream provider
+// The test stream provider's state (tests/simgpu/simgpu.py, SimStreams) lives
+// here, not in Python, so that pyddp._hot's C++ gradient hooks can ask it
+// what torch's stream state answers on a GPU, with no Python call: the
+// calling thread's current stream per device, the drain before a host write,
+// and the late write of a gradient (SimStreams.produced).
+namespace {
+thread_local void* t_provider_stream[kMaxDevices] = {};
+std::atomic<long> g_late_us{0};
+}  // namespace
+API void* simgpu_current_stream(int device) {
+  return device >= 0 && device < kMaxDevices ? t_provider_stream[device] : nullptr;
+}
+API int simgpu_set_current_stream(int device, void* stream) {
+  if (device < 0 || device >= kMaxDevices) return CUDA_ERROR_INVALID_DEVICE;
+  t_provider_stream[device] = stream;
+  return 0;
+}
+// Before a host write standing in for a kernel on the current stream of
+// `device`: that stream drained (the test harness's wait, not pyddp's), then
+// the write counted as its use of the device's memory. 700 where the
+// device's context died (torch reports an illegal memory access).
+API int simgpu_before_host_write(int device) {
+  if (device < 0 || device >= num_devices()) return CUDA_ERROR_INVALID_DEVICE;
+  void* stream = t_provider_stream[device];
+  Ctx* saved = t_current;
+  const bool harness = t_harness;
+  t_current = &g_ctx[device];
+  t_harness = true;
+  const int rc = cuStreamSynchronize(stream);
+  t_harness = harness;
+  t_current = saved;
+  if (rc != 0) return rc;
+  return simgpu_host_use(device, stream);
+}
+API void simgpu_set_late_us(long us) { g_late_us.store(us); }
+API long simgpu_late_us() { return g_late_us.load(); }
+// A gradient torch wrote on the host stands for a kernel on `stream` of
+// `device` still running: its bytes are taken out (all-ones bytes: NaN in
+// every floating type) and written back `late_us` later in that stream's
+// order, from a copy the queued write owns.
+API int simgpu_produced(int device, void* stream, void* dst, size_t bytes) {
+  const long us = g_late_us.load();
+  if (us <= 0 || bytes == 0) return 0;
+  if (device < 0 || device >= num_devices()) return CUDA_ERROR_INVALID_DEVICE;
+  Stream* s = nullptr;
+  if (int rc = resolve_on(device, stream, &s)) return rc;
+  auto value = std::make_shared<std::vector<char>>(static_cast<char*>(dst),
+                                                   static_cast<char*>(dst) + bytes);
+  std::memset(dst, 0xFF, bytes);
+  Op sleep;
+  sleep.run = [us] { std::this_thread::sleep_for(std::chrono::microseconds(us)); };
+  enqueue(s, std::move(sleep));
+  Op write;
+  write.run = [dst, value, bytes] {
+    note_use(dst);
+    std::memcpy(dst, value->data(), bytes);
+  };
+  enqueue(s, std::move(write));
+  return 0;
+}
 API void simgpu_nccl_stall(int device, int on) {
   std::lock_guard<std::mutex> lk(g_nccl_mu);
   if (on) g_stalled.insert(device);

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import weakref
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -91,6 +91,10 @@ class Sim:
         self.lib.cuEventQuery.argtypes = [vp]
         self.lib.cuEventSynchronize.argtypes = [vp]
         self.lib.cuEventDestroy_v2.argtypes = [vp]
+        self.lib.simgpu_current_stream.restype = vp
+        self.lib.simgpu_set_current_stream.argtypes = [ctypes.c_int, vp]
+        self.lib.simgpu_set_late_us.argtypes = [ctypes.c_long]
+        self.lib.simgpu_produced.argtypes = [ctypes.c_int, vp, vp, size]
         assert self.lib.cuInit(0) == 0
 
     def use_device(self, device: int) -> None:
@@ -141,6 +145,9 @@ class Sim:
         return self.lib.simgpu_counter(name.encode())
 
 
+MAX_DEVICES = 8  # simgpu.cpp's kMaxDevices
+
+
 class SimStreams:
     """pyddp's stream-provider protocol (see pyddp/engine/streams.py) on the
     simulated driver: thread-local current streams, 0 (the default stream)
@@ -153,47 +160,61 @@ class SimStreams:
     back out (the buffer reads NaN) and queues its write on the current
     stream after `late_us` (SIMGPU_LATE_US, default 100): a reduction not
     ordered after that stream (a ready event on the wrong stream, a missing
-    wait) reads NaN in any test, not only in one built to catch it."""
+    wait) reads NaN in any test, not only in one built to catch it.
+
+    The current streams, the drain and the late write live in the simulated
+    driver (simgpu.cpp, "the test stream provider"), so pyddp._hot's C++
+    gradient hooks use them with no Python call (`hot_source`), as they use
+    torch's stream state on a GPU."""
 
     def __init__(self, sim: Sim, late_us: int = -1):
         self.sim = sim
-        self._local = threading.local()
         self.late_us = int(os.environ.get("SIMGPU_LATE_US", "100")) if late_us < 0 else late_us
         self._lock = threading.Lock()
-        self._in_flight: Dict[tuple, list] = {}  # (device, stream) -> (seq, value) being written
-        self._seq = 0
         self._memory: Dict[int, object] = {}  # body address -> its host memory, until released
         self._blocks: Dict[int, int] = {}  # storage address -> body address, while alive
         self._recorded: Dict[int, set] = {}  # body address -> streams record_stream named
 
-    def _current(self) -> Dict[int, int]:
-        if not hasattr(self._local, "streams"):
-            self._local.streams = {}
-        return self._local.streams
+    @property
+    def late_us(self) -> int:
+        return self._late_us
+
+    @late_us.setter
+    def late_us(self, us: int) -> None:
+        self._late_us = us
+        self.sim.lib.simgpu_set_late_us(us)
 
     def current(self, device: int) -> int:
-        return self._current().get(device, 0)
+        return self.sim.lib.simgpu_current_stream(device) or 0
 
     def snapshot(self) -> Dict[int, int]:
-        return dict(self._current())
+        return {d: s for d in range(MAX_DEVICES) if (s := self.current(d))}
 
     @contextlib.contextmanager
     def use(self, snapshot: Dict[int, int]) -> Iterator[None]:
-        saved = dict(self._current())
-        self._current().update(snapshot)
+        saved = [self.current(d) for d in range(MAX_DEVICES)]
+        for d, s in snapshot.items():
+            assert self.sim.lib.simgpu_set_current_stream(d, s) == 0
         try:
             yield
         finally:
-            self._local.streams = saved
+            for d, s in enumerate(saved):
+                self.sim.lib.simgpu_set_current_stream(d, s)
 
     stream = use  # `with streams.stream({0: s})`, like torch.cuda.stream(s)
 
     def before_host_write(self, device: int) -> None:
-        stream = self.current(device)
-        self._drain(stream, device)
-        # The write is the current stream's use of that device's memory (the
-        # simulation cannot tell which allocation: it counts all of them).
-        assert self.sim.lib.simgpu_host_use(device, stream) == 0
+        code = self.sim.lib.simgpu_before_host_write(device)
+        if code == 700:  # as torch reports a dead context
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        assert code == 0, code
+
+    def hot_source(self) -> Tuple[int, int, int]:
+        """The C entry points pyddp._hot's GPU hooks call for current(),
+        before_host_write() and produced() (see pyddp/engine/streams.py)."""
+        lib = self.sim.lib
+        names = ("simgpu_current_stream", "simgpu_before_host_write", "simgpu_produced")
+        return tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names)
 
     capture = False  # a test sets it: the current stream "captures a CUDA graph"
 
@@ -203,18 +224,9 @@ class SimStreams:
     def produced(self, device: int, tensor) -> None:
         if self.late_us <= 0 or not tensor.is_floating_point() or not tensor.numel():
             return
-        stream = self.current(device)
-        value = tensor.detach().clone()
-        tensor.detach().fill_(float("nan"))
-        with self.sim.on_device(device):
-            assert self.sim.lib.simgpu_sleep(stream, self.late_us) == 0
-            nbytes = value.numel() * value.element_size()
-            dst, src = tensor.data_ptr(), value.data_ptr()
-            assert self.sim.lib.simgpu_copy(stream, dst, src, nbytes) == 0
-        # Kept until a drain that began after the copy was queued (below).
-        with self._lock:
-            self._seq += 1
-            self._in_flight.setdefault((device, stream), []).append((self._seq, value))
+        nbytes = tensor.numel() * tensor.element_size()
+        lib = self.sim.lib
+        assert lib.simgpu_produced(device, self.current(device), tensor.data_ptr(), nbytes) == 0
 
     GUARD_BYTES = 256
 
@@ -325,18 +337,11 @@ class SimStreams:
             assert self.sim.lib.simgpu_host_synchronized(d, stream) == 0
 
     def _drain(self, stream: int, device: int) -> None:
-        # Other threads keep queuing writes meanwhile: only the values whose
-        # copies were queued before this synchronize began are written now.
-        with self._lock:
-            done = self._seq
         with self.sim.on_device(device), self.sim.harness():
             code = self.sim.lib.cuStreamSynchronize(stream)
         if code == 700:  # as torch reports a dead context
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         assert code == 0, code
-        with self._lock:
-            kept = [e for e in self._in_flight.get((device, stream), ()) if e[0] > done]
-            self._in_flight[(device, stream)] = kept
 
 
 class SimHostCopy:
