@@ -201,3 +201,38 @@ def test_overlap_processes_refuses_no_ddp_and_bad_counts(capsys):
             cli.main(["overlap", *argv])
         assert exit_.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_one_command_gpu_check_runs_dry_on_the_cpu(tmp_path):
+    # bench/gpu_check.sh --dry-run: the same stages as on a GPU (doctor, then
+    # bench/gpu_step.py's table and equivalence check) at toy sizes on the CPU,
+    # so the script a GPU session runs in one call does not rot.
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "check"
+    run = subprocess.run(
+        ["bash", str(root / "bench" / "gpu_check.sh"), "--dry-run", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(root),
+        env=dict(os.environ, PYTHON=sys.executable),
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = (out / "summary.txt").read_text()
+    assert "doctor     rc=0" in summary and "timing     rc=0" in summary, summary
+    for model in ("mlp", "transformer"):
+        for variant in ("plain", "wrap x1", "wrap x2"):
+            assert f"{model}  eager  {variant}".replace("  ", " ") in " ".join(summary.split())
+        assert f"{model}: 2 replicas vs plain after 5 float32 AdamW steps" in summary
+    results = json.loads((out / "gpu_step.json").read_text())["results"]
+    for model in ("mlp", "transformer"):
+        rows = results[f"{model} eager"]
+        assert rows["plain"]["vs_plain"] == 1.0
+        assert all(r["gpu_busy_ms"] is None and r["step_ms"]["n"] == 2 for r in rows.values())
+        assert rows["wrap x2"]["run_replicas"]  # what the wrapped model chose, recorded
+        # float32 sums of two halves against one whole; Adam divides by the
+        # gradient's scale, so rounding moves parameters by up to lr (seen: 5e-6)
+        assert results[f"{model} equivalence"] < 1e-4

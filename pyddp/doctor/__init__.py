@@ -60,7 +60,7 @@ def report() -> List[str]:
     else:
         lines.append("on-device kernel (replicas sharing a GPU): not tried (no GPU or no NVRTC)")
     _, why = hot_status()
-    lines.append(f"torch-linked hot path (C++ gradient hooks, CPU replicas): {why}")
+    lines.append(f"torch-linked hot path (C++ gradient hooks and cross-process launches): {why}")
     lines.append(f"collective timeout: {timeout_s():g} s")
     lines.append("backends by replica placement:")
     lines.append("  cpu, cpu, ...          -> cpu (in-process)")

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The one-command GPU check: on a machine with a CUDA GPU and a CUDA build of
+# torch (no network needed), from the repository root,
+#
+#     bash bench/gpu_check.sh [OUT]        # OUT: gpu-check (default)
+#
+# builds pyddp from this checkout (pip --no-build-isolation --no-deps: the
+# build tools must be installed, as the README's build from source says),
+# then runs `python -m pyddp.doctor`, its `--selftest`, `tests/test_gpu.py`
+# and bench/gpu_step.py (plain vs 1 and 2 replicas on one GPU, eager and
+# compiled: step, host and GPU busy ms), each stage under a time limit so the
+# whole check ends within about 5 minutes. It ends with a summary that fits a
+# bug report: OUT/summary.txt (every stage's log is beside it).
+#
+# `--dry-run` (CI, no GPU): the same stages on the CPU at toy sizes, without
+# the build (the installed pyddp) and without the GPU tests, to check that the
+# script and the bench still run; its figures mean nothing.
+set -uo pipefail
+
+dry=0
+if [ "${1:-}" = "--dry-run" ]; then
+  dry=1
+  shift
+fi
+out="${1:-gpu-check}"
+mkdir -p "$out"
+summary="$out/summary.txt"
+: >"$summary"
+failed=0
+py="${PYTHON:-python}"
+
+# stage NAME LIMIT_S COMMAND...: runs COMMAND into OUT/NAME.log, notes its
+# exit status and duration in the summary (124: it ran past its limit).
+stage() {
+  local name="$1" limit="$2"
+  shift 2
+  local start=$SECONDS rc
+  echo "== $name: $*" | tee -a "$out/progress.log"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  [ "$rc" -ne 0 ] && failed=$((failed + 1))
+  printf '%-10s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" "$*" >>"$summary.stages"
+  return 0
+}
+
+: >"$summary.stages"
+if [ "$dry" -eq 0 ]; then
+  stage build 240 "$py" -m pip install --no-build-isolation --no-deps .
+fi
+stage doctor 60 "$py" -m pyddp.doctor
+if [ "$dry" -eq 0 ]; then
+  stage selftest 120 "$py" -m pyddp.doctor --selftest
+  stage test_gpu 300 "$py" -m pytest -q -p no:cacheprovider -m "cuda or not cuda" tests/test_gpu.py
+  stage timing 420 "$py" bench/gpu_step.py --out "$out/gpu_step.json"
+else
+  stage timing 120 "$py" bench/gpu_step.py --device cpu --quick --out "$out/gpu_step.json"
+fi
+
+{
+  echo "# pyddp GPU check ($(date -u +%Y-%m-%dT%H:%MZ))"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (modified)')"
+  "$py" -c 'import sys, torch; print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda, "| GPUs", torch.cuda.device_count(), *(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))' 2>&1
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  echo
+  echo "## stages (rc 0: passed; 124: past its time limit)"
+  cat "$summary.stages"
+  echo
+  echo "## doctor"
+  grep -iE "hot path|nccl|nvrtc|driver|device|kernel" "$out/doctor.log" | head -20
+  if [ -f "$out/selftest.log" ]; then
+    echo
+    echo "## selftest"
+    tail -12 "$out/selftest.log"
+  fi
+  if [ -f "$out/test_gpu.log" ]; then
+    echo
+    echo "## tests/test_gpu.py"
+    grep -E "^(FAILED|ERROR)|passed|failed" "$out/test_gpu.log" | tail -15
+  fi
+  echo
+  echo "## timing (bench/gpu_step.py)"
+  sed -n '/^ *model /,/^results:/p' "$out/timing.log"
+  for name in build doctor selftest test_gpu timing; do
+    if grep -q "^$name .*rc=[1-9]" "$summary.stages"; then
+      echo
+      echo "## $name failed: the end of its log"
+      tail -25 "$out/$name.log"
+    fi
+  done
+} >"$summary" 2>&1
+rm -f "$summary.stages"
+cat "$summary"
+exit $((failed > 0))

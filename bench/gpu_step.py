@@ -1,0 +1,257 @@
+"""One GPU, one process: the training step of the plain model against
+`pyddp.wrap(model, [dev])` and `pyddp.wrap(model, [dev, dev])` (2 replicas
+sharing the GPU, each with half the batch: the same GPU work as plain), eager
+and compiled, interleaved. Per variant: the step time (CUDA-synchronized
+wall time per step), the host time (until the last step's Python returned,
+before the synchronize: what the host spends launching a step) and the GPU
+busy time (the sum of kernel times per step, from torch.profiler). A step
+whose host time is close to its step time while the GPU is busy for much less
+is host-bound. Then an equivalence check: 5 AdamW steps in float32 (TF32
+off), plain against 2 replicas, their relative parameter difference.
+
+The models are issue 44's: an MLP 1024x6 (batch 256, float32) and a 6-layer
+transformer (d 768, 12 heads, vocabulary 8192, 16 x 256 tokens, bfloat16
+autocast), AdamW. On a machine without a GPU, `--device cpu --quick` runs
+the same machinery at toy sizes (the GPU busy column is then empty): that is
+what CI checks; the figures mean something only on a GPU.
+
+    python bench/gpu_step.py [--device cuda:0] [--models mlp,transformer]
+        [--modes eager,compiled] [--rounds 8] [--steps 5] [--quick]
+
+Part of bench/gpu_check.sh (the one-command GPU check). Results:
+bench/results/gpu_step.json unless --out."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from _common import header, parser, rotated, summary, table, write_results
+from torch import nn
+
+import pyddp
+
+Step = Callable[[], None]
+
+
+class Transformer(nn.Module):
+    """A decoder-style stack (causal mask) with an LM head."""
+
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(seq, d))
+        layer = nn.TransformerEncoderLayer(
+            d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        return self.head(self.blocks(h, mask=self.mask, is_causal=True))
+
+
+def build(name: str, quick: bool) -> Tuple[nn.Module, torch.Tensor, torch.Tensor, bool]:
+    """(model, inputs, targets, autocast) at issue 44's sizes (toy ones if quick)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        width, depth, batch = (64, 3, 16) if quick else (1024, 6, 256)
+        layers: List[nn.Module] = []
+        for _ in range(depth - 1):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        model = nn.Sequential(*layers, nn.Linear(width, 10))
+        x = torch.randn(batch, width, generator=g)
+        return model, x, torch.randint(10, (batch,), generator=g), False
+    vocab, d, heads, depth, rows, seq = (
+        (256, 32, 4, 2, 4, 16) if quick else (8192, 768, 12, 6, 16, 256)
+    )
+    model = Transformer(vocab, d, heads, depth, seq)
+    tokens = torch.randint(vocab, (rows, seq + 1), generator=g)
+    return model, tokens[:, :-1], tokens[:, 1:], True
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+
+
+def make_step(
+    variant: str, name: str, mode: str, device: torch.device, quick: bool, lr: float = 1e-4
+) -> Tuple[Step, Any]:
+    """A training step of `variant` ("plain", "wrap x1", "wrap x2") and what
+    to close after."""
+    model, x, y, autocast = build(name, quick)
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    cast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if autocast and device.type == "cuda"
+        else contextlib.nullcontext()
+    )
+    if variant == "plain":
+        run = torch.compile(model) if mode == "compiled" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        dm = None
+    else:
+        dm = pyddp.wrap(model, [str(device)] * (2 if variant == "wrap x2" else 1))
+        if mode == "compiled":
+            dm.compile()
+        run, opt = dm, dm.optimizer(torch.optim.AdamW, lr=lr)
+
+    def step() -> None:
+        with cast:
+            out = run(x)
+        loss_of(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, dm
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gpu_busy_ms(step: Step, device: torch.device, steps: int) -> Optional[float]:
+    """Kernel time per step (torch.profiler's device events), or None off GPUs."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    total_us = sum(
+        e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0
+    )
+    return total_us / 1000.0 / steps
+
+
+def equivalence(name: str, device: torch.device, quick: bool, steps: int = 5) -> float:
+    """Relative parameter difference (the norm of the difference over the
+    norm of plain's parameters) after `steps` float32 AdamW steps (TF32
+    off, no autocast): plain against 2 replicas sharing `device`."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        ref, x, y, _ = build(name, quick)
+        model, _, _, _ = build(name, quick)
+        ref, model, x, y = ref.to(device), model.to(device), x.to(device), y.to(device)
+        dm = pyddp.wrap(model, [str(device)] * 2)
+        opt = dm.optimizer(torch.optim.AdamW, lr=1e-3)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        for _ in range(steps):
+            loss_of(dm(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            loss_of(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        # Over all parameters at once: per parameter, attention's key bias
+        # (whose gradient is zero but for rounding) would dominate, as Adam
+        # turns the sign of rounding noise into a full step.
+        pairs = list(zip(dm.module.parameters(), ref.parameters()))
+        diff = sum(float((p - q).double().square().sum()) for p, q in pairs) ** 0.5
+        norm = sum(float(q.double().square().sum()) for _, q in pairs) ** 0.5
+        dm.close()
+        return diff / norm
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def measure(
+    name: str, mode: str, device: torch.device, rounds: int, steps: int, quick: bool
+) -> Dict[str, Dict[str, Any]]:
+    variants = ["plain", "wrap x1", "wrap x2"]
+    built = {v: make_step(v, name, mode, device, quick) for v in variants}
+    wall: Dict[str, List[float]] = {v: [] for v in variants}
+    host: Dict[str, List[float]] = {v: [] for v in variants}
+    for v in variants:  # warm-up: compilation, allocator, pyddp's bucket rebuild
+        for _ in range(3):
+            built[v][0]()
+    for r in range(rounds):
+        for v in rotated(variants, r):
+            step = built[v][0]
+            step()  # untimed: this variant's memory back in cache
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            launched = time.perf_counter()
+            sync(device)
+            done = time.perf_counter()
+            wall[v].append((done - start) / steps * 1e3)
+            host[v].append((launched - start) / steps * 1e3)
+    out: Dict[str, Dict[str, Any]] = {}
+    plain = summary(wall["plain"])["median"]
+    for v in variants:
+        busy = gpu_busy_ms(built[v][0], device, steps)
+        w = summary(wall[v])
+        out[v] = {
+            "step_ms": w,
+            "host_ms": summary(host[v]),
+            "gpu_busy_ms": busy,
+            "vs_plain": w["median"] / plain,
+        }
+        if built[v][1] is not None:
+            out[v]["run_replicas"] = built[v][1].run_replicas()
+            built[v][1].close()
+    return out
+
+
+def main() -> None:
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--models", default="mlp,transformer")
+    p.add_argument("--modes", default=None, help="eager,compiled (default; eager with --quick)")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    modes = (args.modes or ("eager" if args.quick else "eager,compiled")).split(",")
+    rounds, steps = (2, 2) if args.quick else (args.rounds, args.steps)
+    print(header())
+    if device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.version.cuda} CUDA")
+    results: Dict[str, Any] = {}
+    rows = []
+    for name in args.models.split(","):
+        for mode in modes:
+            got = measure(name, mode, device, rounds, steps, args.quick)
+            results[f"{name} {mode}"] = got
+            for v, m in got.items():
+                busy = m["gpu_busy_ms"]
+                rows.append(
+                    [
+                        name,
+                        mode,
+                        v,
+                        f"{m['step_ms']['median']:.2f}",
+                        f"{m['step_ms']['p10']:.2f}-{m['step_ms']['p90']:.2f}",
+                        f"{m['host_ms']['median']:.2f}",
+                        "-" if busy is None else f"{busy:.2f}",
+                        f"{m['vs_plain']:.2f}x",
+                    ]
+                )
+        results[f"{name} equivalence"] = equivalence(name, device, args.quick)
+    heads = ["model", "mode", "variant", "step ms", "p10-p90", "host ms", "GPU busy ms"]
+    print(table(heads + ["vs plain"], rows))
+    for name in args.models.split(","):
+        diff = results[f"{name} equivalence"]
+        print(f"{name}: 2 replicas vs plain after 5 float32 AdamW steps: {diff:.2e} (relative)")
+    print(
+        "host ms: until the last step's Python returned (before synchronizing); a step whose "
+        "host ms is near its step ms, with the GPU busy for much less, is host-bound."
+    )
+    write_results("gpu_step", args, results)
+
+
+if __name__ == "__main__":
+    main()
