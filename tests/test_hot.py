@@ -11,6 +11,7 @@ import copy
 import importlib.util
 import os
 import sys
+import threading
 from collections import Counter
 
 import pytest
@@ -67,6 +68,40 @@ def _profiled(step) -> Counter:
     finally:
         sys.setprofile(None)
     return calls
+
+
+class _EveryThread:
+    """Counts pyddp's Python function calls on every thread started after
+    it (the wrapped model's replica workers, autograd's) while `counting`."""
+
+    def __init__(self):
+        self.calls: Counter = Counter()
+        self.counting = False
+        self._lock = threading.Lock()
+        self._package = os.path.dirname(os.path.abspath(pyddp.__file__)) + os.sep
+
+    def _profile(self, frame, event, arg):
+        if self.counting and event == "call" and frame.f_code.co_filename.startswith(self._package):
+            with self._lock:
+                self.calls[frame.f_code.co_name] += 1
+
+    def __enter__(self):
+        sys.setprofile(self._profile)
+        threading.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        threading.setprofile(None)
+        sys.setprofile(None)
+
+    def step(self, step) -> Counter:
+        self.calls = Counter()
+        self.counting = True
+        try:
+            step()
+        finally:
+            self.counting = False
+        return self.calls
 
 
 def _synced_step(sync, replicas, x, after_backward=lambda: None):
@@ -143,6 +178,27 @@ def gpu_calls_per_step(devices):
         if libraries.hot() is not None:
             assert hot.marks() - before == len(devices) * 2 * layers
         sync.close()
+    _assert_o_buckets(counts[0], counts[1], "on_grad_gpu", len(devices))
+
+    # pyddp.wrap's whole step (forward on the replica workers, backward, the
+    # replicated optimizer's step, zero_grad), every thread counted.
+    from simulated import gpu_step, gpu_wrap
+
+    counts = []
+    with _EveryThread() as every:
+        for layers in (4, 40):
+            torch.manual_seed(0)
+            dm = gpu_wrap(nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)]), devices)
+            opt = dm.optimizer(torch.optim.SGD, lr=0.01, momentum=0.9)
+            x = torch.randn(4 * len(devices), 8)
+
+            def step(dm=dm, opt=opt, x=x):
+                gpu_step(dm(x).square().mean(), opt, devices)
+
+            for _ in range(4):
+                step()
+            counts.append(every.step(step))
+            dm.close()
     _assert_o_buckets(counts[0], counts[1], "on_grad_gpu", len(devices))
 
 
