@@ -236,3 +236,22 @@ def test_the_one_command_gpu_check_runs_dry_on_the_cpu(tmp_path):
         # float32 sums of two halves against one whole; Adam divides by the
         # gradient's scale, so rounding moves parameters by up to lr (seen: 5e-6)
         assert results[f"{model} equivalence"] < 1e-4
+
+
+def test_overlap_names_a_host_bound_gpu_step(capsys):
+    # What `pyddp-bench overlap` prints from each variant's dm.stats()["gpu"]
+    # (GPU replicas only; the figures here are made up).
+    gpu = {"cuda:0": {"backwards": 4, "host_ms": 3.0, "gpu_ms": 1.25,
+                      "gpu_waited_for_host": 1.0, "bound": "host"}}  # fmt: skip
+    cli._print_gpu_bound(
+        [
+            {"variant": "bucketed cap 25", "gpu": gpu, "gpu_advice": "one process per GPU"},
+            {"variant": "torch DDP"},
+        ]  # fmt: skip
+    )
+    out = capsys.readouterr().out
+    assert "bucketed cap 25, cuda:0: host 3.00 ms, GPU 1.25 ms per backward" in out
+    assert "at 100% of forwards: host-bound" in out
+    assert out.strip().endswith("host-bound: one process per GPU")
+    cli._print_gpu_bound([{"variant": "bucketed cap 25", "gpu": None}])  # CPU replicas
+    assert capsys.readouterr().out == ""

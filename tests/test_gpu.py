@@ -119,6 +119,8 @@ def test_cpp_hooks_mark_every_gradient_with_its_producing_stream_on_gpu():
             assert torch.equal(grad, torch.full_like(grad, 8.0))
             assert torch.equal(dm.replicas[1].w.grad, grad)
     torch.cuda.synchronize()
+    gpu = dm.stats()["gpu"]["cuda:0"]  # host against GPU time (which bounds: timing)
+    assert gpu["backwards"] == 4 and gpu["gpu_ms"] is not None and gpu["bound"] in ("host", "gpu")
     dm.close()
 
 

@@ -111,3 +111,60 @@ def test_reset_stats_forgets_the_means_not_the_last_iteration():
     train(dm, iterations=2)
     again = dm.stats()
     assert again["iteration"] == 5 and again["mean"]["launches"] == again["launches"]
+
+
+class _Events:
+    """A stream provider's timing events whose completion the test sets: the
+    GPU passes an event when the test says so, never by the clock."""
+
+    def __init__(self):
+        self.made = []
+
+    def timing_event(self, device):
+        event = {"device": device, "done": False, "at": None}
+        self.made.append(event)
+        return event
+
+    def event_done(self, event):
+        return event["done"]
+
+    def elapsed_ms(self, start, end):
+        assert start["done"] and end["done"]
+        return end["at"] - start["at"]
+
+    def complete(self, at_ms):
+        for event in self.made:
+            if not event["done"]:
+                event.update(done=True, at=at_ms)
+
+
+def test_gpu_clock_tells_a_host_bound_step_from_a_gpu_bound_one():
+    from pyddp.engine.streams import GpuClock
+
+    events = _Events()
+    clock = GpuClock(events, [0, 1, 0])  # replica -> device
+    # GPU-bound: each forward finds the previous backward's work still queued.
+    for step in range(4):
+        for replica in (0, 1, 2):  # replicas 0 and 2 share cuda:0: one start per device
+            clock.begin(replica)
+        if step:  # the GPU reaches the previous step's end only now
+            events.complete(at_ms=10.0 * step)
+        clock.end()
+    gpu = clock.stats()
+    assert set(gpu) == {"cuda:0", "cuda:1"}
+    for d in gpu.values():
+        assert d["backwards"] == 4 and d["host_ms"] >= 0
+        assert d["gpu_waited_for_host"] == 0.0 and d["bound"] == "gpu"
+        # Spans read once both events passed, never waited for: the last
+        # step's events have not completed, so 3 of 4 were read.
+        assert d["gpu_ms"] == pytest.approx((0 + 10 + 10) / 3)
+    # Host-bound: the GPU has passed every event before the next forward.
+    events.complete(at_ms=40.0)
+    clock.reset()
+    for _ in range(3):
+        clock.begin(0)
+        clock.end()
+        events.complete(at_ms=5.0)
+    d = clock.stats()["cuda:0"]
+    assert d["backwards"] == 3 and d["gpu_waited_for_host"] == 1.0 and d["bound"] == "host"
+    assert d["gpu_ms"] == 0.0  # every span read (the fake GPU completes at one instant)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -331,6 +331,7 @@ def _overlap(args: argparse.Namespace) -> Dict[str, Any]:
         "median lies inside\nthe bound's p10-p90, so which side of 1 the ratio falls on means "
         "nothing."
     )
+    _print_gpu_bound(result["results"])
     if args.quick:
         print(
             "--quick: a tiny model whose reductions cost microseconds, and few samples: this "
@@ -338,6 +339,25 @@ def _overlap(args: argparse.Namespace) -> Dict[str, Any]:
         )
     print(f"chart {overlap.chart(result, _path(args, 'overlap').with_suffix('.png'))}")
     return result
+
+
+def _print_gpu_bound(results: List[Dict[str, Any]]) -> None:
+    """GPU replicas: each pyddp variant's host and GPU time per backward
+    (dm.stats()["gpu"]) and whether the host bounds its step."""
+    advice = None
+    for r in results:
+        for device, g in (r.get("gpu") or {}).items():
+            gpu = "-" if g["gpu_ms"] is None else f"{g['gpu_ms']:.2f}"
+            waited = g["gpu_waited_for_host"]
+            print(
+                f"{r['variant']}, {device}: host {g['host_ms']:.2f} ms, GPU {gpu} ms per "
+                f"backward; the GPU waited for the host at "
+                f"{'-' if waited is None else f'{100 * waited:.0f}%'} of forwards: "
+                f"{g['bound'] or '?'}-bound"
+            )
+        advice = advice or r.get("gpu_advice")
+    if advice:
+        print(f"host-bound: {advice}")
 
 
 def _simulate(args: argparse.Namespace) -> Dict[str, Any]:

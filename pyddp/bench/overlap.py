@@ -97,6 +97,9 @@ def run(
                 "comm_s": mean.get("comm_s"),
                 "exposed_comm_s": mean.get("exposed_comm_s"),
                 "buckets": dm.stats()["buckets"],
+                # GPU replicas: host against GPU time, and whether the host bounds the step
+                "gpu": dm.stats().get("gpu"),
+                "gpu_advice": dm.stats().get("gpu_advice"),
             }
         )
         dm.close()

@@ -34,7 +34,7 @@ from .faces import GradientShards
 from .hooks import arm_began, install_hooks
 from .observe import Observer
 from .plan import Plan, resolve_hook
-from .streams import StreamOrder
+from .streams import GpuClock, StreamOrder
 
 
 class Reducer:
@@ -61,6 +61,7 @@ class Reducer:
         self._names, self._params, self._devices = parts.names, parts.params, parts.devices
         self._gpu_devices, self._streams = parts.gpu_devices, parts.streams
         self._order = StreamOrder(self._gpu_devices, self._streams)
+        self._clock = GpuClock(self._streams, self._gpu_devices)  # GPUs: is the host the bound?
         self._engine: Optional[Any] = None
         self._closed = False
         self._shadowing = False  # shadow_backward() under way
@@ -156,6 +157,7 @@ class Reducer:
         if self._engine is None:
             return
         self._check_open()
+        self._clock.begin(replica)
         # Backward runs on the stream its forward runs on: this one. It and the
         # zeroing below come after the last reduction of these buckets.
         self._order.use_current(self._engine, replica)
@@ -390,14 +392,17 @@ class Reducer:
 
     # ------------------------------------------------------------ statistics
     def _observe(self) -> None:
+        self._clock.end()  # after the reductions' waits were queued (engine.finish)
         self._observer.observe(self._engine, self._link, self._layout, self._finish_called_ns)
 
     def reset_stats(self) -> None:
         """Forgets the running means (a benchmark's warm-up)."""
         self._observer.reset()
+        self._clock.reset()
 
     def stats(self) -> Dict[str, Any]:
-        return self._observer.stats(self.adopted, len(self.buckets), self._engine is not None)
+        out = self._observer.stats(self.adopted, len(self.buckets), self._engine is not None)
+        return {**out, **self._clock.report()}
 
     def export_timeline(self, path: Any) -> Any:
         if self._engine is None:

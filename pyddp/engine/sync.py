@@ -152,7 +152,10 @@ class GradSync:
     # ------------------------------------------------------------ measuring
     def stats(self) -> Dict[str, Any]:
         """The last synced iteration (DDP's definitions, see pyddp.engine.observe) at the
-        top level, running means under "mean", and the iteration count."""
+        top level, running means under "mean", and the iteration count. GPU
+        replicas add "gpu" (per device: host and GPU ms per backward, and
+        whether the host bounds the step; engine.streams.GpuClock) and, where
+        the host does, "gpu_advice"."""
         return self._reducer.stats()
 
     def export_timeline(self, path: Any) -> Any:

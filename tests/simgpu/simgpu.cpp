@@ -151,6 +151,8 @@ struct Event {
   uint64_t recorded = 0;   // generation of the latest cuEventRecord
   uint64_t completed = 0;  // generation the stream reached
   std::map<uint64_t, Clock> clocks;  // generation -> the recording stream's clock there
+  unsigned flags = 0;
+  std::chrono::steady_clock::time_point at;  // when the latest completed generation completed
 };
 
 struct Op {
@@ -221,6 +223,7 @@ void stream_loop(Stream* s) {
       auto& clocks = op.record->clocks;
       clocks[op.gen] = s->clock;
       while (clocks.size() > 64) clocks.erase(clocks.begin());
+      if (op.gen > op.record->completed) op.record->at = std::chrono::steady_clock::now();
       op.record->completed = std::max(op.record->completed, op.gen);
       op.record->cv.notify_all();
     }
@@ -1039,6 +1042,7 @@ API int cuEventCreate(void** out, unsigned flags) {
   if (flags > 0xf) return CUDA_ERROR_INVALID_VALUE;
   auto* e = new Event;
   e->ctx = t_current;
+  e->flags = flags;
   std::lock_guard<std::mutex> lk(g_handles_mu);
   g_events.insert(e);
   *out = e;
@@ -1097,6 +1101,25 @@ API int cuStreamWaitEvent(void* stream, void* ev, unsigned flags) {
   op.gen = gen;
   enqueue(s, std::move(op));
   bump("stream_wait");
+  return CUDA_SUCCESS;
+}
+// [CUDA] cuEventElapsedTime: milliseconds between two completed events;
+// CUDA_ERROR_NOT_READY while either has not completed, INVALID_HANDLE for one
+// never recorded or created with CU_EVENT_DISABLE_TIMING (0x2). Here: host
+// time between the moments the stream threads completed them.
+API int cuEventElapsedTime(float* ms, void* start, void* end) {
+  LIVE();
+  if (int rc = check_event(start)) return rc;
+  if (int rc = check_event(end)) return rc;
+  std::chrono::steady_clock::time_point at[2];
+  Event* events[2] = {static_cast<Event*>(start), static_cast<Event*>(end)};
+  for (int i = 0; i < 2; ++i) {
+    std::lock_guard<std::mutex> lk(events[i]->mu);
+    if (events[i]->recorded == 0 || (events[i]->flags & 0x2)) return CUDA_ERROR_INVALID_HANDLE;
+    if (events[i]->completed < events[i]->recorded) return CUDA_ERROR_NOT_READY;
+    at[i] = events[i]->at;
+  }
+  *ms = std::chrono::duration<float, std::milli>(at[1] - at[0]).count();
   return CUDA_SUCCESS;
 }
 API int cuEventQuery(void* ev) {

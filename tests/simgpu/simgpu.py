@@ -91,6 +91,7 @@ class Sim:
         self.lib.cuEventQuery.argtypes = [vp]
         self.lib.cuEventSynchronize.argtypes = [vp]
         self.lib.cuEventDestroy_v2.argtypes = [vp]
+        self.lib.cuEventElapsedTime.argtypes = [ctypes.POINTER(ctypes.c_float), vp, vp]
         self.lib.simgpu_current_stream.restype = vp
         self.lib.simgpu_set_current_stream.argtypes = [ctypes.c_int, vp]
         self.lib.simgpu_set_late_us.argtypes = [ctypes.c_long]
@@ -305,6 +306,28 @@ class SimStreams:
         out.copy_(host)
         return out
 
+    def timing_event(self, device: int):
+        """An event (timing on) recorded on the current stream of `device`."""
+        lib = self.sim.lib
+        event = ctypes.c_void_p()
+        with self.sim.on_device(device):
+            assert lib.cuEventCreate(ctypes.byref(event), 0) == 0
+            assert lib.cuEventRecord(event, self.current(device)) == 0
+        token = SimEvent(event.value)
+        weakref.finalize(token, lib.cuEventDestroy_v2, event.value)
+        return token
+
+    def event_done(self, event) -> bool:
+        code = self.sim.lib.cuEventQuery(event.handle)
+        assert code in (0, 600), code  # CUDA_SUCCESS, CUDA_ERROR_NOT_READY
+        return code == 0
+
+    def elapsed_ms(self, start, end) -> float:
+        ms = ctypes.c_float()
+        code = self.sim.lib.cuEventElapsedTime(ctypes.byref(ms), start.handle, end.handle)
+        assert code == 0, code
+        return ms.value
+
     def fetch(self, device: int, tensor):
         """An event on the current stream stands for the copy to the host:
         the values are read once the stream passed it."""
@@ -342,6 +365,13 @@ class SimStreams:
         if code == 700:  # as torch reports a dead context
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         assert code == 0, code
+
+
+class SimEvent:
+    """A simulated CUDA event's handle, destroyed with this object."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
 
 
 class SimHostCopy:
