@@ -168,3 +168,27 @@ def test_gpu_clock_tells_a_host_bound_step_from_a_gpu_bound_one():
     d = clock.stats()["cuda:0"]
     assert d["backwards"] == 3 and d["gpu_waited_for_host"] == 1.0 and d["bound"] == "host"
     assert d["gpu_ms"] == 0.0  # every span read (the fake GPU completes at one instant)
+
+
+def test_gpu_clock_stops_measuring_when_a_timing_event_fails():
+    # A dead context fails every driver call: the clock's must not be the
+    # error the user sees (pyddp's own calls name it), and stats() says why
+    # the means stop.
+    from pyddp.engine.streams import GpuClock
+
+    events = _Events()
+    clock = GpuClock(events, [0])
+    clock.begin(0)
+    clock.end()
+    events.complete(at_ms=1.0)
+
+    def dead(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    events.timing_event = dead
+    clock.begin(0)  # does not raise
+    clock.end()
+    clock.begin(0)
+    report = clock.report()
+    assert report["gpu"]["cuda:0"]["backwards"] == 1
+    assert "illegal memory access" in report["gpu_stopped"]

@@ -231,7 +231,20 @@ class GpuClock:
         self._ended: Dict[int, Any] = {}  # device -> the event that ended the last backward
         self._pending: List[Tuple[int, Any, Any]] = []  # (device, start, end) to read
         self._sums: Dict[int, List[float]] = {}
+        self.failed: Optional[str] = None  # why the measuring stopped
         self.reset()
+
+    @contextlib.contextmanager
+    def _or_give_up(self) -> Iterator[None]:
+        """A timing event that fails (a dead context: pyddp's own calls name
+        it where it matters) ends the measuring; report() says why."""
+        try:
+            yield
+        except Exception as e:
+            self.failed = f"{type(e).__name__}: {e}"
+            self._open.clear()
+            self._ended.clear()
+            self._pending = []
 
     def reset(self) -> None:
         """Forgets the sums, and the spans still to read (they began before)."""
@@ -241,10 +254,10 @@ class GpuClock:
             self._pending = []
 
     def begin(self, replica: int) -> None:
-        if self.devices is None:
+        if self.devices is None or self.failed is not None:
             return
         device = self.devices[replica]
-        with self._lock:
+        with self._lock, self._or_give_up():
             if device in self._open:
                 return
             ended = self._ended.pop(device, None)
@@ -255,10 +268,10 @@ class GpuClock:
             self._open[device] = (self.provider.timing_event(device), time.perf_counter_ns())
 
     def end(self) -> None:
-        if self.devices is None:
+        if self.devices is None or self.failed is not None:
             return
         now = time.perf_counter_ns()
-        with self._lock:
+        with self._lock, self._or_give_up():
             for device, (start, began) in self._open.items():
                 end = self.provider.timing_event(device)
                 sums = self._sums.setdefault(device, [0, 0.0, 0.0, 0, 0, 0])
@@ -284,7 +297,9 @@ class GpuClock:
         """Per device ("cuda:N"): means over the backwards since reset."""
         out: Dict[str, Any] = {}
         with self._lock:
-            self._read()
+            if self.failed is None:
+                with self._or_give_up():
+                    self._read()
             for device, (n, host, gpu, reads, asked, idle) in sorted(self._sums.items()):
                 if not n:
                     continue
@@ -300,13 +315,16 @@ class GpuClock:
         return out
 
     def report(self) -> Dict[str, Any]:
-        """stats()'s part: "gpu" (stats()), and "gpu_advice" where the host
-        bounds the step on some device."""
+        """stats()'s part: "gpu" (stats()), "gpu_advice" where the host
+        bounds the step on some device, "gpu_stopped" once measuring failed."""
         if self.devices is None:
             return {}
-        gpu = self.stats()
-        host_bound = any(d["bound"] == "host" for d in gpu.values())
-        return {"gpu": gpu, **({"gpu_advice": HOST_BOUND_ADVICE} if host_bound else {})}
+        out: Dict[str, Any] = {"gpu": self.stats()}
+        if any(d["bound"] == "host" for d in out["gpu"].values()):
+            out["gpu_advice"] = HOST_BOUND_ADVICE
+        if self.failed is not None:
+            out["gpu_stopped"] = f"a timing event failed, the means stop there: {self.failed}"
+        return out
 
 
 HOST_BOUND_ADVICE = (

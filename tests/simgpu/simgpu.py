@@ -311,21 +311,21 @@ class SimStreams:
         lib = self.sim.lib
         event = ctypes.c_void_p()
         with self.sim.on_device(device):
-            assert lib.cuEventCreate(ctypes.byref(event), 0) == 0
-            assert lib.cuEventRecord(event, self.current(device)) == 0
-        token = SimEvent(event.value)
-        weakref.finalize(token, lib.cuEventDestroy_v2, event.value)
+            _raise_as_torch(lib.cuEventCreate(ctypes.byref(event), 0))
+            token = SimEvent(event.value)
+            weakref.finalize(token, lib.cuEventDestroy_v2, event.value)
+            _raise_as_torch(lib.cuEventRecord(event, self.current(device)))
         return token
 
     def event_done(self, event) -> bool:
         code = self.sim.lib.cuEventQuery(event.handle)
-        assert code in (0, 600), code  # CUDA_SUCCESS, CUDA_ERROR_NOT_READY
+        if code != 600:  # CUDA_ERROR_NOT_READY
+            _raise_as_torch(code)
         return code == 0
 
     def elapsed_ms(self, start, end) -> float:
         ms = ctypes.c_float()
-        code = self.sim.lib.cuEventElapsedTime(ctypes.byref(ms), start.handle, end.handle)
-        assert code == 0, code
+        _raise_as_torch(self.sim.lib.cuEventElapsedTime(ctypes.byref(ms), start.handle, end.handle))
         return ms.value
 
     def fetch(self, device: int, tensor):
@@ -365,6 +365,12 @@ class SimStreams:
         if code == 700:  # as torch reports a dead context
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         assert code == 0, code
+
+
+def _raise_as_torch(code: int) -> None:
+    """A failed driver call as torch's CUDA calls raise it."""
+    if code:
+        raise RuntimeError(f"CUDA error {code} (simulated driver)")
 
 
 class SimEvent:
