@@ -11,6 +11,7 @@ SyncBatchNorm: tests/test_zero.py and tests/test_syncbn.py; across
 processes: tests/test_simgpu_processes.py."""
 
 import copy
+import os
 import threading
 
 import pytest
@@ -360,6 +361,28 @@ def no_host_waits_in_steady_state(devices):
     waits = sim.counter("host_sync") - waits
     assert waits == 0 and reads.reads == [], (waits, reads.reads)
     dm.close()
+
+
+def host_reads_count_pyddps_code_wherever_it_loads_from():
+    from simgpu import HostReads
+    from simulated import streams
+
+    import pyddp
+
+    t = streams.zeros(4, torch.float32, 0)  # device memory
+    # A read made from a module of pyddp's, wherever pyddp loads from (an
+    # installed build in CI, this checkout in an editable install).
+    probe = compile("t.tolist()", os.path.join(pyddp.__path__[0], "probe.py"), "exec")
+    with HostReads(streams.sim) as reads:
+        exec(probe, {"t": t})
+        t.tolist()  # the test's own read: not pyddp's
+    assert reads.reads == ["probe.py:1 tolist"], reads.reads
+
+
+def test_host_reads_count_reads_from_pyddps_code_wherever_it_loads_from():
+    # HostReads (the no-host-wait tests' counter) must see pyddp's code where
+    # CI installs it (site-packages), not only in this checkout.
+    run_alone(host_reads_count_pyddps_code_wherever_it_loads_from)
 
 
 @pytest.mark.parametrize("devices", [[0, 1], [0, 0]])

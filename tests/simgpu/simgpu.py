@@ -423,7 +423,11 @@ class HostReads:
 
     def _wrap(self, owner, name: str) -> None:
         original = getattr(owner, name)
-        pkg = os.path.join(ROOT, "pyddp") + os.sep
+        import pyddp
+
+        # Where pyddp's modules load from: an installed build where there is
+        # one (pyddp/_source_tree.py), not necessarily this checkout.
+        pkgs = tuple(os.path.abspath(p) + os.sep for p in pyddp.__path__)
         torch_dir = os.sep + "torch" + os.sep
 
         def counted(*args, **kwargs):
@@ -431,7 +435,8 @@ class HostReads:
             while frame is not None and torch_dir in frame.f_code.co_filename:
                 frame = frame.f_back
             path = "" if frame is None else frame.f_code.co_filename
-            if path.startswith(pkg) and not path.endswith(self.HOST_SIDE) and self._on_device(args):
+            pkg = next((p for p in pkgs if path.startswith(p)), None)
+            if pkg and not path.endswith(self.HOST_SIDE) and self._on_device(args):
                 with self._lock:
                     self.reads.append(f"{path[len(pkg) :]}:{frame.f_lineno} {name}")
             return original(*args, **kwargs)
