@@ -329,3 +329,54 @@ def test_buckets_cross_processes_without_python_per_bucket_on_the_hot_path(tmp_p
     for r in got:
         for p, q in zip(ref.parameters(), r["params"]):
             torch.testing.assert_close(torch.tensor(q), p.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.build
+def test_a_hot_path_that_does_not_compile_leaves_pyddp_on_the_python_path(tmp_path):
+    # csrc/hot/ uses torch's C++ internals, which move between torch
+    # releases: where it does not compile, pyddp must still install (without
+    # _hot), run its Python path and say why (cmake/hot_step.cmake). A copy of
+    # this tree with a deliberate compile error in csrc/hot/ is built and used.
+    import subprocess
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "simgpu"))
+    from breakages import copy_tree, shadow_editable_install
+
+    src, site = tmp_path / "src", tmp_path / "site"
+    copy_tree(str(src))
+    with open(src / "csrc" / "hot" / "wire.cpp", "a") as f:
+        f.write('\n#error "deliberately broken by tests/test_hot.py"\n')
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps"]
+        + ["--target", str(site), str(src)],
+        capture_output=True,
+        text=True,
+    )
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    assert "pyddp._hot did not build against torch" in build.stdout + build.stderr
+    shadow_editable_install(str(site))
+    script = (
+        "import warnings, torch, pyddp\n"
+        "from pyddp.runtime import libraries\n"
+        "from pyddp.doctor import report\n"
+        "with warnings.catch_warnings(record=True) as said:\n"
+        "    warnings.simplefilter('always')\n"
+        "    module, why = libraries.hot_status()\n"
+        "    assert libraries.hot() is None\n"
+        "assert module is None and 'failed to compile against torch' in why, why\n"
+        "assert 'deliberately broken' in why, why  # the first error, named\n"
+        "assert [str(w.message) for w in said if 'hot path' in str(w.message)], said\n"
+        "assert 'failed to compile' in '\\n'.join(report())\n"
+        "m = torch.nn.Linear(4, 2)\n"
+        "dm = pyddp.wrap(m, ['cpu', 'cpu'])\n"
+        "dm(torch.randn(8, 4)).sum().backward()\n"
+        "assert dm._reducer._layout.hot is None and m.weight.grad is not None\n"
+        "print(pyddp.__path__)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(site), PYDDP_HOT="1")
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert str(site) in run.stdout  # the copy was imported, not this checkout
+    assert not list((site / "pyddp").glob("_hot*.so"))

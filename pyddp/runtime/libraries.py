@@ -182,7 +182,7 @@ def hot() -> Optional[Any]:
     """pyddp._hot, or None; the first time it is missing for a reason the
     user can act on (built for another torch), says so once."""
     module, why = hot_status()
-    if module is None and why.startswith("built for torch"):
+    if module is None and why.startswith(("built for torch", "not built: it failed")):
         _say_once(why)
     return module
 
@@ -192,11 +192,20 @@ def _load_hot(enabled: bool) -> tuple:
     if not enabled:
         return None, f"switched off ({HOT_ENV}=0): Python gradient hooks and bucket launches"
     try:
-        built = importlib.import_module("pyddp._hot_build").TORCH_VERSION
+        record = importlib.import_module("pyddp._hot_build")
     except ImportError:
         return None, (
             "not built (no torch at pyddp's build: install torch, then pyddp again): "
             "Python gradient hooks and bucket launches"
+        )
+    built, failed = record.TORCH_VERSION, getattr(record, "FAILED", None)
+    if failed is not None:
+        last = [line for line in failed.strip().splitlines() if "error" in line.lower()]
+        return None, (
+            f"not built: it failed to compile against torch {built} at pyddp's build (so "
+            "pyddp was installed without it): Python gradient hooks and bucket launches. "
+            "Please report it with the compiler's output"
+            + (f"; its first error: {last[0].strip()}" if last else "")
         )
     if built != torch.__version__:
         return None, (
