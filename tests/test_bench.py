@@ -33,6 +33,11 @@ def test_every_subcommand_quick_with_options_after_it(tmp_path):
     assert ar["args"]["quick"] is True and ar["args"]["replicas"] == [2, 3]
     assert {r["replicas"] for r in ar["rows"]} == {2, 3}
     assert all(r["algbw_GBps"] > 0 and r["np_copy_GBps"] > 0 for r in ar["rows"])
+    # the per-call floor: a torch add_ of the same buffers on the first device
+    assert all(
+        r["time_over_add"] == pytest.approx(r["time_s"]["median"] / r["add_time_s"]["median"])
+        for r in ar["rows"]
+    )
     results = json.loads((tmp_path / "overlap-quick.json").read_text())["results"]
     variants = [r["variant"] for r in results]
     assert variants[:3] == ["no reduction", "after backward", "per-parameter"]

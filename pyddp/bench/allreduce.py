@@ -1,8 +1,12 @@
 """`pyddp-bench allreduce`: an nccl-tests-style table (size, count, dtype,
 time, algbw, busbw = algbw * 2(N-1)/N) for pyddp.all_reduce over N of the
 chosen devices, side by side with references measured in the same run,
-interleaved: a plain memory copy of the same bytes on CPU with torch `copy_`
-(may use every torch thread) and with numpy `np.copyto` (one thread).
+interleaved: a plain memory copy of the same bytes with torch `copy_` on the
+first device (on a GPU an on-device copy; on CPU it may use every torch
+thread), the same on the host with numpy `np.copyto` (one thread), and a
+torch `add_` of the same two buffers on the first device: the cheapest torch
+op there, so at small sizes `time / add_` is pyddp's per-call cost in units of
+the floor any op pays (a launch on a GPU).
 
 A reduction reads N buffers and writes N, a copy reads one and writes one, so
 at memory speed algbw / copy tends to 1/N while the memory traffic
@@ -69,6 +73,7 @@ def run(
                 if rep:
                     samples[name].append(seconds)
         copy, np_copy = summary(samples["copy"]), summary(samples["np copy"])
+        add = summary(samples["add"])
         for n in replicas:
             t = summary(samples[f"N={n}"])
             algbw = nbytes / t["median"] / 1e9
@@ -91,6 +96,8 @@ def run(
                     "np_copy_GBps": nbytes / np_copy["median"] / 1e9,
                     "algbw_over_copy": copy["median"] / t["median"],
                     "algbw_over_np_copy": np_copy["median"] / t["median"],
+                    "add_time_s": add,
+                    "time_over_add": t["median"] / add["median"],
                 }
             )
     return rows
@@ -105,10 +112,12 @@ def _ops(
     for n in replicas:
         bufs = [torch.zeros(count, dtype=dt, device=d) for d in devices[:n]]
         ops[f"N={n}"] = lambda bufs=bufs: pyddp.all_reduce(bufs, op=op)
-    src, dst = torch.zeros(count, dtype=dt), torch.zeros(count, dtype=dt)
+    src, dst = (torch.zeros(count, dtype=dt, device=devices[0]) for _ in range(2))
     ops["copy"] = lambda: dst.copy_(src)
+    ops["add"] = lambda: dst.add_(src)  # zeros: the sum stays zero
     # numpy has no bfloat16: copy the same bytes as int16.
-    nsrc, ndst = (t.view(torch.int16) if dt == torch.bfloat16 else t for t in (src, dst))
+    hsrc, hdst = torch.zeros(count, dtype=dt), torch.zeros(count, dtype=dt)
+    nsrc, ndst = (t.view(torch.int16) if dt == torch.bfloat16 else t for t in (hsrc, hdst))
     nsrc, ndst = nsrc.numpy(), ndst.numpy()
     ops["np copy"] = lambda: np.copyto(ndst, nsrc)
     return ops

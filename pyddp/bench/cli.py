@@ -199,10 +199,13 @@ def _allreduce(args: argparse.Namespace) -> Dict[str, Any]:
     threads = ""
     if any(d == "cpu" for d in args.devices):
         threads = f", pyddp CPU backend {pyddp._C.CpuBackend().threads} threads"
+    where = f"{torch.get_num_threads()} threads"
+    if args.devices[0].startswith("cuda"):
+        where = "on the device"
     print(
         f"all-reduce ({args.op}, {args.dtype}) over the first N of {args.devices}{threads}; "
-        f"references in the same run: torch copy_ ({torch.get_num_threads()} threads), "
-        f"np.copyto (1 thread); {reps} interleaved samples"
+        f"references in the same run on {args.devices[0]}: torch copy_ and add_ ({where}), "
+        f"and on the host np.copyto (1 thread); {reps} interleaved samples"
     )
     print(
         table(
@@ -219,6 +222,7 @@ def _allreduce(args: argparse.Namespace) -> Dict[str, Any]:
                 "copy GB/s",
                 "np copy GB/s",
                 "algbw/copy",
+                "time/add_",
             ],
             [
                 [
@@ -234,6 +238,7 @@ def _allreduce(args: argparse.Namespace) -> Dict[str, Any]:
                     r["copy_GBps"],
                     r["np_copy_GBps"],
                     r["algbw_over_copy"],
+                    r["time_over_add"],
                 ]
                 for r in rows
             ],
@@ -243,7 +248,8 @@ def _allreduce(args: argparse.Namespace) -> Dict[str, Any]:
         "algbw = bytes / time; busbw = algbw x 2(N-1)/N (NCCL's convention); traffic = "
         "2 x N x bytes / time\n(the reduction reads N buffers and writes N; a copy reads 1 and "
         "writes 1). GB = 1e9 bytes.\nSmall sizes repeat calls on the same buffers per sample: "
-        "they measure per-call cost with the data in cache."
+        "they measure per-call cost with the data in cache:\ntime/add_ is that cost over a "
+        "torch add_ of the same buffers, the floor any op pays (a kernel launch on a GPU)."
     )
     for r in rows:
         if r["bytes"] == rows[-1]["bytes"]:
