@@ -230,3 +230,90 @@ def test_selftest_collectives_check_runs_on_the_simulation(devs):
     # NCCL (3 GPUs) and pyddp's kernels (2 replicas on one GPU): broadcast
     # and all-gather bit for bit on random bit patterns, the sums closed form.
     run_alone(selftest_collectives, devs)
+
+
+# pyddp launches its kernels with 256 threads a block and at most 4096 blocks
+# (csrc/gpu_backend.cpp): these sizes per replica cover one partial block,
+# two blocks, and more than one grid (the grid-stride loop's second pass).
+PAST_ONE_BLOCK = (200, 257, 4096 * 256 + 3)
+
+
+def kernels_past_one_block_and_the_grid(kind):
+    from simulated import sim, streams
+
+    def values(n, size, dtype):
+        # Replica r's i-th value: i % 16 + 16 (r + 1): exact in every dtype
+        # (sums of up to 3 under 256), and a block in the wrong place shows.
+        i = torch.arange(size, dtype=torch.float64) % 16
+        return [(i + 16 * (r + 1)).to(dtype) for r in range(n)]
+
+    n = 2 if kind == "nccl" else 3
+    devs = list(range(n)) if kind == "nccl" else [0] * n
+    backend = _runtime.make_backend(devs, timeout=60)
+
+    def done():
+        for d in set(devs):
+            sim.synchronize(0, d)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        name = str(dtype).split(".")[1]
+        for size in PAST_ONE_BLOCK:
+            vals = values(n, size, dtype)
+            # all-reduce (in place by nature)
+            ts = [streams.upload(d, v) for d, v in zip(devs, vals)]
+            backend.reduce([t.data_ptr() for t in ts], devs, [0] * n, size, name, "sum")
+            done()
+            want = sum(v.double() for v in vals).to(dtype)
+            assert all(torch.equal(t, want) for t in ts), ("reduce", dtype, size)
+            # broadcast (in place)
+            ts = [streams.upload(d, v) for d, v in zip(devs, vals)]
+            backend.broadcast([t.data_ptr() for t in ts], devs, [0] * n, size, name, n - 1)
+            done()
+            assert all(torch.equal(t, vals[n - 1]) for t in ts), ("broadcast", dtype, size)
+            # all-gather, out of place and in place (rank r's input is block r
+            # of its own output, as ZeRO gathers its shards)
+            whole = torch.cat(vals)
+            for in_place in (False, True):
+                if in_place:
+                    outs = [streams.upload(d, torch.zeros(n * size, dtype=dtype)) for d in devs]
+                    for r, o in enumerate(outs):
+                        o[r * size : (r + 1) * size].copy_(vals[r])
+                    sends = [o[r * size : (r + 1) * size] for r, o in enumerate(outs)]
+                else:
+                    sends = [streams.upload(d, v) for d, v in zip(devs, vals)]
+                    outs = [streams.upload(d, torch.zeros(n * size, dtype=dtype)) for d in devs]
+                backend.all_gather([s.data_ptr() for s in sends], [o.data_ptr() for o in outs],
+                                   devs, [0] * n, size, name)  # fmt: skip
+                done()
+                assert all(torch.equal(o, whole) for o in outs), (
+                    "all_gather",
+                    dtype,
+                    size,
+                    in_place,
+                )
+            # reduce-scatter, out of place and in place (rank r's output is
+            # block r of its own input)
+            fulls = values(n, n * size, dtype)
+            want = sum(f.double() for f in fulls).to(dtype).view(n, size)
+            for in_place in (False, True):
+                sends = [streams.upload(d, f) for d, f in zip(devs, fulls)]
+                if in_place:
+                    recvs = [s[r * size : (r + 1) * size] for r, s in enumerate(sends)]
+                else:
+                    recvs = [streams.upload(d, torch.zeros(size, dtype=dtype)) for d in devs]
+                backend.reduce_scatter([s.data_ptr() for s in sends], [o.data_ptr() for o in recvs],
+                                       devs, [0] * n, size, name, "sum")  # fmt: skip
+                done()
+                for r, o in enumerate(recvs):
+                    assert torch.equal(o, want[r]), ("reduce_scatter", dtype, size, in_place, r)
+    backend.close()
+
+
+@pytest.mark.parametrize("kind", ["device", "nccl"])
+def test_every_collective_past_one_block_and_past_one_grid_in_and_out_of_place(kind):
+    # The shared-GPU kernel ("device", 3 replicas on one GPU) and the
+    # simulated NCCL (2 GPUs), every collective at sizes that cover a partial
+    # block, two blocks and more than one grid of blocks (the grid-stride
+    # loop's later passes), in place and out of place where both exist:
+    # closed-form values, every dtype width (16, 32, 64 bits).
+    run_alone(kernels_past_one_block_and_the_grid, kind, timeout=600)

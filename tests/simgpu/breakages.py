@@ -34,6 +34,17 @@ BREAKAGES = {
         "the Python hook (PYDDP_HOT=0) records the ready event on the default stream, "
         "not the producing one",
     ),
+    "reduce-one-grid-pass": (
+        "csrc/reduce_kernels.cu",
+        "  // Grid-stride loop: any grid covers any count.\n"
+        "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; "
+        "i += stride) {",
+        "  // Grid-stride loop: any grid covers any count.\n"
+        "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count; "
+        "i = count + stride) {",
+        "the shared-GPU all-reduce kernel makes one pass of the grid: past 4096 blocks of "
+        "256 elements per replica the rest is never reduced",
+    ),
     "ready-event-on-wrong-stream-hot": (
         "csrc/hot/hooks.cpp",
         "st.mark(st.engine, r, i, stream, msg, sizeof(msg));",
