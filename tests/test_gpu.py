@@ -137,6 +137,26 @@ def test_collectives_closed_form_on_one_gpu(dtype, n):
     assert torch.equal(ts[0], torch.full_like(ts[0], (n + 1) / 2))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_broadcast_all_gather_reduce_scatter_past_one_grid_on_one_gpu(dtype):
+    # pyddp's kernels run at most 4096 blocks of 256 threads and loop over the
+    # rest: 3 replicas sharing the GPU, past one grid per replica (the
+    # simulated tier's test_every_collective_past_one_block_and_past_one_grid_...).
+    n, size = 3, 4096 * 256 + 3
+    i = torch.arange(size, dtype=torch.float64, device="cuda") % 16
+    vals = [(i + 16 * (r + 1)).to(dtype) for r in range(n)]  # exact sums in every dtype
+    ts = [v.clone() for v in vals]
+    pyddp.broadcast(ts, root=n - 1)
+    assert all(torch.equal(t, vals[n - 1]) for t in ts)
+    for out in pyddp.all_gather([v.clone() for v in vals]):
+        assert all(torch.equal(out[k], vals[k]) for k in range(n))
+    j = torch.arange(n * size, dtype=torch.float64, device="cuda") % 16
+    fulls = [(j + 16 * (r + 1)).to(dtype) for r in range(n)]
+    want = sum(f.double() for f in fulls).to(dtype).view(n, size)
+    got = pyddp.reduce_scatter(fulls)
+    assert all(torch.equal(got[r], want[r]) for r in range(n))
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL path needs two GPUs")
 def test_collectives_nccl_two_gpus():
     ts = [torch.full((1001,), float(r + 1), device=f"cuda:{r}") for r in range(2)]

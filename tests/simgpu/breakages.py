@@ -34,6 +34,19 @@ BREAKAGES = {
         "the Python hook (PYDDP_HOT=0) records the ready event on the default stream, "
         "not the producing one",
     ),
+    "nccl-launch-outside-group": (
+        "csrc/gpu_backend.cpp",
+        (
+            "    PYDDP_NCCL(n.ncclGroupStart());\n    ncclResult_t launched = kNcclSuccess;",
+            "    const ncclResult_t ended = n.ncclGroupEnd();",
+        ),
+        (
+            "    ncclResult_t launched = kNcclSuccess;",
+            "    const ncclResult_t ended = kNcclSuccess;",
+        ),
+        "one thread launches every GPU's NCCL collective outside ncclGroupStart/End (on real "
+        "NCCL the first call waits for ranks the thread never reaches)",
+    ),
     "reduce-one-grid-pass": (
         "csrc/reduce_kernels.cu",
         "  // Grid-stride loop: any grid covers any count.\n"

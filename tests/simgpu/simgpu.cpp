@@ -1517,6 +1517,23 @@ int collective(int kind, const void* send, void* recv, size_t count, int dtype, 
     };
     enqueue(s, std::move(o));
   };
+  if (t_group_depth == 0) {
+    // [NCCL, "Group calls", management of multiple GPUs from one thread]:
+    // "group semantics must be used" there, because a call outside a group
+    // may block until every rank arrives. One thread driving two ranks of a
+    // communicator that way deadlocks on real NCCL (its first call waits for
+    // a rank the thread never reaches): refused here, by name, at once.
+    thread_local std::map<std::string, int> t_ungrouped;  // communicator id -> rank
+    auto it = t_ungrouped.find(comm->name);
+    if (it != t_ungrouped.end() && it->second != comm->rank) {
+      return violation(ncclInvalidUsage,
+                       std::string(call) + " outside ncclGroupStart/End on rank " +
+                           std::to_string(comm->rank) + " from the thread that launched rank " +
+                           std::to_string(it->second) + " of the same communicator so: on real "
+                           "NCCL the first call waits for the other ranks (deadlock)");
+    }
+    t_ungrouped[comm->name] = comm->rank;
+  }
   static const char* counters[] = {"nccl_allreduce", "nccl_broadcast", "nccl_allgather",
                                    "nccl_reducescatter"};
   bump(counters[kind]);
