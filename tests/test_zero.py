@@ -506,8 +506,9 @@ def test_a_sharded_optimizers_state_dict_on_rank_0_alone_is_named_as_collective(
 
 
 # -------------------------------------------------------- on simulated GPUs
-def sharded_on_simulated_gpus(devices, hook, stage=True):
-    """In a process of its own on the simulated GPUs `devices` (run_alone)."""
+def sharded_on_simulated_gpus(devices, hook, stage=True, accumulate=False):
+    """In a process of its own on the simulated GPUs `devices` (run_alone);
+    `accumulate`: each step a micro-batch under no_sync() first."""
     from simulated import WithDouble, gpu_step, gpu_wrap, sim, streams
 
     sim.lib.simgpu_set_delay_us(None, 200)
@@ -525,6 +526,10 @@ def sharded_on_simulated_gpus(devices, hook, stage=True):
         opt = dm.optimizer(torch.optim.AdamW, shard=shard, lr=0.01, weight_decay=0.1)
         for x, y in make_batches(4, 13):
             with streams.stream(own):
+                if accumulate:
+                    with dm.no_sync():
+                        F.cross_entropy(dm(x[:7]), y[:7]).backward()
+                    x, y = x[7:], y[7:]
                 gpu_step(F.cross_entropy(dm(x), y), opt, devices)
         return dm, opt
 
@@ -550,16 +555,20 @@ def sharded_on_simulated_gpus(devices, hook, stage=True):
 
 @pytest.mark.simgpu
 @pytest.mark.parametrize(
-    "devices,hook,stage",
+    "devices,hook,stage,accumulate",
     [
-        ([2, 0, 1], None, True),
-        ([0, 0, 0], None, True),
-        ([0, 1, 2], "fp16", True),
-        ([2, 0, 1], None, "gradients"),
-        ([0, 0, 0], None, "gradients"),
+        ([2, 0, 1], None, True, False),
+        ([0, 0, 0], None, True, False),
+        ([0, 1, 2], "fp16", True, False),
+        ([2, 0, 1], None, "gradients", False),
+        ([0, 0, 0], None, "gradients", False),
+        ([2, 0, 1], None, "gradients", True),
+        ([1, 2, 0], None, True, True),
     ],
 )
-def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(devices, hook, stage):
+def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(
+    devices, hook, stage, accumulate
+):
     # shard=True on GPU replicas: each steps its share of the elements, then
     # every replica takes the others' by one all-gather per dtype (NCCL, or
     # the kernel on one GPU) whose results land late and skewed per device;
@@ -570,8 +579,10 @@ def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(devices, h
     # buckets, the parameters' sum still travels uncompressed (exact).
     # Stage 2 (shard="gradients"): NCCL's reduce-scatter (or the kernel's)
     # of every bucket, landing late and skewed, each replica stepping its
-    # block: bitwise the same.
-    run_alone(sharded_on_simulated_gpus, devices, hook, stage)
+    # block: bitwise the same. With `accumulate`, a micro-batch under
+    # no_sync() before each synced one: which replica owns which block must
+    # follow NCCL's ranks (the devices' order) through the accumulation too.
+    run_alone(sharded_on_simulated_gpus, devices, hook, stage, accumulate)
 
 
 @pytest.mark.simgpu
