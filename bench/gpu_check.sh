@@ -2,7 +2,7 @@
 # The one-command GPU check: on a machine with a CUDA GPU and a CUDA build of
 # torch (no network needed), from the repository root,
 #
-#     bash bench/gpu_check.sh [OUT]        # OUT: gpu-check (default)
+#     bash bench/gpu_check.sh [OUT]        # OUT: gpu-check (default), from where it runs
 #
 # builds pyddp from this checkout (pip --no-build-isolation --no-deps: the
 # build tools must be installed, as the README's build from source says),
@@ -24,6 +24,10 @@ if [ "${1:-}" = "--dry-run" ]; then
 fi
 out="${1:-gpu-check}"
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"            # OUT as given, from where it was run
+cd "$(dirname "$0")/.."               # the checkout: pip builds it, pytest runs its tests
+# Ctrl-C stops the whole check, not only the stage running (see stage()).
+trap 'echo "interrupted: the check stopped at $(tail -1 "$out/progress.log" 2>/dev/null)"; exit 130' INT TERM
 summary="$out/summary.txt"
 : >"$summary"
 failed=0
@@ -36,8 +40,15 @@ stage() {
   shift 2
   local start=$SECONDS rc
   echo "== $name: $*" | tee -a "$out/progress.log"
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  # --foreground: the stage stays in this script's process group, so a
+  # Ctrl-C reaches it (timeout would otherwise put it in a group of its own).
+  timeout --foreground "$limit" "$@" >"$out/$name.log" 2>&1
   rc=$?
+  if [ "$rc" -eq 130 ]; then  # the stage died of a Ctrl-C (timeout reports it as 130)
+    echo "interrupted in stage $name: the check stopped there" | tee "$summary"
+    cat "$summary.stages" >>"$summary" && rm -f "$summary.stages"
+    exit 130
+  fi
   [ "$rc" -ne 0 ] && failed=$((failed + 1))
   printf '%-10s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - start))" "$*" >>"$summary.stages"
   return 0

@@ -260,3 +260,33 @@ def test_overlap_names_a_host_bound_gpu_step(capsys):
     assert out.strip().endswith("host-bound: one process per GPU")
     cli._print_gpu_bound([{"variant": "bucketed cap 25", "gpu": None}])  # CPU replicas
     assert capsys.readouterr().out == ""
+
+
+def test_the_gpu_check_stops_at_a_ctrl_c_in_a_stage(tmp_path):
+    # A Ctrl-C reaches the running stage (timeout --foreground keeps it in
+    # the script's process group); the stage dies of SIGINT and the check
+    # stops there, saying so, instead of going on to the next stage. Here
+    # the "timing" stage interrupts itself, at a known point (no race).
+    import os
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/bash\n"
+        'case "$*" in *gpu_step.py*) kill -INT $$; sleep 5;; esac\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    run = subprocess.run(
+        ["bash", str(root / "bench" / "gpu_check.sh"), "--dry-run", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+        env=dict(os.environ, PYTHON=str(fake)),
+    )
+    assert run.returncode == 130, run.stdout + run.stderr
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert summary.startswith("interrupted in stage timing"), summary
+    assert "doctor     rc=0" in summary  # the stages before it, as they ended
