@@ -297,8 +297,12 @@ PYBIND11_MODULE(_C, m) {
                  throw ReduceError(e.what());
                }
              };
+             // Launches that only enqueue (the Wire's, for CPU buckets): the
+             // engine makes them from the thread that completes a bucket. A
+             // GPU bucket goes to Python (the Wire's bypass): the launcher.
+             const bool cheap = hot_fn != nullptr && !local->asynchronous();
              return std::make_shared<ProcessGroupBackend>(std::move(local), std::move(call),
-                                                   std::move(name), first_rank, nranks);
+                                                   std::move(name), first_rank, nranks, cheap);
            }),
            py::arg("local"), py::arg("launch"), py::arg("name"), py::arg("first_rank"),
            py::arg("nranks"), py::arg("hot") = py::none(),

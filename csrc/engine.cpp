@@ -37,6 +37,7 @@ Engine::Engine(int num_replicas, std::vector<ParamInfo> params,
   for (size_t i = 0; i < p; ++i) has_grad_[i].store(0);
   for (int r = 0; r < num_replicas_; ++r) reduced_copy_[r].store(0);
   set_buckets(std::move(buckets));
+  inline_launch_ = num_replicas_ == 1 && backend_->launches_cheaply();
   launcher_ = std::thread([this] { launcher_loop(); });
 }
 
@@ -239,8 +240,16 @@ void Engine::complete_param(int param, std::unique_lock<std::mutex>* held) {
   if (held != nullptr) {
     enqueue_locked(b);
   } else {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::unique_lock<std::mutex> lk(mu_);
     enqueue_locked(b);
+    // A launch that only enqueues (across processes, one replica here):
+    // made on this thread, as torch DDP's reducer launches from its hooks,
+    // unless a launch is under way; no hand-off to the launcher thread on
+    // the step's critical path (the last bucket's launch).
+    if (inline_launch_) {
+      while (!stop_ && !busy_ && error_.empty() && has_launchable_locked()) launch_locked(lk);
+      return;
+    }
   }
   // The launcher does the communication; this thread goes back to backward.
   work_cv_.notify_one();
@@ -292,8 +301,16 @@ bool Engine::bucket_has_grad(int bucket) const {
 void Engine::launcher_loop() {
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
-    work_cv_.wait(lk, [&] { return stop_ || (error_.empty() && has_launchable_locked()); });
+    // Not while a launch is under way on a marking thread (inline_launch_):
+    // buckets go out one at a time, in order.
+    work_cv_.wait(lk, [&] { return stop_ || (!busy_ && error_.empty() && has_launchable_locked()); });
     if (stop_) return;
+    launch_locked(lk);
+  }
+}
+
+void Engine::launch_locked(std::unique_lock<std::mutex>& lk) {
+  {
     const int b = pop_launchable_locked();
     busy_ = true;
     const bool fault = (b == fault_bucket_);
@@ -354,6 +371,8 @@ void Engine::launcher_loop() {
       }
     }
     done_cv_.notify_all();
+    // The launcher may go on (a bucket enqueued while this launch was under way).
+    work_cv_.notify_one();
   }
 }
 

@@ -167,6 +167,8 @@ class Engine {
   bool has_launchable_locked() const;
   int pop_launchable_locked();
   void launcher_loop();
+  // Pops the next launchable bucket and launches it (lk unlocked meanwhile).
+  void launch_locked(std::unique_lock<std::mutex>& lk);
   void stop_launcher();
   std::vector<BufferRef> bucket_buffers(int bucket) const;
   // buffers_/recvs_ index of (replica, bucket), both checked in range.
@@ -226,7 +228,8 @@ class Engine {
   std::vector<char> bucket_ready_;   // index order
   int next_index_ = 0;
   int done_ = 0;
-  bool busy_ = false;
+  bool busy_ = false;  // a launch is under way (on the launcher thread or a marking thread)
+  bool inline_launch_ = false;  // launch from the thread that completes a bucket
   bool stop_ = false;
   std::string error_;
   int fault_bucket_ = -1;

@@ -23,8 +23,9 @@ class ProcessGroupBackend : public Backend {
   // launcher thread only, in bucket-index order.
   // `first_rank`, `nranks`: this process's replicas are ranks first_rank..
   // of nranks over every process (for reduce_scatter's blocks).
+  // `cheap`: launch only enqueues (pyddp._hot's Wire, from C++).
   ProcessGroupBackend(std::shared_ptr<Backend> local, std::function<void(int)> launch, std::string name,
-                      int first_rank, int nranks);
+                      int first_rank, int nranks, bool cheap = false);
   std::string name() const override { return name_; }
   void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;
   // Sharded gradients: the local sum (every local replica holds the
@@ -34,6 +35,7 @@ class ProcessGroupBackend : public Backend {
                       ReduceOp op, int key) override;
   int ranks(int /*replicas*/) const override { return nranks_; }
   int rank_of(int replica) const override { return first_rank_ + replica; }
+  bool launches_cheaply() const override { return cheap_; }
   void close() override;
 
  private:
@@ -41,6 +43,7 @@ class ProcessGroupBackend : public Backend {
   std::function<void(int)> launch_;
   const std::string name_;
   const int first_rank_, nranks_;
+  const bool cheap_;
   std::mutex mu_;  // close() vs a launch in progress
   bool closed_ = false;
 };
