@@ -45,10 +45,11 @@ class Backend {
   virtual int ranks(int replicas) const { return replicas; }
   virtual int rank_of(int replica) const { return replica; }
   virtual bool asynchronous() const { return false; }
-  // all_reduce and reduce_scatter of one replica's buffer only enqueue the
-  // work (no reduction on the calling thread, nothing waited for): the
-  // engine may then launch from the thread that completed a bucket.
-  virtual bool launches_cheaply() const { return false; }
+  // Whether the reduction of bucket `key` over one replica's buffer only
+  // enqueues work (no reduction on the calling thread, no Python, nothing
+  // waited for): the engine then launches it from the thread that completed
+  // it.
+  virtual bool launches_cheaply(int /*key*/) const { return false; }
   // Keys are bucket indices in [0, n); key -1 is for one-off collectives.
   virtual void set_keys(int /*n*/) {}
   // GPU: the data of `key` on `replica` is produced by work already queued on

@@ -297,12 +297,19 @@ PYBIND11_MODULE(_C, m) {
                  throw ReduceError(e.what());
                }
              };
-             // Launches that only enqueue (the Wire's, for CPU buckets): the
-             // engine makes them from the thread that completes a bucket. A
-             // GPU bucket goes to Python (the Wire's bypass): the launcher.
-             const bool cheap = hot_fn != nullptr && !local->asynchronous();
+             // The buckets the Wire launches itself only enqueue: the engine
+             // launches them from the thread that completes them. Not on
+             // GPUs (their buckets go to Python, the Wire's bypass).
+             std::function<bool(int)> cheap;
+             if (hot_fn != nullptr && !local->asynchronous()) {
+               using HotTakes = int (*)(void*, int);
+               auto takes = reinterpret_cast<HotTakes>(
+                   hot_owner->attr("takes_entry")().cast<uintptr_t>());
+               cheap = [takes, hot_ctx, hot_owner](int key) { return takes(hot_ctx, key) != 0; };
+             }
              return std::make_shared<ProcessGroupBackend>(std::move(local), std::move(call),
-                                                   std::move(name), first_rank, nranks, cheap);
+                                                   std::move(name), first_rank, nranks,
+                                                   std::move(cheap));
            }),
            py::arg("local"), py::arg("launch"), py::arg("name"), py::arg("first_rank"),
            py::arg("nranks"), py::arg("hot") = py::none(),
@@ -374,6 +381,8 @@ PYBIND11_MODULE(_C, m) {
            "Sharded gradients: buckets reduce-scatter over `ranks` ranks (0: all-reduce); "
            "buffers hold padded_count(bucket) elements.")
       .def_property_readonly("scatter_ranks", &Engine::scatter_ranks)
+      .def_property_readonly("inline_launches", &Engine::inline_launches,
+                             "Buckets launched from the thread that completed them (tests)")
       .def("padded_count", &Engine::padded_count, py::arg("bucket"))
       .def_property_readonly("sync_enabled", &Engine::sync_enabled)
       // May rebuild NCCL communicators (seconds): other threads keep running.

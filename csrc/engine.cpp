@@ -37,7 +37,7 @@ Engine::Engine(int num_replicas, std::vector<ParamInfo> params,
   for (size_t i = 0; i < p; ++i) has_grad_[i].store(0);
   for (int r = 0; r < num_replicas_; ++r) reduced_copy_[r].store(0);
   set_buckets(std::move(buckets));
-  inline_launch_ = num_replicas_ == 1 && backend_->launches_cheaply();
+  inline_launch_ = num_replicas_ == 1;
   launcher_ = std::thread([this] { launcher_loop(); });
 }
 
@@ -242,13 +242,16 @@ void Engine::complete_param(int param, std::unique_lock<std::mutex>* held) {
   } else {
     std::unique_lock<std::mutex> lk(mu_);
     enqueue_locked(b);
-    // A launch that only enqueues (across processes, one replica here):
-    // made on this thread, as torch DDP's reducer launches from its hooks,
-    // unless a launch is under way; no hand-off to the launcher thread on
-    // the step's critical path (the last bucket's launch).
-    if (inline_launch_) {
-      while (!stop_ && !busy_ && error_.empty() && has_launchable_locked()) launch_locked(lk);
-      return;
+    // A launch that only enqueues (across processes, one replica here, a
+    // bucket pyddp._hot's Wire takes): made on this thread, as torch DDP's
+    // reducer launches from its hooks, unless a launch is under way; no
+    // hand-off to the launcher thread on the step's critical path (the last
+    // bucket's launch). Anything else (a Python launch: a comm hook, the
+    // rider unfilled) stays on the launcher thread.
+    while (inline_launch_ && !stop_ && !busy_ && error_.empty() && has_launchable_locked() &&
+           backend_->launches_cheaply(peek_launchable_locked())) {
+      launch_locked(lk);
+      ++inline_launches_;
     }
   }
   // The launcher does the communication; this thread goes back to backward.
@@ -269,6 +272,10 @@ bool Engine::has_launchable_locked() const {
   if (order_ == LaunchOrder::kReady) return !ready_queue_.empty();
   if (order_ == LaunchOrder::kAfterBackward && !flushing_) return false;
   return static_cast<size_t>(next_index_) < buckets_.size() && bucket_ready_[next_index_];
+}
+
+int Engine::peek_launchable_locked() const {
+  return order_ == LaunchOrder::kReady ? ready_queue_.front() : next_index_;
 }
 
 int Engine::pop_launchable_locked() {

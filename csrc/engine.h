@@ -82,6 +82,10 @@ class Engine {
   // Only between iterations; buffers must be set again after.
   void set_scatter(int ranks);
   int scatter_ranks() const { return scatter_; }
+  int64_t inline_launches() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return inline_launches_;
+  }
   int64_t padded_count(int bucket) const;
 
   // Hot path: thread-safe, never waits for communication. `stream` (GPU
@@ -167,6 +171,7 @@ class Engine {
   bool has_launchable_locked() const;
   int pop_launchable_locked();
   void launcher_loop();
+  int peek_launchable_locked() const;
   // Pops the next launchable bucket and launches it (lk unlocked meanwhile).
   void launch_locked(std::unique_lock<std::mutex>& lk);
   void stop_launcher();
@@ -229,7 +234,8 @@ class Engine {
   int next_index_ = 0;
   int done_ = 0;
   bool busy_ = false;  // a launch is under way (on the launcher thread or a marking thread)
-  bool inline_launch_ = false;  // launch from the thread that completes a bucket
+  bool inline_launch_ = false;  // one replica: a cheap launch from the thread completing a bucket
+  int64_t inline_launches_ = 0;  // made so (under mu_; counted for the tests)
   bool stop_ = false;
   std::string error_;
   int fault_bucket_ = -1;

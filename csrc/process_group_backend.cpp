@@ -4,13 +4,14 @@
 namespace pyddp {
 
 ProcessGroupBackend::ProcessGroupBackend(std::shared_ptr<Backend> local, std::function<void(int)> launch,
-                           std::string name, int first_rank, int nranks, bool cheap)
+                           std::string name, int first_rank, int nranks,
+                           std::function<bool(int)> cheap)
     : local_(std::move(local)),
       launch_(std::move(launch)),
       name_(std::move(name)),
       first_rank_(first_rank),
       nranks_(nranks),
-      cheap_(cheap) {
+      cheap_(std::move(cheap)) {
   PYDDP_ENFORCE(first_rank_ >= 0 && nranks_ > first_rank_, "ranks ", first_rank_, " of ", nranks_);
   PYDDP_ENFORCE(local_ != nullptr, "ProcessGroupBackend needs a local backend");
   PYDDP_ENFORCE(static_cast<bool>(launch_), "ProcessGroupBackend needs a launch callback");

@@ -23,9 +23,10 @@ class ProcessGroupBackend : public Backend {
   // launcher thread only, in bucket-index order.
   // `first_rank`, `nranks`: this process's replicas are ranks first_rank..
   // of nranks over every process (for reduce_scatter's blocks).
-  // `cheap`: launch only enqueues (pyddp._hot's Wire, from C++).
+  // `cheap(key)`: whether launch(key) only enqueues (pyddp._hot's Wire
+  // takes the bucket, from C++); none: never.
   ProcessGroupBackend(std::shared_ptr<Backend> local, std::function<void(int)> launch, std::string name,
-                      int first_rank, int nranks, bool cheap = false);
+                      int first_rank, int nranks, std::function<bool(int)> cheap = nullptr);
   std::string name() const override { return name_; }
   void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;
   // Sharded gradients: the local sum (every local replica holds the
@@ -35,7 +36,7 @@ class ProcessGroupBackend : public Backend {
                       ReduceOp op, int key) override;
   int ranks(int /*replicas*/) const override { return nranks_; }
   int rank_of(int replica) const override { return first_rank_ + replica; }
-  bool launches_cheaply() const override { return cheap_; }
+  bool launches_cheaply(int key) const override { return cheap_ && cheap_(key); }
   void close() override;
 
  private:
@@ -43,7 +44,7 @@ class ProcessGroupBackend : public Backend {
   std::function<void(int)> launch_;
   const std::string name_;
   const int first_rank_, nranks_;
-  const bool cheap_;
+  const std::function<bool(int)> cheap_;
   std::mutex mu_;  // close() vs a launch in progress
   bool closed_ = false;
 };

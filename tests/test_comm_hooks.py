@@ -8,6 +8,7 @@ compresses: tests/test_simgpu.py.)"""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -31,8 +32,10 @@ def comm_hooks(out: dict) -> None:
     batches = data(4, 12)
     trained = {}
     seen = []
+    on_main = []  # per hook call: on the thread that ran backward?
 
     def user_hook(group, bucket):
+        on_main.append(threading.current_thread() is threading.main_thread())
         fills = sum(g.numel() for g in bucket.gradients()) == bucket.buffer().numel()
         seen.append((bucket.index(), bucket.is_last(), len(bucket.parameters()), fills))
         work = dist.all_reduce(bucket.buffer().div_(group.size()), group=group, async_op=True)
@@ -80,6 +83,7 @@ def comm_hooks(out: dict) -> None:
     out["bf16_vs_none"] = max_diff(trained["bf16"], trained["none"])
     out["user_vs_none"] = max_diff(trained["user"], trained["none"])
     out["user_seen"] = sorted(set(seen))
+    out["hook_calls_on_main_thread"] = [sum(on_main), len(on_main)]
 
 
 def test_comm_hooks_equal_torch_ddp_with_the_same_hooks(tmp_path):
@@ -96,6 +100,11 @@ def test_comm_hooks_equal_torch_ddp_with_the_same_hooks(tmp_path):
         assert indices == list(range(len(indices))) and len(indices) > 1, r["user_seen"]
         assert all(s[3] for s in r["user_seen"]), r["user_seen"]
         assert [s[1] for s in r["user_seen"]] == [False] * (len(indices) - 1) + [True]
+        # A hook runs on pyddp's launcher thread (docs/across-processes.md),
+        # never inside backward on the caller's thread (which launches only
+        # what pyddp._hot's Wire sends from C++).
+        on_main, calls = r["hook_calls_on_main_thread"]
+        assert calls > 0 and on_main == 0, r["hook_calls_on_main_thread"]
 
 
 def hook_buckets(out: dict) -> None:

@@ -284,6 +284,7 @@ def launches_per_step(out: dict) -> None:
         python_launches.clear()
         python_done.clear()
         before = wire.launches() if wire is not None else 0
+        inline = dm._reducer._engine.inline_launches
         dm(x.chunk(world)[rank]).square().mean().backward()
         opt.step()
         opt.zero_grad()
@@ -292,6 +293,7 @@ def launches_per_step(out: dict) -> None:
                 "python_launches": sum(python_launches.values()),
                 "python_done": sum(python_done.values()),
                 "cpp_launches": (wire.launches() if wire is not None else 0) - before,
+                "inline_launches": dm._reducer._engine.inline_launches - inline,
                 "buckets": len(dm._reducer.buckets),
             }
         )
@@ -315,8 +317,13 @@ def test_buckets_cross_processes_without_python_per_bucket_on_the_hot_path(tmp_p
                 # riding in the last: no Python per bucket, none per step.
                 assert s == {**s, "python_launches": 0, "python_done": 0}, s
                 assert s["cpp_launches"] == s["buckets"], s
+                # ... each from the thread that completed it (autograd's, or
+                # finish()'s for the last), as torch DDP launches: no hand-off
+                # to the engine's launcher thread.
+                assert s["inline_launches"] == s["buckets"], s
             else:
                 assert s["python_launches"] == s["buckets"] == s["python_done"], s
+                assert s["inline_launches"] == 0, s  # Python launches: the launcher's
     # Both ranks trained as one device on the whole batches (float32 sums of
     # two halves: a few ulps).
     torch.manual_seed(0)

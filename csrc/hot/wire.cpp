@@ -128,6 +128,14 @@ class Wire {
   int64_t launches() const { return launches_.load(); }
   std::shared_ptr<Flight> flight() const { return flight_; }
 
+  // Whether launch(bucket) would launch it here (not answer 1), as things
+  // stand: no Python needed for it.
+  bool takes(int bucket) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (stopped_.load() || bucket < 0 || static_cast<size_t>(bucket) >= flats_.size()) return false;
+    return !(wire_.defined() && static_cast<size_t>(bucket) + 1 == flats_.size()) || armed_.load();
+  }
+
   // 0: launched; 1: Python launches it; -1: failed, `msg` says why.
   int launch(int bucket, char* msg, size_t len) {
     try {
@@ -181,6 +189,12 @@ extern "C" int pyddp_hot_launch(void* wire, int bucket, char* msg, size_t len) {
   return static_cast<Wire*>(wire)->launch(bucket, msg, len);
 }
 
+// Whether the launch would be made here (_C's engine then launches from the
+// thread that completed the bucket).
+extern "C" int pyddp_hot_takes(void* wire, int bucket) {
+  return static_cast<Wire*>(wire)->takes(bucket) ? 1 : 0;
+}
+
 void bind_wire(py::module_& m) {
   py::class_<Flight, std::shared_ptr<Flight>>(m, "Flight")
       .def(py::init<>())
@@ -203,5 +217,8 @@ void bind_wire(py::module_& m) {
              return py::make_tuple(reinterpret_cast<uintptr_t>(&w),
                                    reinterpret_cast<uintptr_t>(&pyddp_hot_launch));
            },
-           "(this wire, pyddp_hot_launch): for _C.ProcessGroupBackend's hot launch.");
+           "(this wire, pyddp_hot_launch): for _C.ProcessGroupBackend's hot launch.")
+      .def("takes_entry",
+           [](Wire&) { return reinterpret_cast<uintptr_t>(&pyddp_hot_takes); },
+           "pyddp_hot_takes(wire, bucket): whether the Wire launches that bucket itself.");
 }
