@@ -349,6 +349,11 @@ def test_a_hot_path_that_does_not_compile_leaves_pyddp_on_the_python_path(tmp_pa
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "simgpu"))
     from breakages import copy_tree, shadow_editable_install
 
+    for tool in ("scikit_build_core", "pybind11"):
+        assert importlib.util.find_spec(tool), (
+            f"pytest -m build needs the build tools ({tool} is missing): pip install "
+            "scikit-build-core pybind11 cmake ninja, as the README's build from source says"
+        )
     src, site = tmp_path / "src", tmp_path / "site"
     copy_tree(str(src))
     with open(src / "csrc" / "hot" / "wire.cpp", "a") as f:
