@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 import torch
+from torch import nn
 
 import pyddp
 from pyddp.bench._util import (  # noqa: F401  (rotated, summary, table: re-exported)
@@ -71,3 +72,25 @@ def write_results(name: str, args: argparse.Namespace, results: Dict[str, Any]) 
     path.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"\nresults: {path}")
     return path
+
+
+class DecoderLM(nn.Module):
+    """A GPT-like stack for the GPU benchmarks: token and position
+    embeddings, pre-norm transformer layers under a causal mask, an LM head."""
+
+    def __init__(
+        self, vocab: int, d: int, heads: int, layers: int, seq: int, head_bias: bool = True
+    ):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(seq, d))
+        block = nn.TransformerEncoderLayer(
+            d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab, bias=head_bias)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
+        h = self.embed(ids) + self.pos[: ids.shape[1]]
+        return self.head(self.blocks(h, mask=mask, is_causal=True))

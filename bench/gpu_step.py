@@ -29,31 +29,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from _common import header, parser, rotated, summary, table, write_results
+from _common import DecoderLM, header, parser, rotated, summary, table, write_results
 from torch import nn
 
 import pyddp
 
 Step = Callable[[], None]
-
-
-class Transformer(nn.Module):
-    """A decoder-style stack (causal mask) with an LM head."""
-
-    def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.zeros(seq, d))
-        layer = nn.TransformerEncoderLayer(
-            d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True
-        )
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        return self.head(self.blocks(h, mask=self.mask, is_causal=True))
 
 
 def build(name: str, quick: bool) -> Tuple[nn.Module, torch.Tensor, torch.Tensor, bool]:
@@ -71,7 +52,7 @@ def build(name: str, quick: bool) -> Tuple[nn.Module, torch.Tensor, torch.Tensor
     vocab, d, heads, depth, rows, seq = (
         (256, 32, 4, 2, 4, 16) if quick else (8192, 768, 12, 6, 16, 256)
     )
-    model = Transformer(vocab, d, heads, depth, seq)
+    model = DecoderLM(vocab, d, heads, depth, seq)
     tokens = torch.randint(vocab, (rows, seq + 1), generator=g)
     return model, tokens[:, :-1], tokens[:, 1:], True
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict
 
 import torch
 import torch.nn.functional as F
+from _common import DecoderLM
 from torch import nn
 
 import pyddp
@@ -29,21 +30,8 @@ VOCAB, WIDTH, HEADS, TOKENS, BATCH = 32000, 768, 12, 256, 8
 MIB = 2**20
 
 
-class GPTLike(nn.Module):
-    def __init__(self, layers: int):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.pos = nn.Parameter(torch.zeros(TOKENS, WIDTH))
-        block = nn.TransformerEncoderLayer(
-            WIDTH, HEADS, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True
-        )
-        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
-        h = self.blocks(self.embed(ids) + self.pos, mask=mask, is_causal=True)
-        return self.head(h)
+def GPTLike(layers: int) -> nn.Module:  # noqa: N802 (a model class, by role)
+    return DecoderLM(VOCAB, WIDTH, HEADS, layers, TOKENS, head_bias=False)
 
 
 def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

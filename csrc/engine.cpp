@@ -317,70 +317,68 @@ void Engine::launcher_loop() {
 }
 
 void Engine::launch_locked(std::unique_lock<std::mutex>& lk) {
-  {
-    const int b = pop_launchable_locked();
-    busy_ = true;
-    const bool fault = (b == fault_bucket_);
-    const std::string fault_message = fault_message_;
-    if (fault) fault_bucket_ = -1;
-    const bool reduce = bucket_has_grad(b);
-    lk.unlock();
+  const int b = pop_launchable_locked();
+  busy_ = true;
+  const bool fault = (b == fault_bucket_);
+  const std::string fault_message = fault_message_;
+  if (fault) fault_bucket_ = -1;
+  const bool reduce = bucket_has_grad(b);
+  lk.unlock();
 
-    const int64_t t_launch = now_ns();
-    std::string err;
-    try {
-      if (fault) throw ReduceError(fault_message);
-      if (reduce && scatter_ > 0) {
-        const std::vector<BufferRef> sends = bucket_buffers(b);
-        std::vector<BufferRef> recvs = sends;
-        const int64_t block = sends[0].count / scatter_;
-        const size_t es = dtype_size(sends[0].dtype);
-        for (int r = 0; r < num_replicas_; ++r) {
-          recvs[r].data = static_cast<char*>(sends[r].data) + block * backend_->rank_of(r) * es;
-          // set_recv: the block lands in the replica's own memory instead.
-          void* own = recvs_[static_cast<size_t>(r) * buckets_.size() + b];
-          if (own != nullptr) recvs[r].data = own;
-          recvs[r].count = block;
-          recvs[r].wire = nullptr;
-        }
-        backend_->reduce_scatter(sends, recvs, op_, b);
-      } else if (reduce) {
-        backend_->all_reduce(bucket_buffers(b), op_, b);
+  const int64_t t_launch = now_ns();
+  std::string err;
+  try {
+    if (fault) throw ReduceError(fault_message);
+    if (reduce && scatter_ > 0) {
+      const std::vector<BufferRef> sends = bucket_buffers(b);
+      std::vector<BufferRef> recvs = sends;
+      const int64_t block = sends[0].count / scatter_;
+      const size_t es = dtype_size(sends[0].dtype);
+      for (int r = 0; r < num_replicas_; ++r) {
+        recvs[r].data = static_cast<char*>(sends[r].data) + block * backend_->rank_of(r) * es;
+        // set_recv: the block lands in the replica's own memory instead.
+        void* own = recvs_[static_cast<size_t>(r) * buckets_.size() + b];
+        if (own != nullptr) recvs[r].data = own;
+        recvs[r].count = block;
+        recvs[r].wire = nullptr;
       }
-    } catch (const std::exception& e) {
-      std::string names;
-      for (size_t i = 0; i < buckets_[b].size() && i < 3; ++i) {
-        names += (i ? ", " : "") + params_[buckets_[b][i]].name;
-      }
-      if (buckets_[b].size() > 3) names += ", ...";
-      err = detail::concat("pyddp: ", scatter_ > 0 ? "reduce-scatter" : "all-reduce", " of bucket ", b, " (", names, ") across ",
-                           num_replicas_, " replicas on backend '", backend_->name(),
-                           "' failed: ", e.what());
+      backend_->reduce_scatter(sends, recvs, op_, b);
+    } else if (reduce) {
+      backend_->all_reduce(bucket_buffers(b), op_, b);
     }
-    const int64_t t_done = now_ns();
-
-    lk.lock();
-    busy_ = false;
-    if (!err.empty()) {
-      if (error_.empty()) error_ = err;
-      ready_queue_.clear();
-    } else {
-      ++done_;
-      bucket_returned_[b] = 1;
-      completed_.push_back(b);
-      bucket_launch_ns_[b] = t_launch;
-      bucket_done_ns_[b] = t_done;
-      if (reduce) {
-        ++current_.launches;
-        current_.bytes += padded_count(b) * static_cast<int64_t>(dtype_size(params_[buckets_[b][0]].dtype));
-        if (current_.first_launch_ns == 0) current_.first_launch_ns = t_launch;
-        current_.last_done_ns = t_done;
-      }
+  } catch (const std::exception& e) {
+    std::string names;
+    for (size_t i = 0; i < buckets_[b].size() && i < 3; ++i) {
+      names += (i ? ", " : "") + params_[buckets_[b][i]].name;
     }
-    done_cv_.notify_all();
-    // The launcher may go on (a bucket enqueued while this launch was under way).
-    work_cv_.notify_one();
+    if (buckets_[b].size() > 3) names += ", ...";
+    err = detail::concat("pyddp: ", scatter_ > 0 ? "reduce-scatter" : "all-reduce", " of bucket ", b, " (", names, ") across ",
+                         num_replicas_, " replicas on backend '", backend_->name(),
+                         "' failed: ", e.what());
   }
+  const int64_t t_done = now_ns();
+
+  lk.lock();
+  busy_ = false;
+  if (!err.empty()) {
+    if (error_.empty()) error_ = err;
+    ready_queue_.clear();
+  } else {
+    ++done_;
+    bucket_returned_[b] = 1;
+    completed_.push_back(b);
+    bucket_launch_ns_[b] = t_launch;
+    bucket_done_ns_[b] = t_done;
+    if (reduce) {
+      ++current_.launches;
+      current_.bytes += padded_count(b) * static_cast<int64_t>(dtype_size(params_[buckets_[b][0]].dtype));
+      if (current_.first_launch_ns == 0) current_.first_launch_ns = t_launch;
+      current_.last_done_ns = t_done;
+    }
+  }
+  done_cv_.notify_all();
+  // The launcher may go on (a bucket enqueued while this launch was under way).
+  work_cv_.notify_one();
 }
 
 Engine::Settled Engine::finish(const std::vector<uintptr_t>& streams) {

@@ -43,6 +43,15 @@ class Mixed(nn.Module):
         return self.head(h)
 
 
+def exact_blocks(n: int, size: int, dtype: torch.dtype, device: str = "cpu") -> list:
+    """n replicas' values for the collectives' closed forms: replica r's
+    i-th value is i % 16 + 16 (r + 1), so a block in the wrong place shows,
+    and every sum over up to 4 replicas is an integer under 256: exact in
+    every dtype, bfloat16 included, in any order of summation."""
+    i = torch.arange(size, dtype=torch.float64, device=device) % 16
+    return [(i + 16 * (r + 1)).to(dtype) for r in range(n)]
+
+
 def make_batches(steps: int, batch: int, seed: int = 0, vocab: int = 11, seq: int = 6):
     g = torch.Generator().manual_seed(seed)
     out = []

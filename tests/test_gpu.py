@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Mixed, make_batches
+from conftest import Mixed, exact_blocks, make_batches
 from ranks import SGD, data, eval_norm, my_rows, net, reference
 from spawn import spawn
 from torch import nn
@@ -143,15 +143,13 @@ def test_broadcast_all_gather_reduce_scatter_past_one_grid_on_one_gpu(dtype):
     # rest: 3 replicas sharing the GPU, past one grid per replica (the
     # simulated tier's test_every_collective_past_one_block_and_past_one_grid_...).
     n, size = 3, 4096 * 256 + 3
-    i = torch.arange(size, dtype=torch.float64, device="cuda") % 16
-    vals = [(i + 16 * (r + 1)).to(dtype) for r in range(n)]  # exact sums in every dtype
+    vals = exact_blocks(n, size, dtype, "cuda")
     ts = [v.clone() for v in vals]
     pyddp.broadcast(ts, root=n - 1)
     assert all(torch.equal(t, vals[n - 1]) for t in ts)
     for out in pyddp.all_gather([v.clone() for v in vals]):
         assert all(torch.equal(out[k], vals[k]) for k in range(n))
-    j = torch.arange(n * size, dtype=torch.float64, device="cuda") % 16
-    fulls = [(j + 16 * (r + 1)).to(dtype) for r in range(n)]
+    fulls = exact_blocks(n, n * size, dtype, "cuda")
     want = sum(f.double() for f in fulls).to(dtype).view(n, size)
     got = pyddp.reduce_scatter(fulls)
     assert all(torch.equal(got[r], want[r]) for r in range(n))

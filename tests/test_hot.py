@@ -58,23 +58,6 @@ def test_a_build_for_another_torch_is_not_loaded_and_says_so(monkeypatch):
 _PACKAGE = tuple(os.path.abspath(p) + os.sep for p in pyddp.__path__)
 
 
-def _profiled(step) -> Counter:
-    """pyddp's Python function calls in `step()` on this thread."""
-    calls: Counter = Counter()
-    package = _PACKAGE
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(package):
-            calls[frame.f_code.co_name] += 1
-
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 class _EveryThread:
     """Counts pyddp's Python function calls on every thread started after
     it (the wrapped model's replica workers, autograd's) while `counting`."""
@@ -107,6 +90,12 @@ class _EveryThread:
         finally:
             self.counting = False
         return self.calls
+
+
+def _profiled(step) -> Counter:
+    """pyddp's Python function calls in `step()`."""
+    with _EveryThread() as every:
+        return every.step(step)
 
 
 def _synced_step(sync, replicas, x, after_backward=lambda: None):

@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Mixed, make_batches
+from conftest import Mixed, exact_blocks, make_batches
 from spawn import run_alone
 from torch import nn
 
@@ -419,14 +419,6 @@ def test_a_forward_inside_cuda_graph_capture_is_refused_by_name():
     run_alone(forward_inside_graph_capture)
 
 
-def _blocks(n, size, dtype):
-    # Replica r's values: i % 16 + 16 (r + 1), so a block in the wrong place
-    # shows, and every sum over up to 4 replicas is an integer under 256:
-    # exact in every dtype, bfloat16 included, in any order of summation.
-    i = torch.arange(size, dtype=torch.float64) % 16
-    return [(i + 16 * (r + 1)).to(dtype) for r in range(n)]
-
-
 def broadcast_gather_scatter_after_late_writes(devices):
     from simulated import sim, streams
 
@@ -453,14 +445,14 @@ def broadcast_gather_scatter_after_late_writes(devices):
 
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         for size in (1, 7, (1 << 16) + 3):
-            values = _blocks(n, size, dtype)
+            values = exact_blocks(n, size, dtype)
             for root in (0, n - 1):
                 got = run(values, lambda ts, root=root: pyddp.broadcast(ts, root=root))
                 assert all(torch.equal(t, values[root]) for t in got), (dtype, size, root)
             got = run(values, pyddp.all_gather)
             for out in got:
                 assert all(torch.equal(out[k], values[k]) for k in range(n)), (dtype, size)
-            whole = _blocks(n, size * n, dtype)
+            whole = exact_blocks(n, size * n, dtype)
             if devices != sorted(devices):
                 with pytest.raises(NotImplementedError, match="increasing order"):
                     run(whole, pyddp.reduce_scatter)

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import exact_blocks
 from spawn import run_alone, simgpu_libraries
 
 from pyddp import _C
@@ -241,12 +242,6 @@ PAST_ONE_BLOCK = (200, 257, 4096 * 256 + 3)
 def kernels_past_one_block_and_the_grid(kind):
     from simulated import sim, streams
 
-    def values(n, size, dtype):
-        # Replica r's i-th value: i % 16 + 16 (r + 1): exact in every dtype
-        # (sums of up to 3 under 256), and a block in the wrong place shows.
-        i = torch.arange(size, dtype=torch.float64) % 16
-        return [(i + 16 * (r + 1)).to(dtype) for r in range(n)]
-
     n = 2 if kind == "nccl" else 3
     devs = list(range(n)) if kind == "nccl" else [0] * n
     backend = _runtime.make_backend(devs, timeout=60)
@@ -258,7 +253,7 @@ def kernels_past_one_block_and_the_grid(kind):
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         name = str(dtype).split(".")[1]
         for size in PAST_ONE_BLOCK:
-            vals = values(n, size, dtype)
+            vals = exact_blocks(n, size, dtype)
             # all-reduce (in place by nature)
             ts = [streams.upload(d, v) for d, v in zip(devs, vals)]
             backend.reduce([t.data_ptr() for t in ts], devs, [0] * n, size, name, "sum")
@@ -293,7 +288,7 @@ def kernels_past_one_block_and_the_grid(kind):
                 )
             # reduce-scatter, out of place and in place (rank r's output is
             # block r of its own input)
-            fulls = values(n, n * size, dtype)
+            fulls = exact_blocks(n, n * size, dtype)
             want = sum(f.double() for f in fulls).to(dtype).view(n, size)
             for in_place in (False, True):
                 sends = [streams.upload(d, f) for d, f in zip(devs, fulls)]

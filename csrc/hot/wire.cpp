@@ -132,19 +132,18 @@ class Wire {
   // stand: no Python needed for it.
   bool takes(int bucket) {
     std::lock_guard<std::mutex> lk(mu_);
-    if (stopped_.load() || bucket < 0 || static_cast<size_t>(bucket) >= flats_.size()) return false;
-    return !(wire_.defined() && static_cast<size_t>(bucket) + 1 == flats_.size()) || armed_.load();
+    return mine_locked(bucket);
   }
 
   // 0: launched; 1: Python launches it; -1: failed, `msg` says why.
   int launch(int bucket, char* msg, size_t len) {
     try {
       std::lock_guard<std::mutex> lk(mu_);
-      if (stopped_.load() || bucket < 0 || static_cast<size_t>(bucket) >= flats_.size()) return 1;
+      if (!mine_locked(bucket)) return 1;
       at::Tensor& flat = flats_[bucket];
       at::Tensor send = flat;
-      if (wire_.defined() && static_cast<size_t>(bucket) + 1 == flats_.size()) {
-        if (!armed_.exchange(false)) return 1;  // the rider fills it in Python
+      if (rides_locked(bucket)) {
+        armed_.store(false);  // filled once, sent once
         send = wire_;
       }
       {
@@ -171,6 +170,17 @@ class Wire {
   }
 
  private:
+  // The last bucket, when the agreement's room follows it.
+  bool rides_locked(int bucket) const {
+    return wire_.defined() && static_cast<size_t>(bucket) + 1 == flats_.size();
+  }
+  // Launched here, not by Python: the link up, the bucket known, and for
+  // the riding bucket its room filled (else the rider fills it in Python).
+  bool mine_locked(int bucket) const {
+    if (stopped_.load() || bucket < 0 || static_cast<size_t>(bucket) >= flats_.size()) return false;
+    return !rides_locked(bucket) || armed_.load();
+  }
+
   std::mutex mu_;  // set_buckets vs a launch
   c10::intrusive_ptr<c10d::Backend> group_;
   const int world_;
