@@ -28,6 +28,10 @@ def settle_unmarked(
     (those return to None after the reductions). `shadowing`: this rank
     joined (torch's Join) and adds nothing to the agreement."""
     unmarked = engine.unmarked()
+    if not unmarked:  # every replica produced every gradient (the steady state)
+        if engine.sync_enabled:
+            link.start_agreement([], len(layout.views[0]), work.take, shadowing)
+        return
     replicas = len(layout.views)
     nowhere = {i for i, n in Counter(i for _, i in unmarked).items() if n == replicas}
     none_here = {i for i in nowhere if layout.no_gradient(i)}

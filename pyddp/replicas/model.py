@@ -408,7 +408,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         forward, so every replica runs with replica 0's. Across processes
         they were made rank 0's at the end of the last synced training
         backward (_buffers_after_backward)."""
-        if self.broadcast_buffers:
+        if self.broadcast_buffers and len(self._replicas) > 1:
             self._copy_buffers()
 
     def _copy_buffers(self) -> None:
