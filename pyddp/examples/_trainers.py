@@ -22,9 +22,19 @@ def make_model() -> nn.Module:
                          nn.Linear(64, 10))  # fmt: skip
 
 
-def median(times: Sequence[float]) -> Optional[float]:
-    """The median step time, None if no step ran (a resumed run at its end)."""
-    return statistics.median(times) if times else None
+def step_times(times: Sequence[float]) -> Dict[str, Optional[float]]:
+    """A run's step times for its summary (None where no step ran: a resumed
+    run at its end): `step_s`, the median, and `mean_step_s`, the mean after
+    the first tenth of the steps (warm-up): the time training takes per step.
+    With gradient accumulation the steps are two populations (micro-batches
+    that reduce nothing, and the one that waits for the reduction), whose
+    median falls between them and jumps from run to run; the mean does not."""
+    if not times:
+        return {"step_s": None, "mean_step_s": None}
+    return {
+        "step_s": statistics.median(times),
+        "mean_step_s": statistics.mean(times[len(times) // 10 :]),
+    }
 
 
 def report(out: Path, state_dict: Dict[str, Any], summary: Dict[str, Any]) -> None:

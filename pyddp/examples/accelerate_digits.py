@@ -11,7 +11,7 @@ Accelerate runs several CPU processes through MPI; torchrun needs none.)
 
 Uses accelerator.accumulate, accelerator.backward, accelerator.clip_grad_norm_
 and save_state/load_state (`--resume` goes on from the last state). Rank 0
-writes the final parameters (params.pt) and the median time per step
+writes the final parameters (params.pt) and the median and mean time per step
 (summary.json) to --output."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from pyddp.examples._trainers import make_model, median, report
+from pyddp.examples._trainers import make_model, report, step_times
 from pyddp.examples.digits import load_digits
 from pyddp.train.files import output_root
 
@@ -109,7 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     summary = {
         "engine": args.engine,
         "world": accelerator.num_processes,
-        "step_s": median(times),
+        **step_times(times),
         "valid_loss": float(loss),
     }
     if accelerator.is_main_process:

@@ -7,7 +7,7 @@ change from Fabric's own DDP (`--strategy ddp` runs that, for comparison).
 
 Uses fabric.no_backward_sync for gradient accumulation, fabric.clip_gradients
 and fabric.save/fabric.load (`--resume` goes on from state.ckpt). Rank 0
-writes the final parameters (params.pt) and the median time per step
+writes the final parameters (params.pt) and the median and mean time per step
 (summary.json) to --output."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from pyddp.examples._trainers import make_model, median, report
+from pyddp.examples._trainers import make_model, report, step_times
 from pyddp.examples.digits import load_digits
 from pyddp.train.files import output_root
 
@@ -80,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     summary = {
         "strategy": args.strategy,
         "world": fabric.world_size,
-        "step_s": median(times),
+        **step_times(times),
         "valid_loss": float(loss),
     }
     if fabric.is_global_zero:

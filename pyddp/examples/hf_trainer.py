@@ -7,7 +7,7 @@ gradients: `PyddpTrainer` in place of `Trainer` is the only change
 
 Uses gradient accumulation, max_grad_norm clipping, a linear learning-rate
 schedule, evaluation and checkpoints (`--resume` goes on from the last).
-Rank 0 writes the final parameters (params.pt) and the median time per step
+Rank 0 writes the final parameters (params.pt) and the median and mean time per step
 (summary.json) to --output."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from pyddp.examples._trainers import median, report
+from pyddp.examples._trainers import report, step_times
 from pyddp.train.files import output_root
 
 
@@ -96,7 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "engine": args.engine,
         "world": trainer.args.world_size,
         "steps": trainer.state.global_step,
-        "step_s": median(times),
+        **step_times(times),
         "train_loss": result.training_loss,
         "eval_loss": metrics["eval_loss"],
     }

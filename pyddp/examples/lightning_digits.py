@@ -9,7 +9,7 @@ change from Lightning's own DDP (`--strategy ddp` runs that, for comparison).
 Uses gradient accumulation, clipping by global norm, a validation loop
 with `self.log(..., sync_dist=True)` and ModelCheckpoint; `--resume` goes
 on from the last checkpoint. Rank 0 writes the final parameters
-(params.pt) and the median time per step (summary.json) to --output."""
+(params.pt) and the median and mean time per step (summary.json) to --output."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from pyddp.examples._trainers import make_model, median, report
+from pyddp.examples._trainers import make_model, report, step_times
 from pyddp.examples.digits import load_digits
 from pyddp.train.files import output_root
 
@@ -148,7 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "strategy": args.strategy,
         "world": trainer.world_size,
         "steps": trainer.global_step,
-        "step_s": median(timer.times),
+        **step_times(timer.times),
         "valid_loss": float(trainer.callback_metrics["valid_loss"]),
         "valid_acc": float(trainer.callback_metrics["valid_acc"]),
     }

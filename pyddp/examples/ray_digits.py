@@ -9,7 +9,7 @@ Ray's own DDP, for comparison).
 A checkpoint is reported every epoch; with --fail-at E, worker 1 exits in
 the middle of epoch E on the first attempt, and Ray restarts the workers
 from the last checkpoint (FailureConfig(max_failures=1)). The run writes the
-final parameters (params.pt) and the median time per step (summary.json)
+final parameters (params.pt) and the median and mean time per step (summary.json)
 to --output."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from pyddp.examples._trainers import median, report
+from pyddp.examples._trainers import report, step_times
 from pyddp.train.files import output_root
 
 
@@ -75,7 +75,7 @@ def train_loop(config: Dict[str, Any]) -> None:
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
             times.append(time.perf_counter() - t0)
-        metrics = {"epoch": epoch + 1, "step_s": median(times)}
+        metrics = {"epoch": epoch + 1, **step_times(times)}
         with tempfile.TemporaryDirectory() as d:
             checkpoint = None
             if ctx.get_world_rank() == 0:
@@ -131,6 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         "world": args.workers,
         "epochs": state["epoch"],
         "step_s": result.metrics["step_s"],
+        "mean_step_s": result.metrics["mean_step_s"],
         "restarted": (out / "failed-once").exists(),
     }
     report(out, state["model"], summary)
