@@ -28,7 +28,7 @@ from ..runtime.torchrun import refuse_training_alone
 from .ddp_args import wrap_options
 from .mirror import ReplicaMirror
 from .scatter import batch_size, gather
-from .steps import ReplicaSteps
+from .steps import ReplicaSteps, StepFlags
 from .syncbn import SyncBatchNorms, sync_layers
 from .uneven import Joinable, Joining
 from .workers import ReplicaWorkers
@@ -112,12 +112,10 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         self._parallel_backward = len(replicas) > 1 and self.devices[0].type == "cpu"
         # One replica and one process: nothing to scatter, join or reduce.
         self._passthrough = not self._reducer.reduces
-        self._finish_queued = False
+        self._flags = StepFlags()
         self._syncbn: Optional[SyncBatchNorms] = None
         self._optimizers: List[weakref.ref] = []  # dmodel.optimizer's, for Join's end
         self._apart_after_join = ""  # why training is refused after Join (optim/after_join.py)
-        self._buffers_due = False  # rank 0's buffers to every rank after this backward
-        self._output_in_backward = False  # the running backward went through a dmodel output
         if sync_layers(self.module) and not self._passthrough:
             self._syncbn = self._bind_sync_batchnorm(replicas, opts)
         self._direct = one and self.devices[0].type == "cpu"  # forward: _forward_direct

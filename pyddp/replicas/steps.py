@@ -36,6 +36,19 @@ from .syncbn import SyncBatchNorms
 from .workers import ReplicaWorkers
 
 
+class StepFlags:
+    """The running step's flags, on a plain object: they change at every
+    forward and backward, and an nn.Module's own attribute costs a
+    microsecond to set (Module.__setattr__)."""
+
+    __slots__ = ("finish_queued", "output_in_backward", "buffers_due")
+
+    def __init__(self) -> None:
+        self.finish_queued = False  # this backward's end is queued (_end_of_backward)
+        self.output_in_backward = False  # the running backward went through a dmodel output
+        self.buffers_due = False  # rank 0's buffers to every rank after this backward
+
+
 class StepsHost(Protocol):
     """What ReplicaSteps reads of the DistributedModel it is mixed into
     (model.py, and uneven.py for Join) and does not define itself."""
@@ -52,6 +65,7 @@ class StepsHost(Protocol):
     _passthrough: bool  # one replica, one process: nothing to scatter or reduce
     _parallel_backward: bool  # CPU replicas' backward on their workers
     _apart_after_join: str  # why training is refused after Join ("" if not)
+    _flags: StepFlags
 
     def _check_open(self) -> None: ...
     def _follow_model(self) -> None: ...
@@ -168,16 +182,17 @@ class ReplicaSteps:
         followed by backward."""
         if self._passthrough:
             return
-        self.training = self.module.training
+        if self.training != self.module.training:
+            self.training = self.module.training
         if torch.is_grad_enabled():
             if self._apart_after_join:
                 raise RuntimeError(self._apart_after_join)  # on every rank alike
-            self._finish_queued = False  # a backward that raised never ran its callback
-            self._output_in_backward = False
+            self._flags.finish_queued = False  # a backward that raised never ran its callback
+            self._flags.output_in_backward = False
             self._reducer.prepare_all()
         self._follow_model()
         if torch.is_grad_enabled():
-            self._buffers_due = (
+            self._flags.buffers_due = (
                 self.broadcast_buffers
                 and self._link.spans_processes
                 and self.module.training
@@ -219,11 +234,11 @@ class ReplicaSteps:
         """Runs in the outer backward when it reaches the gathered output or the
         returned loss: schedules the end-of-backward bookkeeping and, for CPU
         replicas, runs every replica's backward on its worker."""
-        if self._output_in_backward:
+        if self._flags.output_in_backward:
             # The outputs of two dmodel(...) calls in one backward: each
             # replica's gradients would arrive twice in one synced backward.
-            self._output_in_backward = False
-            self._finish_queued = False
+            self._flags.output_in_backward = False
+            self._flags.finish_queued = False
             self._reducer.abort("one backward ran over the outputs of two dmodel(...) calls")
             raise RuntimeError(
                 "pyddp: one backward runs over the outputs of two dmodel(...) calls (e.g. "
@@ -231,8 +246,8 @@ class ReplicaSteps:
                 "would be produced twice in one synced backward. Concatenate the batches into "
                 "one call, or backward each loss in turn (docs/troubleshooting.md)"
             )
-        self._output_in_backward = True
-        if not self._finish_queued:
+        self._flags.output_in_backward = True
+        if not self._flags.finish_queued:
             # The first join of this backward, before any replica accumulates:
             # after a backward over a graph kept with retain_graph=True (no
             # forward in between), the last reduction's copies are cleared as
@@ -240,7 +255,7 @@ class ReplicaSteps:
             self._reducer.restart_accumulation()
             if self._syncbn is not None:
                 self._syncbn.meeting.reset(len(tensors))
-            self._finish_queued = True
+            self._flags.finish_queued = True
             # Autograd's final callback: runs once the whole backward is done,
             # whatever else the loss depended on.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -276,7 +291,7 @@ class ReplicaSteps:
                 [self._breaking_meetings(r, run(r)) for r in range(len(tensors))], "backward"
             )
         except ReplicaError:
-            self._finish_queued = False
+            self._flags.finish_queued = False
             self._reducer.abort()
             raise
 
@@ -287,19 +302,19 @@ class ReplicaSteps:
         training_step): its end is queued from here, as torch DDP's reducer
         queues its own from its first gradient hook. One replica only:
         several replicas need the outputs to run their backwards."""
-        if self._finish_queued:
+        if self._flags.finish_queued:
             return
         # As _backward's first join: a previous reduction's copy is taken
         # before this backward accumulates over it.
         self._reducer.restart_accumulation()
         if self._syncbn is not None:
             self._syncbn.meeting.reset(1)
-        self._finish_queued = True
+        self._flags.finish_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
-        self._finish_queued = False
-        self._output_in_backward = False
+        self._flags.finish_queued = False
+        self._flags.output_in_backward = False
         self._reducer.finish()
         self._buffers_after_backward()
 
@@ -312,8 +327,8 @@ class ReplicaSteps:
         backward may read buffers its forward saved), so an evaluation that
         follows sees DDP's statistics on every rank without communicating,
         and may still run on some ranks only."""
-        if self._buffers_due:
-            self._buffers_due = False
+        if self._flags.buffers_due:
+            self._flags.buffers_due = False
             self._link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
             if len(self._replicas) > 1:
                 self._copy_buffers()  # this process's other replicas too, at once

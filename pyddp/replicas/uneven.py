@@ -37,6 +37,7 @@ from .._link.joining import Joining as JoinState
 from ..engine.faces import ReplicaDriver
 from ..errors import ReduceError, ReplicaError, TrainingError
 from ..optim.after_join import align_optimizers
+from .steps import StepFlags
 from .syncbn import SyncBatchNorms
 
 _OWN = (ReduceError, ReplicaError, TrainingError)  # pyddp's errors name their cause
@@ -52,7 +53,7 @@ class JoiningHost(Protocol):
     _link: Link
     _join: JoinState  # the link's Join state and exchanges (_link/joining.py)
     _syncbn: Optional[SyncBatchNorms]
-    _buffers_due: bool  # rank 0's buffers to every rank after this backward
+    _flags: StepFlags  # the running step's (steps.py)
 
     def _check_open(self) -> None: ...
 
@@ -183,7 +184,7 @@ class Joining(Joinable):
         grad = torch.is_grad_enabled()
         self._join.exchange_step(
             True,
-            grad and self._buffers_due,
+            grad and self._flags.buffers_due,
             grad and self._reducer.syncing,
             float(rows),
         )
