@@ -66,6 +66,25 @@ def test_eval_mode_and_buffers_follow_replica_0():
     dm.close()
 
 
+def test_buffers_replaced_or_changed_on_the_users_model_reach_every_replica():
+    # A buffer given a new tensor (assignment goes through register_buffer)
+    # and one changed in place, after wrap: replica 1's rows (the second half
+    # of the batch) use them at the next forward, bit for bit as one device.
+    torch.manual_seed(0)
+    model = Net()
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    model.eval()
+    x = data(1, 8, seed=5)[0][0]
+    dm(x)
+    model.norm.running_mean = torch.linspace(-1.0, 1.0, 8)
+    with torch.no_grad():
+        model.norm.running_var.mul_(3.0)
+    out = dm(x)
+    assert torch.equal(dm.replicas[1].norm.running_mean, model.norm.running_mean)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    dm.close()
+
+
 def wrapped_with_reference():
     """A dropout-free Net, an untouched copy for single-device reference
     training, and the Net wrapped over two CPU replicas."""

@@ -49,6 +49,27 @@ class ReplicaMirror:
         self.storage = [p.data_ptr() for p in self.params[0]]
         self.head = list(map(_version_and_grad, self.params[0]))
         self.versions = [list(map(_version, ps)) for ps in self.params[1:]]
+        # Every buffer slot (module's dict, local name) of every replica, in
+        # the same order: follow() keeps the modules and their buffer counts
+        # those of wrap time, and a slot reads whatever tensor is there now.
+        self.buffer_slots = [
+            [(m._buffers, n) for m in mods for n in m._buffers] for mods in self.modules
+        ]
+
+    def copy_buffers(self) -> None:
+        """Copies replica 0's buffers (replaced ones included) to the others,
+        slot by slot, in one foreach copy: O(buffers) with no walk over the
+        modules (module.buffers() costs 84 us per replica on a 12-layer
+        GPT-2, at every forward)."""
+        pairs = [
+            (d[n], d0[n])
+            for slots in self.buffer_slots[1:]
+            for (d, n), (d0, _) in zip(slots, self.buffer_slots[0])
+            if d.get(n) is not None and d0.get(n) is not None
+        ]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
 
     def copy_all(self) -> None:
         """Copies replica 0's parameters to the others, unconditionally."""

@@ -411,11 +411,8 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
 
     def _copy_buffers(self) -> None:
         self._check_open()
-        with torch.no_grad():
-            sources = list(self.module.buffers())
-            for m in self._replicas[1:]:
-                for mine, src in zip(m.buffers(), sources):
-                    mine.copy_(src)
+        if self._mirror is not None:  # (one replica: nothing to copy to)
+            self._mirror.copy_buffers()
 
 
 def wrap(
