@@ -153,6 +153,9 @@ struct Event {
   std::map<uint64_t, Clock> clocks;  // generation -> the recording stream's clock there
   unsigned flags = 0;
   std::chrono::steady_clock::time_point at;  // when the latest completed generation completed
+  struct Capture* captured_in = nullptr;  // last recorded in this capture (g_capture_mu)
+  struct Stream* captured_on = nullptr;   // on this stream of it,
+  size_t captured_at = 0;                 // as its op at this index
 };
 
 struct Op {
@@ -173,7 +176,66 @@ struct Stream {
   std::atomic<long> delay_us{0};
   bool destroyed = false;
   std::thread thread;
+  struct Capture* capture = nullptr;  // the capture it belongs to (g_capture_mu)
 };
+
+// ---------------------------------------------------------------- stream capture
+// [CUDA Programming Guide, "Stream Capture"; cuStreamBeginCapture]: between
+// cuStreamBeginCapture and cuStreamEndCapture on a stream, the work queued on
+// it is recorded into a graph, not run; a stream that waits on an event
+// recorded in the capture joins it ("cross-stream dependencies"), and every
+// stream that joined must be joined back into the origin stream before the
+// capture ends. Rules enforced, each with the driver's error:
+// - querying or synchronizing a capturing stream: 900 (UNSUPPORTED), and the
+//   capture is invalidated (its end returns 901 and no graph);
+// - querying or synchronizing an event last recorded in a capture: 907;
+// - waiting from a capturing stream on an event recorded outside the capture
+//   (without cudaEventWaitExternal): 905 (ISOLATION), invalidating;
+// - waiting from one capture on another's event: 902 (MERGE);
+// - ending on a stream other than the origin: 903 (UNMATCHED); from another
+//   thread unless the mode is relaxed: 908; with a joined stream's last work
+//   not waited for by the origin: 904 (UNJOINED) and no graph;
+// - the test provider's allocations and host writes on a capturing stream
+//   (pyddp must allocate and write before capture), and NCCL calls on one
+//   (not modelled yet): refused by name.
+// A joined stream counts as joined back when the origin waits, after that
+// stream's last captured op, on an event recorded there at or after it (a
+// join through a third stream is not followed: refused as unjoined).
+// A graph launch replays the captured work in capture order: the origin's on
+// the launch stream, every other stream's on a stream of the graph's own
+// (same device), with the captured events as events of the graph's own.
+enum CapKind { kCapRun, kCapRecord, kCapWait };
+struct CapOp {
+  Stream* stream;
+  CapKind kind;
+  std::function<void()> run;
+  Event* event = nullptr;
+};
+struct Capture {
+  Stream* origin;
+  int mode;
+  std::thread::id thread;
+  std::vector<CapOp> ops;
+  std::map<Stream*, size_t> last;  // member -> index of its last op
+  std::set<Stream*> members;
+  std::set<Event*> events;
+  int error = 0;
+  unsigned long long id = 0;
+};
+struct Graph {
+  Stream* origin;
+  std::vector<CapOp> ops;
+};
+struct GraphExec {
+  Stream* origin;
+  std::vector<CapOp> ops;
+  std::map<Stream*, Stream*> streams;  // captured stream -> the graph's own
+  std::map<Event*, Event*> events;     // captured event -> the graph's own
+};
+std::mutex g_capture_mu;
+std::set<void*> g_graphs, g_execs;
+unsigned long long g_next_capture_id = 1;
+constexpr int CU_STREAM_CAPTURE_MODE_RELAXED = 2;
 
 std::mutex g_handles_mu;
 std::set<void*> g_streams, g_events;
@@ -277,6 +339,25 @@ int resolve(void* handle, Stream** out) {
   return CUDA_SUCCESS;
 }
 
+// Under g_capture_mu: ends `c` for every stream and event in it.
+void end_capture_locked(Capture* c) {
+  for (Stream* m : c->members) m->capture = nullptr;
+  for (Event* e : c->events) {
+    if (e->captured_in == c) e->captured_in = nullptr;
+  }
+}
+// A call the capture rules forbid on `s` while it captures: `code`, the
+// capture invalidated (its end returns 901 and no graph).
+int capture_forbids(Stream* s, int code, const std::string& what) {
+  {
+    std::lock_guard<std::mutex> lc(g_capture_mu);
+    Capture* c = s->capture;
+    if (c == nullptr) return CUDA_SUCCESS;
+    if (c->error == 0) c->error = code;
+  }
+  return violation(code, what);
+}
+
 int check_event(void* handle) {
   std::lock_guard<std::mutex> lk(g_handles_mu);
   if (!g_events.count(handle)) {
@@ -285,8 +366,17 @@ int check_event(void* handle) {
   return CUDA_SUCCESS;
 }
 
-// Returns the op's position in the stream.
+// Returns the op's position in the stream (a capturing stream records a
+// run op into its capture instead: 0).
 uint64_t enqueue(Stream* s, Op op) {
+  if (op.run && !op.wait && !op.record) {
+    std::lock_guard<std::mutex> lc(g_capture_mu);
+    if (Capture* c = s->capture) {
+      c->last[s] = c->ops.size();
+      c->ops.push_back(CapOp{s, kCapRun, std::move(op.run)});
+      return 0;
+    }
+  }
   std::lock_guard<std::mutex> lk(s->mu);
   s->queue.push_back(std::move(op));
   ++s->enqueued;
@@ -1018,6 +1108,7 @@ API int cuStreamQuery(void* handle) {
   Stream* s = nullptr;
   if (int rc = resolve(handle, &s)) return rc;
   STICKY(s->ctx->device);
+  if (int rc = capture_forbids(s, 900, "cuStreamQuery on a capturing stream")) return rc;
   std::lock_guard<std::mutex> lk(s->mu);
   return s->done == s->enqueued ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
@@ -1026,6 +1117,7 @@ API int cuStreamSynchronize(void* handle) {
   Stream* s = nullptr;
   if (int rc = resolve(handle, &s)) return rc;
   STICKY(s->ctx->device);
+  if (int rc = capture_forbids(s, 900, "cuStreamSynchronize on a capturing stream")) return rc;
   if (!t_harness) bump("host_sync");  // a host-blocking call (docs/gpus.md)
   {
     std::unique_lock<std::mutex> lk(s->mu);
@@ -1069,6 +1161,19 @@ API int cuEventRecord(void* ev, void* stream) {
                      "cuEventRecord: event of cuda:" + std::to_string(e->ctx->device) +
                          " recorded on a stream of cuda:" + std::to_string(s->ctx->device));
   }
+  {
+    std::lock_guard<std::mutex> lc(g_capture_mu);
+    if (Capture* c = s->capture) {  // a node of the capture, not a record now
+      e->captured_in = c;
+      e->captured_on = s;
+      e->captured_at = c->ops.size();
+      c->events.insert(e);
+      c->last[s] = c->ops.size();
+      c->ops.push_back(CapOp{s, kCapRecord, nullptr, e});
+      return CUDA_SUCCESS;
+    }
+    e->captured_in = nullptr;  // last recorded outside any capture
+  }
   Op op;
   {
     std::lock_guard<std::mutex> lk(e->mu);
@@ -1087,6 +1192,33 @@ API int cuStreamWaitEvent(void* stream, void* ev, unsigned flags) {
   if (int rc = resolve(stream, &s)) return rc;
   STICKY(s->ctx->device);
   auto* e = static_cast<Event*>(ev);
+  {
+    std::lock_guard<std::mutex> lc(g_capture_mu);
+    Capture* ce = e->captured_in;
+    Capture* cs = s->capture;
+    if (ce != nullptr) {
+      if (cs != nullptr && cs != ce) {
+        if (cs->error == 0) cs->error = 902;
+        return violation(902, "cuStreamWaitEvent merges two captures");
+      }
+      if (cs == nullptr) {  // the stream joins the capture
+        s->capture = ce;
+        ce->members.insert(s);
+      }
+      ce->last[s] = ce->ops.size();
+      ce->ops.push_back(CapOp{s, kCapWait, nullptr, e});
+      return CUDA_SUCCESS;
+    }
+    if (cs != nullptr) {
+      std::lock_guard<std::mutex> le(e->mu);
+      if (e->recorded != 0) {
+        if (cs->error == 0) cs->error = 905;
+        return violation(905, "cuStreamWaitEvent from a capturing stream on an event recorded "
+                              "outside the capture");
+      }
+      return CUDA_SUCCESS;  // never recorded: an empty wait
+    }
+  }
   // [CUDA] cuStreamWaitEvent: waits on "the most recent call to cuEventRecord"
   // at the time of this call; the event may be from another context. An event
   // never recorded is complete, so the wait is empty.
@@ -1127,6 +1259,12 @@ API int cuEventQuery(void* ev) {
   if (int rc = check_event(ev)) return rc;
   auto* e = static_cast<Event*>(ev);
   STICKY(e->ctx->device);
+  {
+    std::lock_guard<std::mutex> lc(g_capture_mu);
+    if (e->captured_in != nullptr) {
+      return violation(907, "cuEventQuery on an event last recorded in a capturing stream");
+    }
+  }
   uint64_t gen;
   {
     std::lock_guard<std::mutex> lk(e->mu);
@@ -1143,6 +1281,12 @@ API int cuEventSynchronize(void* ev) {
   if (int rc = check_event(ev)) return rc;
   auto* e = static_cast<Event*>(ev);
   STICKY(e->ctx->device);
+  {
+    std::lock_guard<std::mutex> lc(g_capture_mu);
+    if (e->captured_in != nullptr) {
+      return violation(907, "cuEventSynchronize on an event last recorded in a capturing stream");
+    }
+  }
   if (!t_harness) bump("host_sync");
   uint64_t target;
   {
@@ -1509,6 +1653,13 @@ int collective(int kind, const void* send, void* recv, size_t count, int dtype, 
     return violation(ncclInvalidArgument, std::string(call) + ": stream of cuda:" + std::to_string(s->ctx->device) +
                                               " for a communicator of cuda:" + std::to_string(comm->device));
   }
+  {
+    std::lock_guard<std::mutex> lc(g_capture_mu);
+    if (s->capture != nullptr) {
+      return violation(ncclInvalidUsage, std::string(call) + " on a capturing stream: NCCL inside a "
+                                                             "CUDA graph is not modelled by the simulation");
+    }
+  }
   auto launch = [comm, kind, send, recv, count, dtype, op, root, s] {
     ++comm->pending;
     Op o;
@@ -1755,6 +1906,7 @@ API int simgpu_alloc(void* base, size_t lead, size_t body, size_t tail, int devi
   if (device < 0 || device >= num_devices()) return CUDA_ERROR_INVALID_DEVICE;
   Stream* s = nullptr;
   if (int rc = resolve_on(device, stream, &s)) return rc;
+  if (int rc = capture_forbids(s, 900, "an allocation on a capturing stream (allocate before capture)")) return rc;
   auto* b = static_cast<char*>(base);
   std::memset(b, kCanary, lead);
   std::memset(b + lead + body, kCanary, tail);
@@ -1771,6 +1923,7 @@ API int simgpu_alloc(void* base, size_t lead, size_t body, size_t tail, int devi
 API int simgpu_host_use(int device, void* stream) {
   Stream* s = nullptr;
   if (int rc = resolve_on(device, stream, &s)) return rc;
+  if (int rc = capture_forbids(s, 900, "a host write to device memory on a capturing stream")) return rc;
   // An op in its place, so that what orders after the stream's later ops
   // (a wait, a synchronize) orders after the write too.
   const uint64_t pos = enqueue(s, Op{});
@@ -1897,6 +2050,184 @@ API int simgpu_copy(void* stream, void* dst, const void* src, size_t bytes) {
     std::memcpy(dst, src, bytes);
   });
 }
+// ---------------------------------------------------------------- graphs
+API int cuStreamBeginCapture_v2(void* stream, int mode) {
+  LIVE();
+  // [CUDA] cuStreamBeginCapture: "Capture may not be initiated if stream is
+  // CU_STREAM_LEGACY"; only on a stream not capturing already.
+  if (reinterpret_cast<uintptr_t>(stream) <= 2) {
+    return violation(900, "cuStreamBeginCapture on the default stream");
+  }
+  if (mode < 0 || mode > CU_STREAM_CAPTURE_MODE_RELAXED) return CUDA_ERROR_INVALID_VALUE;
+  Stream* s = nullptr;
+  if (int rc = resolve(stream, &s)) return rc;
+  STICKY(s->ctx->device);
+  std::lock_guard<std::mutex> lc(g_capture_mu);
+  if (s->capture != nullptr) return violation(CUDA_ERROR_INVALID_VALUE, "cuStreamBeginCapture on a capturing stream");
+  auto* c = new Capture;
+  c->origin = s;
+  c->mode = mode;
+  c->thread = std::this_thread::get_id();
+  c->id = g_next_capture_id++;
+  c->members.insert(s);
+  s->capture = c;
+  bump("capture_begin");
+  return CUDA_SUCCESS;
+}
+// status: 0 none, 1 active, 2 invalidated (CUstreamCaptureStatus).
+API int cuStreamIsCapturing(void* stream, int* status) {
+  LIVE();
+  Stream* s = nullptr;
+  if (int rc = resolve(stream, &s)) return rc;
+  std::lock_guard<std::mutex> lc(g_capture_mu);
+  *status = s->capture == nullptr ? 0 : s->capture->error ? 2 : 1;
+  return CUDA_SUCCESS;
+}
+API int cuStreamEndCapture(void* stream, void** graph) {
+  LIVE();
+  *graph = nullptr;
+  Stream* s = nullptr;
+  if (int rc = resolve(stream, &s)) return rc;
+  std::unique_ptr<Capture> c;
+  {
+    std::lock_guard<std::mutex> lc(g_capture_mu);
+    if (s->capture == nullptr || s->capture->origin != s) {
+      return violation(903, "cuStreamEndCapture on a stream that did not begin the capture");
+    }
+    if (s->capture->mode != CU_STREAM_CAPTURE_MODE_RELAXED && s->capture->thread != std::this_thread::get_id()) {
+      return violation(908, "cuStreamEndCapture from another thread than its cuStreamBeginCapture");
+    }
+    c.reset(s->capture);
+    end_capture_locked(c.get());
+  }
+  if (c->error != 0) return 901;  // invalidated: no graph (the violation was logged then)
+  for (Stream* m : c->members) {
+    if (m == s || !c->last.count(m)) continue;
+    const size_t last = c->last[m];
+    bool joined = false;
+    for (size_t i = last + 1; i < c->ops.size() && !joined; ++i) {
+      const CapOp& op = c->ops[i];
+      if (op.stream != s || op.kind != kCapWait) continue;
+      // The record it waits for (the event's latest before the wait): on m,
+      // at or after m's last op.
+      size_t at = i;
+      for (size_t j = 0; j < i; ++j) {
+        if (c->ops[j].kind == kCapRecord && c->ops[j].event == op.event) at = j;
+      }
+      joined = at < i && c->ops[at].stream == m && at >= last;
+    }
+    if (!joined) {
+      return violation(904, "cuStreamEndCapture: a stream that joined the capture was not joined back "
+                            "into the origin stream");
+    }
+  }
+  auto* g = new Graph{s, std::move(c->ops)};
+  std::lock_guard<std::mutex> lc(g_capture_mu);
+  g_graphs.insert(g);
+  *graph = g;
+  bump("capture_end");
+  return CUDA_SUCCESS;
+}
+API int cuGraphDestroy(void* graph) {
+  std::lock_guard<std::mutex> lc(g_capture_mu);
+  if (!g_graphs.erase(graph)) return CUDA_ERROR_INVALID_HANDLE;
+  delete static_cast<Graph*>(graph);
+  return CUDA_SUCCESS;
+}
+API int cuGraphInstantiateWithFlags(void** exec, void* graph, unsigned long long flags) {
+  LIVE();
+  (void)flags;
+  Graph* g = nullptr;
+  {
+    std::lock_guard<std::mutex> lc(g_capture_mu);
+    if (!g_graphs.count(graph)) return CUDA_ERROR_INVALID_HANDLE;
+    g = static_cast<Graph*>(graph);
+  }
+  auto* x = new GraphExec;
+  x->origin = g->origin;
+  x->ops = g->ops;  // the graph may be destroyed; its exec stays valid
+  for (const CapOp& op : x->ops) {
+    if (op.stream != g->origin && !x->streams.count(op.stream)) {
+      Stream* own = new_stream(op.stream->ctx);
+      own->delay_us = op.stream->delay_us.load();
+      x->streams[op.stream] = own;
+    }
+    if (op.event != nullptr && !x->events.count(op.event)) {
+      auto* e = new Event;
+      e->ctx = op.event->ctx;
+      x->events[op.event] = e;
+    }
+  }
+  std::lock_guard<std::mutex> lc(g_capture_mu);
+  g_execs.insert(x);
+  *exec = x;
+  return CUDA_SUCCESS;
+}
+API int cuGraphLaunch(void* exec, void* stream) {
+  LIVE();
+  GraphExec* x = nullptr;
+  {
+    std::lock_guard<std::mutex> lc(g_capture_mu);
+    if (!g_execs.count(exec)) return CUDA_ERROR_INVALID_HANDLE;
+    x = static_cast<GraphExec*>(exec);
+  }
+  Stream* l = nullptr;
+  if (int rc = resolve(stream, &l)) return rc;
+  STICKY(l->ctx->device);
+  {
+    std::lock_guard<std::mutex> lc(g_capture_mu);
+    if (l->capture != nullptr) return violation(900, "cuGraphLaunch into a capturing stream (not modelled)");
+  }
+  auto record = [](Stream* on, Event* e) {
+    Op op;
+    {
+      std::lock_guard<std::mutex> le(e->mu);
+      op.gen = ++e->recorded;
+    }
+    op.record = e;
+    enqueue(on, std::move(op));
+  };
+  auto wait = [](Stream* on, Event* e) {
+    Op op;
+    {
+      std::lock_guard<std::mutex> le(e->mu);
+      op.gen = e->recorded;
+    }
+    if (op.gen == 0) return;
+    op.wait = e;
+    enqueue(on, std::move(op));
+  };
+  // The graph's own streams need no start of their own: each joined the
+  // capture through a wait on an event recorded in it, so its replay waits
+  // on one recorded after the launch stream's earlier work.
+  for (const CapOp& op : x->ops) {
+    Stream* on = op.stream == x->origin ? l : x->streams.at(op.stream);
+    if (op.kind == kCapRun) {
+      Op o;
+      o.run = op.run;
+      enqueue(on, std::move(o));
+    } else if (op.kind == kCapRecord) {
+      record(on, x->events.at(op.event));
+    } else {
+      wait(on, x->events.at(op.event));
+    }
+  }
+  bump("graph_launch");
+  return CUDA_SUCCESS;
+}
+API int cuGraphExecDestroy(void* exec) {
+  std::lock_guard<std::mutex> lc(g_capture_mu);
+  if (!g_execs.erase(exec)) return CUDA_ERROR_INVALID_HANDLE;
+  auto* x = static_cast<GraphExec*>(exec);
+  for (auto& [captured, own] : x->streams) {  // released once drained (cuStreamDestroy's rule)
+    std::lock_guard<std::mutex> lk(own->mu);
+    own->destroyed = true;
+    own->cv.notify_all();
+  }
+  delete x;  // its events are kept: queued records may still complete them
+  return CUDA_SUCCESS;
+}
+
 // ---------------------------------------------------------------- the test stream provider
 // The test stream provider's state (tests/simgpu/simgpu.py, SimStreams) lives
 // here, not in Python, so that pyddp._hot's C++ gradient hooks can ask it
