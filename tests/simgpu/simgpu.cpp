@@ -154,8 +154,6 @@ struct Event {
   unsigned flags = 0;
   std::chrono::steady_clock::time_point at;  // when the latest completed generation completed
   struct Capture* captured_in = nullptr;  // last recorded in this capture (g_capture_mu)
-  struct Stream* captured_on = nullptr;   // on this stream of it,
-  size_t captured_at = 0;                 // as its op at this index
 };
 
 struct Op {
@@ -1165,8 +1163,6 @@ API int cuEventRecord(void* ev, void* stream) {
     std::lock_guard<std::mutex> lc(g_capture_mu);
     if (Capture* c = s->capture) {  // a node of the capture, not a record now
       e->captured_in = c;
-      e->captured_on = s;
-      e->captured_at = c->ops.size();
       c->events.insert(e);
       c->last[s] = c->ops.size();
       c->ops.push_back(CapOp{s, kCapRecord, nullptr, e});
