@@ -1,6 +1,7 @@
 """The torch-linked hot path (pyddp._hot) against the Python path, each as a
 ratio to torch DDP in the same processes: `pyddp-bench overlap --processes
-2` (2 processes x 1 CPU replica, full SGD-momentum steps, pyddp and DDP
+2` (2 processes x 1 CPU replica; a step is forward, loss, backward and
+zero_grad, the optimizer step left out as in `overlap`; pyddp and DDP
 interleaved sample by sample), run for each model with PYDDP_HOT=1 and
 PYDDP_HOT=0 in turn, `--repeats` times, so both paths see the same machine
 state. Reports per model and path the median over runs of each run's
