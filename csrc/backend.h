@@ -45,6 +45,8 @@ class Backend {
   virtual int ranks(int replicas) const { return replicas; }
   virtual int rank_of(int replica) const { return replica; }
   virtual bool asynchronous() const { return false; }
+  // Launches made into a CUDA graph capture, which run at each replay (GPUs).
+  virtual long long captured_launches() const { return 0; }
   // Whether the reduction of bucket `key` over one replica's buffer only
   // enqueues work (no reduction on the calling thread, no Python, nothing
   // waited for): the engine then launches it from the thread that completed

@@ -140,6 +140,8 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
       .def_property_readonly("name", &Backend::name)
+      .def_property_readonly("captured_launches", &Backend::captured_launches,
+                             "Launches made into a CUDA graph capture (they run at each replay).")
       .def("check", &Backend::check, "Raises ReduceError if a reduction failed or timed out.")
       .def(
           "reduce",

@@ -98,6 +98,8 @@ const DriverApi& driver() {
   bind(lib, d.cuStreamDestroy, "cuStreamDestroy_v2", what);
   bind(lib, d.cuStreamWaitEvent, "cuStreamWaitEvent", what);
   bind(lib, d.cuStreamQuery, "cuStreamQuery", what);
+  bind(lib, d.cuStreamGetCaptureInfo, "cuStreamGetCaptureInfo_v2", what);
+  bind(lib, d.cuThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode", what);
   bind(lib, d.cuEventCreate, "cuEventCreate", what);
   bind(lib, d.cuEventDestroy, "cuEventDestroy_v2", what);
   bind(lib, d.cuEventRecord, "cuEventRecord", what);
@@ -229,6 +231,22 @@ ContextRestore::ContextRestore() { PYDDP_CU(driver().cuCtxGetCurrent(&saved_)); 
 
 ContextRestore::~ContextRestore() {
   driver().cuCtxSetCurrent(saved_);  // best effort: a destructor must not throw
+}
+
+RelaxedCaptureMode::RelaxedCaptureMode() {
+  PYDDP_CU(driver().cuThreadExchangeStreamCaptureMode(&saved_));
+}
+
+RelaxedCaptureMode::~RelaxedCaptureMode() {
+  driver().cuThreadExchangeStreamCaptureMode(&saved_);  // best effort: a destructor must not throw
+}
+
+unsigned long long capture_id(CUstream stream) {
+  int status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE, _ACTIVE, _INVALIDATED
+  unsigned long long id = 0;
+  PYDDP_CU(driver().cuStreamGetCaptureInfo(stream, &status, &id, nullptr, nullptr, nullptr));
+  if (status == 0) return 0;
+  return status == 1 && id != 0 ? id : ~0ull;  // (an invalidated capture's id is not given)
 }
 
 namespace {

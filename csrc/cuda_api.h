@@ -27,6 +27,7 @@ constexpr CUresult kCudaSuccess = 0;
 constexpr CUresult kCudaNotReady = 600;
 constexpr unsigned kStreamNonBlocking = 1;
 constexpr unsigned kEventDisableTiming = 2;
+constexpr int kCaptureModeRelaxed = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
 constexpr int kAttrComputeCapabilityMajor = 75;  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 constexpr int kAttrComputeCapabilityMinor = 76;
 
@@ -44,6 +45,10 @@ struct DriverApi {
   CUresult (*cuStreamDestroy)(CUstream);
   CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned);
   CUresult (*cuStreamQuery)(CUstream);
+  // (stream, CUstreamCaptureStatus*, capture id*, graph*, dependencies*, count*)
+  CUresult (*cuStreamGetCaptureInfo)(CUstream, int*, unsigned long long*, void**,
+                                     const void**, size_t*);
+  CUresult (*cuThreadExchangeStreamCaptureMode)(int*);
   CUresult (*cuEventCreate)(CUevent*, unsigned);
   CUresult (*cuEventDestroy)(CUevent);
   CUresult (*cuEventRecord)(CUevent, CUstream);
@@ -180,6 +185,26 @@ class ContextRestore {
  private:
   CUcontext saved_ = nullptr;
 };
+
+// Runs the calling thread in CUDA's relaxed capture mode for its scope: its
+// queries of events recorded outside any capture (pyddp's own watch events)
+// stay legal while a stream capture is under way on this or another thread,
+// which CUDA's default global mode forbids (invalidating the capture), as
+// torch's NCCL watchdog does since it met the same rule.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode();
+  ~RelaxedCaptureMode();
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  int saved_ = kCaptureModeRelaxed;
+};
+
+// The id of the CUDA graph capture `stream` takes part in (unique in the
+// process), 0 when it captures nothing; an invalidated capture counts.
+unsigned long long capture_id(CUstream stream);
 
 }  // namespace cuda
 }  // namespace pyddp

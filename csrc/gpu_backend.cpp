@@ -40,6 +40,7 @@ GpuBackend::GpuBackend(std::vector<int> devices, double timeout_s, std::string n
     fence_.push_back(nullptr);
     PYDDP_CU(driver().cuEventCreate(&fence_.back(), kEventDisableTiming));
   }
+  fence_capture_.assign(fence_.size(), 0);
   free_events_.resize(distinct.size());
   writers_.resize(devices_.size());
   set_keys(0);
@@ -136,10 +137,22 @@ void GpuBackend::use_stream(int replica, uintptr_t stream) {
   set_device(devices_[replica]);
   // A stream about to write this replica's buckets waits (on the GPU) for the
   // reductions that still read them. An event never recorded waits for nothing.
-  PYDDP_CU(driver().cuStreamWaitEvent(reinterpret_cast<CUstream>(stream),
-                                      fence_[comm_index_[replica]], 0));
+  const auto s = reinterpret_cast<CUstream>(stream);
   std::lock_guard<std::mutex> lk(writers_mu_);
+  wait_fence_locked(s, comm_index_[replica]);
   add_writer_locked(replica, stream);
+}
+
+void GpuBackend::wait_fence_locked(CUstream stream, int comm_index) {
+  // A stream capturing a CUDA graph may only wait on what its own capture
+  // recorded (CUDA's isolation error otherwise), and a stream outside any
+  // capture on nothing a capture recorded (the wait would pull it into that
+  // capture): a fence recorded elsewhere is not waited on. From a capture,
+  // the fence left out is an eager step's, which made the caller's streams
+  // wait already and comes before the graph's launch on them, or another
+  // graph's, complete within that graph's launch.
+  if (capture_id(stream) != fence_capture_[comm_index]) return;
+  PYDDP_CU(driver().cuStreamWaitEvent(stream, fence_[comm_index], 0));
 }
 
 void GpuBackend::note_abort(const CommSet& set) {
@@ -193,6 +206,17 @@ CUevent GpuBackend::take_event_locked(const CommSet& set, int stream_index) {
 }
 
 void GpuBackend::watch_locked(const CommSet& set, const std::string& what) {
+  // A launch captured into a CUDA graph runs at each replay, not now: its
+  // events would be captured ones, which no query may ask (CUDA fails it
+  // and invalidates the capture). Not watched, as torch's ProcessGroupNCCL
+  // leaves captured work to the graph's launcher.
+  for (size_t s = 0; s < set.streams.size(); ++s) {
+    set_device(set.devices[s]);
+    if (capture_id(set.streams[s]) != 0) {
+      captured_launches_.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+  }
   InFlight f;
   f.what = what;
   f.deadline = std::chrono::steady_clock::now() +
@@ -222,21 +246,24 @@ void GpuBackend::fence() {
   throw_if_dead();
   const DriverApi& d = driver();
   ContextRestore restore;
+  std::vector<unsigned long long> captured(set->streams.size());
   {
     std::lock_guard<std::mutex> launch(set->launch_mu);
     for (size_t s = 0; s < set->streams.size(); ++s) {
       set_device(set->devices[s]);
+      captured[s] = capture_id(set->streams[s]);
       PYDDP_CU(d.cuEventRecord(fence_[s], set->streams[s]));
     }
   }
   std::lock_guard<std::mutex> lk(writers_mu_);
+  fence_capture_ = captured;
   for (size_t r = 0; r < devices_.size(); ++r) {
     set_device(devices_[r]);
     // Every stream that wrote this replica's buckets waits on the GPU; the
     // host returns at once. Nothing queued there later (optimizer step,
     // zero_grad, next backward) touches a bucket before its reduction ends.
     for (uintptr_t w : writers_[r]) {
-      PYDDP_CU(d.cuStreamWaitEvent(reinterpret_cast<CUstream>(w), fence_[comm_index_[r]], 0));
+      wait_fence_locked(reinterpret_cast<CUstream>(w), comm_index_[r]);
     }
     writers_[r].clear();
   }
@@ -346,7 +373,11 @@ void GpuBackend::recover() {
 }
 
 bool GpuBackend::poll_locked() {
+  if (in_flight_.empty()) return false;
   const DriverApi& d = driver();
+  // Queries of events recorded outside any capture: legal in the relaxed
+  // mode while this thread or another captures a graph (cuda_api.h).
+  RelaxedCaptureMode relaxed;
   const auto now = std::chrono::steady_clock::now();
   while (!in_flight_.empty()) {
     InFlight& f = in_flight_.front();

@@ -10,6 +10,7 @@
 // registry in comm_set.h.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -39,6 +40,8 @@ class GpuBackend : public Backend {
   void recover() override;
   void close() override;
   double timeout_s() const { return timeout_s_; }
+  // Launches made into a CUDA graph capture (not watched: they run at replay).
+  long long captured_launches() const override { return captured_launches_.load(); }
 
  protected:
   // devices[r]: replica r's GPU. nccl_path empty: the device kernel's set.
@@ -94,6 +97,9 @@ class GpuBackend : public Backend {
   void note_abort(const CommSet& set);
   void fail_locked(const std::string& message);
   void add_writer_locked(int replica, uintptr_t stream);
+  // Under writers_mu_: `stream` waits on the fence of communication stream
+  // `comm_index`, where CUDA's capture rules allow it.
+  void wait_fence_locked(cuda::CUstream stream, int comm_index);
   // After an error that killed a CUDA context (seen by any driver call in
   // the process: cuda::dead_context_error()), every entry point raises that
   // failure itself (which call or reduction, which GPU, restart the process)
@@ -109,11 +115,15 @@ class GpuBackend : public Backend {
   std::shared_ptr<CommSet> set_;
   std::vector<int> comm_index_;        // per replica: index into set_->streams
   std::vector<cuda::CUevent> fence_;   // per communication stream
+  // Per communication stream: the capture its fence was last recorded in, 0
+  // outside any (under writers_mu_).
+  std::vector<unsigned long long> fence_capture_;
   std::vector<Slot> slots_;            // [(key + 1) * replicas + replica]
   std::mutex writers_mu_;
   std::vector<std::vector<uintptr_t>> writers_;  // per replica, since the last fence
   std::vector<std::vector<cuda::CUevent>> free_events_;  // per communication stream
 
+  std::atomic<long long> captured_launches_{0};
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<InFlight> in_flight_;

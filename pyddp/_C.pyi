@@ -108,6 +108,11 @@ class Backend:
         One stream-ordered reduce-scatter: each receive buffer gets `count` elements, the reduction of its rank's block of every send buffer (ranks * count elements).
         """
     @property
+    def captured_launches(self) -> int:
+        """
+        Launches made into a CUDA graph capture (they run at each replay).
+        """
+    @property
     def name(self) -> str: ...
 
 class CpuBackend(Backend):

@@ -281,3 +281,53 @@ def test_two_processes_on_two_gpus(tmp_path):
         assert r["never_none"], r
         assert len(r["syncs"]) <= 3, r["syncs"]  # one per steady step at most
         assert r["buffer"] == [1.0] * 16, r
+
+
+@pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"]])
+def test_a_captured_step_matches_eager_steps(devices):
+    # The captured step (pyddp/engine/streams.py, StepCapture) on torch's side: forward,
+    # backward with pyddp's reductions inside it and a capturable AdamW step,
+    # captured once with torch.cuda.graph after eager warm-up steps on a
+    # side stream (torch's recipe), then replayed on new batches copied into
+    # the static inputs; against the same steps run eagerly on a copy. Not
+    # run on a GPU yet (written without one: the simulation captures pyddp's
+    # own calls, not torch's).
+    torch.manual_seed(0)
+    model = Mixed().cuda()
+    twin = copy.deepcopy(model)
+    batches = [(x.cuda(), y.cuda()) for x, y in make_batches(8, 13)]
+    dm, ref = pyddp.wrap(model, devices), pyddp.wrap(twin, devices)
+    opt = dm.optimizer(torch.optim.AdamW, lr=0.01, capturable=True)
+    ref_opt = ref.optimizer(torch.optim.AdamW, lr=0.01, capturable=True)
+    static_x, static_y = (t.clone() for t in batches[0])
+
+    def step(m, o, x, y):
+        o.zero_grad(set_to_none=True)
+        F.cross_entropy(m(x), y).backward()
+        o.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x, y in batches[:3]:
+            static_x.copy_(x)
+            static_y.copy_(y)
+            step(dm, opt, static_x, static_y)
+            step(ref, ref_opt, x, y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(dm, opt, static_x, static_y)
+    assert dm.stats()["captured_backwards"] == 1
+    for x, y in batches[3:]:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        step(ref, ref_opt, x, y)
+    torch.cuda.synchronize()
+    # The capture itself ran nothing: the replays are steps 4 to 8, as the reference's.
+    for p, q in zip(dm.module.parameters(), ref.module.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+    for rep in dm.replicas[1:]:
+        for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+            assert torch.equal(p, p0)

@@ -139,7 +139,7 @@ class _Events:
 
 
 def test_gpu_clock_tells_a_host_bound_step_from_a_gpu_bound_one():
-    from pyddp.engine.streams import GpuClock
+    from pyddp.engine.observe import GpuClock
 
     events = _Events()
     clock = GpuClock(events, [0, 1, 0])  # replica -> device
@@ -174,7 +174,7 @@ def test_gpu_clock_stops_measuring_when_a_timing_event_fails():
     # A dead context fails every driver call: the clock's must not be the
     # error the user sees (pyddp's own calls name it), and stats() says why
     # the means stop.
-    from pyddp.engine.streams import GpuClock
+    from pyddp.engine.observe import GpuClock
 
     events = _Events()
     clock = GpuClock(events, [0])

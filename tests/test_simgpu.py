@@ -395,30 +395,6 @@ def test_no_host_waits_in_steady_state_in_one_process(devices):
     run_alone(no_host_waits_in_steady_state, devices)
 
 
-def forward_inside_graph_capture():
-    from simulated import gpu_wrap, streams
-
-    torch.manual_seed(0)
-    dm = gpu_wrap(Mixed(), [0, 1])
-    ((x, y),) = make_batches(1, 8)
-    streams.capture = True
-    try:
-        dm(x)
-        raise AssertionError("a forward under capture was accepted")
-    except RuntimeError as e:
-        assert "CUDA graph capture" in str(e), str(e)
-    streams.capture = False
-    F.cross_entropy(dm(x), y).backward()
-    streams.synchronize_all([0, 1])
-    dm.close()
-
-
-def test_a_forward_inside_cuda_graph_capture_is_refused_by_name():
-    # Not modelled (docs/gpus.md): the simulation has no graph capture. What
-    # pyddp does under one is: refuse, naming it, before anything is queued.
-    run_alone(forward_inside_graph_capture)
-
-
 def broadcast_gather_scatter_after_late_writes(devices):
     from simulated import sim, streams
 

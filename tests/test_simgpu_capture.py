@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 
 import pytest
+import torch
 from spawn import run_alone
 
 pytestmark = pytest.mark.simgpu
@@ -168,3 +169,317 @@ def test_capture_records_joins_and_replays_in_order():
 
 def test_calls_cuda_forbids_during_capture_fail_as_cuda_fails():
     run_alone(capture_rules)
+
+
+def capture_modes_and_ids() -> None:
+    """The mode rules of a capture (cuThreadExchangeStreamCaptureMode): a
+    query of an event recorded outside any capture fails with 900 and
+    invalidates a global-mode capture when made from the capturing thread,
+    or from another thread in the global thread mode; the relaxed thread
+    mode (and, for another thread's capture, the thread-local one) allows it.
+    cuStreamGetCaptureInfo_v2 gives one id per capture, shared by the
+    streams that joined it."""
+    import threading
+
+    sim, lib = _lib()
+    lib.cuThreadExchangeStreamCaptureMode.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    graph = vp()
+    done, before = _event(sim, lib, 0), sim.stream(0)
+    assert lib.cuEventRecord(done, before) == 0
+    sim.synchronize(before, 0)
+
+    def capture_id(stream):
+        status, cid = ctypes.c_int(), ctypes.c_ulonglong()
+        assert lib.cuStreamGetCaptureInfo_v2(stream, status, cid, None, None, None) == 0
+        return status.value, cid.value
+
+    def exchange(mode):
+        m = ctypes.c_int(mode)
+        assert lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(m)) == 0
+        return m.value
+
+    a, b = sim.stream(0), sim.stream(0)
+    assert capture_id(a) == (0, 0)
+    assert lib.cuStreamBeginCapture_v2(a, 0) == 0
+    fork = _event(sim, lib, 0)
+    assert lib.cuEventRecord(fork, a) == 0 and lib.cuStreamWaitEvent(b, fork, 0) == 0
+    (sa, ida), (sb, idb) = capture_id(a), capture_id(b)
+    assert sa == sb == 1 and ida == idb != 0
+    # Relaxed thread mode: the capturing thread may query an outside event.
+    assert exchange(2) == 0
+    assert lib.cuEventQuery(done) == 0
+    assert exchange(0) == 2
+    # Another thread in the thread-local mode may; in the global mode it may not.
+    got = {}
+
+    def other(mode):
+        if mode is not None:
+            exchange(mode)
+        got[mode] = lib.cuEventQuery(done)
+
+    for mode in (1, None):
+        t = threading.Thread(target=other, args=(mode,))
+        t.start()
+        t.join()
+    assert got == {1: 0, None: 900}, got
+    assert capture_id(a)[0] == 2  # invalidated by the global-mode query
+    assert lib.cuStreamEndCapture(a, ctypes.byref(graph)) == 901
+    # The capturing thread itself, in the global mode: 900, invalidated.
+    c = sim.stream(0)
+    assert lib.cuStreamBeginCapture_v2(c, 0) == 0
+    assert capture_id(c)[1] not in (0, ida)  # a new capture, a new id
+    assert lib.cuEventQuery(done) == 900
+    assert lib.cuStreamEndCapture(c, ctypes.byref(graph)) == 901
+    lib.simgpu_reset()  # every violation above was the point: the epilogue checks the rest
+
+
+def test_capture_modes_bar_unsafe_calls_as_cuda_does():
+    run_alone(capture_modes_and_ids)
+
+
+# ---------------------------------------------------------------- pyddp's captured step
+def _captured_setup(devices, op):
+    """Replicas of a small MLP on simulated `devices` under GradSync, each
+    gradient written (after autograd's host write) by a stream-ordered copy
+    from a static source in device memory, as a captured backward kernel
+    writes it at every replay (the simulation cannot capture torch's own
+    ops: the copies stand for them). Streams of the test's own, one per
+    device (a capture cannot begin on a default stream)."""
+    import copy
+
+    from simulated import sim, streams
+    from torch import nn
+
+    import pyddp
+    from pyddp.engine.streams import simulated_gpus
+
+    streams.late_us = 0  # the test writes each gradient itself, on its stream
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    reps = [base] + [copy.deepcopy(base) for _ in devices[1:]]
+    own = {d: sim.stream(d) for d in set(devices)}
+    with streams.stream(own):
+        sources = [[streams.upload(d, torch.zeros_like(p)) for p in m.parameters()]
+                   for d, m in zip(devices, reps)]  # fmt: skip
+    for r, m in enumerate(reps):
+        for i, p in enumerate(m.parameters()):
+
+            def hook(p, r=r, i=i):
+                src, s = sources[r][i], streams.current(devices[r])
+                nbytes = src.numel() * src.element_size()
+                assert sim.lib.simgpu_copy(s, p.grad.data_ptr(), src.data_ptr(), nbytes) == 0
+
+            p.register_post_accumulate_grad_hook(hook)
+    with simulated_gpus(devices, streams):
+        sync = pyddp.GradSync(reps, op=op)
+    return sync, reps, sources, own
+
+
+def _captured_fill(sources, own, devices, seed):
+    """New values in every source (on the host, the streams drained)."""
+    from simulated import sim
+
+    for d, s in own.items():
+        sim.synchronize(s, d)
+    g = torch.Generator().manual_seed(seed)
+    for per_replica in sources:
+        for src in per_replica:
+            src.copy_(torch.randn(src.shape, generator=g))
+
+
+def _captured_step(sync, reps, own, devices):
+    """Forward and backward of every replica on the test's streams, then
+    finish(), as a training step drives GradSync."""
+    from simulated import streams
+
+    x = torch.randn(4 * len(reps), 16)
+    with streams.stream(own):
+        for r, m in enumerate(reps):
+            m(x[4 * r : 4 * (r + 1)]).pow(2).sum().backward()
+        sync.finish()
+
+
+def _expected(sources, op):
+    n = len(sources)
+    out = [sum(src[i] for src in sources) for i in range(len(sources[0]))]
+    return [t / n for t in out] if op == "avg" else out
+
+
+def _grads(reps):
+    return [[p.grad.clone() for p in m.parameters()] for m in reps]
+
+
+def captured_step_replays_as_eager(devices, op):
+    """A step of GradSync's replicas captured into a graph (origin: device
+    0's stream; the other devices' streams joined through an event and
+    joined back at the end) and replayed: the reductions (NCCL across
+    devices, the shared-GPU kernel on one) run at each replay on the
+    sources' values then, to the bytes an eager step gives, and eager steps
+    still run after. While capturing, pyddp queries no event and watches no
+    captured launch (the simulation fails any such call)."""
+    from simulated import sim
+
+    sync, reps, sources, own = _captured_setup(devices, op)
+    lib = _lib()[1]
+    origin = own[devices[0]]
+    for seed in (1, 2):  # eager: the second synced backward has the final buckets
+        _captured_fill(sources, own, devices, seed)
+        _captured_step(sync, reps, own, devices)
+    for d, s in own.items():
+        sim.synchronize(s, d)
+    eager = _grads(reps)
+    for got, want in zip(eager[0], _expected(sources, op)):
+        assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+    sync._reducer._engine.check()  # the eager launches, completed, leave the watch
+    launches = sync._reducer._backend.captured_launches
+    # Capture.
+    joins = {d: (_event(sim, lib, devices[0]), _event(sim, lib, d)) for d in own if d != devices[0]}
+    assert lib.cuStreamBeginCapture_v2(origin, 0) == 0
+    for d, (fork, _) in joins.items():
+        assert lib.cuEventRecord(fork, origin) == 0 and lib.cuStreamWaitEvent(own[d], fork, 0) == 0
+    _captured_step(sync, reps, own, devices)
+    for d, (_, back) in joins.items():
+        assert lib.cuEventRecord(back, own[d]) == 0 and lib.cuStreamWaitEvent(origin, back, 0) == 0
+    graph, exe = vp(), vp()
+    assert lib.cuStreamEndCapture(origin, ctypes.byref(graph)) == 0, sim.violations()
+    assert lib.cuGraphInstantiateWithFlags(ctypes.byref(exe), graph, 0) == 0
+    assert sync._reducer._backend.captured_launches > launches  # the buckets are in the graph
+    assert sync.stats()["captured_backwards"] == 1
+    # Replays: the same sources give the eager bytes; new ones their reduction.
+    for seed, reference in ((2, eager), (3, None)):
+        _captured_fill(sources, own, devices, seed)
+        assert lib.cuGraphLaunch(exe, origin) == 0
+        sim.synchronize(origin, devices[0])
+        got = _grads(reps)
+        if reference is not None:
+            assert all(torch.equal(a, b) for ga, gb in zip(got, reference) for a, b in zip(ga, gb))
+        for per_replica in got:
+            for g, want in zip(per_replica, _expected(sources, op)):
+                assert torch.allclose(g, want, atol=1e-6), (g - want).abs().max()
+    # Eager steps after the replays.
+    _captured_fill(sources, own, devices, 4)
+    _captured_step(sync, reps, own, devices)
+    for d, s in own.items():
+        sim.synchronize(s, d)
+    for g, want in zip(_grads(reps)[-1], _expected(sources, op)):
+        assert torch.allclose(g, want, atol=1e-6), (g - want).abs().max()
+    assert lib.cuGraphExecDestroy(exe) == 0 and lib.cuGraphDestroy(graph) == 0
+    sync.close()
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("devices", [[0, 1], [0, 0], [0, 1, 2]])
+def test_a_captured_step_replays_to_the_bytes_of_an_eager_one(devices, op):
+    run_alone(captured_step_replays_as_eager, devices, op)
+
+
+def capture_begun_with_reductions_in_flight(devices):
+    """A capture begun while the eager step before it still reduces (cuda:1's
+    NCCL rank held back until the capture ended, so that step's launches
+    stay watched): pyddp's queries of their events (the watchdog's, and
+    finish()'s own on the capturing thread) are made in the relaxed capture
+    mode, which CUDA allows, and the capture is valid; once the rank goes
+    on, the replay gives the sources' reduction."""
+    from simulated import sim
+
+    sync, reps, sources, own = _captured_setup(devices, "sum")
+    lib = _lib()[1]
+    origin = own[devices[0]]
+    for seed in (1, 2):
+        _captured_fill(sources, own, devices, seed)
+        _captured_step(sync, reps, own, devices)
+    _captured_fill(sources, own, devices, 3)
+    sim.lib.simgpu_nccl_stall(1, 1)
+    _captured_step(sync, reps, own, devices)  # its reductions wait for cuda:1's rank
+    joins = {d: (_event(sim, lib, devices[0]), _event(sim, lib, d)) for d in own if d != devices[0]}
+    assert lib.cuStreamBeginCapture_v2(origin, 0) == 0
+    for d, (fork, _) in joins.items():
+        assert lib.cuEventRecord(fork, origin) == 0 and lib.cuStreamWaitEvent(own[d], fork, 0) == 0
+    _captured_step(sync, reps, own, devices)
+    for d, (_, back) in joins.items():
+        assert lib.cuEventRecord(back, own[d]) == 0 and lib.cuStreamWaitEvent(origin, back, 0) == 0
+    graph, exe = vp(), vp()
+    ended = lib.cuStreamEndCapture(origin, ctypes.byref(graph))
+    sim.lib.simgpu_nccl_stall(1, 0)
+    assert ended == 0, sim.violations()
+    assert lib.cuGraphInstantiateWithFlags(ctypes.byref(exe), graph, 0) == 0
+    _captured_fill(sources, own, devices, 4)
+    assert lib.cuGraphLaunch(exe, origin) == 0
+    sim.synchronize(origin, devices[0])
+    for per_replica in _grads(reps):
+        for g, want in zip(per_replica, _expected(sources, "sum")):
+            assert torch.allclose(g, want, atol=1e-6), (g - want).abs().max()
+    assert lib.cuGraphExecDestroy(exe) == 0 and lib.cuGraphDestroy(graph) == 0
+    sync.close()
+
+
+def test_a_capture_begun_while_reductions_are_in_flight_stays_valid():
+    run_alone(capture_begun_with_reductions_in_flight, [0, 1])
+
+
+def captures_pyddp_refuses():
+    """What a captured step cannot hold is refused by name, at the forward
+    (before any synced backward laid out the buckets again; a replica not
+    capturing beside one that does) or at finish() (a parameter without a
+    gradient): nothing is left half done, and eager steps go on after each."""
+    from simulated import sim, streams
+
+    devices = [0, 1]
+    sync, reps, sources, own = _captured_setup(devices, "sum")
+    lib = _lib()[1]
+    origin = own[0]
+    graph = vp()
+    x = torch.randn(8, 16)
+
+    def refused(run, words):
+        fork, back = _event(sim, lib, 0), _event(sim, lib, 1)
+        assert lib.cuStreamBeginCapture_v2(origin, 0) == 0
+        assert lib.cuEventRecord(fork, origin) == 0 and lib.cuStreamWaitEvent(own[1], fork, 0) == 0
+        try:
+            with streams.stream(own):
+                run()
+            raise AssertionError(f"accepted: {words}")
+        except RuntimeError as e:
+            assert "cannot be captured into a CUDA graph" in str(e) and words in str(e), str(e)
+        assert lib.cuEventRecord(back, own[1]) == 0 and lib.cuStreamWaitEvent(origin, back, 0) == 0
+        lib.cuStreamEndCapture(origin, ctypes.byref(graph))
+        if graph.value:
+            assert lib.cuGraphDestroy(graph) == 0
+
+    def eager_steps_go_on():
+        _captured_fill(sources, own, devices, 7)
+        _captured_step(sync, reps, own, devices)
+        for d, s in own.items():
+            sim.synchronize(s, d)
+        for g, want in zip(_grads(reps)[1], _expected(sources, "sum")):
+            assert torch.allclose(g, want, atol=1e-6), (g - want).abs().max()
+
+    # Before the first synced backward: the buckets are laid out again after it.
+    refused(lambda: reps[0](x[:4]), "no synced backward ran yet")
+    eager_steps_go_on()
+    eager_steps_go_on()
+
+    # Replica 1 on a stream that does not capture, beside replica 0 on one that does.
+    def mixed():
+        reps[0](x[:4])
+        with streams.stream({1: sim.stream(1)}):
+            reps[1](x[4:])
+
+    refused(mixed, "every replica's stream must take part in the capture")
+    eager_steps_go_on()
+
+    # A parameter without a gradient: refused at finish(), the backward dropped.
+    def unused():
+        for r, m in enumerate(reps):
+            sync._reducer.prepare(r)  # (what the replica's forward pre-hook does)
+            m[0](x[4 * r : 4 * (r + 1)]).pow(2).sum().backward()  # the last layer gets none
+        sync.finish()
+
+    refused(unused, "no gradient for replica 0 parameter 2")
+    eager_steps_go_on()
+    sync.close()
+    lib.simgpu_reset()  # the captures refused mid-way were left unjoined on purpose
+
+
+def test_what_a_captured_step_cannot_hold_is_refused_by_name():
+    run_alone(captures_pyddp_refuses)

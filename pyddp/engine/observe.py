@@ -2,7 +2,8 @@
 with `ddp._get_ddp_logging_data()`), running averages, and a bounded timeline
 of bucket (and parameter) events exported as Chrome trace JSON for Perfetto or
 chrome://tracing. Times come from the engine's steady clock; on GPU backends
-"done" is when the reduction was enqueued (device timing is not measured yet).
+"done" is when the reduction was enqueued; GpuClock (below) times GPU
+replicas' steps on the device with events.
 
 Definitions, per synced iteration:
   backward compute = end of forward -> autograd done (finish() starts)
@@ -13,12 +14,15 @@ Definitions, per synced iteration:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Optional, Sequence
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 TIMELINE_ENV = "PYDDP_TIMELINE"  # number of iterations to keep, e.g. PYDDP_TIMELINE=20
 _AVERAGED = (
@@ -279,3 +283,131 @@ def write_trace(trace: Dict[str, Any], path: os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(trace))
     return path
+
+
+class GpuClock:
+    """Whether GPU replicas' steps are bound by the host: per device and per
+    backward, the host time from the first replica's forward (prepare) to
+    the end of backward (finish), and the GPU time between timing events
+    recorded on the current stream at those two points (read once the GPU
+    passed both: asked, never waited for). At each forward the event that
+    ended the previous backward is asked whether the GPU has passed it: if
+    it has, the GPU ran out of queued work (the optimizer step's included)
+    before the host started the next forward, so it waited for the host.
+    The replicas' threads call begin() concurrently; a few calls per device
+    per step, none per parameter."""
+
+    HOST_BOUND = 0.5  # of forwards that found the GPU idle: the verdict "host"
+    KEEP = 256  # backwards whose GPU time is still to read, at most
+
+    def __init__(self, provider: Any, devices: Optional[Sequence[int]]):
+        self.provider = provider  # None (CPU replicas): does nothing
+        self.devices = None if devices is None else list(devices)  # CUDA index per replica
+        self._lock = threading.Lock()
+        self._open: Dict[int, Tuple[Any, int]] = {}  # device -> (start event, host ns)
+        self._ended: Dict[int, Any] = {}  # device -> the event that ended the last backward
+        self._pending: List[Tuple[int, Any, Any]] = []  # (device, start, end) to read
+        self._sums: Dict[int, List[float]] = {}
+        self.failed: Optional[str] = None  # why the measuring stopped
+        self.reset()
+
+    @contextlib.contextmanager
+    def _or_give_up(self) -> Iterator[None]:
+        """A timing event that fails (a dead context: pyddp's own calls name
+        it where it matters) ends the measuring; report() says why."""
+        try:
+            yield
+        except Exception as e:
+            self.failed = f"{type(e).__name__}: {e}"
+            self._open.clear()
+            self._ended.clear()
+            self._pending = []
+
+    def reset(self) -> None:
+        """Forgets the sums, and the spans still to read (they began before)."""
+        with self._lock:
+            # device -> [backwards, host ms, GPU ms read, GPU reads, forwards asked, found idle]
+            self._sums: Dict[int, List[float]] = {}
+            self._pending = []
+
+    def begin(self, replica: int) -> None:
+        if self.devices is None or self.failed is not None:
+            return
+        device = self.devices[replica]
+        with self._lock, self._or_give_up():
+            if device in self._open:
+                return
+            ended = self._ended.pop(device, None)
+            if ended is not None:
+                sums = self._sums.setdefault(device, [0, 0.0, 0.0, 0, 0, 0])
+                sums[4] += 1
+                sums[5] += self.provider.event_done(ended)
+            self._open[device] = (self.provider.timing_event(device), time.perf_counter_ns())
+
+    def end(self) -> None:
+        if self.devices is None or self.failed is not None:
+            return
+        now = time.perf_counter_ns()
+        with self._lock, self._or_give_up():
+            for device, (start, began) in self._open.items():
+                end = self.provider.timing_event(device)
+                sums = self._sums.setdefault(device, [0, 0.0, 0.0, 0, 0, 0])
+                sums[0] += 1
+                sums[1] += (now - began) / 1e6
+                self._ended[device] = end
+                self._pending.append((device, start, end))
+            self._open.clear()
+            self._read()
+
+    def _read(self) -> None:
+        kept = []
+        for device, start, end in self._pending:
+            if self.provider.event_done(end):
+                sums = self._sums.setdefault(device, [0, 0.0, 0.0, 0, 0, 0])
+                sums[2] += self.provider.elapsed_ms(start, end)
+                sums[3] += 1
+            else:
+                kept.append((device, start, end))
+        self._pending = kept[-self.KEEP :]
+
+    def stats(self) -> Dict[str, Any]:
+        """Per device ("cuda:N"): means over the backwards since reset."""
+        out: Dict[str, Any] = {}
+        with self._lock:
+            if self.failed is None:
+                with self._or_give_up():
+                    self._read()
+            for device, (n, host, gpu, reads, asked, idle) in sorted(self._sums.items()):
+                if not n:
+                    continue
+                waited = idle / asked if asked else None
+                bound = None if waited is None else "host" if waited >= self.HOST_BOUND else "gpu"
+                out[f"cuda:{device}"] = {
+                    "backwards": int(n),
+                    "host_ms": host / n,
+                    "gpu_ms": gpu / reads if reads else None,
+                    "gpu_waited_for_host": waited,
+                    "bound": bound,
+                }
+        return out
+
+    def report(self) -> Dict[str, Any]:
+        """stats()'s part: "gpu" (stats()), "gpu_advice" where the host
+        bounds the step on some device, "gpu_stopped" once measuring failed."""
+        if self.devices is None:
+            return {}
+        out: Dict[str, Any] = {"gpu": self.stats()}
+        if any(d["bound"] == "host" for d in out["gpu"].values()):
+            out["gpu_advice"] = HOST_BOUND_ADVICE
+        if self.failed is not None:
+            out["gpu_stopped"] = f"a timing event failed, the means stop there: {self.failed}"
+        return out
+
+
+HOST_BOUND_ADVICE = (
+    "the GPU finished each step's work before the host started the next: the host "
+    "(Python: forward, hooks, optimizer, replica by replica under one interpreter "
+    "lock) bounds the step. Remedies: a larger batch per GPU; one process per GPU "
+    "under torchrun (pyddp across processes, or torch DDP) instead of several GPU "
+    "replicas in one process"
+)

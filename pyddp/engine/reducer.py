@@ -32,9 +32,9 @@ from . import params as checked
 from .ending import final_gradients, settle_unmarked
 from .faces import GradientShards
 from .hooks import arm_began, install_hooks
-from .observe import Observer
+from .observe import GpuClock, Observer
 from .plan import Plan, resolve_hook
-from .streams import GpuClock, StreamOrder
+from .streams import StepCapture, StreamOrder
 
 
 class Reducer:
@@ -62,6 +62,7 @@ class Reducer:
         self._gpu_devices, self._streams = parts.gpu_devices, parts.streams
         self._order = StreamOrder(self._gpu_devices, self._streams)
         self._clock = GpuClock(self._streams, self._gpu_devices)  # GPUs: is the host the bound?
+        self._capture = StepCapture()  # GPUs: a backward captured into a CUDA graph
         self._engine: Optional[Any] = None
         self._closed = False
         self._shadowing = False  # shadow_backward() under way
@@ -70,7 +71,7 @@ class Reducer:
         # Run when close() is called or this object is dropped: removes the
         # hooks (which hold the engine, not this object) and closes the engine.
         self._finalizer = weakref.finalize(self, _release, self._handles, None)
-        self._run_per_replica = run_per_replica or _in_turn
+        self._run_per_replica = run_per_replica or (lambda fns, what: [fn() for fn in fns])
         self._on_backward_start = on_backward_start
         self._observer = Observer(opts.keep())
         self._link, self._work = parts.link, parts.work
@@ -157,10 +158,10 @@ class Reducer:
         if self._engine is None:
             return
         self._check_open()
-        self._clock.begin(replica)
+        captured = self._capture.at_prepare(self, replica)  # raises what it cannot hold
         # Backward runs on the stream its forward runs on: this one. It and the
         # zeroing below come after the last reduction of these buckets.
-        self._order.use_current(self._engine, replica)
+        self._order.use_current(self._engine, replica, captured)
         if self._layout.hot is not None:  # C++ hooks on the accumulators there are now
             self._layout.hot.refresh(replica)
         self._follow_resets()
@@ -184,7 +185,7 @@ class Reducer:
         if not (held and replica > 0 and self._op == "sum"):
             return
         if fence:
-            self._order.use_current(self._engine, replica)
+            self._order.use_current(self._engine, replica, self._capture.active)
         self._layout.zero(replica)
 
     def restart_accumulation(self) -> None:
@@ -219,12 +220,14 @@ class Reducer:
         # agreement across processes) counts as finish, not backward compute.
         self._finish_called_ns = time.monotonic_ns()
         synced = self._engine.sync_enabled
+        captured = self._capture.at_finish(self)  # raises what a replay could not redo
         if not synced:  # a micro-batch the next synced backward's record counts
             self._work.backward_done()
         # Unmarked slices are reconciled on the current streams; their
         # reductions wait for them, and they wait for the reductions.
         streams = self._order.current()
-        self._order.fence_all()
+        if not captured:  # (captured: the host writes nothing)
+            self._order.fence_all()
         launched: List[int] = []
         unused: List[int] = []
         factor: Any = 1.0
@@ -247,7 +250,7 @@ class Reducer:
                 self._link.abandon(f"its end of backward raised {type(e).__name__}: {e}")
             raise
         finally:
-            self._observe()
+            self._capture.ended() if captured else self._observe()
         final_gradients(
             self._engine,
             self._layout,
@@ -402,7 +405,7 @@ class Reducer:
 
     def stats(self) -> Dict[str, Any]:
         out = self._observer.stats(self.adopted, len(self.buckets), self._engine is not None)
-        return {**out, **self._clock.report()}
+        return {**out, **self._capture.report(), **self._clock.report()}
 
     def export_timeline(self, path: Any) -> Any:
         if self._engine is None:
@@ -443,7 +446,3 @@ def _release(handles: List[Any], engine: Optional[Any]) -> None:
     handles.clear()
     if engine is not None:
         engine.close()
-
-
-def _in_turn(fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
-    return [fn() for fn in fns]

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -158,20 +157,19 @@ class StreamOrder:
             return []
         return [self.provider.current(d) for d in self.devices]
 
-    def use_current(self, engine: Any, replica: int) -> None:
+    def capturing(self, replica: int) -> bool:
+        """Whether replica's current stream captures a CUDA graph (StepCapture)."""
+        return self.provider is not None and self.provider.capturing(self.devices[replica])
+
+    def use_current(self, engine: Any, replica: int, captured: bool = False) -> None:
         """The current stream is about to write replica's buckets: order it
-        after the reductions still reading them."""
+        after the reductions still reading them (`captured`: it captures a
+        graph, whose work the host does not write)."""
         if self.provider is not None:
             device = self.devices[replica]
-            if self.provider.capturing(device):
-                raise RuntimeError(
-                    "pyddp: a forward of a wrapped model inside CUDA graph capture "
-                    "(torch.cuda.graph, torch.compile mode='reduce-overhead'): pyddp's reductions "
-                    "are launched from another thread and watched with event queries, which a "
-                    "capture forbids; capture the model's own parts, not the wrapped model"
-                )
             engine.use_stream(replica, self.provider.current(device))
-            self.provider.before_host_write(device)
+            if not captured:
+                self.provider.before_host_write(device)
 
     def zeros(self, count: int, dtype: torch.dtype, replica: int) -> torch.Tensor:
         """Memory for one of replica's buckets, zeroed."""
@@ -208,132 +206,152 @@ class StreamOrder:
                 self.provider.retire(tensors, self.devices[r])
 
 
-class GpuClock:
-    """Whether GPU replicas' steps are bound by the host: per device and per
-    backward, the host time from the first replica's forward (prepare) to
-    the end of backward (finish), and the GPU time between timing events
-    recorded on the current stream at those two points (read once the GPU
-    passed both: asked, never waited for). At each forward the event that
-    ended the previous backward is asked whether the GPU has passed it: if
-    it has, the GPU ran out of queued work (the optimizer step's included)
-    before the host started the next forward, so it waited for the host.
-    The replicas' threads call begin() concurrently; a few calls per device
-    per step, none per parameter."""
+class StepCapture:
+    """The capture state of one Reducer's current backward. A step of GPU
+    replicas captured into a CUDA graph (torch.cuda.graph around forward,
+    backward and the optimizer step) and replayed is the step as pyddp runs
+    it with the host taken out. A replica whose forward starts on a
+    capturing stream makes the backward a captured one. pyddp then queues the
+    same work as eagerly on the capturing streams (the ready events, the
+    communication streams' waits on them, NCCL or the shared-GPU kernel, the
+    fence back into the caller's streams), so the graph holds the reductions
+    and every replay runs them; what only the host does is left out of the
+    capture or refused by name:
 
-    HOST_BOUND = 0.5  # of forwards that found the GPU idle: the verdict "host"
-    KEEP = 256  # backwards whose GPU time is still to read, at most
+    - the watchdog does not watch captured launches (their events are the
+      graph's: no query may ask them); the graph's launcher owns them, as torch's
+      ProcessGroupNCCL leaves captured collectives to it;
+    - the GPU timing events (stats()["gpu"]) and the per-backward statistics are
+      not taken: a captured backward is counted in stats()["captured_backwards"];
+    - refused: a step across processes (its agreement is read on the host),
+      before the first synced backward laid out the buckets again (a capture
+      holds their addresses), sharded gradients (buckets allocated as gradients
+      arrive), a parameter left without a gradient (settled on the host), and
+      replicas of which some capture and some do not.
 
-    def __init__(self, provider: Any, devices: Optional[Sequence[int]]):
-        self.provider = provider  # None (CPU replicas): does nothing
-        self.devices = None if devices is None else list(devices)  # CUDA index per replica
-        self._lock = threading.Lock()
-        self._open: Dict[int, Tuple[Any, int]] = {}  # device -> (start event, host ns)
-        self._ended: Dict[int, Any] = {}  # device -> the event that ended the last backward
-        self._pending: List[Tuple[int, Any, Any]] = []  # (device, start, end) to read
-        self._sums: Dict[int, List[float]] = {}
-        self.failed: Optional[str] = None  # why the measuring stopped
+    Replays run no host code: the step's host state (the gradients' `.grad`
+    pointing at their buckets, the engine between backwards) stays as the
+    captured step left it, and each replay redoes the whole of the step on the
+    GPU. Replay on the capturing stream's successor (torch: the current stream),
+    after pyddp's eager steps: an eager finish() orders the caller's streams
+    after its reductions, and a graph's launch after the work queued before it."""
+
+    def __init__(self) -> None:
+        self.replicas: Set[int] = set()  # prepared on a capturing stream this backward
+        self.backwards = 0  # captured backwards (stats()["captured_backwards"])
+
+    @property
+    def active(self) -> bool:
+        return bool(self.replicas)
+
+    def at_prepare(self, reducer: Any, replica: int) -> bool:
+        """Whether replica `replica`'s forward starts a captured backward;
+        raises what a capture cannot hold, the step dropped."""
+        captured = reducer._order.capturing(replica)
+        try:
+            if captured:
+                self.begin(reducer, replica)
+            else:
+                self.begin_eager(replica)
+        except RuntimeError:
+            self.drop(reducer._engine)
+            raise
+        if not captured:
+            reducer._clock.begin(replica)  # (GPU timing: eager backwards only)
+        return captured
+
+    def at_finish(self, reducer: Any) -> bool:
+        """At finish(): whether the backward was captured; raises what a
+        replay could not redo, the backward dropped."""
+        if not self.replicas:
+            return False
+        try:
+            self.check_end(len(reducer._replicas), reducer._engine.unmarked())
+        except RuntimeError:
+            self.drop(reducer._engine)
+            raise
+        return True
+
+    def drop(self, engine: Any) -> None:
+        """A step refused for capture: its backward, if one began, is
+        dropped (as abort() drops a failed one); eager steps go on."""
+        self.reset()
+        if engine.active:
+            engine.abort()
+
+    def begin(self, reducer: Any, replica: int) -> None:
+        """Replica `replica`'s forward starts on a capturing stream: raises,
+        naming it, what a capture cannot hold."""
+        why = _not_capturable(reducer)
+        if why is not None:
+            raise RuntimeError(f"pyddp: this step cannot be captured into a CUDA graph: {why}")
+        self.replicas.add(replica)
+
+    def begin_eager(self, replica: int) -> None:
+        """Replica `replica`'s forward starts on a stream that captures
+        nothing: refused if others of this backward's started on capturing
+        ones (those before them are named at finish())."""
+        if self.replicas:
+            raise RuntimeError(
+                "pyddp: this step cannot be captured into a CUDA graph: replicas "
+                f"{sorted(self.replicas)} started it on capturing streams and replica {replica} "
+                "on one that is not: every replica's stream must take part in the capture (run "
+                "each device's work on a stream that joined it)"
+            )
+
+    def check_end(self, replicas: int, unmarked: List[Any]) -> None:
+        """At finish() of a captured backward: every replica took part, and
+        every parameter got its gradient on every replica."""
+        missing = sorted(set(range(replicas)) - self.replicas)
+        why = None
+        if missing:
+            why = (
+                f"replicas {missing} ran no forward on a capturing stream in this step: every "
+                "replica's stream must take part in the capture (run each device's work on a "
+                "stream that joined it)"
+            )
+        elif unmarked:
+            shown = ", ".join(f"replica {r} parameter {i}" for r, i in list(unmarked)[:5])
+            why = (
+                f"no gradient for {shown}{' ...' if len(unmarked) > 5 else ''}: pyddp settles a "
+                "parameter without one on the host, which a replay would not redo (capture a "
+                "step where every parameter gets its gradient)"
+            )
+        if why is not None:
+            raise RuntimeError(f"pyddp: this step cannot be captured into a CUDA graph: {why}")
+
+    def ended(self) -> None:
+        if self.replicas:
+            self.backwards += 1
         self.reset()
 
-    @contextlib.contextmanager
-    def _or_give_up(self) -> Iterator[None]:
-        """A timing event that fails (a dead context: pyddp's own calls name
-        it where it matters) ends the measuring; report() says why."""
-        try:
-            yield
-        except Exception as e:
-            self.failed = f"{type(e).__name__}: {e}"
-            self._open.clear()
-            self._ended.clear()
-            self._pending = []
+    def report(self) -> dict:
+        """stats()'s part: the backwards captured (not in the means)."""
+        return {"captured_backwards": self.backwards} if self.backwards else {}
 
     def reset(self) -> None:
-        """Forgets the sums, and the spans still to read (they began before)."""
-        with self._lock:
-            # device -> [backwards, host ms, GPU ms read, GPU reads, forwards asked, found idle]
-            self._sums: Dict[int, List[float]] = {}
-            self._pending = []
-
-    def begin(self, replica: int) -> None:
-        if self.devices is None or self.failed is not None:
-            return
-        device = self.devices[replica]
-        with self._lock, self._or_give_up():
-            if device in self._open:
-                return
-            ended = self._ended.pop(device, None)
-            if ended is not None:
-                sums = self._sums.setdefault(device, [0, 0.0, 0.0, 0, 0, 0])
-                sums[4] += 1
-                sums[5] += self.provider.event_done(ended)
-            self._open[device] = (self.provider.timing_event(device), time.perf_counter_ns())
-
-    def end(self) -> None:
-        if self.devices is None or self.failed is not None:
-            return
-        now = time.perf_counter_ns()
-        with self._lock, self._or_give_up():
-            for device, (start, began) in self._open.items():
-                end = self.provider.timing_event(device)
-                sums = self._sums.setdefault(device, [0, 0.0, 0.0, 0, 0, 0])
-                sums[0] += 1
-                sums[1] += (now - began) / 1e6
-                self._ended[device] = end
-                self._pending.append((device, start, end))
-            self._open.clear()
-            self._read()
-
-    def _read(self) -> None:
-        kept = []
-        for device, start, end in self._pending:
-            if self.provider.event_done(end):
-                sums = self._sums.setdefault(device, [0, 0.0, 0.0, 0, 0, 0])
-                sums[2] += self.provider.elapsed_ms(start, end)
-                sums[3] += 1
-            else:
-                kept.append((device, start, end))
-        self._pending = kept[-self.KEEP :]
-
-    def stats(self) -> Dict[str, Any]:
-        """Per device ("cuda:N"): means over the backwards since reset."""
-        out: Dict[str, Any] = {}
-        with self._lock:
-            if self.failed is None:
-                with self._or_give_up():
-                    self._read()
-            for device, (n, host, gpu, reads, asked, idle) in sorted(self._sums.items()):
-                if not n:
-                    continue
-                waited = idle / asked if asked else None
-                bound = None if waited is None else "host" if waited >= self.HOST_BOUND else "gpu"
-                out[f"cuda:{device}"] = {
-                    "backwards": int(n),
-                    "host_ms": host / n,
-                    "gpu_ms": gpu / reads if reads else None,
-                    "gpu_waited_for_host": waited,
-                    "bound": bound,
-                }
-        return out
-
-    def report(self) -> Dict[str, Any]:
-        """stats()'s part: "gpu" (stats()), "gpu_advice" where the host
-        bounds the step on some device, "gpu_stopped" once measuring failed."""
-        if self.devices is None:
-            return {}
-        out: Dict[str, Any] = {"gpu": self.stats()}
-        if any(d["bound"] == "host" for d in out["gpu"].values()):
-            out["gpu_advice"] = HOST_BOUND_ADVICE
-        if self.failed is not None:
-            out["gpu_stopped"] = f"a timing event failed, the means stop there: {self.failed}"
-        return out
+        self.replicas.clear()
 
 
-HOST_BOUND_ADVICE = (
-    "the GPU finished each step's work before the host started the next: the host "
-    "(Python: forward, hooks, optimizer, replica by replica under one interpreter "
-    "lock) bounds the step. Remedies: a larger batch per GPU; one process per GPU "
-    "under torchrun (pyddp across processes, or torch DDP) instead of several GPU "
-    "replicas in one process"
-)
+def _not_capturable(reducer: Any) -> Any:
+    """Why `reducer`'s step cannot be captured now, or None."""
+    if reducer._link.spans_processes:
+        return (
+            "it spans processes: the per-step agreement between processes is read on the "
+            "host (capture the replicas of one process, or run this step eagerly)"
+        )
+    if reducer._plan.rebuild_pending:
+        return (
+            "no synced backward ran yet: pyddp lays out the buckets again after the first one "
+            "(as torch DDP does), and a graph holds their addresses (run a few eager steps "
+            "first, as torch.cuda.graph's warm-up asks)"
+        )
+    if reducer._layout.scattered is not None:
+        return (
+            "the gradients are sharded (shard='gradients'): their buckets are allocated as "
+            "gradients arrive and freed after each reduction"
+        )
+    return None
 
 
 Placement = Tuple[List[int], Any]  # (CUDA device index per replica, stream provider)

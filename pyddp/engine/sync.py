@@ -154,7 +154,7 @@ class GradSync:
         """The last synced iteration (DDP's definitions, see pyddp.engine.observe) at the
         top level, running means under "mean", and the iteration count. GPU
         replicas add "gpu" (per device: host and GPU ms per backward, and
-        whether the host bounds the step; engine.streams.GpuClock) and, where
+        whether the host bounds the step; engine.observe.GpuClock) and, where
         the host does, "gpu_advice"."""
         return self._reducer.stats()
 

@@ -67,8 +67,7 @@ BREAKAGES = {
     ),
     "no-fence": (
         "csrc/gpu_backend.cpp",
-        "      PYDDP_CU(d.cuStreamWaitEvent(reinterpret_cast<CUstream>(w), "
-        "fence_[comm_index_[r]], 0));",
+        "      wait_fence_locked(reinterpret_cast<CUstream>(w), comm_index_[r]);",
         "      (void)w;",
         "writing streams do not wait for the reductions at the end of backward",
     ),
@@ -101,8 +100,8 @@ BREAKAGES = {
     ),
     "fence-on-one-device": (
         "csrc/gpu_backend.cpp",
-        "fence_[comm_index_[r]], 0));",
-        "fence_[0], 0));",
+        "      wait_fence_locked(reinterpret_cast<CUstream>(w), comm_index_[r]);",
+        "      wait_fence_locked(reinterpret_cast<CUstream>(w), 0);",
         "every replica's writers wait for the first GPU's reductions only (caught by the "
         "skewed completion of collectives)",
     ),
@@ -267,6 +266,28 @@ BREAKAGES = {
         "dst[i] = K::store(K::load(K::store(src[i])) / (float)n);",
         "the wire compression divides by the ranks where torch's CUDA div_ multiplies by the "
         "float reciprocal (other float16 subnormals for 14, 26, 28, ... ranks)",
+    ),
+    "captured-launches-watched": (
+        "csrc/gpu_backend.cpp",
+        "    if (capture_id(set.streams[s]) != 0) {",
+        "    if (false) {",
+        "launches captured into a CUDA graph are watched like eager ones: the watch queries "
+        "their events, which belong to the graph (CUDA fails the query, 907)",
+    ),
+    "watch-queries-in-global-capture-mode": (
+        "csrc/gpu_backend.cpp",
+        "  RelaxedCaptureMode relaxed;\n",
+        "",
+        "pyddp's watch queries its events in the thread's default (global) capture mode: a "
+        "capture under way on any thread fails the query (900) and is invalidated",
+    ),
+    "captured-stream-waits-on-eager-fence": (
+        "csrc/gpu_backend.cpp",
+        "  if (capture_id(stream) != fence_capture_[comm_index]) return;\n",
+        "",
+        "a stream capturing a graph waits on the fence an eager step recorded, and an eager "
+        "one on a fence recorded in a capture (CUDA's isolation error, 905, the capture "
+        "invalidated; or the stream pulled into the capture)",
     ),
 }
 

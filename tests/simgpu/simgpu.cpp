@@ -158,6 +158,9 @@ struct Event {
 
 struct Op {
   std::function<void()> run;  // a kernel, a copy, a collective
+  // Captured: called at each graph launch as the op is queued again (an
+  // NCCL collective counts itself pending on its communicator there).
+  std::function<void()> replayed;
   Event* wait = nullptr;      // cuStreamWaitEvent: wait until completed >= gen
   Event* record = nullptr;    // cuEventRecord: completed = gen
   uint64_t gen = 0;
@@ -193,12 +196,14 @@ struct Stream {
 // - ending on a stream other than the origin: 903 (UNMATCHED); from another
 //   thread unless the mode is relaxed: 908; with a joined stream's last work
 //   not waited for by the origin: 904 (UNJOINED) and no graph;
+// - a query or synchronize of any event or stream from a thread barred by
+//   a capture's mode (unsafe_during_capture below): 900, invalidating;
 // - the test provider's allocations and host writes on a capturing stream
-//   (pyddp must allocate and write before capture), and NCCL calls on one
-//   (not modelled yet): refused by name.
-// A joined stream counts as joined back when the origin waits, after that
-// stream's last captured op, on an event recorded there at or after it (a
-// join through a third stream is not followed: refused as unjoined).
+//   (pyddp must allocate and write before capture): refused by name.
+// NCCL collectives on a capturing stream are captured and run at each launch.
+// A joined stream counts as joined back when some op of the origin follows
+// its last captured op, through stream order and event waits (across any
+// number of streams).
 // A graph launch replays the captured work in capture order: the origin's on
 // the launch stream, every other stream's on a stream of the graph's own
 // (same device), with the captured events as events of the graph's own.
@@ -208,6 +213,7 @@ struct CapOp {
   CapKind kind;
   std::function<void()> run;
   Event* event = nullptr;
+  std::function<void()> replayed;  // Op::replayed
 };
 struct Capture {
   Stream* origin;
@@ -232,8 +238,12 @@ struct GraphExec {
 };
 std::mutex g_capture_mu;
 std::set<void*> g_graphs, g_execs;
+std::set<Capture*> g_active;  // begun, not yet ended (invalidated ones too)
 unsigned long long g_next_capture_id = 1;
+constexpr int CU_STREAM_CAPTURE_MODE_GLOBAL = 0;
 constexpr int CU_STREAM_CAPTURE_MODE_RELAXED = 2;
+// [CUDA] cuThreadExchangeStreamCaptureMode: this thread's capture mode.
+thread_local int t_capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
 
 std::mutex g_handles_mu;
 std::set<void*> g_streams, g_events;
@@ -356,6 +366,39 @@ int capture_forbids(Stream* s, int code, const std::string& what) {
   return violation(code, what);
 }
 
+// [CUDA] cuThreadExchangeStreamCaptureMode / cuStreamBeginCapture's mode:
+// a thread is prohibited from "potentially unsafe API calls" (here: a
+// query or synchronize of an event or a stream) while it has a capture of
+// its own begun in a mode other than RELAXED, unless its thread mode is
+// RELAXED; and, in the GLOBAL thread mode (the default), while any other
+// thread has a capture begun in GLOBAL mode. Such a call fails with 900
+// and invalidates that capture: torch's NCCL watchdog querying its events
+// during a capture on another thread is the known case (c10d queries them
+// in the thread-local mode since). The test harness's own waits are exempt.
+int unsafe_during_capture(const std::string& what) {
+  if (t_harness) return CUDA_SUCCESS;
+  const auto me = std::this_thread::get_id();
+  Capture* hit = nullptr;
+  {
+    std::lock_guard<std::mutex> lc(g_capture_mu);
+    for (Capture* c : g_active) {
+      const bool own = c->thread == me && c->mode != CU_STREAM_CAPTURE_MODE_RELAXED &&
+                       t_capture_mode != CU_STREAM_CAPTURE_MODE_RELAXED;
+      const bool other = c->thread != me && c->mode == CU_STREAM_CAPTURE_MODE_GLOBAL &&
+                         t_capture_mode == CU_STREAM_CAPTURE_MODE_GLOBAL;
+      if (own || other) {
+        hit = c;
+        if (c->error == 0) c->error = 900;
+        break;
+      }
+    }
+  }
+  if (hit == nullptr) return CUDA_SUCCESS;
+  return violation(900, what + " while a capture in global mode is under way (a potentially unsafe "
+                               "call: make it from a thread in the thread-local or relaxed capture "
+                               "mode, cuThreadExchangeStreamCaptureMode, or not during capture)");
+}
+
 int check_event(void* handle) {
   std::lock_guard<std::mutex> lk(g_handles_mu);
   if (!g_events.count(handle)) {
@@ -371,7 +414,7 @@ uint64_t enqueue(Stream* s, Op op) {
     std::lock_guard<std::mutex> lc(g_capture_mu);
     if (Capture* c = s->capture) {
       c->last[s] = c->ops.size();
-      c->ops.push_back(CapOp{s, kCapRun, std::move(op.run)});
+      c->ops.push_back(CapOp{s, kCapRun, std::move(op.run), nullptr, std::move(op.replayed)});
       return 0;
     }
   }
@@ -867,16 +910,18 @@ void run_collective(Comm* comm, int kind, size_t count, int dtype, int op, int r
     --comm->pending;
     return;
   }
-  bool stalled;
-  {
+  auto stalled = [comm] {
     std::lock_guard<std::mutex> g(g_nccl_mu);
-    stalled = g_stalled.count(comm->device) > 0;
-  }
-  if (stalled) {
-    // Fault injection: this rank never arrives; only an abort frees it.
-    while (!comm->aborted.load()) std::this_thread::sleep_for(std::chrono::microseconds(200));
-    --comm->pending;
-    return;
+    return g_stalled.count(comm->device) > 0;
+  };
+  if (stalled()) {
+    // Fault injection: this rank does not arrive while its device is stalled
+    // (simgpu_nccl_stall); an abort frees it, and so does the end of the stall.
+    while (!comm->aborted.load() && stalled()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    if (comm->aborted.load()) {
+      --comm->pending;
+      return;
+    }
   }
   Shm* shm = comm->shm;
   ShmSlot& mine = shm->slot[comm->rank];
@@ -1107,6 +1152,7 @@ API int cuStreamQuery(void* handle) {
   if (int rc = resolve(handle, &s)) return rc;
   STICKY(s->ctx->device);
   if (int rc = capture_forbids(s, 900, "cuStreamQuery on a capturing stream")) return rc;
+  if (int rc = unsafe_during_capture("cuStreamQuery")) return rc;
   std::lock_guard<std::mutex> lk(s->mu);
   return s->done == s->enqueued ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
@@ -1116,6 +1162,7 @@ API int cuStreamSynchronize(void* handle) {
   if (int rc = resolve(handle, &s)) return rc;
   STICKY(s->ctx->device);
   if (int rc = capture_forbids(s, 900, "cuStreamSynchronize on a capturing stream")) return rc;
+  if (int rc = unsafe_during_capture("cuStreamSynchronize")) return rc;
   if (!t_harness) bump("host_sync");  // a host-blocking call (docs/gpus.md)
   {
     std::unique_lock<std::mutex> lk(s->mu);
@@ -1261,6 +1308,7 @@ API int cuEventQuery(void* ev) {
       return violation(907, "cuEventQuery on an event last recorded in a capturing stream");
     }
   }
+  if (int rc = unsafe_during_capture("cuEventQuery")) return rc;
   uint64_t gen;
   {
     std::lock_guard<std::mutex> lk(e->mu);
@@ -1283,6 +1331,7 @@ API int cuEventSynchronize(void* ev) {
       return violation(907, "cuEventSynchronize on an event last recorded in a capturing stream");
     }
   }
+  if (int rc = unsafe_during_capture("cuEventSynchronize")) return rc;
   if (!t_harness) bump("host_sync");
   uint64_t target;
   {
@@ -1649,20 +1698,18 @@ int collective(int kind, const void* send, void* recv, size_t count, int dtype, 
     return violation(ncclInvalidArgument, std::string(call) + ": stream of cuda:" + std::to_string(s->ctx->device) +
                                               " for a communicator of cuda:" + std::to_string(comm->device));
   }
-  {
-    std::lock_guard<std::mutex> lc(g_capture_mu);
-    if (s->capture != nullptr) {
-      return violation(ncclInvalidUsage, std::string(call) + " on a capturing stream: NCCL inside a "
-                                                             "CUDA graph is not modelled by the simulation");
-    }
-  }
+  // [NCCL, "CUDA Graph support"]: a collective queued on a capturing
+  // stream is captured and runs at each graph launch, where the ranks meet
+  // as eagerly (every rank's graph, or one graph holding them all, must be
+  // launched).
   auto launch = [comm, kind, send, recv, count, dtype, op, root, s] {
     ++comm->pending;
     Op o;
     o.run = [comm, kind, count, dtype, op, root, send, recv] {
       run_collective(comm, kind, count, dtype, op, root, send, recv);
     };
-    enqueue(s, std::move(o));
+    o.replayed = [comm] { ++comm->pending; };
+    if (enqueue(s, std::move(o)) == 0) --comm->pending;  // captured: pending at each launch
   };
   if (t_group_depth == 0) {
     // [NCCL, "Group calls", management of multiple GPUs from one thread]:
@@ -2067,6 +2114,7 @@ API int cuStreamBeginCapture_v2(void* stream, int mode) {
   c->id = g_next_capture_id++;
   c->members.insert(s);
   s->capture = c;
+  g_active.insert(c);
   bump("capture_begin");
   return CUDA_SUCCESS;
 }
@@ -2077,6 +2125,30 @@ API int cuStreamIsCapturing(void* stream, int* status) {
   if (int rc = resolve(stream, &s)) return rc;
   std::lock_guard<std::mutex> lc(g_capture_mu);
   *status = s->capture == nullptr ? 0 : s->capture->error ? 2 : 1;
+  return CUDA_SUCCESS;
+}
+// [CUDA] cuStreamGetCaptureInfo_v2: status (0 none, 1 active, 2
+// invalidated) and, while active, the capture's id (unique in the process);
+// the graph and dependency outputs are not modelled (must be null).
+API int cuStreamGetCaptureInfo_v2(void* stream, int* status, unsigned long long* id, void** graph,
+                                  const void** deps, size_t* count) {
+  LIVE();
+  if (status == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (graph != nullptr || deps != nullptr || count != nullptr) {
+    return violation(CUDA_ERROR_INVALID_VALUE, "cuStreamGetCaptureInfo_v2: graph and dependency outputs are not modelled");
+  }
+  Stream* s = nullptr;
+  if (int rc = resolve(stream, &s)) return rc;
+  std::lock_guard<std::mutex> lc(g_capture_mu);
+  *status = s->capture == nullptr ? 0 : s->capture->error ? 2 : 1;
+  if (id != nullptr && *status == 1) *id = s->capture->id;
+  return CUDA_SUCCESS;
+}
+API int cuThreadExchangeStreamCaptureMode(int* mode) {
+  if (mode == nullptr || *mode < CU_STREAM_CAPTURE_MODE_GLOBAL || *mode > CU_STREAM_CAPTURE_MODE_RELAXED) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  std::swap(*mode, t_capture_mode);
   return CUDA_SUCCESS;
 }
 API int cuStreamEndCapture(void* stream, void** graph) {
@@ -2094,23 +2166,42 @@ API int cuStreamEndCapture(void* stream, void** graph) {
       return violation(908, "cuStreamEndCapture from another thread than its cuStreamBeginCapture");
     }
     c.reset(s->capture);
+    g_active.erase(c.get());
     end_capture_locked(c.get());
   }
   if (c->error != 0) return 901;  // invalidated: no graph (the violation was logged then)
+  // Every joined stream's last captured op must precede some op of the
+  // origin, following stream order and each wait back to the record it
+  // picked (the event's latest record before it in capture order), through
+  // any number of streams, as CUDA's graph dependencies do.
+  const std::vector<CapOp>& ops = c->ops;
+  std::vector<std::vector<size_t>> next(ops.size());
+  {
+    std::map<Stream*, size_t> prev;     // stream -> its latest op so far
+    std::map<Event*, size_t> recorded;  // event -> its latest record so far
+    for (size_t i = 0; i < ops.size(); ++i) {
+      auto p = prev.find(ops[i].stream);
+      if (p != prev.end()) next[p->second].push_back(i);
+      prev[ops[i].stream] = i;
+      if (ops[i].kind == kCapRecord) recorded[ops[i].event] = i;
+      if (ops[i].kind == kCapWait) {
+        auto r = recorded.find(ops[i].event);
+        if (r != recorded.end()) next[r->second].push_back(i);
+      }
+    }
+  }
   for (Stream* m : c->members) {
     if (m == s || !c->last.count(m)) continue;
-    const size_t last = c->last[m];
+    std::vector<char> seen(ops.size(), 0);
+    std::vector<size_t> todo{c->last[m]};
     bool joined = false;
-    for (size_t i = last + 1; i < c->ops.size() && !joined; ++i) {
-      const CapOp& op = c->ops[i];
-      if (op.stream != s || op.kind != kCapWait) continue;
-      // The record it waits for (the event's latest before the wait): on m,
-      // at or after m's last op.
-      size_t at = i;
-      for (size_t j = 0; j < i; ++j) {
-        if (c->ops[j].kind == kCapRecord && c->ops[j].event == op.event) at = j;
-      }
-      joined = at < i && c->ops[at].stream == m && at >= last;
+    while (!todo.empty() && !joined) {
+      const size_t i = todo.back();
+      todo.pop_back();
+      if (seen[i]) continue;
+      seen[i] = 1;
+      joined = ops[i].stream == s;
+      for (size_t j : next[i]) todo.push_back(j);
     }
     if (!joined) {
       return violation(904, "cuStreamEndCapture: a stream that joined the capture was not joined back "
@@ -2199,6 +2290,7 @@ API int cuGraphLaunch(void* exec, void* stream) {
   for (const CapOp& op : x->ops) {
     Stream* on = op.stream == x->origin ? l : x->streams.at(op.stream);
     if (op.kind == kCapRun) {
+      if (op.replayed) op.replayed();
       Op o;
       o.run = op.run;
       enqueue(on, std::move(o));

@@ -71,6 +71,9 @@ class Sim:
         self.lib.simgpu_set_delay_us.argtypes = [vp, ctypes.c_long]
         self.lib.simgpu_sleep.argtypes = [vp, ctypes.c_long]
         self.lib.simgpu_copy.argtypes = [vp, vp, vp, ctypes.c_size_t]
+        self.lib.cuStreamGetCaptureInfo_v2.argtypes = [
+            vp, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_ulonglong), vp, vp, vp
+        ]  # fmt: skip
         self.lib.simgpu_violations.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         self.lib.simgpu_counter.argtypes = [ctypes.c_char_p]
         self.lib.simgpu_counter.restype = ctypes.c_long
@@ -217,10 +220,16 @@ class SimStreams:
         names = ("simgpu_current_stream", "simgpu_before_host_write", "simgpu_produced")
         return tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names)
 
-    capture = False  # a test sets it: the current stream "captures a CUDA graph"
-
     def capturing(self, device: int) -> bool:
-        return self.capture
+        """Whether the current stream of `device` captures a graph (torch:
+        torch.cuda.is_current_stream_capturing())."""
+        status = ctypes.c_int()
+        with self.sim.on_device(device):
+            code = self.sim.lib.cuStreamGetCaptureInfo_v2(
+                self.current(device), ctypes.byref(status), None, None, None, None
+            )
+        assert code == 0, code
+        return status.value != 0
 
     def produced(self, device: int, tensor) -> None:
         if self.late_us <= 0 or not tensor.is_floating_point() or not tensor.numel():
