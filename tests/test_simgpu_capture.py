@@ -1,12 +1,15 @@
-"""Stream capture in the simulated driver (the ground the captured step of
-issue 44 is to stand on; pyddp itself does not capture yet): work queued on
-a capturing stream is recorded, not run; a stream waiting on a captured
-event joins the capture and must be joined back; a graph launch replays the
-work (on streams of its own for the joined streams) after the launch
-stream's earlier work; and the calls CUDA forbids during a capture fail
-with CUDA's errors, the capture invalidated where CUDA invalidates it. Each
-scenario runs in a process of its own (tests/spawn.py's run_alone), on the
-simulation's own entry points through ctypes."""
+"""Stream capture in the simulated driver, and pyddp's captured step on it.
+The driver: work queued on a capturing stream is recorded, not run; a
+stream waiting on a captured event joins the capture and must be joined
+back (through any number of streams); a graph launch replays the work (on
+streams of its own for the joined streams, NCCL collectives included) after
+the launch stream's earlier work; the calls CUDA forbids during a capture,
+or in a capture's mode, fail with CUDA's errors, the capture invalidated
+where CUDA invalidates it. pyddp: GradSync's reductions captured with a
+step replay to an eager step's bytes, a capture begun while reductions are
+in flight stays valid, and what a replay could not redo is refused by name.
+Each scenario runs in a process of its own (tests/spawn.py's run_alone),
+partly on the simulation's own entry points through ctypes."""
 
 from __future__ import annotations
 
