@@ -7,8 +7,8 @@
 # builds pyddp from this checkout (pip --no-build-isolation --no-deps: the
 # build tools must be installed, as the README's build from source says),
 # then runs `python -m pyddp.doctor`, its `--selftest`, `tests/test_gpu.py`
-# and bench/gpu_step.py (plain vs 1 and 2 replicas on one GPU, eager and
-# compiled: step, host and GPU busy ms), each stage under a time limit so the
+# and bench/gpu_step.py (plain vs 1 and 2 replicas on one GPU, eager,
+# compiled and captured: step, host and GPU busy ms), each stage under a time limit so the
 # whole check ends within about 5 minutes. It ends with a summary that fits a
 # bug report: OUT/summary.txt (every stage's log is beside it).
 #

@@ -1,13 +1,16 @@
 """One GPU, one process: the training step of the plain model against
 `pyddp.wrap(model, [dev])` and `pyddp.wrap(model, [dev, dev])` (2 replicas
-sharing the GPU, each with half the batch: the same GPU work as plain), eager
-and compiled, interleaved. Per variant: the step time (CUDA-synchronized
-wall time per step), the host time (until the last step's Python returned,
-before the synchronize: what the host spends launching a step) and the GPU
-busy time (the sum of kernel times per step, from torch.profiler). A step
-whose host time is close to its step time while the GPU is busy for much less
-is host-bound. Then an equivalence check: 5 AdamW steps in float32 (TF32
-off), plain against 2 replicas, their relative parameter difference.
+sharing the GPU, each with half the batch: the same GPU work as plain), eager,
+compiled and captured (the whole step, optimizer included, captured once into
+a CUDA graph with torch.cuda.graph after eager warm-up steps on a side
+stream, then replayed: docs/gpus.md, "Captured steps"), interleaved. Per
+variant: the step time (CUDA-synchronized wall time per step), the host time
+(until the last step's Python returned, before the synchronize: what the
+host spends launching a step) and the GPU busy time (the sum of kernel times
+per step, from torch.profiler). A step whose host time is close to its step
+time while the GPU is busy for much less is host-bound. Then an equivalence
+check: 5 AdamW steps in float32 (TF32 off), plain against 2 replicas, their
+relative parameter difference.
 
 The models are issue 44's: an MLP 1024x6 (batch 256, float32) and a 6-layer
 transformer (d 768, 12 heads, vocabulary 8192, 16 x 256 tokens, bfloat16
@@ -16,7 +19,7 @@ the same machinery at toy sizes (the GPU busy column is then empty): that is
 what CI checks; the figures mean something only on a GPU.
 
     python bench/gpu_step.py [--device cuda:0] [--models mlp,transformer]
-        [--modes eager,compiled] [--rounds 8] [--steps 5] [--quick]
+        [--modes eager,compiled,captured] [--rounds 8] [--steps 5] [--quick]
 
 Part of bench/gpu_check.sh (the one-command GPU check). Results:
 bench/results/gpu_step.json unless --out."""
@@ -64,8 +67,9 @@ def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def make_step(
     variant: str, name: str, mode: str, device: torch.device, quick: bool, lr: float = 1e-4
 ) -> Tuple[Step, Any]:
-    """A training step of `variant` ("plain", "wrap x1", "wrap x2") and what
-    to close after."""
+    """A training step of `variant` ("plain", "wrap x1", "wrap x2") in `mode`
+    ("eager", "compiled", "captured": a CUDA graph's replay) and what to
+    close after."""
     model, x, y, autocast = build(name, quick)
     model, x, y = model.to(device), x.to(device), y.to(device)
     cast = (
@@ -73,24 +77,38 @@ def make_step(
         if autocast and device.type == "cuda"
         else contextlib.nullcontext()
     )
+    captured = mode == "captured"  # (AdamW's step must be capturable then)
     if variant == "plain":
         run = torch.compile(model) if mode == "compiled" else model
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=captured)
         dm = None
     else:
         dm = pyddp.wrap(model, [str(device)] * (2 if variant == "wrap x2" else 1))
         if mode == "compiled":
             dm.compile()
-        run, opt = dm, dm.optimizer(torch.optim.AdamW, lr=lr)
+        run, opt = dm, dm.optimizer(torch.optim.AdamW, lr=lr, capturable=captured)
 
     def step() -> None:
+        opt.zero_grad(set_to_none=True)
         with cast:
             out = run(x)
         loss_of(out, y).backward()
         opt.step()
-        opt.zero_grad()
 
-    return step, dm
+    if not captured:
+        return step, dm
+    # torch's recipe: eager warm-up on a side stream (pyddp lays its buckets
+    # out again after the first synced backward), then one capture.
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay, dm
 
 
 def sync(device: torch.device) -> None:
@@ -191,12 +209,18 @@ def main() -> None:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--models", default="mlp,transformer")
-    p.add_argument("--modes", default=None, help="eager,compiled (default; eager with --quick)")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="of eager,compiled,captured (default: all on a GPU; eager with --quick)",
+    )
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
     device = torch.device(args.device)
-    modes = (args.modes or ("eager" if args.quick else "eager,compiled")).split(",")
+    modes = (args.modes or ("eager" if args.quick else "eager,compiled,captured")).split(",")
+    if "captured" in modes and device.type != "cuda":
+        p.error("--modes captured needs a CUDA device (it captures a CUDA graph)")
     rounds, steps = (2, 2) if args.quick else (args.rounds, args.steps)
     print(header())
     if device.type == "cuda":
@@ -205,7 +229,12 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         for mode in modes:
-            got = measure(name, mode, device, rounds, steps, args.quick)
+            try:
+                got = measure(name, mode, device, rounds, steps, args.quick)
+            except Exception as e:  # a mode that fails leaves the others' figures
+                results[f"{name} {mode}"] = {"error": f"{type(e).__name__}: {e}"}
+                rows.append([name, mode, "failed", f"{type(e).__name__}: {e}"[:60], "", "", "", ""])
+                continue
             results[f"{name} {mode}"] = got
             for v, m in got.items():
                 busy = m["gpu_busy_ms"]
