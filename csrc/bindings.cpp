@@ -246,6 +246,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("nccl_loaded_path", &cuda::nccl_path);
   m.def("cuda_driver_library", &cuda::driver_library);
   m.def("cuda_driver_simulated", &cuda::driver_is_simulated);
+  m.def("cuda_capture_supported", &cuda::capture_supported,
+        "Whether the CUDA driver has what a captured step uses (capture info, capture modes).");
   m.def("cuda_compute_capability", &cuda::compute_capability, py::arg("device"));
   m.def("nvrtc_version", &cuda::nvrtc_version, py::arg("path"));
   m.def(

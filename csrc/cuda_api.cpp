@@ -61,6 +61,12 @@ void bind(void* lib, Fn& slot, const char* symbol, const std::string& what) {
   slot = reinterpret_cast<Fn>(p);
 }
 
+// Leaves `slot` null where the library lacks `symbol`.
+template <typename Fn>
+void bind_optional(void* lib, Fn& slot, const char* symbol) {
+  slot = reinterpret_cast<Fn>(dlsym(lib, symbol));
+}
+
 }  // namespace
 
 std::string driver_library() {
@@ -98,8 +104,9 @@ const DriverApi& driver() {
   bind(lib, d.cuStreamDestroy, "cuStreamDestroy_v2", what);
   bind(lib, d.cuStreamWaitEvent, "cuStreamWaitEvent", what);
   bind(lib, d.cuStreamQuery, "cuStreamQuery", what);
-  bind(lib, d.cuStreamGetCaptureInfo, "cuStreamGetCaptureInfo_v2", what);
-  bind(lib, d.cuThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode", what);
+  bind_optional(lib, d.cuStreamGetCaptureInfo2, "cuStreamGetCaptureInfo_v2");
+  bind_optional(lib, d.cuStreamGetCaptureInfo3, "cuStreamGetCaptureInfo_v3");
+  bind_optional(lib, d.cuThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode");
   bind(lib, d.cuEventCreate, "cuEventCreate", what);
   bind(lib, d.cuEventDestroy, "cuEventDestroy_v2", what);
   bind(lib, d.cuEventRecord, "cuEventRecord", what);
@@ -234,19 +241,36 @@ ContextRestore::~ContextRestore() {
 }
 
 RelaxedCaptureMode::RelaxedCaptureMode() {
-  PYDDP_CU(driver().cuThreadExchangeStreamCaptureMode(&saved_));
+  const DriverApi& d = driver();
+  if (d.cuThreadExchangeStreamCaptureMode == nullptr) return;  // no capture without it
+  PYDDP_CU(d.cuThreadExchangeStreamCaptureMode(&saved_));
+  exchanged_ = true;
 }
 
 RelaxedCaptureMode::~RelaxedCaptureMode() {
-  driver().cuThreadExchangeStreamCaptureMode(&saved_);  // best effort: a destructor must not throw
+  // Best effort: a destructor must not throw.
+  if (exchanged_) driver().cuThreadExchangeStreamCaptureMode(&saved_);
 }
 
 unsigned long long capture_id(CUstream stream) {
+  const DriverApi& d = driver();
   int status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE, _ACTIVE, _INVALIDATED
   unsigned long long id = 0;
-  PYDDP_CU(driver().cuStreamGetCaptureInfo(stream, &status, &id, nullptr, nullptr, nullptr));
+  if (d.cuStreamGetCaptureInfo2 != nullptr) {
+    PYDDP_CU(d.cuStreamGetCaptureInfo2(stream, &status, &id, nullptr, nullptr, nullptr));
+  } else if (d.cuStreamGetCaptureInfo3 != nullptr) {
+    PYDDP_CU(d.cuStreamGetCaptureInfo3(stream, &status, &id, nullptr, nullptr, nullptr, nullptr));
+  } else {
+    return 0;
+  }
   if (status == 0) return 0;
   return status == 1 && id != 0 ? id : ~0ull;  // (an invalidated capture's id is not given)
+}
+
+bool capture_supported() {
+  const DriverApi& d = driver();
+  return (d.cuStreamGetCaptureInfo2 != nullptr || d.cuStreamGetCaptureInfo3 != nullptr) &&
+         d.cuThreadExchangeStreamCaptureMode != nullptr;
 }
 
 namespace {

@@ -45,9 +45,14 @@ struct DriverApi {
   CUresult (*cuStreamDestroy)(CUstream);
   CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned);
   CUresult (*cuStreamQuery)(CUstream);
-  // (stream, CUstreamCaptureStatus*, capture id*, graph*, dependencies*, count*)
-  CUresult (*cuStreamGetCaptureInfo)(CUstream, int*, unsigned long long*, void**,
-                                     const void**, size_t*);
+  // Optional (null where the driver lacks them; capture_supported()):
+  // cuStreamGetCaptureInfo_v2 (CUDA 11.3+): (stream, CUstreamCaptureStatus*,
+  // capture id*, graph*, dependencies*, count*), and _v3 (12.3+), which adds
+  // edge data* before the count.
+  CUresult (*cuStreamGetCaptureInfo2)(CUstream, int*, unsigned long long*, void**, const void**,
+                                      size_t*);
+  CUresult (*cuStreamGetCaptureInfo3)(CUstream, int*, unsigned long long*, void**, const void**,
+                                      const void**, size_t*);
   CUresult (*cuThreadExchangeStreamCaptureMode)(int*);
   CUresult (*cuEventCreate)(CUevent*, unsigned);
   CUresult (*cuEventDestroy)(CUevent);
@@ -200,11 +205,16 @@ class RelaxedCaptureMode {
 
  private:
   int saved_ = kCaptureModeRelaxed;
+  bool exchanged_ = false;
 };
 
 // The id of the CUDA graph capture `stream` takes part in (unique in the
-// process), 0 when it captures nothing; an invalidated capture counts.
+// process), 0 when it captures nothing; an invalidated capture counts. 0
+// where the driver cannot say (capture_supported() false).
 unsigned long long capture_id(CUstream stream);
+// Whether the driver has what pyddp's captured steps use (its capture info
+// and the thread capture modes).
+bool capture_supported();
 
 }  // namespace cuda
 }  // namespace pyddp

@@ -12,6 +12,7 @@ from pyddp.engine.streams import StepCapture
 
 def _reducer(spans=False, pending=False, scattered=None):
     return SimpleNamespace(
+        _gpu_devices=None,  # (the driver's capture support is asked on GPUs only)
         _link=SimpleNamespace(spans_processes=spans),
         _plan=SimpleNamespace(rebuild_pending=pending),
         _layout=SimpleNamespace(scattered=scattered),

@@ -21,6 +21,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from .. import _C
+
 
 def cuda_stream_handle(device: int, stream_id: int) -> int:
     """The CUstream of torch's CUDA stream `stream_id` on `device` (an id
@@ -335,6 +337,12 @@ class StepCapture:
 
 def _not_capturable(reducer: Any) -> Any:
     """Why `reducer`'s step cannot be captured now, or None."""
+    if reducer._gpu_devices is not None and not _C.cuda_capture_supported():
+        return (
+            "this CUDA driver lacks cuStreamGetCaptureInfo_v2/_v3 or "
+            "cuThreadExchangeStreamCaptureMode, which pyddp needs to keep its reductions in "
+            "a capture (update the NVIDIA driver)"
+        )
     if reducer._link.spans_processes:
         return (
             "it spans processes: the per-step agreement between processes is read on the "
