@@ -53,6 +53,7 @@ std::mutex& nccl_launch_mutex() {
 }
 
 bool streams_idle(const CommSet& s) {
+  RelaxedCaptureMode relaxed;  // (queries, legal during a capture on another thread)
   for (CUstream st : s.streams) {
     if (driver().cuStreamQuery(st) != kCudaSuccess) return false;
   }

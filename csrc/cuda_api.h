@@ -194,8 +194,10 @@ class ContextRestore {
 // Runs the calling thread in CUDA's relaxed capture mode for its scope: its
 // queries of events recorded outside any capture (pyddp's own watch events)
 // stay legal while a stream capture is under way on this or another thread,
-// which CUDA's default global mode forbids (invalidating the capture), as
-// torch's NCCL watchdog does since it met the same rule.
+// which CUDA's default global mode forbids (invalidating the capture).
+// torch's NCCL watchdog, which met the same rule, uses the thread-local mode;
+// pyddp also queries from the capturing thread itself (finish()'s check),
+// which only the relaxed mode allows.
 class RelaxedCaptureMode {
  public:
   RelaxedCaptureMode();

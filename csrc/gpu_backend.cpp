@@ -115,6 +115,7 @@ void GpuBackend::throw_if_dead() const {
 
 void GpuBackend::probe_contexts(const CommSet& set) {
   ContextRestore restore;
+  RelaxedCaptureMode relaxed;  // (queries, legal during another thread's capture)
   try {
     for (size_t s = 0; s < set.streams.size(); ++s) {
       set_device(set.devices[s]);
@@ -153,6 +154,24 @@ void GpuBackend::wait_fence_locked(CUstream stream, int comm_index) {
   // graph's, complete within that graph's launch.
   if (capture_id(stream) != fence_capture_[comm_index]) return;
   PYDDP_CU(driver().cuStreamWaitEvent(stream, fence_[comm_index], 0));
+}
+
+void GpuBackend::one_capture_locked(const CommSet& set) {
+  std::vector<unsigned long long> ids;
+  for (size_t s = 0; s < set.streams.size(); ++s) {
+    set_device(set.devices[s]);
+    ids.push_back(capture_id(set.streams[s]));
+  }
+  if (std::adjacent_find(ids.begin(), ids.end(), std::not_equal_to<>()) == ids.end()) return;
+  std::string which;
+  for (size_t s = 0; s < ids.size(); ++s) {
+    which += detail::concat(s ? ", " : "", "cuda:", set.devices[s], ids[s] ? " capturing" : " not");
+  }
+  // Not a ReduceError: nothing was launched, the communicators stay usable.
+  throw UsageError(detail::concat(
+      "pyddp: the replicas' streams are not all in one CUDA graph capture (", which,
+      "): NCCL's ranks launched now and those launched only at a replay would never meet. "
+      "Run every device's work on a stream that joined the capture"));
 }
 
 void GpuBackend::note_abort(const CommSet& set) {
@@ -246,17 +265,16 @@ void GpuBackend::fence() {
   throw_if_dead();
   const DriverApi& d = driver();
   ContextRestore restore;
-  std::vector<unsigned long long> captured(set->streams.size());
-  {
-    std::lock_guard<std::mutex> launch(set->launch_mu);
-    for (size_t s = 0; s < set->streams.size(); ++s) {
-      set_device(set->devices[s]);
-      captured[s] = capture_id(set->streams[s]);
-      PYDDP_CU(d.cuEventRecord(fence_[s], set->streams[s]));
-    }
-  }
+  // Lock order: launch_mu, then writers_mu_ (use_stream takes writers_mu_
+  // alone): each fence and the capture it was recorded in change together.
+  std::lock_guard<std::mutex> launch(set->launch_mu);
   std::lock_guard<std::mutex> lk(writers_mu_);
-  fence_capture_ = captured;
+  for (size_t s = 0; s < set->streams.size(); ++s) {
+    set_device(set->devices[s]);
+    const unsigned long long captured = capture_id(set->streams[s]);
+    PYDDP_CU(d.cuEventRecord(fence_[s], set->streams[s]));
+    fence_capture_[s] = captured;
+  }
   for (size_t r = 0; r < devices_.size(); ++r) {
     set_device(devices_[r]);
     // Every stream that wrote this replica's buckets waits on the GPU; the
@@ -519,6 +537,7 @@ void NcclBackend::launch_group(const std::vector<BufferRef>& bufs, int key, cons
   const std::string launching = what + " launch";
   try {
     wait_ready_locked(set, key);
+    one_capture_locked(set);
     if (before) before(set);
     // Several devices driven from one thread: the calls form one group, or
     // the first would wait for peers that are never launched.

@@ -59,6 +59,9 @@ class GpuBackend : public Backend {
   // Under the launch lock: the communication stream of each replica waits
   // for the events record_ready captured under `key`.
   void wait_ready_locked(const CommSet& set, int key);
+  // Under the launch lock, after the ready waits: every communication stream
+  // takes part in the same CUDA graph capture, or none does (UsageError).
+  void one_capture_locked(const CommSet& set);
   // Under the launch lock, after the launch: starts the timeout clock.
   void watch_locked(const CommSet& set, const std::string& what);
   void fail(const std::string& message);

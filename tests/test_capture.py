@@ -41,6 +41,17 @@ def test_replicas_that_capture_and_replicas_that_do_not_are_refused():
     with pytest.raises(RuntimeError, match="every replica's stream must take part"):
         capture.begin_eager(1)
     capture.reset()
+    capture.begin_eager(0)
+    with pytest.raises(RuntimeError, match=r"replicas \[0\] started this step on streams that"):
+        capture.begin(_reducer(), 1)
+    capture.reset()
+    capture.begin_eager(0)  # a forward with no backward, then replica 0 again, captured
+    capture.begin(_reducer(), 0)
+    capture.begin(_reducer(), 1)
+    capture.check_end(2, [])
+    assert capture.ended() and capture.backwards == 1
+    capture.begin_eager(0)
+    assert not capture.ended() and capture.backwards == 1 and not capture.eager
     capture.begin(_reducer(), 1)
     with pytest.raises(RuntimeError, match=r"replicas \[0\] ran no forward on a capturing"):
         capture.check_end(2, [])
@@ -51,5 +62,4 @@ def test_replicas_that_capture_and_replicas_that_do_not_are_refused():
     capture.begin(_reducer(), 0)
     capture.begin(_reducer(), 1)
     capture.check_end(2, [])
-    capture.ended()
-    assert capture.backwards == 1 and not capture.active
+    assert capture.ended() and capture.backwards == 2 and not capture.active

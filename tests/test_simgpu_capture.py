@@ -422,9 +422,11 @@ def test_a_capture_begun_while_reductions_are_in_flight_stays_valid():
 
 def captures_pyddp_refuses():
     """What a captured step cannot hold is refused by name, at the forward
-    (before any synced backward laid out the buckets again; a replica not
-    capturing beside one that does) or at finish() (a parameter without a
-    gradient): nothing is left half done, and eager steps go on after each."""
+    (before any synced backward laid out the buckets again; a replica
+    capturing beside one that does not, in either order) or at finish() (a
+    parameter without a gradient): nothing is left half done, and eager
+    steps go on after each, and after abort() of a step whose code raised
+    inside the capture."""
     from simulated import sim, streams
 
     devices = [0, 1]
@@ -448,6 +450,11 @@ def captures_pyddp_refuses():
         lib.cuStreamEndCapture(origin, ctypes.byref(graph))
         if graph.value:
             assert lib.cuGraphDestroy(graph) == 0
+        # The capture left unjoined is the refusal's own doing; any other
+        # broken rule is not.
+        seen = [v for v in sim.violations().splitlines() if v.strip()]
+        assert all("cuStreamEndCapture" in v for v in seen), (words, seen)
+        lib.simgpu_reset()
 
     def eager_steps_go_on():
         _captured_fill(sources, own, devices, 7)
@@ -471,6 +478,18 @@ def captures_pyddp_refuses():
     refused(mixed, "every replica's stream must take part in the capture")
     eager_steps_go_on()
 
+    # The other order: replica 0 eager, replica 1 capturing: refused at
+    # replica 1's forward, before any launch (NCCL's rank 0 would run now and
+    # rank 1 only at a replay: a hang no timeout watches).
+    def eager_first():
+        with streams.stream({0: sim.stream(0)}):
+            reps[0](x[:4]).pow(2).sum().backward()
+        reps[1](x[4:]).pow(2).sum().backward()
+        sync.finish()
+
+    refused(eager_first, "replicas [0] started this step on streams that capture nothing")
+    eager_steps_go_on()
+
     # A parameter without a gradient: refused at finish(), the backward dropped.
     def unused():
         for r, m in enumerate(reps):
@@ -480,9 +499,57 @@ def captures_pyddp_refuses():
 
     refused(unused, "no gradient for replica 0 parameter 2")
     eager_steps_go_on()
+
+    # The user's code raises inside the capture after a forward: abort() (as
+    # after any failed backward) ends the step, and eager steps go on.
+    def raises():
+        reps[0](x[:4])
+        raise RuntimeError("cannot be captured into a CUDA graph: the user's own")
+
+    refused(raises, "the user's own")
+    sync.abort()
+    eager_steps_go_on()
     sync.close()
-    lib.simgpu_reset()  # the captures refused mid-way were left unjoined on purpose
 
 
 def test_what_a_captured_step_cannot_hold_is_refused_by_name():
     run_alone(captures_pyddp_refuses)
+
+
+def nccl_ranks_split_across_a_capture() -> None:
+    """A collective whose ranks' streams are partly in a capture (the
+    collectives API, cuda:0's stream capturing, cuda:1's not) is refused
+    before anything is launched, naming the devices: NCCL's rank 1 would run
+    now and rank 0 only at a replay, a hang no timeout watches. The
+    communicators stay usable (the backstop behind the captured step's own
+    refusals, which come at the forward)."""
+    from simulated import sim, streams
+
+    from pyddp.runtime import libraries as _runtime
+
+    lib = _lib()[1]
+    backend = _runtime.make_backend([0, 1], timeout=30)
+    s0, s1 = sim.stream(0), sim.stream(1)
+    with streams.stream({0: s0, 1: s1}):
+        ts = [streams.upload(d, torch.full((1000,), float(d + 1))) for d in (0, 1)]
+    sim.synchronize(s0, 0)
+    sim.synchronize(s1, 1)
+    graph = vp()
+    assert lib.cuStreamBeginCapture_v2(s0, 0) == 0
+    try:
+        backend.reduce([t.data_ptr() for t in ts], [0, 1], [s0, s1], 1000, "float32")
+        raise AssertionError("a collective split across a capture was launched")
+    except Exception as e:
+        assert "not all in one CUDA graph capture (cuda:0 capturing, cuda:1 not)" in str(e), e
+    lib.cuStreamEndCapture(s0, ctypes.byref(graph))  # cuda:0's communication stream joined it
+    lib.simgpu_reset()  # (that unjoined stream is the refusal's own doing)
+    assert sim.counter("nccl_allreduce") == 0
+    backend.reduce([t.data_ptr() for t in ts], [0, 1], [s0, s1], 1000, "float32")
+    sim.synchronize(s0, 0)
+    sim.synchronize(s1, 1)
+    assert all(torch.equal(t, torch.full_like(t, 3.0)) for t in ts)
+    backend.close()
+
+
+def test_a_collective_split_across_a_capture_is_refused_before_launch():
+    run_alone(nccl_ranks_split_across_a_capture)

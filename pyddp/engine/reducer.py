@@ -206,7 +206,7 @@ class Reducer:
             return
         self._link.check_usable()
         if self._engine.active:
-            self._engine.abort()
+            self._capture.drop(self._engine)  # the engine's backward aborted, no capture
             self._link.abandon_unfinished()
         for r in range(len(self._replicas)):
             self.prepare(r)
@@ -223,8 +223,8 @@ class Reducer:
         captured = self._capture.at_finish(self)  # raises what a replay could not redo
         if not synced:  # a micro-batch the next synced backward's record counts
             self._work.backward_done()
-        # Unmarked slices are reconciled on the current streams; their
-        # reductions wait for them, and they wait for the reductions.
+        # Unmarked slices are reconciled on the current streams, their
+        # reductions waiting for them and they for the reductions.
         streams = self._order.current()
         if not captured:  # (captured: the host writes nothing)
             self._order.fence_all()
@@ -250,7 +250,8 @@ class Reducer:
                 self._link.abandon(f"its end of backward raised {type(e).__name__}: {e}")
             raise
         finally:
-            self._capture.ended() if captured else self._observe()
+            if not self._capture.ended():
+                self._observe()
         final_gradients(
             self._engine,
             self._layout,
@@ -313,6 +314,7 @@ class Reducer:
 
     def abort(self, reason: str = "abort() after a backward raised") -> None:
         """GradSync.abort (its docstring is the contract)."""
+        self._capture.reset()  # (a step that raised inside a capture: over)
         if self._engine is not None:
             self._engine.abort()
             arm_began(self)

@@ -163,6 +163,14 @@ class StreamOrder:
         """Whether replica's current stream captures a CUDA graph (StepCapture)."""
         return self.provider is not None and self.provider.capturing(self.devices[replica])
 
+    def others_capturing(self, replica: int) -> bool:
+        """Whether the current stream of another device than replica's
+        captures one (one GPU: asks nothing)."""
+        if self.provider is None:
+            return False
+        own = self.devices[replica]
+        return any(self.provider.capturing(d) for d in set(self.devices) if d != own)
+
     def use_current(self, engine: Any, replica: int, captured: bool = False) -> None:
         """The current stream is about to write replica's buckets: order it
         after the reductions still reading them (`captured`: it captures a
@@ -240,6 +248,7 @@ class StepCapture:
 
     def __init__(self) -> None:
         self.replicas: Set[int] = set()  # prepared on a capturing stream this backward
+        self.eager: Set[int] = set()  # prepared on streams that capture nothing
         self.backwards = 0  # captured backwards (stats()["captured_backwards"])
 
     @property
@@ -258,8 +267,10 @@ class StepCapture:
         except RuntimeError:
             self.drop(reducer._engine)
             raise
-        if not captured:
-            reducer._clock.begin(replica)  # (GPU timing: eager backwards only)
+        # GPU timing: eager backwards only; its event queries would break a
+        # capture under way on this thread (a mixed step, refused later).
+        if not captured and not reducer._order.others_capturing(replica):
+            reducer._clock.begin(replica)
         return captured
 
     def at_finish(self, reducer: Any) -> bool:
@@ -285,6 +296,14 @@ class StepCapture:
         """Replica `replica`'s forward starts on a capturing stream: raises,
         naming it, what a capture cannot hold."""
         why = _not_capturable(reducer)
+        if replica in self.eager:  # its own earlier forward: a step with no backward
+            self.eager.clear()
+        if why is None and self.eager:
+            why = (
+                f"replicas {sorted(self.eager)} started this step on streams that capture "
+                f"nothing and replica {replica} on a capturing one: every replica's stream must "
+                "take part in the capture (run each device's work on a stream that joined it)"
+            )
         if why is not None:
             raise RuntimeError(f"pyddp: this step cannot be captured into a CUDA graph: {why}")
         self.replicas.add(replica)
@@ -300,6 +319,7 @@ class StepCapture:
                 "on one that is not: every replica's stream must take part in the capture (run "
                 "each device's work on a stream that joined it)"
             )
+        self.eager.add(replica)
 
     def check_end(self, replicas: int, unmarked: List[Any]) -> None:
         """At finish() of a captured backward: every replica took part, and
@@ -322,10 +342,12 @@ class StepCapture:
         if why is not None:
             raise RuntimeError(f"pyddp: this step cannot be captured into a CUDA graph: {why}")
 
-    def ended(self) -> None:
-        if self.replicas:
-            self.backwards += 1
+    def ended(self) -> bool:
+        """At the end of finish(), captured or not: whether it was (counted)."""
+        captured = bool(self.replicas)
+        self.backwards += captured
         self.reset()
+        return captured
 
     def report(self) -> dict:
         """stats()'s part: the backwards captured (not in the means)."""
@@ -333,6 +355,7 @@ class StepCapture:
 
     def reset(self) -> None:
         self.replicas.clear()
+        self.eager.clear()
 
 
 def _not_capturable(reducer: Any) -> Any:

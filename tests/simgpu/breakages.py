@@ -197,8 +197,10 @@ BREAKAGES = {
     ),
     "compress-before-ready-wait": (
         "csrc/gpu_backend.cpp",
-        "    wait_ready_locked(set, key);\n    if (before) before(set);",
-        "    if (before) before(set);\n    wait_ready_locked(set, key);",
+        "    wait_ready_locked(set, key);\n    one_capture_locked(set);\n"
+        "    if (before) before(set);",
+        "    if (before) before(set);\n    wait_ready_locked(set, key);\n"
+        "    one_capture_locked(set);",
         "the compression kernel is queued before the communication stream waits for the "
         "gradients (reads them before autograd's late writes land)",
     ),
@@ -280,6 +282,13 @@ BREAKAGES = {
         "",
         "pyddp's watch queries its events in the thread's default (global) capture mode: a "
         "capture under way on any thread fails the query (900) and is invalidated",
+    ),
+    "nccl-ranks-split-across-a-capture": (
+        "csrc/gpu_backend.cpp",
+        "    one_capture_locked(set);\n",
+        "",
+        "an NCCL launch whose ranks' streams are partly in a CUDA graph capture goes ahead: "
+        "the ranks launched now wait for ranks that run only at a replay",
     ),
     "captured-stream-waits-on-eager-fence": (
         "csrc/gpu_backend.cpp",
