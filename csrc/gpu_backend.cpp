@@ -156,13 +156,15 @@ void GpuBackend::wait_fence_locked(CUstream stream, int comm_index) {
   PYDDP_CU(driver().cuStreamWaitEvent(stream, fence_[comm_index], 0));
 }
 
-void GpuBackend::one_capture_locked(const CommSet& set) {
+unsigned long long GpuBackend::one_capture_locked(const CommSet& set) {
   std::vector<unsigned long long> ids;
   for (size_t s = 0; s < set.streams.size(); ++s) {
     set_device(set.devices[s]);
     ids.push_back(capture_id(set.streams[s]));
   }
-  if (std::adjacent_find(ids.begin(), ids.end(), std::not_equal_to<>()) == ids.end()) return;
+  if (std::adjacent_find(ids.begin(), ids.end(), std::not_equal_to<>()) == ids.end()) {
+    return ids[0];
+  }
   std::string which;
   for (size_t s = 0; s < ids.size(); ++s) {
     which += detail::concat(s ? ", " : "", "cuda:", set.devices[s], ids[s] ? " capturing" : " not");
@@ -224,17 +226,15 @@ CUevent GpuBackend::take_event_locked(const CommSet& set, int stream_index) {
   return e;
 }
 
-void GpuBackend::watch_locked(const CommSet& set, const std::string& what) {
+void GpuBackend::watch_locked(const CommSet& set, const std::string& what,
+                              unsigned long long captured) {
   // A launch captured into a CUDA graph runs at each replay, not now: its
   // events would be captured ones, which no query may ask (CUDA fails it
   // and invalidates the capture). Not watched, as torch's ProcessGroupNCCL
   // leaves captured work to the graph's launcher.
-  for (size_t s = 0; s < set.streams.size(); ++s) {
-    set_device(set.devices[s]);
-    if (capture_id(set.streams[s]) != 0) {
-      captured_launches_.fetch_add(1, std::memory_order_relaxed);
-      return;
-    }
+  if (captured != 0) {
+    captured_launches_.fetch_add(1, std::memory_order_relaxed);
+    return;
   }
   InFlight f;
   f.what = what;
@@ -537,7 +537,7 @@ void NcclBackend::launch_group(const std::vector<BufferRef>& bufs, int key, cons
   const std::string launching = what + " launch";
   try {
     wait_ready_locked(set, key);
-    one_capture_locked(set);
+    const unsigned long long captured = one_capture_locked(set);
     if (before) before(set);
     // Several devices driven from one thread: the calls form one group, or
     // the first would wait for peers that are never launched.
@@ -560,7 +560,7 @@ void NcclBackend::launch_group(const std::vector<BufferRef>& bufs, int key, cons
                        std::chrono::duration<double>(timeout_s())),
                launching.c_str());
     if (after) after(set);
-    watch_locked(set, what);
+    watch_locked(set, what, captured);
   } catch (const ReduceError& e) {
     // A communicator in error cannot be trusted again: fail, abort (outside
     // the launch lock, which the abort takes), and let recover() rebuild.
@@ -700,13 +700,14 @@ void SharedGpuBackend::launch_kernel(CUfunction fn, const std::vector<BufferRef>
   const CommSet& set = *launch.set;
   ContextRestore restore;
   wait_ready_locked(set, key);
+  const unsigned long long captured = one_capture_locked(set);
   if (count > 0) {
     void* args[] = {&ptrs, &replicas, &count, &arg};
     set_device(devices_[0]);
     PYDDP_CU(driver().cuLaunchKernel(fn, grid_blocks(count), 1, 1, kThreads, 1, 1, 0,
                                      comm_stream(set, 0), args, nullptr));
   }
-  watch_locked(set, detail::concat(what, " across ", n, " replicas"));
+  watch_locked(set, detail::concat(what, " across ", n, " replicas"), captured);
 }
 
 void SharedGpuBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {

@@ -59,11 +59,12 @@ class GpuBackend : public Backend {
   // Under the launch lock: the communication stream of each replica waits
   // for the events record_ready captured under `key`.
   void wait_ready_locked(const CommSet& set, int key);
-  // Under the launch lock, after the ready waits: every communication stream
-  // takes part in the same CUDA graph capture, or none does (UsageError).
-  void one_capture_locked(const CommSet& set);
-  // Under the launch lock, after the launch: starts the timeout clock.
-  void watch_locked(const CommSet& set, const std::string& what);
+  // Under the launch lock, after the ready waits: the CUDA graph capture every
+  // communication stream takes part in (0: none), or UsageError if they differ.
+  unsigned long long one_capture_locked(const CommSet& set);
+  // Under the launch lock, after the launch: starts the timeout clock, unless
+  // the launch was `captured` into a graph (one_capture_locked's id).
+  void watch_locked(const CommSet& set, const std::string& what, unsigned long long captured);
   void fail(const std::string& message);
   void throw_if_failed() const;
   // Frees a hung collective (NCCL: abort the communicators under the launch

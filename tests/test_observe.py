@@ -128,6 +128,9 @@ class _Events:
     def event_done(self, event):
         return event["done"]
 
+    def capturing(self, device):  # (no CUDA graph capture here)
+        return False
+
     def elapsed_ms(self, start, end):
         assert start["done"] and end["done"]
         return end["at"] - start["at"]

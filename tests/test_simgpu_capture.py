@@ -312,6 +312,35 @@ def _grads(reps):
     return [[p.grad.clone() for p in m.parameters()] for m in reps]
 
 
+def _check_reduced(grads, sources, op):
+    """One replica's gradients against the closed-form reduction of the sources."""
+    for g, want in zip(grads, _expected(sources, op)):
+        assert torch.allclose(g, want, atol=1e-6), (g - want).abs().max()
+
+
+def _capture(own, devices, run):
+    """Runs `run()` inside a capture begun on devices[0]'s stream, the other
+    devices' streams joined through an event and joined back after it (also
+    when it raises); cuStreamEndCapture's code and the graph."""
+    from simulated import sim
+
+    lib = _lib()[1]
+    origin = own[devices[0]]
+    joins = {d: (_event(sim, lib, devices[0]), _event(sim, lib, d)) for d in own if d != devices[0]}
+    assert lib.cuStreamBeginCapture_v2(origin, 0) == 0
+    for d, (fork, _) in joins.items():
+        assert lib.cuEventRecord(fork, origin) == 0 and lib.cuStreamWaitEvent(own[d], fork, 0) == 0
+    graph = vp()
+    try:
+        run()
+    finally:
+        for d, (_, back) in joins.items():
+            assert lib.cuEventRecord(back, own[d]) == 0
+            assert lib.cuStreamWaitEvent(origin, back, 0) == 0
+        code = lib.cuStreamEndCapture(origin, ctypes.byref(graph))
+    return code, graph
+
+
 def captured_step_replays_as_eager(devices, op):
     """A step of GradSync's replicas captured into a graph (origin: device
     0's stream; the other devices' streams joined through an event and
@@ -331,20 +360,12 @@ def captured_step_replays_as_eager(devices, op):
     for d, s in own.items():
         sim.synchronize(s, d)
     eager = _grads(reps)
-    for got, want in zip(eager[0], _expected(sources, op)):
-        assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+    _check_reduced(eager[0], sources, op)
     sync._reducer._engine.check()  # the eager launches, completed, leave the watch
     launches = sync._reducer._backend.captured_launches
-    # Capture.
-    joins = {d: (_event(sim, lib, devices[0]), _event(sim, lib, d)) for d in own if d != devices[0]}
-    assert lib.cuStreamBeginCapture_v2(origin, 0) == 0
-    for d, (fork, _) in joins.items():
-        assert lib.cuEventRecord(fork, origin) == 0 and lib.cuStreamWaitEvent(own[d], fork, 0) == 0
-    _captured_step(sync, reps, own, devices)
-    for d, (_, back) in joins.items():
-        assert lib.cuEventRecord(back, own[d]) == 0 and lib.cuStreamWaitEvent(origin, back, 0) == 0
-    graph, exe = vp(), vp()
-    assert lib.cuStreamEndCapture(origin, ctypes.byref(graph)) == 0, sim.violations()
+    code, graph = _capture(own, devices, lambda: _captured_step(sync, reps, own, devices))
+    assert code == 0, sim.violations()
+    exe = vp()
     assert lib.cuGraphInstantiateWithFlags(ctypes.byref(exe), graph, 0) == 0
     assert sync._reducer._backend.captured_launches > launches  # the buckets are in the graph
     assert sync.stats()["captured_backwards"] == 1
@@ -357,15 +378,13 @@ def captured_step_replays_as_eager(devices, op):
         if reference is not None:
             assert all(torch.equal(a, b) for ga, gb in zip(got, reference) for a, b in zip(ga, gb))
         for per_replica in got:
-            for g, want in zip(per_replica, _expected(sources, op)):
-                assert torch.allclose(g, want, atol=1e-6), (g - want).abs().max()
+            _check_reduced(per_replica, sources, op)
     # Eager steps after the replays.
     _captured_fill(sources, own, devices, 4)
     _captured_step(sync, reps, own, devices)
     for d, s in own.items():
         sim.synchronize(s, d)
-    for g, want in zip(_grads(reps)[-1], _expected(sources, op)):
-        assert torch.allclose(g, want, atol=1e-6), (g - want).abs().max()
+    _check_reduced(_grads(reps)[-1], sources, op)
     assert lib.cuGraphExecDestroy(exe) == 0 and lib.cuGraphDestroy(graph) == 0
     sync.close()
 
@@ -394,24 +413,16 @@ def capture_begun_with_reductions_in_flight(devices):
     _captured_fill(sources, own, devices, 3)
     sim.lib.simgpu_nccl_stall(1, 1)
     _captured_step(sync, reps, own, devices)  # its reductions wait for cuda:1's rank
-    joins = {d: (_event(sim, lib, devices[0]), _event(sim, lib, d)) for d in own if d != devices[0]}
-    assert lib.cuStreamBeginCapture_v2(origin, 0) == 0
-    for d, (fork, _) in joins.items():
-        assert lib.cuEventRecord(fork, origin) == 0 and lib.cuStreamWaitEvent(own[d], fork, 0) == 0
-    _captured_step(sync, reps, own, devices)
-    for d, (_, back) in joins.items():
-        assert lib.cuEventRecord(back, own[d]) == 0 and lib.cuStreamWaitEvent(origin, back, 0) == 0
-    graph, exe = vp(), vp()
-    ended = lib.cuStreamEndCapture(origin, ctypes.byref(graph))
+    ended, graph = _capture(own, devices, lambda: _captured_step(sync, reps, own, devices))
     sim.lib.simgpu_nccl_stall(1, 0)
     assert ended == 0, sim.violations()
+    exe = vp()
     assert lib.cuGraphInstantiateWithFlags(ctypes.byref(exe), graph, 0) == 0
     _captured_fill(sources, own, devices, 4)
     assert lib.cuGraphLaunch(exe, origin) == 0
     sim.synchronize(origin, devices[0])
     for per_replica in _grads(reps):
-        for g, want in zip(per_replica, _expected(sources, "sum")):
-            assert torch.allclose(g, want, atol=1e-6), (g - want).abs().max()
+        _check_reduced(per_replica, sources, "sum")
     assert lib.cuGraphExecDestroy(exe) == 0 and lib.cuGraphDestroy(graph) == 0
     sync.close()
 
@@ -432,22 +443,18 @@ def captures_pyddp_refuses():
     devices = [0, 1]
     sync, reps, sources, own = _captured_setup(devices, "sum")
     lib = _lib()[1]
-    origin = own[0]
-    graph = vp()
     x = torch.randn(8, 16)
 
     def refused(run, words):
-        fork, back = _event(sim, lib, 0), _event(sim, lib, 1)
-        assert lib.cuStreamBeginCapture_v2(origin, 0) == 0
-        assert lib.cuEventRecord(fork, origin) == 0 and lib.cuStreamWaitEvent(own[1], fork, 0) == 0
-        try:
-            with streams.stream(own):
-                run()
-            raise AssertionError(f"accepted: {words}")
-        except RuntimeError as e:
-            assert "cannot be captured into a CUDA graph" in str(e) and words in str(e), str(e)
-        assert lib.cuEventRecord(back, own[1]) == 0 and lib.cuStreamWaitEvent(origin, back, 0) == 0
-        lib.cuStreamEndCapture(origin, ctypes.byref(graph))
+        def expect_refusal():
+            try:
+                with streams.stream(own):
+                    run()
+                raise AssertionError(f"accepted: {words}")
+            except RuntimeError as e:
+                assert "cannot be captured into a CUDA graph" in str(e) and words in str(e), e
+
+        _, graph = _capture(own, devices, expect_refusal)
         if graph.value:
             assert lib.cuGraphDestroy(graph) == 0
         # The capture left unjoined is the refusal's own doing; any other
@@ -461,8 +468,7 @@ def captures_pyddp_refuses():
         _captured_step(sync, reps, own, devices)
         for d, s in own.items():
             sim.synchronize(s, d)
-        for g, want in zip(_grads(reps)[1], _expected(sources, "sum")):
-            assert torch.allclose(g, want, atol=1e-6), (g - want).abs().max()
+        _check_reduced(_grads(reps)[1], sources, "sum")
 
     # Before the first synced backward: the buckets are laid out again after it.
     refused(lambda: reps[0](x[:4]), "no synced backward ran yet")

@@ -335,7 +335,7 @@ class GpuClock:
             return
         device = self.devices[replica]
         with self._lock, self._or_give_up():
-            if device in self._open:
+            if device in self._open or self._capturing_elsewhere(device):
                 return
             ended = self._ended.pop(device, None)
             if ended is not None:
@@ -343,6 +343,13 @@ class GpuClock:
                 sums[4] += 1
                 sums[5] += self.provider.event_done(ended)
             self._open[device] = (self.provider.timing_event(device), time.perf_counter_ns())
+
+    def _capturing_elsewhere(self, device: int) -> bool:
+        """Whether another device's current stream captures a graph: then
+        this backward is not timed, its event queries would break that
+        capture (a step with replicas on both sides, which pyddp refuses).
+        One GPU: asks nothing."""
+        return any(self.provider.capturing(d) for d in set(self.devices) if d != device)
 
     def end(self) -> None:
         if self.devices is None or self.failed is not None:

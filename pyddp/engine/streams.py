@@ -163,14 +163,6 @@ class StreamOrder:
         """Whether replica's current stream captures a CUDA graph (StepCapture)."""
         return self.provider is not None and self.provider.capturing(self.devices[replica])
 
-    def others_capturing(self, replica: int) -> bool:
-        """Whether the current stream of another device than replica's
-        captures one (one GPU: asks nothing)."""
-        if self.provider is None:
-            return False
-        own = self.devices[replica]
-        return any(self.provider.capturing(d) for d in set(self.devices) if d != own)
-
     def use_current(self, engine: Any, replica: int, captured: bool = False) -> None:
         """The current stream is about to write replica's buckets: order it
         after the reductions still reading them (`captured`: it captures a
@@ -259,18 +251,16 @@ class StepCapture:
         """Whether replica `replica`'s forward starts a captured backward;
         raises what a capture cannot hold, the step dropped."""
         captured = reducer._order.capturing(replica)
-        try:
-            if captured:
-                self.begin(reducer, replica)
-            else:
-                self.begin_eager(replica)
-        except RuntimeError:
-            self.drop(reducer._engine)
-            raise
-        # GPU timing: eager backwards only; its event queries would break a
-        # capture under way on this thread (a mixed step, refused later).
-        if not captured and not reducer._order.others_capturing(replica):
-            reducer._clock.begin(replica)
+        if captured or self.replicas:  # (else nothing to refuse: an eager step)
+            with self._or_drop(reducer._engine):
+                if captured:
+                    self.begin(reducer, replica)
+                else:
+                    self.begin_eager(replica)
+        else:
+            self.eager.add(replica)
+        if not captured:
+            reducer._clock.begin(replica)  # (GPU timing: eager backwards only)
         return captured
 
     def at_finish(self, reducer: Any) -> bool:
@@ -278,12 +268,18 @@ class StepCapture:
         replay could not redo, the backward dropped."""
         if not self.replicas:
             return False
-        try:
+        with self._or_drop(reducer._engine):
             self.check_end(len(reducer._replicas), reducer._engine.unmarked())
-        except RuntimeError:
-            self.drop(reducer._engine)
-            raise
         return True
+
+    @contextlib.contextmanager
+    def _or_drop(self, engine: Any) -> Iterator[None]:
+        """A refusal inside drops the step before it propagates."""
+        try:
+            yield
+        except RuntimeError:
+            self.drop(engine)
+            raise
 
     def drop(self, engine: Any) -> None:
         """A step refused for capture: its backward, if one began, is
@@ -301,11 +297,10 @@ class StepCapture:
         if why is None and self.eager:
             why = (
                 f"replicas {sorted(self.eager)} started this step on streams that capture "
-                f"nothing and replica {replica} on a capturing one: every replica's stream must "
-                "take part in the capture (run each device's work on a stream that joined it)"
+                f"nothing and replica {replica} on a capturing one: {_TAKE_PART}"
             )
         if why is not None:
-            raise RuntimeError(f"pyddp: this step cannot be captured into a CUDA graph: {why}")
+            _refuse(why)
         self.replicas.add(replica)
 
     def begin_eager(self, replica: int) -> None:
@@ -313,11 +308,9 @@ class StepCapture:
         nothing: refused if others of this backward's started on capturing
         ones (those before them are named at finish())."""
         if self.replicas:
-            raise RuntimeError(
-                "pyddp: this step cannot be captured into a CUDA graph: replicas "
-                f"{sorted(self.replicas)} started it on capturing streams and replica {replica} "
-                "on one that is not: every replica's stream must take part in the capture (run "
-                "each device's work on a stream that joined it)"
+            _refuse(
+                f"replicas {sorted(self.replicas)} started it on capturing streams and replica "
+                f"{replica} on one that is not: {_TAKE_PART}"
             )
         self.eager.add(replica)
 
@@ -327,11 +320,7 @@ class StepCapture:
         missing = sorted(set(range(replicas)) - self.replicas)
         why = None
         if missing:
-            why = (
-                f"replicas {missing} ran no forward on a capturing stream in this step: every "
-                "replica's stream must take part in the capture (run each device's work on a "
-                "stream that joined it)"
-            )
+            why = f"replicas {missing} ran no forward on a capturing stream: {_TAKE_PART}"
         elif unmarked:
             shown = ", ".join(f"replica {r} parameter {i}" for r, i in list(unmarked)[:5])
             why = (
@@ -340,7 +329,7 @@ class StepCapture:
                 "step where every parameter gets its gradient)"
             )
         if why is not None:
-            raise RuntimeError(f"pyddp: this step cannot be captured into a CUDA graph: {why}")
+            _refuse(why)
 
     def ended(self) -> bool:
         """At the end of finish(), captured or not: whether it was (counted)."""
@@ -356,6 +345,16 @@ class StepCapture:
     def reset(self) -> None:
         self.replicas.clear()
         self.eager.clear()
+
+
+_TAKE_PART = (
+    "every replica's stream must take part in the capture (run each device's work on a "
+    "stream that joined it)"
+)
+
+
+def _refuse(why: str) -> None:
+    raise RuntimeError(f"pyddp: this step cannot be captured into a CUDA graph: {why}")
 
 
 def _not_capturable(reducer: Any) -> Any:

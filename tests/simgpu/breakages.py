@@ -197,10 +197,11 @@ BREAKAGES = {
     ),
     "compress-before-ready-wait": (
         "csrc/gpu_backend.cpp",
-        "    wait_ready_locked(set, key);\n    one_capture_locked(set);\n"
+        "    wait_ready_locked(set, key);\n"
+        "    const unsigned long long captured = one_capture_locked(set);\n"
         "    if (before) before(set);",
         "    if (before) before(set);\n    wait_ready_locked(set, key);\n"
-        "    one_capture_locked(set);",
+        "    const unsigned long long captured = one_capture_locked(set);",
         "the compression kernel is queued before the communication stream waits for the "
         "gradients (reads them before autograd's late writes land)",
     ),
@@ -271,8 +272,8 @@ BREAKAGES = {
     ),
     "captured-launches-watched": (
         "csrc/gpu_backend.cpp",
-        "    if (capture_id(set.streams[s]) != 0) {",
-        "    if (false) {",
+        "  if (captured != 0) {",
+        "  if (false) {",
         "launches captured into a CUDA graph are watched like eager ones: the watch queries "
         "their events, which belong to the graph (CUDA fails the query, 907)",
     ),
@@ -285,8 +286,8 @@ BREAKAGES = {
     ),
     "nccl-ranks-split-across-a-capture": (
         "csrc/gpu_backend.cpp",
-        "    one_capture_locked(set);\n",
-        "",
+        "  if (std::adjacent_find(ids.begin(), ids.end(), std::not_equal_to<>()) == ids.end()) {",
+        "  if (true) {",
         "an NCCL launch whose ranks' streams are partly in a CUDA graph capture goes ahead: "
         "the ranks launched now wait for ranks that run only at a replay",
     ),

@@ -2119,14 +2119,6 @@ API int cuStreamBeginCapture_v2(void* stream, int mode) {
   return CUDA_SUCCESS;
 }
 // status: 0 none, 1 active, 2 invalidated (CUstreamCaptureStatus).
-API int cuStreamIsCapturing(void* stream, int* status) {
-  LIVE();
-  Stream* s = nullptr;
-  if (int rc = resolve(stream, &s)) return rc;
-  std::lock_guard<std::mutex> lc(g_capture_mu);
-  *status = s->capture == nullptr ? 0 : s->capture->error ? 2 : 1;
-  return CUDA_SUCCESS;
-}
 // [CUDA] cuStreamGetCaptureInfo_v2: status (0 none, 1 active, 2
 // invalidated) and, while active, the capture's id (unique in the process);
 // the graph and dependency outputs are not modelled (must be null).
@@ -2143,6 +2135,9 @@ API int cuStreamGetCaptureInfo_v2(void* stream, int* status, unsigned long long*
   *status = s->capture == nullptr ? 0 : s->capture->error ? 2 : 1;
   if (id != nullptr && *status == 1) *id = s->capture->id;
   return CUDA_SUCCESS;
+}
+API int cuStreamIsCapturing(void* stream, int* status) {
+  return cuStreamGetCaptureInfo_v2(stream, status, nullptr, nullptr, nullptr, nullptr);
 }
 API int cuThreadExchangeStreamCaptureMode(int* mode) {
   if (mode == nullptr || *mode < CU_STREAM_CAPTURE_MODE_GLOBAL || *mode > CU_STREAM_CAPTURE_MODE_RELAXED) {
