@@ -96,6 +96,34 @@ def test_stream_ordering_without_host_syncs():
         assert torch.equal(dm.replicas[1].w.grad, grad)
 
 
+@pytest.mark.parametrize("devices", [["cuda:0"] * 2, ["cuda:0"] * 3])
+def test_backward_and_step_on_other_streams_than_the_forward(devices):
+    # autograd runs the backward on the forward's stream (its device thread)
+    # and makes the caller's stream wait for that stream only, before
+    # finish(): pyddp must order the caller's stream, where the step reads
+    # the gradients, after the reductions too (the simulated tier's
+    # test_backward_runs_as_autograd_runs_it_on_gpus, here with torch's own
+    # autograd). The delayed backward kernels keep the reduction late.
+    torch.manual_seed(0)
+    dm = pyddp.wrap(Big().cuda(), devices, bucket_cap_mb=0)
+    x = torch.ones(8 * len(devices), 4096, device="cuda")
+    forward, caller = torch.cuda.Stream(), torch.cuda.Stream()
+    forward.wait_stream(torch.cuda.current_stream())
+    for _ in range(3):
+        with torch.cuda.stream(forward):
+            dm.zero_grad()
+            out = dm(x).sum()
+        with torch.cuda.stream(caller):
+            out.backward()
+            grad = dm.module.w.grad.clone()  # on the caller's stream, no host sync
+            other = dm.replicas[-1].w.grad.clone()
+        caller.synchronize()
+        # d(sum(x @ w))/dw = x^T 1: 8 rows of ones per replica, summed
+        assert torch.equal(grad, torch.full_like(grad, 8.0 * len(devices)))
+        assert torch.equal(other, grad)
+        forward.wait_stream(caller)
+
+
 def test_cpp_hooks_mark_every_gradient_with_its_producing_stream_on_gpu():
     # pyddp._hot's hooks on GPU replicas read torch's current stream from C++
     # (c10, each stream id turned into its CUstream once): on the default

@@ -72,6 +72,150 @@ def test_wrap_equals_single_device_with_slow_streams(devices, cap, own_streams):
     run_alone(wrap_equals_single_device_with_slow_streams, devices, cap, own_streams)
 
 
+def backward_on_autograd_device_threads(devices, cap):
+    from simulated import gpu_wrap, sim, streams
+
+    # The communication streams slow (created at wrap), the caller's fast: a
+    # caller's stream not ordered after the reductions reads before they land.
+    sim.lib.simgpu_set_delay_us(None, 3000)
+    torch.manual_seed(0)
+    # Every parameter gets its gradient: none is settled on the caller's
+    # streams at finish(), which would order them after the reductions anyway.
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(),
+                          nn.Linear(32, 5))  # fmt: skip
+    ref = copy.deepcopy(model)
+    dm = gpu_wrap(model, devices, bucket_cap_mb=cap)
+    opt = dm.optimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    forward = {d: sim.stream(d) for d in set(devices)}
+    caller = {d: sim.stream(d) for d in set(devices)}
+    for s in [*forward.values(), *caller.values()]:
+        sim.lib.simgpu_set_delay_us(s, 0)
+    seen = []  # (replica, thread, current stream of its device) at a gradient hook
+    for r, rep in enumerate(dm.replicas):
+        p = next(rep.parameters())
+        p.register_post_accumulate_grad_hook(
+            lambda p, r=r, d=devices[r]: seen.append((r, threading.get_ident(), streams.current(d)))
+        )
+    threads = streams.device_threads
+    torch.manual_seed(1)
+    for step in range(4):
+        x, y = torch.randn(13, 10), torch.randint(0, 5, (13,))
+        # zero_grad and forward on one set of streams; backward and the step
+        # on another. Step 1: two backwards over one graph (retain_graph).
+        with streams.stream(forward):
+            opt.zero_grad()
+            loss = F.cross_entropy(dm(x), y)
+        with streams.stream(caller):
+            if step == 1:
+                loss.backward(retain_graph=True)
+            loss.backward()
+            # The optimizer's kernels read on the caller's streams: the host
+            # stands in for them once those streams are drained.
+            streams.synchronize_all(devices)
+            opt.step()
+            streams.synchronize_all(devices)
+        ref_opt.zero_grad()
+        ref_loss = F.cross_entropy(ref(x), y)
+        if step == 1:
+            ref_loss.backward(retain_graph=True)
+        ref_loss.backward()
+        ref_opt.step()
+        for rep in dm.replicas[1:]:
+            for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+                assert torch.equal(p, p0), f"step {step}: replicas differ"
+        for p, q in zip(dm.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=f"step {step}")
+    # Each replica's hooks ran on its device's autograd thread, with the
+    # forward's stream current there, not on the caller's thread or streams.
+    assert threads.backwards == 5 * len(devices), threads.backwards
+    assert len(seen) == 5 * len(devices), seen
+    for r, ident, stream in seen:
+        assert ident == threads.idents[devices[r]], (r, ident, threads.idents)
+        assert stream == forward[devices[r]], (r, stream, forward, caller)
+    assert len(set(threads.idents.values())) == len(set(devices))
+    dm.close()
+
+
+@pytest.mark.parametrize("cap", [0, 25])
+@pytest.mark.parametrize("devices", [[0, 0], [0, 1], [0, 1, 2]])
+def test_backward_runs_as_autograd_runs_it_on_gpus(devices, cap):
+    # On a GPU, autograd runs each device's backward on a thread of its own,
+    # each op (and pyddp's hook after it) on the stream its forward ran on;
+    # the caller's streams wait for those at the end, and finish() runs on
+    # the caller's streams. The simulation does the same (device_threads.py),
+    # so gradients land late on the forward's streams while the optimizer
+    # reads on the caller's: pyddp's fence must order the caller's streams
+    # after the reductions, not only the streams that wrote the gradients.
+    run_alone(backward_on_autograd_device_threads, devices, cap)
+
+
+def torch_streams_on_the_simulated_driver(devices):
+    import contextlib
+
+    from simulated import sim
+    from torch_cuda import TorchStreamsOnSim, torch_cuda_on
+
+    sim.lib.simgpu_set_delay_us(None, 3000)  # as above: the reductions land late
+    provider = TorchStreamsOnSim(sim, devices)
+    with torch_cuda_on(provider) as cuda:
+        torch.manual_seed(0)
+        model = Mixed()  # its gradients arrive out of order: buckets laid out again
+        ref = copy.deepcopy(model)
+        with simulated_gpus(devices, provider):  # built on the default streams
+            dm = pyddp.wrap(model, ["cpu"] * len(devices), bucket_cap_mb=0.0005)
+        opt = dm.optimizer(torch.optim.AdamW, lr=0.01)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+        forward = [torch.cuda.Stream(d) for d in sorted(set(devices))]
+        caller = [torch.cuda.Stream(d) for d in sorted(set(devices))]
+        for s in forward + caller:
+            sim.lib.simgpu_set_delay_us(s.cuda_stream, 0)
+
+        def on(streams):
+            stack = contextlib.ExitStack()
+            for s in streams:
+                stack.enter_context(torch.cuda.stream(s))
+            return stack
+
+        for step, (x, y) in enumerate(make_batches(4, 13)):
+            with on(forward):
+                opt.zero_grad()
+                loss = F.cross_entropy(dm(x), y)
+            with on(caller):
+                loss.backward()
+                provider.synchronize_all(devices)  # the optimizer's kernels, in stream order
+                opt.step()
+                provider.synchronize_all(devices)
+            ref_opt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+            for p, q in zip(dm.module.parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=f"step {step}")
+        # The simulated caching allocator's verdict on every bucket freed,
+        # first: the first layout's, dropped at the re-layout while the
+        # communication streams may still use them, must have been retired
+        # with Tensor.record_stream (TorchStreams.retire).
+        broken = sim.violations()
+        assert not broken, broken
+        # TorchStreams' own calls ran: record_stream, the GPU clock's events.
+        assert cuda.recorded > 0
+        stats = dm.stats()
+        assert set(stats["gpu"]) == {f"cuda:{d}" for d in set(devices)}, stats
+        assert provider.device_threads.backwards == 4 * len(devices)
+        dm.close()
+
+
+@pytest.mark.parametrize("devices", [[0, 0], [0, 1]])
+def test_pyddps_torch_stream_provider_on_the_simulated_driver(devices):
+    # The rest of this tier uses the simulation's own stream provider; on a
+    # GPU pyddp uses TorchStreams (torch.cuda's streams, record_stream,
+    # events). Here TorchStreams' own code runs, on a stand-in for those
+    # torch.cuda calls on the simulated driver (tests/simgpu/torch_cuda.py):
+    # a model built on the default streams, trained with zero_grad and
+    # forward on one set of streams and backward and the step on another.
+    run_alone(torch_streams_on_the_simulated_driver, devices)
+
+
 def half_precision_training(dtype):
     from simulated import gpu_wrap, streams
 

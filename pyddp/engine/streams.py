@@ -122,6 +122,13 @@ class TorchStreams:
     # ordered after that stream reads the wrong values.
     produced = None
 
+    # autograd_backward(devices, modules, fns): runs the replicas' backwards
+    # where autograd would on GPUs. On a GPU autograd does it by itself (a
+    # thread per device, each op on its forward's stream): None. The
+    # simulated replicas are host tensors, which torch would run on the
+    # calling thread, so the simulation's provider does what autograd does.
+    autograd_backward = None
+
 
 class HostCopy:
     """A device tensor's values on their way to the host: ready() asks

@@ -64,6 +64,8 @@ class StepsHost(Protocol):
     _syncbn: Optional[SyncBatchNorms]
     _passthrough: bool  # one replica, one process: nothing to scatter or reduce
     _parallel_backward: bool  # CPU replicas' backward on their workers
+    _gpus: Optional[List[int]]  # CUDA device per replica (None: CPUs)
+    _device_backward: Optional[Callable[..., None]]  # the simulated GPUs' (engine/streams.py)
     _apart_after_join: str  # why training is refused after Join ("" if not)
     _flags: StepFlags
 
@@ -286,6 +288,10 @@ class ReplicaSteps:
 
             return backward
 
+        if self._device_backward is not None:  # simulated GPUs, as autograd runs real ones
+            n = len(tensors)  # a batch of fewer shards: replicas 0..n-1
+            self._device_backward(self._gpus[:n], self._replicas[:n], [run(r) for r in range(n)])
+            return
         try:
             self._workers.run(
                 [self._breaking_meetings(r, run(r)) for r in range(len(tensors))], "backward"

@@ -299,6 +299,21 @@ BREAKAGES = {
         "one on a fence recorded in a capture (CUDA's isolation error, 905, the capture "
         "invalidated; or the stream pulled into the capture)",
     ),
+    "finish-fences-only-the-gradients-streams": (
+        "csrc/engine.cpp",
+        "    for (int r = 0; r < num_replicas_; ++r) backend_->use_stream(r, streams[r]);\n",
+        "",
+        "finish() fences only the streams that wrote the gradients, not the caller's current "
+        "streams: on a GPU autograd writes them on the forward's streams, from its device "
+        "threads, and the optimizer reads them on the caller's",
+    ),
+    "torch-streams-retire-without-record-stream": (
+        "pyddp/engine/streams.py",
+        "            t.record_stream(stream)",
+        "            pass",
+        "pyddp's GPU stream provider (TorchStreams) drops replaced buckets without "
+        "Tensor.record_stream",
+    ),
 }
 
 

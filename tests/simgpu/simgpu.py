@@ -15,6 +15,8 @@ import threading
 import weakref
 from typing import Dict, Iterator, Tuple
 
+from device_threads import DeviceThreads
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 KERNEL = os.path.join(ROOT, "csrc", "reduce_kernels.cu")
@@ -91,6 +93,7 @@ class Sim:
         self.lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
         self.lib.cuEventCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
         self.lib.cuEventRecord.argtypes = [vp, vp]
+        self.lib.cuStreamWaitEvent.argtypes = [vp, vp, ctypes.c_uint]
         self.lib.cuEventQuery.argtypes = [vp]
         self.lib.cuEventSynchronize.argtypes = [vp]
         self.lib.cuEventDestroy_v2.argtypes = [vp]
@@ -178,6 +181,7 @@ class SimStreams:
         self._memory: Dict[int, object] = {}  # body address -> its host memory, until released
         self._blocks: Dict[int, int] = {}  # storage address -> body address, while alive
         self._recorded: Dict[int, set] = {}  # body address -> streams record_stream named
+        self.device_threads = DeviceThreads(self)
 
     @property
     def late_us(self) -> int:
@@ -219,6 +223,16 @@ class SimStreams:
         lib = self.sim.lib
         names = ("simgpu_current_stream", "simgpu_before_host_write", "simgpu_produced")
         return tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names)
+
+    def set_device(self, device: int) -> None:
+        """This thread's current device (torch.cuda.set_device): its context."""
+        self.sim.use_device(device)
+
+    def autograd_backward(self, devices, modules, fns) -> None:
+        """Runs replica r's backward fns[r] as autograd runs it on GPU
+        devices[r] (device_threads.py): pyddp's wrapped model calls this
+        where torch would run the replicas' backwards on the calling thread."""
+        self.device_threads.run(devices, modules, fns)
 
     def capturing(self, device: int) -> bool:
         """Whether the current stream of `device` captures a graph (torch:
@@ -284,11 +298,15 @@ class SimStreams:
         `tensors`: their blocks are not reused before that stream passes the
         point where they are freed."""
         stream = self.current(device)
+        for t in tensors:
+            self.record_stream(t, stream)
+
+    def record_stream(self, tensor, stream: int) -> None:
+        """Tensor.record_stream(stream) for the simulated caching allocator."""
         with self._lock:
-            for t in tensors:
-                body = self._blocks.get(t.untyped_storage().data_ptr())
-                if body is not None:
-                    self._recorded.setdefault(body, set()).add(stream)
+            body = self._blocks.get(tensor.untyped_storage().data_ptr())
+            if body is not None:
+                self._recorded.setdefault(body, set()).add(stream)
 
     def _free(self, address: int, body_ptr: int) -> None:
         with self._lock:
