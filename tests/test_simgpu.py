@@ -216,6 +216,54 @@ def test_pyddps_torch_stream_provider_on_the_simulated_driver(devices):
     run_alone(torch_streams_on_the_simulated_driver, devices)
 
 
+def allocator_rule_sees_uses_not_yet_run():
+    from simulated import sim, streams
+
+    streams.late_us = 0
+    backend = _runtime.make_backend([0, 1], timeout=30)
+    other = {d: sim.stream(d) for d in (0, 1)}
+
+    def free_while_used(how, record):
+        # Memory allocated on cuda:0's default stream, then used on another
+        # stream by an op that runs only later: a copy behind a 100 ms sleep,
+        # or an NCCL all-reduce a non-blocking communicator queues only once
+        # its group finishes. Freed at once: safe only if record_stream named
+        # that stream (its marker then runs after the use).
+        if how == "copy":
+            src = streams.upload(0, torch.ones(1000))
+            used = [streams.zeros(1000, torch.float32, 0)]
+            sim.lib.simgpu_sleep(other[0], 100_000)
+            sim.lib.simgpu_copy(other[0], used[0].data_ptr(), src.data_ptr(), 4000)
+        else:
+            used = [streams.upload(d, torch.ones(1000)) for d in (0, 1)]
+            backend.reduce([t.data_ptr() for t in used], [0, 1], [other[0], other[1]], 1000,
+                           "float32", "sum")  # fmt: skip
+        if record:
+            for d, t in enumerate(used):
+                streams.record_stream(t, other[d])
+        del used  # the free: checked once its markers ran, the uses' ops maybe not yet
+        found = sim.violations()
+        for d in (0, 1):
+            sim.synchronize(other[d], d)
+        sim.lib.simgpu_reset()
+        return found
+
+    for how in ("copy", "nccl"):
+        assert free_while_used(how, record=True) == "", how
+        found = free_while_used(how, record=False)
+        assert "freed while" in found, (how, found)
+    backend.close()
+
+
+def test_the_allocator_rule_sees_uses_queued_but_not_yet_run():
+    # The simulated caching allocator's order rule (the allocation stream's
+    # next allocation may reuse a freed block at once) must see a use whose
+    # op is queued but has not run when the free is checked, and an NCCL call
+    # not yet queued: the verdict depends on the order asked for, not on how
+    # far the streams got.
+    run_alone(allocator_rule_sees_uses_not_yet_run)
+
+
 def half_precision_training(dtype):
     from simulated import gpu_wrap, streams
 

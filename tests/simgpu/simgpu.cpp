@@ -465,6 +465,7 @@ struct Guarded {
   int device;
   Stream* alloc = nullptr;  // the allocation stream
   std::map<int, uint64_t> uses;  // stream id -> last position that used the block
+  std::map<int, int> pending;    // stream id -> NCCL calls using it, not queued there yet
   BlockState state = kLive;
 };
 std::mutex g_mem_mu;
@@ -588,6 +589,28 @@ void note_use(const void* p) {
   }
 }
 
+// An op that uses [p, ...) was queued on `s` at position `pos`: recorded at
+// once, so a free checked before the op runs still sees it.
+void note_use_at(Stream* s, const void* p, uint64_t pos) {
+  if (pos == 0 || p == nullptr) return;  // captured: it runs at each graph launch
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  if (Guarded* g = block_of(p)) {
+    uint64_t& last = g->uses[s->id];
+    last = std::max(last, pos);
+    g_stream_device[s->id] = g->device;
+  }
+}
+// An NCCL call on `s` uses [p, ...) but a non-blocking communicator queues it
+// only later (`delta` +1 at the call, -1 once queued).
+void note_pending(Stream* s, const void* p, int delta) {
+  if (p == nullptr) return;
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  if (Guarded* g = block_of(p)) {
+    g->pending[s->id] += delta;
+    g_stream_device[s->id] = g->device;
+  }
+}
+
 // Every marker of a free has run: was each other stream's use of the block
 // ordered before the point where the allocation stream may hand it out again?
 struct FreeCheck {
@@ -603,6 +626,14 @@ void finish_free(FreeCheck* chk) {
     auto it = g_guarded.find(chk->body);
     if (it != g_guarded.end()) {
       Guarded& g = it->second;
+      for (const auto& [id, n] : g.pending) {
+        if (n <= 0) continue;
+        unsafe.push_back("an allocation of " + std::to_string(g.body) + " bytes on cuda:" +
+                         std::to_string(g.device) + " freed while an NCCL call that uses it is "
+                         "not yet queued on " + stream_name(id) + " (its non-blocking "
+                         "communicator still in progress): nothing can order it before the "
+                         "allocation stream's next allocation");
+      }
       for (const auto& [id, pos] : g.uses) {
         if (id == g.alloc->id) continue;  // stream order
         const auto r = chk->reached.find(id);
@@ -1482,7 +1513,8 @@ API int cuLaunchKernel(void* fn, unsigned gx, unsigned gy, unsigned gz, unsigned
     }
     check_guards(device, "a pyddp kernel");
   };
-  enqueue(s, std::move(op));
+  const uint64_t pos = enqueue(s, std::move(op));
+  for (size_t k = 0; k < used.size() && a.count > 0; ++k) note_use_at(s, a.ptrs.p[used[k]], pos);
   bump("kernel_launch");
   return CUDA_SUCCESS;
 }
@@ -1702,14 +1734,22 @@ int collective(int kind, const void* send, void* recv, size_t count, int dtype, 
   // stream is captured and runs at each graph launch, where the ranks meet
   // as eagerly (every rank's graph, or one graph holding them all, must be
   // launched).
-  auto launch = [comm, kind, send, recv, count, dtype, op, root, s] {
+  // Its buffers are in use from the call on: queued now, or (in a group of a
+  // non-blocking communicator) once the group finishes its launch.
+  const void* used[2] = {count > 0 && reads ? send : nullptr, count > 0 ? recv : nullptr};
+  auto launch = [comm, kind, send, recv, count, dtype, op, root, s, used] {
     ++comm->pending;
     Op o;
     o.run = [comm, kind, count, dtype, op, root, send, recv] {
       run_collective(comm, kind, count, dtype, op, root, send, recv);
     };
     o.replayed = [comm] { ++comm->pending; };
-    if (enqueue(s, std::move(o)) == 0) --comm->pending;  // captured: pending at each launch
+    const uint64_t pos = enqueue(s, std::move(o));
+    for (const void* p : used) {
+      note_use_at(s, p, pos);
+      note_pending(s, p, -1);
+    }
+    if (pos == 0) --comm->pending;  // captured: pending at each launch
   };
   if (t_group_depth == 0) {
     // [NCCL, "Group calls", management of multiple GPUs from one thread]:
@@ -1731,6 +1771,7 @@ int collective(int kind, const void* send, void* recv, size_t count, int dtype, 
   static const char* counters[] = {"nccl_allreduce", "nccl_broadcast", "nccl_allgather",
                                    "nccl_reducescatter"};
   bump(counters[kind]);
+  for (const void* p : used) note_pending(s, p, +1);
   if (t_group_depth > 0) {
     // Held until ncclGroupEnd: no other thread may use it in between.
     t_group.push_back(Pending{comm, launch});
@@ -2088,10 +2129,15 @@ API int simgpu_sleep(void* stream, long us) {
 }
 // A stream-ordered copy (a "kernel" writing dst).
 API int simgpu_copy(void* stream, void* dst, const void* src, size_t bytes) {
-  return enqueue_run(stream, [dst, src, bytes] {
+  Stream* s = nullptr;
+  if (int rc = resolve(stream, &s)) return rc;
+  Op op;
+  op.run = [dst, src, bytes] {
     note_use(dst);
     std::memcpy(dst, src, bytes);
-  });
+  };
+  note_use_at(s, dst, enqueue(s, std::move(op)));
+  return CUDA_SUCCESS;
 }
 // ---------------------------------------------------------------- graphs
 API int cuStreamBeginCapture_v2(void* stream, int mode) {
@@ -2369,7 +2415,7 @@ API int simgpu_produced(int device, void* stream, void* dst, size_t bytes) {
     note_use(dst);
     std::memcpy(dst, value->data(), bytes);
   };
-  enqueue(s, std::move(write));
+  note_use_at(s, dst, enqueue(s, std::move(write)));
   return 0;
 }
 API void simgpu_nccl_stall(int device, int on) {
