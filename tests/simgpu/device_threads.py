@@ -46,6 +46,8 @@ import torch
 
 
 class DeviceThreads:
+    """One stream provider's autograd device threads (see the module)."""
+
     def __init__(self, streams: Any):
         self.streams = streams
         self.sim = streams.sim
@@ -55,12 +57,8 @@ class DeviceThreads:
         self._forward = weakref.WeakKeyDictionary()
         self.idents: Dict[int, int] = {}  # device -> its thread's ident, once started
         self.backwards = 0  # replica backwards run here
-        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._note)
-
-    def close(self) -> None:
-        self._hook.remove()
-        for pool in self._threads.values():
-            pool.shutdown(wait=True)
+        # For the process: the simulated tier's scenarios each run in one.
+        torch.nn.modules.module.register_module_forward_pre_hook(self._note)
 
     def _note(self, module: torch.nn.Module, args: Any) -> None:
         """A module's forward begins: the current streams of this thread

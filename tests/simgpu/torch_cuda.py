@@ -100,7 +100,8 @@ class TorchCuda:
 
     def Stream(self, device: Any = None) -> Stream:
         index = self.current_device() if _index(device) is None else _index(device)
-        return Stream(self.sim.stream(index), index)
+        with self.sim.on_device(index):  # (torch's current device stays)
+            return Stream(self.sim.stream(index), index)
 
     @contextlib.contextmanager
     def stream(self, stream: Optional[Stream]) -> Iterator[None]:
