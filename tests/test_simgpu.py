@@ -72,6 +72,39 @@ def test_wrap_equals_single_device_with_slow_streams(devices, cap, own_streams):
     run_alone(wrap_equals_single_device_with_slow_streams, devices, cap, own_streams)
 
 
+def train_on_two_stream_sets(dm, ref, batches, devices, provider, on_forward, on_caller,
+                             twice_at=None):  # fmt: skip
+    """zero_grad and forward under on_forward(), backward and AdamW's step
+    under on_caller() (two backwards over one graph at step `twice_at`),
+    beside single-device training of `ref`: equal after every step."""
+    opt = dm.optimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    for step, (x, y) in enumerate(batches):
+        with on_forward():
+            opt.zero_grad()
+            loss = F.cross_entropy(dm(x), y)
+        with on_caller():
+            if step == twice_at:
+                loss.backward(retain_graph=True)
+            loss.backward()
+            # The optimizer's kernels read on the caller's streams: the host
+            # stands in for them once those streams are drained.
+            provider.synchronize_all(devices)
+            opt.step()
+            provider.synchronize_all(devices)
+        ref_opt.zero_grad()
+        ref_loss = F.cross_entropy(ref(x), y)
+        if step == twice_at:
+            ref_loss.backward(retain_graph=True)
+        ref_loss.backward()
+        ref_opt.step()
+        for rep in dm.replicas[1:]:
+            for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+                assert torch.equal(p, p0), f"step {step}: replicas differ"
+        for p, q in zip(dm.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=f"step {step}")
+
+
 def backward_on_autograd_device_threads(devices, cap):
     from simulated import gpu_wrap, sim, streams
 
@@ -85,8 +118,6 @@ def backward_on_autograd_device_threads(devices, cap):
                           nn.Linear(32, 5))  # fmt: skip
     ref = copy.deepcopy(model)
     dm = gpu_wrap(model, devices, bucket_cap_mb=cap)
-    opt = dm.optimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
     forward = {d: sim.stream(d) for d in set(devices)}
     caller = {d: sim.stream(d) for d in set(devices)}
     for s in [*forward.values(), *caller.values()]:
@@ -97,37 +128,14 @@ def backward_on_autograd_device_threads(devices, cap):
         p.register_post_accumulate_grad_hook(
             lambda p, r=r, d=devices[r]: seen.append((r, threading.get_ident(), streams.current(d)))
         )
-    threads = streams.device_threads
     torch.manual_seed(1)
-    for step in range(4):
-        x, y = torch.randn(13, 10), torch.randint(0, 5, (13,))
-        # zero_grad and forward on one set of streams; backward and the step
-        # on another. Step 1: two backwards over one graph (retain_graph).
-        with streams.stream(forward):
-            opt.zero_grad()
-            loss = F.cross_entropy(dm(x), y)
-        with streams.stream(caller):
-            if step == 1:
-                loss.backward(retain_graph=True)
-            loss.backward()
-            # The optimizer's kernels read on the caller's streams: the host
-            # stands in for them once those streams are drained.
-            streams.synchronize_all(devices)
-            opt.step()
-            streams.synchronize_all(devices)
-        ref_opt.zero_grad()
-        ref_loss = F.cross_entropy(ref(x), y)
-        if step == 1:
-            ref_loss.backward(retain_graph=True)
-        ref_loss.backward()
-        ref_opt.step()
-        for rep in dm.replicas[1:]:
-            for p, p0 in zip(rep.parameters(), dm.module.parameters()):
-                assert torch.equal(p, p0), f"step {step}: replicas differ"
-        for p, q in zip(dm.module.parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=f"step {step}")
+    batches = [(torch.randn(13, 10), torch.randint(0, 5, (13,))) for _ in range(4)]
+    train_on_two_stream_sets(dm, ref, batches, devices, streams,
+                             lambda: streams.stream(forward), lambda: streams.stream(caller),
+                             twice_at=1)  # fmt: skip
     # Each replica's hooks ran on its device's autograd thread, with the
     # forward's stream current there, not on the caller's thread or streams.
+    threads = streams.device_threads
     assert threads.backwards == 5 * len(devices), threads.backwards
     assert len(seen) == 5 * len(devices), seen
     for r, ident, stream in seen:
@@ -164,8 +172,6 @@ def torch_streams_on_the_simulated_driver(devices):
         ref = copy.deepcopy(model)
         with simulated_gpus(devices, provider):  # built on the default streams
             dm = pyddp.wrap(model, ["cpu"] * len(devices), bucket_cap_mb=0.0005)
-        opt = dm.optimizer(torch.optim.AdamW, lr=0.01)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
         forward = [torch.cuda.Stream(d) for d in sorted(set(devices))]
         caller = [torch.cuda.Stream(d) for d in sorted(set(devices))]
         for s in forward + caller:
@@ -177,20 +183,8 @@ def torch_streams_on_the_simulated_driver(devices):
                 stack.enter_context(torch.cuda.stream(s))
             return stack
 
-        for step, (x, y) in enumerate(make_batches(4, 13)):
-            with on(forward):
-                opt.zero_grad()
-                loss = F.cross_entropy(dm(x), y)
-            with on(caller):
-                loss.backward()
-                provider.synchronize_all(devices)  # the optimizer's kernels, in stream order
-                opt.step()
-                provider.synchronize_all(devices)
-            ref_opt.zero_grad()
-            F.cross_entropy(ref(x), y).backward()
-            ref_opt.step()
-            for p, q in zip(dm.module.parameters(), ref.parameters()):
-                torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=f"step {step}")
+        train_on_two_stream_sets(dm, ref, make_batches(4, 13), devices, provider,
+                                 lambda: on(forward), lambda: on(caller))  # fmt: skip
         # The simulated caching allocator's verdict on every bucket freed,
         # first: the first layout's, dropped at the re-layout while the
         # communication streams may still use them, must have been retired

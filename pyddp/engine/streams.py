@@ -124,9 +124,10 @@ class TorchStreams:
 
     # autograd_backward(devices, modules, fns): runs the replicas' backwards
     # where autograd would on GPUs. On a GPU autograd does it by itself (a
-    # thread per device, each op on its forward's stream): None. The
-    # simulated replicas are host tensors, which torch would run on the
-    # calling thread, so the simulation's provider does what autograd does.
+    # thread per device, each op on its forward's stream), so pyddp never
+    # asks (None). The simulated replicas are host tensors, which torch would
+    # run on the calling thread: the simulation's provider does what autograd
+    # does, and the wrapped model calls it for them.
     autograd_backward = None
 
 

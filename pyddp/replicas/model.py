@@ -110,9 +110,6 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         # calling thread, so backward is dispatched to the replica workers.
         # CUDA replicas get a thread per device from autograd itself.
         self._parallel_backward = len(replicas) > 1 and self.devices[0].type == "cpu"
-        # The simulated GPUs' replicas are host tensors: their provider runs
-        # the backwards as autograd runs GPU replicas' (engine/streams.py).
-        self._device_backward = None if self._streams is None else self._streams.autograd_backward
         # One replica and one process: nothing to scatter, join or reduce.
         self._passthrough = not self._reducer.reduces
         self._flags = StepFlags()

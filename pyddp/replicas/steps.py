@@ -65,7 +65,7 @@ class StepsHost(Protocol):
     _passthrough: bool  # one replica, one process: nothing to scatter or reduce
     _parallel_backward: bool  # CPU replicas' backward on their workers
     _gpus: Optional[List[int]]  # CUDA device per replica (None: CPUs)
-    _device_backward: Optional[Callable[..., None]]  # the simulated GPUs' (engine/streams.py)
+    _streams: Any  # their stream provider (engine/streams.py; None: CPUs)
     _apart_after_join: str  # why training is refused after Join ("" if not)
     _flags: StepFlags
 
@@ -288,9 +288,13 @@ class ReplicaSteps:
 
             return backward
 
-        if self._device_backward is not None:  # simulated GPUs, as autograd runs real ones
+        if self._streams is not None:
+            # Simulated GPUs (host tensors): their provider runs the backwards
+            # as autograd runs GPU replicas' (autograd_backward).
             n = len(tensors)  # a batch of fewer shards: replicas 0..n-1
-            self._device_backward(self._gpus[:n], self._replicas[:n], [run(r) for r in range(n)])
+            self._streams.autograd_backward(
+                self._gpus[:n], self._replicas[:n], [run(r) for r in range(n)]
+            )
             return
         try:
             self._workers.run(

@@ -578,21 +578,11 @@ bool device_memory(int device, const void* p, size_t bytes, const char* what) {
   return false;
 }
 
-// The op running on this stream thread used [p, ...): recorded for the
-// allocator rule.
-void note_use(const void* p) {
-  if (t_stream == nullptr || p == nullptr) return;
-  std::lock_guard<std::mutex> lk(g_mem_mu);
-  if (Guarded* g = block_of(p)) {
-    uint64_t& last = g->uses[t_stream->id];
-    last = std::max(last, t_pos);
-  }
-}
-
-// An op that uses [p, ...) was queued on `s` at position `pos`: recorded at
-// once, so a free checked before the op runs still sees it.
+// An op that uses [p, ...) was queued on `s` at position `pos`, recorded for
+// the allocator rule at once, so a free checked before the op runs still
+// sees it (pos 0: captured, recorded when a graph launch runs it).
 void note_use_at(Stream* s, const void* p, uint64_t pos) {
-  if (pos == 0 || p == nullptr) return;  // captured: it runs at each graph launch
+  if (s == nullptr || pos == 0 || p == nullptr) return;
   std::lock_guard<std::mutex> lk(g_mem_mu);
   if (Guarded* g = block_of(p)) {
     uint64_t& last = g->uses[s->id];
@@ -600,6 +590,9 @@ void note_use_at(Stream* s, const void* p, uint64_t pos) {
     g_stream_device[s->id] = g->device;
   }
 }
+// The op running on this stream thread used [p, ...) (a graph's op, whose
+// queueing recorded nothing, or one queued before its pointers were known).
+void note_use(const void* p) { note_use_at(t_stream, p, t_pos); }
 // An NCCL call on `s` uses [p, ...) but a non-blocking communicator queues it
 // only later (`delta` +1 at the call, -1 once queued).
 void note_pending(Stream* s, const void* p, int delta) {
