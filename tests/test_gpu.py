@@ -3,6 +3,7 @@ on one GPU and with replicas sharing it, stream ordering without host syncs,
 16-bit types, the collectives API on torch tensors and CuPy arrays, timeouts."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -103,25 +104,32 @@ def test_backward_and_step_on_other_streams_than_the_forward(devices):
     # finish(): pyddp must order the caller's stream, where the step reads
     # the gradients, after the reductions too (the simulated tier's
     # test_backward_runs_as_autograd_runs_it_on_gpus, here with torch's own
-    # autograd). The delayed backward kernels keep the reduction late.
+    # autograd). The delayed backward kernels keep the reduction late. The
+    # accumulators are torch's, made on the forward's stream, not the one
+    # current at wrap: torch warns when one runs on another stream than the
+    # gradient's producer (pyddp._hot's refresh rebinds them).
     torch.manual_seed(0)
     dm = pyddp.wrap(Big().cuda(), devices, bucket_cap_mb=0)
     x = torch.ones(8 * len(devices), 4096, device="cuda")
     forward, caller = torch.cuda.Stream(), torch.cuda.Stream()
     forward.wait_stream(torch.cuda.current_stream())
-    for _ in range(3):
-        with torch.cuda.stream(forward):
-            dm.zero_grad()
-            out = dm(x).sum()
-        with torch.cuda.stream(caller):
-            out.backward()
-            grad = dm.module.w.grad.clone()  # on the caller's stream, no host sync
-            other = dm.replicas[-1].w.grad.clone()
-        caller.synchronize()
-        # d(sum(x @ w))/dw = x^T 1: 8 rows of ones per replica, summed
-        assert torch.equal(grad, torch.full_like(grad, 8.0 * len(devices)))
-        assert torch.equal(other, grad)
-        forward.wait_stream(caller)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with torch.cuda.stream(forward):
+                dm.zero_grad()
+                out = dm(x).sum()
+            with torch.cuda.stream(caller):
+                out.backward()
+                grad = dm.module.w.grad.clone()  # on the caller's stream, no host sync
+                other = dm.replicas[-1].w.grad.clone()
+            caller.synchronize()
+            # d(sum(x @ w))/dw = x^T 1: 8 rows of ones per replica, summed
+            assert torch.equal(grad, torch.full_like(grad, 8.0 * len(devices)))
+            assert torch.equal(other, grad)
+            forward.wait_stream(caller)
+    mismatched = [w for w in seen if "AccumulateGrad node's stream" in str(w.message)]
+    assert not mismatched, mismatched[0].message
 
 
 def test_cpp_hooks_mark_every_gradient_with_its_producing_stream_on_gpu():
@@ -311,6 +319,21 @@ def test_two_processes_on_two_gpus(tmp_path):
         assert r["buffer"] == [1.0] * 16, r
 
 
+class Capturable(Mixed):
+    """Mixed without its host-side branch (`if mask.any()` reads the GPU: a
+    CUDA graph cannot hold it), and with every parameter used: pyddp settles
+    a parameter without a gradient on the host, which a replay would not
+    redo, so it refuses such a capture (by name)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
+        h = self.norm(torch.relu(h)).mean(dim=1)
+        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
+        h = torch.where((tokens[:, 0] == 0)[:, None], self.rare(h), h)
+        return self.head(h + self.never(h))
+
+
 @pytest.mark.parametrize("devices", [["cuda:0", "cuda:0"]])
 def test_a_captured_step_matches_eager_steps(devices):
     # The captured step (pyddp/engine/streams.py, StepCapture) on torch's side: forward,
@@ -321,7 +344,7 @@ def test_a_captured_step_matches_eager_steps(devices):
     # run on a GPU yet (written without one: the simulation captures pyddp's
     # own calls, not torch's).
     torch.manual_seed(0)
-    model = Mixed().cuda()
+    model = Capturable().cuda()
     twin = copy.deepcopy(model)
     batches = [(x.cuda(), y.cuda()) for x, y in make_batches(8, 13)]
     dm, ref = pyddp.wrap(model, devices), pyddp.wrap(twin, devices)
@@ -347,6 +370,9 @@ def test_a_captured_step_matches_eager_steps(devices):
     with torch.cuda.graph(graph):
         step(dm, opt, static_x, static_y)
     assert dm.stats()["captured_backwards"] == 1
+    hot = dm._reducer._layout.hot
+    if hot is not None:  # C++ hooks: their accumulators followed the side and capture streams
+        assert hot.rebound() > 0
     for x, y in batches[3:]:
         static_x.copy_(x)
         static_y.copy_(y)

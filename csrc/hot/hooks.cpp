@@ -256,17 +256,48 @@ class HookSet {
   // Replica r's hooks on the accumulators its parameters have now. torch
   // makes a parameter a new one when its data changes dtype or device
   // (Module._apply: .half().float(), .to(...)); the old one never runs
-  // again. Called before each forward (Reducer.prepare): a C++ loop.
+  // again. Called before each forward (Reducer.prepare), on the thread and
+  // with the streams the replica's forward runs with: a C++ loop.
+  //
+  // On GPUs an accumulator runs on the stream that was current when torch
+  // made it, and holding it (as these hooks must) keeps that stream. Made at
+  // wrap on the default stream, it would make every later backward on
+  // another stream wait on the default stream, and a backward captured into a
+  // CUDA graph fail ("operation would make the legacy stream depend on a
+  // capturing blocking stream", seen on an H200). So an accumulator made on
+  // another stream than this forward's is let go, and the one torch then
+  // makes here is hooked instead; where a graph still holds the old one
+  // (a loss kept alive), it stays, hook and all.
   void refresh(int r) {
     State& s = *state_;
     TORCH_CHECK(r >= 0 && static_cast<size_t>(r) < s.params.size(), "replica out of range");
+    std::optional<c10::Stream> now;  // torch's streams on GPU replicas (not a source's)
+    if (!s.devices.empty() && s.current == nullptr) {
+      now = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+                ->getStream(c10::Device(c10::DeviceType::CUDA,
+                                        static_cast<c10::DeviceIndex>(s.devices[r])));
+    }
     for (size_t i = 0; i < s.params[r].size(); ++i) {
+      auto& held = accumulators_[r][i];
       auto acc = torch::autograd::impl::grad_accumulator(s.params[r][i]);
       // None while frozen (requires_grad=False): no gradient to mark; the
       // model's follow names what changed (replicas/mirror.py).
-      if (!acc || acc.get() == accumulators_[r][i].get()) continue;
+      if (!acc) continue;
+      if (acc.get() == held.get()) {
+        const auto made_on = acc->stream();
+        if (!now.has_value() || !made_on.has_value() || *made_on == *now) continue;
+        // Held by a graph too (beyond `acc` and `held`; the parameter holds
+        // it weakly): it stays, hooked already. (use_count: torch's node
+        // pointer is a shared_ptr in some versions, an intrusive_ptr in others.)
+        if (acc.use_count() > 2) continue;
+        acc.reset();
+        held.reset();  // the node goes: torch makes the next one on this stream
+        acc = torch::autograd::impl::grad_accumulator(s.params[r][i]);
+        if (!acc) continue;
+        rebound_.fetch_add(1);
+      }
       acc->add_post_hook(std::make_unique<MarkHook>(state_, r, static_cast<int>(i)));
-      accumulators_[r][i] = std::move(acc);
+      held = std::move(acc);
     }
   }
 
@@ -284,6 +315,7 @@ class HookSet {
   void arm_began() { state_->began_due.store(true); }
   int64_t adopted() const { return state_->adopted.load(); }
   int64_t marks() const { return state_->marks.load(); }
+  int64_t rebound() const { return rebound_.load(); }
 
   // Hooks do nothing from now on; the nodes (and with them the hooks) go
   // once no graph holds them.
@@ -294,6 +326,7 @@ class HookSet {
 
  private:
   std::shared_ptr<State> state_;
+  std::atomic<int64_t> rebound_{0};  // accumulators let go for one on the forward's stream
   std::vector<
       std::vector<decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()))>>
       accumulators_;  // [replica][parameter]
@@ -323,6 +356,7 @@ PYBIND11_MODULE(_hot, m) {
       .def("arm_began", &HookSet::arm_began)
       .def("adopted", &HookSet::adopted)
       .def("marks", &HookSet::marks)
+      .def("rebound", &HookSet::rebound)
       .def("refresh", &HookSet::refresh, py::arg("replica"))
       .def("remove", &HookSet::remove);
   bind_wire(m);
