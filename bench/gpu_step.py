@@ -95,10 +95,17 @@ def make_step(
         loss_of(out, y).backward()
         opt.step()
 
-    if not captured:
-        return step, dm
-    # torch's recipe: eager warm-up on a side stream (pyddp lays its buckets
-    # out again after the first synced backward), then one capture.
+    return (capture(step, device) if captured else step), dm
+
+
+def capture(step: Step, device: torch.device) -> Step:
+    """torch's recipe: eager warm-up steps on a side stream (pyddp lays its
+    buckets out again after the first synced backward), then `step` captured
+    once; returns the replay. The replay keeps `step` (and with it the model,
+    the optimizer and the static inputs the graph reads and writes) alive:
+    memory freed under a graph is handed to the next allocation while every
+    replay still writes it (on an H200, a captured model's parameters freed
+    this way overwrote the next model's targets)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -108,7 +115,12 @@ def make_step(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return graph.replay, dm
+
+    def replay() -> None:
+        graph.replay()
+
+    replay.keep = step  # type: ignore[attr-defined]
+    return replay
 
 
 def sync(device: torch.device) -> None:
@@ -160,6 +172,48 @@ def equivalence(name: str, device: torch.device, quick: bool, steps: int = 5) ->
         diff = sum(float((p - q).double().square().sum()) for p, q in pairs) ** 0.5
         norm = sum(float(q.double().square().sum()) for _, q in pairs) ** 0.5
         dm.close()
+        return diff / norm
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def captured_equivalence(name: str, device: torch.device, quick: bool, steps: int = 5) -> float:
+    """Relative parameter difference after 3 eager warm-up steps and `steps`
+    replays of the captured step, against the same steps run eagerly on a
+    copy (2 replicas sharing `device`, float32, TF32 off, AdamW capturable in
+    both): the captured step is the eager one with the host taken out."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        models = []
+        for replay in (False, True):
+            model, x, y, _ = build(name, quick)
+            model, x, y = model.to(device), x.to(device), y.to(device)
+            dm = pyddp.wrap(model, [str(device)] * 2)
+            opt = dm.optimizer(torch.optim.AdamW, lr=1e-3, capturable=True)
+
+            def step(dm=dm, opt=opt, x=x, y=y) -> None:
+                opt.zero_grad(set_to_none=True)
+                loss_of(dm(x), y).backward()
+                opt.step()
+
+            if replay:
+                run = capture(step, device)  # warm-up (3 steps) + capture (none)
+            else:
+                for _ in range(3):
+                    step()
+                run = step
+            for _ in range(steps):
+                run()
+            sync(device)
+            models.append((dm, run))
+        (eager, _), (replayed, _) = models
+        pairs = list(zip(replayed.module.parameters(), eager.module.parameters()))
+        with torch.no_grad():
+            diff = sum(float((p - q).double().square().sum()) for p, q in pairs) ** 0.5
+            norm = sum(float(q.double().square().sum()) for _, q in pairs) ** 0.5
+        for dm, _ in models:
+            dm.close()
         return diff / norm
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
@@ -260,10 +314,22 @@ def main() -> None:
         if f"{name} equivalence" not in results:
             results[f"{name} equivalence"] = diff = equivalence(name, device, args.quick)
             print(f"measured: {name} equivalence {diff:.2e}", flush=True)
+        if mode == "captured":
+            try:
+                got = captured_equivalence(name, device, args.quick)
+            except Exception as e:
+                got = f"{type(e).__name__}: {e}"
+            results[f"{name} captured equivalence"] = got
+            shown = got if isinstance(got, str) else f"{got:.2e}"
+            print(f"measured: {name} captured vs eager {shown}", flush=True)
     print(table(heads + ["vs plain"], rows))
     for name in names:
         diff = results[f"{name} equivalence"]
         print(f"{name}: 2 replicas vs plain after 5 float32 AdamW steps: {diff:.2e} (relative)")
+        got = results.get(f"{name} captured equivalence")
+        if got is not None:
+            shown = got if isinstance(got, str) else f"{got:.2e} (relative)"
+            print(f"{name}: captured vs eager, 2 replicas, 3 + 5 float32 AdamW steps: {shown}")
     print(
         "host ms: until the last step's Python returned (before synchronizing); a step whose "
         "host ms is near its step ms, with the GPU busy for much less, is host-bound."
