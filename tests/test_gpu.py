@@ -340,9 +340,9 @@ def test_a_captured_step_matches_eager_steps(devices):
     # backward with pyddp's reductions inside it and a capturable AdamW step,
     # captured once with torch.cuda.graph after eager warm-up steps on a
     # side stream (torch's recipe), then replayed on new batches copied into
-    # the static inputs; against the same steps run eagerly on a copy. Not
-    # run on a GPU yet (written without one: the simulation captures pyddp's
-    # own calls, not torch's).
+    # the static inputs; against the same steps run eagerly on a copy
+    # (passed on an H200, 2026-11-28; the simulation captures pyddp's own
+    # calls, not torch's).
     torch.manual_seed(0)
     model = Capturable().cuda()
     twin = copy.deepcopy(model)
