@@ -105,6 +105,48 @@ def train_on_two_stream_sets(dm, ref, batches, devices, provider, on_forward, on
             torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=f"step {step}")
 
 
+def shared_gpu_replicas_step_once(devices, source):
+    from simulated import gpu_step, gpu_wrap
+
+    from pyddp.optim.zero import state_bytes
+
+    torch.manual_seed(0)
+    model = Mixed()
+    ref = copy.deepcopy(model)
+    dm = gpu_wrap(model, devices)
+    opt = dm.optimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
+    assert opt._pyddp.source == source
+    for step, (x, y) in enumerate(make_batches(4, 13)):
+        if step == 2:  # a checkpoint round trip: still no state where no step runs
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        gpu_step(F.cross_entropy(dm(x), y), opt, devices)
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for rep in dm.replicas[1:]:
+            for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+                assert torch.equal(p, p0), f"step {step}: replicas differ"
+        held = state_bytes(opt)
+        for r, src in enumerate(source):
+            assert (held[r] > 0) == (r == src), (step, held)
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    dm.close()
+
+
+@pytest.mark.parametrize(
+    "devices,source", [([0, 0], [0, 0]), ([1, 1, 1], [0, 0, 0]), ([0, 1], [0, 1])]
+)
+def test_replicas_sharing_a_gpu_step_once_and_take_the_steppers_parameters(devices, source):
+    # The replicated optimizer steps the first replica on each GPU; the
+    # others on that GPU copy its parameters after (docs/gpus.md): the same
+    # bytes, one step's work per GPU instead of one per replica, and no
+    # optimizer state where no step runs (also after load_state_dict). One
+    # replica per GPU: each steps, as before.
+    run_alone(shared_gpu_replicas_step_once, devices, source)
+
+
 def backward_on_autograd_device_threads(devices, cap):
     from simulated import gpu_wrap, sim, streams
 

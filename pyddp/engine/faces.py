@@ -74,6 +74,7 @@ class GradientShards:
     names: List[str]  # the parameters' names
     replicas: List[Any]  # this process's replica modules
     on_gpus: bool  # GPU replicas, reduced (the engine's backend runs the collectives)
+    gpus: Optional[List[int]]  # each replica's GPU (real or simulated), or None
     ranks: Ranks  # the processes: replica counts, the exchanges a sharded step makes
 
     def __init__(self, reducer: Any):  # a Reducer (reducer.py imports this file)
@@ -81,6 +82,7 @@ class GradientShards:
         self.params, self.names = reducer._params, reducer._names
         self.replicas = reducer._replicas
         self.on_gpus = reducer._gpu_devices is not None and reducer._engine is not None
+        self.gpus = None if reducer._gpu_devices is None else list(reducer._gpu_devices)
         self.ranks = reducer._link.ranks
 
     # ------------------------------------------------------------ the slots

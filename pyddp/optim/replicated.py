@@ -2,14 +2,19 @@
 instance of a subclass of the user's optimizer class holding replica 0's
 parameters, so LR schedulers, `isinstance` checks and `state_dict()` (one
 copy) work unchanged; the other replicas' optimizers are stepped with the same
-hyper-parameters."""
+hyper-parameters. Replicas sharing a GPU step once: the first replica on each
+GPU steps, and the others on it take its parameters after (one copy), the
+bytes their own step would give. On one GPU the replicas' steps would run one
+after another anyway, each its optimizer's Python and kernels, where a step
+of replicas sharing a GPU is bound by the host (docs/gpus.md); and those
+replicas hold no optimizer state."""
 
 from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 
@@ -20,12 +25,44 @@ from .base import OptimState, PyddpOptimizer
 
 @dataclass
 class ReplicatedState(OptimState):
-    """Besides OptimState: the optimizers of replicas 1..N-1."""
+    """Besides OptimState: the optimizers of replicas 1..N-1, and for each
+    replica the one whose step it takes (itself where it steps)."""
 
     others: List[torch.optim.Optimizer]
+    source: List[int]
+    _follow: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = field(
+        default=None, init=False, repr=False
+    )
 
     def optimizers(self, outer: Any) -> List[Any]:
         return [outer, *self.others]
+
+    def stepping(self, r: int) -> bool:
+        return self.source[r] == r
+
+    def follow(self, outer: Any) -> None:
+        """The replicas that do not step take their source's parameters."""
+        if self._follow is None:  # (again after add_param_group)
+            opts, into, froms = self.optimizers(outer), [], []
+            for r, src in enumerate(self.source):
+                for mine, theirs in zip(opts[src].param_groups, opts[r].param_groups):
+                    if r != src:
+                        froms += mine["params"]
+                        into += theirs["params"]
+            self._follow = into, froms
+        into, froms = self._follow
+        if into:
+            with torch.no_grad():
+                torch._foreach_copy_(into, froms)
+
+
+def _sources(reducer: GradientShards) -> List[int]:
+    """Each replica's stepping replica: the first on its GPU; CPU replicas
+    each step themselves (on their own threads, at once)."""
+    if reducer.gpus is None:
+        return list(range(len(reducer.params)))
+    first: Dict[int, int] = {}
+    return [first.setdefault(gpu, r) for r, gpu in enumerate(reducer.gpus)]
 
 
 def replicated_optimizer(
@@ -37,7 +74,9 @@ def replicated_optimizer(
     mine = {id(p) for group in opt.param_groups for p in group["params"]}
     grads = [p for o in (opt, *others) for g in o.param_groups for p in g["params"]]
     owns_all = mine >= {id(p) for p in reducer.params[0]}
-    opt._pyddp = ReplicatedState(reducer=reducer, grads=grads, owns_all=owns_all, others=others)
+    opt._pyddp = ReplicatedState(
+        reducer=reducer, grads=grads, owns_all=owns_all, others=others, source=_sources(reducer)
+    )
     return opt
 
 
@@ -45,10 +84,18 @@ def replicated_optimizer(
 def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
     class Replicated(PyddpOptimizer, cls):  # type: ignore[misc, valid-type]
         def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-            self._pyddp_begin_step(closure, self._pyddp.others)
-            steps = [super().step] + [other.step for other in self._pyddp.others]
+            state = self._pyddp
+            self._pyddp_begin_step(closure, state.others)
+            steps = [super().step] + [
+                other.step if state.stepping(r) else _nothing
+                for r, other in enumerate(state.others, start=1)
+            ]
+            while len(steps) > 1 and steps[-1] is _nothing:  # (no hand-off to a worker for it)
+                steps.pop()
             try:
-                return self._pyddp.reducer.run_per_replica(steps, "optimizer step")[0]
+                out = state.reducer.run_per_replica(steps, "optimizer step")[0]
+                state.follow(self)
+                return out
             except ReplicaError as e:
                 # Some replicas stepped and some did not: make them all replica
                 # 0 again (the user's model) before anything else runs.
@@ -65,11 +112,12 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
             )
             try:
                 with torch.no_grad():
-                    for other in self._pyddp.others:
+                    for r, other in enumerate(self._pyddp.others, start=1):
                         for mine, theirs in zip(self.param_groups, other.param_groups):
                             for p0, p in zip(mine["params"], theirs["params"]):
                                 p.copy_(p0)
-                        other.load_state_dict(copy.deepcopy(self.state_dict()))
+                        if self._pyddp.stepping(r):  # (the others hold no state)
+                            other.load_state_dict(copy.deepcopy(self.state_dict()))
             except Exception as e:  # the replicas now differ: refuse every later step
                 self._pyddp.broken = (
                     f"pyddp: an optimizer step failed on replica {failed} and copying replica "
@@ -103,6 +151,7 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                 copies = [reducer.params[r][index[id(p)]] for p in params]
                 other.add_param_group({**param_group, "params": copies})
             state.grads += [p for ps in reducer.params for p in (ps[index[id(q)]] for q in params)]
+            state._follow = None
             mine = {id(p) for group in self.param_groups for p in group["params"]}
             state.owns_all = mine >= {id(p) for p in reducer.params[0]}
 
@@ -112,10 +161,11 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
 
         def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
             super().load_state_dict(state_dict)
-            for other in self._pyddp.others:
+            for r, other in enumerate(self._pyddp.others, start=1):
                 # torch keeps the given state tensors when device and dtype match:
                 # each replica needs its own, or one buffer would be stepped N times.
-                other.load_state_dict(copy.deepcopy(state_dict))
+                if self._pyddp.stepping(r):
+                    other.load_state_dict(copy.deepcopy(state_dict))
 
     Replicated.__name__ = Replicated.__qualname__ = f"Replicated{cls.__name__}"
     return Replicated
@@ -136,3 +186,7 @@ def clip_replicas(
     for grads in flats:
         torch._foreach_mul_(list(grads), coef.to(grads[0].device))
     return total
+
+
+def _nothing() -> None:
+    """A replica's step taken by copying another's (ReplicatedState.follow)."""

@@ -314,6 +314,13 @@ BREAKAGES = {
         "pyddp's GPU stream provider (TorchStreams) drops replaced buckets without "
         "Tensor.record_stream",
     ),
+    "shared-gpu-followers-not-copied": (
+        "pyddp/optim/replicated.py",
+        "                torch._foreach_copy_(into, froms)",
+        "                pass",
+        "replicas sharing a GPU with the replica that steps do not take its parameters "
+        "after the step (they skip the step and keep their old parameters)",
+    ),
 }
 
 
