@@ -81,7 +81,9 @@ def check_equal_to_single_device(devices, cap, steps=4, stream_map=None, **kw):
                 assert torch.equal(p, p0), "replicas differ"
     for p, q in zip(dm.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    how = dm.run_replicas()
     dm.close()
+    return how
 
 
 # What a scenario leaves alive until its process exits, as a script's globals

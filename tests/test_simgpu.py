@@ -147,6 +147,29 @@ def test_replicas_sharing_a_gpu_step_once_and_take_the_steppers_parameters(devic
     run_alone(shared_gpu_replicas_step_once, devices, source)
 
 
+def replicas_in_turn_on_one_gpu(devices):
+    from simulated import check_equal_to_single_device, sim
+
+    sim.lib.simgpu_set_delay_us(None, 150)
+    if len(set(devices)) > 1:
+        with pytest.raises(ValueError, match="several GPUs run on their own threads"):
+            check_equal_to_single_device(devices, 25, run_replicas="in_turn")
+        return
+    assert check_equal_to_single_device(devices, 25, run_replicas="in_turn") == {"*": "in_turn"}
+    # auto: 5 forwards on threads, then in turn and threads alternating
+    how = check_equal_to_single_device(devices, 0, steps=16, run_replicas="auto")
+    assert how["forward"] == "trying", how
+
+
+@pytest.mark.parametrize("devices", [[0, 0], [1, 1, 1], [0, 1]])
+def test_replicas_sharing_one_gpu_may_run_in_turn_on_the_callers_thread(devices):
+    # Replicas sharing one GPU launch onto the caller's streams of that GPU
+    # whichever thread runs them (replica 0 always runs on the caller's):
+    # run_replicas="in_turn" (and "auto", which tries both) train as one
+    # device does; replicas on several GPUs keep a thread each.
+    run_alone(replicas_in_turn_on_one_gpu, devices)
+
+
 def backward_on_autograd_device_threads(devices, cap):
     from simulated import gpu_wrap, sim, streams
 

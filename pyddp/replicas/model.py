@@ -120,7 +120,9 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             self._syncbn = self._bind_sync_batchnorm(replicas, opts)
         self._direct = one and self.devices[0].type == "cpu"  # forward: _forward_direct
         try:
-            self._workers.set_mode(opts.run_replicas, self.devices, self._syncbn is not None)
+            self._workers.set_mode(
+                opts.run_replicas, self.devices, self._syncbn is not None, self._gpus
+            )
         except ValueError:
             self.close()
             raise

@@ -4,10 +4,13 @@ caller's grad mode, autocast regions and current CUDA streams go with every task
 forward runs on the stream the caller chose (``with torch.cuda.stream(s)``),
 so its backward and pyddp's zeroing of its buckets stay on one stream.
 
-CPU replicas may instead run in turn on the caller's thread (wrap's
-`run_replicas`): where each op is small, the hand-offs between threads and
-the interpreter lock passing between them at every op cost more than the
-threads save. "auto" times both ways for each kind of work (forward,
+CPU replicas, and GPU replicas that share one GPU, may instead run in turn
+on the caller's thread (wrap's `run_replicas`): where each op is small, the
+hand-offs between threads and the interpreter lock passing between them at
+every op cost more than the threads save. (Replicas sharing a GPU launch onto
+the caller's streams of that GPU either way, as replica 0 always does from
+the caller's thread; replicas on several GPUs keep a thread each, its GPU
+current.) "auto" times both ways for each kind of work (forward,
 backward, optimizer step, ...) and keeps the faster; the results are the
 same bytes either way (each replica's work is the same, and the engine sums
 the replicas in a fixed order)."""
@@ -53,15 +56,23 @@ class ReplicaWorkers:
         self.mode = "threads"
         self._choices: Dict[str, _Choice] = {}
 
-    def set_mode(self, mode: str, devices: Sequence[torch.device], meet: bool) -> None:
+    def set_mode(
+        self,
+        mode: str,
+        devices: Sequence[torch.device],
+        meet: bool,
+        gpus: Optional[Sequence[int]] = None,
+    ) -> None:
         """ "threads", "in_turn" (every replica on the caller's thread, one
         after another) or "auto" (whichever is faster, per kind of work).
-        In turn only where no replica needs a thread of its own (GPU
-        replicas' current device and streams) or meets the others inside
-        forward and backward (`meet`: SyncBatchNorm)."""
+        In turn only where no replica needs a thread of its own (replicas
+        on several GPUs: each its GPU current) or meets the others inside
+        forward and backward (`meet`: SyncBatchNorm). `gpus`: the replicas'
+        GPUs where they are GPU replicas (simulated ones are host tensors)."""
         why = ""
-        if any(d.type != "cpu" for d in devices):
-            why = "GPU replicas run on their own threads (each its device's current stream)"
+        on = set(gpus) if gpus is not None else {d for d in devices if d.type != "cpu"}
+        if len(on) > 1:
+            why = "replicas on several GPUs run on their own threads (each its GPU current)"
         elif meet:
             why = "SyncBatchNorm's replicas meet inside forward and backward, so they run at once"
         if why and mode == "in_turn":
