@@ -237,8 +237,12 @@ def measure(
     built = {v: make_step(v, name, mode, device, quick) for v in variants}
     wall: Dict[str, List[float]] = {v: [] for v in variants}
     host: Dict[str, List[float]] = {v: [] for v in variants}
-    for v in variants:  # warm-up: compilation, allocator, pyddp's bucket rebuild
-        for _ in range(3):
+    # Warm-up: compilation, the allocator, pyddp's bucket rebuild, and
+    # run_replicas="auto" settling (it times both ways over its first 21
+    # calls of each kind), so the rounds time what it chose.
+    warm = 3 if quick else 25
+    for v in variants:
+        for _ in range(warm):
             built[v][0]()
     for r in range(rounds):
         for v in rotated(variants, r):
