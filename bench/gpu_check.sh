@@ -56,7 +56,8 @@ stage() {
   echo "== $name (at most ${limit} s): $*" | tee -a "$out/progress.log"
   # --foreground: the stage stays in this script's process group, so a
   # Ctrl-C reaches it (timeout would otherwise put it in a group of its own).
-  timeout --foreground "$limit" "$@" >"$out/$name.log" 2>&1
+  # -k 10: a stage that ignores the TERM is killed 10 s later.
+  timeout --foreground -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
   rc=$?
   if [ "$rc" -eq 130 ]; then  # the stage died of a Ctrl-C (timeout reports it as 130)
     echo "interrupted in stage $name: the check stopped there" | tee "$summary"

@@ -11,6 +11,7 @@ SyncBatchNorm: tests/test_zero.py and tests/test_syncbn.py; across
 processes: tests/test_simgpu_processes.py."""
 
 import copy
+import operator
 import os
 import threading
 
@@ -117,10 +118,19 @@ def shared_gpu_replicas_step_once(devices, source):
     opt = dm.optimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
     assert opt._pyddp.source == source
+    mirror = dm._mirror
     for step, (x, y) in enumerate(make_batches(4, 13)):
         if step == 2:  # a checkpoint round trip: still no state where no step runs
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-        gpu_step(F.cross_entropy(dm(x), y), opt, devices)
+        loss = F.cross_entropy(dm(x), y)
+        # The model's mirror takes a replica whose version counters moved
+        # otherwise than replica 0's for one changed alone, and copies its
+        # parameters again before the next forward: the copying replicas'
+        # counters must move with the stepping replica's.
+        before = [list(map(operator.attrgetter("_version"), ps)) for ps in mirror.params]
+        gpu_step(loss, opt, devices)
+        moved = [[p._version - b for p, b in zip(ps, bs)] for ps, bs in zip(mirror.params, before)]
+        assert all(m == moved[0] for m in moved[1:]), (step, moved)
         F.cross_entropy(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()

@@ -69,14 +69,15 @@ class Options:
     """wrap: each replica's torch intra-op threads (None on CPUs:
     torch.get_num_threads() // replicas, at least 1)."""
     run_replicas: str = "auto"
-    """wrap, CPU replicas: "threads" (each on its own thread, at once),
+    """wrap, CPU replicas and GPU replicas sharing one GPU: "threads" (each
+    on its own thread, at once),
     "in_turn" (one after another on the caller's thread: no hand-offs, no
     interpreter lock passed at every op; faster where ops are small), or
     "auto": both timed for each kind of work (forward, backward, optimizer
     step, ...) over its first 21 calls, in turn kept where it is at least
-    10% faster, else threads (dmodel.run_replicas() says which). GPU
-    replicas and SyncBatchNorm (whose replicas meet inside forward and
-    backward) always run on threads."""
+    10% faster, else threads (dmodel.run_replicas() says which). Replicas
+    on several GPUs and SyncBatchNorm (whose replicas meet inside forward
+    and backward) always run on threads."""
     find_unused_parameters: bool = False
     """torch DDP's, for code ported from it: pyddp finds unused parameters
     itself at every step; this shapes only the buckets a communication hook

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..engine.faces import GradientShards
 from ..errors import ReplicaError
@@ -33,6 +35,7 @@ class ReplicatedState(OptimState):
     _follow: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = field(
         default=None, init=False, repr=False
     )
+    _before: List[int] = field(default_factory=list, init=False, repr=False)
 
     def optimizers(self, outer: Any) -> List[Any]:
         return [outer, *self.others]
@@ -40,8 +43,8 @@ class ReplicatedState(OptimState):
     def stepping(self, r: int) -> bool:
         return self.source[r] == r
 
-    def follow(self, outer: Any) -> None:
-        """The replicas that do not step take their source's parameters."""
+    def _pairs(self, outer: Any) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """(parameters of the replicas that do not step, their sources')."""
         if self._follow is None:  # (again after add_param_group)
             opts, into, froms = self.optimizers(outer), [], []
             for r, src in enumerate(self.source):
@@ -50,15 +53,49 @@ class ReplicatedState(OptimState):
                         froms += mine["params"]
                         into += theirs["params"]
             self._follow = into, froms
-        into, froms = self._follow
-        if into:
-            with torch.no_grad():
-                torch._foreach_copy_(into, froms)
+        return self._follow
+
+    def before_step(self, outer: Any) -> None:
+        into, froms = self._pairs(outer)
+        self._before = list(map(_VERSION, froms)) if into else []
+
+    def follow(self, outer: Any) -> None:
+        """After the step: the replicas that do not step take their source's
+        parameters, each one the step changed (its version counter moved;
+        one it left alone is equal on every replica already). Their counters
+        then move as their source's did: the model's mirror (replicas/
+        mirror.py) takes a replica whose counters moved otherwise than
+        replica 0's for one changed alone, and would copy every parameter
+        again before the next forward."""
+        into, froms = self._pairs(outer)
+        if not into:
+            return
+        moved = list(map(operator.sub, map(_VERSION, froms), self._before))
+        pairs = [(d, s, m) for d, s, m in zip(into, froms, moved) if m > 0]
+        if not pairs:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_([d for d, _, _ in pairs], [s for _, s, _ in pairs])
+        for extra in range(1, max(m for _, _, m in pairs)):  # the copy moved each by one
+            _increment_versions([d for d, _, m in pairs if m > extra])
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def _increment_versions(tensors: List[torch.Tensor]) -> None:
+    """torch.autograd.graph.increment_version on each (a list at once from
+    torch 2.5 on; one at a time before)."""
+    try:
+        increment_version(tensors)
+    except (TypeError, RuntimeError):  # torch 2.4: a tensor only
+        for t in tensors:
+            increment_version(t)
 
 
 def _sources(reducer: GradientShards) -> List[int]:
     """Each replica's stepping replica: the first on its GPU; CPU replicas
-    each step themselves (on their own threads, at once)."""
+    each step themselves."""
     if reducer.gpus is None:
         return list(range(len(reducer.params)))
     first: Dict[int, int] = {}
@@ -92,6 +129,7 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
             ]
             while len(steps) > 1 and steps[-1] is _nothing:  # (no hand-off to a worker for it)
                 steps.pop()
+            state.before_step(self)
             try:
                 out = state.reducer.run_per_replica(steps, "optimizer step")[0]
                 state.follow(self)
