@@ -30,14 +30,18 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+@pytest.mark.parametrize("run", ["auto", "in_turn"])
 @pytest.mark.parametrize("path", ["gather", "loss"])
 @pytest.mark.parametrize("cap", [0, 25])
 @pytest.mark.parametrize("devices", [["cuda:0"], ["cuda:0", "cuda:0"], ["cuda:0"] * 3])
-def test_matches_single_device_on_gpu(devices, cap, path):
+def test_matches_single_device_on_gpu(devices, cap, path, run):
+    # run: replicas sharing the GPU on worker threads and in turn (auto
+    # switches between both over these steps), with the optimizer stepping
+    # replica 0 and the others copying it.
     torch.manual_seed(0)
     model = Mixed().cuda()
     ref = copy.deepcopy(model)
-    dm = pyddp.wrap(model, devices, bucket_cap_mb=cap)
+    dm = pyddp.wrap(model, devices, bucket_cap_mb=cap, run_replicas=run)
     opt = dm.optimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
     for x, y in make_batches(10, 13):
@@ -54,6 +58,8 @@ def test_matches_single_device_on_gpu(devices, cap, path):
                 assert torch.equal(p, p0)
     for p, q in zip(dm.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+    if run == "in_turn" and len(devices) > 1:
+        assert dm.run_replicas() == {"*": "in_turn"}
 
 
 class _Delay(torch.autograd.Function):

@@ -9,8 +9,8 @@ on the caller's thread (wrap's `run_replicas`): where each op is small, the
 hand-offs between threads and the interpreter lock passing between them at
 every op cost more than the threads save. (Replicas sharing a GPU launch onto
 the caller's streams of that GPU either way, as replica 0 always does from
-the caller's thread; replicas on several GPUs keep a thread each, its GPU
-current.) "auto" times both ways for each kind of work (forward,
+the caller's thread, and replicas > 0 run with their GPU current either way;
+replicas on several GPUs keep a thread each, its GPU current.) "auto" times both ways for each kind of work (forward,
 backward, optimizer step, ...) and keeps the faster; the results are the
 same bytes either way (each replica's work is the same, and the engine sums
 the replicas in a fixed order)."""
@@ -43,6 +43,12 @@ class ReplicaWorkers:
         # once, and replica 0's work on the caller's thread sets and restores it.
         self.threads = threads
         self.streams = streams  # a pyddp.engine.streams provider, or None (CPU)
+        # Replicas > 0 on a CUDA device run with it current, on their threads
+        # (_init_worker) and in turn alike (replica 0 with the caller's).
+        self._gpu = [
+            d if d is not None and d.type == "cuda" and r > 0 else None
+            for r, d in enumerate(devices or [])
+        ]
         self._pools = [
             ThreadPoolExecutor(
                 max_workers=1,
@@ -116,8 +122,13 @@ class ReplicaWorkers:
         first: Optional[ReplicaError] = None
         with self._replica_threads():
             for r, fn in enumerate(fns):
+                gpu = self._gpu[r] if r < len(self._gpu) else None
                 try:
-                    results[r] = fn()
+                    if gpu is None:
+                        results[r] = fn()
+                    else:
+                        with torch.cuda.device(gpu):
+                            results[r] = fn()
                 except Exception as e:  # re-raised below, after every replica ran
                     if first is None:
                         first = ReplicaError(r, what, e)
