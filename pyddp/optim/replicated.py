@@ -76,7 +76,7 @@ class ReplicatedState(OptimState):
             return
         with torch.no_grad():
             torch._foreach_copy_([d for d, _, _ in pairs], [s for _, s, _ in pairs])
-        for extra in range(1, max(m for _, _, m in pairs)):  # the copy moved each by one
+        for extra in range(1, max(moved)):  # the copy moved each by one
             _increment_versions([d for d, _, m in pairs if m > extra])
 
 

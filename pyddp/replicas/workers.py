@@ -10,10 +10,10 @@ hand-offs between threads and the interpreter lock passing between them at
 every op cost more than the threads save. (Replicas sharing a GPU launch onto
 the caller's streams of that GPU either way, as replica 0 always does from
 the caller's thread, and replicas > 0 run with their GPU current either way;
-replicas on several GPUs keep a thread each, its GPU current.) "auto" times both ways for each kind of work (forward,
-backward, optimizer step, ...) and keeps the faster; the results are the
-same bytes either way (each replica's work is the same, and the engine sums
-the replicas in a fixed order)."""
+replicas on several GPUs keep a thread each, its GPU current.) "auto" times
+both ways for each kind of work (forward, backward, optimizer step, ...) and
+keeps the faster; the results are the same bytes either way (each replica's
+work is the same, and the engine sums the replicas in a fixed order)."""
 
 from __future__ import annotations
 
