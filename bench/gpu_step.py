@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -145,13 +145,22 @@ def gpu_busy_ms(step: Step, device: torch.device, steps: int) -> Optional[float]
     return total_us / 1000.0 / steps
 
 
+@contextlib.contextmanager
+def no_tf32() -> Iterator[None]:
+    """float32 matrix products in float32 (TF32 off) inside, as it was after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def equivalence(name: str, device: torch.device, quick: bool, steps: int = 5) -> float:
     """Relative parameter difference (the norm of the difference over the
     norm of plain's parameters) after `steps` float32 AdamW steps (TF32
     off, no autocast): plain against 2 replicas sharing `device`."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
+    with no_tf32():
         ref, x, y, _ = build(name, quick)
         model, _, _, _ = build(name, quick)
         ref, model, x, y = ref.to(device), model.to(device), x.to(device), y.to(device)
@@ -171,8 +180,6 @@ def equivalence(name: str, device: torch.device, quick: bool, steps: int = 5) ->
         diff = relative_difference(dm.module, ref)
         dm.close()
         return diff
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def relative_difference(model: nn.Module, ref: nn.Module) -> float:
@@ -193,9 +200,7 @@ def captured_equivalence(
     both): the captured step is the eager one with the host taken out. And
     the same eager steps run twice ("eager_vs_eager"): the floor that
     nondeterministic kernels (atomics in a backward) set."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
+    with no_tf32():
         models = []
         for replay in (False, False, True):
             model, x, y, _ = build(name, quick)
@@ -226,8 +231,6 @@ def captured_equivalence(
         for dm, _ in models:
             dm.close()
         return got
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def measure(

@@ -32,11 +32,14 @@ class Mixed(nn.Module):
         self.never = nn.Linear(dim, dim)
         self.head = nn.Linear(dim, classes)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def features(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)  # (B, T, D)
         h = self.conv(h.transpose(1, 2)).transpose(1, 2)
         h = self.norm(torch.relu(h)).mean(dim=1)
-        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
+        return torch.tanh(self.shared(torch.tanh(self.shared(h))))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.features(tokens)
         mask = tokens[:, 0] == 0
         if bool(mask.any()):
             h = torch.where(mask[:, None], self.rare(h), h)

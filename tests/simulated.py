@@ -7,6 +7,7 @@ process imports it (inside the scenario function), never pytest's."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -63,16 +64,23 @@ def stepped_on_two_gpus():
     return dm, batches
 
 
-def check_equal_to_single_device(devices, cap, steps=4, stream_map=None, **kw):
+def check_equal_to_single_device(devices, cap, steps=4, stream_map=None, around_step=None, **kw):
+    """wrap on simulated `devices` against single-device AdamW, replicas
+    bitwise equal after each step; `around_step(step, dm, opt)`: a context
+    manager around each backward and step (after the forward). Returns
+    dm.run_replicas()."""
+    around_step = around_step or (lambda *_: contextlib.nullcontext())
     torch.manual_seed(0)
     model = Mixed()
     ref = copy.deepcopy(model)
     dm = gpu_wrap(model, devices, bucket_cap_mb=cap, **kw)
     opt = dm.optimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
-    for x, y in make_batches(steps, 13):
+    for step, (x, y) in enumerate(make_batches(steps, 13)):
         with streams.stream(stream_map or {}):
-            gpu_step(F.cross_entropy(dm(x), y), opt, devices)
+            loss = F.cross_entropy(dm(x), y)
+            with around_step(step, dm, opt):
+                gpu_step(loss, opt, devices)
         F.cross_entropy(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()

@@ -332,10 +332,7 @@ class Capturable(Mixed):
     redo, so it refuses such a capture (by name)."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
-        h = self.norm(torch.relu(h)).mean(dim=1)
-        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
+        h = self.features(tokens)
         h = torch.where((tokens[:, 0] == 0)[:, None], self.rare(h), h)
         return self.head(h + self.never(h))
 

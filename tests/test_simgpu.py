@@ -10,6 +10,7 @@ the doctor: tests/test_simgpu_kernel.py; the sharded optimizer and
 SyncBatchNorm: tests/test_zero.py and tests/test_syncbn.py; across
 processes: tests/test_simgpu_processes.py."""
 
+import contextlib
 import copy
 import operator
 import os
@@ -107,42 +108,29 @@ def train_on_two_stream_sets(dm, ref, batches, devices, provider, on_forward, on
 
 
 def shared_gpu_replicas_step_once(devices, source):
-    from simulated import gpu_step, gpu_wrap
+    from simulated import check_equal_to_single_device
 
     from pyddp.optim.zero import state_bytes
 
-    torch.manual_seed(0)
-    model = Mixed()
-    ref = copy.deepcopy(model)
-    dm = gpu_wrap(model, devices)
-    opt = dm.optimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
-    assert opt._pyddp.source == source
-    mirror = dm._mirror
-    for step, (x, y) in enumerate(make_batches(4, 13)):
+    @contextlib.contextmanager
+    def around_step(step, dm, opt):
+        assert opt._pyddp.source == source
         if step == 2:  # a checkpoint round trip: still no state where no step runs
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-        loss = F.cross_entropy(dm(x), y)
         # The model's mirror takes a replica whose version counters moved
         # otherwise than replica 0's for one changed alone, and copies its
         # parameters again before the next forward: the copying replicas'
         # counters must move with the stepping replica's.
-        before = [list(map(operator.attrgetter("_version"), ps)) for ps in mirror.params]
-        gpu_step(loss, opt, devices)
-        moved = [[p._version - b for p, b in zip(ps, bs)] for ps, bs in zip(mirror.params, before)]
+        params = dm._mirror.params
+        before = [list(map(operator.attrgetter("_version"), ps)) for ps in params]
+        yield
+        moved = [[p._version - b for p, b in zip(ps, bs)] for ps, bs in zip(params, before)]
         assert all(m == moved[0] for m in moved[1:]), (step, moved)
-        F.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        for rep in dm.replicas[1:]:
-            for p, p0 in zip(rep.parameters(), dm.module.parameters()):
-                assert torch.equal(p, p0), f"step {step}: replicas differ"
         held = state_bytes(opt)
         for r, src in enumerate(source):
             assert (held[r] > 0) == (r == src), (step, held)
-    for p, q in zip(dm.module.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
-    dm.close()
+
+    check_equal_to_single_device(devices, 25, around_step=around_step)
 
 
 @pytest.mark.parametrize(

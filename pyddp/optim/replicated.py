@@ -15,6 +15,7 @@ import copy
 import functools
 import operator
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -35,7 +36,11 @@ class ReplicatedState(OptimState):
     _follow: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = field(
         default=None, init=False, repr=False
     )
-    _before: List[int] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Replicas 0..width-1 get a step call (the last that steps, and
+        # those before it): no hand-off to a worker past it.
+        self.width = 1 + max(r for r, src in enumerate(self.source) if src == r)
 
     def optimizers(self, outer: Any) -> List[Any]:
         return [outer, *self.others]
@@ -55,29 +60,28 @@ class ReplicatedState(OptimState):
             self._follow = into, froms
         return self._follow
 
-    def before_step(self, outer: Any) -> None:
-        into, froms = self._pairs(outer)
-        self._before = list(map(_VERSION, froms)) if into else []
+    def versions(self, outer: Any) -> List[int]:
+        """Before the step: the version counters `follow` compares with."""
+        return list(map(_VERSION, self._pairs(outer)[1]))
 
-    def follow(self, outer: Any) -> None:
+    def follow(self, outer: Any, before: List[int]) -> None:
         """After the step: the replicas that do not step take their source's
-        parameters, each one the step changed (its version counter moved;
-        one it left alone is equal on every replica already). Their counters
-        then move as their source's did: the model's mirror (replicas/
-        mirror.py) takes a replica whose counters moved otherwise than
-        replica 0's for one changed alone, and would copy every parameter
-        again before the next forward."""
+        parameters, each one the step changed (its version counter moved
+        since `before`; one it left alone is equal on every replica
+        already). Their counters then move as their source's did: the
+        model's mirror (replicas/mirror.py) takes a replica whose counters
+        moved otherwise than replica 0's for one changed alone, and would
+        copy every parameter again before the next forward. Every pass over
+        the parameters is C-level (map, compress): no Python per parameter."""
         into, froms = self._pairs(outer)
-        if not into:
-            return
-        moved = list(map(operator.sub, map(_VERSION, froms), self._before))
-        pairs = [(d, s, m) for d, s, m in zip(into, froms, moved) if m > 0]
-        if not pairs:
+        moved = list(map(operator.sub, map(_VERSION, froms), before))
+        top = max(moved, default=0)
+        if top == 0:
             return
         with torch.no_grad():
-            torch._foreach_copy_([d for d, _, _ in pairs], [s for _, s, _ in pairs])
-        for extra in range(1, max(moved)):  # the copy moved each by one
-            _increment_versions([d for d, _, m in pairs if m > extra])
+            torch._foreach_copy_(list(compress(into, moved)), list(compress(froms, moved)))
+        for extra in range(1, top):  # the copy moved each by one
+            _increment_versions(list(compress(into, map(extra.__lt__, moved))))
 
 
 _VERSION = operator.attrgetter("_version")
@@ -125,14 +129,12 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
             self._pyddp_begin_step(closure, state.others)
             steps = [super().step] + [
                 other.step if state.stepping(r) else _nothing
-                for r, other in enumerate(state.others, start=1)
+                for r, other in enumerate(state.others[: state.width - 1], start=1)
             ]
-            while len(steps) > 1 and steps[-1] is _nothing:  # (no hand-off to a worker for it)
-                steps.pop()
-            state.before_step(self)
+            before = state.versions(self)
             try:
                 out = state.reducer.run_per_replica(steps, "optimizer step")[0]
-                state.follow(self)
+                state.follow(self, before)
                 return out
             except ReplicaError as e:
                 # Some replicas stepped and some did not: make them all replica

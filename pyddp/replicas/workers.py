@@ -46,8 +46,8 @@ class ReplicaWorkers:
         # Replicas > 0 on a CUDA device run with it current, on their threads
         # (_init_worker) and in turn alike (replica 0 with the caller's).
         self._gpu = [
-            d if d is not None and d.type == "cuda" and r > 0 else None
-            for r, d in enumerate(devices or [])
+            d if devices is not None and r > 0 and d.type == "cuda" else None
+            for r, d in enumerate(devices or [None] * num_replicas)
         ]
         self._pools = [
             ThreadPoolExecutor(
@@ -122,7 +122,7 @@ class ReplicaWorkers:
         first: Optional[ReplicaError] = None
         with self._replica_threads():
             for r, fn in enumerate(fns):
-                gpu = self._gpu[r] if r < len(self._gpu) else None
+                gpu = self._gpu[r]
                 try:
                     if gpu is None:
                         results[r] = fn()

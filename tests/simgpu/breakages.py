@@ -316,14 +316,15 @@ BREAKAGES = {
     ),
     "shared-gpu-followers-not-copied": (
         "pyddp/optim/replicated.py",
-        "            torch._foreach_copy_([d for d, _, _ in pairs], [s for _, s, _ in pairs])",
+        "            torch._foreach_copy_(list(compress(into, moved)), "
+        "list(compress(froms, moved)))",
         "            pass",
         "replicas sharing a GPU with the replica that steps do not take its parameters "
         "after the step (they skip the step and keep their old parameters)",
     ),
     "shared-gpu-followers-counters-not-moved": (
         "pyddp/optim/replicated.py",
-        "            _increment_versions([d for d, _, m in pairs if m > extra])",
+        "            _increment_versions(list(compress(into, map(extra.__lt__, moved))))",
         "            pass",
         "the replicas that copy the stepping replica's parameters move their version "
         "counters by the copy's one only, so the model's mirror copies every parameter again "
