@@ -1,6 +1,8 @@
 """One GPU, one process: the training step of the plain model against
 `pyddp.wrap(model, [dev])` and `pyddp.wrap(model, [dev, dev])` (2 replicas
-sharing the GPU, each with half the batch: the same GPU work as plain), eager,
+sharing the GPU, each with half the batch: the same GPU work as plain), and
+"2 copies": those 2 replicas written by hand without pyddp (TwoCopies), so
+that wrap x2 minus 2 copies is pyddp's own share of the step; eager,
 compiled and captured (the whole step, optimizer included, captured once into
 a CUDA graph with torch.cuda.graph after eager warm-up steps on a side
 stream, then replayed: docs/gpus.md, "Captured steps"), interleaved. Per
@@ -8,7 +10,8 @@ variant: the step time (CUDA-synchronized wall time per step), the host time
 (until the last step's Python returned, before the synchronize: what the
 host spends launching a step) and the GPU busy time (the sum of kernel times
 per step, from torch.profiler). A step whose host time is close to its step
-time while the GPU is busy for much less is host-bound. Then an equivalence
+time while the GPU is busy for much less is host-bound; the host time per
+phase (forward with the loss, backward, optimizer step) shows where it goes. Then an equivalence
 check: 5 AdamW steps in float32 (TF32 off), plain against 2 replicas, their
 relative parameter difference.
 
@@ -21,12 +24,17 @@ what CI checks; the figures mean something only on a GPU.
     python bench/gpu_step.py [--device cuda:0] [--models mlp,transformer]
         [--modes eager,compiled,captured] [--rounds 8] [--steps 5] [--quick]
 
+On the CPU, `--device cpu --quick --models mlp --rounds 30 --steps 10`
+times the toy MLP, whose step is host-bound as a GPU step of these models is:
+the phases and pyddp's share there are the host work the GPU step pays.
+
 Part of bench/gpu_check.sh (the one-command GPU check). Results:
 bench/results/gpu_step.json unless --out."""
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -37,7 +45,9 @@ from torch import nn
 
 import pyddp
 
-Step = Callable[[], None]
+Step = Callable[..., None]
+VARIANTS = ["plain", "2 copies", "wrap x1", "wrap x2"]
+PHASES = ["forward", "backward", "optimizer"]
 
 
 def build(name: str, quick: bool) -> Tuple[nn.Module, torch.Tensor, torch.Tensor, bool]:
@@ -67,9 +77,11 @@ def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def make_step(
     variant: str, name: str, mode: str, device: torch.device, quick: bool, lr: float = 1e-4
 ) -> Tuple[Step, Any]:
-    """A training step of `variant` ("plain", "wrap x1", "wrap x2") in `mode`
-    ("eager", "compiled", "captured": a CUDA graph's replay) and what to
-    close after."""
+    """A training step of `variant` (one of VARIANTS) in `mode` ("eager",
+    "compiled", "captured": a CUDA graph's replay) and what to close after.
+    The step takes an optional list to which it appends its phases' host
+    clock readings (start, forward and loss done, backward done, optimizer
+    done); a replay appends nothing."""
     model, x, y, autocast = build(name, quick)
     model, x, y = model.to(device), x.to(device), y.to(device)
     cast = (
@@ -78,24 +90,70 @@ def make_step(
         else contextlib.nullcontext()
     )
     captured = mode == "captured"  # (AdamW's step must be capturable then)
+    dm = None
     if variant == "plain":
         run = torch.compile(model) if mode == "compiled" else model
         opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=captured)
-        dm = None
+    elif variant == "2 copies":
+        run, opt = two_copies(model, mode == "compiled", lr, captured)
     else:
         dm = pyddp.wrap(model, [str(device)] * (2 if variant == "wrap x2" else 1))
         if mode == "compiled":
             dm.compile()
         run, opt = dm, dm.optimizer(torch.optim.AdamW, lr=lr, capturable=captured)
 
-    def step() -> None:
+    def step(marks: Optional[List[Tuple[float, ...]]] = None) -> None:
+        start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with cast:
-            out = run(x)
-        loss_of(out, y).backward()
+            loss = loss_of(run(x), y)
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
         opt.step()
+        if marks is not None:
+            marks.append((start, forward, backward, time.perf_counter()))
 
     return (capture(step, device) if captured else step), dm
+
+
+class TwoCopies:
+    """Two replicas sharing one device written by hand, without pyddp: two
+    copies of the model, each on half the batch, their outputs concatenated
+    for one loss; after backward the second copy's gradients are added to
+    the first's (the loss is the whole batch's mean, so each copy holds its
+    half's share), one AdamW step on the first, then its parameters copied
+    to the second (one foreach op each). The host work every 2-replica step
+    needs; "wrap x2" above it is pyddp's own share."""
+
+    def __init__(self, model: nn.Module, compiled: bool, lr: float, capturable: bool):
+        import copy
+
+        self.copies = [model, copy.deepcopy(model)]
+        self.runs = [torch.compile(m) if compiled else m for m in self.copies]
+        self.params = [list(m.parameters()) for m in self.copies]
+        self.opt = torch.optim.AdamW(self.params[0], lr=lr, capturable=capturable)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        halves = x.chunk(2)
+        return torch.cat([run(h) for run, h in zip(self.runs, halves)])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+        for p in self.params[1]:
+            p.grad = None
+
+    def step(self) -> None:
+        first, second = self.params
+        with torch.no_grad():
+            torch._foreach_add_([p.grad for p in first], [p.grad for p in second])
+            self.opt.step()
+            torch._foreach_copy_(second, first)
+
+
+def two_copies(model: nn.Module, compiled: bool, lr: float, capturable: bool) -> Tuple[Any, Any]:
+    copies = TwoCopies(model, compiled, lr, capturable)
+    return copies, copies
 
 
 def capture(step: Step, device: torch.device) -> Step:
@@ -116,7 +174,7 @@ def capture(step: Step, device: torch.device) -> Step:
     with torch.cuda.graph(graph):
         step()
 
-    def replay() -> None:
+    def replay(marks: Any = None) -> None:
         graph.replay()
 
     replay.keep = step  # type: ignore[attr-defined]
@@ -236,25 +294,25 @@ def captured_equivalence(
 def measure(
     name: str, mode: str, device: torch.device, rounds: int, steps: int, quick: bool
 ) -> Dict[str, Dict[str, Any]]:
-    variants = ["plain", "wrap x1", "wrap x2"]
-    built = {v: make_step(v, name, mode, device, quick) for v in variants}
-    wall: Dict[str, List[float]] = {v: [] for v in variants}
-    host: Dict[str, List[float]] = {v: [] for v in variants}
+    built = {v: make_step(v, name, mode, device, quick) for v in VARIANTS}
+    wall: Dict[str, List[float]] = {v: [] for v in VARIANTS}
+    host: Dict[str, List[float]] = {v: [] for v in VARIANTS}
+    marks: Dict[str, List[Tuple[float, ...]]] = {v: [] for v in VARIANTS}
     # Warm-up: compilation, the allocator, pyddp's bucket rebuild, and
     # run_replicas="auto" settling (it times both ways over its first 21
     # calls of each kind), so the rounds time what it chose.
     warm = 3 if quick else 25
-    for v in variants:
+    for v in VARIANTS:
         for _ in range(warm):
             built[v][0]()
     for r in range(rounds):
-        for v in rotated(variants, r):
+        for v in rotated(VARIANTS, r):
             step = built[v][0]
             step()  # untimed: this variant's memory back in cache
             sync(device)
             start = time.perf_counter()
             for _ in range(steps):
-                step()
+                step(marks[v])
             launched = time.perf_counter()
             sync(device)
             done = time.perf_counter()
@@ -262,7 +320,7 @@ def measure(
             host[v].append((launched - start) / steps * 1e3)
     out: Dict[str, Dict[str, Any]] = {}
     plain = summary(wall["plain"])["median"]
-    for v in variants:
+    for v in VARIANTS:
         busy = gpu_busy_ms(built[v][0], device, steps)
         w = summary(wall[v])
         out[v] = {
@@ -270,11 +328,37 @@ def measure(
             "host_ms": summary(host[v]),
             "gpu_busy_ms": busy,
             "vs_plain": w["median"] / plain,
+            # Host time per phase, median over every timed step (none when
+            # replayed): where a host-bound step's time goes.
+            "phase_host_ms": {
+                phase: statistics.median((m[k + 1] - m[k]) * 1e3 for m in marks[v])
+                for k, phase in enumerate(PHASES)
+            }
+            if marks[v]
+            else None,
         }
         if built[v][1] is not None:
             out[v]["run_replicas"] = built[v][1].run_replicas()
             built[v][1].close()
+    # pyddp's own share of a step of 2 replicas: what it costs above the
+    # same two replicas written by hand, as a fraction of the plain step.
+    out["wrap x2"]["pyddp_share"] = (
+        summary(wall["wrap x2"])["median"] - summary(wall["2 copies"])["median"]
+    ) / plain
     return out
+
+
+def phase_rows(results: Dict[str, Any]) -> List[List[str]]:
+    """Per model, eager or compiled: each variant's host ms per phase."""
+    rows = []
+    for key, got in results.items():
+        if not isinstance(got, dict) or "plain" not in got:
+            continue
+        for v in VARIANTS:
+            phases = got[v].get("phase_host_ms")
+            if phases:
+                rows.append([*key.split(" ", 1), v, *(f"{phases[p]:.3f}" for p in PHASES)])
+    return rows
 
 
 def main() -> None:
@@ -286,14 +370,15 @@ def main() -> None:
         default=None,
         help="of eager,compiled,captured (default: all on a GPU; eager with --quick)",
     )
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=None, help="default 8 (2 with --quick)")
+    p.add_argument("--steps", type=int, default=None, help="default 5 (2 with --quick)")
     args = p.parse_args()
     device = torch.device(args.device)
     modes = (args.modes or ("eager" if args.quick else "eager,compiled,captured")).split(",")
     if "captured" in modes and device.type != "cuda":
         p.error("--modes captured needs a CUDA device (it captures a CUDA graph)")
-    rounds, steps = (2, 2) if args.quick else (args.rounds, args.steps)
+    rounds = args.rounds or (2 if args.quick else 8)
+    steps = args.steps or (2 if args.quick else 5)
     print(header())
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.version.cuda} CUDA")
@@ -340,6 +425,14 @@ def main() -> None:
             results[f"{name} captured equivalence"] = got
             print(f"measured: {name} captured vs eager {_shown(got)}", flush=True)
     print(table(heads + ["vs plain"], rows))
+    print("host ms per phase (medians over the timed steps; a captured step has none):")
+    print(table(["model", "mode", "variant", *PHASES], phase_rows(results)))
+    for key, got in results.items():
+        if isinstance(got, dict) and "wrap x2" in got:
+            print(
+                f"{key}: pyddp's own share of a 2-replica step (wrap x2 - 2 copies, "
+                f"over the plain step): {got['wrap x2']['pyddp_share']:+.2f}"
+            )
     for name in names:
         diff = results.get(f"{name} equivalence")  # (none where every mode failed)
         if diff is not None:

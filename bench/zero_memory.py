@@ -173,6 +173,7 @@ def main() -> None:
                     name, n, NAMES[mode], r["param_bytes"] / 2**20,
                     max(got["state_bytes_per_replica"]) / 2**20,
                     max(got["state_bytes_per_replica"]) / max(full["state_bytes_per_replica"]),
+                    sum(got["state_bytes_per_replica"]) / 2**20,
                     max(got["grad_bytes_per_replica"]) / 2**20,
                     max(got["grad_peak_bytes_per_replica"]) / 2**20,
                     got["largest_bucket_bytes"] / 2**20,
@@ -182,10 +183,10 @@ def main() -> None:
             for row in ("torch_ddp", "torch_ddp_bucket_view"):
                 if row in r:
                     grads = r[row]["grad_bytes_per_replica"][0] / 2**20
-                    rows.append([name, n, row, r["param_bytes"] / 2**20, "", "", grads,
+                    rows.append([name, n, row, r["param_bytes"] / 2**20, "", "", "", grads,
                                  grads, "", "", "", ""])  # fmt: skip
     print(table(["model", "replicas", "optimizer", "params MiB", "state MiB/replica",
-                 "vs first", "grads MiB/replica", "peak MiB/replica", "largest bucket MiB",
+                 "vs first", "state MiB in all", "grads MiB/replica", "peak MiB/replica", "largest bucket MiB",
                  "step ms", "vs first", "bitwise"],
                 rows))  # fmt: skip
     write_results("zero_memory", args, results)

@@ -58,11 +58,15 @@ def test_eval_mode_and_buffers_follow_replica_0():
     model.eval()  # on the user's object, not on dm
     out = dm(x)
     assert all(not m.training for m in dm.replicas[1].modules())
-    # Every row, replica 1's included: eval-mode dropout off and replica 0's BN statistics.
-    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    # Every row, replica 1's included: eval-mode dropout off and replica 0's
+    # BN statistics. Bitwise against the model on the same 4-row shards: a
+    # matrix product's rounding may depend on its row count (seen on an
+    # AVX-512 CPU: 6e-8 between 4 rows and the same rows among 8).
+    whole = torch.cat([model(x[:4]), model(x[4:])])
+    torch.testing.assert_close(out, whole, rtol=0, atol=0)
     dm.train()
     dm.eval()
-    torch.testing.assert_close(dm(x), dm.module(x), rtol=0, atol=0)
+    torch.testing.assert_close(dm(x), whole, rtol=0, atol=0)
     dm.close()
 
 
@@ -81,7 +85,8 @@ def test_buffers_replaced_or_changed_on_the_users_model_reach_every_replica():
         model.norm.running_var.mul_(3.0)
     out = dm(x)
     assert torch.equal(dm.replicas[1].norm.running_mean, model.norm.running_mean)
-    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    # (on the same 4-row shards: see the test above)
+    torch.testing.assert_close(out, torch.cat([model(x[:4]), model(x[4:])]), rtol=0, atol=0)
     dm.close()
 
 
@@ -167,39 +172,6 @@ def test_values_changed_on_the_users_model_reach_every_replica():
     same_replicas(dm)
     for p, r in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
-    dm.close()
-
-
-def test_a_step_failing_on_one_replica_leaves_the_replicas_equal():
-    torch.manual_seed(0)
-    dm = pyddp.wrap(Net(), ["cpu", "cpu", "cpu"])
-    opt = dm.optimizer(torch.optim.Adam, lr=0.01)
-    (x, y), (x2, y2) = data(2)
-    F.cross_entropy(dm(x), y).backward()
-    opt.step()
-    opt.zero_grad()
-    F.cross_entropy(dm(x2), y2).backward()
-
-    def boom():
-        raise RuntimeError("out of memory (simulated)")
-
-    opt._pyddp.others[1].step = boom  # replica 2's step fails; 0 and 1 step
-    with pytest.raises(
-        pyddp.ReplicaError, match="reset to replica 0's, which completed its step"
-    ) as e:
-        opt.step()
-    assert e.value.replica == 2
-    same_replicas(dm)
-    state0 = opt.state_dict()["state"]
-    for other in opt._pyddp.others:
-        for k, s in other.state_dict()["state"].items():
-            for key in s:
-                assert torch.equal(torch.as_tensor(s[key]), torch.as_tensor(state0[k][key])), key
-    del opt._pyddp.others[1].step
-    opt.zero_grad()
-    F.cross_entropy(dm(x), y).backward()
-    opt.step()
-    same_replicas(dm)
     dm.close()
 
 
@@ -399,20 +371,30 @@ def test_misuse_of_the_wrapper_is_refused_clearly():
 
 
 def test_a_ctrl_c_during_the_step_leaves_the_replicas_equal():
+    # CPU replicas share the one CPU: replica 0 steps and the others copy its
+    # parameters after (docs/semantics.md). A Ctrl-C between the two leaves
+    # every replica at replica 0's parameters, and the next step trains on.
     torch.manual_seed(0)
     with pyddp.wrap(Net(norm=False), ["cpu", "cpu"]) as dm:
         opt = dm.optimizer(torch.optim.Adam, lr=0.01)
         ((x, y),) = data(1)
         F.cross_entropy(dm(x), y).backward()
+        before = [p.detach().clone() for p in dm.module.parameters()]
 
-        def interrupted():
+        def interrupted(*args):
             raise KeyboardInterrupt
 
-        opt._pyddp.others[0].step = interrupted
+        opt._pyddp.follow = interrupted  # replica 0 stepped, the copy did not run
         with pytest.raises(KeyboardInterrupt):
             opt.step()
+        assert not any(map(torch.equal, before, dm.module.parameters()))  # it stepped
         same_replicas(dm)
-        assert opt._pyddp.others[0].state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+        assert opt._pyddp.others[0].state_dict()["state"] == {}  # it never steps
+        del opt._pyddp.follow
+        opt.zero_grad()
+        F.cross_entropy(dm(x), y).backward()
+        opt.step()
+        same_replicas(dm)
 
 
 def test_gradsync_compares_frozen_parameters_and_buffers():

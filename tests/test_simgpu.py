@@ -145,6 +145,47 @@ def test_replicas_sharing_a_gpu_step_once_and_take_the_steppers_parameters(devic
     run_alone(shared_gpu_replicas_step_once, devices, source)
 
 
+def a_step_failing_on_one_gpu(devices):
+    from simulated import gpu_step, gpu_wrap, streams
+
+    torch.manual_seed(0)
+    dm = gpu_wrap(Mixed(), devices)
+    opt = dm.optimizer(torch.optim.Adam, lr=0.01)
+    (x, y), (x2, y2) = make_batches(2, 13)
+    gpu_step(F.cross_entropy(dm(x), y), opt, devices)
+    F.cross_entropy(dm(x2), y2).backward()
+    streams.synchronize_all(devices)
+
+    def boom():
+        raise RuntimeError("out of memory (simulated)")
+
+    opt._pyddp.others[1].step = boom  # replica 2's step fails; 0 and 1 step
+    with pytest.raises(pyddp.ReplicaError, match="reset to replica 0's, which completed its step") as e:
+        opt.step()
+    assert e.value.replica == 2
+    state0 = opt.state_dict()["state"]
+    for rep, other in zip(dm.replicas[1:], opt._pyddp.others):
+        for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+            assert torch.equal(p, p0)
+        for k, s in other.state_dict()["state"].items():
+            for key in s:
+                assert torch.equal(torch.as_tensor(s[key]), torch.as_tensor(state0[k][key])), key
+    del opt._pyddp.others[1].step
+    opt.zero_grad()
+    gpu_step(F.cross_entropy(dm(x), y), opt, devices)
+    for rep in dm.replicas[1:]:
+        for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+            assert torch.equal(p, p0)
+    dm.close()
+
+
+def test_a_step_failing_on_one_gpu_leaves_the_replicas_equal():
+    # Replicas on three GPUs each step their own optimizer: replica 2's
+    # raising after 0 and 1 stepped resets every replica's parameters and
+    # state to replica 0's, and names what happened.
+    run_alone(a_step_failing_on_one_gpu, [0, 1, 2])
+
+
 def replicas_in_turn_on_one_gpu(devices):
     from simulated import check_equal_to_single_device, sim
 

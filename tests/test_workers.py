@@ -76,8 +76,9 @@ def test_replicas_in_turn_train_to_the_same_bytes_as_on_threads(loss_path):
     assert how == {"*": "in_turn"}
     assert turn_threads == {threading.get_ident()}  # replica 1 on the caller's thread
     auto, _, how = _train("auto", steps, loss_path)
+    # (the optimizer steps replica 0 alone and copies: no hand-off to time)
     kinds = {"forward/loss"} if loss_path else {"forward"}
-    assert kinds | {"backward", "optimizer step"} <= set(how), how
+    assert kinds | {"backward"} <= set(how), how
     assert set(how.values()) <= {"threads", "in_turn"}, how  # decided, whichever was faster
     for a, b, c in zip(threaded, in_turn, auto):
         assert torch.equal(a, b) and torch.equal(a, c)

@@ -2,12 +2,14 @@
 instance of a subclass of the user's optimizer class holding replica 0's
 parameters, so LR schedulers, `isinstance` checks and `state_dict()` (one
 copy) work unchanged; the other replicas' optimizers are stepped with the same
-hyper-parameters. Replicas sharing a GPU step once: the first replica on each
-GPU steps, and the others on it take its parameters after (one copy), the
-bytes their own step would give. On one GPU the replicas' steps would run one
-after another anyway, each its optimizer's Python and kernels, where a step
-of replicas sharing a GPU is bound by the host (docs/gpus.md); and those
-replicas hold no optimizer state."""
+hyper-parameters. Replicas sharing a device step once: the first replica on
+each GPU (replica 0 for CPU replicas, which share the one CPU) steps, and the
+others on it take its parameters after (one copy), the bytes their own step
+would give. On one GPU the replicas' steps would run one after another
+anyway, each its optimizer's Python and kernels, where a step of replicas
+sharing a GPU is bound by the host (docs/gpus.md); CPU replicas' steps
+share the same cores and memory bandwidth (bench/gpu_step.py --device cpu
+shows both). And those replicas hold no optimizer state."""
 
 from __future__ import annotations
 
@@ -98,10 +100,10 @@ def _increment_versions(tensors: List[torch.Tensor]) -> None:
 
 
 def _sources(reducer: GradientShards) -> List[int]:
-    """Each replica's stepping replica: the first on its GPU; CPU replicas
-    each step themselves."""
+    """Each replica's stepping replica: the first on its device (every CPU
+    replica shares the one CPU)."""
     if reducer.gpus is None:
-        return list(range(len(reducer.params)))
+        return [0] * len(reducer.params)
     first: Dict[int, int] = {}
     return [first.setdefault(gpu, r) for r, gpu in enumerate(reducer.gpus)]
 

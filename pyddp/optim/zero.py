@@ -54,7 +54,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> List[int]:
     """Bytes of optimizer state tensors held for each replica of this
     process: a sharded optimizer's per slot; an unsharded one's (pyddp's
     replicated optimizer) per replica (0 for a replica that takes another
-    one's step on its GPU); a plain optimizer's, once."""
+    one's step on its device); a plain optimizer's, once."""
     state = optimizer.__dict__.get("_pyddp")
     held = [optimizer] if state is None else state.optimizers(optimizer)
     return [_bytes(o.state) for o in held]
