@@ -186,7 +186,8 @@ def main() -> None:
                     rows.append([name, n, row, r["param_bytes"] / 2**20, "", "", "", grads,
                                  grads, "", "", "", ""])  # fmt: skip
     print(table(["model", "replicas", "optimizer", "params MiB", "state MiB/replica",
-                 "vs first", "state MiB in all", "grads MiB/replica", "peak MiB/replica", "largest bucket MiB",
+                 "vs first", "state MiB in all", "grads MiB/replica", "peak MiB/replica",
+                 "largest bucket MiB",
                  "step ms", "vs first", "bitwise"],
                 rows))  # fmt: skip
     write_results("zero_memory", args, results)
