@@ -145,6 +145,16 @@ def _flatten(obj: Any, leaves: List[torch.Tensor], in_cache: bool) -> Callable[[
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return lambda it: next(it)
+    kind = type(obj)
+    if kind is tuple or kind is list or kind is dict:
+        # The plain containers of every call's (args, kwargs), opened as
+        # _open opens them, without building its keys (paths) on every step.
+        keys = list(obj) if kind is dict else None
+        items = [obj[k] for k in keys] if keys is not None else obj
+        parts = [_flatten(c, leaves, in_cache) for c in items]
+        if keys is not None:
+            return lambda it: dict(zip(keys, [p(it) for p in parts]))
+        return lambda it: kind([p(it) for p in parts])
     node = _node(obj, in_cache)
     if node is None:
         return lambda it: obj  # non-tensors are kept as they are
