@@ -305,6 +305,8 @@ def measure(
     for v in VARIANTS:
         for _ in range(warm):
             built[v][0]()
+        if built[v][1] is not None:
+            built[v][1].reset_stats()  # the means below: the timed rounds' only
     for r in range(rounds):
         for v in rotated(VARIANTS, r):
             step = built[v][0]
@@ -339,6 +341,10 @@ def measure(
         }
         if built[v][1] is not None:
             out[v]["run_replicas"] = built[v][1].run_replicas()
+            # The host's wait at the end of backward for the last reductions
+            # (engine.finish; none with one replica): part of the backward phase.
+            mean = built[v][1].stats()["mean"]
+            out[v]["finish_wait_ms"] = mean["finish_wait_s"] * 1e3 if mean else None
             built[v][1].close()
     # pyddp's own share of a step of 2 replicas: what it costs above the
     # same two replicas written by hand, as a fraction of the plain step.
@@ -357,7 +363,15 @@ def phase_rows(results: Dict[str, Any]) -> List[List[str]]:
         for v in VARIANTS:
             phases = got[v].get("phase_host_ms")
             if phases:
-                rows.append([*key.split(" ", 1), v, *(f"{phases[p]:.3f}" for p in PHASES)])
+                wait = got[v].get("finish_wait_ms")
+                rows.append(
+                    [
+                        *key.split(" ", 1),
+                        v,
+                        *(f"{phases[p]:.3f}" for p in PHASES),
+                        "-" if wait is None else f"{wait:.3f}",
+                    ]
+                )
     return rows
 
 
@@ -426,7 +440,7 @@ def main() -> None:
             print(f"measured: {name} captured vs eager {_shown(got)}", flush=True)
     print(table(heads + ["vs plain"], rows))
     print("host ms per phase (medians over the timed steps; a captured step has none):")
-    print(table(["model", "mode", "variant", *PHASES], phase_rows(results)))
+    print(table(["model", "mode", "variant", *PHASES, "finish wait"], phase_rows(results)))
     for key, got in results.items():
         if isinstance(got, dict) and "wrap x2" in got:
             print(

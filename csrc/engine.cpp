@@ -418,6 +418,14 @@ Engine::Settled Engine::finish(const std::vector<uintptr_t>& streams) {
     work_cv_.notify_one();
   }
   const int64_t t_wait = now_ns();
+  // This thread has nothing else to do until the reductions are done: where
+  // the backend runs on any thread (the in-process CPU one), it launches
+  // what the launcher has not taken yet (at the end of backward, mostly the
+  // last bucket) instead of waiting for the launcher thread to wake for it.
+  // In queue order, one launch at a time (busy_), as the launcher would.
+  if (backend_->launches_on_any_thread()) {
+    while (!stop_ && !busy_ && error_.empty() && has_launchable_locked()) launch_locked(lk);
+  }
   // Host wait, not a stream wait: on the CPU backend the reduced values are
   // read by the optimizer on this thread right after.
   done_cv_.wait(lk, [&] {
