@@ -22,7 +22,7 @@ the same machinery at toy sizes (the GPU busy column is then empty): that is
 what CI checks; the figures mean something only on a GPU.
 
     python bench/gpu_step.py [--device cuda:0] [--models mlp,transformer]
-        [--modes eager,compiled,captured] [--rounds 8] [--steps 5] [--quick]
+        [--modes eager,compiled,captured] [--rounds 8] [--steps 5] [--quick] [--profile]
 
 On the CPU, `--device cpu --quick --models mlp --rounds 30 --steps 10`
 times the toy MLP, whose step is host-bound as a GPU step of these models is:
@@ -34,8 +34,10 @@ bench/results/gpu_step.json unless --out."""
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -251,29 +253,68 @@ def relative_difference(model: nn.Module, ref: nn.Module) -> float:
 
 def captured_equivalence(
     name: str, device: torch.device, quick: bool, steps: int = 5
-) -> Dict[str, float]:
+) -> Dict[str, Any]:
     """Relative parameter difference after 3 eager warm-up steps and `steps`
     replays of the captured step, against the same steps run eagerly on a
     copy (2 replicas sharing `device`, float32, TF32 off, AdamW capturable in
     both): the captured step is the eager one with the host taken out. And
     the same eager steps run twice ("eager_vs_eager"): the floor that
-    nondeterministic kernels (atomics in a backward) set."""
+    nondeterministic kernels (atomics in a backward) set. Then both again
+    under torch.use_deterministic_algorithms (warn only) with attention's
+    math kernel ("deterministic"), naming the operations torch warned
+    about: a difference that vanishes there came from such kernels, not
+    from the capture."""
+    got: Dict[str, Any] = _captured_vs_eager(name, device, quick, steps)
+    got["captured"] = device.type == "cuda"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with deterministic():
+                got["deterministic"] = _captured_vs_eager(name, device, quick, steps)
+        except Exception as e:  # a deterministic kernel that cannot be captured, say
+            got["deterministic"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    got["deterministic"]["nondeterministic_ops"] = sorted(
+        {str(w.message).splitlines()[0][:160] for w in caught if "determinis" in str(w.message)}
+    )
+    return got
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """torch's deterministic algorithms (warning where an operation has
+    none) and the math attention kernel, as they were after."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        (torch.is_deterministic_algorithms_warn_only_enabled()),
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
+def _captured_vs_eager(name: str, device: torch.device, quick: bool, steps: int) -> Dict[str, Any]:
     with no_tf32():
         models = []
         for replay in (False, False, True):
             model, x, y, _ = build(name, quick)
             model, x, y = model.to(device), x.to(device), y.to(device)
             dm = pyddp.wrap(model, [str(device)] * 2)
-            opt = dm.optimizer(torch.optim.AdamW, lr=1e-3, capturable=True)
+            on_gpu = device.type == "cuda"
+            opt = dm.optimizer(torch.optim.AdamW, lr=1e-3, capturable=on_gpu)
 
             def step(dm=dm, opt=opt, x=x, y=y) -> None:
                 opt.zero_grad(set_to_none=True)
                 loss_of(dm(x), y).backward()
                 opt.step()
 
-            if replay:
+            if replay and on_gpu:
                 run = capture(step, device)  # warm-up (3 steps) + capture (none)
-            else:
+            else:  # (off GPUs, --quick: the same steps, uncaptured)
                 for _ in range(3):
                     step()
                 run = step
@@ -354,6 +395,34 @@ def measure(
     return out
 
 
+def profile(name: str, device: torch.device, quick: bool) -> List[str]:
+    """cProfile of eager steps of 2 replicas (after warm-up; 100, or 20 if
+    quick), on the caller's thread only (a replica's worker thread is not
+    profiled): the functions with the most own time, as pstats prints them.
+    Where a host-bound step's Python goes, on the machine that runs it."""
+    steps = 20 if quick else 100
+    import cProfile
+    import io
+    import pstats
+
+    step, dm = make_step("wrap x2", name, "eager", device, quick)
+    for _ in range(3 if quick else 25):
+        step()
+    sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    sync(device)
+    prof.disable()
+    dm.close()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    body = text.getvalue().split("\n")
+    start = next(i for i, line in enumerate(body) if line.lstrip().startswith("ncalls"))
+    return [f"{steps} steps of wrap x2, eager ({name})"] + [ln for ln in body[start:] if ln.strip()]
+
+
 def phase_rows(results: Dict[str, Any]) -> List[List[str]]:
     """Per model, eager or compiled: each variant's host ms per phase."""
     rows = []
@@ -384,9 +453,16 @@ def main() -> None:
         default=None,
         help="of eager,compiled,captured (default: all on a GPU; eager with --quick)",
     )
+    p.add_argument(
+        "--profile", action="store_true", help="cProfile 2 replicas' eager step of each model"
+    )
     p.add_argument("--rounds", type=int, default=None, help="default 8 (2 with --quick)")
     p.add_argument("--steps", type=int, default=None, help="default 5 (2 with --quick)")
     args = p.parse_args()
+    # cuBLAS's deterministic workspace setting, which torch's deterministic
+    # mode asks for (captured_equivalence): read when cuBLAS starts, so set
+    # before the first product; the same for every variant timed.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = torch.device(args.device)
     modes = (args.modes or ("eager" if args.quick else "eager,compiled,captured")).split(",")
     if "captured" in modes and device.type != "cuda":
@@ -431,7 +507,10 @@ def main() -> None:
         if f"{name} equivalence" not in results:
             results[f"{name} equivalence"] = diff = equivalence(name, device, args.quick)
             print(f"measured: {name} equivalence {diff:.2e}", flush=True)
-        if mode == "captured":
+        # Off GPUs (--quick, CI's dry run): the same comparison uncaptured,
+        # so its machinery (the deterministic mode included) runs.
+        dry = device.type != "cuda" and f"{name} captured equivalence" not in results
+        if mode == "captured" or dry:
             try:
                 got = captured_equivalence(name, device, args.quick)
             except Exception as e:
@@ -447,6 +526,14 @@ def main() -> None:
                 f"{key}: pyddp's own share of a 2-replica step (wrap x2 - 2 copies, "
                 f"over the plain step): {got['wrap x2']['pyddp_share']:+.2f}"
             )
+    if args.profile:
+        for name in names:
+            try:
+                lines = profile(name, device, args.quick)
+            except Exception as e:
+                lines = [f"profile of {name} failed: {type(e).__name__}: {e}"]
+            results[f"{name} profile"] = lines
+            print("\n".join(lines))
     for name in names:
         diff = results.get(f"{name} equivalence")  # (none where every mode failed)
         if diff is not None:
@@ -464,12 +551,23 @@ def main() -> None:
 
 
 def _shown(got: Any) -> str:
-    """A captured equivalence as printed: the error, or both differences."""
+    """A captured equivalence as printed: the error, or the differences."""
     if isinstance(got, str):
         return got
+    text = (
+        ("" if got.get("captured") else "(no GPU: uncaptured) ")
+        + f"{got['captured_vs_eager']:.2e} relative (eager steps run twice: "
+        + f"{got['eager_vs_eager']:.2e})"
+    )
+    det = got.get("deterministic")
+    if det is None:
+        return text
+    if "error" in det:
+        return f"{text}; deterministic: {det['error']}"
+    ops = "; ".join(det["nondeterministic_ops"]) or "none"
     return (
-        f"{got['captured_vs_eager']:.2e} relative (eager steps run twice: "
-        f"{got['eager_vs_eager']:.2e})"
+        f"{text}; deterministic algorithms, math attention: {det['captured_vs_eager']:.2e} "
+        f"(twice: {det['eager_vs_eager']:.2e}; torch warned about: {ops})"
     )
 
 

@@ -241,6 +241,14 @@ def test_the_one_command_gpu_check_runs_dry_on_the_cpu(tmp_path):
         # float32 sums of two halves against one whole; Adam divides by the
         # gradient's scale, so rounding moves parameters by up to lr (seen: 5e-6)
         assert results[f"{model} equivalence"] < 1e-4
+        # The hand-written 2 replicas and pyddp's share over them; the phases.
+        assert rows["2 copies"]["step_ms"]["n"] == 2 and "pyddp_share" in rows["wrap x2"]
+        assert set(rows["wrap x2"]["phase_host_ms"]) == {"forward", "backward", "optimizer"}
+        # The captured comparison's machinery, uncaptured here (no GPU):
+        # eager runs of the same steps agree to the bit on a CPU, in both modes.
+        got = results[f"{model} captured equivalence"]
+        assert got["captured"] is False and got["captured_vs_eager"] == 0.0, got
+        assert got["deterministic"]["eager_vs_eager"] == 0.0, got
 
 
 def test_overlap_names_a_host_bound_gpu_step(capsys):
