@@ -384,13 +384,13 @@ def test_a_ctrl_c_during_the_step_leaves_the_replicas_equal():
         def interrupted(*args):
             raise KeyboardInterrupt
 
-        opt._pyddp.follow = interrupted  # replica 0 stepped, the copy did not run
+        opt._pyddp.copy = interrupted  # replica 0 stepped, the copy did not run
         with pytest.raises(KeyboardInterrupt):
             opt.step()
         assert not any(map(torch.equal, before, dm.module.parameters()))  # it stepped
         same_replicas(dm)
         assert opt._pyddp.others[0].state_dict()["state"] == {}  # it never steps
-        del opt._pyddp.follow
+        del opt._pyddp.copy
         opt.zero_grad()
         F.cross_entropy(dm(x), y).backward()
         opt.step()

@@ -35,7 +35,7 @@ class ReplicatedState(OptimState):
 
     others: List[torch.optim.Optimizer]
     source: List[int]
-    _follow: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = field(
+    _followers: Optional[Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor]]]] = field(
         default=None, init=False, repr=False
     )
 
@@ -50,23 +50,42 @@ class ReplicatedState(OptimState):
     def stepping(self, r: int) -> bool:
         return self.source[r] == r
 
-    def _pairs(self, outer: Any) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        """(parameters of the replicas that do not step, their sources')."""
-        if self._follow is None:  # (again after add_param_group)
-            opts, into, froms = self.optimizers(outer), [], []
+    def _pairs(self, outer: Any) -> Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor]]]:
+        """Per stepping replica with followers: (the parameters of the
+        replicas that take its step, its own parameters alike)."""
+        if self._followers is None:  # (again after add_param_group)
+            opts, pairs = self.optimizers(outer), {}
             for r, src in enumerate(self.source):
+                if r == src:
+                    continue
+                into, froms = pairs.setdefault(src, ([], []))
                 for mine, theirs in zip(opts[src].param_groups, opts[r].param_groups):
-                    if r != src:
-                        froms += mine["params"]
-                        into += theirs["params"]
-            self._follow = into, froms
-        return self._follow
+                    froms += mine["params"]
+                    into += theirs["params"]
+            self._followers = pairs
+        return self._followers
 
-    def versions(self, outer: Any) -> List[int]:
-        """Before the step: the version counters `follow` compares with."""
-        return list(map(_VERSION, self._pairs(outer)[1]))
+    def stepper(self, outer: Any, r: int, step: Callable[[], Any]) -> Callable[[], Any]:
+        """Replica r's step call: its optimizer's step, then the copy of the
+        parameters it changed to the replicas that take its step. Both run
+        where the replica's step runs (its thread, its GPU current, its
+        intra-op thread count: a copy at another count beside the workers'
+        would start an OpenMP team of another size, which stops libgomp's
+        spinning process-wide; seen as 1.6x slower forwards after it)."""
+        pairs = self._pairs(outer).get(r)
+        if pairs is None:
+            return step
 
-    def follow(self, outer: Any, before: List[int]) -> None:
+        def step_and_copy() -> Any:
+            before = list(map(_VERSION, pairs[1]))
+            out = step()
+            self.copy(*pairs, before)
+            return out
+
+        return step_and_copy
+
+    @staticmethod
+    def copy(into: List[torch.Tensor], froms: List[torch.Tensor], before: List[int]) -> None:
         """After the step: the replicas that do not step take their source's
         parameters, each one the step changed (its version counter moved
         since `before`; one it left alone is equal on every replica
@@ -75,7 +94,6 @@ class ReplicatedState(OptimState):
         moved otherwise than replica 0's for one changed alone, and would
         copy every parameter again before the next forward. Every pass over
         the parameters is C-level (map, compress): no Python per parameter."""
-        into, froms = self._pairs(outer)
         moved = list(map(operator.sub, map(_VERSION, froms), before))
         top = max(moved, default=0)
         if top == 0:
@@ -129,15 +147,12 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
         def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
             state = self._pyddp
             self._pyddp_begin_step(closure, state.others)
-            steps = [super().step] + [
-                other.step if state.stepping(r) else _nothing
+            steps = [state.stepper(self, 0, super().step)] + [
+                state.stepper(self, r, other.step) if state.stepping(r) else _nothing
                 for r, other in enumerate(state.others[: state.width - 1], start=1)
             ]
-            before = state.versions(self)
             try:
-                out = state.reducer.run_per_replica(steps, "optimizer step")[0]
-                state.follow(self, before)
-                return out
+                return state.reducer.run_per_replica(steps, "optimizer step")[0]
             except ReplicaError as e:
                 # Some replicas stepped and some did not: make them all replica
                 # 0 again (the user's model) before anything else runs.
@@ -193,7 +208,7 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                 copies = [reducer.params[r][index[id(p)]] for p in params]
                 other.add_param_group({**param_group, "params": copies})
             state.grads += [p for ps in reducer.params for p in (ps[index[id(q)]] for q in params)]
-            state._follow = None
+            state._followers = None
             mine = {id(p) for group in self.param_groups for p in group["params"]}
             state.owns_all = mine >= {id(p) for p in reducer.params[0]}
 
@@ -231,4 +246,4 @@ def clip_replicas(
 
 
 def _nothing() -> None:
-    """A replica's step taken by copying another's (ReplicatedState.follow)."""
+    """A replica's step taken by copying another's (ReplicatedState.copy)."""
