@@ -175,6 +175,39 @@ def test_values_changed_on_the_users_model_reach_every_replica():
     dm.close()
 
 
+def test_a_step_failing_on_one_replica_leaves_the_replicas_equal():
+    torch.manual_seed(0)
+    dm = pyddp.wrap(Net(), ["cpu", "cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.Adam, lr=0.01)
+    (x, y), (x2, y2) = data(2)
+    F.cross_entropy(dm(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    F.cross_entropy(dm(x2), y2).backward()
+
+    def boom():
+        raise RuntimeError("out of memory (simulated)")
+
+    opt._pyddp.others[1].step = boom  # replica 2's step fails; 0 and 1 step
+    with pytest.raises(
+        pyddp.ReplicaError, match="reset to replica 0's, which completed its step"
+    ) as e:
+        opt.step()
+    assert e.value.replica == 2
+    same_replicas(dm)
+    state0 = opt.state_dict()["state"]
+    for other in opt._pyddp.others:
+        for k, s in other.state_dict()["state"].items():
+            for key in s:
+                assert torch.equal(torch.as_tensor(s[key]), torch.as_tensor(state0[k][key])), key
+    del opt._pyddp.others[1].step
+    opt.zero_grad()
+    F.cross_entropy(dm(x), y).backward()
+    opt.step()
+    same_replicas(dm)
+    dm.close()
+
+
 def replicas_pair():
     torch.manual_seed(0)
     m0 = Net()
@@ -371,11 +404,29 @@ def test_misuse_of_the_wrapper_is_refused_clearly():
 
 
 def test_a_ctrl_c_during_the_step_leaves_the_replicas_equal():
-    # CPU replicas share the one CPU: replica 0 steps and the others copy its
-    # parameters after (docs/semantics.md). A Ctrl-C between the two leaves
-    # every replica at replica 0's parameters, and the next step trains on.
     torch.manual_seed(0)
     with pyddp.wrap(Net(norm=False), ["cpu", "cpu"]) as dm:
+        opt = dm.optimizer(torch.optim.Adam, lr=0.01)
+        ((x, y),) = data(1)
+        F.cross_entropy(dm(x), y).backward()
+
+        def interrupted():
+            raise KeyboardInterrupt
+
+        opt._pyddp.others[0].step = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        same_replicas(dm)
+        assert opt._pyddp.others[0].state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+
+
+def test_a_ctrl_c_between_the_step_and_the_copy_leaves_the_replicas_equal():
+    # CPU replicas whose steps run in turn step once: replica 0 steps and the
+    # others copy its parameters after (docs/semantics.md). A Ctrl-C between
+    # the two leaves every replica at replica 0's parameters, and the next
+    # step trains on.
+    torch.manual_seed(0)
+    with pyddp.wrap(Net(norm=False), ["cpu", "cpu"], run_replicas="in_turn") as dm:
         opt = dm.optimizer(torch.optim.Adam, lr=0.01)
         ((x, y),) = data(1)
         F.cross_entropy(dm(x), y).backward()

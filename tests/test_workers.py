@@ -62,24 +62,31 @@ def _train(run: str, steps: int, loss_path: bool):
         opt.zero_grad()
     params = [p.detach().clone() for p in model.parameters()]
     how = dm.run_replicas()
+    from pyddp.optim.zero import state_bytes
+
+    held = state_bytes(opt)
     dm.close()
-    return params, threads, how
+    return params, threads, how, held
 
 
 @pytest.mark.parametrize("loss_path", [False, True], ids=["gathered", "dm.loss"])
 def test_replicas_in_turn_train_to_the_same_bytes_as_on_threads(loss_path):
     steps = 22  # "auto" decides after 5 + 2 x 8 calls of each kind of work
-    threaded, on_threads, how = _train("threads", steps, loss_path)
+    threaded, on_threads, how, held = _train("threads", steps, loss_path)
     assert how == {"*": "threads"}
     assert threading.get_ident() not in on_threads  # replica 1 on its worker
-    in_turn, turn_threads, how = _train("in_turn", steps, loss_path)
+    assert held[0] > 0 and held[1] == held[0]  # each replica steps its own
+    in_turn, turn_threads, how, held = _train("in_turn", steps, loss_path)
     assert how == {"*": "in_turn"}
     assert turn_threads == {threading.get_ident()}  # replica 1 on the caller's thread
-    auto, _, how = _train("auto", steps, loss_path)
-    # (the optimizer steps replica 0 alone and copies: no hand-off to time)
+    assert held[0] > 0 and held[1] == 0  # replica 0 steps once, replica 1 copies
+    auto, _, how, held = _train("auto", steps, loss_path)
     kinds = {"forward/loss"} if loss_path else {"forward"}
-    assert kinds | {"backward"} <= set(how), how
+    assert kinds | {"backward", "optimizer step"} <= set(how), how
     assert set(how.values()) <= {"threads", "in_turn"}, how  # decided, whichever was faster
+    # Once the steps were chosen in turn, replica 1 took replica 0's step
+    # (and dropped its state); on threads it keeps stepping its own.
+    assert (held[1] == 0) == (how["optimizer step"] == "in_turn"), (how, held)
     for a, b, c in zip(threaded, in_turn, auto):
         assert torch.equal(a, b) and torch.equal(a, c)
 

@@ -13,10 +13,9 @@ step, one state machine:
     zero_grad()                 after it
     no_sync() / shadow_backward() / abort() / reattach()   the detours
 
-It holds no "is there another process" branches: a single process has a link
-that does nothing. Its state is its own: the wrapped model drives it through
-the methods below (faces.ReplicaDriver lists them), the optimizers see it
-through one view (`gradients()`, faces.GradientShards)."""
+No "is there another process" branches: one process has a link that does
+nothing. The wrapped model drives it through the methods below
+(faces.ReplicaDriver), the optimizers see it through `gradients()`."""
 
 from __future__ import annotations
 
@@ -48,14 +47,14 @@ class Reducer:
         *,
         prepare_on_forward: bool,
         run_per_replica: Optional[Callable[[Sequence[Callable[[], Any]], str], List[Any]]] = None,
+        in_turn: Optional[Callable[[str], bool]] = None,
         on_backward_start: Optional[weakref.WeakMethod] = None,
     ):
         """`parts`: params.assemble's (its owner keeps the link and the work
-        record). `run_per_replica`: runs one function per replica (wrap's
-        parallel workers; in turn if None). `on_backward_start`: wrap's, with
-        one replica per process: a weak method the gradient hooks call, so a
-        backward that bypasses the wrapped model's outputs still ends with
-        finish() (hooks._began); only then do the hooks pay for the call."""
+        record). `run_per_replica`: one function per replica (wrap's workers;
+        in turn if None); `in_turn(what)`: whether it runs `what` in turn now.
+        `on_backward_start` (wrap's, one replica per process): a weak method
+        the hooks call, so a backward past the outputs ends with finish()."""
         self._options = opts = parts.options
         self._replicas = replicas = parts.replicas
         self._names, self._params, self._devices = parts.names, parts.params, parts.devices
@@ -72,6 +71,7 @@ class Reducer:
         # hooks (which hold the engine, not this object) and closes the engine.
         self._finalizer = weakref.finalize(self, _release, self._handles, None)
         self._run_per_replica = run_per_replica or (lambda fns, what: [fn() for fn in fns])
+        self._in_turn = in_turn or (lambda what: run_per_replica is None)
         self._on_backward_start = on_backward_start
         self._observer = Observer(opts.keep())
         self._link, self._work = parts.link, parts.work

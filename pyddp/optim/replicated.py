@@ -2,14 +2,14 @@
 instance of a subclass of the user's optimizer class holding replica 0's
 parameters, so LR schedulers, `isinstance` checks and `state_dict()` (one
 copy) work unchanged; the other replicas' optimizers are stepped with the same
-hyper-parameters. Replicas sharing a device step once: the first replica on
-each GPU (replica 0 for CPU replicas, which share the one CPU) steps, and the
-others on it take its parameters after (one copy), the bytes their own step
-would give. On one GPU the replicas' steps would run one after another
-anyway, each its optimizer's Python and kernels, where a step of replicas
-sharing a GPU is bound by the host (docs/gpus.md); CPU replicas' steps
-share the same cores and memory bandwidth (bench/gpu_step.py --device cpu
-shows both). And those replicas hold no optimizer state."""
+hyper-parameters. Replicas whose steps would run one after another step
+once: the first replica on each GPU steps, and the others on it take its
+parameters after (one copy), the bytes their own step would give; CPU
+replicas likewise once their steps run in turn (step_once_if_in_turn). On
+one GPU the replicas' steps run one after another anyway, each its
+optimizer's Python and kernels, where a step of replicas sharing a GPU is
+bound by the host (docs/gpus.md); and those replicas hold no optimizer
+state."""
 
 from __future__ import annotations
 
@@ -49,6 +49,24 @@ class ReplicatedState(OptimState):
 
     def stepping(self, r: int) -> bool:
         return self.source[r] == r
+
+    def step_once_if_in_turn(self, outer: Any) -> None:
+        """CPU replicas step each on their worker, at once, until their
+        steps run in turn (wrap's run_replicas "in_turn", or "auto" once it
+        chose so: the step is bound by its Python): then, for good, replica
+        0 steps and the others copy its parameters, as replicas sharing a
+        GPU do, and their optimizer state is dropped. On threads the copy
+        would cost more than the parallel steps it replaces (1.04x the step
+        of an MLP 784-1024-1024-10 on 2 CPU replicas, bench/ab_builds.py)."""
+        if self.reducer.gpus is not None or self.width == 1:
+            return
+        if not self.reducer.runs_in_turn(OPTIMIZER_STEP):
+            return
+        self.source = [0] * len(self.source)
+        self.width = 1
+        self._followers = None
+        for other in self.others:
+            other.state.clear()
 
     def _pairs(self, outer: Any) -> Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor]]]:
         """Per stepping replica with followers: (the parameters of the
@@ -105,6 +123,7 @@ class ReplicatedState(OptimState):
 
 
 _VERSION = operator.attrgetter("_version")
+OPTIMIZER_STEP = "optimizer step"  # the kind of work run_per_replica runs
 
 
 def _increment_versions(tensors: List[torch.Tensor]) -> None:
@@ -118,10 +137,10 @@ def _increment_versions(tensors: List[torch.Tensor]) -> None:
 
 
 def _sources(reducer: GradientShards) -> List[int]:
-    """Each replica's stepping replica: the first on its device (every CPU
-    replica shares the one CPU)."""
+    """Each replica's stepping replica: the first on its GPU; CPU replicas
+    each step themselves (until step_once_if_in_turn)."""
     if reducer.gpus is None:
-        return [0] * len(reducer.params)
+        return list(range(len(reducer.params)))
     first: Dict[int, int] = {}
     return [first.setdefault(gpu, r) for r, gpu in enumerate(reducer.gpus)]
 
@@ -147,12 +166,13 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
         def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
             state = self._pyddp
             self._pyddp_begin_step(closure, state.others)
+            state.step_once_if_in_turn(self)
             steps = [state.stepper(self, 0, super().step)] + [
                 state.stepper(self, r, other.step) if state.stepping(r) else _nothing
                 for r, other in enumerate(state.others[: state.width - 1], start=1)
             ]
             try:
-                return state.reducer.run_per_replica(steps, "optimizer step")[0]
+                return state.reducer.run_per_replica(steps, OPTIMIZER_STEP)[0]
             except ReplicaError as e:
                 # Some replicas stepped and some did not: make them all replica
                 # 0 again (the user's model) before anything else runs.
