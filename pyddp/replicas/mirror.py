@@ -15,6 +15,7 @@ O(modules + parameters) attribute reads:
 from __future__ import annotations
 
 import operator
+from itertools import chain
 from typing import List, Sequence, Tuple
 
 import torch
@@ -28,6 +29,10 @@ class ReplicaMirror:
         self.modules: List[List[nn.Module]] = [list(m.modules()) for m in replicas]
         self.module_names = [n or "(the model)" for n, _ in replicas[0].named_modules()]
         self.layout = self._layout()
+        # The dicts behind the layout, flat: follow() compares their sizes in
+        # one C-level pass (no Python per module per forward).
+        self.layout_dicts = [d for m in self.modules[0] for d in _LAYOUT_DICTS(m)]
+        self.layout_sizes = list(map(len, self.layout_dicts))
         self.members = self._members()
         # Every parameter slot (module, local name) of replica 0, frozen ones included.
         slots = [
@@ -85,9 +90,8 @@ class ReplicaMirror:
         of every replica) with work only where something changed. Returns
         whether replica 0's parameters got new storage (their gradients may
         have too: the caller re-attaches them)."""
-        layout = self._layout()
-        if layout != self.layout:
-            self._raise_structure(layout)
+        if list(map(len, self.layout_dicts)) != self.layout_sizes:
+            self._raise_structure(self._layout())
         if not all(map(operator.is_, self._members(), self.members)):
             raise RuntimeError(
                 "pyddp: a submodule of the wrapped model was replaced after wrap "
@@ -98,7 +102,7 @@ class ReplicaMirror:
         ):
             self._raise_replaced()
         first = self.params[0]
-        training = [m.training for m in self.modules[0]]
+        training = list(map(_TRAINING, self.modules[0]))
         if training != self.training:
             for mods in self.modules[1:]:
                 for m, flag in zip(mods, training):
@@ -154,23 +158,13 @@ class ReplicaMirror:
     def _layout(self) -> List[Tuple[int, ...]]:
         """Per module of replica 0: how many parameters, submodules and buffers,
         then how many forward, forward-pre, backward and backward-pre hooks."""
-        return [
-            (
-                len(m._parameters),
-                len(m._modules),
-                len(m._buffers),
-                len(m._forward_hooks),
-                len(m._forward_pre_hooks),
-                len(m._backward_hooks),
-                len(m._backward_pre_hooks),
-            )
-            for m in self.modules[0]
-        ]
+        return [tuple(map(len, _LAYOUT_DICTS(m))) for m in self.modules[0]]
 
     def _members(self) -> List[object]:
-        """Every child module of replica 0, by identity. (Buffers are copied
-        from replica 0 before each forward, replaced ones included.)"""
-        return [x for m in self.modules[0] for x in m._modules.values()]
+        """Every child module of replica 0, by identity (C-level passes).
+        (Buffers are copied from replica 0 before each forward, replaced
+        ones included.)"""
+        return list(chain.from_iterable(map(dict.values, map(_MODULES, self.modules[0]))))
 
     def _raise_structure(self, layout: List[Tuple[int, ...]]) -> None:
         j = next(j for j, (a, b) in enumerate(zip(layout, self.layout)) if a != b)
@@ -198,6 +192,17 @@ class ReplicaMirror:
                 )
 
 
+_LAYOUT_DICTS = operator.attrgetter(
+    "_parameters",
+    "_modules",
+    "_buffers",
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+_TRAINING = operator.attrgetter("training")
+_MODULES = operator.attrgetter("_modules")
 _version = operator.attrgetter("_version")
 _version_and_grad = operator.attrgetter("_version", "requires_grad")
 _data_ptr = operator.methodcaller("data_ptr")

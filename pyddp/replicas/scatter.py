@@ -41,7 +41,7 @@ def scatter(tree: Any, devices: Sequence[torch.device]) -> Tuple[List[Any], List
     split = [[t] * len(sizes) if t.dim() == 0 else list(t.split(sizes)) for t in leaves]
     shards = []
     for r, device in enumerate(devices[: len(sizes)]):
-        shards.append(rebuild([parts[r].to(device, non_blocking=True) for parts in split]))
+        shards.append(rebuild([_to(parts[r], device) for parts in split]))
     return shards, sizes
 
 
@@ -51,6 +51,12 @@ def gather(outs: List[Any], sizes: List[int], device: torch.device, combine: Com
     tensors are stacked, one per replica. Non-tensor values are refused
     unless every replica returned the same None, str or bytes. `combine`
     combines the columns that need a gradient (through autograd, see combine.py)."""
+    weights = [n / sum(sizes) for n in sizes]
+    if all(isinstance(o, torch.Tensor) for o in outs):  # one tensor each: no tree to walk
+        kind = _gather_kind(outs[0])
+        if any(o.requires_grad for o in outs):
+            return combine([[o] for o in outs], [kind], weights)[0]
+        return combine_column(outs, kind, device, weights)
     shapes = [structure(o) for o in outs]
     for r, shape in enumerate(shapes[1:], start=1):
         if shape != shapes[0]:
@@ -63,7 +69,6 @@ def gather(outs: List[Any], sizes: List[int], device: torch.device, combine: Com
     leaves = [f[0] for f in flat]
     rebuild = flat[0][1]
     _check_other_leaves(outs)
-    weights = [n / sum(sizes) for n in sizes]
     results: List[Optional[torch.Tensor]] = [None] * len(leaves[0])
     kinds = [_gather_kind(t) for t in leaves[0]]
     differentiable = []
@@ -82,6 +87,11 @@ def gather(outs: List[Any], sizes: List[int], device: torch.device, combine: Com
         for j, t in zip(differentiable, combined):
             results[j] = t
     return rebuild(results)
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` (a shard already there, as on CPU replicas, as it is)."""
+    return t if t.device == device else t.to(device, non_blocking=True)
 
 
 def _short(shape: Any) -> str:
