@@ -266,8 +266,10 @@ bool Engine::launches_inline(int bucket) const {
   if (num_replicas_ == 1) return backend_->launches_cheaply(bucket);
   // Replicas in one process on a backend that runs on any thread (the CPU
   // one): a small bucket's reduction takes less than waking the launcher.
+  // Below the CPU backend's pool threshold, it is arithmetic on this thread
+  // alone: it waits for no other thread (invariant 1, docs/design.md).
   return backend_->launches_on_any_thread() &&
-         padded_count(bucket) * static_cast<int64_t>(dtype_size(params_[buckets_[bucket][0]].dtype)) <=
+         padded_count(bucket) * static_cast<int64_t>(dtype_size(params_[buckets_[bucket][0]].dtype)) <
              kInlineReduceBytes;
 }
 

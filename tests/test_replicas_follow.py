@@ -497,3 +497,41 @@ def test_gradients_given_new_storage_are_reattached_and_parameters_copied():
         assert not dm._reducer.grads_moved()  # the gradients are bucket views again
         opt.step()
         same_replicas(dm)
+
+
+class _DataSGD(torch.optim.Optimizer):
+    """SGD that writes through `.data`: it moves no version counter."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("run", ["in_turn", "threads"])
+def test_an_optimizer_writing_through_data_reaches_every_replica(run):
+    # In turn, replica 0 steps alone and the others copy what its step may
+    # have changed: parameters whose counters moved, or that hold a
+    # gradient (a `.data` write moves no counter). On threads each steps.
+    torch.manual_seed(0)
+    model = Net(norm=False)
+    model.drop.p = 0.0
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"], run_replicas=run)
+    opt, ref_opt = dm.optimizer(_DataSGD, lr=0.1), _DataSGD(ref.parameters(), lr=0.1)
+    for x, y in data():
+        F.cross_entropy(dm(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        same_replicas(dm)
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert opt._pyddp.source == ([0, 0] if run == "in_turn" else [0, 1])
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)  # float32 sums of two halves
+    dm.close()

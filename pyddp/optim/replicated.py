@@ -17,7 +17,7 @@ import copy
 import functools
 import operator
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import compress, repeat
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -105,24 +105,29 @@ class ReplicatedState(OptimState):
     @staticmethod
     def copy(into: List[torch.Tensor], froms: List[torch.Tensor], before: List[int]) -> None:
         """After the step: the replicas that do not step take their source's
-        parameters, each one the step changed (its version counter moved
-        since `before`; one it left alone is equal on every replica
-        already). Their counters then move as their source's did: the
-        model's mirror (replicas/mirror.py) takes a replica whose counters
-        moved otherwise than replica 0's for one changed alone, and would
-        copy every parameter again before the next forward. Every pass over
-        the parameters is C-level (map, compress): no Python per parameter."""
+        parameters, each one the step may have changed: its version counter
+        moved since `before`, or it holds a gradient (an optimizer that
+        writes through `.data` moves no counter). One with neither is equal
+        on every replica already (a frozen one). The copies' counters then
+        move as their source's did: the model's mirror (replicas/mirror.py)
+        takes a replica whose counters moved otherwise than replica 0's for
+        one changed alone, and copies it again before the next forward (so
+        only where the source's did not move: `.data` writes). Every pass
+        over the parameters is C-level (map, compress): no Python per
+        parameter."""
         moved = list(map(operator.sub, map(_VERSION, froms), before))
-        top = max(moved, default=0)
-        if top == 0:
+        changed = list(map(operator.or_, moved, map(operator.is_not, map(_GRAD, froms), _NONES)))
+        if not any(changed):
             return
         with torch.no_grad():
-            torch._foreach_copy_(list(compress(into, moved)), list(compress(froms, moved)))
-        for extra in range(1, top):  # the copy moved each by one
+            torch._foreach_copy_(list(compress(into, changed)), list(compress(froms, changed)))
+        for extra in range(1, max(moved, default=0)):  # the copy moved each by one
             _increment_versions(list(compress(into, map(extra.__lt__, moved))))
 
 
 _VERSION = operator.attrgetter("_version")
+_GRAD = operator.attrgetter("grad")
+_NONES = repeat(None)
 OPTIMIZER_STEP = "optimizer step"  # the kind of work run_per_replica runs
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-RunBackward = Callable[[List[List[torch.Tensor]], List[List[Any]], bool], None]
+RunBackward = Callable[[List[List[torch.Tensor]], List[List[Any]]], None]
 
 
 class Combine:
@@ -85,7 +85,7 @@ class CombineFn(torch.autograd.Function):
         ctx.saved_tensors  # noqa: B018 - raises if the graph was freed (see forward)
         node = ctx.node
         per_replica = node.split(grads)
-        node.run_backward(node.tensors, per_replica, node.detached)
+        node.run_backward(node.tensors, per_replica)
         if node.detached:
             flat_grads: List[Any] = [None] * sum(len(ts) for ts in node.tensors)
         else:

@@ -168,7 +168,9 @@ class ReplicaSteps:
     ) -> List[torch.Tensor]:
         """Combines per-replica tensors on devices[0] through autograd: backward
         through the result runs every replica's backward (_backward)."""
-        node = Combine(tensors, kinds, self.devices[0], weights, self._backward, self._detached())
+        node = Combine(
+            tensors, kinds, self.devices[0], weights, self._backward, self._parallel_backward
+        )
         return list(node.apply())
 
     def _start(self, tree: Any) -> Tuple[List[Any], List[int]]:
@@ -230,19 +232,7 @@ class ReplicaSteps:
 
         return run
 
-    def _detached(self) -> bool:
-        """Whether the replicas' graphs are run by pyddp's workers (CPU
-        replicas' backward on threads, or while "auto" tries both), not by
-        the outer backward: where CPU replicas' backward runs in turn, the
-        outer backward runs the replicas' graphs itself, as one device's
-        autograd runs one graph (no nested backward per replica)."""
-        if not self._parallel_backward:
-            return False
-        return self._streams is not None or not self._workers.in_turn("backward")
-
-    def _backward(
-        self, tensors: List[List[torch.Tensor]], grads: List[List[Any]], detached: bool
-    ) -> None:
+    def _backward(self, tensors: List[List[torch.Tensor]], grads: List[List[Any]]) -> None:
         """Runs in the outer backward when it reaches the gathered output or the
         returned loss: schedules the end-of-backward bookkeeping and, for CPU
         replicas, runs every replica's backward on its worker."""
@@ -271,11 +261,7 @@ class ReplicaSteps:
             # Autograd's final callback: runs once the whole backward is done,
             # whatever else the loss depended on.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if not detached:
-            if self._parallel_backward and torch.is_grad_enabled():
-                raise RuntimeError(
-                    "pyddp: backward(create_graph=True) is not supported with CPU replicas"
-                )
+        if not self._parallel_backward:
             return
         if torch.is_grad_enabled():
             raise RuntimeError(

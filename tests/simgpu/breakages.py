@@ -316,8 +316,8 @@ BREAKAGES = {
     ),
     "shared-gpu-followers-not-copied": (
         "pyddp/optim/replicated.py",
-        "            torch._foreach_copy_(list(compress(into, moved)), "
-        "list(compress(froms, moved)))",
+        "            torch._foreach_copy_(list(compress(into, changed)), "
+        "list(compress(froms, changed)))",
         "            pass",
         "replicas sharing a GPU with the replica that steps do not take its parameters "
         "after the step (they skip the step and keep their old parameters)",
