@@ -52,10 +52,6 @@ class Backend {
   // waited for): the engine then launches it from the thread that completed
   // it.
   virtual bool launches_cheaply(int /*key*/) const { return false; }
-  // Whether a launch may run on any thread (no per-thread state such as a
-  // current GPU context): finish() then launches what the launcher thread
-  // has not taken yet itself, instead of waiting for that thread to wake.
-  virtual bool launches_on_any_thread() const { return false; }
   // Keys are bucket indices in [0, n); key -1 is for one-off collectives.
   virtual void set_keys(int /*n*/) {}
   // GPU: the data of `key` on `replica` is produced by work already queued on

@@ -354,9 +354,8 @@ PYBIND11_MODULE(_C, m) {
            "Sharded gradients: the replica's block of the bucket lands at `recv` (0: in place).")
       .def("take_completed", &Engine::take_completed,
            "Buckets whose reduction call returned since the last call (CPU: reduced).")
-      // Holds the GIL: it counts, and at most reduces a bucket under 256 KiB
-      // in place on this thread (in-process CPU replicas; no waiting), and a
-      // release/reacquire would cost more than the call itself.
+      // Holds the GIL: it only counts (no waiting), and a release/reacquire
+      // would cost more than the call itself.
       .def("mark_ready", &Engine::mark_ready, py::arg("replica"), py::arg("param"),
            py::arg("stream") = 0)
       .def(

@@ -47,7 +47,6 @@ class CpuBackend : public Backend {
   // threads <= 0: min(4, hardware threads).
   explicit CpuBackend(int threads = 0);
   std::string name() const override { return "cpu"; }
-  bool launches_on_any_thread() const override { return true; }  // ChunkPool: the caller takes part
   void all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) override;
   void broadcast(const std::vector<BufferRef>& bufs, int root, int key) override;
   void all_gather(const std::vector<BufferRef>& sends, const std::vector<BufferRef>& recvs,

@@ -37,7 +37,7 @@ Engine::Engine(int num_replicas, std::vector<ParamInfo> params,
   for (size_t i = 0; i < p; ++i) has_grad_[i].store(0);
   for (int r = 0; r < num_replicas_; ++r) reduced_copy_[r].store(0);
   set_buckets(std::move(buckets));
-  inline_launch_ = num_replicas_ == 1 || backend_->launches_on_any_thread();
+  inline_launch_ = num_replicas_ == 1;
   launcher_ = std::thread([this] { launcher_loop(); });
 }
 
@@ -237,40 +237,25 @@ void Engine::complete_param(int param, std::unique_lock<std::mutex>* held) {
   const int b = bucket_of_[param];
   if (bucket_pending_[b].fetch_sub(1, std::memory_order_acq_rel) - 1 != 0) return;
   bucket_ready_ns_[b].store(now_ns(), std::memory_order_relaxed);
-  bool wake = true;
   if (held != nullptr) {
     enqueue_locked(b);
   } else {
     std::unique_lock<std::mutex> lk(mu_);
     enqueue_locked(b);
-    // A cheap launch is made on this thread unless a launch is under way: no
+    // A launch that only enqueues (across processes, one replica here, a
+    // bucket pyddp._hot's Wire takes): made on this thread, as torch DDP's
+    // reducer launches from its hooks, unless a launch is under way; no
     // hand-off to the launcher thread on the step's critical path (the last
-    // bucket's launch), whose wake-up costs more than the launch. Anything
-    // else (a Python launch: a comm hook, the rider unfilled; a large
-    // in-process reduction, which overlaps the rest of backward there)
-    // stays on the launcher thread.
+    // bucket's launch). Anything else (a Python launch: a comm hook, the
+    // rider unfilled) stays on the launcher thread.
     while (inline_launch_ && !stop_ && !busy_ && error_.empty() && has_launchable_locked() &&
-           launches_inline(peek_launchable_locked())) {
+           backend_->launches_cheaply(peek_launchable_locked())) {
       launch_locked(lk);
       ++inline_launches_;
     }
-    wake = has_launchable_locked();  // launched here: nothing for the launcher
   }
   // The launcher does the communication; this thread goes back to backward.
-  if (wake) work_cv_.notify_one();
-}
-
-bool Engine::launches_inline(int bucket) const {
-  // One replica across processes: a launch that only enqueues (a bucket
-  // pyddp._hot's Wire takes), as torch DDP's reducer launches from its hooks.
-  if (num_replicas_ == 1) return backend_->launches_cheaply(bucket);
-  // Replicas in one process on a backend that runs on any thread (the CPU
-  // one): a small bucket's reduction takes less than waking the launcher.
-  // Below the CPU backend's pool threshold, it is arithmetic on this thread
-  // alone: it waits for no other thread (invariant 1, docs/design.md).
-  return backend_->launches_on_any_thread() &&
-         padded_count(bucket) * static_cast<int64_t>(dtype_size(params_[buckets_[bucket][0]].dtype)) <
-             kInlineReduceBytes;
+  work_cv_.notify_one();
 }
 
 void Engine::enqueue_locked(int bucket) {
@@ -392,9 +377,8 @@ void Engine::launch_locked(std::unique_lock<std::mutex>& lk) {
     }
   }
   done_cv_.notify_all();
-  // The launcher may go on (a bucket enqueued while this launch was under
-  // way); with nothing launchable its wait would not end: no wake-up.
-  if (has_launchable_locked()) work_cv_.notify_one();
+  // The launcher may go on (a bucket enqueued while this launch was under way).
+  work_cv_.notify_one();
 }
 
 Engine::Settled Engine::finish(const std::vector<uintptr_t>& streams) {
@@ -434,14 +418,6 @@ Engine::Settled Engine::finish(const std::vector<uintptr_t>& streams) {
     work_cv_.notify_one();
   }
   const int64_t t_wait = now_ns();
-  // This thread has nothing else to do until the reductions are done: where
-  // the backend runs on any thread (the in-process CPU one), it launches
-  // what the launcher has not taken yet (at the end of backward, mostly the
-  // last bucket) instead of waiting for the launcher thread to wake for it.
-  // In queue order, one launch at a time (busy_), as the launcher would.
-  if (backend_->launches_on_any_thread()) {
-    while (!stop_ && !busy_ && error_.empty() && has_launchable_locked()) launch_locked(lk);
-  }
   // Host wait, not a stream wait: on the CPU backend the reduced values are
   // read by the optimizer on this thread right after.
   done_cv_.wait(lk, [&] {

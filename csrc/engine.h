@@ -234,13 +234,7 @@ class Engine {
   int next_index_ = 0;
   int done_ = 0;
   bool busy_ = false;  // a launch is under way (on the launcher thread or a marking thread)
-  bool inline_launch_ = false;  // launches_inline() may hold: from the thread completing a bucket
-  bool launches_inline(int bucket) const;
-  // In-process reductions below this size run on the thread that completes
-  // their bucket (about the time a launcher thread takes to wake up); the
-  // CPU backend's pool threshold (cpu_backend.cpp, kParallelBytes): below
-  // it the reduction is this thread's arithmetic, with no wait.
-  static constexpr int64_t kInlineReduceBytes = 256 * 1024;
+  bool inline_launch_ = false;  // one replica: a cheap launch from the thread completing a bucket
   int64_t inline_launches_ = 0;  // made so (under mu_; counted for the tests)
   bool stop_ = false;
   std::string error_;

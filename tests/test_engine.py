@@ -145,24 +145,6 @@ def test_stats_count_bytes_and_launches():
     assert eng.ready_order() == [0, 1]
 
 
-def test_small_in_process_buckets_reduce_on_the_completing_thread():
-    # Replicas in one process on the CPU backend: a bucket of at most 256 KiB
-    # is reduced by the thread whose mark completes it (waking the launcher
-    # thread costs more); a larger one is left to the launcher (or finish()),
-    # overlapping whatever that thread does next.
-    eng, bufs = make_engine(numels=(3, 70_000))  # 12 bytes; 280,000 > 256 KiB
-    before = eng.inline_launches
-    eng.mark_ready(0, 0)
-    eng.mark_ready(1, 0)  # completes bucket 0: reduced before this returns
-    assert (bufs[0][0] == 3).all() and (bufs[1][0] == 3).all()
-    assert eng.inline_launches - before == 1
-    eng.mark_ready(0, 1)
-    eng.mark_ready(1, 1)
-    eng.finish()
-    assert eng.inline_launches - before == 1  # bucket 1 went to the launcher or finish()
-    assert (bufs[0][1] == 3).all() and (bufs[1][1] == 3).all()
-
-
 def test_engine_argument_errors():
     with pytest.raises(RuntimeError, match="at least one replica"):
         _C.Engine(0, ["a"], [1], ["float32"], [[0]], "ready", "sum", _C.CpuBackend(1))

@@ -78,6 +78,8 @@ def async_nccl_error():
     dm = gpu_wrap(model, [0, 1], bucket_cap_mb=0)
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     ((x, y),) = make_batches(1, 8)
+    # Nothing of wrap's still queued on the streams: "next" is this backward's.
+    streams.synchronize_all([0, 1])
     sim.lib.simgpu_nccl_fail_next(0, 6)  # ncclRemoteError on cuda:0's next collective
     try:
         # Seen by the next launch of this backward, or else by the step.
