@@ -11,6 +11,8 @@ import torch
 
 from ..engine.faces import GradientShards
 
+OPTIMIZER_STEP = "optimizer step"  # the kind of work run_per_replica runs
+
 
 @dataclass
 class OptimState:

@@ -25,7 +25,7 @@ from torch.autograd.graph import increment_version
 
 from ..engine.faces import GradientShards
 from ..errors import ReplicaError
-from .base import OptimState, PyddpOptimizer
+from .base import OPTIMIZER_STEP, OptimState, PyddpOptimizer
 
 
 @dataclass
@@ -128,7 +128,6 @@ class ReplicatedState(OptimState):
 _VERSION = operator.attrgetter("_version")
 _GRAD = operator.attrgetter("grad")
 _NONES = repeat(None)
-OPTIMIZER_STEP = "optimizer step"  # the kind of work run_per_replica runs
 
 
 def _increment_versions(tensors: List[torch.Tensor]) -> None:

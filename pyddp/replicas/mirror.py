@@ -32,7 +32,7 @@ class ReplicaMirror:
         # The dicts behind the layout, flat: follow() compares their sizes in
         # one C-level pass (no Python per module per forward).
         self.layout_dicts = [d for m in self.modules[0] for d in _LAYOUT_DICTS(m)]
-        self.layout_sizes = list(map(len, self.layout_dicts))
+        self.layout_sizes = list(chain.from_iterable(self.layout))
         self.members = self._members()
         # Every parameter slot (module, local name) of replica 0, frozen ones included.
         slots = [

@@ -98,7 +98,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             parts,
             prepare_on_forward=False,
             run_per_replica=self._workers.run,
-            in_turn=self._workers.in_turn,
+            in_turn=self._workers.runs_in_turn,
             on_backward_start=weakref.WeakMethod(self._backward_began) if one else None,
         )
         try:

@@ -93,12 +93,10 @@ class ReplicaWorkers:
             return {"*": self.mode}
         return {what: c.chosen or "trying" for what, c in self._choices.items()}
 
-    def in_turn(self, what: str) -> bool:
+    def runs_in_turn(self, what: str) -> bool:
         """Whether `what` runs in turn from now on (not while "auto" tries)."""
-        if self.mode != "auto":
-            return self.mode == "in_turn"
-        choice = self._choices.get(what)
-        return choice is not None and choice.chosen == "in_turn"
+        how = self.choices()
+        return how.get("*", how.get(what)) == "in_turn"
 
     def run(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
         """Runs fns[r] for replica r, in parallel (or in turn, see the module);
