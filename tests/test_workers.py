@@ -108,3 +108,52 @@ def test_run_replicas_is_checked_and_in_turn_refused_where_replicas_meet():
     dm = pyddp.wrap(model, ["cpu", "cpu"])  # "auto": threads, where they must meet
     assert dm.run_replicas() == {"*": "threads"}
     dm.close()
+
+
+def test_mkl_warm_up_covers_every_vml_function_of_the_installed_torch():
+    # pyddp/runtime/mkl.py: torch's float unary ops that call oneMKL's VML
+    # must each make their first call before replica threads run at once
+    # (pytorch/pytorch#188792). The list is torch's vml.h: checked against the
+    # installed torch's own header, so a torch that adds one fails here.
+    import re
+    from pathlib import Path
+
+    from pyddp.runtime import mkl
+
+    header = Path(torch.__file__).parent / "include" / "ATen" / "cpu" / "vml.h"
+    if not header.exists():
+        pytest.skip(f"this torch ships no {header}")
+    called = set()
+    for line in header.read_text().splitlines():
+        m = re.match(r"\s*IMPLEMENT_VML_MKL\((\w+),", line)  # commented-out lines don't match
+        if m:
+            called.add(m.group(1))
+    assert called and called <= set(mkl.VML_OPS), sorted(called - set(mkl.VML_OPS))
+
+
+def test_wrap_on_several_replicas_makes_every_vml_first_call_first(monkeypatch):
+    import pyddp
+    from pyddp.runtime import mkl
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("this torch has no MKL")
+    seen = set()
+
+    def recorded(op, real):
+        def call(x):
+            seen.add((op, x.dtype))
+            return real(x)
+
+        return call
+
+    for op in mkl.VML_OPS:
+        monkeypatch.setattr(torch, op, recorded(op, getattr(torch, op)))
+    monkeypatch.setattr(mkl, "_warm", False)
+    dm = pyddp.wrap(torch.nn.Linear(2, 2), ["cpu"])  # one replica: no threads, nothing to do
+    dm.close()
+    assert not mkl._warm and not seen
+    dm = pyddp.wrap(torch.nn.Linear(2, 2), ["cpu"] * 2)
+    dm.close()
+    assert mkl._warm
+    assert seen == {(op, d) for op in mkl.VML_OPS for d in (torch.float32, torch.float64)}
+    assert not mkl.warm()  # once per process
