@@ -3,7 +3,7 @@ computes a float unary op with oneMKL's low-accuracy kernel
 (pytorch/pytorch#188792; pyddp/runtime/mkl.py), with and without pyddp's
 warm-up. Each trial is a new Python process (the race is on each VML
 function's first call in a process); variants take turns, `--jobs` at once
-(oversubscribed cores make the race likelier, as on a loaded machine):
+(on a 2-core machine, one at a time raced more often than two):
 
 - `threads`: 4 plain threads, each a Linear then tanh on its rows, at once;
 - `threads after warm()`: the same after `pyddp.runtime.mkl.warm()`;
@@ -14,7 +14,7 @@ function's first call in a process); variants take turns, `--jobs` at once
 A trial is corrupted when any thread's or replica's rows differ from the same
 rows computed again on the main thread afterwards (bitwise; equal row counts).
 
-    python bench/mkl_first_calls.py [--trials 100] [--jobs 2] [--json out.json]
+    python bench/mkl_first_calls.py [--trials 100] [--jobs 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def trial(variant: str) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=100, help="fresh processes per variant")
-    ap.add_argument("--jobs", type=int, default=2, help="processes at once")
+    ap.add_argument("--jobs", type=int, default=1, help="processes at once")
     ap.add_argument("--json", help="write the counts here")
     args = ap.parse_args()
     if args.trials < 1 or args.jobs < 1:
