@@ -99,6 +99,20 @@ def test_wrapping_twice_is_refused_until_closed():
     pyddp.wrap(model, ["cpu", "cpu"]).close()
 
 
+def test_gradsync_refuses_replicas_sharing_a_parameter():
+    # The same module twice (or replicas viewing one tensor's memory) would
+    # count each gradient once per replica: 2x, silently, before this check.
+    m = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="replica 1's 'weight' is replica 0's 'weight'"):
+        pyddp.GradSync([m, m])
+    other = torch.nn.Linear(2, 2)
+    other.weight = torch.nn.Parameter(m.weight.detach())  # another tensor, the same memory
+    with pytest.raises(ValueError, match="the same memory"):
+        pyddp.GradSync([m, other], check_replicas=False)
+    with pyddp.GradSync([m, copy.deepcopy(m)]):
+        pass
+
+
 def test_the_wrapper_refuses_pickling_and_copying_clearly():
     dm = pyddp.wrap(Mixed(), ["cpu", "cpu"])
     for attempt in (

@@ -131,7 +131,9 @@ def test_mkl_warm_up_covers_every_vml_function_of_the_installed_torch():
     assert called and called <= set(mkl.VML_OPS), sorted(called - set(mkl.VML_OPS))
 
 
-def test_wrap_on_several_replicas_makes_every_vml_first_call_first(monkeypatch):
+def test_wrap_and_gradsync_make_every_vml_first_call_first(monkeypatch):
+    # Also with one replica: torch's own intra-op threads race on a sizable
+    # op's first call the same way (under torchrun, one replica per process).
     import pyddp
     from pyddp.runtime import mkl
 
@@ -148,12 +150,13 @@ def test_wrap_on_several_replicas_makes_every_vml_first_call_first(monkeypatch):
 
     for op in mkl.VML_OPS:
         monkeypatch.setattr(torch, op, recorded(op, getattr(torch, op)))
-    monkeypatch.setattr(mkl, "_warm", False)
-    dm = pyddp.wrap(torch.nn.Linear(2, 2), ["cpu"])  # one replica: no threads, nothing to do
-    dm.close()
-    assert not mkl._warm and not seen
-    dm = pyddp.wrap(torch.nn.Linear(2, 2), ["cpu"] * 2)
-    dm.close()
-    assert mkl._warm
-    assert seen == {(op, d) for op in mkl.VML_OPS for d in (torch.float32, torch.float64)}
+    every = {(op, d) for op in mkl.VML_OPS for d in (torch.float32, torch.float64)}
+    for make in (
+        lambda: pyddp.wrap(torch.nn.Linear(2, 2), ["cpu"]),
+        lambda: pyddp.GradSync([torch.nn.Linear(2, 2) for _ in range(2)], check_replicas=False),
+    ):
+        monkeypatch.setattr(mkl, "_warm", False)
+        seen.clear()
+        make().close()
+        assert mkl._warm and seen == every
     assert not mkl.warm()  # once per process

@@ -141,6 +141,20 @@ def note_synced(sync: Any, params: Sequence[Sequence[torch.Tensor]]) -> None:
 
 
 def refuse_synced_twice(names: Sequence[str], params: Sequence[Sequence[torch.Tensor]]) -> None:
+    # One tensor (or its memory) in two replicas: its gradient would be
+    # counted once per replica holding it, silently (GradSync([m, m])).
+    owner: Dict[int, Tuple[int, str]] = {}
+    for r, replica in enumerate(params):
+        for name, p in zip(names, replica):
+            if p.numel() == 0 or p.is_meta:
+                continue
+            first = owner.setdefault(p.data_ptr(), (r, name))
+            if first[0] != r:
+                raise ValueError(
+                    f"replica {r}'s {name!r} is replica {first[0]}'s {first[1]!r} (the same "
+                    "memory): each replica needs its own copy of the model "
+                    "(copy.deepcopy(model)), or its gradient is counted twice"
+                )
     for replica in params:
         for name, p in zip(names, replica):
             p_ref, sync_ref = _SYNCED.get(id(p), (None, None))

@@ -6,10 +6,11 @@ process, and on oneMKL 2024.2 (torch's CPU wheels) first calls made at once
 on several threads can run a low-accuracy kernel for one thread's call
 (pytorch/pytorch#188792: the AVX2 "EP" kernel; tanh up to 4e-5 off). A
 fresh process's first step on several replica threads makes exactly such
-calls: one replica would compute its rows of that step differently from the
-others and from one device, at random. `warm()` makes every first call once,
-on the calling thread, before the replicas run at once; torch's fix (#188791)
-does the same inside torch."""
+calls (as do torch's intra-op threads splitting a sizable op): one replica
+would compute its rows of that step differently from the others and from one
+device, at random. `warm()` makes every first call once, on the calling
+thread, at `wrap` and `GradSync`, before any replica runs; torch's fix
+(#188791) does the same inside torch."""
 
 from __future__ import annotations
 
