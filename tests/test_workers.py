@@ -160,3 +160,33 @@ def test_wrap_and_gradsync_make_every_vml_first_call_first(monkeypatch):
         make().close()
         assert mkl._warm and seen == every
     assert not mkl.warm()  # once per process
+
+
+def test_replica_backward_by_the_engine_entry_equals_the_public_call(monkeypatch):
+    # steps._replica_backward skips torch.autograd.backward's argument
+    # handling; without the engine entry (another torch) it takes the public
+    # call. Both give the same bytes, on threads and in turn.
+    import copy
+
+    from conftest import Mixed, make_batches
+
+    import pyddp
+    import pyddp.replicas.steps as steps
+
+    assert steps._engine_run_backward is not None  # this torch: the direct path is tested
+    torch.manual_seed(0)
+    model = Mixed()
+    got = []
+    for entry in (steps._engine_run_backward, None):
+        monkeypatch.setattr(steps, "_engine_run_backward", entry)
+        for run in ("threads", "in_turn"):
+            dm = pyddp.wrap(copy.deepcopy(model), ["cpu"] * 3, run_replicas=run)
+            opt = dm.optimizer(torch.optim.AdamW, lr=0.01)
+            for x, y in make_batches(3, 13):
+                torch.nn.functional.cross_entropy(dm(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            got.append([p.detach().clone() for p in dm.module.parameters()])
+            dm.close()
+    for other in got[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got[0], other))
