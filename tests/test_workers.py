@@ -143,14 +143,16 @@ def test_wrap_and_gradsync_make_every_vml_first_call_first(monkeypatch):
 
     def recorded(op, real):
         def call(x):
-            seen.add((op, x.dtype))
+            seen.add((op, x.dtype, x.device.type, threading.get_ident()))
             return real(x)
 
         return call
 
     for op in mkl.VML_OPS:
         monkeypatch.setattr(torch, op, recorded(op, getattr(torch, op)))
-    every = {(op, d) for op in mkl.VML_OPS for d in (torch.float32, torch.float64)}
+    # On CPU tensors (oneMKL's) whatever the default device, on the caller's thread.
+    me = threading.get_ident()
+    every = {(op, d, "cpu", me) for op in mkl.VML_OPS for d in (torch.float32, torch.float64)}
     for make in (
         lambda: pyddp.wrap(torch.nn.Linear(2, 2), ["cpu"]),
         lambda: pyddp.GradSync([torch.nn.Linear(2, 2) for _ in range(2)], check_replicas=False),
@@ -159,6 +161,11 @@ def test_wrap_and_gradsync_make_every_vml_first_call_first(monkeypatch):
         seen.clear()
         make().close()
         assert mkl._warm and seen == every
+    monkeypatch.setattr(mkl, "_warm", False)
+    seen.clear()
+    with torch.device("meta"):
+        assert mkl.warm()
+    assert seen == every
     assert not mkl.warm()  # once per process
 
 

@@ -354,14 +354,16 @@ def _replica_backward(
 ) -> None:
     """torch.autograd.backward(tensors, grads, retain_graph=retain), without
     its argument handling (~30 us a call on a 2-core Xeon, once per replica
-    per step): the gradients come from this model's own split of the outer
-    gradient, plain tensors of the outputs' shapes (autograd's engine still
-    checks shapes and casts dtypes). Tensor subclasses, which may override
-    backward, and a torch without the engine's entry point take the public
-    call."""
-    if _engine_run_backward is None or any(
-        type(t) is not torch.Tensor
-        for t in (*tensors, *grads)  # noqa: E721 - exact type
+    per step): the gradients are this model's own split of the outer
+    gradient, plain tensors of the outputs' shapes. Anything else takes the
+    public call: a shape that differs (the public call raises where the
+    engine would broadcast), tensor subclasses or an active torch function
+    mode (which may override backward), a torch without the engine entry."""
+    if (
+        _engine_run_backward is None
+        or torch._C._is_torch_function_mode_enabled()
+        or any(type(t) is not torch.Tensor for t in (*tensors, *grads))
+        or any(t.shape != g.shape for t, g in zip(tensors, grads))
     ):
         torch.autograd.backward(tensors, grads, retain_graph=retain)
         return

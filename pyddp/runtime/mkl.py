@@ -19,8 +19,8 @@ import threading
 import torch
 
 # torch's ops whose float32/float64 CPU kernels call VML (vml.h's
-# IMPLEMENT_VML_MKL list; tests/test_mkl.py checks it against the installed
-# torch's header).
+# IMPLEMENT_VML_MKL list; tests/test_workers.py checks it against the
+# installed torch's header).
 VML_OPS = (
     "acos",
     "asin",
@@ -59,7 +59,7 @@ def warm() -> bool:
                 for dtype in (torch.float32, torch.float64):
                     # Several vectors' worth, contiguous: the path torch's
                     # kernels take to VML; 0.5 is in every op's domain.
-                    x = torch.full((64,), 0.5, dtype=dtype)
+                    x = torch.full((64,), 0.5, dtype=dtype, device="cpu")
                     for op in VML_OPS:
                         getattr(torch, op)(x)
         _warm = True
