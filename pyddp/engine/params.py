@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .._link import Link, WorkRecord, connect, resolve_group
+from ..runtime import mkl
 from ..runtime.libraries import DTYPE_NAMES
 from .options import Options
 from .streams import Placement, gpu_placement
@@ -53,6 +54,9 @@ def assemble(replicas: List[nn.Module], opts: Options, what: str = "GradSync") -
     """Checks `replicas` (trainable parameters, none synchronised twice,
     identical unless opts says the caller made them so), places them and
     connects them to the other processes of `opts.group`."""
+    # Before any replica (or torch's intra-op threads) races on oneMKL's
+    # first calls (runtime/mkl.py): wrap and GradSync both come here first.
+    mkl.warm()
     group = resolve_group(opts.group)
     opts = opts.in_group(group)
     names, params = trainable_params(replicas)
@@ -146,17 +150,14 @@ def refuse_synced_twice(names: Sequence[str], params: Sequence[Sequence[torch.Te
     owner: Dict[int, Tuple[int, str]] = {}
     for r, replica in enumerate(params):
         for name, p in zip(names, replica):
-            if p.numel() == 0 or p.is_meta:
-                continue
-            first = owner.setdefault(p.data_ptr(), (r, name))
-            if first[0] != r:
-                raise ValueError(
-                    f"replica {r}'s {name!r} is replica {first[0]}'s {first[1]!r} (the same "
-                    "memory): each replica needs its own copy of the model "
-                    "(copy.deepcopy(model)), or its gradient is counted twice"
-                )
-    for replica in params:
-        for name, p in zip(names, replica):
+            if p.numel() and not p.is_meta:
+                first = owner.setdefault(p.data_ptr(), (r, name))
+                if first[0] != r:
+                    raise ValueError(
+                        f"replica {r}'s {name!r} is replica {first[0]}'s {first[1]!r} (the "
+                        "same memory): each replica needs its own copy of the model "
+                        "(copy.deepcopy(model)), or its gradient is counted twice"
+                    )
             p_ref, sync_ref = _SYNCED.get(id(p), (None, None))
             other = sync_ref() if p_ref is not None and p_ref() is p else None
             if other is not None and not other.closed:

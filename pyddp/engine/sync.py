@@ -12,7 +12,6 @@ from typing import Any, ContextManager, Dict, List, Sequence
 import torch
 from torch import nn
 
-from ..runtime import mkl
 from .observe import ReadyTimes
 from .options import Options
 from .params import assemble
@@ -71,7 +70,6 @@ class GradSync:
             if not isinstance(m, nn.Module):
                 raise TypeError(f"replicas must be torch.nn.Module objects, got {type(m).__name__}")
         parts = assemble(replicas, Options.for_sync(options))
-        mkl.warm()  # before the caller's replica threads race on oneMKL (runtime/mkl.py)
         self._reducer = Reducer(parts, prepare_on_forward=True)
         if self._reducer.reduces and any(
             isinstance(m, nn.SyncBatchNorm) for r in replicas for m in r.modules()

@@ -26,7 +26,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from ..errors import ReplicaError
-from ..runtime import mkl
 
 
 class ReplicaWorkers:
@@ -42,10 +41,6 @@ class ReplicaWorkers:
         # ordered and on one thread (thread-local state such as CUDA streams).
         # torch's intra-op thread count is per thread: each worker sets its own
         # once, and replica 0's work on the caller's thread sets and restores it.
-        # Replicas' first ops at once on several threads (and torch's intra-op
-        # threads within one replica): oneMKL's first calls must have happened
-        # (runtime/mkl.py), or one thread's tanh/exp/... could be low-accuracy.
-        mkl.warm()
         self.threads = threads
         self.streams = streams  # a pyddp.engine.streams provider, or None (CPU)
         # Replicas > 0 on a CUDA device run with it current, on their threads

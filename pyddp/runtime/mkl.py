@@ -9,7 +9,7 @@ fresh process's first step on several replica threads makes exactly such
 calls (as do torch's intra-op threads splitting a sizable op): one replica
 would compute its rows of that step differently from the others and from one
 device, at random. `warm()` makes every first call once, on the calling
-thread, at `wrap` and `GradSync`, before any replica runs; torch's fix
+thread, at `wrap` and `GradSync` (engine/params.py assemble), before any replica runs; torch's fix
 (#188791) does the same inside torch."""
 
 from __future__ import annotations
