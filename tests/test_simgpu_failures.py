@@ -101,6 +101,87 @@ def test_async_nccl_error_is_seen_by_the_next_step():
     run_alone(async_nccl_error)
 
 
+def async_error_between_launch_and_group_end():
+    # The simulated NCCL on its own (ctypes), no pyddp: an asynchronous error
+    # that lands while a group is being built (after its calls were checked,
+    # before ncclGroupEnd) must stay, as NCCL's async errors stay until the
+    # communicator is aborted. The simulator once overwrote it with "in
+    # progress" at ncclGroupEnd and then with success: under load CI saw
+    # pyddp step on after the error. Each wait here waits for a state, so
+    # nothing depends on timing.
+    import ctypes
+
+    from simulated import alive_at_exit, sim, streams
+
+    lib, vp = sim.lib, ctypes.c_void_p
+
+    class Id(ctypes.Structure):
+        _fields_ = [("internal", ctypes.c_char * 128)]
+
+    class Config(ctypes.Structure):  # NCCL_CONFIG_INITIALIZER, its prefix
+        _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint),
+                    ("version", ctypes.c_uint), ("blocking", ctypes.c_int),
+                    ("rest", ctypes.c_char * 64)]  # fmt: skip
+
+    lib.ncclGetUniqueId.argtypes = [ctypes.c_char_p]
+    lib.ncclCommInitRankConfig.argtypes = [
+        ctypes.POINTER(vp), ctypes.c_int, Id, ctypes.c_int, ctypes.POINTER(Config)
+    ]  # fmt: skip
+    lib.ncclAllReduce.argtypes = [vp, vp, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, vp, vp]
+    lib.ncclCommGetAsyncError.argtypes = [vp, ctypes.POINTER(ctypes.c_int)]
+    lib.ncclCommAbort.argtypes = [vp]
+    uid = Id()
+    assert lib.ncclGetUniqueId(uid.internal) == 0
+    config = Config(ctypes.sizeof(Config), 0xCAFEBEEF, 21903, 0)
+    comms = [vp(), vp()]
+
+    def state(c):
+        err = ctypes.c_int()
+        assert lib.ncclCommGetAsyncError(c, ctypes.byref(err)) == 0
+        return err.value
+
+    def until(c, want):
+        deadline = time.monotonic() + 60  # a hang guard only
+        while (got := state(c)) != want:
+            assert time.monotonic() < deadline, f"state {got}, waited for {want}"
+            time.sleep(0.001)
+
+    assert lib.ncclGroupStart() == 0
+    for r in range(2):
+        sim.use_device(r)
+        lib.ncclCommInitRankConfig(ctypes.byref(comms[r]), 2, uid, r, ctypes.byref(config))
+    assert lib.ncclGroupEnd() in (0, 7)
+    for c in comms:
+        until(c, 0)
+    bufs = [streams.zeros(4, torch.float32, r) for r in range(2)]
+    alive_at_exit.append(bufs)  # the failed group's launch may still be queued
+
+    def group():  # ncclGroupStart and an all-reduce on each rank, not yet ended
+        assert lib.ncclGroupStart() == 0
+        for r in range(2):
+            ptr = bufs[r].data_ptr()
+            assert lib.ncclAllReduce(ptr, ptr, 4, 7, 0, comms[r], None) == 0
+
+    sim.lib.simgpu_nccl_fail_next(0, 6)  # ncclRemoteError when cuda:0's next one ends
+    sim.lib.simgpu_nccl_stall(0, 1)  # ... which waits until the stall ends
+    group()
+    assert lib.ncclGroupEnd() == 7  # in progress
+    for c in comms:
+        until(c, 0)  # launched: the first collective waits on cuda:0's stall
+    group()  # a second group, checked while the communicators are healthy
+    sim.lib.simgpu_nccl_stall(0, 0)
+    until(comms[0], 6)  # the first collective ended with the error
+    assert lib.ncclGroupEnd() in (6, 7)
+    streams.synchronize_all([0, 1])
+    assert state(comms[0]) == 6, "an asynchronous NCCL error was lost at ncclGroupEnd"
+    for c in comms:
+        assert lib.ncclCommAbort(c) == 0
+
+
+def test_an_async_error_stays_until_abort_even_mid_group():
+    run_alone(async_error_between_launch_and_group_end)
+
+
 def close_and_exit_in_flight():
     from simulated import alive_at_exit, gpu_wrap, sim, streams
 

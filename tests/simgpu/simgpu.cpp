@@ -1055,6 +1055,17 @@ int check_comm(Comm* comm, const char* call) {
   return ncclSuccess;
 }
 
+// A non-blocking call puts a healthy communicator in progress. An error that
+// one of its collectives raised asynchronously stays: NCCL's async errors are
+// sticky until the communicator is aborted (ncclCommGetAsyncError reports it,
+// later calls return it). Overwriting it here, as this simulator once did when
+// a collective failed between a launch's check and its ncclGroupEnd, lost the
+// error: a step ran on after it (tests/test_simgpu_failures.py, async_nccl_error).
+void begin_in_progress(Comm* comm) {
+  int expected = ncclSuccess;
+  comm->state.compare_exchange_strong(expected, ncclInProgress);
+}
+
 void finish_nonblocking(std::vector<Pending> work, std::vector<Comm*> comms) {
   // Non-blocking communicators return ncclInProgress and finish the launch in
   // the background; the kernels reach the streams only then.
@@ -1823,7 +1834,7 @@ API int ncclGroupEnd() {
     for (const Pending& p : work) p.launch();
     return ncclSuccess;
   }
-  for (Comm* c : comms) c->state = ncclInProgress;
+  for (Comm* c : comms) begin_in_progress(c);
   finish_nonblocking(std::move(work), comms);
   return ncclInProgress;
 }
@@ -1835,7 +1846,7 @@ API int ncclCommFinalize(Comm* comm) {
     while (comm->pending.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
     return ncclSuccess;
   }
-  comm->state = ncclInProgress;
+  begin_in_progress(comm);
   std::thread([comm] {
     while (comm->pending.load() > 0 && !comm->aborted.load()) {
       std::this_thread::sleep_for(std::chrono::microseconds(100));
