@@ -546,11 +546,12 @@ def two_models_and_collectives_at_once():
     from simulated import check_equal_to_single_device, sim, streams
 
     sim.lib.simgpu_set_delay_us(None, 50)
-    errors = []
+    errors, finals = [], []
+    check_equal_to_single_device([0, 1], 0, steps=3, final=finals)  # alone first
 
     def train():
         try:
-            check_equal_to_single_device([0, 1], 0, steps=3)
+            check_equal_to_single_device([0, 1], 0, steps=3, final=finals)
         except BaseException as e:
             errors.append(e)
 
@@ -573,6 +574,10 @@ def two_models_and_collectives_at_once():
     for t in threads:
         t.join()
     assert not errors, errors
+    # Sharing the communicators and the cores changes no byte of training.
+    for other in finals[1:]:
+        assert all(torch.equal(p, q) for p, q in zip(finals[0], other)), "differs from alone"
+    assert len(finals) == 3
     assert sim.counter("stream_create") <= 2 + 4, sim.counter("stream_create")  # one set, not three
     # Same GPUs in another order: the same set (NCCL ranks follow device order).
     created = sim.counter("stream_create")
