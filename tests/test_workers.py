@@ -91,6 +91,50 @@ def test_replicas_in_turn_train_to_the_same_bytes_as_on_threads(loss_path):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.parametrize("margin, way", [(1e9, "in_turn"), (0.0, "threads")])
+def test_auto_keeps_one_way_for_every_kind_and_its_trials_change_no_byte(monkeypatch, margin, way):
+    # The margin forces auto's pick (no timing decides here). Its trials in
+    # turn step once (replica 1 copies replica 0's parameters): chosen
+    # threads, replica 1 steps its own again from replica 0's state.
+    from pyddp.replicas import workers
+
+    monkeypatch.setattr(workers._Choice, "MARGIN", margin)
+    threaded, *_ = _train("threads", 22, False)
+    auto, _, how, held = _train("auto", 22, False)
+    assert set(how) == {"forward", "backward", "optimizer step"}, how
+    assert set(how.values()) == {way}, how
+    assert held[1] == (0 if way == "in_turn" else held[0]), (how, held)
+    for a, b in zip(threaded, auto):
+        assert torch.equal(a, b)
+
+
+def test_auto_in_turn_trials_time_the_step_taken_once():
+    # While auto tries, each optimizer step in turn is replica 0's step and
+    # one copy: what it keeps once chosen, so that is what it times.
+    import torch.nn.functional as F
+    from torch import nn
+
+    import pyddp
+
+    dm = pyddp.wrap(nn.Linear(4, 2), ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    stepped = []
+    opt._pyddp.others[0].register_step_post_hook(lambda *_: stepped.append(1))
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    for call in range(1, 10):
+        before = len(stepped)
+        F.cross_entropy(dm(x), y).backward()
+        opt.step()
+        in_turn = call > 5 and (call - 5) % 2 == 1  # _Choice's order
+        assert len(stepped) - before == (0 if in_turn else 1), call
+        assert opt._pyddp.width == (1 if in_turn else 2), call
+        opt.zero_grad()
+        for p, q in zip(dm.replicas[0].parameters(), dm.replicas[1].parameters()):
+            assert torch.equal(p, q), call
+    assert dm.run_replicas()["optimizer step"] == "trying"
+    dm.close()
+
+
 def test_run_replicas_is_checked_and_in_turn_refused_where_replicas_meet():
     from torch import nn
 

@@ -160,10 +160,11 @@ class GradientShards:
         """fns[r]() on replica r's worker (in parallel under wrap)."""
         return self._r._run_per_replica(fns, what)
 
-    def runs_in_turn(self, what: str) -> bool:
+    def runs_in_turn(self, what: str, settled: bool = True) -> bool:
         """Whether run_per_replica runs `what` one replica after another
-        from now on (wrap's run_replicas: "in_turn", or "auto" once chosen)."""
-        return self._r._in_turn(what)
+        from now on (wrap's run_replicas: "in_turn", or "auto" once chosen),
+        or else (not `settled`) at its next run, a trial of "auto" included."""
+        return self._r._in_turn(what, settled)
 
     def check_step(self) -> None:
         self._r.check_step()

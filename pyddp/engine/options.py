@@ -74,8 +74,9 @@ class Options:
     "in_turn" (one after another on the caller's thread: no hand-offs, no
     interpreter lock passed at every op; faster where ops are small), or
     "auto": both timed for each kind of work (forward, backward, optimizer
-    step, ...) over its first 21 calls, in turn kept where it is at least
-    10% faster, else threads (dmodel.run_replicas() says which). Replicas
+    step, ...) over its first 21 calls, then one way for all kinds: in turn
+    where the replicas' work is at least 10% faster that way, else threads
+    (dmodel.run_replicas() says which). Replicas
     on several GPUs and SyncBatchNorm (whose replicas meet inside forward
     and backward) always run on threads."""
     find_unused_parameters: bool = False

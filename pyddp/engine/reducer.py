@@ -47,12 +47,12 @@ class Reducer:
         *,
         prepare_on_forward: bool,
         run_per_replica: Optional[Callable[[Sequence[Callable[[], Any]], str], List[Any]]] = None,
-        in_turn: Optional[Callable[[str], bool]] = None,
+        in_turn: Optional[Callable[[str, bool], bool]] = None,
         on_backward_start: Optional[weakref.WeakMethod] = None,
     ):
         """`parts`: params.assemble's (its owner keeps the link and the work
         record). `run_per_replica`: one function per replica (wrap's workers;
-        in turn if None); `in_turn(what)`: whether it runs `what` in turn now.
+        in turn if None); `in_turn(what, settled)`: GradientShards.runs_in_turn.
         `on_backward_start` (wrap's, one replica per process): a weak method
         the hooks call, so a backward past the outputs ends with finish()."""
         self._options = opts = parts.options
@@ -71,7 +71,7 @@ class Reducer:
         # hooks (which hold the engine, not this object) and closes the engine.
         self._finalizer = weakref.finalize(self, _release, self._handles, None)
         self._run_per_replica = run_per_replica or (lambda fns, what: [fn() for fn in fns])
-        self._in_turn = in_turn or (lambda what: run_per_replica is None)
+        self._in_turn = in_turn or (lambda what, settled: run_per_replica is None)
         self._on_backward_start = on_backward_start
         self._observer = Observer(opts.keep())
         self._link, self._work = parts.link, parts.work

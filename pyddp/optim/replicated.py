@@ -43,6 +43,7 @@ class ReplicatedState(OptimState):
         # Replicas 0..width-1 get a step call (the last that steps, and
         # those before it): no hand-off to a worker past it.
         self.width = 1 + max(r for r, src in enumerate(self.source) if src == r)
+        self._own = (list(self.source), self.width)  # as CPU replicas step on threads
 
     def optimizers(self, outer: Any) -> List[Any]:
         return [outer, *self.others]
@@ -51,22 +52,38 @@ class ReplicatedState(OptimState):
         return self.source[r] == r
 
     def step_once_if_in_turn(self, outer: Any) -> None:
-        """CPU replicas step each on their worker, at once, until their
-        steps run in turn (wrap's run_replicas "in_turn", or "auto" once it
-        chose so: the step is bound by its Python): then, for good, replica
-        0 steps and the others copy its parameters, as replicas sharing a
-        GPU do, and their optimizer state is dropped. On threads the copy
-        would cost more than the parallel steps it replaces (1.04x the step
-        of an MLP 784-1024-1024-10 on 2 CPU replicas, bench/ab_builds.py)."""
-        if self.reducer.gpus is not None or self.width == 1:
+        """CPU replicas step each on their worker, at once, while their
+        steps run on threads; in turn (wrap's run_replicas "in_turn", or
+        "auto" once it chose so: the step is bound by its Python) replica 0
+        steps and the others copy its parameters, as replicas sharing a GPU
+        do, and for good their optimizer state is dropped. "auto"'s trials
+        in turn step once too, so it times what it would keep (timed as
+        every replica's step in turn, it kept threads for the step in 4 of
+        10 wraps of an MLP 64-64-64-10 x2, at 1.3x the step in turn:
+        bench/results/run_replicas_auto_before.json); a trial on threads
+        after one gives the others replica 0's state, the bytes their own
+        steps would have left. On threads the copy would cost more than the
+        parallel steps it replaces (1.04x the step of an MLP 784-1024-1024-10
+        on 2 CPU replicas, bench/ab_builds.py)."""
+        own, width = self._own
+        if self.reducer.gpus is not None or width == 1:
             return
-        if not self.reducer.runs_in_turn(OPTIMIZER_STEP):
-            return
-        self.source = [0] * len(self.source)
-        self.width = 1
-        self._followers = None
-        for other in self.others:
-            other.state.clear()
+        once = self.reducer.runs_in_turn(OPTIMIZER_STEP, settled=False)
+        if once and self.width > 1:
+            self.source, self.width, self._followers = [0] * len(own), 1, None
+        elif not once and self.width == 1:
+            self.source, self.width, self._followers = list(own), width, None
+            for other in self.others:
+                self.give_state(outer, other)
+        if once and self.others[0].state and self.reducer.runs_in_turn(OPTIMIZER_STEP):
+            for other in self.others:
+                other.state.clear()
+
+    @staticmethod
+    def give_state(outer: Any, other: torch.optim.Optimizer) -> None:
+        """Replica 0's optimizer state (and hyper-parameters), a copy of its
+        own to another replica's optimizer."""
+        other.load_state_dict(copy.deepcopy(outer.state_dict()))
 
     def _pairs(self, outer: Any) -> Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor]]]:
         """Per stepping replica with followers: (the parameters of the
@@ -198,7 +215,7 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                             for p0, p in zip(mine["params"], theirs["params"]):
                                 p.copy_(p0)
                         if self._pyddp.stepping(r):  # (the others hold no state)
-                            other.load_state_dict(copy.deepcopy(self.state_dict()))
+                            self._pyddp.give_state(self, other)
             except Exception as e:  # the replicas now differ: refuse every later step
                 self._pyddp.broken = (
                     f"pyddp: an optimizer step failed on replica {failed} and copying replica "

@@ -12,8 +12,9 @@ the caller's streams of that GPU either way, as replica 0 always does from
 the caller's thread, and replicas > 0 run with their GPU current either way;
 replicas on several GPUs keep a thread each, its GPU current.) "auto" times
 both ways for each kind of work (forward, backward, optimizer step, ...) and
-keeps the faster; the results are the same bytes either way (each replica's
-work is the same, and the engine sums the replicas in a fixed order)."""
+keeps the faster for all (_Choice); the results are the same bytes either
+way (each replica's work is the same, and the engine sums the replicas in a
+fixed order)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class ReplicaWorkers:
         ]
 
         self.mode = "threads"
-        self._choices: Dict[str, _Choice] = {}
+        self._choice = _Choice()
 
     def set_mode(
         self,
@@ -70,7 +71,7 @@ class ReplicaWorkers:
         gpus: Optional[Sequence[int]] = None,
     ) -> None:
         """ "threads", "in_turn" (every replica on the caller's thread, one
-        after another) or "auto" (whichever is faster, per kind of work).
+        after another) or "auto" (whichever is faster, timed per kind of work).
         In turn only where no replica needs a thread of its own (replicas
         on several GPUs: each its GPU current) or meets the others inside
         forward and backward (`meet`: SyncBatchNorm). `gpus`: the replicas'
@@ -84,19 +85,25 @@ class ReplicaWorkers:
         if why and mode == "in_turn":
             raise ValueError(f"run_replicas='in_turn': {why}; use 'auto' or 'threads'")
         self.mode = "threads" if why else mode
-        self._choices = {}
+        self._choice = _Choice()
 
     def choices(self) -> Dict[str, str]:
         """How each kind of work runs now: "threads", "in_turn", or "trying"
         while "auto" still times both."""
         if self.mode != "auto":
             return {"*": self.mode}
-        return {what: c.chosen or "trying" for what, c in self._choices.items()}
+        return {what: self._choice.chosen or "trying" for what in self._choice.kinds()}
 
-    def runs_in_turn(self, what: str) -> bool:
-        """Whether `what` runs in turn from now on (not while "auto" tries)."""
-        how = self.choices()
-        return how.get("*", how.get(what)) == "in_turn"
+    def runs_in_turn(self, what: str, settled: bool = True) -> bool:
+        """Whether `what` runs in turn from now on (`settled`: not while
+        "auto" tries), or else at its next run, a trial of "auto" included:
+        a caller that runs it otherwise in turn (the optimizer's step once)
+        makes the trial time what it will run once chosen."""
+        if self.mode != "auto":
+            return self.mode == "in_turn"
+        if settled:
+            return self._choice.chosen == "in_turn"
+        return self._choice.upcoming(what) == "in_turn"
 
     def run(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
         """Runs fns[r] for replica r, in parallel (or in turn, see the module);
@@ -104,16 +111,17 @@ class ReplicaWorkers:
         even when one raises."""
         if not self._pools and len(fns) > 1:
             raise RuntimeError("pyddp: this model was closed; wrap the model again to use it")
+        # "auto" times every run of a kind it tries, one function included
+        # (the optimizer's step once, in a trial in turn).
+        if self.mode == "auto" and (len(fns) > 1 or what in self._choice.calls):
+            how = self._choice.next(what)
+            start = time.perf_counter()
+            results = self._in_turn(fns, what) if how == "in_turn" else self._threads(fns, what)
+            self._choice.took(what, how, time.perf_counter() - start)
+            return results
         if len(fns) < 2 or self.mode == "threads":
             return self._threads(fns, what)
-        if self.mode == "in_turn":
-            return self._in_turn(fns, what)
-        choice = self._choices.setdefault(what, _Choice())
-        how = choice.next()
-        start = time.perf_counter()
-        results = self._in_turn(fns, what) if how == "in_turn" else self._threads(fns, what)
-        choice.took(how, time.perf_counter() - start)
-        return results
+        return self._in_turn(fns, what)
 
     def _in_turn(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
         """Every replica's work on the caller's thread, in replica order, at
@@ -235,33 +243,54 @@ def _with_caller_state(
 
 
 class _Choice:
-    """run_replicas="auto" for one kind of work: after WARMUP calls on
-    threads, TRIALS calls each way, alternating, timed; then in turn if its
-    median is below MARGIN times that of threads, else threads, kept. The
-    margin keeps threads where the two are close (a wrong pick on a noisy
-    machine costs less that way: where in turn wins, it wins by far more). A
-    call that raised is not timed (took is not called)."""
+    """run_replicas="auto": one way for every kind of work (forward,
+    backward, optimizer step, ...). Each kind runs WARMUP calls on threads,
+    then alternates, timed; once one kind has TRIALS calls each way, in turn
+    is kept for all if the replicas' work in turn costs less than MARGIN
+    times that on threads, the kinds weighed by how often each ran (its
+    median time each way, times its calls), else threads. One way for all:
+    a kind on threads between kinds in turn wakes a worker that idled,
+    which its trials (on threads after threads) never paid: chosen kind by
+    kind, in turn won by 10-25% per kind on an MLP 64-64-64-10 x2 while a
+    backward kept on threads among the others in turn cost 1.06-1.3x the
+    step (bench/run_replicas_auto.py). The margin keeps threads where the
+    two are close (a wrong pick on a noisy machine costs less that way:
+    where in turn wins, it wins by far more). A call that raised is not
+    timed (took is not called)."""
 
     WARMUP, TRIALS, MARGIN = 5, 8, 0.9
 
     def __init__(self) -> None:
-        self.calls = 0
-        self.times: Dict[str, List[float]] = {"threads": [], "in_turn": []}
+        self.calls: Dict[str, int] = {}
+        self.times: Dict[str, Dict[str, List[float]]] = {}
         self.chosen: Optional[str] = None
 
-    def next(self) -> str:
+    def kinds(self) -> List[str]:
+        return list(self.calls)
+
+    def upcoming(self, what: str) -> str:
+        """How the next call of `what` runs."""
         if self.chosen is not None:
             return self.chosen
-        self.calls += 1
-        if self.calls <= self.WARMUP:
-            return "threads"
-        return "in_turn" if (self.calls - self.WARMUP) % 2 else "threads"
+        trial = self.calls.setdefault(what, 0) + 1 - self.WARMUP
+        return "in_turn" if trial > 0 and trial % 2 else "threads"
 
-    def took(self, how: str, seconds: float) -> None:
-        if self.chosen is not None or self.calls <= self.WARMUP:
+    def next(self, what: str) -> str:
+        how = self.upcoming(what)
+        if self.chosen is None:
+            self.calls[what] += 1
+        return how
+
+    def took(self, what: str, how: str, seconds: float) -> None:
+        if self.chosen is not None or self.calls[what] <= self.WARMUP:
             return
-        self.times[how].append(seconds)
-        if all(len(t) >= self.TRIALS for t in self.times.values()):
-            medians = {h: statistics.median(t) for h, t in self.times.items()}
-            faster = medians["in_turn"] < self.MARGIN * medians["threads"]
-            self.chosen = "in_turn" if faster else "threads"
+        times = self.times.setdefault(what, {"threads": [], "in_turn": []})
+        times[how].append(seconds)
+        if min(map(len, times.values())) < self.TRIALS:
+            return
+        cost = {"threads": 0.0, "in_turn": 0.0}
+        for kind, t in self.times.items():
+            if all(t.values()):  # timed both ways
+                for way in cost:
+                    cost[way] += self.calls[kind] * statistics.median(t[way])
+        self.chosen = "in_turn" if cost["in_turn"] < self.MARGIN * cost["threads"] else "threads"
