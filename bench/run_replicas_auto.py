@@ -1,6 +1,6 @@
 """Does run_replicas="auto" (wrap's default) pick well? It times each kind of
 work (forward, backward, optimizer step) on threads and in turn over its
-first 21 calls, then keeps one way per kind; the pick can differ from one
+first 21 calls, then keeps one way for all; the pick can differ from one
 wrap to the next on a noisy machine. Each set builds three fresh wraps of
 the same MLP on 2 CPU replicas (AdamW): "auto", "in_turn" and "threads";
 each trains --settle untimed steps (auto decides), then the three take

@@ -36,7 +36,7 @@ def test_worker_keeps_its_intra_op_thread_count():
 
 
 # ------------------------------------------------ run_replicas (wrap's option)
-def _train(run: str, steps: int, loss_path: bool):
+def _train(run: str, steps: int, loss_path: bool, opt_cls=None):
     """A small MLP on 2 CPU replicas for `steps` SGD-momentum steps; the
     parameters after, the threads replica 1's forward ran on, and the
     model's account of how each kind of work ran."""
@@ -50,7 +50,10 @@ def _train(run: str, steps: int, loss_path: bool):
     dm = pyddp.wrap(model, ["cpu", "cpu"], run_replicas=run)
     threads = set()
     dm.replicas[1].register_forward_pre_hook(lambda m, a: threads.add(threading.get_ident()))
-    opt = dm.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+    if opt_cls is None:
+        opt = dm.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+    else:
+        opt = dm.optimizer(opt_cls)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
@@ -91,16 +94,44 @@ def test_replicas_in_turn_train_to_the_same_bytes_as_on_threads(loss_path):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+class _Unusual(torch.optim.Optimizer):
+    """Momentum SGD keeping what optimizers out there keep: a float64 buffer
+    for float32 parameters, a step count on the object (not in `state`),
+    something deepcopy refuses (a lock) in `state`."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.t += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                buf = state.setdefault("buf", torch.zeros_like(p, dtype=torch.float64))
+                state.setdefault("lock", threading.Lock())
+                buf.mul_(0.9).add_(p.grad.double())
+                p.sub_((buf * group["lr"] / self.t**0.5).float())
+
+
 @pytest.mark.parametrize("margin, way", [(1e9, "in_turn"), (0.0, "threads")])
-def test_auto_keeps_one_way_for_every_kind_and_its_trials_change_no_byte(monkeypatch, margin, way):
-    # The margin forces auto's pick (no timing decides here). Its trials in
-    # turn step once (replica 1 copies replica 0's parameters): chosen
-    # threads, replica 1 steps its own again from replica 0's state.
+@pytest.mark.parametrize("opt", ["sgd", "unusual"])
+def test_auto_keeps_one_way_for_every_kind_and_its_trials_change_no_byte(
+    monkeypatch, margin, way, opt
+):
+    # The margin forces auto's pick (no timing decides here). During its
+    # trials every replica keeps stepping its own optimizer, so a pick of
+    # threads continues from state of their own, whatever the optimizer
+    # keeps and wherever it keeps it.
     from pyddp.replicas import workers
 
     monkeypatch.setattr(workers._Choice, "MARGIN", margin)
-    threaded, *_ = _train("threads", 22, False)
-    auto, _, how, held = _train("auto", 22, False)
+    cls = {"sgd": None, "unusual": _Unusual}[opt]
+    threaded, *_ = _train("threads", 30, False, cls)
+    auto, _, how, held = _train("auto", 30, False, cls)
     assert set(how) == {"forward", "backward", "optimizer step"}, how
     assert set(how.values()) == {way}, how
     assert held[1] == (0 if way == "in_turn" else held[0]), (how, held)
@@ -108,9 +139,104 @@ def test_auto_keeps_one_way_for_every_kind_and_its_trials_change_no_byte(monkeyp
         assert torch.equal(a, b)
 
 
-def test_auto_in_turn_trials_time_the_step_taken_once():
-    # While auto tries, each optimizer step in turn is replica 0's step and
-    # one copy: what it keeps once chosen, so that is what it times.
+def test_auto_times_in_turn_the_step_taken_once_and_every_replica_keeps_its_state(monkeypatch):
+    # An optimizer step in a trial in turn: the others step first, outside
+    # the timing; then the run auto times is replica 0's step and the copy,
+    # what in turn keeps once chosen.
+    import torch.nn.functional as F
+    from torch import nn
+
+    import pyddp
+    from pyddp.replicas import workers
+
+    runs, took = [], []
+    run, record = workers.ReplicaWorkers.run, workers._Choice.took
+    monkeypatch.setattr(
+        workers.ReplicaWorkers,
+        "run",
+        lambda w, fns, what: runs.append((what, len(fns))) or run(w, fns, what),
+    )
+    monkeypatch.setattr(
+        workers._Choice,
+        "took",
+        lambda c, what, how, s: took.append((what, how)) or record(c, what, how, s),
+    )
+    dm = pyddp.wrap(nn.Linear(4, 2), ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    for call in range(1, 10):
+        F.cross_entropy(dm(x), y).backward()
+        del runs[:], took[:]
+        pairs = list(zip(dm.replicas[0].parameters(), dm.replicas[1].parameters()))
+        before = [(p._version, q._version) for p, q in pairs]
+        opt.step()
+        in_turn = call > 5 and (call - 5) % 2 == 1  # _Choice's order
+        if in_turn:
+            assert runs == [("auto's trial", 1), ("optimizer step", 1)], (call, runs)
+        else:
+            assert runs == [("optimizer step", 2)], (call, runs)
+        way = "in_turn" if in_turn else "threads"
+        assert took == [("optimizer step", way)], (call, took)  # (warm-up: not kept)
+        opt.zero_grad()
+        for (p, q), (vp, vq) in zip(pairs, before):
+            assert torch.equal(p, q) and p._version - vp == q._version - vq, call
+            assert torch.equal(opt.state[p]["momentum_buffer"],
+                               opt._pyddp.others[0].state[q]["momentum_buffer"]), call  # fmt: skip
+    assert dm.run_replicas()["optimizer step"] == "trying"
+    dm.close()
+
+
+def test_two_optimizers_on_one_model_are_timed_apart_each_both_ways(monkeypatch):
+    # Muon-and-AdamW style: one optimizer per part of the model. Under one
+    # name, auto's alternation would time one of them only in turn and the
+    # other only on threads.
+    import copy
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    import pyddp
+    from pyddp.replicas import workers
+
+    took = []
+    record = workers._Choice.took
+    monkeypatch.setattr(
+        workers._Choice,
+        "took",
+        lambda c, what, how, s: took.append((what, how)) or record(c, what, how, s),
+    )
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    body = dm.optimizer(torch.optim.SGD, lambda m: m[0].parameters(), lr=0.1, momentum=0.9)
+    head = dm.optimizer(torch.optim.AdamW, lambda m: m[2].parameters(), lr=0.01)
+    ref_opts = [torch.optim.SGD(ref[0].parameters(), lr=0.1, momentum=0.9),
+                torch.optim.AdamW(ref[2].parameters(), lr=0.01)]  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        x, y = torch.randn(8, 4, generator=gen), torch.randint(0, 2, (8,), generator=gen)
+        F.cross_entropy(dm(x), y).backward()
+        body.step()
+        head.step()
+        body.zero_grad()
+        head.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+    how = dm.run_replicas()
+    assert set(how) == {"forward", "backward", "optimizer step", "optimizer step 2"}, how
+    assert len(set(how.values())) == 1 and "trying" not in how.values(), how
+    for kind in ("optimizer step", "optimizer step 2"):
+        assert {w for k, w in took if k == kind} == {"threads", "in_turn"}, (kind, took)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)  # half batches summed: rounding
+    for p, q in zip(dm.replicas[0].parameters(), dm.replicas[1].parameters()):
+        assert torch.equal(p, q)
+    dm.close()
+
+
+def test_an_optimizer_step_failing_in_a_trial_names_the_replica_and_resyncs(monkeypatch):
     import torch.nn.functional as F
     from torch import nn
 
@@ -118,20 +244,21 @@ def test_auto_in_turn_trials_time_the_step_taken_once():
 
     dm = pyddp.wrap(nn.Linear(4, 2), ["cpu", "cpu"])
     opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
-    stepped = []
-    opt._pyddp.others[0].register_step_post_hook(lambda *_: stepped.append(1))
+    other = opt._pyddp.others[0]
     x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
-    for call in range(1, 10):
-        before = len(stepped)
+    for call in range(1, 7):  # the 6th is auto's first trial in turn
         F.cross_entropy(dm(x), y).backward()
-        opt.step()
-        in_turn = call > 5 and (call - 5) % 2 == 1  # _Choice's order
-        assert len(stepped) - before == (0 if in_turn else 1), call
-        assert opt._pyddp.width == (1 if in_turn else 2), call
+        if call == 6:
+            monkeypatch.setattr(other, "step", lambda: 1 / 0)
+            with pytest.raises(pyddp.ReplicaError, match="replica 1 failed") as e:
+                opt.step()
+            assert "which had not stepped yet" in str(e.value), str(e.value)
+            assert isinstance(e.value.cause, ZeroDivisionError)
+        else:
+            opt.step()
         opt.zero_grad()
-        for p, q in zip(dm.replicas[0].parameters(), dm.replicas[1].parameters()):
-            assert torch.equal(p, q), call
-    assert dm.run_replicas()["optimizer step"] == "trying"
+    for p, q in zip(dm.replicas[0].parameters(), dm.replicas[1].parameters()):
+        assert torch.equal(p, q)
     dm.close()
 
 

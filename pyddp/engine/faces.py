@@ -160,6 +160,15 @@ class GradientShards:
         """fns[r]() on replica r's worker (in parallel under wrap)."""
         return self._r._run_per_replica(fns, what)
 
+    def work_name(self, kind: str) -> str:
+        """`kind` as this optimizer's, numbered from the second on this
+        model ("optimizer step 2"): run_replicas="auto" alternates its trials
+        per kind, so two optimizers under one name would each be timed one
+        way only."""
+        counts = self._r.__dict__.setdefault("_work_names", {})
+        counts[kind] = n = counts.get(kind, 0) + 1
+        return kind if n == 1 else f"{kind} {n}"
+
     def runs_in_turn(self, what: str, settled: bool = True) -> bool:
         """Whether run_per_replica runs `what` one replica after another
         from now on (wrap's run_replicas: "in_turn", or "auto" once chosen),

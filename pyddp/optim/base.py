@@ -25,6 +25,10 @@ class OptimState:
     grads: List[torch.Tensor]
     owns_all: bool
     broken: str = field(default="", init=False)
+    kind: str = field(default=OPTIMIZER_STEP, init=False)  # its steps' kind of work
+
+    def __post_init__(self) -> None:
+        self.kind = self.reducer.work_name(OPTIMIZER_STEP)
 
     def optimizers(self, outer: Any) -> List[Any]:
         """The optimizers holding this one's state, one per local replica."""

@@ -25,7 +25,7 @@ from torch.autograd.graph import increment_version
 
 from ..engine.faces import GradientShards
 from ..errors import ReplicaError
-from .base import OPTIMIZER_STEP, OptimState, PyddpOptimizer
+from .base import OptimState, PyddpOptimizer
 
 
 @dataclass
@@ -38,8 +38,12 @@ class ReplicatedState(OptimState):
     _followers: Optional[Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor]]]] = field(
         default=None, init=False, repr=False
     )
+    _trial_pairs: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = field(
+        default=None, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         # Replicas 0..width-1 get a step call (the last that steps, and
         # those before it): no hand-off to a worker past it.
         self.width = 1 + max(r for r, src in enumerate(self.source) if src == r)
@@ -51,39 +55,60 @@ class ReplicatedState(OptimState):
     def stepping(self, r: int) -> bool:
         return self.source[r] == r
 
-    def step_once_if_in_turn(self, outer: Any) -> None:
+    def step_once_if_in_turn(self, outer: Any) -> bool:
         """CPU replicas step each on their worker, at once, while their
-        steps run on threads; in turn (wrap's run_replicas "in_turn", or
-        "auto" once it chose so: the step is bound by its Python) replica 0
-        steps and the others copy its parameters, as replicas sharing a GPU
-        do, and for good their optimizer state is dropped. "auto"'s trials
-        in turn step once too, so it times what it would keep (timed as
-        every replica's step in turn, it kept threads for the step in 4 of
-        10 wraps of an MLP 64-64-64-10 x2, at 1.3x the step in turn:
-        bench/results/run_replicas_auto_before.json); a trial on threads
-        after one gives the others replica 0's state, the bytes their own
-        steps would have left. On threads the copy would cost more than the
-        parallel steps it replaces (1.04x the step of an MLP 784-1024-1024-10
-        on 2 CPU replicas, bench/ab_builds.py)."""
+        steps run on threads; once in turn (wrap's run_replicas "in_turn",
+        or "auto" once it chose so: the step is bound by its Python),
+        replica 0 steps and the others copy its parameters, as replicas
+        sharing a GPU do, and for good their optimizer state is dropped. On
+        threads the copy would cost more than the parallel steps it replaces
+        (1.04x the step of an MLP 784-1024-1024-10 on 2 CPU replicas,
+        bench/ab_builds.py). Returns whether this step is one of "auto"'s
+        trials in turn: see trial_steps."""
         own, width = self._own
-        if self.reducer.gpus is not None or width == 1:
-            return
-        once = self.reducer.runs_in_turn(OPTIMIZER_STEP, settled=False)
-        if once and self.width > 1:
+        if self.reducer.gpus is not None or width == 1 or self.width == 1:
+            return False
+        if self.reducer.runs_in_turn(self.kind):
             self.source, self.width, self._followers = [0] * len(own), 1, None
-        elif not once and self.width == 1:
-            self.source, self.width, self._followers = list(own), width, None
-            for other in self.others:
-                self.give_state(outer, other)
-        if once and self.others[0].state and self.reducer.runs_in_turn(OPTIMIZER_STEP):
             for other in self.others:
                 other.state.clear()
+            return False
+        return self.reducer.runs_in_turn(self.kind, settled=False)
 
-    @staticmethod
-    def give_state(outer: Any, other: torch.optim.Optimizer) -> None:
-        """Replica 0's optimizer state (and hyper-parameters), a copy of its
-        own to another replica's optimizer."""
-        other.load_state_dict(copy.deepcopy(outer.state_dict()))
+    def trial_steps(self, outer: Any, step: Callable[[], Any]) -> Callable[[], Any]:
+        """An "auto" trial in turn times what in turn keeps: replica 0's step
+        and one copy of its parameters to the others (timed as every
+        replica's step in turn, it kept threads for the step in 4 of 10
+        wraps of an MLP 64-64-64-10 x2, at 1.3x the step in turn:
+        bench/results/run_replicas_auto_before.json). The others still step
+        their own, first and untimed (other_steps), so whichever way is kept
+        each replica's optimizer holds its own state; the copy then writes
+        the bytes they hold already, through `.data` (no version counter
+        moves)."""
+        if self._trial_pairs is None:
+            into, froms = [], []
+            for other in self.others:
+                for mine, theirs in zip(outer.param_groups, other.param_groups):
+                    froms += mine["params"]
+                    into += [p.data for p in theirs["params"]]
+            self._trial_pairs = (into, froms)
+        into, froms = self._trial_pairs
+
+        def step_and_copy() -> Any:
+            out = step()
+            with torch.no_grad():
+                torch._foreach_copy_(into, froms)
+            return out
+
+        return step_and_copy
+
+    def other_steps(self) -> None:
+        """Replicas 1..N-1 step their own optimizers (an "auto" trial)."""
+        for r, other in enumerate(self.others, start=1):
+            try:
+                other.step()
+            except Exception as e:
+                raise _OtherFailed(r, e) from e
 
     def _pairs(self, outer: Any) -> Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor]]]:
         """Per stepping replica with followers: (the parameters of the
@@ -187,25 +212,33 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
         def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
             state = self._pyddp
             self._pyddp_begin_step(closure, state.others)
-            state.step_once_if_in_turn(self)
+            trial = state.step_once_if_in_turn(self)
             steps = [state.stepper(self, 0, super().step)] + [
                 state.stepper(self, r, other.step) if state.stepping(r) else _nothing
                 for r, other in enumerate(state.others[: state.width - 1], start=1)
             ]
             try:
-                return state.reducer.run_per_replica(steps, OPTIMIZER_STEP)[0]
+                if trial:  # untimed: not a kind of work auto times
+                    state.reducer.run_per_replica([state.other_steps], "auto's trial")
+                    steps = [state.trial_steps(self, super().step)]
+                return state.reducer.run_per_replica(steps, state.kind)[0]
             except ReplicaError as e:
                 # Some replicas stepped and some did not: make them all replica
                 # 0 again (the user's model) before anything else runs.
-                raise ReplicaError(e.replica, self._pyddp_resync(e.replica), e.cause) from e.cause
+                failed, cause = e.replica, e.cause
+                if isinstance(cause, _OtherFailed):
+                    failed, cause = cause.replica, cause.cause
+                raise ReplicaError(failed, self._pyddp_resync(failed, trial), cause) from cause
             except BaseException:  # Ctrl-C: the replicas may have stepped unevenly too
                 self._pyddp_resync(0)
                 raise
 
-        def _pyddp_resync(self, failed: int) -> str:
+        def _pyddp_resync(self, failed: int, before_zero: bool = False) -> str:
             done = (
                 "raised part-way (its parameters and state as they were then)"
                 if failed == 0
+                else "had not stepped yet"
+                if before_zero
                 else "completed its step"
             )
             try:
@@ -215,7 +248,7 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                             for p0, p in zip(mine["params"], theirs["params"]):
                                 p.copy_(p0)
                         if self._pyddp.stepping(r):  # (the others hold no state)
-                            self._pyddp.give_state(self, other)
+                            other.load_state_dict(copy.deepcopy(self.state_dict()))
             except Exception as e:  # the replicas now differ: refuse every later step
                 self._pyddp.broken = (
                     f"pyddp: an optimizer step failed on replica {failed} and copying replica "
@@ -249,7 +282,7 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                 copies = [reducer.params[r][index[id(p)]] for p in params]
                 other.add_param_group({**param_group, "params": copies})
             state.grads += [p for ps in reducer.params for p in (ps[index[id(q)]] for q in params)]
-            state._followers = None
+            state._followers = state._trial_pairs = None
             mine = {id(p) for group in self.param_groups for p in group["params"]}
             state.owns_all = mine >= {id(p) for p in reducer.params[0]}
 
@@ -284,6 +317,14 @@ def clip_replicas(
     for grads in flats:
         torch._foreach_mul_(list(grads), coef.to(grads[0].device))
     return total
+
+
+class _OtherFailed(Exception):
+    """Replica `replica`'s own step raised during an "auto" trial."""
+
+    def __init__(self, replica: int, cause: BaseException):
+        super().__init__(f"replica {replica}: {type(cause).__name__}: {cause}")
+        self.replica, self.cause = replica, cause
 
 
 def _nothing() -> None:

@@ -37,7 +37,7 @@ import torch
 from .._link import exchange
 from ..engine.faces import GradientShards
 from ..errors import ReplicaError
-from .base import OPTIMIZER_STEP, OptimState, PyddpOptimizer
+from .base import OptimState, PyddpOptimizer
 from .guard import guard
 from .shards import ELEMENTWISE, DeviceGather, HostGather, Piece, Shard, plan_shards
 
@@ -238,7 +238,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 if scattered:
                     shard.attach_blocks(reducer, r)
             try:
-                reducer.run_per_replica([_unhooked(o) for o in self._pyddp.inner], OPTIMIZER_STEP)
+                reducer.run_per_replica([_unhooked(o) for o in self._pyddp.inner], self._pyddp.kind)
                 self._pyddp_gather()
             except BaseException as e:
                 self._pyddp.broken = (

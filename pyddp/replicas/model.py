@@ -130,8 +130,9 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
 
     def run_replicas(self) -> Dict[str, str]:
         """How each kind of the replicas' work runs now (wrap's run_replicas),
-        e.g. {"forward": "in_turn", "backward": "threads"}; "trying" while
-        "auto" times both ways; {"*": mode} where the mode is fixed."""
+        e.g. {"forward": "in_turn", "backward": "in_turn"} ("auto" keeps one
+        way for all); "trying" while "auto" times both ways; {"*": mode}
+        where the mode is fixed."""
         return self._workers.choices()
 
     def _bind_sync_batchnorm(self, replicas: List[nn.Module], opts: Options) -> SyncBatchNorms:

@@ -22,7 +22,7 @@ import contextlib
 import statistics
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -103,6 +103,7 @@ class ReplicaWorkers:
             return self.mode == "in_turn"
         if settled:
             return self._choice.chosen == "in_turn"
+        self._choice.announced.add(what)
         return self._choice.upcoming(what) == "in_turn"
 
     def run(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
@@ -111,9 +112,10 @@ class ReplicaWorkers:
         even when one raises."""
         if not self._pools and len(fns) > 1:
             raise RuntimeError("pyddp: this model was closed; wrap the model again to use it")
-        # "auto" times every run of a kind it tries, one function included
-        # (the optimizer's step once, in a trial in turn).
-        if self.mode == "auto" and (len(fns) > 1 or what in self._choice.calls):
+        # "auto" times the runs of every replica, and the runs of one where
+        # its caller asked how the next runs (the optimizer's step once, in
+        # a trial in turn): not a forward that reached replica 0 alone.
+        if self.mode == "auto" and (len(fns) > 1 or what in self._choice.announced):
             how = self._choice.next(what)
             start = time.perf_counter()
             results = self._in_turn(fns, what) if how == "in_turn" else self._threads(fns, what)
@@ -264,6 +266,7 @@ class _Choice:
         self.calls: Dict[str, int] = {}
         self.times: Dict[str, Dict[str, List[float]]] = {}
         self.chosen: Optional[str] = None
+        self.announced: Set[str] = set()  # kinds whose callers ask before each run
 
     def kinds(self) -> List[str]:
         return list(self.calls)
