@@ -236,6 +236,81 @@ def test_two_optimizers_on_one_model_are_timed_apart_each_both_ways(monkeypatch)
     dm.close()
 
 
+def test_a_dropped_optimizers_kind_is_taken_again_and_late_kinds_are_tried():
+    import gc
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    import pyddp
+
+    dm = pyddp.wrap(nn.Linear(4, 2), ["cpu", "cpu"])
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    with torch.no_grad():  # a validation pass first: forwards alone decide
+        for _ in range(25):
+            dm(x)
+    assert dm.run_replicas() == {"forward": dm.run_replicas()["forward"]} != {"forward": "trying"}
+    idle = dm.optimizer(torch.optim.SGD, lr=0.1)  # made, never stepped
+    for _ in range(3):
+        opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)  # again each time
+        assert opt._pyddp.kind == "optimizer step 2", opt._pyddp.kind
+        del opt
+        gc.collect()
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    for _ in range(25):
+        F.cross_entropy(dm(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    # The backward, new after the choice, had every kind tried again.
+    how = dm.run_replicas()
+    assert set(how) == {"forward", "backward", "optimizer step 2"}, how
+    assert len(set(how.values())) == 1 and "trying" not in how.values(), how
+    assert set(dm._workers._choice.times) == set(how), dm._workers._choice.times
+    del idle
+    dm.close()
+
+
+class _Float64Momentum(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    buf = self.state[p].setdefault("buf", torch.zeros_like(p, dtype=torch.float64))
+                    p.sub_((buf.mul_(0.9).add_(p.grad.double()) * group["lr"]).float())
+
+
+def test_a_failed_step_gives_the_others_replica_0s_state_in_its_own_dtype(monkeypatch):
+    import torch.nn.functional as F
+    from torch import nn
+
+    import pyddp
+
+    dm = pyddp.wrap(nn.Linear(4, 2), ["cpu", "cpu"], run_replicas="threads")
+    opt = dm.optimizer(_Float64Momentum)
+    other = opt._pyddp.others[0]
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    for call in range(8):
+        F.cross_entropy(dm(x), y).backward()
+        if call == 3:
+            monkeypatch.setattr(other, "step", lambda: 1 / 0)
+            with pytest.raises(pyddp.ReplicaError, match="replica 1 failed"):
+                opt.step()
+            monkeypatch.undo()
+        else:
+            opt.step()
+        opt.zero_grad()
+    pairs = zip(dm.replicas[0].parameters(), dm.replicas[1].parameters())
+    for p, q in pairs:
+        assert torch.equal(p, q)
+        mine, theirs = opt.state[p]["buf"], other.state[q]["buf"]
+        assert theirs.dtype == torch.float64 and torch.equal(mine, theirs)
+    dm.close()
+
+
 def test_an_optimizer_step_failing_in_a_trial_names_the_replica_and_resyncs(monkeypatch):
     import torch.nn.functional as F
     from torch import nn

@@ -12,6 +12,7 @@ tests/test_layout.py checks that replicas/ and optim/ use nothing else."""
 
 from __future__ import annotations
 
+import weakref
 from typing import (
     Any,
     Callable,
@@ -160,14 +161,17 @@ class GradientShards:
         """fns[r]() on replica r's worker (in parallel under wrap)."""
         return self._r._run_per_replica(fns, what)
 
-    def work_name(self, kind: str) -> str:
-        """`kind` as this optimizer's, numbered from the second on this
-        model ("optimizer step 2"): run_replicas="auto" alternates its trials
+    def work_name(self, kind: str, owner: Any) -> str:
+        """`kind` as `owner`'s (an optimizer's state), numbered from the
+        second live one on this model ("optimizer step 2"; a dropped one's
+        number is taken again): run_replicas="auto" alternates its trials
         per kind, so two optimizers under one name would each be timed one
         way only."""
-        counts = self._r.__dict__.setdefault("_work_names", {})
-        counts[kind] = n = counts.get(kind, 0) + 1
-        return kind if n == 1 else f"{kind} {n}"
+        owners = self._r.__dict__.setdefault("_work_owners", {}).setdefault(kind, [])
+        free = [i for i, ref in enumerate(owners) if ref() is None]
+        n = free[0] if free else len(owners)
+        owners[n : n + 1] = [weakref.ref(owner)]
+        return kind if n == 0 else f"{kind} {n + 1}"
 
     def runs_in_turn(self, what: str, settled: bool = True) -> bool:
         """Whether run_per_replica runs `what` one replica after another

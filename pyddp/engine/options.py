@@ -76,7 +76,8 @@ class Options:
     "auto": both timed for each kind of work (forward, backward, optimizer
     step, ...) over its first 21 calls, then one way for all kinds: in turn
     where the replicas' work is at least 10% faster that way, else threads
-    (dmodel.run_replicas() says which). Replicas
+    (dmodel.run_replicas() says which); tried again when a kind first runs
+    after the choice (a backward after a validation pass, a new optimizer). Replicas
     on several GPUs and SyncBatchNorm (whose replicas meet inside forward
     and backward) always run on threads."""
     find_unused_parameters: bool = False

@@ -28,7 +28,7 @@ class OptimState:
     kind: str = field(default=OPTIMIZER_STEP, init=False)  # its steps' kind of work
 
     def __post_init__(self) -> None:
-        self.kind = self.reducer.work_name(OPTIMIZER_STEP)
+        self.kind = self.reducer.work_name(OPTIMIZER_STEP, self)
 
     def optimizers(self, outer: Any) -> List[Any]:
         """The optimizers holding this one's state, one per local replica."""

@@ -248,7 +248,7 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                             for p0, p in zip(mine["params"], theirs["params"]):
                                 p.copy_(p0)
                         if self._pyddp.stepping(r):  # (the others hold no state)
-                            other.load_state_dict(copy.deepcopy(self.state_dict()))
+                            _give_state(self, other)
             except Exception as e:  # the replicas now differ: refuse every later step
                 self._pyddp.broken = (
                     f"pyddp: an optimizer step failed on replica {failed} and copying replica "
@@ -257,8 +257,9 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                 )
                 return f"optimizer step; the replicas now differ ({self._pyddp.broken})"
             return (
-                "optimizer step; every replica's parameters and optimizer state were reset to "
-                f"replica 0's, which {done}"
+                "optimizer step; every replica's parameters and optimizer state (its `state`; "
+                f"what an optimizer keeps on itself is not copied) were reset to replica 0's, "
+                f"which {done}"
             )
 
         def _pyddp_add_group(self, param_group: Dict[str, Any]) -> None:
@@ -317,6 +318,20 @@ def clip_replicas(
     for grads in flats:
         torch._foreach_mul_(list(grads), coef.to(grads[0].device))
     return total
+
+
+def _give_state(outer: Any, other: torch.optim.Optimizer) -> None:
+    """Replica 0's optimizer `state`, a copy of each value to another
+    replica's optimizer: tensors keep their dtype (load_state_dict would
+    cast a float64 buffer to a float32 parameter's dtype)."""
+    other.state.clear()
+    for mine, theirs in zip(outer.param_groups, other.param_groups):
+        for p0, p in zip(mine["params"], theirs["params"]):
+            if p0 in outer.state:
+                other.state[p] = {
+                    k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                    for k, v in outer.state[p0].items()
+                }
 
 
 class _OtherFailed(Exception):

@@ -272,7 +272,11 @@ class _Choice:
         return list(self.calls)
 
     def upcoming(self, what: str) -> str:
-        """How the next call of `what` runs."""
+        """How the next call of `what` runs. A kind first seen after the
+        choice (a backward after a validation pass of forwards alone, a
+        second optimizer) tries both ways again, every kind with it."""
+        if self.chosen is not None and what not in self.calls:
+            self.calls, self.times, self.chosen = dict.fromkeys(self.calls, 0), {}, None
         if self.chosen is not None:
             return self.chosen
         trial = self.calls.setdefault(what, 0) + 1 - self.WARMUP
