@@ -47,7 +47,6 @@ class ReplicatedState(OptimState):
         # Replicas 0..width-1 get a step call (the last that steps, and
         # those before it): no hand-off to a worker past it.
         self.width = 1 + max(r for r, src in enumerate(self.source) if src == r)
-        self._own = (list(self.source), self.width)  # as CPU replicas step on threads
 
     def optimizers(self, outer: Any) -> List[Any]:
         return [outer, *self.others]
@@ -65,11 +64,10 @@ class ReplicatedState(OptimState):
         (1.04x the step of an MLP 784-1024-1024-10 on 2 CPU replicas,
         bench/ab_builds.py). Returns whether this step is one of "auto"'s
         trials in turn: see trial_steps."""
-        own, width = self._own
-        if self.reducer.gpus is not None or width == 1 or self.width == 1:
+        if self.reducer.gpus is not None or self.width == 1:
             return False
         if self.reducer.runs_in_turn(self.kind):
-            self.source, self.width, self._followers = [0] * len(own), 1, None
+            self.source, self.width, self._followers = [0] * len(self.source), 1, None
             for other in self.others:
                 other.state.clear()
             return False
@@ -86,12 +84,8 @@ class ReplicatedState(OptimState):
         the bytes they hold already, through `.data` (no version counter
         moves)."""
         if self._trial_pairs is None:
-            into, froms = [], []
-            for other in self.others:
-                for mine, theirs in zip(outer.param_groups, other.param_groups):
-                    froms += mine["params"]
-                    into += [p.data for p in theirs["params"]]
-            self._trial_pairs = (into, froms)
+            into, froms = _follower_pairs(self.optimizers(outer), [0] * len(self.source))[0]
+            self._trial_pairs = ([p.data for p in into], froms)
         into, froms = self._trial_pairs
 
         def step_and_copy() -> Any:
@@ -114,15 +108,7 @@ class ReplicatedState(OptimState):
         """Per stepping replica with followers: (the parameters of the
         replicas that take its step, its own parameters alike)."""
         if self._followers is None:  # (again after add_param_group)
-            opts, pairs = self.optimizers(outer), {}
-            for r, src in enumerate(self.source):
-                if r == src:
-                    continue
-                into, froms = pairs.setdefault(src, ([], []))
-                for mine, theirs in zip(opts[src].param_groups, opts[r].param_groups):
-                    froms += mine["params"]
-                    into += theirs["params"]
-            self._followers = pairs
+            self._followers = _follower_pairs(self.optimizers(outer), self.source)
         return self._followers
 
     def stepper(self, outer: Any, r: int, step: Callable[[], Any]) -> Callable[[], Any]:
@@ -213,14 +199,16 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
             state = self._pyddp
             self._pyddp_begin_step(closure, state.others)
             trial = state.step_once_if_in_turn(self)
-            steps = [state.stepper(self, 0, super().step)] + [
-                state.stepper(self, r, other.step) if state.stepping(r) else _nothing
-                for r, other in enumerate(state.others[: state.width - 1], start=1)
-            ]
+            if trial:
+                steps = [state.trial_steps(self, super().step)]
+            else:
+                steps = [state.stepper(self, 0, super().step)] + [
+                    state.stepper(self, r, other.step) if state.stepping(r) else _nothing
+                    for r, other in enumerate(state.others[: state.width - 1], start=1)
+                ]
             try:
                 if trial:  # untimed: not a kind of work auto times
                     state.reducer.run_per_replica([state.other_steps], "auto's trial")
-                    steps = [state.trial_steps(self, super().step)]
                 return state.reducer.run_per_replica(steps, state.kind)[0]
             except ReplicaError as e:
                 # Some replicas stepped and some did not: make them all replica
@@ -318,6 +306,22 @@ def clip_replicas(
     for grads in flats:
         torch._foreach_mul_(list(grads), coef.to(grads[0].device))
     return total
+
+
+def _follower_pairs(
+    opts: Sequence[torch.optim.Optimizer], source: Sequence[int]
+) -> Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor]]]:
+    """For each replica that others take the step of (`source[r]`: whose
+    step replica r takes): (their parameters, its own alike), in order."""
+    pairs: Dict[int, Tuple[List[torch.Tensor], List[torch.Tensor]]] = {}
+    for r, src in enumerate(source):
+        if r == src:
+            continue
+        into, froms = pairs.setdefault(src, ([], []))
+        for mine, theirs in zip(opts[src].param_groups, opts[r].param_groups):
+            froms += mine["params"]
+            into += theirs["params"]
+    return pairs
 
 
 def _give_state(outer: Any, other: torch.optim.Optimizer) -> None:
