@@ -6,6 +6,7 @@ multi-process scenarios."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, NamedTuple
 
 import torch
@@ -63,6 +64,38 @@ def llama() -> nn.Module:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
         bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
+
+
+def mixtral() -> nn.Module:
+    """A sparse mixture of experts: each token takes 2 of 4 experts, so what
+    a replica computes depends on its shard (the experts' weights are one
+    3-D parameter each, as transformers stores them)."""
+    return _build(
+        "MixtralForCausalLM", "MixtralConfig",
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        num_local_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+
+
+def llama_lora() -> nn.Module:
+    """Llama under a peft LoRA adapter, as fine-tuning runs it: the base
+    frozen (requires_grad False before wrap), rank-4 adapters on the
+    attention's q and v projections trainable. peft starts B at zero, so the
+    first step moves B alone; B is set to small random values here so that
+    both factors move from the first step."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0)
+    with warnings.catch_warnings():  # peft asks transformers a deprecated question
+        warnings.simplefilter("ignore", FutureWarning)
+        model = peft.get_peft_model(llama(), config)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.02)
+    return model
 
 
 def _causal_batch(rows: int, seed: int) -> Dict[str, torch.Tensor]:
@@ -140,11 +173,31 @@ def _image_batch(rows: int, seed: int) -> Dict[str, torch.Tensor]:
     }
 
 
+def vit() -> nn.Module:
+    return _build(
+        "ViTForImageClassification", "ViTConfig",
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=64, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+
+
+def _small_image_batch(rows: int, seed: int) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "pixel_values": torch.randn(rows, 3, 16, 16, generator=g),
+        "labels": torch.randint(0, 3, (rows,), generator=g),
+    }
+
+
 FAMILIES: Dict[str, Family] = {
     "gpt2": Family(gpt2, _causal_batch, causal_loss),
     "llama": Family(llama, _causal_batch, causal_loss),
+    "mixtral-moe": Family(mixtral, _causal_batch, causal_loss),
+    "llama-lora": Family(llama_lora, _causal_batch, causal_loss),
     "bert-classifier": Family(bert, _classifier_batch, classifier_loss),
     "t5": Family(t5, _seq2seq_batch, seq2seq_loss),
+    "vit": Family(vit, _small_image_batch, classifier_loss),
     "resnet-batchnorm": Family(resnet, _image_batch, classifier_loss, batch_norm=True),
 }
 

@@ -217,3 +217,51 @@ def test_torch_compile(how):
                 opt.zero_grad()
             got = dm.module
     assert max_param_diff(got, reference(family, "call")) < ATOL
+
+
+def test_lora_reduces_the_adapters_alone_and_leaves_the_base_untouched():
+    # peft's LoRA: the base frozen before wrap is no gradient to reduce. The
+    # bytes reduced per step are the adapters' (896 of the model's 25,632 values here),
+    # the base stays bitwise what it was on every replica, and the result is
+    # one device's (test_two_replicas_equal_one_device, "llama-lora").
+    family = FAMILIES["llama-lora"]
+    model = family.build()
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    started = [p.detach().clone() for p in adapters]
+    assert base and adapters and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        opt = dm.optimizer(torch.optim.AdamW, lr=1e-2)
+        for batch in batches(family):
+            dm(**batch).loss.backward()
+            assert dm.stats()["bytes"] == sum(p.numel() * p.element_size() for p in adapters)
+            opt.step()
+            opt.zero_grad()
+        for replica in dm.replicas:
+            named = dict(replica.named_parameters())
+            for n, want in base.items():
+                assert named[n].grad is None and torch.equal(named[n], want), n
+        assert all(not torch.equal(p, q) for p, q in zip(adapters, started))  # they trained
+
+
+def test_lora_changes_peft_makes_while_wrapped_are_refused_by_name():
+    # What peft users do to a model mid-run that replicas cannot follow:
+    # merging the adapters into the base (modules replaced), switching to an
+    # adapter that was frozen at wrap. Each raises at the next forward naming
+    # the change; after close() the merge works on the user's model.
+    family = FAMILIES["llama-lora"]
+    batch = family.batch(ROWS, 0)
+    model = family.build()
+    model.add_adapter("second", model.peft_config["default"])  # added frozen
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        dm(**batch).loss.backward()
+        model.set_adapter("second")  # "second" trainable now, "default" frozen
+        with pytest.raises(RuntimeError, match="was frozen when the model was wrapped"):
+            dm(**batch)
+    model.set_adapter("default")
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        dm(**batch).loss.backward()
+        merged = model.merge_and_unload()
+        with pytest.raises(RuntimeError, match="a submodule of the wrapped model was replaced"):
+            dm(**batch)
+    assert isinstance(merged, nn.Module) and not any("lora_" in n for n, _ in merged.named_parameters())
