@@ -229,7 +229,8 @@ def test_lora_reduces_the_adapters_alone_and_leaves_the_base_untouched():
     base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     adapters = [p for p in model.parameters() if p.requires_grad]
     started = [p.detach().clone() for p in adapters]
-    assert base and adapters and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert base and adapters and all("lora_" in n for n in trained)
     with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
         opt = dm.optimizer(torch.optim.AdamW, lr=1e-2)
         for batch in batches(family):
@@ -264,4 +265,4 @@ def test_lora_changes_peft_makes_while_wrapped_are_refused_by_name():
         merged = model.merge_and_unload()
         with pytest.raises(RuntimeError, match="a submodule of the wrapped model was replaced"):
             dm(**batch)
-    assert isinstance(merged, nn.Module) and not any("lora_" in n for n, _ in merged.named_parameters())
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
