@@ -7,6 +7,10 @@ gradients: `PyddpTrainer` in place of `Trainer` is the only change
 
 Uses gradient accumulation, max_grad_norm clipping, a linear learning-rate
 schedule, evaluation and checkpoints (`--resume` goes on from the last).
+`--lora` fine-tunes through a peft LoRA adapter (the base frozen; the
+Trainer then checkpoints the adapter alone), `--gradient-checkpointing`
+turns on the Trainer's own activation checkpointing (with `--lora`, the
+usual memory-saving pair).
 Rank 0 writes the final parameters (params.pt) and the median and mean time per step
 (summary.json) to --output."""
 
@@ -42,6 +46,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--engine", default="pyddp", help="pyddp (default) or ddp")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps")
     parser.add_argument("--resume", action="store_true", help="from the last checkpoint")
+    parser.add_argument("--lora", action="store_true", help="a peft LoRA adapter (needs peft)")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--output", default=output_root("hf_trainer"))
     args = parser.parse_args(argv)
 
@@ -54,6 +60,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2,
                                      n_head=2, bos_token_id=0, eos_token_id=0)  # fmt: skip
     model = transformers.GPT2LMHeadModel(config)
+    if args.lora:
+        import peft
+
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1,
+                               fan_in_fan_out=True)  # fmt: skip  # GPT-2's Conv1D layers
+        model = peft.get_peft_model(model, lora)
     out = Path(args.output)
     targs = transformers.TrainingArguments(
         output_dir=str(out),
@@ -72,6 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         report_to=[],
         seed=0,
         disable_tqdm=True,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     times = []
 
