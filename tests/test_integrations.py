@@ -213,6 +213,86 @@ def test_lightning_sync_batchnorm_uses_the_global_batch_on_cpus(tmp_path):
         assert got["diff"] <= TOL, got
 
 
+LIGHTNING_BACKBONE_FINETUNING = """
+import json, os, sys
+import lightning as L, torch, torch.nn.functional as F
+from lightning.pytorch.callbacks import BackboneFinetuning
+import pyddp.lightning
+
+name, out = sys.argv[1], sys.argv[2]
+torch.manual_seed(1)
+x, y = torch.randn(64, 8), torch.randint(0, 2, (64,))
+
+
+class M(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU())
+        self.head = torch.nn.Linear(16, 2)
+
+    def training_step(self, batch, i):
+        return F.cross_entropy(self.head(self.backbone(batch[0])), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+if __name__ == "__main__":
+    m = M()
+    # Each process takes every other row, 8 at a time: each global batch is
+    # the 16 rows in a row that one device takes at once.
+    one = name == "one device"
+    rows = range(64) if one else range(int(os.environ.get("LOCAL_RANK", 0)), 64, 2)
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.Subset(torch.utils.data.TensorDataset(x, y), rows),
+        batch_size=16 if one else 8,
+    )
+    strategy = {
+        "one device": "auto",
+        "follow_unfreezing": pyddp.lightning.PyddpStrategy(follow_unfreezing=True),
+    }.get(name, name)
+    t = L.Trainer(accelerator="cpu", devices=1 if one else 2, strategy=strategy, max_epochs=3,
+                  callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+                  use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False)
+    try:
+        t.fit(m, data)
+    except RuntimeError as e:
+        result = {"error": str(e)}
+    else:
+        result = {k: v.tolist() for k, v in m.state_dict().items()}
+    json.dump(result, open(f"{out}/rank{t.global_rank}.json", "w"))
+"""
+
+
+def test_lightning_backbone_finetuning_follows_unfreezing_when_asked(tmp_path):
+    # Lightning's BackboneFinetuning freezes the backbone in setup (before the
+    # strategy wraps) and unfreezes it at epoch 1. pyddp refuses that by name
+    # unless wrapped with follow_unfreezing=True, which then trains as one
+    # device does on the same global batches. (Lightning's own DDP never
+    # reduces the unfrozen backbone: its processes drift apart, not compared.)
+    pytest.importorskip("lightning")
+    got = {}
+    for name in ("one device", "follow_unfreezing", "pyddp"):
+        out = tmp_path / name.replace(" ", "_")
+        out.mkdir()
+        run_script(LIGHTNING_BACKBONE_FINETUNING, tmp_path, name, str(out))
+        got[name] = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    want = got["one device"][0]
+    for rank in got["follow_unfreezing"]:
+        assert set(rank) == set(want)
+        diff = max(abs(a - b) for k in want for a, b in zip(_flat(rank[k]), _flat(want[k])))
+        assert diff <= TOL, diff
+    for rank in got["pyddp"]:
+        assert "was frozen when the model was wrapped" in rank["error"], rank
+        assert "follow_unfreezing=True" in rank["error"], rank
+
+
+def _flat(value):
+    return [v for x in value for v in _flat(x)] if isinstance(value, list) else [value]
+
+
 LIGHTNING_MANUAL = """
 import json, sys
 import lightning as L, torch, torch.nn.functional as F

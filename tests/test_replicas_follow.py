@@ -6,6 +6,7 @@ misuse is caught with messages that name the fix."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -126,6 +127,72 @@ def test_freezing_after_wrap_is_followed_and_unfreezing_a_wrap_time_frozen_one_r
     with pytest.raises(RuntimeError, match=r"'head\.weight' was frozen when the model was wrapped"):
         dm(torch.randn(4, 6))
     dm.close()
+
+
+@pytest.mark.parametrize("how", ["optimizer over every parameter", "add_param_group"])
+def test_follow_unfreezing_trains_a_wrap_time_frozen_layer_as_one_device(how):
+    # Progressive unfreezing: the body frozen before wrap, unfrozen at step 2,
+    # either through an optimizer holding every parameter from the start or
+    # through add_param_group at the unfreeze (Lightning's BackboneFinetuning).
+    # Equal to one device on the same batches; replicas bitwise equal.
+    model, ref, _ = wrapped_with_reference()
+    _.close()
+    for m in (model, ref):
+        m.body.requires_grad_(False)
+    every = how == "optimizer over every parameter"
+
+    def chosen(m):
+        return m.parameters() if every else [p for p in m.parameters() if p.requires_grad]
+
+    start = model.body.weight.detach().clone()
+    dm = pyddp.wrap(model, ["cpu", "cpu"], follow_unfreezing=True)
+    assert all(p.requires_grad is False for r in dm.replicas for p in r.body.parameters())
+    opt = dm.optimizer(torch.optim.SGD, params=chosen, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(chosen(ref), lr=0.1, momentum=0.9)
+    for k, (x, y) in enumerate(data(5)):
+        if k == 2:
+            for m, o in ((model, opt), (ref, ref_opt)):
+                m.body.requires_grad_(True)
+                if not every:
+                    o.add_param_group({"params": list(m.body.parameters()), "lr": 0.01})
+        F.cross_entropy(dm(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        assert (model.body.weight.grad is None) == (k < 2)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        same_replicas(dm)
+    assert not torch.equal(model.body.weight, start)  # it trained once unfrozen
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-6)
+    dm.close()
+
+
+def test_follow_unfreezing_is_named_in_the_refusal_and_checked(monkeypatch):
+    model = Net()
+    model.body.requires_grad_(False)
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        model.body.requires_grad_(True)
+        with pytest.raises(RuntimeError, match=r"follow_unfreezing=True\) follows unfreezing"):
+            dm(torch.randn(4, 6))
+    with pytest.raises(TypeError, match="follow_unfreezing='yes' must be True or False"):
+        pyddp.wrap(Net(), ["cpu", "cpu"], follow_unfreezing="yes")
+    with pytest.raises(TypeError, match="follow_unfreezing.*options of pyddp.wrap"):
+        pyddp.GradSync([Net(), Net()], follow_unfreezing=True)
+    # A wrap that fails while the frozen parameters are thawed for the plan
+    # leaves them frozen.
+    model = Net()
+    model.body.requires_grad_(False)
+
+    def failing(replicas, *a):
+        assert all(p.requires_grad for p in replicas[1].body.parameters())
+        raise ValueError("no link today")
+
+    monkeypatch.setattr("pyddp.replicas.model.assemble", failing)
+    with pytest.raises(ValueError, match="no link today"):
+        pyddp.wrap(model, ["cpu", "cpu"], follow_unfreezing=True)
+    assert not any(p.requires_grad for p in model.body.parameters())
 
 
 @pytest.mark.parametrize(
@@ -535,3 +602,100 @@ def test_an_optimizer_writing_through_data_reaches_every_replica(run):
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)  # float32 sums of two halves
     dm.close()
+
+
+# One replica per process (torchrun's usual layout): nothing to copy, but a
+# parameter the reducer was not given must not train on one process's
+# gradient alone. torch DDP drifts apart in silence on the first of these
+# changes (measured in the same scenario).
+ONE_REPLICA_CHANGES = {
+    "unfreeze a wrap-time frozen one": (
+        lambda m: m.body.requires_grad_(True),
+        r"'body\.weight' was frozen when the model was wrapped",
+    ),
+    "submodule": (lambda m: setattr(m, "head", nn.Linear(8, 3)), "submodule .* replaced"),
+    "add_module": (lambda m: m.add_module("extra", nn.Linear(3, 3)), "gained or lost"),
+    "parameter": (lambda m: setattr(m.head, "bias", nn.Parameter(torch.zeros(3))), "replaced"),
+    "dtype": (lambda m: m.double(), "changed from torch.float32"),
+}
+
+
+def _params_apart(model: nn.Module) -> float:
+    """How far this process's parameters are from the other ranks' (0.0: equal)."""
+    import torch.distributed as dist
+
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, flat)
+    return max((v - flat).abs().max().item() for v in every)
+
+
+def one_replica_changes(out: dict) -> None:
+    """Each change after wrap with one replica per process: refused at the
+    next forward on every rank (the message), or followed (ranks equal)."""
+    rank = pyddp.rank()
+    for case, (change, _) in ONE_REPLICA_CHANGES.items():
+        model = Net(norm=False)
+        model.body.requires_grad_(case != "unfreeze a wrap-time frozen one")
+        with pyddp.wrap(model) as dm:
+            x, y = data(1, seed=rank)[0]
+            F.cross_entropy(dm(x), y).backward()
+            change(model)
+            try:
+                dm(x)
+            except RuntimeError as e:
+                out[case] = str(e)
+            else:
+                out[case] = "not refused"
+    # Followed: hooks added (only this replica runs them), freezing after
+    # wrap and unfreezing again: the ranks stay equal.
+    model = Net(norm=False)
+    with pyddp.wrap(model) as dm:
+        opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+        for k, (x, y) in enumerate(data(4, seed=rank)):
+            if k == 1:
+                model.head.register_forward_hook(lambda mod, i, o: o * 2)
+            model.body.requires_grad_(k != 2)
+            F.cross_entropy(dm(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out["followed, ranks apart by"] = _params_apart(model)
+    # torch DDP on the first change, for the docs' comparison: it goes on
+    # training, and the processes drift apart. (A replaced submodule leaves
+    # DDP's old parameters unused: it raises at the next step.)
+    model = Net(norm=False)
+    model.body.requires_grad_(False)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for k, (x, y) in enumerate(data(4, seed=rank)):
+        model.body.requires_grad_(k >= 2)
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out["torch DDP, unfrozen: ranks apart by"] = _params_apart(model)
+    # follow_unfreezing: the body frozen at wrap, unfrozen at step 2.
+    model = Net(norm=False)
+    model.body.requires_grad_(False)
+    with pyddp.wrap(model, follow_unfreezing=True) as dm:
+        opt = dm.optimizer(torch.optim.SGD, params=lambda m: m.parameters(), lr=0.1)
+        start = model.body.weight.detach().clone()
+        for k, (x, y) in enumerate(data(4, seed=rank)):
+            model.body.requires_grad_(k >= 2)
+            F.cross_entropy(dm(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out["unfrozen body trained"] = not torch.equal(model.body.weight, start)
+        out["unfrozen, ranks apart by"] = _params_apart(model)
+
+
+@pytest.mark.multiprocess
+def test_one_replica_per_process_refuses_what_it_cannot_reduce(tmp_path):
+    from spawn import spawn
+
+    for got in spawn(one_replica_changes, out=tmp_path):
+        for case, (_, match) in ONE_REPLICA_CHANGES.items():
+            assert re.search(match, got[case]), (case, got[case])
+            assert "would diverge" in got[case], got[case]
+        assert got["followed, ranks apart by"] == 0.0
+        assert got["unfrozen body trained"] and got["unfrozen, ranks apart by"] == 0.0
+        assert got["torch DDP, unfrozen: ranks apart by"] > 1e-3, got  # what pyddp prevents

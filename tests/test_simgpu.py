@@ -779,3 +779,39 @@ def test_stats_name_a_host_bound_step_on_gpus(devices):
     # steps, so the GPU is idle at every forward: host-bound, by construction.
     # The GPU-bound verdict: tests/test_observe.py (events completed by hand).
     run_alone(host_bound_steps_are_named, devices)
+
+
+def unfreezing_followed(devices):
+    # follow_unfreezing on GPUs: the conv frozen at wrap, unfrozen at step 2
+    # (its hooks, C++ ones where pyddp._hot loads, registered while it was
+    # thawed for the plan), through freezing and unfreezing again.
+    from simulated import gpu_step, gpu_wrap
+
+    torch.manual_seed(0)
+    model = Mixed()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.conv.requires_grad_(False)
+    dm = gpu_wrap(model, devices, bucket_cap_mb=0.001, follow_unfreezing=True)
+    opt = dm.optimizer(torch.optim.SGD, params=lambda m: m.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    start = model.conv.weight.detach().clone()
+    for step, (x, y) in enumerate(make_batches(6, 13)):
+        for m in (model, ref):
+            m.conv.requires_grad_(step in (2, 3, 5))
+        gpu_step(F.cross_entropy(dm(x), y), opt, devices)
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for rep in dm.replicas[1:]:
+            for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+                assert torch.equal(p, p0), "replicas differ"
+    assert not torch.equal(model.conv.weight, start)
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    dm.close()
+
+
+@pytest.mark.parametrize("devices", [[0, 0], [0, 1]])
+def test_a_layer_frozen_at_wrap_unfrozen_later_with_follow_unfreezing(devices):
+    run_alone(unfreezing_followed, devices)

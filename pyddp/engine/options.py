@@ -18,8 +18,8 @@ REDUCE_ORDERS = ("ready", "index", "after_backward")
 class Options:
     """The options of `pyddp.wrap`, `GradSync` and the Trainer's wrap
     options, each documented here under its field (and nowhere else).
-    GradSync takes all but wrap's own two (broadcast_buffers,
-    threads_per_replica)."""
+    GradSync takes all but wrap's own (broadcast_buffers,
+    threads_per_replica, run_replicas, follow_unfreezing)."""
 
     bucket_cap_mb: float = 25.0
     """Bucket size in MiB; 0 is the per-parameter mode (every parameter its
@@ -80,6 +80,14 @@ class Options:
     after the choice (a backward after a validation pass, a new optimizer). Replicas
     on several GPUs and SyncBatchNorm (whose replicas meet inside forward
     and backward) always run on threads."""
+    follow_unfreezing: bool = False
+    """wrap: parameters frozen at wrap (requires_grad=False) get a place in
+    the buckets too, as if frozen just after wrap, so unfreezing them later
+    is followed (progressive unfreezing, Lightning's BackboneFinetuning, which
+    freezes before the strategy wraps). Their gradients' bucket space takes
+    memory, and while they stay frozen it travels as zeros. False: unfreezing
+    a parameter frozen at wrap raises at the next forward (torch DDP never
+    reduces it, and the processes drift apart in silence)."""
     find_unused_parameters: bool = False
     """torch DDP's, for code ported from it: pyddp finds unused parameters
     itself at every step; this shapes only the buckets a communication hook
@@ -130,6 +138,7 @@ class Options:
             "rebuild_buckets",
             "check_replicas",
             "broadcast_buffers",
+            "follow_unfreezing",
             "find_unused_parameters",
             "static_graph",
         ):
@@ -154,7 +163,8 @@ class Options:
         """GradSync's keywords: the engine's options (not wrap's own)."""
         unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
         wrap_only = sorted(
-            set(options) & {"broadcast_buffers", "threads_per_replica", "run_replicas"}
+            set(options)
+            & {"broadcast_buffers", "threads_per_replica", "run_replicas", "follow_unfreezing"}
         )
         if unknown or wrap_only:
             raise TypeError(
@@ -192,8 +202,8 @@ class Options:
 RUN_REPLICAS = ("auto", "threads", "in_turn")
 
 # What wrap (and the Trainer, for its model) accepts; GradSync takes the
-# engine's options (all but broadcast_buffers, threads_per_replica and
-# run_replicas) as keywords of its own.
+# engine's options (all but broadcast_buffers, threads_per_replica,
+# run_replicas and follow_unfreezing) as keywords of its own.
 WRAP_OPTIONS = (
     "bucket_cap_mb",
     "first_bucket_cap_mb",
@@ -206,6 +216,7 @@ WRAP_OPTIONS = (
     "timeout_s",
     "timeline",
     "group",
+    "follow_unfreezing",
     "find_unused_parameters",
     "static_graph",
 )
@@ -217,6 +228,7 @@ _COMPARED = (
     "rebuild_buckets",
     "op",
     "broadcast_buffers",
+    "follow_unfreezing",
     "find_unused_parameters",
     "static_graph",
 )

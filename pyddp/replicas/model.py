@@ -26,7 +26,7 @@ from ..runtime.devices import DeviceLike, parse_devices, process_devices
 from ..runtime.libraries import timeout_s
 from ..runtime.torchrun import refuse_training_alone
 from .ddp_args import wrap_options
-from .mirror import ReplicaMirror
+from .mirror import ReplicaMirror, planned_as_trainable
 from .scatter import batch_size, gather
 from .steps import ReplicaSteps, StepFlags
 from .syncbn import SyncBatchNorms, sync_layers
@@ -76,33 +76,36 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         # opts has check_replicas=False: deep copies of replica 0. The link
         # to the other processes, the work record they compare and the GPU
         # placement are the model's as much as the reducer's: both hold them.
-        parts = assemble(replicas, opts, "pyddp.wrap")
-        self._link, self._work = parts.link, parts.work
-        self._join = parts.link.joining  # torch's Join's exchanges and state (uneven.py)
-        self._gpus, self._streams = parts.gpu_devices, parts.streams
-        self.broadcast_buffers = opts.broadcast_buffers
-        threads_per_replica = opts.threads_per_replica
-        if threads_per_replica is None and len(replicas) > 1 and self.devices[0].type == "cpu":
-            # CPU replicas compute at once: share the cores instead of every
-            # replica using torch's full intra-op count (oversubscription).
-            threads_per_replica = max(1, torch.get_num_threads() // len(replicas))
-        self._workers = ReplicaWorkers(
-            len(replicas), threads_per_replica, self.devices, streams=self._streams
-        )
-        # One replica in a process of several: a backward may bypass the
-        # model's outputs; the first gradient hook queues its end then.
-        one = len(replicas) == 1 and parts.reduces
-        # _begin prepares every replica; no hook on the user's model (a hook
-        # there would also sit inside `dmodel.compile()`'s graphs).
-        self._reducer: ReplicaDriver = Reducer(
-            parts,
-            prepare_on_forward=False,
-            run_per_replica=self._workers.run,
-            in_turn=self._workers.runs_in_turn,
-            on_backward_start=weakref.WeakMethod(self._backward_began) if one else None,
-        )
+        with planned_as_trainable(replicas, opts.follow_unfreezing):  # mirror.py
+            parts = assemble(replicas, opts, "pyddp.wrap")
+            self._link, self._work = parts.link, parts.work
+            self._join = parts.link.joining  # torch's Join's exchanges and state (uneven.py)
+            self._gpus, self._streams = parts.gpu_devices, parts.streams
+            self.broadcast_buffers = opts.broadcast_buffers
+            threads_per_replica = opts.threads_per_replica
+            if threads_per_replica is None and len(replicas) > 1 and self.devices[0].type == "cpu":
+                # CPU replicas compute at once: share the cores instead of every
+                # replica using torch's full intra-op count (oversubscription).
+                threads_per_replica = max(1, torch.get_num_threads() // len(replicas))
+            self._workers = ReplicaWorkers(
+                len(replicas), threads_per_replica, self.devices, streams=self._streams
+            )
+            # One replica in a process of several: a backward may bypass the
+            # model's outputs; the first gradient hook queues its end then.
+            one = len(replicas) == 1 and parts.reduces
+            # _begin prepares every replica; no hook on the user's model (a hook
+            # there would also sit inside `dmodel.compile()`'s graphs).
+            self._reducer: ReplicaDriver = Reducer(
+                parts,
+                prepare_on_forward=False,
+                run_per_replica=self._workers.run,
+                in_turn=self._workers.runs_in_turn,
+                on_backward_start=weakref.WeakMethod(self._backward_began) if one else None,
+            )
         try:
-            self._mirror = ReplicaMirror(replicas, parts.names) if len(replicas) > 1 else None
+            # One replica across processes: nothing to copy, but what the
+            # reducer cannot follow must still raise (mirror.py).
+            self._mirror = ReplicaMirror(replicas, parts.names) if parts.reduces else None
         except BaseException:
             self._reducer.close()  # no hooks left behind on the user's model
             self._workers.close()
@@ -415,7 +418,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
 
     def _copy_buffers(self) -> None:
         self._check_open()
-        if self._mirror is not None:  # (one replica: nothing to copy to)
+        if self._mirror is not None:  # (one replica: nothing to copy to, pairs empty)
             self._mirror.copy_buffers()
 
 
