@@ -180,6 +180,13 @@ def test_follow_unfreezing_is_named_in_the_refusal_and_checked(monkeypatch):
         pyddp.wrap(Net(), ["cpu", "cpu"], follow_unfreezing="yes")
     with pytest.raises(TypeError, match="follow_unfreezing.*options of pyddp.wrap"):
         pyddp.GradSync([Net(), Net()], follow_unfreezing=True)
+    # A frozen parameter of a dtype pyddp does not reduce (a quantized base)
+    # stays out of the plan instead of failing the wrap.
+    model = Net(norm=False)
+    model.body.weight.data = model.body.weight.data.to(torch.float8_e4m3fn)
+    model.body.requires_grad_(False)
+    with pyddp.wrap(model, ["cpu", "cpu"], follow_unfreezing=True):
+        assert not model.body.weight.requires_grad and not model.body.bias.requires_grad
     # A wrap that fails while the frozen parameters are thawed for the plan
     # leaves them frozen.
     model = Net()

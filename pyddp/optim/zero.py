@@ -180,9 +180,9 @@ def _check_gradients(
         )
     if not owns_all:
         raise ValueError(
-            "pyddp: shard='gradients' must step every parameter the model trains (pass param "
-            "groups for different settings): the other parameters' gradients would be left "
-            "unreduced outside each replica's block"
+            "pyddp: shard='gradients' must step every parameter the model trains, frozen ones "
+            "too under follow_unfreezing (pass param groups for different settings): the other "
+            "parameters' gradients would be left unreduced outside each replica's block"
         )
     if reducer.hook_set:
         raise NotImplementedError(

@@ -30,6 +30,8 @@ from typing import Iterator, List, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..runtime.libraries import DTYPE_NAMES
+
 _REWRAP = (
     "dmodel.close() and wrap the model again (or make the change before wrapping; "
     "wrap(..., follow_unfreezing=True) follows unfreezing)"
@@ -38,12 +40,13 @@ _REWRAP = (
 
 @contextlib.contextmanager
 def planned_as_trainable(replicas: Sequence[nn.Module], on: bool) -> Iterator[None]:
-    """wrap's follow_unfreezing: inside, the replicas' frozen floating-point
-    parameters require grad, so the reducer plans them and hooks them; after,
-    they are frozen again, as if frozen just after wrap (which is followed)."""
+    """wrap's follow_unfreezing: inside, the replicas' frozen parameters of a
+    dtype pyddp reduces require grad, so the reducer plans them and hooks them;
+    after, they are frozen again, as if frozen just after wrap (which is
+    followed). Others (a quantized base) stay out, and unfreezing them raises."""
     frozen = [
         p for m in replicas for p in m.parameters() if on and not p.requires_grad
-        if p.is_floating_point()
+        if p.dtype in DTYPE_NAMES
     ]  # fmt: skip
     for p in frozen:
         p.requires_grad_(True)
