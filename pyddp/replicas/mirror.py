@@ -12,13 +12,7 @@ O(modules + parameters) attribute reads:
 - what cannot follow (a module or parameter added, removed or replaced, a new
   dtype, device or shape, unfreezing a parameter frozen at wrap time) raises.
 
-With one replica in a process of several there is nothing to copy, but the
-same changes raise all the same: pyddp reduces the gradients of the
-parameters of wrap time, so a parameter unfrozen, replaced or added since
-would train on each process's own gradient and the processes would drift
-apart in silence (as they do under torch DDP). Hooks are the model's own
-business there (no other replica runs them), so only several replicas
-count them."""
+One replica in a process of several: watch.py."""
 
 from __future__ import annotations
 
@@ -32,10 +26,7 @@ from torch import nn
 
 from ..runtime.libraries import DTYPE_NAMES
 
-_REWRAP = (
-    "dmodel.close() and wrap the model again (or make the change before wrapping; "
-    "wrap(..., follow_unfreezing=True) follows unfreezing)"
-)
+_REWRAP = "dmodel.close() and wrap the model again (or make the change before wrapping)"
 
 
 @contextlib.contextmanager
@@ -57,21 +48,29 @@ def planned_as_trainable(replicas: Sequence[nn.Module], on: bool) -> Iterator[No
             p.requires_grad_(False)
 
 
+def unfrozen(name: str, p: torch.Tensor, who: str) -> str:
+    """The refusal of a parameter frozen at wrap that now requires grad."""
+    if p.dtype in DTYPE_NAMES:
+        fix = (
+            f"{_REWRAP}; wrap(..., follow_unfreezing=True) plans frozen parameters so that "
+            "unfreezing them is followed, and freezing after wrap always is"
+        )
+    else:
+        fix = f"pyddp does not reduce {p.dtype} gradients"
+    return (
+        f"pyddp: parameter {name!r} was frozen when the model was wrapped and now requires "
+        f"grad; its gradient is not reduced, so the {who} would diverge: {fix}"
+    )
+
+
 class ReplicaMirror:
     def __init__(self, replicas: Sequence[nn.Module], synced: Sequence[str]):
         self.modules: List[List[nn.Module]] = [list(m.modules()) for m in replicas]
-        self.several = several = len(replicas) > 1
-        self.dicts = _LAYOUT_DICTS if several else _STRUCTURE_DICTS
-        self.cannot = (
-            "the other replicas cannot follow"
-            if several
-            else "pyddp reduces the parameters of wrap time, so the processes would diverge"
-        )
         self.module_names = [n or "(the model)" for n, _ in replicas[0].named_modules()]
         self.layout = self._layout()
         # The dicts behind the layout, flat: follow() compares their sizes in
         # one C-level pass (no Python per module per forward).
-        self.layout_dicts = [d for m in self.modules[0] for d in self.dicts(m)]
+        self.layout_dicts = [d for m in self.modules[0] for d in _LAYOUT_DICTS(m)]
         self.layout_sizes = list(chain.from_iterable(self.layout))
         self.members = self._members()
         # Every parameter slot (module, local name) of replica 0, frozen ones included.
@@ -135,14 +134,14 @@ class ReplicaMirror:
         if not all(map(operator.is_, self._members(), self.members)):
             raise RuntimeError(
                 "pyddp: a submodule of the wrapped model was replaced after wrap "
-                f"(model.head = ...); {self.cannot}: {_REWRAP}"
+                f"(model.head = ...); the other replicas cannot follow: {_REWRAP}"
             )
         if not all(
             map(operator.is_, map(dict.get, self.slot_dicts, self.slot_names), self.slot_params)
         ):
             self._raise_replaced()
         first = self.params[0]
-        training = list(map(_TRAINING, self.modules[0])) if self.several else self.training
+        training = list(map(_TRAINING, self.modules[0]))
         if training != self.training:
             for mods in self.modules[1:]:
                 for m, flag in zip(mods, training):
@@ -159,7 +158,7 @@ class ReplicaMirror:
                     raise RuntimeError(
                         f"pyddp: parameter {self.names[k]!r} of the wrapped model changed from "
                         f"{dtype} {tuple(shape)} on {device} to {p.dtype} {tuple(p.shape)} on "
-                        f"{p.device} after wrap; {self.cannot}: {_REWRAP}"
+                        f"{p.device} after wrap; the other replicas cannot follow: {_REWRAP}"
                     )
             drifted.update(k for k, (a, b) in enumerate(zip(storage, self.storage)) if a != b)
             self.storage = storage
@@ -168,11 +167,7 @@ class ReplicaMirror:
         if requires_grad != [wants for _, wants in self.head]:
             for k, wants in enumerate(requires_grad):
                 if wants and self.names[k] not in self.synced:
-                    raise RuntimeError(
-                        f"pyddp: parameter {self.names[k]!r} was frozen when the model was "
-                        "wrapped and now requires grad; its gradient is not reduced, so the "
-                        f"replicas would diverge: {_REWRAP}. Freezing after wrap is followed."
-                    )
+                    raise RuntimeError(unfrozen(self.names[k], first[k], "replicas"))
                 for ps in self.params[1:]:
                     if ps[k].requires_grad is not wants:
                         ps[k].requires_grad_(wants)
@@ -198,7 +193,7 @@ class ReplicaMirror:
     def _layout(self) -> List[Tuple[int, ...]]:
         """Per module of replica 0: how many parameters, submodules and buffers,
         then how many forward, forward-pre, backward and backward-pre hooks."""
-        return [tuple(map(len, self.dicts(m))) for m in self.modules[0]]
+        return [tuple(map(len, _LAYOUT_DICTS(m))) for m in self.modules[0]]
 
     def _members(self) -> List[object]:
         """Every child module of replica 0, by identity (C-level passes).
@@ -218,7 +213,7 @@ class ReplicaMirror:
         raise RuntimeError(
             f"pyddp: the wrapped model's module {where!r} gained or lost submodules, "
             "parameters or buffers after wrap (add_module, register_parameter, ...); "
-            f"{self.cannot}: {_REWRAP}"
+            f"the other replicas cannot follow: {_REWRAP}"
         )
 
     def _raise_replaced(self) -> None:
@@ -227,7 +222,7 @@ class ReplicaMirror:
             if d.get(name) is not p:
                 raise RuntimeError(
                     f"pyddp: parameter {label!r} of the wrapped model was replaced after wrap; "
-                    f"{self.cannot}: {_REWRAP} (to change values, assign in "
+                    f"the other replicas cannot follow: {_REWRAP} (to change values, assign in "
                     "place, e.g. with torch.no_grad(): p.copy_(new), or load_state_dict)"
                 )
 
@@ -241,7 +236,6 @@ _LAYOUT_DICTS = operator.attrgetter(
     "_backward_hooks",
     "_backward_pre_hooks",
 )
-_STRUCTURE_DICTS = operator.attrgetter("_parameters", "_modules", "_buffers")
 _TRAINING = operator.attrgetter("training")
 _MODULES = operator.attrgetter("_modules")
 _version = operator.attrgetter("_version")

@@ -31,6 +31,7 @@ from .scatter import batch_size, gather
 from .steps import ReplicaSteps, StepFlags
 from .syncbn import SyncBatchNorms, sync_layers
 from .uneven import Joinable, Joining
+from .watch import OneReplicaWatch
 from .workers import ReplicaWorkers
 
 
@@ -103,9 +104,9 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
                 on_backward_start=weakref.WeakMethod(self._backward_began) if one else None,
             )
         try:
-            # One replica across processes: nothing to copy, but what the
-            # reducer cannot follow must still raise (mirror.py).
-            self._mirror = ReplicaMirror(replicas, parts.names) if parts.reduces else None
+            self._mirror = ReplicaMirror(replicas, parts.names) if len(replicas) > 1 else None
+            one_watched = len(replicas) == 1 and parts.reduces  # across processes: watch.py
+            self._watch = OneReplicaWatch(self.module, parts.params[0]) if one_watched else None
         except BaseException:
             self._reducer.close()  # no hooks left behind on the user's model
             self._workers.close()
@@ -387,6 +388,8 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
     def _follow_model(self) -> None:
         """Brings the other replicas in line with the user's model (replica 0)."""
         if self._mirror is None:
+            if self._watch is not None and torch.is_grad_enabled() and self._watch.follow():
+                self._reducer.reattach()  # Module._apply gave the parameters new storage
             return
         if self._mirror.follow() or self._reducer.grads_moved():
             # Module._apply gave parameters new storage (share_memory(),
@@ -418,7 +421,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
 
     def _copy_buffers(self) -> None:
         self._check_open()
-        if self._mirror is not None:  # (one replica: nothing to copy to, pairs empty)
+        if self._mirror is not None:  # (one replica: nothing to copy to)
             self._mirror.copy_buffers()
 
 
