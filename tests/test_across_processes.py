@@ -47,6 +47,15 @@ def mismatch(out: dict) -> None:
         pyddp.wrap(model, ["cpu"])
     except ValueError as e:
         out["error"] = str(e)
+    # A layer frozen on one rank only: other buckets on each rank, which used
+    # to end in gloo's abort at the first backward (size mismatch).
+    frozen = nn.Linear(4, 3)
+    frozen.bias.requires_grad_(pyddp.rank() != 0)
+    try:
+        pyddp.wrap(frozen, ["cpu"])
+        out["frozen on one rank"] = None
+    except ValueError as e:
+        out["frozen on one rank"] = str(e)
     # Settings that must agree: each used to end in an abort (bucket_cap_mb:
     # std::terminate), a timeout (rebuild_buckets) or a failed broadcast.
     out["settings"] = {}
@@ -275,6 +284,13 @@ def test_different_models_are_refused_at_wrap_naming_rank_and_parameter(basics):
     for r in basics:
         assert "rank 1" in r["error"] and "weight" in r["error"], r["error"]
         assert "(3, 4)" in r["error"] and "(5, 4)" in r["error"], r["error"]
+
+
+def test_a_layer_frozen_on_one_rank_only_is_refused_at_wrap(basics):
+    for r in basics:
+        error = r["frozen on one rank"]
+        assert error is not None and "rank 1 has parameter bias (3,) float32 trained" in error
+        assert "rank 0 has parameter bias (3,) float32 frozen" in error, error
 
 
 def test_settings_that_differ_across_ranks_are_refused_at_wrap(basics):

@@ -352,10 +352,15 @@ class ProcessLink(Link):
 
 def model_signature(entries: Sequence[tuple], device_type: str) -> List[tuple]:
     """What must match across ranks: every parameter's and buffer's name,
-    shape and dtype, and the kind of device."""
+    shape and dtype, whether a parameter is trained (reduced) or frozen, and
+    the kind of device. (A layer frozen on one rank only would give the ranks
+    buckets of other sizes.)"""
     sig: List[tuple] = [("device type", device_type)]
     for kind, name, t in entries:
-        sig.append((kind, name, tuple(t.shape), str(t.dtype).replace("torch.", "")))
+        entry = (kind, name, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+        if kind == "parameter":
+            entry += ("trained" if t.requires_grad else "frozen",)
+        sig.append(entry)
     return sig
 
 
