@@ -323,6 +323,29 @@ def test_gradsync_forgotten_finish_and_finish_too_early_are_caught():
     sync.close()
 
 
+def test_gradsync_check_step_names_a_gradient_it_does_not_reduce():
+    # GradSync's caller owns the replicas: a layer frozen when it was built
+    # and unfrozen since gets each replica's own gradient, which check_step
+    # names before the step would let the replicas diverge.
+    m0, m1 = replicas_pair()
+    for m in (m0, m1):
+        m.body.requires_grad_(False)
+    ((x, y),) = data(1)
+    with pyddp.GradSync([m0, m1]) as sync:
+        for unfreeze in (False, True):
+            for m in (m0, m1):
+                m.body.requires_grad_(unfreeze)
+            for m, xs, ys in ((m0, x[:4], y[:4]), (m1, x[4:], y[4:])):
+                F.cross_entropy(m(xs), ys).backward()
+            sync.finish()
+            if unfreeze:
+                with pytest.raises(RuntimeError, match=r"'body\.weight' of replica 0 "):
+                    sync.check_step()
+            else:
+                sync.check_step()
+            sync.zero_grad()
+
+
 def test_torch_clipping_and_unscaling_on_the_model_reach_every_replica():
     # torch's clip_grad_norm_ and GradScaler.unscale_ see the model's own
     # parameters (replica 0's gradients) only: the step copies them over.

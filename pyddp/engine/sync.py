@@ -71,6 +71,8 @@ class GradSync:
                 raise TypeError(f"replicas must be torch.nn.Module objects, got {type(m).__name__}")
         parts = assemble(replicas, Options.for_sync(options))
         self._reducer = Reducer(parts, prepare_on_forward=True)
+        self._replicas = replicas  # check_step: what would train unreduced
+        self._reduced = {id(p) for ps in parts.params for p in ps}
         if self._reducer.reduces and any(
             isinstance(m, nn.SyncBatchNorm) for r in replicas for m in r.modules()
         ):
@@ -103,8 +105,22 @@ class GradSync:
 
     def check_step(self) -> None:
         """Raises if stepping now would let replicas diverge, including for a GPU
-        reduction that failed or timed out after finish() returned."""
+        reduction that failed or timed out after finish() returned, and for a
+        gradient this GradSync does not reduce (a parameter frozen at
+        construction and unfrozen since, or added since): one pass over the
+        parameters."""
         self._reducer.check_step()
+        if not self._reducer.reduces:
+            return
+        for r, replica in enumerate(self._replicas):
+            for name, p in replica.named_parameters():
+                if p.requires_grad and p.grad is not None and id(p) not in self._reduced:
+                    raise RuntimeError(
+                        f"pyddp: parameter {name!r} of replica {r} has a gradient this GradSync "
+                        "does not reduce (frozen when it was built and unfrozen since, or added "
+                        "since): stepping would let the replicas diverge; close it and build a "
+                        "new GradSync after such a change"
+                    )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears every replica's gradients. set_to_none (the default): every
