@@ -68,6 +68,12 @@ def stepped_on_two_gpus():
 _SEEDED = threading.Lock()
 
 
+def assert_replicas_equal(dm):
+    for rep in dm.replicas[1:]:
+        for p, p0 in zip(rep.parameters(), dm.module.parameters()):
+            assert torch.equal(p, p0), "replicas differ"
+
+
 def check_equal_to_single_device(
     devices, cap, steps=4, stream_map=None, around_step=None, final=None, **kw
 ):
@@ -91,9 +97,7 @@ def check_equal_to_single_device(
         F.cross_entropy(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        for rep in dm.replicas[1:]:
-            for p, p0 in zip(rep.parameters(), dm.module.parameters()):
-                assert torch.equal(p, p0), "replicas differ"
+        assert_replicas_equal(dm)
     # float32 sums of two halves against one whole, and AdamW divides by the
     # gradient's scale: a rounding difference in a near-zero gradient can
     # move a parameter by a good part of lr, so the bound holds for this

@@ -717,26 +717,26 @@ def one_replica_changes(out: dict) -> None:
     model = Net(norm=False)
     model.body.requires_grad_(False)
     ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for k, (x, y) in enumerate(data(4, seed=rank)):
-        model.body.requires_grad_(k >= 2)
-        F.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    _unfreeze_at_step_2(model, ddp, torch.optim.SGD(model.parameters(), lr=0.1), rank)
     out["torch DDP, unfrozen: ranks apart by"] = _params_apart(model)
     # follow_unfreezing: the body frozen at wrap, unfrozen at step 2.
     model = Net(norm=False)
     model.body.requires_grad_(False)
     with pyddp.wrap(model, follow_unfreezing=True) as dm:
+        start = model.body.weight.detach().clone()  # rank 0's, adopted at wrap
         opt = dm.optimizer(torch.optim.SGD, params=lambda m: m.parameters(), lr=0.1)
-        start = model.body.weight.detach().clone()
-        for k, (x, y) in enumerate(data(4, seed=rank)):
-            model.body.requires_grad_(k >= 2)
-            F.cross_entropy(dm(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+        _unfreeze_at_step_2(model, dm, opt, rank)
         out["unfrozen body trained"] = not torch.equal(model.body.weight, start)
         out["unfrozen, ranks apart by"] = _params_apart(model)
+
+
+def _unfreeze_at_step_2(model: nn.Module, forward, opt, rank: int) -> None:
+    """4 SGD steps on this rank's batches, `model.body` frozen for the first 2."""
+    for k, (x, y) in enumerate(data(4, seed=rank)):
+        model.body.requires_grad_(k >= 2)
+        F.cross_entropy(forward(x), y).backward()
+        opt.step()
+        opt.zero_grad()
 
 
 @pytest.mark.multiprocess

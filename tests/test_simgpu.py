@@ -785,7 +785,7 @@ def unfreezing_followed(devices):
     # follow_unfreezing on GPUs: the conv frozen at wrap, unfrozen at step 2
     # (its hooks, C++ ones where pyddp._hot loads, registered while it was
     # thawed for the plan), through freezing and unfreezing again.
-    from simulated import gpu_step, gpu_wrap
+    from simulated import assert_replicas_equal, gpu_step, gpu_wrap
 
     torch.manual_seed(0)
     model = Mixed()
@@ -803,9 +803,7 @@ def unfreezing_followed(devices):
         F.cross_entropy(ref(x), y).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        for rep in dm.replicas[1:]:
-            for p, p0 in zip(rep.parameters(), dm.module.parameters()):
-                assert torch.equal(p, p0), "replicas differ"
+        assert_replicas_equal(dm)
     assert not torch.equal(model.conv.weight, start)
     for p, q in zip(dm.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)

@@ -36,9 +36,9 @@ def planned_as_trainable(replicas: Sequence[nn.Module], on: bool) -> Iterator[No
     after, they are frozen again, as if frozen just after wrap (which is
     followed). Others (a quantized base) stay out, and unfreezing them raises."""
     frozen = [
-        p for m in replicas for p in m.parameters() if on and not p.requires_grad
+        p for m in replicas for p in m.parameters() if not p.requires_grad
         if p.dtype in DTYPE_NAMES
-    ]  # fmt: skip
+    ] if on else []  # fmt: skip
     for p in frozen:
         p.requires_grad_(True)
     try:

@@ -105,8 +105,8 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             )
         try:
             self._mirror = ReplicaMirror(replicas, parts.names) if len(replicas) > 1 else None
-            one_watched = len(replicas) == 1 and parts.reduces  # across processes: watch.py
-            self._watch = OneReplicaWatch(self.module, parts.params[0]) if one_watched else None
+            # One replica across processes: no parameter trains unreduced (watch.py).
+            self._watch = OneReplicaWatch(self.module, parts.params[0]) if one else None
         except BaseException:
             self._reducer.close()  # no hooks left behind on the user's model
             self._workers.close()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 from itertools import chain
-from typing import Dict, List, Sequence
+from typing import List, Sequence
 
 from torch import nn
 
@@ -34,9 +34,9 @@ class OneReplicaWatch:
         self.ids = set(map(id, self.reduced))
         self.meta = [(p.dtype, p.device, p.shape) for p in self.reduced]
         self.storage = list(map(_data_ptr, self.reduced))
-        self.frozen_names: Dict[int, str] = {}  # parameters of wrap time not reduced
         self._snapshot()
-        self.frozen_names = {id(p): n for n, p in self.params if id(p) not in self.ids}
+        # The parameters of wrap time that are not reduced (frozen then).
+        self.frozen_at_wrap = set(map(id, self.unreduced))
 
     def _snapshot(self) -> None:
         """The model's structure now: what the fast check compares against."""
@@ -84,7 +84,7 @@ class OneReplicaWatch:
         for name, p in self.params:
             if id(p) in self.ids or not p.requires_grad:
                 continue
-            if id(p) in self.frozen_names:
+            if id(p) in self.frozen_at_wrap:
                 raise RuntimeError(unfrozen(name, p, "processes"))
             raise RuntimeError(
                 f"pyddp: parameter {name!r} was added to the wrapped model after wrap (a "
