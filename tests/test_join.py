@@ -408,3 +408,130 @@ def test_join_per_epoch_leaves_no_stale_gradient_and_aligns_optimizer_state(tmp_
     for key in got[0]:
         if key.endswith(("_params", "_state", "_lr_epoch")):
             assert got[0][key] == got[1][key], key  # the ranks are one model again
+
+
+def joined_sharded(out: dict) -> None:
+    """A sharded optimizer (shard=True, ZeRO stage 1) under dmodel.join(),
+    two epochs, rank r with JOIN_COUNTS[r] batches: every rank owns a shard
+    no other rank steps, so a joined rank must step its shard with the
+    reduced gradients of the backward it shadowed, with the learning rate a
+    scheduler set on the ranks with inputs. Against the same run unsharded
+    (bitwise: a sharded step is the unsharded arithmetic) and the closed
+    form; the consolidated state against the unsharded state. Then the
+    misuses: a rank with inputs that skips a step alone, and shard='gradients'
+    under Join."""
+    rank, world = pyddp.rank(), pyddp.world()
+    counts = [int(c) for c in os.environ["JOIN_COUNTS"].split(",")]
+    g = torch.Generator().manual_seed(13)
+    batches = [
+        [(torch.randn(5, 6, generator=g) * 1.5, torch.randn(5, 3, generator=g))
+         for _ in range(counts[r])]
+        for r in range(world)
+    ]  # fmt: skip
+    kinds = {"momentum": (torch.optim.SGD, SGD), "adam_steplr": (torch.optim.Adam, {"lr": 0.01})}
+
+    def closed(cls, kw, sched) -> nn.Module:
+        model = eval_norm(net())
+        opt = cls(model.parameters(), **kw)
+        lr = torch.optim.lr_scheduler.StepLR(opt, 1, 0.8) if sched else None
+        for _epoch in range(2):
+            for step in range(max(counts)):
+                for r in range(world):
+                    if step < counts[r]:
+                        x, y = batches[r][step]
+                        (nn.functional.mse_loss(model(x), y) / world).backward()
+                opt.step()
+                opt.zero_grad()
+                if lr is not None:
+                    lr.step()
+        return model
+
+    def trained(cls, kw, sched, replicas, shard):
+        dm = pyddp.wrap(eval_norm(net()), ["cpu"] * replicas)
+        for m in dm.replicas:
+            m.norm.eval()
+        opt = dm.optimizer(cls, shard=shard, **kw)
+        lr = torch.optim.lr_scheduler.StepLR(opt, 1, 0.8) if sched else None
+        for _epoch in range(2):
+            with dm.join():
+                for x, y in batches[rank]:
+                    nn.functional.mse_loss(dm(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    if lr is not None:
+                        lr.step()
+        state = opt.state_dict()  # collective: the consolidated state when sharded
+        return dm, opt, state
+
+    for name, (cls, kw) in kinds.items():
+        sched = name.endswith("steplr")
+        for replicas in (1, 2):
+            key = f"{name}_r{replicas}"
+            plain, _, plain_state = trained(cls, kw, sched, replicas, False)
+            dm, opt, state = trained(cls, kw, sched, replicas, True)
+            out[f"{key}_vs_unsharded"] = max_diff(dm.module, plain.module)
+            out[f"{key}_vs_closed"] = max_diff(dm.module, closed(cls, kw, sched))
+            out[f"{key}_replicas_equal"] = all(max_diff(m, dm.module) == 0 for m in dm.replicas)
+            out[f"{key}_state_vs_unsharded"] = max(
+                (a - b).abs().max().item()
+                for st, pst in zip(state["state"].values(), plain_state["state"].values())
+                for a, b in zip(st.values(), pst.values())
+                if torch.is_tensor(a) and a.dim() >= 1
+            )
+            out[f"{key}_lr"] = [gr["lr"] for gr in opt.param_groups]
+            out[f"{key}_params"] = [float(p.double().sum()) for p in dm.module.parameters()]
+            plain.close()
+            dm.close()
+
+    # A rank with inputs skips one step alone: every rank raises, naming it,
+    # instead of gathering shards stepped at different iterations.
+    dm = pyddp.wrap(net(), ["cpu"])
+    opt = dm.optimizer(torch.optim.SGD, shard=True, lr=0.1)
+    try:
+        with dm.join():
+            for k, (x, y) in enumerate(batches[rank]):
+                nn.functional.mse_loss(dm(x), y).backward()
+                if not (rank == world - 1 and k == 0):
+                    opt.step()
+                opt.zero_grad()
+        out["skipped_step"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["skipped_step"] = f"{type(e).__name__}: {e}"
+
+    # ZeRO stage 2 under Join: refused on every rank, on entering, by name.
+    dm = pyddp.wrap(net(), ["cpu"])
+    opt = dm.optimizer(torch.optim.SGD, shard="gradients", lr=0.1)
+    x, y = batches[-1][0]
+    nn.functional.mse_loss(dm(x), y).backward()
+    opt.step()
+    try:
+        with dm.join():
+            pass
+        out["stage2"] = None
+    except NotImplementedError as e:
+        out["stage2"] = str(e)
+    dm.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "counts", ["2,4", "3,0,2"], ids=["rank0-runs-out-first", "3-ranks-one-with-no-batch"]
+)
+def test_a_sharded_optimizer_steps_under_join_as_the_unsharded_one(tmp_path, counts):
+    """`joined_sharded` above: ZeRO stage 1 under Join is the unsharded
+    optimizer under Join, to the bit, and the closed form within TOL."""
+    world = len(counts.split(","))
+    got = spawn(joined_sharded, world, env={"JOIN_COUNTS": counts}, timeout=400, out=tmp_path)
+    for r in got:
+        for name in ("momentum", "adam_steplr"):
+            for replicas in (1, 2):
+                key = f"{name}_r{replicas}"
+                assert r[f"{key}_vs_unsharded"] == 0.0, (key, r[f"{key}_vs_unsharded"])
+                assert r[f"{key}_state_vs_unsharded"] == 0.0, key
+                assert r[f"{key}_vs_closed"] <= TOL, (key, r[f"{key}_vs_closed"])
+                assert r[f"{key}_replicas_equal"], key
+        assert "disagree on what comes next" in r["skipped_step"], r["skipped_step"]
+        assert "shard='gradients' (ZeRO stage 2) under Join" in r["stage2"], r["stage2"]
+    for key in got[0]:
+        if key.endswith(("_params", "_lr")):
+            assert all(r[key] == got[0][key] for r in got), key  # one model on every rank

@@ -16,6 +16,13 @@ The active ranks must agree on the first two (one rank in eval(), or under
 no_sync() alone, would make the joined ranks shadow the wrong work): every
 rank raises otherwise.
 
+A step of a sharded optimizer (ZeRO: every rank steps its own shard, then
+gathers the others') is an iteration of its own: the ranks with inputs
+announce it the same way (`optimizer`: its place among dmodel.optimizer's,
+agreed on by every active rank), send its settings (the learning rate a
+scheduler moved), and the joined ranks step their shards with the
+gradients of the backward they shadowed last.
+
 `Joining` is what the wrapped model drives (replicas/uneven.py): the step
 of the forward under way, and the exchanges at each forward, at each join
 hook call and at the end. One process has nothing to join (`Joining`);
@@ -24,7 +31,7 @@ across processes the link holds a `ProcessJoining`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
@@ -37,8 +44,12 @@ JOIN_LAST = exchange("the choice of the last rank to join, at the end of Join")
 JOIN_FINAL = exchange("the broadcast of the last joiner's parameters and buffers after Join")
 JOIN_OPTIMIZERS_CHECK = exchange("the comparison of optimizers at the end of Join")
 JOIN_OPTIMIZERS = exchange("the broadcast of the last joiner's optimizer states after Join")
+JOIN_SETTINGS = exchange(
+    "the broadcast of a sharded optimizer's settings to the ranks that joined, under Join"
+)
 
-_HEAD = 3  # broadcasts, syncs, rows
+# broadcasts, syncs, rows, the optimizer stepping (its place + 1) and its square
+_HEAD = 5
 
 
 @dataclass
@@ -49,6 +60,9 @@ class JoinStep:
     broadcasts: bool  # they broadcast buffers at the end of its backward
     syncs: bool  # a synced backward follows it
     rows: float  # the global batch's rows, over the active ranks
+    # Not a forward: a step of the sharded optimizer at this place among
+    # dmodel.optimizer's (the joined ranks step their shards too).
+    optimizer: Optional[int] = None
 
     @property
     def source(self) -> int:
@@ -58,12 +72,18 @@ class JoinStep:
 
 
 def encode(
-    world: int, rank: Optional[int], broadcasts: bool, syncs: bool, rows: float
+    world: int,
+    rank: Optional[int],
+    broadcasts: bool,
+    syncs: bool,
+    rows: float,
+    optimizer: Optional[int] = None,
 ) -> List[float]:
     """A rank's part; `rank` None for a joined rank (it adds nothing)."""
     part = [0.0] * (_HEAD + world)
     if rank is not None:
-        part[:_HEAD] = [float(broadcasts), float(syncs), float(rows)]
+        k = 0.0 if optimizer is None else float(optimizer + 1)
+        part[:_HEAD] = [float(broadcasts), float(syncs), float(rows), k, k * k]
         part[_HEAD + rank] = 1.0
     return part
 
@@ -73,8 +93,17 @@ def decode(sums: Sequence[float], ranks: Sequence[int]) -> JoinStep:
     messages). Raises ValueError, on every rank alike, if the active ranks
     disagree on what the step does."""
     active = [r for r in range(len(ranks)) if sums[_HEAD + r] > 0.5]
-    broadcasts, syncs, rows = sums[0], sums[1], sums[2]
+    broadcasts, syncs, rows, k, k2 = sums[:_HEAD]
     n = len(active)
+    # The same place on every active rank, or none: a sum of n places and
+    # of their squares that n equal ones give (their variance is zero).
+    if k != 0.0 and (k % n or k2 * n != k * k):
+        raise ValueError(
+            f"under Join, the ranks that still have inputs ({_ranks(ranks, active)}) disagree "
+            "on what comes next: some step a sharded optimizer (or another one than the rest) "
+            "where others run a forward; every rank must make the same optimizer steps"
+        )
+    optimizer = int(k) // n - 1 if k else None
     for value, what in ((broadcasts, "a training forward"), (syncs, "a synced backward")):
         if value not in (0.0, float(n)):
             raise ValueError(
@@ -83,7 +112,7 @@ def decode(sums: Sequence[float], ranks: Sequence[int]) -> JoinStep:
                 "(one rank in eval(), under torch.no_grad() or under no_sync() alone); the "
                 "ranks that joined cannot shadow both"
             )
-    return JoinStep(active, broadcasts > 0, syncs > 0, rows)
+    return JoinStep(active, broadcasts > 0, syncs > 0, rows, optimizer)
 
 
 def last_joiner(sums: Sequence[float]) -> int:
@@ -104,24 +133,42 @@ class Joining:
         # Gradients averaged over the ranks with inputs (torch DDP's
         # divide_by_initial_world_size=False) rather than over every rank.
         self.divide_by_active = False
+        # Under Join, what a sharded optimizer's step calls first on a rank
+        # with inputs (the wrapped model's announcement: an iteration of
+        # its own for the joined ranks).
+        self.before_sharded_step: Optional[Callable[[Any], None]] = None
+        # On a joined rank: the reduced gradients of the backward it shadowed
+        # last, kept while a sharded optimizer may step them.
+        self.shadowed: Any = None
 
-    def enter(self, divide_by_active: bool) -> None:
+    def enter(
+        self, divide_by_active: bool, before_sharded_step: Optional[Callable[[Any], None]] = None
+    ) -> None:
         """torch's Join hands out its hook: gradients are then averaged over
         the ranks with inputs (`divide_by_active`) or over every rank."""
         self.divide_by_active = divide_by_active
+        self.before_sharded_step = before_sharded_step
 
     def exchange_step(
-        self, has_inputs: bool, broadcasts: bool, syncs: bool, rows: float
+        self,
+        has_inputs: bool,
+        broadcasts: bool,
+        syncs: bool,
+        rows: float,
+        optimizer: Optional[int] = None,
     ) -> Optional[JoinStep]:
-        """Under Join, once per forward of the ranks with inputs, and once
-        per join hook call on each rank without (has_inputs False, adding
-        nothing): what this iteration does, as every rank sees it."""
+        """Under Join, once per forward (or sharded optimizer step:
+        `optimizer`, its place) of the ranks with inputs, and once per join
+        hook call on each rank without (has_inputs False, adding nothing):
+        what this iteration does, as every rank sees it."""
         return None
 
     def leave(self) -> None:
         """After torch's Join, however it ended: nothing of it is left."""
         self.step = None
         self.divide_by_active = False
+        self.before_sharded_step = None
+        self.shadowed = None
 
     def end(self, last: bool, state: Sequence[torch.Tensor]) -> int:
         """After torch's Join, on every rank: the highest of the last ranks
@@ -129,6 +176,11 @@ class Joining:
         every other (the joined ranks missed the steps taken after they
         joined); returns that rank (in the group's order). leave() follows."""
         return 0
+
+    def refuse(self, message: str) -> None:
+        """What this rank cannot shadow: raised (across processes on every
+        rank, and the link fails for good)."""
+        raise RuntimeError(f"pyddp: {message}")
 
     def name_failure(self, what: str, error: BaseException) -> None:
         """`error` from one of torch's Join's own collectives: raised again,
@@ -144,10 +196,15 @@ class ProcessJoining(Joining):
         self.weighting = weighting  # dmodel.loss's: its rows exchanged again after Join
 
     def exchange_step(
-        self, has_inputs: bool, broadcasts: bool, syncs: bool, rows: float
+        self,
+        has_inputs: bool,
+        broadcasts: bool,
+        syncs: bool,
+        rows: float,
+        optimizer: Optional[int] = None,
     ) -> Optional[JoinStep]:
         rank = self.peers.rank if has_inputs else None
-        part = encode(self.peers.world, rank, broadcasts, syncs, rows)
+        part = encode(self.peers.world, rank, broadcasts, syncs, rows, optimizer)
         sums = self.control.sum_over_ranks(part, JOIN_STEP)
         try:
             self.step = decode(sums, self.peers.ranks)
@@ -165,6 +222,9 @@ class ProcessJoining(Joining):
         source = last_joiner(self.control.sum_over_ranks(flags, JOIN_LAST))
         self.control.broadcast(state, JOIN_FINAL, source)
         return source
+
+    def refuse(self, message: str) -> None:
+        self.failure.fail(message, census=False)
 
     def name_failure(self, what: str, error: BaseException) -> None:
         self.failure.fail(f"{what} failed: {first_line(error)}")

@@ -12,12 +12,14 @@ tests/test_layout.py checks that replicas/ and optim/ use nothing else."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import (
     Any,
     Callable,
     ContextManager,
     Dict,
+    Iterator,
     List,
     Optional,
     Protocol,
@@ -50,7 +52,7 @@ class ReplicaDriver(Protocol):
 
     # the detours
     def no_sync(self) -> ContextManager[None]: ...
-    def shadow_backward(self) -> None: ...
+    def shadow_backward(self, keep: bool = False) -> Any: ...
     def abort(self, reason: str = ...) -> None: ...
     def grads_moved(self) -> bool: ...
     def reattach(self) -> None: ...
@@ -155,6 +157,35 @@ class GradientShards:
     def under_join(self) -> bool:
         """torch's Join runs a step of this rank's right now."""
         return self._r._link.joining.step is not None
+
+    def announce_sharded_step(self, optimizer: Any) -> None:
+        """Under Join, on a rank with inputs, before `optimizer` (sharded)
+        steps: the wrapped model tells the joined ranks to step theirs."""
+        announce = self._r._link.joining.before_sharded_step
+        if announce is None:
+            raise RuntimeError(
+                "pyddp: a sharded optimizer steps under a Join that pyddp's wrapped model is "
+                "not part of; pass the wrapped model to torch's Join (or use dmodel.join())"
+            )
+        announce(optimizer)
+
+    @contextlib.contextmanager
+    def gradients_of(self, kept: Any) -> Iterator[None]:
+        """Under Join, on a rank that joined: the reduced gradients of the
+        backward it shadowed (`kept`, from shadow_backward) in place of its
+        own while the block runs, its own put back after (None: its own)."""
+        r = self._r
+        if kept is None:
+            yield
+            return
+        r._order.fence_all()  # after any reduction or copy still writing
+        own = r._layout.keep(r._engine)
+        r._layout.put_back(r._engine, kept)
+        try:
+            yield
+        finally:
+            r._order.fence_all()
+            r._layout.put_back(r._engine, own)
 
     # -------------------------------------------------------- a step's calls
     def run_per_replica(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:

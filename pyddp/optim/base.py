@@ -54,13 +54,18 @@ class PyddpOptimizer:
                 "need a forward and backward on every replica"
             )
         self._pyddp.reducer.check_step()
+        self._pyddp_spread_settings(others)
+        if self._pyddp.broken:
+            raise RuntimeError(self._pyddp.broken)
+
+    def _pyddp_spread_settings(self, others: Sequence[Any]) -> None:
+        """This object's hyper-parameters (LR schedulers set them here) on
+        the optimizers stepping the replicas."""
         for other in others:
             for mine, theirs in zip(self.param_groups, other.param_groups):
                 for key, value in mine.items():
                     if key != "params":
                         theirs[key] = value
-        if self._pyddp.broken:
-            raise RuntimeError(self._pyddp.broken)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pyddp.owns_all:

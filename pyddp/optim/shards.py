@@ -52,6 +52,28 @@ def plan_shards(numels: Sequence[int], slots: int, split: bool) -> List[List[Pie
     return plan
 
 
+def plan_from_buckets(
+    buckets: Sequence[Sequence[int]], numels: Sequence[int], order: List[int], slots: int
+) -> List[List[Piece]]:
+    """ZeRO stage 2's shards: slot s owns block s of every bucket (the
+    bucket's elements padded to a multiple of `slots`, cut into equal
+    blocks), as pieces (index in `order`, first, end) like plan_shards'."""
+    position = {i: k for k, i in enumerate(order)}
+    plan: List[List[Piece]] = [[] for _ in range(slots)]
+    for members in buckets:
+        block = -(-sum(numels[i] for i in members) // slots)
+        start = 0
+        for i in members:
+            for s in range(slots):
+                lo, hi = max(start, s * block), min(start + numels[i], (s + 1) * block)
+                if lo < hi:
+                    plan[s].append((position[i], lo - start, hi - start))
+            start += numels[i]
+    for pieces in plan:
+        pieces.sort()
+    return plan
+
+
 class Shard:
     """One local replica's share: its pieces (parameter, first, end, the
     tensor the optimizer steps: the parameter itself when whole, else a flat

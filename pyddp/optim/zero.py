@@ -39,7 +39,7 @@ from ..engine.faces import GradientShards
 from ..errors import ReplicaError
 from .base import OptimState, PyddpOptimizer
 from .guard import guard
-from .shards import ELEMENTWISE, DeviceGather, HostGather, Piece, Shard, plan_shards
+from .shards import ELEMENTWISE, DeviceGather, HostGather, Shard, plan_from_buckets, plan_shards
 
 SHARD_PARAMS = exchange("the gathering of a sharded optimizer step's parameters")
 # Named with its remedy: the usual mistake is calling state_dict() on the
@@ -196,42 +196,34 @@ def _check_gradients(
         )
 
 
-def plan_from_buckets(
-    buckets: Sequence[Sequence[int]], numels: Sequence[int], order: List[int], slots: int
-) -> List[List[Piece]]:
-    """ZeRO stage 2's shards: slot s owns block s of every bucket (the
-    bucket's elements padded to a multiple of `slots`, cut into equal
-    blocks), as pieces (index in `order`, first, end) like plan_shards'."""
-    position = {i: k for k, i in enumerate(order)}
-    plan: List[List[Piece]] = [[] for _ in range(slots)]
-    for members in buckets:
-        block = -(-sum(numels[i] for i in members) // slots)
-        start = 0
-        for i in members:
-            for s in range(slots):
-                lo, hi = max(start, s * block), min(start + numels[i], (s + 1) * block)
-                if lo < hi:
-                    plan[s].append((position[i], lo - start, hi - start))
-            start += numels[i]
-    for pieces in plan:
-        pieces.sort()
-    return plan
-
-
 @functools.cache  # one subclass per optimizer class
 def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
     class Sharded(PyddpOptimizer, cls):  # type: ignore[misc, valid-type]
         def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
             state = self._pyddp
             self._pyddp_begin_step(closure, state.inner)
+            if state.reducer.under_join:  # the ranks that joined step their shards too
+                state.reducer.announce_sharded_step(self)
+            self._pyddp_step_shards()
+            return None
+
+        def _pyddp_shadow_step(self, settings: List[Dict[str, Any]], gradients: Any) -> None:
+            """Under Join, on a rank that joined: the step the ranks with
+            inputs announced, with their `settings` (each group's
+            hyper-parameters: a scheduler moved them there) and `gradients`
+            (those of the backward this rank shadowed last; None: its own,
+            reduced in its last backward)."""
+            for group, hyper in zip(self.param_groups, settings):
+                group.update(hyper)
+            self._pyddp_spread_settings(self._pyddp.inner)
+            with self._pyddp.reducer.gradients_of(gradients):
+                self._pyddp_step_shards()
+
+        def _pyddp_step_shards(self) -> None:
+            """Every slot steps its shard, then every replica takes the
+            stepped elements it does not own."""
             self._pyddp.consolidated = None  # the state moves on
             reducer = self._pyddp.reducer
-            if reducer.under_join:
-                raise NotImplementedError(
-                    "pyddp: a sharded optimizer (shard=True) cannot step under Join yet: the "
-                    "ranks that joined would have to step their shards too; use shard=False "
-                    "under dmodel.join()"
-                )
             scattered = reducer.gradients_sharded  # shard='gradients': the reduced blocks
             for r, shard in enumerate(self._pyddp.shards):
                 shard.attach_grads(reducer.params[r], grads=not scattered)
@@ -255,7 +247,6 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                         shard.detach_blocks()
             if scattered:
                 reducer.after_step()  # placeholders again: is a gradient reset before the next?
-            return None
 
         # Not marked hooked: torch wraps this step with the optimizer step
         # hooks, which then run once per step for this object (the shards'

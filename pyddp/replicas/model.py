@@ -207,8 +207,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         self._work.shard = {"state": True}.get(shard, shard)  # type: ignore[call-overload]
         self._work.note_made(opt)
         self._link.settings_changed()
-        if not shard:  # a sharded one cannot step under Join (zero.py)
-            self._optimizers.append(weakref.ref(opt))
+        self._optimizers.append(weakref.ref(opt))
         return opt
 
     def _optimizers_made(self) -> List[torch.optim.Optimizer]:

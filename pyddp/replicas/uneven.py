@@ -19,12 +19,20 @@ the state of the optimizers dmodel.optimizer made with their schedulers
 Gradients: averaged over every rank with the joined ones adding zeros
 (torch DDP's divide_by_initial_world_size=True), or over the ranks with
 inputs (False). dmodel.loss weighs the rows that exist, which is the mean
-over the global batch either way."""
+over the global batch either way.
+
+A sharded optimizer (shard=True: ZeRO stage 1) steps on every rank, the
+joined ones too: each owns a shard no other rank steps. Its step is an
+iteration of torch's Join of its own (announced as a forward is, with the
+optimizer's settings from the highest rank with inputs), and a joined rank
+steps its shard with the reduced gradients of the backward it shadowed
+last, so every rank's parameters and shard state stay the closed form's."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from typing import Any, Iterator, List, Optional, Protocol
 
 import torch
@@ -33,10 +41,12 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .._link import Link
 from .._link.control import BUFFERS_BROADCAST
+from .._link.joining import JOIN_SETTINGS
 from .._link.joining import Joining as JoinState
 from ..engine.faces import ReplicaDriver
 from ..errors import ReduceError, ReplicaError, TrainingError
 from ..optim.after_join import align_optimizers
+from ..optim.zero import ShardedState
 from .steps import StepFlags
 from .syncbn import SyncBatchNorms
 
@@ -133,10 +143,17 @@ class Joining(Joinable):
                 "a joined rank cannot know how many statistics exchanges the others make; "
                 "give every rank the same number of batches, or use BatchNorm"
             )
+        if self._reducer.gradients().gradients_sharded:
+            raise NotImplementedError(
+                "pyddp: shard='gradients' (ZeRO stage 2) under Join is not supported yet: a "
+                "rank that joined would have to shadow the reduce-scatters; use shard=True "
+                "(ZeRO stage 1, which steps under Join) or shard=False"
+            )
         divide = kwargs.get("divide_by_initial_world_size", True)
         if not isinstance(divide, bool):
             raise TypeError("divide_by_initial_world_size must be a bool")
-        self._join.enter(divide_by_active=not divide)
+        announce = weakref.WeakMethod(self._announce_sharded_step)
+        self._join.enter(not divide, lambda opt: announce()(opt))  # type: ignore[misc]
         return _ShadowHook(self)
 
     @property
@@ -189,6 +206,18 @@ class Joining(Joinable):
             float(rows),
         )
 
+    def _announce_sharded_step(self, optimizer: Any) -> None:
+        """Under Join, on a rank with inputs, before a sharded optimizer
+        steps: one more iteration for the joined ranks (torch's Join
+        all-reduce, then pyddp's exchange naming the optimizer), and its
+        settings from the highest rank with inputs, so that they step their
+        shards as this rank does."""
+        place = next(k for k, o in enumerate(self._optimizers_made()) if o is optimizer)
+        self._notify_join()
+        step = self._join.exchange_step(True, False, False, 0.0, place)
+        assert step is not None  # across processes only (join_hook refuses one)
+        self.ranks.from_root(_settings(optimizer), JOIN_SETTINGS, root=step.source)
+
     def _leave_join(self) -> None:
         """After Join, however it ended (torch's skips the join hooks' end
         when the block raised): no step exchange, rank 0's buffers, the
@@ -207,11 +236,32 @@ class _ShadowHook(JoinHook):
         m._check_open()
         step = m._join.exchange_step(False, False, False, 0.0)
         assert step is not None  # across processes only (join_hook refuses one)
+        if step.optimizer is not None:
+            self._shadow_step(step.optimizer, step.source)
+            return
         if step.syncs:
-            m._reducer.shadow_backward()
+            made = m._optimizers_made()
+            keep = any(isinstance(o.__dict__.get("_pyddp"), ShardedState) for o in made)
+            m._join.shadowed = m._reducer.shadow_backward(keep)
         if step.broadcasts:  # after the backward, as the ranks with inputs
             m._link.broadcast(list(m.module.buffers()), BUFFERS_BROADCAST)
             m._copy_buffers()
+
+    def _shadow_step(self, place: int, source: int) -> None:
+        """The ranks with inputs step the sharded optimizer at `place`
+        among dmodel.optimizer's: this rank steps its shard too."""
+        m = self.model
+        made = m._optimizers_made()
+        settings = m.ranks.from_root(None, JOIN_SETTINGS, root=source)
+        opt = made[place] if place < len(made) else None
+        if opt is None or not isinstance(opt.__dict__.get("_pyddp"), ShardedState):
+            m._join.refuse(
+                f"under Join, the ranks with inputs step a sharded optimizer, number "
+                f"{place + 1} of those dmodel.optimizer made, and this rank (joined) has "
+                f"{'no such optimizer' if opt is None else 'an unsharded one there'}; every "
+                "rank must make the same optimizers"
+            )
+        opt._pyddp_shadow_step(settings, m._join.shadowed)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank joined: every rank takes the last joiner's model."""
@@ -229,3 +279,8 @@ class _ShadowHook(JoinHook):
             )
         finally:
             m._leave_join()
+
+
+def _settings(optimizer: Any) -> List[dict]:
+    """Each param group's hyper-parameters (everything but its parameters)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
