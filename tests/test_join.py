@@ -483,6 +483,30 @@ def joined_sharded(out: dict) -> None:
             plain.close()
             dm.close()
 
+    # Ported from ZeroRedundancyOptimizer: torch's Join([dmodel, opt]) is
+    # dmodel.join(); the optimizer before its model is refused by name.
+    from torch.distributed.algorithms import Join
+
+    cls, kw = kinds["momentum"]
+    plain, _, _ = trained(cls, kw, False, 1, True)
+    dm = pyddp.wrap(eval_norm(net()), ["cpu"])
+    dm.module.norm.eval()
+    opt = dm.optimizer(cls, shard=True, **kw)
+    for _epoch in range(2):
+        with Join([dm, opt]):
+            for x, y in batches[rank]:
+                nn.functional.mse_loss(dm(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    out["torch_join_vs_dmodel_join"] = max_diff(dm.module, plain.module)
+    try:
+        Join([opt, dm])
+        out["optimizer_first"] = None
+    except ValueError as e:
+        out["optimizer_first"] = str(e)
+    plain.close()
+    dm.close()
+
     # A rank with inputs skips one step alone: every rank raises, naming it,
     # instead of gathering shards stepped at different iterations.
     dm = pyddp.wrap(net(), ["cpu"])
@@ -530,6 +554,8 @@ def test_a_sharded_optimizer_steps_under_join_as_the_unsharded_one(tmp_path, cou
                 assert r[f"{key}_state_vs_unsharded"] == 0.0, key
                 assert r[f"{key}_vs_closed"] <= TOL, (key, r[f"{key}_vs_closed"])
                 assert r[f"{key}_replicas_equal"], key
+        assert r["torch_join_vs_dmodel_join"] == 0.0, r["torch_join_vs_dmodel_join"]
+        assert "needs its wrapped model before it" in r["optimizer_first"], r["optimizer_first"]
         assert "disagree on what comes next" in r["skipped_step"], r["skipped_step"]
         assert "shard='gradients' (ZeRO stage 2) under Join" in r["stage2"], r["stage2"]
     for key in got[0]:

@@ -140,12 +140,12 @@ def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
         nn.functional.mse_loss(ref(x), y).backward()
         ref_opt.step()
 
-    def joined(model: nn.Module, gpus: Any = None) -> Any:
+    def joined(model: nn.Module, gpus: Any = None, shard: bool = False) -> Any:
         """This rank's batches under dm.join(); the closed wrapped model."""
         dm = wrap_on(model, len(devices), gpus)
         for m in dm.replicas if not model.norm.training else []:
             m.norm.eval()
-        dopt = dm.optimizer(torch.optim.SGD, **SGD)
+        dopt = dm.optimizer(torch.optim.SGD, shard=shard, **SGD)
         with dm.join():
             for x, y in per_rank[rank]:
                 dopt.zero_grad()
@@ -160,6 +160,13 @@ def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
     dm = joined(eval_norm(net(seed=rank)), (devices, streams))
     out["join_diff"] = max_diff(dm.module, ref)
     out["join_replicas_equal"] = all(max_diff(m, dm.module) == 0.0 for m in dm.replicas)
+    # A sharded optimizer (ZeRO stage 1): rank 0, joined, steps its shard with
+    # the gradients it shadowed; gathered through NCCL; the unsharded bytes.
+    sharded = joined(eval_norm(net(seed=rank)), (devices, streams), shard=True)
+    out["join_sharded_vs_unsharded"] = max_diff(sharded.module, dm.module)
+    out["join_sharded_replicas_equal"] = all(
+        max_diff(m, sharded.module) == 0.0 for m in sharded.replicas
+    )
 
     # BatchNorm training: the ranks' running statistics differ, and each
     # training forward takes the highest rank with inputs' buffers (joined
@@ -281,6 +288,7 @@ def test_gradsync_across_processes_on_one_nccl_communicator(tmp_path, local):
         # Join: rank 0 runs out first and shadows through NCCL; one device
         # on the global batch of the ranks with inputs.
         assert r["join_diff"] <= 1e-6 and r["join_replicas_equal"], r
+        assert r["join_sharded_vs_unsharded"] == 0.0 and r["join_sharded_replicas_equal"], r
         # BatchNorm training under Join (the ranks' buffers differ): as on CPUs.
         assert r["join_buffers_moved"] and r["join_buffers_vs_cpu"] <= 1e-6, r
         # fp16 compression on NCCL: torch's hook's arithmetic (bitwise the CPU

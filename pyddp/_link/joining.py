@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .control import Control, exchange
 from .failure import Failure
@@ -113,6 +114,14 @@ def decode(sums: Sequence[float], ranks: Sequence[int]) -> JoinStep:
                 "ranks that joined cannot shadow both"
             )
     return JoinStep(active, broadcasts > 0, syncs > 0, rows, optimizer)
+
+
+def join_device(group: Any) -> torch.device:
+    """Where torch's Join's own all-reduces on `group` live (torch's
+    Joinable.join_device): this process's GPU for NCCL, else the CPU."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def last_joiner(sums: Sequence[float]) -> int:

@@ -26,7 +26,10 @@ from typing import (
     Sequence,
 )
 
+from torch.distributed.algorithms.join import JoinHook
+
 from .._link.control import Ranks
+from .._link.joining import join_device
 from .._link.route import DeviceRoute
 
 
@@ -168,6 +171,24 @@ class GradientShards:
                 "not part of; pass the wrapped model to torch's Join (or use dmodel.join())"
             )
         announce(optimizer)
+
+    def join_hook(self) -> Any:
+        """torch's Joinable, for a sharded optimizer in torch's Join beside
+        its wrapped model (`Join([dmodel, opt])`, as ported code passes
+        ZeroRedundancyOptimizer): the model's hook, made first, shadows the
+        steps; the optimizer's own does nothing."""
+        if self._r._link.joining.before_sharded_step is None:
+            raise ValueError(
+                "pyddp: a sharded optimizer in torch's Join needs its wrapped model before it "
+                "(Join([dmodel, opt])): the model's join hook steps the optimizer's shards on "
+                "the ranks that joined"
+            )
+        return JoinHook()
+
+    def join_place(self) -> Any:
+        """(join_device, join_process_group) of the wrapped model."""
+        group = self._r._link.group
+        return join_device(group), group
 
     @contextlib.contextmanager
     def gradients_of(self, kept: Any) -> Iterator[None]:

@@ -207,6 +207,18 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             self._pyddp_step_shards()
             return None
 
+        # torch's Joinable (ported `Join([dmodel, opt])`): the model's hook shadows its steps.
+        def join_hook(self, **kwargs: Any) -> Any:
+            return self._pyddp.reducer.join_hook()
+
+        @property
+        def join_device(self) -> torch.device:
+            return self._pyddp.reducer.join_place()[0]
+
+        @property
+        def join_process_group(self) -> Any:
+            return self._pyddp.reducer.join_place()[1]
+
         def _pyddp_shadow_step(self, settings: List[Dict[str, Any]], gradients: Any) -> None:
             """Under Join, on a rank that joined: the step the ranks with
             inputs announced, with their `settings` (each group's

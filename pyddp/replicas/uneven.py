@@ -41,7 +41,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .._link import Link
 from .._link.control import BUFFERS_BROADCAST
-from .._link.joining import JOIN_SETTINGS
+from .._link.joining import JOIN_SETTINGS, join_device
 from .._link.joining import Joining as JoinState
 from ..engine.faces import ReplicaDriver
 from ..errors import ReduceError, ReplicaError, TrainingError
@@ -160,10 +160,7 @@ class Joining(Joinable):
     def join_device(self) -> torch.device:
         """torch's Joinable: where Join's own all-reduces live (the CPU for
         gloo, this process's GPU for NCCL)."""
-        group = self._link.group
-        if group is not None and dist.get_backend(group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return join_device(self._link.group)
 
     @property
     def join_process_group(self) -> Any:
