@@ -56,16 +56,17 @@ _OWN = (ReduceError, ReplicaError, TrainingError)  # pyddp's errors name their c
 class JoiningHost(Protocol):
     """What Joining reads of the DistributedModel it is mixed into (model.py)
     and does not define itself; _ShadowHook and the end of Join also read
-    `m.module`, `m.ranks`, `m._copy_buffers`, `m._optimizers_made` and
-    `m._work` of the model they shadow."""
+    `m.module`, `m._copy_buffers` and `m._work` of the model they shadow."""
 
     _reducer: ReplicaDriver
     _link: Link
     _join: JoinState  # the link's Join state and exchanges (_link/joining.py)
     _syncbn: Optional[SyncBatchNorms]
     _flags: StepFlags  # the running step's (steps.py)
+    ranks: Any  # this model's control exchanges (Ranks)
 
     def _check_open(self) -> None: ...
+    def _optimizers_made(self) -> List[torch.optim.Optimizer]: ...
 
 
 class Joining(Joinable):
