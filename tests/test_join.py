@@ -446,7 +446,7 @@ def joined_sharded(out: dict) -> None:
                     lr.step()
         return model
 
-    def trained(cls, kw, sched, replicas, shard):
+    def trained(cls, kw, sched, replicas, shard, clip=None):
         dm = pyddp.wrap(eval_norm(net()), ["cpu"] * replicas)
         for m in dm.replicas:
             m.norm.eval()
@@ -456,6 +456,8 @@ def joined_sharded(out: dict) -> None:
             with dm.join():
                 for x, y in batches[rank]:
                     nn.functional.mse_loss(dm(x), y).backward()
+                    if clip is not None:  # the gradients change between backward and step
+                        dm.clip_grad_norm_(clip)
                     opt.step()
                     opt.zero_grad()
                     if lr is not None:
@@ -482,6 +484,16 @@ def joined_sharded(out: dict) -> None:
             out[f"{key}_params"] = [float(p.double().sum()) for p in dm.module.parameters()]
             plain.close()
             dm.close()
+
+    # Gradients clipped between backward and step (as GradScaler's unscale_
+    # divides them): the joined ranks step with the clipped ones too.
+    cls, kw = kinds["momentum"]
+    for replicas in (1, 2):
+        plain, _, _ = trained(cls, kw, False, replicas, False, clip=0.05)
+        dm, _, _ = trained(cls, kw, False, replicas, True, clip=0.05)
+        out[f"clipped_r{replicas}_vs_unsharded"] = max_diff(dm.module, plain.module)
+        plain.close()
+        dm.close()
 
     # Ported from ZeroRedundancyOptimizer: torch's Join([dmodel, opt]) is
     # dmodel.join(); the optimizer before its model is refused by name.
@@ -554,6 +566,9 @@ def test_a_sharded_optimizer_steps_under_join_as_the_unsharded_one(tmp_path, cou
                 assert r[f"{key}_state_vs_unsharded"] == 0.0, key
                 assert r[f"{key}_vs_closed"] <= TOL, (key, r[f"{key}_vs_closed"])
                 assert r[f"{key}_replicas_equal"], key
+        for replicas in (1, 2):  # clipped between backward and step
+            clipped = r[f"clipped_r{replicas}_vs_unsharded"]
+            assert clipped == 0.0, (replicas, clipped)
         assert r["torch_join_vs_dmodel_join"] == 0.0, r["torch_join_vs_dmodel_join"]
         assert "needs its wrapped model before it" in r["optimizer_first"], r["optimizer_first"]
         assert "disagree on what comes next" in r["skipped_step"], r["skipped_step"]

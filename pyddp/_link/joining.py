@@ -19,9 +19,10 @@ rank raises otherwise.
 A step of a sharded optimizer (ZeRO: every rank steps its own shard, then
 gathers the others') is an iteration of its own: the ranks with inputs
 announce it the same way (`optimizer`: its place among dmodel.optimizer's,
-agreed on by every active rank), send its settings (the learning rate a
-scheduler moved), and the joined ranks step their shards with the
-gradients of the backward they shadowed last.
+agreed on by every active rank), and the highest of them sends its
+settings (the learning rate a scheduler moved) and the gradients it steps
+with (clipped or unscaled since the backward, as the case may be): the
+joined ranks step their shards with those.
 
 `Joining` is what the wrapped model drives (replicas/uneven.py): the step
 of the forward under way, and the exchanges at each forward, at each join
@@ -47,6 +48,9 @@ JOIN_OPTIMIZERS_CHECK = exchange("the comparison of optimizers at the end of Joi
 JOIN_OPTIMIZERS = exchange("the broadcast of the last joiner's optimizer states after Join")
 JOIN_SETTINGS = exchange(
     "the broadcast of a sharded optimizer's settings to the ranks that joined, under Join"
+)
+JOIN_GRADIENTS = exchange(
+    "the broadcast of a sharded optimizer step's gradients to the ranks that joined, under Join"
 )
 
 # broadcasts, syncs, rows, the optimizer stepping (its place + 1) and its square
@@ -146,9 +150,6 @@ class Joining:
         # with inputs (the wrapped model's announcement: an iteration of
         # its own for the joined ranks).
         self.before_sharded_step: Optional[Callable[[Any], None]] = None
-        # On a joined rank: the reduced gradients of the backward it shadowed
-        # last, kept while a sharded optimizer may step them.
-        self.shadowed: Any = None
 
     def enter(
         self, divide_by_active: bool, before_sharded_step: Optional[Callable[[Any], None]] = None
@@ -177,7 +178,6 @@ class Joining:
         self.step = None
         self.divide_by_active = False
         self.before_sharded_step = None
-        self.shadowed = None
 
     def end(self, last: bool, state: Sequence[torch.Tensor]) -> int:
         """After torch's Join, on every rank: the highest of the last ranks

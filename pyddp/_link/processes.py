@@ -16,7 +16,7 @@ from .agreement import Agreement, record_for, ride_size
 from .control import BUFFERS_BROADCAST, LOSS_WEIGHTS, PARAMS_BROADCAST, SHARD_MODES, Control
 from .failure import Failure
 from .groups import Peers
-from .joining import ProcessJoining
+from .joining import JOIN_GRADIENTS, ProcessJoining
 from .link import Link
 from .meetings import Statistics
 from .record import WorkRecord, watch_steps
@@ -328,12 +328,9 @@ class ProcessLink(Link):
 
     def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         # Under Join, rank 0 may have joined: the highest rank with inputs.
-        root = (
-            self.joining.step.source
-            if self.joining.step is not None and what == BUFFERS_BROADCAST
-            else 0
-        )
-        if self._route is not None and what == BUFFERS_BROADCAST:
+        from_source = what in (BUFFERS_BROADCAST, JOIN_GRADIENTS)
+        root = self.joining.step.source if self.joining.step is not None and from_source else 0
+        if self._route is not None and from_source:
             # GPUs, after every synced training step: on the device, through
             # NCCL, as torch DDP does (no host round trip).
             # The NCCL root: the root process's first GPU.

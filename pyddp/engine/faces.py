@@ -12,14 +12,12 @@ tests/test_layout.py checks that replicas/ and optim/ use nothing else."""
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import (
     Any,
     Callable,
     ContextManager,
     Dict,
-    Iterator,
     List,
     Optional,
     Protocol,
@@ -55,7 +53,7 @@ class ReplicaDriver(Protocol):
 
     # the detours
     def no_sync(self) -> ContextManager[None]: ...
-    def shadow_backward(self, keep: bool = False) -> Any: ...
+    def shadow_backward(self) -> None: ...
     def abort(self, reason: str = ...) -> None: ...
     def grads_moved(self) -> bool: ...
     def reattach(self) -> None: ...
@@ -189,24 +187,6 @@ class GradientShards:
         """(join_device, join_process_group) of the wrapped model."""
         group = self._r._link.group
         return join_device(group), group
-
-    @contextlib.contextmanager
-    def gradients_of(self, kept: Any) -> Iterator[None]:
-        """Under Join, on a rank that joined: the reduced gradients of the
-        backward it shadowed (`kept`, from shadow_backward) in place of its
-        own while the block runs, its own put back after (None: its own)."""
-        r = self._r
-        if kept is None:
-            yield
-            return
-        r._order.fence_all()  # after any reduction or copy still writing
-        own = r._layout.keep(r._engine)
-        r._layout.put_back(r._engine, kept)
-        try:
-            yield
-        finally:
-            r._order.fence_all()
-            r._layout.put_back(r._engine, own)
 
     # -------------------------------------------------------- a step's calls
     def run_per_replica(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:

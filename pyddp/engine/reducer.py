@@ -269,15 +269,18 @@ class Reducer:
         self._layout.mark_reduced()
         arm_began(self)
 
-    def shadow_backward(self, keep: bool = False) -> Any:
-        """Under torch's Join, on a rank whose inputs ran out (wrap's join
-        hook): the synced backward of the ranks with inputs (the same buckets
-        in the same order, any comm hook), with zero gradients and no part in
-        the agreement; then its own gradients put back, as torch DDP leaves
-        .grad alone. `keep`: returns the reduced gradients, for a sharded
-        optimizer step this rank takes too (GradientShards.gradients_of)."""
+    def shadow_backward(self) -> None:
+        """Under torch's Join, on a rank whose inputs ran out: takes part in
+        a synced backward of the ranks that still have inputs, with zero
+        gradients and no part in the agreement (pyddp.wrap's join hook calls
+        it). The buckets launch as in any backward (the same ones, in the
+        same order, through a communication hook if one is registered);
+        afterwards this rank's gradients are what they were before (torch
+        DDP's shadowing leaves .grad alone): the reductions it took part in
+        are the other ranks' steps, and a first step after Join must not add
+        them in again."""
         if self._engine is None or not self._link.spans_processes:
-            return None
+            return
         if not self._engine.sync_enabled:
             raise RuntimeError(
                 "pyddp: a rank that joined (torch's Join) is under no_sync(): it must shadow "
@@ -287,16 +290,13 @@ class Reducer:
         self._order.fence_all()  # the copies read after any reduction still writing
         kept = self._layout.keep(self._engine)
         self.zero_grad(set_to_none=True)  # every gradient absent here: zeros on the wire
-        self._shadowing, reduced = True, None
+        self._shadowing = True
         try:
             self.finish()
-            self._order.fence_all()  # after the shadowed reductions
-            reduced = self._layout.keep(self._engine) if keep else None
         finally:
             self._shadowing = False
-            self._order.fence_all()
+            self._order.fence_all()  # after the shadowed reductions
             self._layout.put_back(self._engine, kept)
-        return reduced
 
     def _wait_for_link(self) -> Tuple[List[int], List[int], Any]:
         try:

@@ -74,6 +74,38 @@ def plan_from_buckets(
     return plan
 
 
+def hyper_of(group: Dict[str, Any]) -> Dict[str, Any]:
+    """A param group's hyper-parameters (everything but its parameters)."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def numbered(groups: Sequence[Dict[str, Any]], sizes: Sequence[int]) -> List[Dict[str, Any]]:
+    """State-dict param groups: `groups`' hyper-parameters, their parameters
+    numbered in order across groups (sizes[g] in group g), as torch does."""
+    out, k = [], 0
+    for g, n in zip(groups, sizes):
+        out.append({**hyper_of(g), "params": list(range(k, k + n))})
+        k += n
+    return out
+
+
+def per_element_on(state: Dict[str, Any], device: Any) -> Dict[str, Any]:
+    """One parameter's state with its per-element tensors on `device` (the
+    scalars, a step count, stay where the optimizer keeps them)."""
+    return {
+        k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() >= 1 else v
+        for k, v in state.items()
+    }
+
+
+def clone_tree(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: clone_tree(v) for k, v in tree.items()}
+    return tree
+
+
 class Shard:
     """One local replica's share: its pieces (parameter, first, end, the
     tensor the optimizer steps: the parameter itself when whole, else a flat

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type
+from typing import Any, Callable, Dict, List, Optional, Type
 
 import torch
 
@@ -39,7 +39,18 @@ from ..engine.faces import GradientShards
 from ..errors import ReplicaError
 from .base import OptimState, PyddpOptimizer
 from .guard import guard
-from .shards import ELEMENTWISE, DeviceGather, HostGather, Shard, plan_from_buckets, plan_shards
+from .shards import (
+    ELEMENTWISE,
+    DeviceGather,
+    HostGather,
+    Shard,
+    clone_tree,
+    hyper_of,
+    numbered,
+    per_element_on,
+    plan_from_buckets,
+    plan_shards,
+)
 
 SHARD_PARAMS = exchange("the gathering of a sharded optimizer step's parameters")
 # Named with its remedy: the usual mistake is calling state_dict() on the
@@ -147,7 +158,7 @@ def sharded_optimizer(
         pieces, inner_groups = [], []
         for g, members in zip(opt.param_groups, per_group):
             pieces += members
-            inner_groups.append({**_hyper(g), "params": [m[3] for m in members]})
+            inner_groups.append({**hyper_of(g), "params": [m[3] for m in members]})
         shards.append(Shard(pieces, cls(inner_groups, **kwargs)))
     if gradients:
         guard([p for params in reducer.params for p in params], opt)
@@ -219,17 +230,26 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
         def join_process_group(self) -> Any:
             return self._pyddp.reducer.join_place()[1]
 
-        def _pyddp_shadow_step(self, settings: List[Dict[str, Any]], gradients: Any) -> None:
+        def _pyddp_shadow_step(self, settings: List[Dict[str, Any]], grads: List[Any]) -> None:
             """Under Join, on a rank that joined: the step the ranks with
             inputs announced, with their `settings` (each group's
-            hyper-parameters: a scheduler moved them there) and `gradients`
-            (those of the backward this rank shadowed last; None: its own,
-            reduced in its last backward)."""
+            hyper-parameters: a scheduler moved them there) and `grads` (the
+            gradient each parameter of step_parameters() is stepped with
+            there, or None); this rank's own gradients are put back after."""
             for group, hyper in zip(self.param_groups, settings):
                 group.update(hyper)
             self._pyddp_spread_settings(self._pyddp.inner)
-            with self._pyddp.reducer.gradients_of(gradients):
+            params = [step_parameters(self, r) for r in range(len(self._pyddp.shards))]
+            own = [[p.grad for p in ps] for ps in params]
+            try:
+                for r, ps in enumerate(params):
+                    for p, g in zip(ps, grads):
+                        p.grad = g if g is None or r == 0 else g.to(p.device, copy=True)
                 self._pyddp_step_shards()
+            finally:
+                for ps, gs in zip(params, own):
+                    for p, g in zip(ps, gs):
+                        p.grad = g
 
         def _pyddp_step_shards(self) -> None:
             """Every slot steps its shard, then every replica takes the
@@ -307,7 +327,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             sizes = [len(idx) for idx in self._pyddp.layout]
             kept = self._pyddp.consolidated
             if kept is not None:  # hyper-parameters as they are now (LR schedulers)
-                return {"state": kept, "param_groups": _numbered(self.param_groups, sizes)}
+                return {"state": kept, "param_groups": numbered(self.param_groups, sizes)}
             reducer = self._pyddp.reducer
             # GPUs: pieces cross processes through the host, and are joined
             # on replica 0's device.
@@ -317,13 +337,13 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 saved = shard.optimizer.state_dict()["state"]
                 for j, (i, lo, _, _, whole) in enumerate(shard.pieces):
                     if j in saved:
-                        value = _per_element_on(saved[j], "cpu") if travel else saved[j]
+                        value = per_element_on(saved[j], "cpu") if travel else saved[j]
                         local.append((i, lo, whole, value))
             parts: Dict[int, list] = {}
             params0 = reducer.params[0]
             for got in reducer.ranks.gather(local, SHARD_STATE):
                 for i, lo, whole, value in got:
-                    value = _per_element_on(value, params0[i].device)
+                    value = per_element_on(value, params0[i].device)
                     parts.setdefault(i, []).append((lo, whole, value))
             position = {i: k for k, i in enumerate(self._pyddp.order)}
             state = {}
@@ -340,7 +360,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                     else:  # a scalar (the step count): the same in every piece
                         merged[key] = value
                 state[position[i]] = merged
-            return {"state": state, "param_groups": _numbered(self.param_groups, sizes)}
+            return {"state": state, "param_groups": numbered(self.param_groups, sizes)}
 
         def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
             """Loads an unsharded optimizer's state dict (or this one's):
@@ -392,11 +412,11 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                         }
                     sub_state[j] = value
                 sizes = [len(g["params"]) for g in shard.optimizer.param_groups]
-                sub_groups = _numbered(self.param_groups, sizes)
+                sub_groups = numbered(self.param_groups, sizes)
                 # torch keeps given tensors when device and dtype match: copies,
                 # so no two shards (or the caller's dict) share a buffer.
                 shard.optimizer.load_state_dict(
-                    {"state": _clone(sub_state), "param_groups": sub_groups}
+                    {"state": clone_tree(sub_state), "param_groups": sub_groups}
                 )
 
         def _pyddp_add_group(self, param_group: Dict[str, Any]) -> None:
@@ -410,19 +430,10 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
     return Sharded
 
 
-def _hyper(group: Dict[str, Any]) -> Dict[str, Any]:
-    """A param group's hyper-parameters (everything but its parameters)."""
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _numbered(groups: Sequence[Dict[str, Any]], sizes: Sequence[int]) -> List[Dict[str, Any]]:
-    """State-dict param groups: `groups`' hyper-parameters, their parameters
-    numbered in order across groups (sizes[g] in group g), as torch does."""
-    out, k = [], 0
-    for g, n in zip(groups, sizes):
-        out.append({**_hyper(g), "params": list(range(k, k + n))})
-        k += n
-    return out
+def step_parameters(optimizer: Any, replica: int = 0) -> List[torch.Tensor]:
+    """`replica`'s parameters a sharded optimizer steps, in its order."""
+    state = optimizer._pyddp
+    return [state.reducer.params[replica][i] for i in state.order]
 
 
 def _unhooked(optimizer: Any) -> Callable[[], Any]:
@@ -431,20 +442,3 @@ def _unhooked(optimizer: Any) -> Callable[[], Any]:
     (pyddp counts optimizer steps by them, so every rank counts one)."""
     step = getattr(type(optimizer).step, "__wrapped__", None)
     return (lambda: step(optimizer)) if step is not None else optimizer.step
-
-
-def _per_element_on(state: Dict[str, Any], device: Any) -> Dict[str, Any]:
-    """One parameter's state with its per-element tensors on `device` (the
-    scalars, a step count, stay where the optimizer keeps them)."""
-    return {
-        k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() >= 1 else v
-        for k, v in state.items()
-    }
-
-
-def _clone(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.clone()
-    if isinstance(tree, dict):
-        return {k: _clone(v) for k, v in tree.items()}
-    return tree

@@ -23,17 +23,19 @@ over the global batch either way.
 
 A sharded optimizer (shard=True: ZeRO stage 1) steps on every rank, the
 joined ones too: each owns a shard no other rank steps. Its step is an
-iteration of torch's Join of its own (announced as a forward is, with the
-optimizer's settings from the highest rank with inputs), and a joined rank
-steps its shard with the reduced gradients of the backward it shadowed
-last, so every rank's parameters and shard state stay the closed form's."""
+iteration of torch's Join of its own (announced as a forward is), and the
+highest rank with inputs sends the optimizer's settings and, once a rank
+has joined, the gradients it steps with (whatever was done to them since
+the backward: clipping, GradScaler's unscale_), with which a joined rank
+steps its shard: every rank's parameters and shard state stay the closed
+form's."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
 import weakref
-from typing import Any, Iterator, List, Optional, Protocol
+from typing import Any, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,12 +43,12 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .._link import Link
 from .._link.control import BUFFERS_BROADCAST
-from .._link.joining import JOIN_SETTINGS, join_device
+from .._link.joining import JOIN_GRADIENTS, JOIN_SETTINGS, join_device
 from .._link.joining import Joining as JoinState
 from ..engine.faces import ReplicaDriver
 from ..errors import ReduceError, ReplicaError, TrainingError
 from ..optim.after_join import align_optimizers
-from ..optim.zero import ShardedState
+from ..optim.zero import ShardedState, step_parameters
 from .steps import StepFlags
 from .syncbn import SyncBatchNorms
 
@@ -207,14 +209,14 @@ class Joining(Joinable):
     def _announce_sharded_step(self, optimizer: Any) -> None:
         """Under Join, on a rank with inputs, before a sharded optimizer
         steps: one more iteration for the joined ranks (torch's Join
-        all-reduce, then pyddp's exchange naming the optimizer), and its
-        settings from the highest rank with inputs, so that they step their
-        shards as this rank does."""
+        all-reduce, then pyddp's exchange naming the optimizer); the highest
+        rank with inputs sends its settings and gradients (_step_inputs)."""
         place = next(k for k, o in enumerate(self._optimizers_made()) if o is optimizer)
         self._notify_join()
         step = self._join.exchange_step(True, False, False, 0.0, place)
         assert step is not None  # across processes only (join_hook refuses one)
-        self.ranks.from_root(_settings(optimizer), JOIN_SETTINGS, root=step.source)
+        grads = [p.grad for p in step_parameters(optimizer)]
+        _step_inputs(self, optimizer, step.source, grads, len(step.active) < self.ranks.world)
 
     def _leave_join(self) -> None:
         """After Join, however it ended (torch's skips the join hooks' end
@@ -238,9 +240,7 @@ class _ShadowHook(JoinHook):
             self._shadow_step(step.optimizer, step.source)
             return
         if step.syncs:
-            made = m._optimizers_made()
-            keep = any(isinstance(o.__dict__.get("_pyddp"), ShardedState) for o in made)
-            m._join.shadowed = m._reducer.shadow_backward(keep)
+            m._reducer.shadow_backward()
         if step.broadcasts:  # after the backward, as the ranks with inputs
             m._link.broadcast(list(m.module.buffers()), BUFFERS_BROADCAST)
             m._copy_buffers()
@@ -250,7 +250,6 @@ class _ShadowHook(JoinHook):
         among dmodel.optimizer's: this rank steps its shard too."""
         m = self.model
         made = m._optimizers_made()
-        settings = m.ranks.from_root(None, JOIN_SETTINGS, root=source)
         opt = made[place] if place < len(made) else None
         if opt is None or not isinstance(opt.__dict__.get("_pyddp"), ShardedState):
             m._join.refuse(
@@ -259,7 +258,8 @@ class _ShadowHook(JoinHook):
                 f"{'no such optimizer' if opt is None else 'an unsharded one there'}; every "
                 "rank must make the same optimizers"
             )
-        opt._pyddp_shadow_step(settings, m._join.shadowed)
+        settings, grads = _step_inputs(m, opt, source, None, True)
+        opt._pyddp_shadow_step(settings, grads)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank joined: every rank takes the last joiner's model."""
@@ -279,6 +279,25 @@ class _ShadowHook(JoinHook):
             m._leave_join()
 
 
-def _settings(optimizer: Any) -> List[dict]:
-    """Each param group's hyper-parameters (everything but its parameters)."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+def _step_inputs(
+    m: Any, optimizer: Any, source: int, grads: Optional[List[Any]], joined: bool
+) -> Tuple[List[dict], List[Any]]:
+    """Under Join, at a sharded optimizer's step, on every rank: rank
+    `source`'s settings (each param group's hyper-parameters) and, if a rank
+    has `joined`, the gradients it steps with (None where it has none; the
+    others' `grads` are their own, or None on a joined rank)."""
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    present = None if grads is None else [g is not None for g in grads]
+    settings, present = m.ranks.from_root((settings, present), JOIN_SETTINGS, root=source)
+    if not joined:
+        return settings, []
+    sends = m.ranks.rank == source
+    params = step_parameters(optimizer)
+    travel = [
+        (grads[k].contiguous() if sends else torch.empty(p.shape, dtype=p.dtype, device=p.device))
+        if there
+        else None
+        for k, (p, there) in enumerate(zip(params, present))
+    ]
+    m._link.broadcast([t for t in travel if t is not None], JOIN_GRADIENTS)
+    return settings, travel
