@@ -446,16 +446,24 @@ def joined_sharded(out: dict) -> None:
                     lr.step()
         return model
 
-    def trained(cls, kw, sched, replicas, shard, clip=None):
+    def trained(cls, kw, sched, replicas, shard, clip=None, scaled=False):
         dm = pyddp.wrap(eval_norm(net()), ["cpu"] * replicas)
         for m in dm.replicas:
             m.norm.eval()
         opt = dm.optimizer(cls, shard=shard, **kw)
         lr = torch.optim.lr_scheduler.StepLR(opt, 1, 0.8) if sched else None
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaled else None
         for _epoch in range(2):
             with dm.join():
                 for x, y in batches[rank]:
-                    nn.functional.mse_loss(dm(x), y).backward()
+                    loss = nn.functional.mse_loss(dm(x), y)
+                    if scaler is not None:  # unscale_ divides the gradients before the step
+                        scaler.scale(loss).backward()
+                        scaler.step(opt)
+                        scaler.update()
+                        opt.zero_grad()
+                        continue
+                    loss.backward()
                     if clip is not None:  # the gradients change between backward and step
                         dm.clip_grad_norm_(clip)
                     opt.step()
@@ -492,6 +500,12 @@ def joined_sharded(out: dict) -> None:
         plain, _, _ = trained(cls, kw, False, replicas, False, clip=0.05)
         dm, _, _ = trained(cls, kw, False, replicas, True, clip=0.05)
         out[f"clipped_r{replicas}_vs_unsharded"] = max_diff(dm.module, plain.module)
+        plain.close()
+        dm.close()
+        plain, _, _ = trained(cls, kw, False, replicas, False, scaled=True)
+        dm, _, _ = trained(cls, kw, False, replicas, True, scaled=True)
+        out[f"scaled_r{replicas}_vs_unsharded"] = max_diff(dm.module, plain.module)
+        out[f"scaled_r{replicas}_vs_closed"] = max_diff(dm.module, closed(cls, kw, False))
         plain.close()
         dm.close()
 
@@ -566,9 +580,11 @@ def test_a_sharded_optimizer_steps_under_join_as_the_unsharded_one(tmp_path, cou
                 assert r[f"{key}_state_vs_unsharded"] == 0.0, key
                 assert r[f"{key}_vs_closed"] <= TOL, (key, r[f"{key}_vs_closed"])
                 assert r[f"{key}_replicas_equal"], key
-        for replicas in (1, 2):  # clipped between backward and step
-            clipped = r[f"clipped_r{replicas}_vs_unsharded"]
-            assert clipped == 0.0, (replicas, clipped)
+        for replicas in (1, 2):  # clipped, or unscaled by GradScaler, before the step
+            for how in ("clipped", "scaled"):
+                apart = r[f"{how}_r{replicas}_vs_unsharded"]
+                assert apart == 0.0, (how, replicas, apart)
+            assert r[f"scaled_r{replicas}_vs_closed"] <= TOL, r[f"scaled_r{replicas}_vs_closed"]
         assert r["torch_join_vs_dmodel_join"] == 0.0, r["torch_join_vs_dmodel_join"]
         assert "needs its wrapped model before it" in r["optimizer_first"], r["optimizer_first"]
         assert "disagree on what comes next" in r["skipped_step"], r["skipped_step"]

@@ -370,6 +370,31 @@ def test_torch_clipping_and_unscaling_on_the_model_reach_every_replica():
     dm.close()
 
 
+@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("explicit", [False, True], ids=["in-step", "unscale_-first"])
+def test_a_grad_scalers_unscaling_alone_reaches_every_replica(shard, explicit):
+    # GradScaler's unscale_ (by scaler.step, or called first) divides replica
+    # 0's gradients with an op that moves no version counter: without pyddp
+    # following it, replica 1 stepped on gradients still times 1024 (1e6 apart).
+    model, ref, dm = wrapped_with_reference()
+    opt = dm.optimizer(torch.optim.SGD, lr=0.5, momentum=0.9, shard=shard)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    assert torch.amp.GradScaler._unscale_grads_._pyddp_follows  # installed for this torch
+    for x, y in data(3):
+        for m, o in ((dm, opt), (ref, ref_opt)):
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            scaler.scale(F.cross_entropy(m(x), y)).backward()
+            if explicit:
+                scaler.unscale_(o)
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+        same_replicas(dm)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    dm.close()
+
+
 class Conv(nn.Module):
     def __init__(self):
         super().__init__()

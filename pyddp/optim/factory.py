@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..engine.faces import GradientShards
+from .amp import follow_unscaling
 from .replicated import replicated_optimizer
 from .zero import sharded_optimizer
 
@@ -44,6 +45,8 @@ def make_optimizer(
             "every parameter (param groups for different settings)"
         )
     groups = [_param_groups(m, params) for m in reducer.replicas]
+    if len(groups) > 1:
+        follow_unscaling()  # GradScaler's unscale_ moves no version counter
     if shard and (len(groups) > 1 or reducer.ranks.spans_processes):
         return sharded_optimizer(reducer, cls, groups, shard == "gradients", **kwargs)
     if len(groups) == 1:

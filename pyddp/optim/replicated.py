@@ -150,7 +150,7 @@ class ReplicatedState(OptimState):
         with torch.no_grad():
             torch._foreach_copy_(list(compress(into, changed)), list(compress(froms, changed)))
         for extra in range(1, max(moved, default=0)):  # the copy moved each by one
-            _increment_versions(list(compress(into, map(extra.__lt__, moved))))
+            increment_versions(list(compress(into, map(extra.__lt__, moved))))
 
 
 _VERSION = operator.attrgetter("_version")
@@ -158,7 +158,7 @@ _GRAD = operator.attrgetter("grad")
 _NONES = repeat(None)
 
 
-def _increment_versions(tensors: List[torch.Tensor]) -> None:
+def increment_versions(tensors: List[torch.Tensor]) -> None:
     """torch.autograd.graph.increment_version on each (a list at once from
     torch 2.5 on; one at a time before)."""
     try:
