@@ -370,19 +370,28 @@ def test_torch_clipping_and_unscaling_on_the_model_reach_every_replica():
     dm.close()
 
 
-@pytest.mark.parametrize("shard", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize(
+    "shard", [False, True, "gradients"], ids=["replicated", "stage1", "stage2"]
+)
 @pytest.mark.parametrize("explicit", [False, True], ids=["in-step", "unscale_-first"])
-def test_a_grad_scalers_unscaling_alone_reaches_every_replica(shard, explicit):
+@pytest.mark.parametrize("overflow", [False, True], ids=["finite", "overflow"])
+def test_a_grad_scalers_unscaling_alone_reaches_every_replica(shard, explicit, overflow):
     # GradScaler's unscale_ (by scaler.step, or called first) divides replica
     # 0's gradients with an op that moves no version counter: without pyddp
-    # following it, replica 1 stepped on gradients still times 1024 (1e6 apart).
+    # following it, replica 1 stepped on gradients still times 1024 (1e4
+    # apart). Under stage 2 the model's gradients are placeholders: the
+    # blocks are unscaled, and an overflow in any block skips the step (an
+    # inf in the second batch: skipped, the scale halved, as on one device).
     model, ref, dm = wrapped_with_reference()
     opt = dm.optimizer(torch.optim.SGD, lr=0.5, momentum=0.9, shard=shard)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     assert torch.amp.GradScaler._unscale_grads_._pyddp_follows  # installed for this torch
-    for x, y in data(3):
+    scalers = {id(o): torch.amp.GradScaler("cpu", init_scale=1024.0) for o in (opt, ref_opt)}
+    for k, (x, y) in enumerate(data(4)):
+        if overflow and k == 1:
+            x[-1, 0] = float("inf")  # in replica 1's half of the batch
         for m, o in ((dm, opt), (ref, ref_opt)):
-            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            scaler = scalers[id(o)]
             scaler.scale(F.cross_entropy(m(x), y)).backward()
             if explicit:
                 scaler.unscale_(o)
@@ -390,6 +399,9 @@ def test_a_grad_scalers_unscaling_alone_reaches_every_replica(shard, explicit):
             scaler.update()
             o.zero_grad()
         same_replicas(dm)
+    final = scalers[id(opt)].get_scale()
+    assert final == scalers[id(ref_opt)].get_scale()  # skipped alike
+    assert (final < 1024.0) == overflow, final  # the overflow was seen, and only there
     for p, r in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
     dm.close()

@@ -417,6 +417,35 @@ def sharded_across_processes(out: dict) -> None:
         zdm.close()
     for d in (plain_dm, dm, dm2):
         d.close()
+    if gpus is not None:
+        return
+
+    # A GradScaler of your own (unscale_ inside its step) and an inf in the
+    # last rank's rows at the second step: its block alone may hold the inf
+    # under stage 2, yet every rank skips that step and halves the scale, as
+    # the unsharded run does.
+    def scaled(shard):
+        dm = wrap_on(eval_norm(net()), replicas)
+        for m in dm.replicas:
+            m.norm.eval()
+        opt = dm.optimizer(torch.optim.AdamW, shard=shard, **adam)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for k, (x, y) in enumerate(batches):
+            rows = my_rows(len(x), rank, world)
+            xs = x[rows].clone()
+            if k == 1 and rank == world - 1:
+                xs[0, 0] = float("inf")
+            opt.zero_grad()
+            scaler.scale(nn.functional.mse_loss(dm(xs), y[rows])).backward()
+            scaler.step(opt)
+            scaler.update()
+        return dm, scaler.get_scale()
+
+    (plain_dm, plain_scale), (dm, scale) = scaled(False), scaled(stage)
+    out["scaled_vs_unsharded"] = max_diff(dm.module, plain_dm.module)
+    out["scales"] = [plain_scale, scale]
+    plain_dm.close()
+    dm.close()
 
 
 @pytest.mark.multiprocess
@@ -454,6 +483,8 @@ def check_zero(got: List[dict], replicas: int, stage: str = "state") -> None:
         assert r["resumed"] == 0.0, r
         if replicas == 1:
             assert r["vs_torch_zero"] <= TOL, r
+        if "scales" in r:  # CPUs: a GradScaler of the user's, one step overflowing
+            assert r["scaled_vs_unsharded"] == 0.0 and r["scales"] == [512.0, 512.0], r
     shares, full = [b for r in got for b in r["bytes_sharded"]], got[0]["bytes_unsharded"][0]
     assert full <= sum(shares) <= full + 64 * len(shares)  # scalar step counts of cut pieces
     # Net's `never` (and `rare` on some steps) has no gradient, hence no state:

@@ -6,18 +6,26 @@ which moves no version counter. A pyddp optimizer's parameters are replica
 version counters (engine/buckets.py's `align`, before each step), then copies
 them to the other replicas. Unseen, replicas 1..N-1 would step on gradients
 still multiplied by the scale. So GradScaler's `_unscale_grads_` is wrapped,
-once, when pyddp makes its first optimizer for several replicas: after it, the
-counters of the gradients it unscaled move (pyddp's optimizers only)."""
+once, when pyddp makes its first optimizer: after it, the counters of the
+gradients it unscaled move (pyddp's optimizers only).
+
+Under shard="gradients" (ZeRO stage 2) the gradients on the model are
+placeholders, which cannot be divided: the wrapper unscales every replica's
+blocks of the reduced gradient instead, and finds an overflow in any block of
+any process (the blocks' norms all-gathered, as the Trainer's loss scaling
+does), so every rank skips the same steps."""
 
 from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
+from typing import Any, Dict
 
+import torch
 from torch.amp import GradScaler
 
 from .replicated import increment_versions
+from .shards import sharded_finite
 
 
 def follow_unscaling() -> None:
@@ -38,11 +46,33 @@ def follow_unscaling() -> None:
 
     @functools.wraps(original)
     def _unscale_grads_(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        state = getattr(optimizer, "__dict__", {}).get("_pyddp")
+        if state is not None and state.reducer.gradients_sharded:
+            return _unscale_blocks(state.reducer, *args, **kwargs)
         out = original(self, optimizer, *args, **kwargs)
-        if "_pyddp" in getattr(optimizer, "__dict__", {}):
+        if state is not None:
             grads = [p.grad for g in optimizer.param_groups for p in g["params"]]
             increment_versions([t for t in grads if t is not None])
         return out
 
     _unscale_grads_._pyddp_follows = True  # type: ignore[attr-defined]
     GradScaler._unscale_grads_ = _unscale_grads_  # type: ignore[method-assign]
+
+
+def _unscale_blocks(
+    reducer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+) -> Dict[torch.device, torch.Tensor]:
+    """GradScaler's _unscale_grads_ under shard="gradients": every replica's
+    blocks times `inv_scale` (torch's unscale_ multiplies so), and
+    `found_inf` 1.0 where any block of any process is not finite; the result
+    as GradScaler keeps it (per device)."""
+    blocks = reducer.blocks
+    if not allow_fp16 and any(b.dtype == torch.float16 for own in blocks for b in own):
+        raise ValueError("Attempting to unscale FP16 gradients.")
+    finite = sharded_finite(reducer)  # every rank alike (all-gathered norms)
+    with torch.no_grad():
+        for own in blocks:
+            if own:
+                torch._foreach_mul_(own, inv_scale.to(own[0].device))
+    found_inf.fill_(0.0 if finite else 1.0)
+    return {found_inf.device: found_inf}
