@@ -322,9 +322,16 @@ BREAKAGES = {
         "replicas sharing a GPU with the replica that steps do not take its parameters "
         "after the step (they skip the step and keep their old parameters)",
     ),
+    "join-sharded-step-on-own-gradients": (
+        "pyddp/optim/zero.py",
+        "                        p.grad = g if g is None or r == 0 else g.to(p.device, copy=True)",
+        "                        pass",
+        "under Join, a joined rank steps its shard of a sharded optimizer with its own "
+        "gradients, not those broadcast by the highest rank with inputs",
+    ),
     "shared-gpu-followers-counters-not-moved": (
         "pyddp/optim/replicated.py",
-        "            _increment_versions(list(compress(into, map(extra.__lt__, moved))))",
+        "            increment_versions(list(compress(into, map(extra.__lt__, moved))))",
         "            pass",
         "the replicas that copy the stepping replica's parameters move their version "
         "counters by the copy's one only, so the model's mirror copies every parameter again "
