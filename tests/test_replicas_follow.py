@@ -375,16 +375,29 @@ def test_torch_clipping_and_unscaling_on_the_model_reach_every_replica():
 )
 @pytest.mark.parametrize("explicit", [False, True], ids=["in-step", "unscale_-first"])
 @pytest.mark.parametrize("overflow", [False, True], ids=["finite", "overflow"])
-def test_a_grad_scalers_unscaling_alone_reaches_every_replica(shard, explicit, overflow):
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adam"])
+def test_a_grad_scalers_unscaling_alone_reaches_every_replica(shard, explicit, overflow, fused):
     # GradScaler's unscale_ (by scaler.step, or called first) divides replica
     # 0's gradients with an op that moves no version counter: without pyddp
     # following it, replica 1 stepped on gradients still times 1024 (1e4
     # apart). Under stage 2 the model's gradients are placeholders: the
     # blocks are unscaled, and an overflow in any block skips the step (an
     # inf in the second batch: skipped, the scale halved, as on one device).
+    # A fused optimizer unscales in its kernel: GradScaler sets grad_scale
+    # and found_inf on the optimizer for the step, which every replica's
+    # optimizer must see (without, replica 1 stepped on scaled gradients and
+    # through the overflow). Adam with weight decay: not scale-invariant.
     model, ref, dm = wrapped_with_reference()
-    opt = dm.optimizer(torch.optim.SGD, lr=0.5, momentum=0.9, shard=shard)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    cls, kw = (
+        (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.5, fused=True))
+        if fused
+        else (
+            torch.optim.SGD,
+            dict(lr=0.5, momentum=0.9),
+        )
+    )
+    opt = dm.optimizer(cls, shard=shard, **kw)
+    ref_opt = cls(ref.parameters(), **kw)
     assert torch.amp.GradScaler._unscale_grads_._pyddp_follows  # installed for this torch
     scalers = {id(o): torch.amp.GradScaler("cpu", init_scale=1024.0) for o in (opt, ref_opt)}
     for k, (x, y) in enumerate(data(4)):

@@ -12,6 +12,8 @@ import torch
 from ..engine.faces import GradientShards
 
 OPTIMIZER_STEP = "optimizer step"  # the kind of work run_per_replica runs
+# What GradScaler.step sets on an optimizer that unscales in its step (fused).
+AMP_STEP = ("grad_scale", "found_inf")
 
 
 @dataclass
@@ -60,12 +62,20 @@ class PyddpOptimizer:
 
     def _pyddp_spread_settings(self, others: Sequence[Any]) -> None:
         """This object's hyper-parameters (LR schedulers set them here) on
-        the optimizers stepping the replicas."""
+        the optimizers stepping the replicas, and GradScaler's `grad_scale`
+        and `found_inf` (set here for this step when the optimizer is fused:
+        its kernel unscales, or skips the step on an overflow), or their
+        absence."""
         for other in others:
             for mine, theirs in zip(self.param_groups, other.param_groups):
                 for key, value in mine.items():
                     if key != "params":
                         theirs[key] = value
+            for name in AMP_STEP:
+                if name in self.__dict__:
+                    setattr(other, name, self.__dict__[name])
+                else:
+                    other.__dict__.pop(name, None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._pyddp.owns_all:

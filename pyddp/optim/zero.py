@@ -222,24 +222,24 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
         def join_hook(self, **kwargs: Any) -> Any:
             return self._pyddp.reducer.join_hook()
 
-        @property
-        def join_device(self) -> torch.device:
-            return self._pyddp.reducer.join_place()[0]
+        join_device = property(lambda self: self._pyddp.reducer.join_place()[0])
+        join_process_group = property(lambda self: self._pyddp.reducer.join_place()[1])
 
-        @property
-        def join_process_group(self) -> Any:
-            return self._pyddp.reducer.join_place()[1]
-
-        def _pyddp_shadow_step(self, settings: List[Dict[str, Any]], grads: List[Any]) -> None:
-            """Under Join, on a rank that joined: the step the ranks with
-            inputs announced, with their `settings` (each group's
-            hyper-parameters: a scheduler moved them there) and `grads` (the
-            gradient each parameter of step_parameters() is stepped with
-            there, or None); this rank's own gradients are put back after."""
+        def _pyddp_shadow_step(
+            self, settings: List[Dict[str, Any]], grads: List[Any], amp: Dict[str, Any]
+        ) -> None:
+            """Under Join, on a rank that joined: the step the ranks with inputs
+            announced, with their hyper-parameters, gradients (of
+            step_parameters(), or None) and GradScaler's settings for a fused
+            optimizer (`amp`); its own gradients put back after."""
             for group, hyper in zip(self.param_groups, settings):
                 group.update(hyper)
-            self._pyddp_spread_settings(self._pyddp.inner)
             params = [step_parameters(self, r) for r in range(len(self._pyddp.shards))]
+            for name, value in amp.items():
+                if value is not None:
+                    value = torch.tensor(value, dtype=torch.float32, device=params[0][0].device)
+                setattr(self, name, value)
+            self._pyddp_spread_settings(self._pyddp.inner)
             own = [[p.grad for p in ps] for ps in params]
             try:
                 for r, ps in enumerate(params):
@@ -247,6 +247,8 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                         p.grad = g if g is None or r == 0 else g.to(p.device, copy=True)
                 self._pyddp_step_shards()
             finally:
+                for name in amp:
+                    self.__dict__.pop(name, None)
                 for ps, gs in zip(params, own):
                     for p, g in zip(ps, gs):
                         p.grad = g

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from typing import Any, Iterator, List, Optional, Protocol, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from .._link.joining import Joining as JoinState
 from ..engine.faces import ReplicaDriver
 from ..errors import ReduceError, ReplicaError, TrainingError
 from ..optim.after_join import align_optimizers
+from ..optim.base import AMP_STEP
 from ..optim.zero import ShardedState, step_parameters
 from .steps import StepFlags
 from .syncbn import SyncBatchNorms
@@ -258,8 +259,7 @@ class _ShadowHook(JoinHook):
                 f"{'no such optimizer' if opt is None else 'an unsharded one there'}; every "
                 "rank must make the same optimizers"
             )
-        settings, grads = _step_inputs(m, opt, source, None, True)
-        opt._pyddp_shadow_step(settings, grads)
+        opt._pyddp_shadow_step(*_step_inputs(m, opt, source, None, True))
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank joined: every rank takes the last joiner's model."""
@@ -281,16 +281,20 @@ class _ShadowHook(JoinHook):
 
 def _step_inputs(
     m: Any, optimizer: Any, source: int, grads: Optional[List[Any]], joined: bool
-) -> Tuple[List[dict], List[Any]]:
+) -> Tuple[List[dict], List[Any], Dict[str, Any]]:
     """Under Join, at a sharded optimizer's step, on every rank: rank
-    `source`'s settings (each param group's hyper-parameters) and, if a rank
-    has `joined`, the gradients it steps with (None where it has none; the
+    `source`'s settings (each param group's hyper-parameters, and what
+    GradScaler set for a fused optimizer's step) and, if a rank has
+    `joined`, the gradients it steps with (None where it has none; the
     others' `grads` are their own, or None on a joined rank)."""
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    amp = {n: optimizer.__dict__[n] for n in AMP_STEP if n in optimizer.__dict__}
+    amp = {n: None if v is None else float(v) for n, v in amp.items()}
     present = None if grads is None else [g is not None for g in grads]
-    settings, present = m.ranks.from_root((settings, present), JOIN_SETTINGS, root=source)
+    mine = (settings, present, amp)
+    settings, present, amp = m.ranks.from_root(mine, JOIN_SETTINGS, root=source)
     if not joined:
-        return settings, []
+        return settings, [], amp
     sends = m.ranks.rank == source
     params = step_parameters(optimizer)
     travel = [
@@ -300,4 +304,4 @@ def _step_inputs(
         for k, (p, there) in enumerate(zip(params, present))
     ]
     m._link.broadcast([t for t in travel if t is not None], JOIN_GRADIENTS)
-    return settings, travel
+    return settings, travel, amp
