@@ -5,6 +5,13 @@ joined early missed the last steps: its momentum, Adam moments and step
 counts, and a per-step schedule's position, lag behind the last joiner's,
 and the next block would step the ranks apart (torch DDP leaves them so).
 
+A sharded optimizer (shard=True) stepped its shards on every rank under
+Join (the joined ranks too): its state is current everywhere, and only its
+hyper-parameters and schedulers are taken (its consolidated state would be
+the whole unsharded state on every rank). A GradScaler that unscaled one
+of these optimizers' gradients (seen by optim/amp.py) takes the last
+joiner's scale and growth count: a joined rank missed its update() calls.
+
 An optimizer pyddp did not make (the user's own over dmodel's parameters)
 cannot be aligned safely (pyddp does not know it exists on every rank): if
 it carries state that the missed steps would change (momentum, moments, a
@@ -23,6 +30,9 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from .._link.control import Ranks
 from .._link.joining import JOIN_OPTIMIZERS, JOIN_OPTIMIZERS_CHECK
+from .amp import scaler_of
+from .shards import hyper_of
+from .zero import ShardedState
 
 
 def schedulers_of(opt: torch.optim.Optimizer) -> List[LRScheduler]:
@@ -55,6 +65,10 @@ def _stateful(opt: torch.optim.Optimizer) -> bool:
     return has_state or any("initial_lr" in g for g in opt.param_groups)
 
 
+def _sharded(opt: torch.optim.Optimizer) -> bool:
+    return isinstance(opt.__dict__.get("_pyddp"), ShardedState)
+
+
 def _describe(opt: torch.optim.Optimizer) -> str:
     return f"{type(opt).__module__}.{type(opt).__qualname__}"
 
@@ -73,12 +87,14 @@ def align_optimizers(
     record's); `steps`: this rank's optimizer steps before Join ended.
     Returns why the next training forward must be refused ("" if nothing)."""
     scheds = [schedulers_of(o) for o in ours]  # a scan of the heap each: once
+    scalers = [scaler_of(o) for o in ours]
     mine = {id(o) for o in ours}
     foreign = [o for o in stepping if id(o) not in mine]
     summary = {
         "ours": [(_describe(o), [type(s).__qualname__ for s in ss]) for o, ss in zip(ours, scheds)],
         "foreign": [_describe(o) for o in foreign if _stateful(o)],
         "steps": steps,
+        "scalers": [s is not None for s in scalers],
     }
     every = ranks.gather(summary, JOIN_OPTIMIZERS_CHECK)
     names = ranks.global_ranks
@@ -91,13 +107,36 @@ def align_optimizers(
                 f"join) has {ref['ours']}; every rank must make the same optimizers and "
                 "schedulers"
             )
-    states = [(o.state_dict(), [s.state_dict() for s in ss]) for o, ss in zip(ours, scheds)]
+    # Every rank's sharded optimizers are current: their groups' settings only.
+    states = [
+        (
+            [hyper_of(g) for g in o.param_groups] if _sharded(o) else o.state_dict(),
+            [s.state_dict() for s in ss],
+            None if sc is None else sc.state_dict(),
+        )
+        for o, ss, sc in zip(ours, scheds, scalers)
+    ]
     states = ranks.from_root(states, JOIN_OPTIMIZERS, root=source)
     if ranks.rank != source:
-        for o, ss, (state, sched_states) in zip(ours, scheds, states):
-            o.load_state_dict(state)
+        for o, ss, sc, (state, sched_states, scaler_state) in zip(ours, scheds, scalers, states):
+            if _sharded(o):
+                for group, hyper in zip(o.param_groups, state):
+                    group.update(hyper)
+            else:
+                o.load_state_dict(state)
             for s, st in zip(ss, sched_states):
                 s.load_state_dict(st)
+            if sc is not None and scaler_state is not None:
+                sc.load_state_dict(scaler_state)
+    unseen = [names[r] for r, got in enumerate(every) if got["scalers"] != ref["scalers"]]
+    if unseen:
+        return (
+            f"pyddp: the last Join ended with rank(s) {unseen} whose GradScaler pyddp never "
+            f"saw unscale this model's optimizers (no batch before joining?), where rank "
+            f"{names[source]} (the last to join) used one: their loss scales may differ now, "
+            "so training on is refused. Give every rank at least one batch, or load one "
+            "rank's scaler.state_dict() into every rank's scaler after the Join block"
+        )
     behind = [names[r] for r, got in enumerate(every) if got["steps"] != ref["steps"]]
     stateful = sorted({(names[r], name) for r, got in enumerate(every) for name in got["foreign"]})
     if not (behind and stateful):

@@ -13,19 +13,33 @@ Under shard="gradients" (ZeRO stage 2) the gradients on the model are
 placeholders, which cannot be divided: the wrapper unscales every replica's
 blocks of the reduced gradient instead, and finds an overflow in any block of
 any process (the blocks' norms all-gathered, as the Trainer's loss scaling
-does), so every rank skips the same steps."""
+does), so every rank skips the same steps.
+
+The wrapper also notes which GradScaler unscaled each optimizer
+(`scaler_of`): at the end of torch's Join every rank takes the last
+joiner's scaler state (after_join.py), as its optimizers'."""
 
 from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Dict
+import weakref
+from typing import Any, Dict, Optional
 
 import torch
 from torch.amp import GradScaler
 
 from .replicated import increment_versions
 from .shards import sharded_finite
+
+# pyddp optimizer -> the GradScaler that last unscaled its gradients.
+_SCALERS: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def scaler_of(optimizer: Any) -> Optional[GradScaler]:
+    """The GradScaler that last unscaled `optimizer`'s gradients, if alive."""
+    ref = _SCALERS.get(optimizer)
+    return None if ref is None else ref()
 
 
 def follow_unscaling() -> None:
@@ -46,6 +60,7 @@ def follow_unscaling() -> None:
 
     @functools.wraps(original)
     def _unscale_grads_(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        _SCALERS[optimizer] = weakref.ref(self)  # its state follows Join's last joiner
         state = getattr(optimizer, "__dict__", {}).get("_pyddp")
         if state is not None and state.reducer.gradients_sharded:
             return _unscale_blocks(state.reducer, *args, **kwargs)

@@ -45,8 +45,7 @@ def make_optimizer(
             "every parameter (param groups for different settings)"
         )
     groups = [_param_groups(m, params) for m in reducer.replicas]
-    if len(groups) > 1 or shard == "gradients":
-        follow_unscaling()  # GradScaler's unscale_: its version counters, ZeRO-2's blocks
+    follow_unscaling()  # GradScaler's unscale_: version counters, ZeRO-2's blocks, Join's end
     if shard and (len(groups) > 1 or reducer.ranks.spans_processes):
         return sharded_optimizer(reducer, cls, groups, shard == "gradients", **kwargs)
     if len(groups) == 1:

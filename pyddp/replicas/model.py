@@ -30,7 +30,7 @@ from .mirror import ReplicaMirror, planned_as_trainable
 from .scatter import batch_size, gather
 from .steps import ReplicaSteps, StepFlags
 from .syncbn import SyncBatchNorms, sync_layers
-from .uneven import Joinable, Joining
+from .uneven import STAGE2_UNDER_JOIN, Joinable, Joining
 from .watch import OneReplicaWatch
 from .workers import ReplicaWorkers
 
@@ -201,6 +201,8 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
                 "dmodel.optimizer takes the optimizer class once: as its first argument, or "
                 "as optimizer_class= (torch's ZeroRedundancyOptimizer spelling)"
             )
+        if shard == "gradients" and self._join.before_sharded_step is not None:
+            raise NotImplementedError(STAGE2_UNDER_JOIN)  # made inside a Join block
         opt = make_optimizer(
             self._reducer.gradients(), cls or optimizer_class, params, shard, **kwargs
         )

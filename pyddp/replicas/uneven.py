@@ -54,6 +54,11 @@ from .steps import StepFlags
 from .syncbn import SyncBatchNorms
 
 _OWN = (ReduceError, ReplicaError, TrainingError)  # pyddp's errors name their cause
+STAGE2_UNDER_JOIN = (
+    "pyddp: shard='gradients' (ZeRO stage 2) under Join is not supported yet: a rank that "
+    "joined would have to shadow the reduce-scatters; use shard=True (ZeRO stage 1, which "
+    "steps under Join) or shard=False"
+)
 
 
 class JoiningHost(Protocol):
@@ -67,6 +72,7 @@ class JoiningHost(Protocol):
     _syncbn: Optional[SyncBatchNorms]
     _flags: StepFlags  # the running step's (steps.py)
     ranks: Any  # this model's control exchanges (Ranks)
+    _apart_after_join: str  # why training is refused after Join ("" if not)
 
     def _check_open(self) -> None: ...
     def _optimizers_made(self) -> List[torch.optim.Optimizer]: ...
@@ -141,6 +147,8 @@ class Joining(Joinable):
                 "pyddp: Join needs processes to join: this wrapped model runs in one process "
                 "(dmodel.join() is a no-op there)"
             )
+        if self._apart_after_join:  # here too: a rank without batches makes no forward
+            raise RuntimeError(self._apart_after_join)
         if self._syncbn is not None:
             raise NotImplementedError(
                 "pyddp: Join with SyncBatchNorm layers is not supported (nor by torch DDP): "
@@ -148,11 +156,7 @@ class Joining(Joinable):
                 "give every rank the same number of batches, or use BatchNorm"
             )
         if self._reducer.gradients().gradients_sharded:
-            raise NotImplementedError(
-                "pyddp: shard='gradients' (ZeRO stage 2) under Join is not supported yet: a "
-                "rank that joined would have to shadow the reduce-scatters; use shard=True "
-                "(ZeRO stage 1, which steps under Join) or shard=False"
-            )
+            raise NotImplementedError(STAGE2_UNDER_JOIN)
         divide = kwargs.get("divide_by_initial_world_size", True)
         if not isinstance(divide, bool):
             raise TypeError("divide_by_initial_world_size must be a bool")
@@ -212,7 +216,12 @@ class Joining(Joinable):
         steps: one more iteration for the joined ranks (torch's Join
         all-reduce, then pyddp's exchange naming the optimizer); the highest
         rank with inputs sends its settings and gradients (_step_inputs)."""
-        place = next(k for k, o in enumerate(self._optimizers_made()) if o is optimizer)
+        place = next((k for k, o in enumerate(self._optimizers_made()) if o is optimizer), None)
+        if place is None:  # not dmodel.optimizer's: its shards' owners could not be told
+            raise RuntimeError(
+                "pyddp: under Join, a sharded optimizer must be one this wrapped model made "
+                "(dmodel.optimizer(cls, shard=True, ...))"
+            )
         self._notify_join()
         step = self._join.exchange_step(True, False, False, 0.0, place)
         assert step is not None  # across processes only (join_hook refuses one)
@@ -290,11 +299,11 @@ def _step_inputs(
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     amp = {n: optimizer.__dict__[n] for n in AMP_STEP if n in optimizer.__dict__}
     amp = {n: None if v is None else float(v) for n, v in amp.items()}
+    if not joined:  # nobody to tell
+        return settings, [], amp
     present = None if grads is None else [g is not None for g in grads]
     mine = (settings, present, amp)
     settings, present, amp = m.ranks.from_root(mine, JOIN_SETTINGS, root=source)
-    if not joined:
-        return settings, [], amp
     sends = m.ranks.rank == source
     params = step_parameters(optimizer)
     travel = [
