@@ -420,6 +420,33 @@ def test_a_grad_scalers_unscaling_alone_reaches_every_replica(shard, explicit, o
     dm.close()
 
 
+def test_the_grad_scaler_wrap_leaves_other_optimizers_as_torch_has_them():
+    # pyddp wraps GradScaler._unscale_grads_ process-wide once it makes an
+    # optimizer, and ZeRO stage 2 adds a global step pre-hook: an optimizer of
+    # the user's, even one that cannot be a weak dict key (unhashable),
+    # unscales and steps as torch's own (the pre-hook raised TypeError).
+    dm = wrapped_with_reference()[2]
+    dm.optimizer(torch.optim.SGD, lr=0.1, shard="gradients")  # the wrap and the pre-hook
+
+    class Unhashable(torch.optim.SGD):
+        __hash__ = None  # type: ignore[assignment]
+
+    for cls in (torch.optim.SGD, Unhashable):
+        torch.manual_seed(0)
+        a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+        b.load_state_dict(a.state_dict())
+        x = torch.randn(4, 3)
+        opt, ref = cls(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        scaler.scale(a(x).sum()).backward()
+        scaler.step(opt)
+        b(x).sum().backward()
+        ref.step()
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q)
+    dm.close()
+
+
 class Conv(nn.Module):
     def __init__(self):
         super().__init__()

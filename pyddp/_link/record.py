@@ -5,6 +5,7 @@ diverge for good."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -41,11 +42,15 @@ class WorkRecord:
 
     def count_step(self, optimizer: Any) -> None:
         """A step of `optimizer`: counted if it steps replica 0's parameters."""
-        steps_ours = self._stepping.get(optimizer)
+        try:  # (an optimizer that cannot be a weak key is looked at every step)
+            steps_ours = self._stepping.get(optimizer)
+        except TypeError:
+            steps_ours = None
         if steps_ours is None:
             mine = {id(p) for p in self.params}
             steps_ours = any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
-            self._stepping[optimizer] = steps_ours
+            with contextlib.suppress(TypeError):
+                self._stepping[optimizer] = steps_ours
         if steps_ours:
             self.steps += 1
 

@@ -21,6 +21,7 @@ joiner's scaler state (after_join.py), as its optimizers'."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import weakref
@@ -60,7 +61,10 @@ def follow_unscaling() -> None:
 
     @functools.wraps(original)
     def _unscale_grads_(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        _SCALERS[optimizer] = weakref.ref(self)  # its state follows Join's last joiner
+        # Its state follows Join's last joiner (an optimizer that cannot be a
+        # weak key is not one pyddp made).
+        with contextlib.suppress(TypeError):
+            _SCALERS[optimizer] = weakref.ref(self)
         state = getattr(optimizer, "__dict__", {}).get("_pyddp")
         if state is not None and state.reducer.gradients_sharded:
             return _unscale_blocks(state.reducer, *args, **kwargs)
