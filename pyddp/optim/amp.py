@@ -33,7 +33,7 @@ from torch.amp import GradScaler
 from .replicated import increment_versions
 from .shards import sharded_finite
 
-# pyddp optimizer -> the GradScaler that last unscaled its gradients.
+# optimizer -> the GradScaler that last unscaled its gradients (weak both ways).
 _SCALERS: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
 
 

@@ -296,11 +296,11 @@ def _step_inputs(
     GradScaler set for a fused optimizer's step) and, if a rank has
     `joined`, the gradients it steps with (None where it has none; the
     others' `grads` are their own, or None on a joined rank)."""
+    if not joined:  # nobody to tell
+        return [], [], {}
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     amp = {n: optimizer.__dict__[n] for n in AMP_STEP if n in optimizer.__dict__}
-    amp = {n: None if v is None else float(v) for n, v in amp.items()}
-    if not joined:  # nobody to tell
-        return settings, [], amp
+    amp = {n: None if v is None else float(v) for n, v in amp.items()}  # (GPUs: read once)
     present = None if grads is None else [g is not None for g in grads]
     mine = (settings, present, amp)
     settings, present, amp = m.ranks.from_root(mine, JOIN_SETTINGS, root=source)
