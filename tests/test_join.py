@@ -300,6 +300,37 @@ def test_join_shadows_uneven_inputs_as_torch_ddp_and_the_closed_form(tmp_path, c
     assert all("exhausted inputs" in t for t in others), others
 
 
+def per_rank_batches(counts, seed: int) -> list:
+    """Rank r's JOIN_COUNTS[r] batches of 5 rows, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [(torch.randn(5, 6, generator=g) * 1.5, torch.randn(5, 3, generator=g))
+         for _ in range(c)]
+        for c in counts
+    ]  # fmt: skip
+
+
+def closed_form(batches, cls, kw, sched: bool) -> nn.Module:
+    """The closed form of two epochs under Join (BatchNorm frozen): one model
+    stepping on the gradients of the ranks with inputs summed over the world,
+    with a per-step StepLR if `sched`."""
+    world, steps = len(batches), max(len(b) for b in batches)
+    model = eval_norm(net())
+    opt = cls(model.parameters(), **kw)
+    lr = torch.optim.lr_scheduler.StepLR(opt, 1, 0.8) if sched else None
+    for _epoch in range(2):
+        for step in range(steps):
+            for rank_batches in batches:
+                if step < len(rank_batches):
+                    x, y = rank_batches[step]
+                    (nn.functional.mse_loss(model(x), y) / world).backward()
+            opt.step()
+            opt.zero_grad()
+            if lr is not None:
+                lr.step()
+    return model
+
+
 def joined_per_epoch(out: dict) -> None:
     """dmodel.join() once per epoch, two epochs, rank r with JOIN_COUNTS[r]
     batches, the README's loop (zero_grad after the step): the rank that
@@ -309,35 +340,14 @@ def joined_per_epoch(out: dict) -> None:
     form: one model stepping on the active ranks' gradients summed over the
     world (BatchNorm frozen), which is every rank's trajectory once Join
     hands the last joiner's model and optimizer to the others."""
-    rank, world = pyddp.rank(), pyddp.world()
+    rank = pyddp.rank()
     counts = [int(c) for c in os.environ["JOIN_COUNTS"].split(",")]
-    g = torch.Generator().manual_seed(12)
-    batches = [
-        [(torch.randn(5, 6, generator=g) * 1.5, torch.randn(5, 3, generator=g))
-         for _ in range(counts[r])]
-        for r in range(world)
-    ]  # fmt: skip
+    batches = per_rank_batches(counts, seed=12)
     kinds = {
         "sgd": (torch.optim.SGD, {"lr": 0.1}, False),
         "momentum": (torch.optim.SGD, SGD, False),
         "adam_steplr": (torch.optim.Adam, {"lr": 0.01}, True),
     }
-
-    def closed(cls, kw, sched) -> nn.Module:
-        model = eval_norm(net())
-        opt = cls(model.parameters(), **kw)
-        lr = torch.optim.lr_scheduler.StepLR(opt, 1, 0.8) if sched else None
-        for _epoch in range(2):
-            for step in range(max(counts)):
-                for r in range(world):
-                    if step < counts[r]:
-                        x, y = batches[r][step]
-                        (nn.functional.mse_loss(model(x), y) / world).backward()
-                opt.step()
-                opt.zero_grad()
-                if lr is not None:
-                    lr.step()
-        return model
 
     def state_sum(opt) -> float:
         total = 0.0
@@ -363,7 +373,7 @@ def joined_per_epoch(out: dict) -> None:
                         if lr is not None:
                             lr.step()
             key = f"{name}_r{replicas}"
-            out[f"{key}_vs_closed"] = max_diff(dm.module, closed(cls, kw, sched))
+            out[f"{key}_vs_closed"] = max_diff(dm.module, closed_form(batches, cls, kw, sched))
             out[f"{key}_params"] = [float(p.double().sum()) for p in dm.module.parameters()]
             out[f"{key}_state"] = state_sum(opt)
             out[f"{key}_lr_epoch"] = None if lr is None else lr.last_epoch
@@ -422,29 +432,8 @@ def joined_sharded(out: dict) -> None:
     under Join."""
     rank, world = pyddp.rank(), pyddp.world()
     counts = [int(c) for c in os.environ["JOIN_COUNTS"].split(",")]
-    g = torch.Generator().manual_seed(13)
-    batches = [
-        [(torch.randn(5, 6, generator=g) * 1.5, torch.randn(5, 3, generator=g))
-         for _ in range(counts[r])]
-        for r in range(world)
-    ]  # fmt: skip
+    batches = per_rank_batches(counts, seed=13)
     kinds = {"momentum": (torch.optim.SGD, SGD), "adam_steplr": (torch.optim.Adam, {"lr": 0.01})}
-
-    def closed(cls, kw, sched) -> nn.Module:
-        model = eval_norm(net())
-        opt = cls(model.parameters(), **kw)
-        lr = torch.optim.lr_scheduler.StepLR(opt, 1, 0.8) if sched else None
-        for _epoch in range(2):
-            for step in range(max(counts)):
-                for r in range(world):
-                    if step < counts[r]:
-                        x, y = batches[r][step]
-                        (nn.functional.mse_loss(model(x), y) / world).backward()
-                opt.step()
-                opt.zero_grad()
-                if lr is not None:
-                    lr.step()
-        return model
 
     def trained(cls, kw, sched, replicas, shard, clip=None, scaled=False):
         dm = pyddp.wrap(eval_norm(net()), ["cpu"] * replicas)
@@ -483,7 +472,7 @@ def joined_sharded(out: dict) -> None:
             plain, _, plain_state = trained(cls, kw, sched, replicas, False)
             dm, opt, state = trained(cls, kw, sched, replicas, True)
             out[f"{key}_vs_unsharded"] = max_diff(dm.module, plain.module)
-            out[f"{key}_vs_closed"] = max_diff(dm.module, closed(cls, kw, sched))
+            out[f"{key}_vs_closed"] = max_diff(dm.module, closed_form(batches, cls, kw, sched))
             out[f"{key}_replicas_equal"] = all(max_diff(m, dm.module) == 0 for m in dm.replicas)
             out[f"{key}_state_vs_unsharded"] = max(
                 (a - b).abs().max().item()
@@ -515,7 +504,8 @@ def joined_sharded(out: dict) -> None:
         plain, _, _ = trained(cls, kw, False, replicas, False, scaled=True)
         dm, _, _ = trained(cls, kw, False, replicas, True, scaled=True)
         out[f"scaled_r{replicas}_vs_unsharded"] = max_diff(dm.module, plain.module)
-        out[f"scaled_r{replicas}_vs_closed"] = max_diff(dm.module, closed(cls, kw, False))
+        closed = closed_form(batches, cls, kw, False)
+        out[f"scaled_r{replicas}_vs_closed"] = max_diff(dm.module, closed)
         plain.close()
         dm.close()
         # A fused optimizer unscales in its kernel, with GradScaler's

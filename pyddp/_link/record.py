@@ -5,7 +5,6 @@ diverge for good."""
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -13,6 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .weak import LenientWeakKeys
 
 CHECKSUM_EVERY = 16  # synced backwards between parameter checksums across processes
 
@@ -29,7 +30,7 @@ class WorkRecord:
         self.on_gpu = on_gpu
         self.backwards_since_sync = 0  # under no_sync() (finish counts them)
         self.steps = 0  # optimizer steps over replica 0's parameters
-        self._stepping: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self._stepping = LenientWeakKeys()  # optimizer -> whether it steps ours
         self._ahead: Optional[Tuple[int, int]] = None  # (synced backward, its checksum)
         # How this rank's optimizers shard (dmodel.optimizer's shard=): a
         # sharded step's all-gather makes the parameters equal again, so
@@ -42,15 +43,11 @@ class WorkRecord:
 
     def count_step(self, optimizer: Any) -> None:
         """A step of `optimizer`: counted if it steps replica 0's parameters."""
-        try:  # (an optimizer that cannot be a weak key is looked at every step)
-            steps_ours = self._stepping.get(optimizer)
-        except TypeError:
-            steps_ours = None
+        steps_ours = self._stepping.get(optimizer)
         if steps_ours is None:
             mine = {id(p) for p in self.params}
             steps_ours = any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
-            with contextlib.suppress(TypeError):
-                self._stepping[optimizer] = steps_ours
+            self._stepping[optimizer] = steps_ours
         if steps_ours:
             self.steps += 1
 

@@ -21,7 +21,6 @@ joiner's scaler state (after_join.py), as its optimizers'."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 import weakref
@@ -30,11 +29,12 @@ from typing import Any, Dict, Optional
 import torch
 from torch.amp import GradScaler
 
+from .._link.weak import LenientWeakKeys
 from .replicated import increment_versions
 from .shards import sharded_finite
 
 # optimizer -> the GradScaler that last unscaled its gradients (weak both ways).
-_SCALERS: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
+_SCALERS = LenientWeakKeys()
 
 
 def scaler_of(optimizer: Any) -> Optional[GradScaler]:
@@ -61,10 +61,7 @@ def follow_unscaling() -> None:
 
     @functools.wraps(original)
     def _unscale_grads_(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        # Its state follows Join's last joiner (an optimizer that cannot be a
-        # weak key is not one pyddp made).
-        with contextlib.suppress(TypeError):
-            _SCALERS[optimizer] = weakref.ref(self)
+        _SCALERS[optimizer] = weakref.ref(self)  # its state follows Join's last joiner
         state = getattr(optimizer, "__dict__", {}).get("_pyddp")
         if state is not None and state.reducer.gradients_sharded:
             return _unscale_blocks(state.reducer, *args, **kwargs)

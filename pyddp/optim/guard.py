@@ -6,17 +6,18 @@ refused at its first step, by a global step pre-hook of torch's."""
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Any, Dict
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .._link.weak import LenientWeakKeys
+
 # id(parameter) -> the parameter, for every replica's parameters of every
 # model whose gradients are sharded (weak: a dropped model leaves nothing).
 _sharded: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-_checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_checked = LenientWeakKeys()  # optimizer -> parameters checked (-1: the sharded one)
 _hook: Dict[str, Any] = {}
 
 
@@ -35,14 +36,14 @@ def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         return
     inner = optimizer
     for _ in range(4):  # a trainer's wrapper (accelerate's AcceleratedOptimizer) around it
-        if _seen(inner) == -1:
+        if _checked.get(inner) == -1:
             return
         inner = getattr(inner, "optimizer", None)
         if inner is None:
             break
     groups = optimizer.param_groups
     count = sum(len(g["params"]) for g in groups)
-    if _seen(optimizer) in (-1, count):
+    if _checked.get(optimizer) in (-1, count):
         return  # checked already with this many parameters (add_param_group checks again)
     for g in groups:
         for p in g["params"]:
@@ -54,13 +55,4 @@ def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
                     "optimizer would step half-reduced values. Step the model with its sharded "
                     "optimizer only (param groups for different settings)"
                 )
-    with contextlib.suppress(TypeError):  # (not a weak key: checked at every step)
-        _checked[optimizer] = count
-
-
-def _seen(optimizer: Any) -> Any:
-    """What _checked holds for `optimizer` (None for one that cannot be a key)."""
-    try:
-        return _checked.get(optimizer)
-    except TypeError:
-        return None
+    _checked[optimizer] = count

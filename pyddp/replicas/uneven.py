@@ -49,6 +49,7 @@ from ..engine.faces import ReplicaDriver
 from ..errors import ReduceError, ReplicaError, TrainingError
 from ..optim.after_join import align_optimizers
 from ..optim.base import AMP_STEP
+from ..optim.shards import hyper_of
 from ..optim.zero import ShardedState, step_parameters
 from .steps import StepFlags
 from .syncbn import SyncBatchNorms
@@ -298,7 +299,7 @@ def _step_inputs(
     others' `grads` are their own, or None on a joined rank)."""
     if not joined:  # nobody to tell
         return [], [], {}
-    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    settings = [hyper_of(g) for g in optimizer.param_groups]
     amp = {n: optimizer.__dict__[n] for n in AMP_STEP if n in optimizer.__dict__}
     amp = {n: None if v is None else float(v) for n, v in amp.items()}  # (GPUs: read once)
     present = None if grads is None else [g is not None for g in grads]
