@@ -45,6 +45,30 @@ def test_sparse_embedding_rejected():
         pyddp.wrap(nn.Embedding(10, 3, sparse=True), ["cpu", "cpu"])
 
 
+def test_lazy_modules_refused_until_a_forward_made_them():
+    # Their shapes exist only after a forward: refused by name (torch's own
+    # error from reading a shape said nothing of pyddp), on every entry point.
+    def lazy():
+        return nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyBatchNorm1d())
+
+    for make in (
+        lambda: pyddp.wrap(lazy(), ["cpu", "cpu"]),
+        lambda: pyddp.wrap(lazy(), ["cpu"]),
+        lambda: pyddp.GradSync([lazy(), lazy()]),
+        lambda: pyddp.Trainer(
+            lazy(), ["cpu", "cpu"], optimizer=torch.optim.SGD, loss_fn=F.mse_loss
+        ),
+    ):
+        named = r"lazy.*0\.weight, 0\.bias, 2\.weight, \.\.\..*forward"
+        with pytest.raises(ValueError, match=named):
+            make()
+    model = lazy()
+    model(torch.randn(3, 5))  # the forward the error asks for
+    dmodel = pyddp.wrap(model, ["cpu", "cpu"])
+    assert dmodel(torch.randn(4, 5)).shape == (4, 4)
+    dmodel.close()
+
+
 @pytest.mark.filterwarnings("ignore:Complex modules")
 def test_unsupported_parameter_dtype():
     with pytest.raises(ValueError, match="dtype torch.complex64"):

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .._link import Link, WorkRecord, connect, resolve_group
 from ..runtime import mkl
@@ -59,6 +60,8 @@ def assemble(replicas: List[nn.Module], opts: Options, what: str = "GradSync") -
     mkl.warm()
     group = resolve_group(opts.group)
     opts = opts.in_group(group)
+    for m in replicas:
+        refuse_unready(m)
     names, params = trainable_params(replicas)
     refuse_synced_twice(names, params)
     if opts.check_replicas:
@@ -89,6 +92,22 @@ def dtype_name(name: str, p: torch.Tensor) -> str:
             f"parameter {name!r} has dtype {p.dtype}; pyddp reduces float32, float64, "
             "float16 and bfloat16 gradients"
         ) from None
+
+
+def refuse_unready(model: Any) -> None:
+    """Raises unless `model` is a module whose parameters and buffers all
+    exist (a lazy module's exist after its first forward)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    lazy = [n for n, t in model.named_parameters() if is_lazy(t)]
+    lazy += [n for n, t in model.named_buffers() if is_lazy(t)]
+    if lazy:
+        raise ValueError(
+            f"the model has uninitialized (lazy) parameters or buffers ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}): their shapes are known only after a "
+            "forward, so replicas cannot be made or compared; run one forward on the model "
+            "(a dummy batch) before wrapping it, as torch DDP asks"
+        )
 
 
 def trainable_params(

@@ -17,7 +17,7 @@ from torch import nn
 from .._link.control import Ranks
 from ..engine.faces import ReplicaDriver
 from ..engine.options import Options
-from ..engine.params import assemble
+from ..engine.params import assemble, refuse_unready
 from ..engine.reducer import Reducer
 from ..optim.factory import ParamsFn, make_optimizer
 from ..optim.replicated import clip_replicas
@@ -53,8 +53,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
                 "the model is already wrapped (a pyddp DistributedModel): use it as it is, or "
                 "wrap its .module after closing it"
             )
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
+        refuse_unready(module)  # a module, none of it lazy (before it is copied)
         if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             raise TypeError(
                 f"the model is already wrapped in torch's {type(module).__name__}: wrap its "
