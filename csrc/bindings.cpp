@@ -228,7 +228,14 @@ PYBIND11_MODULE(_C, m) {
            "Wire compression of float32 buckets ('float16' or 'bfloat16'; 'float32': none), "
            "as torch DDP's fp16/bf16 compression hooks: each buffer's `wire` holds the "
            "16-bit copy NCCL reduces. The kernels are compiled with NVRTC.")
-      .def_property_readonly("compression", &NcclBackend::compression);
+      .def_property_readonly("compression", &NcclBackend::compression)
+      .def("set_hook", &NcclBackend::set_hook, py::arg("hook"),
+           py::call_guard<py::gil_scoped_release>(),
+           "A communication hook outside the core: each bucket's all-reduce calls "
+           "hook(bucket, cuda_stream) after the bucket's ready events, on the engine's "
+           "launcher thread; the hook's work must be on that stream when it returns. One GPU "
+           "per process.")
+      .def_property_readonly("hooked", &NcclBackend::hooked);
   m.def(
       "nccl_unique_id",
       [](const std::string& nccl_path) { return py::bytes(nccl_unique_id(nccl_path)); },

@@ -503,6 +503,40 @@ void NcclBackend::set_compression(const std::string& dtype, const std::string& n
   wire_kernels_ = std::move(kernels);
 }
 
+void NcclBackend::set_hook(Hook hook) {
+  PYDDP_ENFORCE(devices_.size() == 1, "a communication hook on GPUs takes one GPU per process, "
+                "got ", devices_.size());
+  PYDDP_ENFORCE(wire_ == DType::kFloat32, "a communication hook replaces wire compression");
+  Launch launch = lock_for_launch();  // not while a reduction is being launched
+  hook_ = std::move(hook);
+}
+
+void NcclBackend::launch_hooked(const std::vector<BufferRef>& bufs, int key) {
+  PYDDP_ENFORCE(bufs.size() == 1 && bufs[0].device == devices_[0], "a hooked bucket is one "
+                "buffer on cuda:", devices_[0]);
+  uintptr_t stream = 0;
+  {
+    Launch launch = lock_for_launch();
+    ContextRestore restore;
+    wait_ready_locked(*launch.set, key);
+    if (one_capture_locked(*launch.set) != 0) {
+      throw UsageError(
+          "a communication hook outside pyddp's core (a Python hook) cannot run inside a CUDA "
+          "graph capture: capture steps with torch DDP's built-in hooks, or none");
+    }
+    stream = reinterpret_cast<uintptr_t>(comm_stream(*launch.set, 0));
+  }
+  // Outside the launch lock: the hook takes the interpreter lock, which a
+  // thread waiting for the launch lock may hold. Only the engine's launcher
+  // launches buckets, in order, so nothing comes between.
+  hook_(key, stream);
+  Launch launch = lock_for_launch();
+  watch_locked(*launch.set,
+               detail::concat("the communication hook's reduction of bucket ", key, " (",
+                              bufs[0].count, " ", dtype_name(bufs[0].dtype), " elements)"),
+               0);
+}
+
 void NcclBackend::convert_locked(const CommSet& set, const std::vector<BufferRef>& bufs,
                                  bool to_wire, ReduceOp op) {
   const int w = wire_ == DType::kFloat16 ? 0 : 1;
@@ -573,6 +607,7 @@ void NcclBackend::launch_group(const std::vector<BufferRef>& bufs, int key, cons
 
 void NcclBackend::all_reduce(const std::vector<BufferRef>& bufs, ReduceOp op, int key) {
   check_collective(*this, Collective::kAllReduce, bufs, bufs);
+  if (hook_ && key >= 0) return launch_hooked(bufs, key);
   // Compressed: float32 buckets travel as 16-bit copies, already divided by
   // the ranks (so NCCL sums them), and come back into the bucket. Sums
   // outside the engine (key -1: the agreement, a sharded optimizer's

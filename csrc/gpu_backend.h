@@ -158,8 +158,19 @@ class NcclBackend : public GpuBackend {
   // "float32" for none. Loads the conversion kernels on every device.
   void set_compression(const std::string& dtype, const std::string& nvrtc_path);
   std::string compression() const { return dtype_name(wire_); }
+  // A communication hook outside the core (torch DDP's Python hooks:
+  // PowerSGD, a user's): each bucket's all-reduce becomes, after its ready
+  // events, hook(key, communication stream). The hook queues its work on
+  // that stream (or makes the stream wait for it) before it returns; the
+  // watch and the fence then cover it as they cover NCCL's. One GPU per
+  // process: the hook reduces this process's bucket across processes, as
+  // under torch DDP. Sums outside the engine (key -1) stay NCCL's.
+  using Hook = std::function<void(int, uintptr_t)>;
+  void set_hook(Hook hook);
+  bool hooked() const { return static_cast<bool>(hook_); }
 
  private:
+  void launch_hooked(const std::vector<BufferRef>& bufs, int key);
   // One NCCL call per replica (`call(api, replica)`, on the replica's
   // device) as one group, after the ready events of `key`, then the poll of
   // the non-blocking launch and the timeout clock for `what`. `before` and
@@ -173,6 +184,7 @@ class NcclBackend : public GpuBackend {
                       ReduceOp op);
 
   DType wire_ = DType::kFloat32;  // kFloat32: no compression
+  Hook hook_;  // set once, before the first launch
   std::vector<const DeviceKernels*> wire_kernels_;  // per replica
 };
 

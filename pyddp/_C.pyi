@@ -137,8 +137,19 @@ class NcclBackend(Backend):
         """
         Wire compression of float32 buckets ('float16' or 'bfloat16'; 'float32': none), as torch DDP's fp16/bf16 compression hooks: each buffer's `wire` holds the 16-bit copy NCCL reduces. The kernels are compiled with NVRTC.
         """
+    def set_hook(
+        self,
+        hook: collections.abc.Callable[
+            [typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex], None
+        ],
+    ) -> None:
+        """
+        A communication hook outside the core: each bucket's all-reduce calls hook(bucket, cuda_stream) after the bucket's ready events, on the engine's launcher thread; the hook's work must be on that stream when it returns. One GPU per process.
+        """
     @property
     def compression(self) -> str: ...
+    @property
+    def hooked(self) -> bool: ...
 
 class SharedGpuBackend(Backend):
     def __init__(

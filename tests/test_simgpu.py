@@ -437,6 +437,38 @@ def compression_hooks_arithmetic(hook):
     dm.close()
 
 
+def python_hook_in_one_process():
+    from simulated import gpu_wrap, streams
+
+    def hook(state, bucket):  # would break the step if it ran
+        raise AssertionError("a hook ran in one process")
+
+    devices = [0, 1]
+    trained = []
+    for with_hook in (True, False):
+        torch.manual_seed(0)
+        dm = gpu_wrap(Mixed(), devices)
+        if with_hook:
+            with pytest.warns(UserWarning, match="hook is not used"):
+                dm.register_comm_hook(None, hook)
+        opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+        for x, y in make_batches(3, 8):
+            opt.zero_grad()
+            F.cross_entropy(dm(x), y).backward()
+            streams.synchronize_all(devices)
+            opt.step()
+            streams.synchronize_all(devices)
+        trained.append([p.detach().clone() for p in dm.module.parameters()])
+        dm.close()
+    assert all(torch.equal(a, b) for a, b in zip(*trained))
+
+
+def test_a_python_hook_on_gpus_of_one_process_is_said_and_unused():
+    # One process: no wire between its GPUs for a hook to act on (NCCL
+    # reduces them in pyddp's core), as with CPU replicas in one process.
+    run_alone(python_hook_in_one_process)
+
+
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
 def test_compression_hooks_on_nccl_are_torch_hooks_arithmetic(hook):
     # torch DDP's fp16/bf16 compression hooks run in pyddp's core on NCCL:

@@ -9,6 +9,7 @@ and fp16 compression, there too. The simulation must report no broken rule."""
 from __future__ import annotations
 
 import os
+import threading
 from functools import partial
 from typing import Any, List
 
@@ -31,6 +32,7 @@ from spawn import launch
 from torch import nn
 
 import pyddp
+from pyddp.errors import ProcessGroupError
 
 pytestmark = pytest.mark.simgpu
 
@@ -116,6 +118,7 @@ def gradsync_on_simulated_gpus(out: dict) -> None:
     _join_on_simulated_gpus(out, devices, streams)
     _throttle_on_simulated_gpus(out, devices, streams)
     _compression_on_simulated_gpus(out, devices, streams)
+    _python_hooks_on_simulated_gpus(out, devices, streams)
     out["violations"] = sim.violations()
 
 
@@ -256,6 +259,105 @@ def _compression_on_simulated_gpus(out: dict, devices, streams) -> None:
     dm.close()
 
 
+def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
+    """Python communication hooks on the simulated GPUs: called per bucket
+    on the engine's launcher thread with the communication stream current,
+    once the bucket's gradients are written there (the simulation writes
+    them 20 ms late here, longer than a launch takes: a hook run before its
+    ready events reads NaN). A hook written for DDP (gloo on the hook's
+    group) equals one device; PowerSGD equals the CPU path's PowerSGD to
+    the bit (host tensors: the same arithmetic). Several GPUs in a process:
+    refused by name."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    batches = data(4, 12, seed=5)
+    seen = []  # per call: (bucket, launcher thread?, stream current there, a NaN seen?)
+
+    def model() -> nn.Module:  # every parameter used: buckets launch during backward
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def user_hook(group, bucket):
+        device = devices[0]
+        seen.append((bucket.index(), threading.current_thread() is not threading.main_thread(),
+                     streams.current(device), bool(bucket.buffer().isnan().any())))  # fmt: skip
+        work = dist.all_reduce(bucket.buffer().div_(group.size()), group=group, async_op=True)
+        return work.get_future().then(lambda f: f.value()[0])
+
+    def train(places, hook, gpus=None):
+        dm = wrap_on(model(), len(places), gpus)
+        state = None
+        if hook == "powersgd":
+            state = powersgd.PowerSGDState(
+                process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                min_compression_rate=0.5, random_seed=3,
+            )  # fmt: skip
+            hook = powersgd.powerSGD_hook
+        dm.register_comm_hook(state, hook)
+        dopt = dm.optimizer(torch.optim.SGD, **SGD)
+        for x, y in batches:
+            step_on_rows(dm, dopt, x, y, partial(streams.synchronize_all, devices))
+        dm.close()
+        return dm
+
+    if len(devices) > 1:
+        try:
+            train(devices, user_hook, (devices, streams))
+            out["hook_several_gpus"] = "accepted"
+        except NotImplementedError as e:
+            out["hook_several_gpus"] = str(e)
+        return
+    ref = model()
+    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
+    for x, y in batches:
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    main_stream, late = streams.current(devices[0]), streams.late_us
+    streams.late_us = 20_000
+    try:
+        dm = train(devices, user_hook, (devices, streams))
+        gpu = train(devices, "powersgd", (devices, streams))
+    finally:
+        streams.late_us = late
+    on_gpu = list(seen)
+    out["hook_diff"] = max_diff(dm.module, ref)
+    out["hook_vs_cpu"] = max_diff(dm.module, train(["cpu"], user_hook).module)
+    out["hook_calls"] = len(on_gpu)
+    out["hook_on_launcher"] = all(s[1] for s in on_gpu)
+    out["hook_streams"] = sorted({s[2] for s in on_gpu} - {main_stream, 0})
+    out["hook_saw_nan"] = any(s[3] for s in on_gpu)
+    cpu = train(["cpu"], "powersgd")
+    out["powersgd_vs_cpu"] = max_diff(gpu.module, cpu.module)
+    out["powersgd_vs_plain"] = max_diff(gpu.module, ref)
+
+    # Rank 0's hook raises at the second step: rank 0's backward raises the
+    # hook's own exception; rank 1, whose hook waits for rank 0 on gloo,
+    # hears of it through the store, long before the (60 s) timeout.
+    class HookBroke(ValueError):
+        pass
+
+    calls = []
+
+    def breaks_on_rank_0(group, bucket):
+        calls.append(1)
+        if pyddp.rank() == 0 and len(calls) == 2:
+            raise HookBroke("the user's hook broke")
+        return user_hook(group, bucket)
+
+    out["rank"] = pyddp.rank()
+    dm = wrap_on(model(), 1, (devices, streams), timeout_s=60)
+    dm.register_comm_hook(None, breaks_on_rank_0)
+    try:
+        for x, _ in batches:
+            dm(x).sum().backward()
+            streams.synchronize_all(devices)
+        out["hook_error"] = None
+    except (HookBroke, ProcessGroupError) as e:
+        out["hook_error"] = [type(e).__name__, str(e), str(e.__cause__)]
+
+
 @pytest.mark.parametrize("local", [1, 2])
 def test_gradsync_across_processes_on_one_nccl_communicator(tmp_path, local):
     # Two processes x `local` simulated GPUs: one communicator across them
@@ -299,6 +401,23 @@ def test_gradsync_across_processes_on_one_nccl_communicator(tmp_path, local):
         assert 0 < r["fp16_diff"] <= 2e-3, r
         if local == 1:
             assert r["fp16_vs_torch_hook"] == 0.0, r
+            # A Python hook: called on the launcher thread with pyddp's
+            # communication stream current, after the late gradient writes
+            # (never a NaN), every step; equal to one device and to the CPU
+            # path. PowerSGD: the CPU path's to the bit, and compressing.
+            assert r["hook_calls"] >= len(data(4, 12)) and r["hook_on_launcher"], r
+            assert len(r["hook_streams"]) == 1 and not r["hook_saw_nan"], r
+            assert r["hook_diff"] <= 1e-6 and r["hook_vs_cpu"] == 0.0, r
+            assert r["powersgd_vs_cpu"] == 0.0 and r["powersgd_vs_plain"] > 1e-4, r
+            kind, message, cause = r["hook_error"]
+            if r["rank"] == 0:
+                assert kind == "HookBroke" and message == "the user's hook broke", r
+                assert "communication hook raised HookBroke on bucket 0" in cause, cause
+            else:
+                assert kind == "ProcessGroupError", r
+                assert "communication hook raised HookBroke on bucket 0" in message, message
+        else:
+            assert "one GPU per process" in r["hook_several_gpus"], r
         # The GPUs far behind (no sums reach the host unasked): three sums
         # stay unread; from the fourth synced backward on, the host waits for
         # the oldest, one per step; close() reads the last three.

@@ -134,6 +134,11 @@ class Link:
             stacklevel=3,
         )
 
+    def register_gpu_hook(self, state: Any, hook: Callable[..., Any], backend: Any) -> None:
+        """A Python communication hook on GPU replicas (the engine's NCCL
+        `backend` calls it per bucket). In one process: said, and not used."""
+        self.register_comm_hook(state, hook)
+
     def root_order(self, order: Sequence[int], size: int) -> Optional[List[int]]:
         """The ready order every process plans its buckets from (rank 0's)."""
         return list(order)

@@ -172,6 +172,22 @@ class ProcessLink(Link):
         self.transport.hook_state = self.transport.group if state is None else state
         self.transport.hook = hook
 
+    def register_gpu_hook(self, state: Any, hook: Callable[..., Any], backend: Any) -> None:
+        if self._route is None or not hasattr(backend, "set_hook"):
+            raise NotImplementedError(
+                "pyddp: a Python communication hook on GPUs runs on NCCL replicas, one GPU per "
+                "process"
+            )
+        if len(self._route.devices) != 1:
+            raise NotImplementedError(
+                f"pyddp: a Python communication hook on GPUs takes one GPU per process (this "
+                f"one has {len(self._route.devices)}): under torch DDP, too, a hook reduces "
+                "each process's bucket; run one process per GPU under torchrun, or use a "
+                "built-in hook ('fp16', 'bf16'), which pyddp's core runs on any GPUs"
+            )
+        self.register_comm_hook(state, hook)
+        backend.set_hook(self.transport.on_gpu(self._route.provider, self._route.devices[0]))
+
     def root_order(self, order: Sequence[int], size: int) -> Optional[List[int]]:
         return self.control.root_order(order, size)
 

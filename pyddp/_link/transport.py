@@ -67,6 +67,13 @@ class _InFlight:
         return done
 
 
+class _Done:
+    """A completion flag as _wait_flight waits for a flight."""
+
+    def __init__(self, event: threading.Event):
+        self.settle = event.wait
+
+
 def _done(flight: Any, bucket: int, fut: Any) -> None:
     """A Python-launched reduction completed (on a gloo worker thread)."""
     err = None
@@ -256,6 +263,42 @@ class BucketTransport:
         # set_buffer (torch's fp16_compress_wrapper) replaces what buffer()
         # returns, not where the result belongs.
         return future.then(functools.partial(_into_bucket, flat))
+
+    def on_gpu(self, provider: Any, device: int) -> Callable[[int, int], None]:
+        """GPUs (NcclBackend.set_hook): what the backend calls for each bucket
+        once its gradients are ready, from the engine's launcher thread, in
+        bucket order: the hook with the communication stream current."""
+        return functools.partial(self._launch_on_stream, provider, device)
+
+    def _launch_on_stream(self, provider: Any, device: int, bucket: int, stream: int) -> None:
+        """The hook's work queues on `stream` (torch's NCCL collectives make
+        their own stream wait for it), and its result is waited for there:
+        a future of device tensors makes the current stream wait, without
+        the host (torch's CUDA futures); another one (gloo) blocks here until
+        done. The backend then watches and fences `stream` as for its own
+        reductions."""
+        self.failure.check()
+        self.peers.in_backward = True
+        with provider.on(device, stream):
+            future = self._hooked(bucket, self.flats[bucket])
+            self._flight.launched(bucket)
+            # A future that completes on the host (gloo) is waited for as the
+            # transport waits (the timeout, the store read each second: a rank
+            # whose hook raised ends this wait at once, not at the timeout).
+            done = threading.Event()
+            future.add_done_callback(lambda _: done.set())
+            post = WaitPost(self.failure, f"the communication hook of bucket {bucket}")
+            try:
+                self._wait_flight(_Done(done), time.monotonic() + self.peers.timeout, post)
+            finally:
+                post.withdraw()
+            error = None if done.is_set() else f"not done after {self.peers.timeout:g} s"
+            try:
+                if error is None:
+                    future.wait()  # CUDA tensors: this stream waits for them
+            except Exception as e:  # noqa: BLE001 - reported by wait()
+                error = first_line(e)
+            self._flight.finished(bucket, error)
 
     def launch_tail(self, part: torch.Tensor) -> None:
         """After the engine's finish (every bucket launched): the agreement's

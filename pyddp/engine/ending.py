@@ -11,8 +11,29 @@ from collections import Counter
 from typing import Any, Sequence
 
 from .._link import Link, WorkRecord
+from ..errors import ProcessGroupError
 from .buckets import BucketLayout
 from .streams import StreamOrder
+
+
+def raised_at_finish(link: Link, e: Exception, synced: bool) -> BaseException:
+    """What the end of a backward raises for `e`: the user's communication
+    hook's own exception (its type; pyddp's account becomes its cause);
+    the link's failure, if it failed meanwhile (a launch that heard of
+    another rank's failure raises it inside the engine); else `e`, told to
+    the other processes at once if this rank's reductions were launched."""
+    hook_error = link.hook_error()
+    if hook_error is not None:
+        return hook_error
+    if isinstance(e, ProcessGroupError):
+        return e
+    try:
+        link.check_usable()
+    except ProcessGroupError as failed:
+        return failed
+    if synced:
+        link.abandon(f"its end of backward raised {type(e).__name__}: {e}")
+    return e
 
 
 def settle_unmarked(

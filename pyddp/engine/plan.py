@@ -68,24 +68,15 @@ def resolve_hook(hook: Any) -> Callable[..., Any]:
     return hook
 
 
-def gpu_wire_dtype(hook: Callable[..., Any]) -> str:
+def gpu_wire_dtype(hook: Callable[..., Any]) -> Optional[str]:
     """The wire type that runs `hook` on GPUs in pyddp's core ("float32":
-    the plain all-reduce), or an error naming what is supported."""
+    the plain all-reduce), or None: the hook runs in Python, per bucket."""
     hooks = _default_hooks()
-    wire = {
+    return {
         hooks.fp16_compress_hook: "float16",
         hooks.bf16_compress_hook: "bfloat16",
         hooks.allreduce_hook: "float32",
     }.get(hook)
-    if wire is None:
-        name = getattr(hook, "__qualname__", type(hook).__name__)
-        raise NotImplementedError(
-            f"pyddp: on GPUs, NCCL reduces the buckets inside pyddp's C++ core, without Python, "
-            f"so it runs torch DDP's built-in hooks there ('fp16', 'bf16', 'allreduce', or "
-            f"default_hooks' functions), not {name}; Python hooks (PowerSGD, your own) run on "
-            "CPU replicas across processes"
-        )
-    return wire
 
 
 def check_gpu_state(state: Any, group: Optional[Any]) -> None:
@@ -318,8 +309,14 @@ class Plan:
         self.hook_set = True
 
     def _compress_on_gpus(self, state: Any, hook: Callable[..., Any]) -> None:
-        """The hook on GPUs: torch's 16-bit hooks run by the NCCL backend."""
+        """The hook on GPUs: torch's 16-bit hooks run by the NCCL backend;
+        any other is called per bucket on the backend's stream."""
         wire = gpu_wire_dtype(hook)
+        if wire is None:
+            self.link.register_gpu_hook(state, hook, self.backend)
+            if self.link.spans_processes:
+                self.as_ddp()  # the buckets a hook sees are DDP's, as on CPUs
+            return
         check_gpu_state(state, self.link.group)
         if wire == "float32":
             return

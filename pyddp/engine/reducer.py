@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from ..errors import ProcessGroupError, ReduceError
 from ..runtime.libraries import make_backend
 from . import params as checked
-from .ending import final_gradients, settle_unmarked
+from .ending import final_gradients, raised_at_finish, settle_unmarked
 from .faces import GradientShards
 from .hooks import arm_began, install_hooks
 from .observe import GpuClock, Observer
@@ -239,16 +239,10 @@ class Reducer:
             if synced:
                 launched, unused, factor = self._wait_for_link()
         except Exception as e:
-            hook_error = self._link.hook_error()
-            if hook_error is not None:
-                # The user's communication hook raised: its own exception,
-                # with its type, pyddp's account of it chained as the cause.
-                raise hook_error from e
-            if synced and not isinstance(e, ProcessGroupError):
-                # A local failure after this rank's reductions were launched:
-                # the other processes hear it now instead of at the timeout.
-                self._link.abandon(f"its end of backward raised {type(e).__name__}: {e}")
-            raise
+            error = raised_at_finish(self._link, e, synced)
+            if error is e:
+                raise
+            raise error from e
         finally:
             if not self._capture.ended():
                 self._observe()

@@ -59,6 +59,17 @@ class TorchStreams:
     def before_host_write(self, device: int) -> None:
         """torch ops are queued on the current stream: nothing to do."""
 
+    @contextlib.contextmanager
+    def on(self, device: int, handle: int) -> Iterator[None]:
+        """In the block, torch ops on `device` queue on the raw CUstream
+        `handle` (pyddp's communication stream, where a Python communication
+        hook runs), after what that stream holds already."""
+        stream = torch.cuda.ExternalStream(handle, device=torch.device("cuda", device))
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            # (The simulation's host tensors: its provider drains the stream.)
+            self.before_host_write(device)
+            yield
+
     def hot_source(self) -> None:
         """pyddp._hot's C++ hooks read torch's stream state themselves (c10),
         with cuda_stream_handle for each stream they meet the first time; a

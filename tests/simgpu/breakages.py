@@ -329,6 +329,20 @@ BREAKAGES = {
         "under Join, a joined rank steps its shard of a sharded optimizer with its own "
         "gradients, not those broadcast by the highest rank with inputs",
     ),
+    "python-hook-before-ready-events": (
+        "csrc/gpu_backend.cpp",
+        "    wait_ready_locked(*launch.set, key);\n    if (one_capture_locked(*launch.set) != 0) {",
+        "    if (one_capture_locked(*launch.set) != 0) {",
+        "a Python communication hook's stream does not wait for the bucket's ready events "
+        "(the hook reduces gradients still being written)",
+    ),
+    "python-hook-off-the-communication-stream": (
+        "pyddp/_link/transport.py",
+        "        with provider.on(device, stream):",
+        "        with provider.on(device, provider.current(device)):",
+        "a Python communication hook runs on the launcher thread's current stream, not on the "
+        "communication stream that waited for the bucket's gradients",
+    ),
     "shared-gpu-followers-counters-not-moved": (
         "pyddp/optim/replicated.py",
         "            increment_versions(list(compress(into, map(extra.__lt__, moved))))",

@@ -211,6 +211,16 @@ class SimStreams:
 
     stream = use  # `with streams.stream({0: s})`, like torch.cuda.stream(s)
 
+    @contextlib.contextmanager
+    def on(self, device: int, handle: int) -> Iterator[None]:
+        """TorchStreams.on: torch ops in the block queue on `handle`. Host
+        tensors are written at once, so the block starts with the stream
+        drained (a harness wait): the ops see what the stream held before
+        them, as they would on a GPU, and nothing it did not."""
+        with self.use({device: handle}):
+            self.before_host_write(device)
+            yield
+
     def before_host_write(self, device: int) -> None:
         code = self.sim.lib.simgpu_before_host_write(device)
         if code == 700:  # as torch reports a dead context

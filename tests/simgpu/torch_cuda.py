@@ -103,6 +103,10 @@ class TorchCuda:
         with self.sim.on_device(index):  # (torch's current device stays)
             return Stream(self.sim.stream(index), index)
 
+    def ExternalStream(self, stream_ptr: int, device: Any = None) -> Stream:
+        index = self.current_device() if _index(device) is None else _index(device)
+        return Stream(stream_ptr, index)
+
     @contextlib.contextmanager
     def stream(self, stream: Optional[Stream]) -> Iterator[None]:
         if stream is None:  # torch: a no-op
@@ -168,7 +172,7 @@ class Event:
 
 
 NAMES = ("current_device", "set_device", "device", "current_stream", "Stream", "stream",
-         "is_current_stream_capturing", "Event")  # fmt: skip
+         "is_current_stream_capturing", "Event", "ExternalStream")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -203,6 +207,7 @@ class TorchStreamsOnSim(SimStreams):
     current = TorchStreams.current
     snapshot = TorchStreams.snapshot
     use = TorchStreams.use
+    on = TorchStreams.on
     capturing = TorchStreams.capturing
     retire = TorchStreams.retire
     timing_event = TorchStreams.timing_event
