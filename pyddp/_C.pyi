@@ -140,7 +140,8 @@ class NcclBackend(Backend):
     def set_hook(
         self,
         hook: collections.abc.Callable[
-            [typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex], None
+            [typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex],
+            None,
         ],
     ) -> None:
         """
