@@ -143,9 +143,11 @@ def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
         nn.functional.mse_loss(ref(x), y).backward()
         ref_opt.step()
 
-    def joined(model: nn.Module, gpus: Any = None, shard: bool = False) -> Any:
+    def joined(model: nn.Module, gpus: Any = None, shard: bool = False, hook: Any = None) -> Any:
         """This rank's batches under dm.join(); the closed wrapped model."""
         dm = wrap_on(model, len(devices), gpus)
+        if hook is not None:
+            dm.register_comm_hook(None, hook)
         for m in dm.replicas if not model.norm.training else []:
             m.norm.eval()
         dopt = dm.optimizer(torch.optim.SGD, shard=shard, **SGD)
@@ -170,6 +172,11 @@ def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
     out["join_sharded_replicas_equal"] = all(
         max_diff(m, sharded.module) == 0.0 for m in sharded.replicas
     )
+    if len(devices) == 1:
+        # A Python hook: rank 0, joined, calls it with zeros for every
+        # bucket the others reduce (as under torch DDP's Join).
+        hooked = joined(eval_norm(net(seed=rank)), (devices, streams), hook=gloo_average)
+        out["join_hook_diff"] = max_diff(hooked.module, ref)
 
     # BatchNorm training: the ranks' running statistics differ, and each
     # training forward takes the highest rank with inputs' buffers (joined
@@ -259,6 +266,15 @@ def _compression_on_simulated_gpus(out: dict, devices, streams) -> None:
     dm.close()
 
 
+def gloo_average(group, bucket):
+    """A communication hook written for torch DDP: the bucket averaged over
+    the processes of `group` (gloo here: host tensors)."""
+    import torch.distributed as dist
+
+    work = dist.all_reduce(bucket.buffer().div_(group.size()), group=group, async_op=True)
+    return work.get_future().then(lambda f: f.value()[0])
+
+
 def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
     """Python communication hooks on the simulated GPUs: called per bucket
     on the engine's launcher thread with the communication stream current,
@@ -268,7 +284,6 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
     group) equals one device; PowerSGD equals the CPU path's PowerSGD to
     the bit (host tensors: the same arithmetic). Several GPUs in a process:
     refused by name."""
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
     batches = data(4, 12, seed=5)
@@ -282,8 +297,7 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
         device = devices[0]
         seen.append((bucket.index(), threading.current_thread() is not threading.main_thread(),
                      streams.current(device), bool(bucket.buffer().isnan().any())))  # fmt: skip
-        work = dist.all_reduce(bucket.buffer().div_(group.size()), group=group, async_op=True)
-        return work.get_future().then(lambda f: f.value()[0])
+        return gloo_average(group, bucket)
 
     def train(places, hook, gpus=None):
         dm = wrap_on(model(), len(places), gpus)
@@ -391,6 +405,8 @@ def test_gradsync_across_processes_on_one_nccl_communicator(tmp_path, local):
         # on the global batch of the ranks with inputs.
         assert r["join_diff"] <= 1e-6 and r["join_replicas_equal"], r
         assert r["join_sharded_vs_unsharded"] == 0.0 and r["join_sharded_replicas_equal"], r
+        if local == 1:
+            assert r["join_hook_diff"] <= 1e-6, r  # a Python hook under Join
         # BatchNorm training under Join (the ranks' buffers differ): as on CPUs.
         assert r["join_buffers_moved"] and r["join_buffers_vs_cpu"] <= 1e-6, r
         # fp16 compression on NCCL: torch's hook's arithmetic (bitwise the CPU
