@@ -1,7 +1,9 @@
-"""Ranks that disagree on what a sharded optimizer hides, across 2
-processes: different shard modes (shard='gradients' reduce-scatters each
-bucket, which cannot pair with an all-reduce: found waiting the whole
-timeout, then blaming a missing rank), and ranks stepping with different
+"""Ranks that disagree on what a sharded optimizer or a communication hook
+hides, across 2 processes: different communication hooks (one rank with
+torch's fp16 hook, the other with none, crashed both in gloo), different
+shard modes (shard='gradients' reduce-scatters each bucket, which cannot
+pair with an all-reduce: found waiting the whole timeout, then blaming a
+missing rank), and ranks stepping with different
 optimizer settings (the sharded step's all-gather makes the parameters
 equal again, so the checksum cannot see it: found training 40 steps
 silently). Each is named on every rank, with every rank's value; and a
@@ -74,6 +76,72 @@ def test_ranks_with_different_shard_modes_are_named(tmp_path, modes):
             assert f"rank 0 shard={a!r}, rank 1 shard={b!r}" in error, error
             assert "missing" not in error, error
     _ended_cleanly(run)
+
+
+def hooks(out: dict) -> None:
+    """Each rank registers its own communication hook (or none) on a wrapped
+    model, or on a GradSync (`SCENARIO_SYNC`)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    named = {"fp16": "fp16", "bf16": default_hooks.bf16_compress_hook,
+             "allreduce": default_hooks.allreduce_hook}  # fmt: skip
+    hook = named.get(os.environ["SCENARIO_HOOKS"].split(",")[pyddp.rank()])
+
+    def register(dm):
+        if hook is not None:
+            dm.register_comm_hook(None, hook)
+        return dm
+
+    if not os.environ.get("SCENARIO_SYNC"):
+        _train(out, lambda dm: (torch.optim.SGD(register(dm).parameters(), lr=0.1), None))
+        return
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    sync = pyddp.GradSync([model], timeout_s=TIMEOUT_S)
+    try:
+        register(sync)
+        for _ in range(3):
+            nn.functional.mse_loss(model(torch.randn(8, 6)), torch.randn(8, 3)).backward()
+            sync.finish()
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    write(out)
+
+
+@pytest.mark.parametrize(
+    "hooks_, sync",
+    [
+        ("fp16,none", ""),
+        ("none,bf16", ""),
+        ("fp16,allreduce", "1"),
+        ("fp16,fp16", ""),
+        ("bf16,bf16", "1"),
+    ],  # fmt: skip
+)
+def test_ranks_with_different_communication_hooks_are_named(tmp_path, hooks_, sync):
+    # Found: one rank with torch's fp16 hook, the other with none, crashed
+    # both processes in gloo (SIGABRT: "Received data size doesn't match").
+    env = {"SCENARIO_HOOKS": hooks_, "SCENARIO_SYNC": sync}
+    run = launch(hooks, env=env, out=tmp_path, agent=False)
+    got = [run.result(r) for r in range(2)]
+    a, b = hooks_.split(",")
+    if a == b:
+        assert [r["error"] for r in got] == [None, None], got
+    else:
+        for r in got:
+            error = r["error"] or ""
+            assert "the ranks registered different communication hooks" in error, error
+            assert f"rank 0: {_hook_name(a)}, rank 1: {_hook_name(b)}" in error, error
+    _ended_cleanly(run)
+
+
+def _hook_name(name: str) -> str:
+    if name == "none":
+        return "none"
+    return f"torch.distributed.algorithms.ddp_comm_hooks.default_hooks.{name}_" + (
+        "hook" if name == "allreduce" else "compress_hook"
+    )
 
 
 def _ended_cleanly(run) -> None:

@@ -47,8 +47,8 @@ BUFFERS_BROADCAST = exchange("the broadcast of rank 0's buffers before a trainin
 PLAN_BROADCAST = exchange("the bucket plan broadcast")
 LOSS_WEIGHTS = exchange("the loss weighting of a training step")
 SHARD_MODES = exchange(
-    "the comparison of shard modes before a first synced backward (each rank's "
-    "dmodel.optimizer(..., shard=...))"
+    "the comparison of shard modes and communication hooks before a first synced backward "
+    "(each rank's dmodel.optimizer(..., shard=...) and register_comm_hook)"
 )
 
 

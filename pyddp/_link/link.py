@@ -161,6 +161,15 @@ class Link:
         """A forward whose backward comes next ended (`syncing`: it reduces):
         what the link sends with the buckets can be prepared now."""
 
+    def compare_due(self) -> None:
+        """Across processes: the settings every rank must share (shard mode,
+        communication hook), compared now if they changed since last time.
+        A forward's end does it; GradSync's forward pre-hook too."""
+
+    def note_hook(self, name: str) -> None:
+        """register_comm_hook registered the hook `name`: across processes,
+        compared before the next synced backward."""
+
     def settings_changed(self) -> None:
         """dmodel.optimizer made an optimizer (its shard mode is the work
         record's): across processes, compared before the next synced

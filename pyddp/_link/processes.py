@@ -49,6 +49,7 @@ class ProcessLink(Link):
         # are reduce-scattered, which cannot pair with another rank's
         # all-reduce (the agreement riding after them would never come).
         self._settings_due = True
+        self.hook_name: Optional[str] = None  # register_comm_hook's, compared as the shard mode
 
     @property
     def global_loss(self) -> Optional[float]:
@@ -233,26 +234,42 @@ class ProcessLink(Link):
         return self.world / max(1, len(self.joining.step.active))
 
     def forward_ended(self, syncing: bool) -> None:
-        # (Under torch's Join a rank that joined shadows without a forward:
-        # compared after the Join.)
-        if syncing and self._settings_due and self.work is not None and self.joining.step is None:
-            self._settings_due = False
-            self._compare_settings()
+        if syncing:
+            self.compare_due()
         if syncing and self._route is None:
             self.transport.arm()
+
+    def compare_due(self) -> None:
+        # (Under torch's Join a rank that joined shadows without a forward:
+        # compared after the Join.)
+        if self._settings_due and self.work is not None and self.joining.step is None:
+            self._settings_due = False
+            self._compare_settings()
 
     def settings_changed(self) -> None:
         self._settings_due = True
 
+    def note_hook(self, name: str) -> None:
+        self.hook_name = name
+        self._settings_due = True
+
     def _compare_settings(self) -> None:
-        shards = self.control.gather_objects(self.work.shard, SHARD_MODES)
-        if len(set(map(repr, shards))) > 1:
-            ranks = self.peers.ranks
-            shown = ", ".join(f"rank {ranks[r]} shard={s!r}" for r, s in enumerate(shards))
+        settings = self.control.gather_objects((self.work.shard, self.hook_name), SHARD_MODES)
+        ranks = self.peers.ranks
+        if len({repr(s) for s, _ in settings}) > 1:
+            shown = ", ".join(f"rank {ranks[r]} shard={s!r}" for r, (s, _) in enumerate(settings))
             self.failure.fail(
                 f"the ranks' optimizers shard differently ({shown}): every rank must make its "
                 "optimizer with the same dmodel.optimizer(..., shard=...) (shard='gradients' "
                 "reduce-scatters each bucket, which cannot pair with an all-reduce)",
+                census=False,
+            )
+        if len({h for _, h in settings}) > 1:
+            hooks = [h or "none" for _, h in settings]
+            shown = ", ".join(f"rank {ranks[r]}: {h}" for r, h in enumerate(hooks))
+            self.failure.fail(
+                f"the ranks registered different communication hooks ({shown}): every rank "
+                "must register the same hook (or none), or their buckets could not pair",
                 census=False,
             )
 

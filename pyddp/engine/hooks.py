@@ -172,6 +172,8 @@ class PrepareHook:
         sync = self.owner()
         if sync is not None and torch.is_grad_enabled():
             sync.prepare(self.replica)
+            if self.replica == 0:
+                sync.compare_settings()  # (wrap compares at the forward's end)
 
     def __reduce__(self) -> Any:
         return functools.partial, (dict.pop, {})

@@ -306,6 +306,9 @@ class Plan:
                 self.as_ddp()
         else:
             self._compress_on_gpus(state, hook)  # elementwise: the grouping does not matter
+        fn = getattr(hook, "func", hook)  # (a functools.partial's function)
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        self.link.note_hook(f"{getattr(fn, '__module__', None) or '?'}.{name}")
         self.hook_set = True
 
     def _compress_on_gpus(self, state: Any, hook: Callable[..., Any]) -> None:

@@ -167,6 +167,11 @@ class Reducer:
         self._follow_resets()
         self._clear_reduced_copy(replica)
 
+    def compare_settings(self) -> None:
+        """GradSync's forward: what the ranks must share, compared if due."""
+        if self._engine is not None and self._engine.sync_enabled:
+            self._link.compare_due()
+
     def _follow_resets(self) -> None:
         # Every replica keeps a copy of the last reduction (op="avg": the
         # mean), or its placeholders tell the user's resets (sharded gradients).
