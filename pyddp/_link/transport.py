@@ -287,7 +287,9 @@ class BucketTransport:
             # whose hook raised ends this wait at once, not at the timeout).
             done = threading.Event()
             future.add_done_callback(lambda _: done.set())
-            post = WaitPost(self.failure, f"the communication hook of bucket {bucket}")
+            # (Named as wait() names its wait: a rank a bucket ahead, or at
+            # the end of backward, waits at the same place.)
+            post = WaitPost(self.failure, self._waiting_for())
             try:
                 self._wait_flight(_Done(done), time.monotonic() + self.peers.timeout, post)
             finally:
@@ -317,9 +319,7 @@ class BucketTransport:
         deadline = start + timeout
         flight = self._flight
         self.peers.in_backward = True
-        post = WaitPost(
-            self.failure, f"the reductions of synced backward {self.peers.iteration + 1}"
-        )
+        post = WaitPost(self.failure, self._waiting_for())
         try:
             self._wait_flight(flight, deadline, post)
         finally:
@@ -340,6 +340,9 @@ class BucketTransport:
         self.peers.iteration += 1
         self.peers.in_backward = False
         return launched
+
+    def _waiting_for(self) -> str:
+        return f"the reductions of synced backward {self.peers.iteration + 1}"
 
     def _wait_flight(self, flight: Any, deadline: float, post: WaitPost) -> None:
         """Waits for the flight; the store is read once a second of waiting,
