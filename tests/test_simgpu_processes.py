@@ -284,6 +284,7 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
     group) equals one device; PowerSGD equals the CPU path's PowerSGD to
     the bit (host tensors: the same arithmetic). Several GPUs in a process:
     refused by name."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
     batches = data(4, 12, seed=5)
@@ -308,6 +309,8 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
                 min_compression_rate=0.5, random_seed=3,
             )  # fmt: skip
             hook = powersgd.powerSGD_hook
+        elif hook == "fp16_wrapper":  # set_buffer: the sum in 16 bits, as under DDP
+            hook = default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)
         dm.register_comm_hook(state, hook)
         dopt = dm.optimizer(torch.optim.SGD, **SGD)
         for x, y in batches:
@@ -333,6 +336,7 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
     try:
         dm = train(devices, user_hook, (devices, streams))
         gpu = train(devices, "powersgd", (devices, streams))
+        wrapped = train(devices, "fp16_wrapper", (devices, streams))
     finally:
         streams.late_us = late
     on_gpu = list(seen)
@@ -345,6 +349,8 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
     cpu = train(["cpu"], "powersgd")
     out["powersgd_vs_cpu"] = max_diff(gpu.module, cpu.module)
     out["powersgd_vs_plain"] = max_diff(gpu.module, ref)
+    out["wrapper_vs_cpu"] = max_diff(wrapped.module, train(["cpu"], "fp16_wrapper").module)
+    out["wrapper_vs_plain"] = max_diff(wrapped.module, ref)
 
     # Rank 0's hook raises at the second step: rank 0's backward raises the
     # hook's own exception; rank 1, whose hook waits for rank 0 on gloo,
@@ -425,6 +431,8 @@ def test_gradsync_across_processes_on_one_nccl_communicator(tmp_path, local):
             assert len(r["hook_streams"]) == 1 and not r["hook_saw_nan"], r
             assert r["hook_diff"] <= 1e-6 and r["hook_vs_cpu"] == 0.0, r
             assert r["powersgd_vs_cpu"] == 0.0 and r["powersgd_vs_plain"] > 1e-4, r
+            # torch's fp16_compress_wrapper (set_buffer): the CPU path's bits.
+            assert r["wrapper_vs_cpu"] == 0.0 and 0 < r["wrapper_vs_plain"] <= 2e-3, r
             kind, message, cause = r["hook_error"]
             if r["rank"] == 0:
                 assert kind == "HookBroke" and message == "the user's hook broke", r
