@@ -229,12 +229,13 @@ PYBIND11_MODULE(_C, m) {
            "as torch DDP's fp16/bf16 compression hooks: each buffer's `wire` holds the "
            "16-bit copy NCCL reduces. The kernels are compiled with NVRTC.")
       .def_property_readonly("compression", &NcclBackend::compression)
-      .def("set_hook", &NcclBackend::set_hook, py::arg("hook"),
+      .def("set_hook", &NcclBackend::set_hook, py::arg("hook"), py::arg("stream"),
            py::call_guard<py::gil_scoped_release>(),
-           "A communication hook outside the core: each bucket's all-reduce calls "
-           "hook(bucket, cuda_stream) after the bucket's ready events, on the engine's "
-           "launcher thread; the hook's work must be on that stream when it returns. One GPU "
-           "per process.")
+           "A communication hook outside the core, run on `stream` (a CUstream of the "
+           "caller's): each bucket's all-reduce makes `stream` wait for the bucket's ready "
+           "events, calls hook(bucket) on the engine's launcher thread, whose work must be "
+           "queued on `stream` when it returns, then orders the communication stream after "
+           "`stream`. One GPU per process.")
       .def_property_readonly("hooked", &NcclBackend::hooked);
   m.def(
       "nccl_unique_id",

@@ -503,20 +503,30 @@ void NcclBackend::set_compression(const std::string& dtype, const std::string& n
   wire_kernels_ = std::move(kernels);
 }
 
-void NcclBackend::set_hook(Hook hook) {
+void NcclBackend::set_hook(Hook hook, uintptr_t stream) {
   PYDDP_ENFORCE(devices_.size() == 1, "a communication hook on GPUs takes one GPU per process, "
                 "got ", devices_.size());
   PYDDP_ENFORCE(wire_ == DType::kFloat32, "a communication hook replaces wire compression");
+  PYDDP_ENFORCE(stream != 0, "a communication hook runs on a stream of its own, not the legacy "
+                "default stream");
   Launch launch = lock_for_launch();  // not while a reduction is being launched
+  ContextRestore restore;
+  set_device(devices_[0]);
+  for (CUevent* e : {&hook_in_, &hook_out_}) {
+    if (*e == nullptr) PYDDP_CU(driver().cuEventCreate(e, kEventDisableTiming));
+  }
   hook_ = std::move(hook);
+  hook_stream_ = reinterpret_cast<CUstream>(stream);
 }
 
 void NcclBackend::launch_hooked(const std::vector<BufferRef>& bufs, int key) {
   PYDDP_ENFORCE(bufs.size() == 1 && bufs[0].device == devices_[0], "a hooked bucket is one "
                 "buffer on cuda:", devices_[0]);
-  uintptr_t stream = 0;
+  const DriverApi& d = driver();
+  std::shared_ptr<CommSet> held;  // the communication stream outlives the hook's call
   {
     Launch launch = lock_for_launch();
+    held = launch.set;
     ContextRestore restore;
     wait_ready_locked(*launch.set, key);
     if (one_capture_locked(*launch.set) != 0) {
@@ -524,13 +534,21 @@ void NcclBackend::launch_hooked(const std::vector<BufferRef>& bufs, int key) {
           "a communication hook outside pyddp's core (a Python hook) cannot run inside a CUDA "
           "graph capture: capture steps with torch DDP's built-in hooks, or none");
     }
-    stream = reinterpret_cast<uintptr_t>(comm_stream(*launch.set, 0));
+    // The hook's stream waits for the communication stream as it is now:
+    // whatever is queued there later (another model's sums) is no
+    // dependency of the hook's collectives.
+    set_device(devices_[0]);
+    PYDDP_CU(d.cuEventRecord(hook_in_, comm_stream(*launch.set, 0)));
+    PYDDP_CU(d.cuStreamWaitEvent(hook_stream_, hook_in_, 0));
   }
   // Outside the launch lock: the hook takes the interpreter lock, which a
-  // thread waiting for the launch lock may hold. Only the engine's launcher
-  // launches buckets, in order, so nothing comes between.
-  hook_(key, stream);
+  // thread waiting for the launch lock may hold.
+  hook_(key);
   Launch launch = lock_for_launch();
+  ContextRestore restore;
+  set_device(devices_[0]);
+  PYDDP_CU(d.cuEventRecord(hook_out_, hook_stream_));
+  PYDDP_CU(d.cuStreamWaitEvent(comm_stream(*launch.set, 0), hook_out_, 0));
   watch_locked(*launch.set,
                detail::concat("the communication hook's reduction of bucket ", key, " (",
                               bufs[0].count, " ", dtype_name(bufs[0].dtype), " elements)"),

@@ -159,14 +159,17 @@ class NcclBackend : public GpuBackend {
   void set_compression(const std::string& dtype, const std::string& nvrtc_path);
   std::string compression() const { return dtype_name(wire_); }
   // A communication hook outside the core (torch DDP's Python hooks:
-  // PowerSGD, a user's): each bucket's all-reduce becomes, after its ready
-  // events, hook(key, communication stream). The hook queues its work on
-  // that stream (or makes the stream wait for it) before it returns; the
-  // watch and the fence then cover it as they cover NCCL's. One GPU per
-  // process: the hook reduces this process's bucket across processes, as
-  // under torch DDP. Sums outside the engine (key -1) stay NCCL's.
-  using Hook = std::function<void(int, uintptr_t)>;
-  void set_hook(Hook hook);
+  // PowerSGD, a user's), run on `stream`, a stream of the caller's (torch's:
+  // its allocator keeps handles of the streams its tensors were used on, so
+  // it never sees pyddp's own). Each bucket's all-reduce becomes: `stream`
+  // waits for the communication stream, as it is after the bucket's ready
+  // events; hook(key) queues the reduction on `stream` before it returns;
+  // the communication stream waits for `stream`; the watch and the fence
+  // then cover it as they cover NCCL's. One GPU per process: the hook
+  // reduces this process's bucket across processes, as under torch DDP.
+  // Sums outside the engine (key -1) stay NCCL's.
+  using Hook = std::function<void(int)>;
+  void set_hook(Hook hook, uintptr_t stream);
   bool hooked() const { return static_cast<bool>(hook_); }
 
  private:
@@ -185,6 +188,8 @@ class NcclBackend : public GpuBackend {
 
   DType wire_ = DType::kFloat32;  // kFloat32: no compression
   Hook hook_;  // set once, before the first launch
+  cuda::CUstream hook_stream_ = nullptr;
+  cuda::CUevent hook_in_ = nullptr, hook_out_ = nullptr;  // left to the context, as all events
   std::vector<const DeviceKernels*> wire_kernels_;  // per replica
 };
 

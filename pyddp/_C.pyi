@@ -139,13 +139,11 @@ class NcclBackend(Backend):
         """
     def set_hook(
         self,
-        hook: collections.abc.Callable[
-            [typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex],
-            None,
-        ],
+        hook: collections.abc.Callable[[typing.SupportsInt | typing.SupportsIndex], None],
+        stream: typing.SupportsInt | typing.SupportsIndex,
     ) -> None:
         """
-        A communication hook outside the core: each bucket's all-reduce calls hook(bucket, cuda_stream) after the bucket's ready events, on the engine's launcher thread; the hook's work must be on that stream when it returns. One GPU per process.
+        A communication hook outside the core, run on `stream` (a CUstream of the caller's): each bucket's all-reduce makes `stream` wait for the bucket's ready events, calls hook(bucket) on the engine's launcher thread, whose work must be queued on `stream` when it returns, then orders the communication stream after `stream`. One GPU per process.
         """
     @property
     def compression(self) -> str: ...

@@ -284,6 +284,7 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
     group) equals one device; PowerSGD equals the CPU path's PowerSGD to
     the bit (host tensors: the same arithmetic). Several GPUs in a process:
     refused by name."""
+    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
@@ -299,6 +300,23 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
         seen.append((bucket.index(), threading.current_thread() is not threading.main_thread(),
                      streams.current(device), bool(bucket.buffer().isnan().any())))  # fmt: skip
         return gloo_average(group, bucket)
+
+    kept = []  # the late hook's sources, alive until their copies ran
+
+    def late_average(group, bucket):
+        # A hook whose result lands on its stream 20 ms after it returned, as
+        # a GPU collective's would: pyddp must order the step after it.
+        buffer = bucket.buffer()
+        average = buffer.clone()
+        dist.all_reduce(average, group=group)
+        kept.append(average.div_(group.size()))
+        stream, lib = streams.current(devices[0]), streams.sim.lib
+        assert lib.simgpu_sleep(stream, 20_000) == 0
+        size = buffer.numel() * buffer.element_size()
+        assert lib.simgpu_copy(stream, buffer.data_ptr(), average.data_ptr(), size) == 0
+        future = torch.futures.Future()
+        future.set_result(buffer)
+        return future
 
     def train(places, hook, gpus=None):
         dm = wrap_on(model(), len(places), gpus)
@@ -337,6 +355,7 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
         dm = train(devices, user_hook, (devices, streams))
         gpu = train(devices, "powersgd", (devices, streams))
         wrapped = train(devices, "fp16_wrapper", (devices, streams))
+        late_run = train(devices, late_average, (devices, streams))
     finally:
         streams.late_us = late
     on_gpu = list(seen)
@@ -351,6 +370,7 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
     out["powersgd_vs_plain"] = max_diff(gpu.module, ref)
     out["wrapper_vs_cpu"] = max_diff(wrapped.module, train(["cpu"], "fp16_wrapper").module)
     out["wrapper_vs_plain"] = max_diff(wrapped.module, ref)
+    out["late_hook_diff"] = max_diff(late_run.module, ref)
 
     # Rank 0's hook raises at the second step: rank 0's backward raises the
     # hook's own exception; rank 1, whose hook waits for rank 0 on gloo,
@@ -433,6 +453,8 @@ def test_gradsync_across_processes_on_one_nccl_communicator(tmp_path, local):
             assert r["powersgd_vs_cpu"] == 0.0 and r["powersgd_vs_plain"] > 1e-4, r
             # torch's fp16_compress_wrapper (set_buffer): the CPU path's bits.
             assert r["wrapper_vs_cpu"] == 0.0 and 0 < r["wrapper_vs_plain"] <= 2e-3, r
+            # A hook whose result lands on its stream late: the step waits.
+            assert r["late_hook_diff"] <= 1e-6, r
             kind, message, cause = r["hook_error"]
             if r["rank"] == 0:
                 assert kind == "HookBroke" and message == "the user's hook broke", r

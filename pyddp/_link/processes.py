@@ -187,7 +187,11 @@ class ProcessLink(Link):
                 "built-in hook ('fp16', 'bf16'), which pyddp's core runs on any GPUs"
             )
         self.register_comm_hook(state, hook)
-        backend.set_hook(self.transport.on_gpu(self._route.provider, self._route.devices[0]))
+        provider, device = self._route.provider, self._route.devices[0]
+        # A stream of torch's (never pyddp's, which torch's allocator would
+        # then hold a handle to past pyddp's close).
+        stream = provider.side_stream(device)
+        backend.set_hook(self.transport.on_gpu(provider, device, stream), stream)
 
     def root_order(self, order: Sequence[int], size: int) -> Optional[List[int]]:
         return self.control.root_order(order, size)

@@ -241,7 +241,14 @@ class BucketTransport:
 
     def _hooked(self, bucket: int, flat: torch.Tensor) -> Any:
         """The user's hook reduces the bucket (it averages, as under DDP);
-        its result lands in the bucket unless it wrote there itself."""
+        its result lands in the bucket unless it wrote there itself. Into
+        the bucket as it was before the hook ran: a hook's set_buffer
+        (torch's fp16_compress_wrapper) replaces what buffer() returns, not
+        where the result belongs."""
+        return self._call_hook(bucket, flat).then(functools.partial(_into_bucket, flat))
+
+    def _call_hook(self, bucket: int, flat: torch.Tensor) -> Any:
+        """The user's hook's future for the bucket (a Future, or the link fails)."""
         members = self.buckets[bucket]
         params = [self.params[i] for i in members]
         grads = [self.views[i] for i in members]
@@ -259,32 +266,29 @@ class BucketTransport:
                 f"the communication hook returned {type(future).__name__} for bucket {bucket}; "
                 "it must return a torch.futures.Future of the reduced bucket (torch DDP's rule)"
             )
-        # Into the bucket as it was before the hook ran: a hook's
-        # set_buffer (torch's fp16_compress_wrapper) replaces what buffer()
-        # returns, not where the result belongs.
-        return future.then(functools.partial(_into_bucket, flat))
+        return future
 
-    def on_gpu(self, provider: Any, device: int) -> Callable[[int, int], None]:
-        """GPUs (NcclBackend.set_hook): what the backend calls for each bucket
-        once its gradients are ready, from the engine's launcher thread, in
-        bucket order: the hook with the communication stream current."""
-        return functools.partial(self._launch_on_stream, provider, device)
+    def on_gpu(self, provider: Any, device: int, stream: int) -> Callable[[int], None]:
+        """GPUs (NcclBackend.set_hook): what the backend calls for each bucket,
+        from the engine's launcher thread, in bucket order, once `stream`
+        (torch's, on `device`) waits for the bucket's gradients: the hook
+        with `stream` current."""
+        return functools.partial(self._launch_on_stream, provider, device, stream)
 
-    def _launch_on_stream(self, provider: Any, device: int, bucket: int, stream: int) -> None:
+    def _launch_on_stream(self, provider: Any, device: int, stream: int, bucket: int) -> None:
         """The hook's work queues on `stream` (torch's NCCL collectives make
-        their own stream wait for it), and its result is waited for there:
-        a future of device tensors makes the current stream wait, without
-        the host (torch's CUDA futures); another one (gloo) blocks here until
-        done. The backend then watches and fences `stream` as for its own
-        reductions."""
+        their own stream wait for it); its future is waited for there (a
+        future of device tensors makes the current stream wait, without the
+        host: torch's CUDA futures), and its result copied into the bucket
+        there. Before that, a future that completes on the host (gloo) is
+        waited for as the transport waits: the timeout, the store read each
+        second (a rank whose hook raised ends this wait at once)."""
         self.failure.check()
         self.peers.in_backward = True
+        flat = self.flats[bucket]
         with provider.on(device, stream):
-            future = self._hooked(bucket, self.flats[bucket])
+            future = self._call_hook(bucket, flat)
             self._flight.launched(bucket)
-            # A future that completes on the host (gloo) is waited for as the
-            # transport waits (the timeout, the store read each second: a rank
-            # whose hook raised ends this wait at once, not at the timeout).
             done = threading.Event()
             future.add_done_callback(lambda _: done.set())
             # (Named as wait() names its wait: a rank a bucket ahead, or at
@@ -294,10 +298,15 @@ class BucketTransport:
                 self._wait_flight(_Done(done), time.monotonic() + self.peers.timeout, post)
             finally:
                 post.withdraw()
-            error = None if done.is_set() else f"not done after {self.peers.timeout:g} s"
+            if not done.is_set():  # nothing further launches
+                self.failure.fail(
+                    f"the communication hook's future for bucket {bucket} "
+                    f"({self._names(bucket)}) was not done after {self.peers.timeout:g} s"
+                )
+            error = None
             try:
-                if error is None:
-                    future.wait()  # CUDA tensors: this stream waits for them
+                future.wait()  # CUDA tensors: this stream waits for them
+                _into_bucket(flat, future)  # in this stream's order
             except Exception as e:  # noqa: BLE001 - reported by wait()
                 error = first_line(e)
             self._flight.finished(bucket, error)

@@ -59,11 +59,16 @@ class TorchStreams:
     def before_host_write(self, device: int) -> None:
         """torch ops are queued on the current stream: nothing to do."""
 
+    def side_stream(self, device: int) -> int:
+        """A stream of torch's on `device` (from its pool: never destroyed),
+        as a raw CUstream."""
+        return torch.cuda.Stream(device=torch.device("cuda", device)).cuda_stream
+
     @contextlib.contextmanager
     def on(self, device: int, handle: int) -> Iterator[None]:
         """In the block, torch ops on `device` queue on the raw CUstream
-        `handle` (pyddp's communication stream, where a Python communication
-        hook runs), after what that stream holds already."""
+        `handle` (side_stream's, where a Python communication hook runs),
+        after what that stream holds already."""
         stream = torch.cuda.ExternalStream(handle, device=torch.device("cuda", device))
         with torch.cuda.device(device), torch.cuda.stream(stream):
             # (The simulation's host tensors: its provider drains the stream.)

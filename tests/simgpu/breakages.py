@@ -341,7 +341,15 @@ BREAKAGES = {
         "        with provider.on(device, stream):",
         "        with provider.on(device, provider.current(device)):",
         "a Python communication hook runs on the launcher thread's current stream, not on the "
-        "communication stream that waited for the bucket's gradients",
+        "stream that waited for the bucket's gradients",
+    ),
+    "python-hook-result-not-awaited": (
+        "csrc/gpu_backend.cpp",
+        "  PYDDP_CU(d.cuStreamWaitEvent(comm_stream(*launch.set, 0), hook_out_, 0));\n",
+        "",
+        "the communication stream (and so the step after backward) is not ordered after the "
+        "Python communication hook's stream: a result the hook's collective writes late is "
+        "read before it lands",
     ),
     "shared-gpu-followers-counters-not-moved": (
         "pyddp/optim/replicated.py",

@@ -211,6 +211,10 @@ class SimStreams:
 
     stream = use  # `with streams.stream({0: s})`, like torch.cuda.stream(s)
 
+    def side_stream(self, device: int) -> int:
+        """TorchStreams.side_stream: a stream of the test's own."""
+        return self.sim.stream(device)
+
     @contextlib.contextmanager
     def on(self, device: int, handle: int) -> Iterator[None]:
         """TorchStreams.on: torch ops in the block queue on `handle`. Host
