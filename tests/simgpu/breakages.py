@@ -336,7 +336,7 @@ BREAKAGES = {
         "a Python communication hook's stream does not wait for the bucket's ready events "
         "(the hook reduces gradients still being written)",
     ),
-    "python-hook-off-the-communication-stream": (
+    "python-hook-off-its-stream": (
         "pyddp/_link/transport.py",
         "        with provider.on(device, stream):",
         "        with provider.on(device, provider.current(device)):",
