@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..runtime.libraries import hot
 from .failure import Failure, WaitPost
 from .groups import Peers, all_to_all, allreduce, first_line, own_group
+from .link import GradBucket
 
 TAIL = -1  # the agreement's reduction, after the buckets
 
@@ -379,44 +380,6 @@ class BucketTransport:
             members = [self.names[i] for i in self.buckets[bucket][:3]]
             return ", ".join(members) + (", ..." if len(self.buckets[bucket]) > 3 else "")
         return "?"
-
-
-class GradBucket:
-    """What a communication hook sees of a bucket: the methods of torch's
-    `dist.GradBucket` (which Python cannot build), so torch DDP's hooks
-    (default_hooks.fp16_compress_hook, bf16_compress_hook, allreduce_hook)
-    and user hooks written for DDP run unchanged."""
-
-    def __init__(self, index: int, last: bool, flat: torch.Tensor, params: list, grads: list):
-        self._index, self._last, self._flat = index, last, flat
-        self._params, self._grads = params, grads
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return self._last
-
-    def buffer(self) -> torch.Tensor:
-        return self._flat
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replaces the buffer, as torch's: buffer() returns `tensor` from
-        now on (in its dtype: a 16-bit wrapper's hook divides and sums in 16
-        bits, as under DDP); the hook's result still lands in the bucket."""
-        if not isinstance(tensor, torch.Tensor) or tensor.numel() != self._flat.numel():
-            got = f"{tensor.numel()} elements" if isinstance(tensor, torch.Tensor) else tensor
-            raise TypeError(
-                f"GradBucket.set_buffer takes a tensor of the bucket's {self._flat.numel()} "
-                f"elements, got {got!r}"
-            )
-        self._flat = tensor
-
-    def gradients(self) -> List[torch.Tensor]:
-        return list(self._grads)
-
-    def parameters(self) -> List[torch.Tensor]:
-        return list(self._params)
 
 
 def _sum_blocks(flat: torch.Tensor, rank: int, world: int, future: Any) -> torch.Tensor:
