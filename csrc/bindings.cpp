@@ -235,8 +235,7 @@ PYBIND11_MODULE(_C, m) {
            "caller's): each bucket's all-reduce makes `stream` wait for the bucket's ready "
            "events, calls hook(bucket) on the engine's launcher thread, whose work must be "
            "queued on `stream` when it returns, then orders the communication stream after "
-           "`stream`. One GPU per process.")
-      .def_property_readonly("hooked", &NcclBackend::hooked);
+           "`stream`. One GPU per process.");
   m.def(
       "nccl_unique_id",
       [](const std::string& nccl_path) { return py::bytes(nccl_unique_id(nccl_path)); },

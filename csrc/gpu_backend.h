@@ -170,7 +170,6 @@ class NcclBackend : public GpuBackend {
   // Sums outside the engine (key -1) stay NCCL's.
   using Hook = std::function<void(int)>;
   void set_hook(Hook hook, uintptr_t stream);
-  bool hooked() const { return static_cast<bool>(hook_); }
 
  private:
   void launch_hooked(const std::vector<BufferRef>& bufs, int key);

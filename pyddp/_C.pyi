@@ -147,8 +147,6 @@ class NcclBackend(Backend):
         """
     @property
     def compression(self) -> str: ...
-    @property
-    def hooked(self) -> bool: ...
 
 class SharedGpuBackend(Backend):
     def __init__(

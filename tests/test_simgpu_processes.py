@@ -190,6 +190,23 @@ def _join_on_simulated_gpus(out: dict, devices, streams) -> None:
     out["join_buffers_moved"] = bool((on_gpus.norm.running_mean != 0).any())
 
 
+def dense() -> nn.Module:
+    """A model whose every parameter gets a gradient on every rank."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def dense_alone(batches) -> nn.Module:
+    """`dense` trained on one device on the global batches (SGD, mean squared error)."""
+    ref = dense()
+    opt = torch.optim.SGD(ref.parameters(), **SGD)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    return ref
+
+
 def _throttle_on_simulated_gpus(out: dict, devices, streams) -> None:
     """The GPUs far behind the host: no agreement's sums ever reach the host
     by themselves (their copies report not ready until waited for). The host
@@ -210,20 +227,11 @@ def _throttle_on_simulated_gpus(out: dict, devices, streams) -> None:
 
         return HostCopy(tensor, lambda: False, synchronize)
 
-    def model() -> nn.Module:  # every parameter used: the host never needs the sums
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
     batches = data(5, 12)
-    ref = model()
-    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
-    for x, y in batches:
-        ref_opt.zero_grad()
-        nn.functional.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+    ref = dense_alone(batches)
     streams.fetch = slow_fetch
     try:
-        dm = wrap_on(model(), len(devices), (devices, streams))
+        dm = wrap_on(dense(), len(devices), (devices, streams))
         dopt = dm.optimizer(torch.optim.SGD, **SGD)
         for k, (x, y) in enumerate(batches):
             step[0] = k
@@ -291,10 +299,6 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
     batches = data(4, 12, seed=5)
     seen = []  # per call: (bucket, launcher thread?, stream current there, a NaN seen?)
 
-    def model() -> nn.Module:  # every parameter used: buckets launch during backward
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
     def user_hook(group, bucket):
         device = devices[0]
         seen.append((bucket.index(), threading.current_thread() is not threading.main_thread(),
@@ -319,7 +323,7 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
         return future
 
     def train(places, hook, gpus=None):
-        dm = wrap_on(model(), len(places), gpus)
+        dm = wrap_on(dense(), len(places), gpus)
         state = None
         if hook == "powersgd":
             state = powersgd.PowerSGDState(
@@ -343,12 +347,7 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
         except NotImplementedError as e:
             out["hook_several_gpus"] = str(e)
         return
-    ref = model()
-    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
-    for x, y in batches:
-        ref_opt.zero_grad()
-        nn.functional.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+    ref = dense_alone(batches)
     main_stream, late = streams.current(devices[0]), streams.late_us
     streams.late_us = 20_000
     try:
@@ -387,7 +386,7 @@ def _python_hooks_on_simulated_gpus(out: dict, devices, streams) -> None:
         return user_hook(group, bucket)
 
     out["rank"] = pyddp.rank()
-    dm = wrap_on(model(), 1, (devices, streams), timeout_s=60)
+    dm = wrap_on(dense(), 1, (devices, streams), timeout_s=60)
     dm.register_comm_hook(None, breaks_on_rank_0)
     try:
         for x, _ in batches:
