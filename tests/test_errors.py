@@ -292,6 +292,30 @@ def test_comm_hook_in_one_process_is_said_and_unused_and_bad_hooks_are_refused()
         assert dm.replicas[1].weight.grad is not None
 
 
+def test_what_of_a_hook_state_ranks_must_share():
+    # Compared across ranks at the first synced forward (the ranks' crash
+    # it prevents: tests/test_ranks_disagree.py -k hook_states).
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    from pyddp.engine.plan import hook_state_settings
+
+    def settings(**kw):
+        return hook_state_settings(psgd.PowerSGDState(None, **kw))
+
+    base = settings(matrix_approximation_rank=2)
+    assert base["matrix_approximation_rank"] == "2" and base["start_powerSGD_iter"] == "1000"
+    assert base == settings(matrix_approximation_rank=2, compression_stats_logging_frequency=7)
+    for differs in [{"matrix_approximation_rank": 1}, {"random_seed": 1}, {"warm_start": False}]:
+        assert base != settings(**{"matrix_approximation_rank": 2, **differs}), differs
+
+    class Mine:  # a user's state: its fields may differ by rank on purpose
+        def __init__(self, rank):
+            self.rank = rank
+
+    assert hook_state_settings(Mine(0)) == hook_state_settings(Mine(1)) != base
+    assert hook_state_settings(None) == {"group": "the default group"}
+
+
 def _launched_as(monkeypatch, world: str, rank: str = "1") -> None:
     """This process's environment as torchrun sets it for one of its workers."""
     if torch.distributed.is_initialized():

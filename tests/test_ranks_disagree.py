@@ -1,6 +1,7 @@
 """Ranks that disagree on what a sharded optimizer or a communication hook
 hides, across 2 processes: different communication hooks (one rank with
-torch's fp16 hook, the other with none, crashed both in gloo), different
+torch's fp16 hook, the other with none, crashed both in gloo) or hook
+states (PowerSGD's rank, crashed both alike), different
 shard modes (shard='gradients' reduce-scatters each bucket, which cannot
 pair with an all-reduce: found waiting the whole timeout, then blaming a
 missing rank), and ranks stepping with different
@@ -82,14 +83,22 @@ def hooks(out: dict) -> None:
     """Each rank registers its own communication hook (or none) on a wrapped
     model, or on a GradSync (`SCENARIO_SYNC`)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     named = {"fp16": "fp16", "bf16": default_hooks.bf16_compress_hook,
              "allreduce": default_hooks.allreduce_hook}  # fmt: skip
-    hook = named.get(os.environ["SCENARIO_HOOKS"].split(",")[pyddp.rank()])
+    mine = os.environ["SCENARIO_HOOKS"].split(",")[pyddp.rank()]
+    hook, state = named.get(mine), None
+    if mine.startswith("psgd"):  # psgd-rank-start-seed
+        rank, start, seed = (int(v) for v in mine.split("-")[1:])
+        hook = psgd.powerSGD_hook
+        state = psgd.PowerSGDState(
+            None, matrix_approximation_rank=rank, start_powerSGD_iter=start, random_seed=seed
+        )
 
     def register(dm):
         if hook is not None:
-            dm.register_comm_hook(None, hook)
+            dm.register_comm_hook(state, hook)
         return dm
 
     if not os.environ.get("SCENARIO_SYNC"):
@@ -133,6 +142,32 @@ def test_ranks_with_different_communication_hooks_are_named(tmp_path, hooks_, sy
             error = r["error"] or ""
             assert "the ranks registered different communication hooks" in error, error
             assert f"rank 0: {_hook_name(a)}, rank 1: {_hook_name(b)}" in error, error
+    _ended_cleanly(run)
+
+
+@pytest.mark.parametrize(
+    "hooks_, sync, differ",
+    [
+        ("psgd-1-2-0,psgd-2-2-0", "", "approximation_rank=1; rank 1: matrix_approximation_rank=2"),
+        ("psgd-1-2-0,psgd-1-5-0", "1", "start_powerSGD_iter=2; rank 1: start_powerSGD_iter=5"),
+        ("psgd-1-2-0,psgd-1-2-7", "", "rng=MT19937 state crc32="),
+        ("psgd-1-2-0,psgd-1-2-0", "", None),
+    ],  # fmt: skip
+)
+def test_ranks_with_different_hook_states_are_named(tmp_path, hooks_, sync, differ):
+    # Found: PowerSGD with rank 1 on one rank and rank 2 on the other (or
+    # different start steps) crashed both processes in gloo (SIGABRT); a
+    # different random_seed would make the ranks' compressed sums differ.
+    env = {"SCENARIO_HOOKS": hooks_, "SCENARIO_SYNC": sync}
+    run = launch(hooks, env=env, out=tmp_path, agent=False)
+    got = [run.result(r) for r in range(2)]
+    if differ is None:
+        assert [r["error"] for r in got] == [None, None], got
+    else:
+        for r in got:
+            error = r["error"] or ""
+            assert "powerSGD_hook.powerSGD_hook with different states (rank 0: " in error, error
+            assert differ in error, error
     _ended_cleanly(run)
 
 

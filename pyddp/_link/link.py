@@ -166,9 +166,10 @@ class Link:
         communication hook), compared now if they changed since last time.
         A forward's end does it; GradSync's forward pre-hook too."""
 
-    def note_hook(self, name: str) -> None:
-        """register_comm_hook registered the hook `name`: across processes,
-        compared before the next synced backward."""
+    def note_hook(self, name: str, state: Dict[str, str]) -> None:
+        """register_comm_hook registered the hook `name` with the settings
+        `state` (plan.hook_state_settings): across processes, compared before
+        the next synced backward."""
 
     def settings_changed(self) -> None:
         """dmodel.optimizer made an optimizer (its shard mode is the work

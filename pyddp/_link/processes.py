@@ -49,7 +49,8 @@ class ProcessLink(Link):
         # are reduce-scattered, which cannot pair with another rank's
         # all-reduce (the agreement riding after them would never come).
         self._settings_due = True
-        self.hook_name: Optional[str] = None  # register_comm_hook's, compared as the shard mode
+        # register_comm_hook's hook and its state's settings, compared as the shard mode
+        self.hook: Tuple[Optional[str], Dict[str, str]] = (None, {})
 
     @property
     def global_loss(self) -> Optional[float]:
@@ -253,27 +254,40 @@ class ProcessLink(Link):
     def settings_changed(self) -> None:
         self._settings_due = True
 
-    def note_hook(self, name: str) -> None:
-        self.hook_name = name
+    def note_hook(self, name: str, state: Dict[str, str]) -> None:
+        self.hook = (name, state)
         self._settings_due = True
 
     def _compare_settings(self) -> None:
-        settings = self.control.gather_objects((self.work.shard, self.hook_name), SHARD_MODES)
+        settings = self.control.gather_objects((self.work.shard, *self.hook), SHARD_MODES)
         ranks = self.peers.ranks
-        if len({repr(s) for s, _ in settings}) > 1:
-            shown = ", ".join(f"rank {ranks[r]} shard={s!r}" for r, (s, _) in enumerate(settings))
+        if len({repr(s) for s, _, _ in settings}) > 1:
+            shown = ", ".join(f"rank {ranks[r]} shard={s[0]!r}" for r, s in enumerate(settings))
             self.failure.fail(
                 f"the ranks' optimizers shard differently ({shown}): every rank must make its "
                 "optimizer with the same dmodel.optimizer(..., shard=...) (shard='gradients' "
                 "reduce-scatters each bucket, which cannot pair with an all-reduce)",
                 census=False,
             )
-        if len({h for _, h in settings}) > 1:
-            hooks = [h or "none" for _, h in settings]
+        if len({h for _, h, _ in settings}) > 1:
+            hooks = [h or "none" for _, h, _ in settings]
             shown = ", ".join(f"rank {ranks[r]}: {h}" for r, h in enumerate(hooks))
             self.failure.fail(
                 f"the ranks registered different communication hooks ({shown}): every rank "
                 "must register the same hook (or none), or their buckets could not pair",
+                census=False,
+            )
+        states = [st for _, _, st in settings]
+        differ = sorted({k for st in states for k in st if len({s.get(k) for s in states}) > 1})
+        if differ:
+            shown = "; ".join(
+                f"rank {ranks[r]}: " + ", ".join(f"{k}={st.get(k, 'unset')}" for k in differ)
+                for r, st in enumerate(states)
+            )
+            self.failure.fail(
+                f"the ranks registered the communication hook {settings[0][1]} with different "
+                f"states ({shown}): every rank must give it the same settings, or their "
+                "buckets could not pair",
                 census=False,
             )
 

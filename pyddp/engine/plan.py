@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+import zlib
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -87,6 +88,49 @@ def check_gpu_state(state: Any, group: Optional[Any]) -> None:
             "register_comm_hook: on GPUs the hook's state must be None or the process group "
             f"the model was wrapped with (pyddp's NCCL communicator spans it), got {state!r}"
         )
+
+
+# Fields of torch's hook states that only decide when a rank logs: ranks may differ.
+_LOGGING_ONLY = frozenset({"compression_stats_logging_frequency", "next_stats_report"})
+
+
+def hook_state_settings(state: Any) -> Dict[str, str]:
+    """What of a communication hook's `state` every rank must share, as text
+    compared across ranks when the hook is registered (ranks whose PowerSGD
+    ranks or start steps differ send all-reduces of different sizes: gloo
+    aborted both processes). torch's states (PowerSGDState,
+    PostLocalSGDState, a process group) by each setting; another class only
+    by its name: its fields may differ by rank on purpose (a user's `rank`)."""
+    if state is None or _is_group(state):
+        return {"group": _group_text(state)}
+    kind = type(state)
+    settings = {"type": f"{kind.__module__}.{kind.__qualname__}"}
+    if not kind.__module__.startswith("torch."):
+        return settings
+    names = [n for k in kind.__mro__ for n in getattr(k, "__slots__", ())]
+    for name in names + sorted(getattr(state, "__dict__", {})):
+        value = getattr(state, name, None)
+        if name in _LOGGING_ONLY or name.startswith("_"):
+            continue
+        if name == "process_group" and (value is None or _is_group(value)):
+            settings[name] = _group_text(value)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            settings[name] = repr(value)
+        elif hasattr(value, "get_state"):  # numpy's RandomState (PowerSGD's random_seed)
+            kind_, keys, pos = value.get_state()[:3]
+            settings[name] = f"{kind_} state crc32={zlib.crc32(keys.tobytes()):08x} pos={pos}"
+    return settings
+
+
+def _is_group(value: Any) -> bool:
+    return torch.distributed.is_available() and isinstance(value, torch.distributed.ProcessGroup)
+
+
+def _group_text(group: Any) -> str:
+    """A process group as every rank sees it (None: the default group)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return "the default group"
+    return f"a group of {torch.distributed.get_world_size(group)} ranks"
 
 
 def plan_buckets(
@@ -308,7 +352,8 @@ class Plan:
             self._compress_on_gpus(state, hook)  # elementwise: the grouping does not matter
         fn = getattr(hook, "func", hook)  # (a functools.partial's function)
         name = getattr(fn, "__qualname__", type(fn).__name__)
-        self.link.note_hook(f"{getattr(fn, '__module__', None) or '?'}.{name}")
+        name = f"{getattr(fn, '__module__', None) or '?'}.{name}"
+        self.link.note_hook(name, hook_state_settings(state))
         self.hook_set = True
 
     def _compress_on_gpus(self, state: Any, hook: Callable[..., Any]) -> None:
