@@ -286,8 +286,9 @@ class ProcessLink(Link):
             )
             self.failure.fail(
                 f"the ranks registered the communication hook {settings[0][1]} with different "
-                f"states ({shown}): every rank must give it the same settings, or their "
-                "buckets could not pair",
+                f"states ({shown}): every rank must give it the same settings (what a "
+                "bucket sends depends on them: PowerSGD's rank or start step, differing, "
+                "makes all-reduces that cannot pair)",
                 census=False,
             )
 

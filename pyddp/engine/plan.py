@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import sys
 import warnings
-import zlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -116,9 +115,8 @@ def hook_state_settings(state: Any) -> Dict[str, str]:
             settings[name] = _group_text(value)
         elif value is None or isinstance(value, (bool, int, float, str)):
             settings[name] = repr(value)
-        elif hasattr(value, "get_state"):  # numpy's RandomState (PowerSGD's random_seed)
-            kind_, keys, pos = value.get_state()[:3]
-            settings[name] = f"{kind_} state crc32={zlib.crc32(keys.tobytes()):08x} pos={pos}"
+    # (Not PowerSGD's random generator: ranks with different seeds start from
+    # different matrices, but every rank reduces to the same result.)
     return settings
 
 
