@@ -209,3 +209,51 @@ def test_a_hook_sees_ddps_buckets_and_16_bit_wrappers_equal_ddp(tmp_path):
             assert "communication hook raised HookBroke on bucket 0" in cause, cause
     # The rank whose hook raised first gets the hook's own exception.
     assert "HookBroke" in [r["hook_error"][0] for r in got]
+
+
+def post_local_sgd(out: dict) -> None:
+    """torch's post-local SGD (post_localSGD_hook, then a
+    PeriodicModelAverager after each step) under pyddp equals torch DDP
+    with the same: the whole group's all-reduce for `start_localSGD_iter`
+    steps, then each rank alone (its own subgroup, or no reduction), the
+    parameters averaged every `period` steps. Between averages the ranks'
+    parameters differ on purpose; 37 steps cross two of pyddp's parameter
+    checksums (every 16 synced backwards), which once refused the run as
+    ranks that did different work, or passed when an average happened to
+    fall just before them."""
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as local
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    rank, world = pyddp.rank(), pyddp.world()
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # (every rank makes every group)
+    batches = data(37, 12)
+    for name, start, period, allreduce in (("subgroup", 2, 3, True), ("none", 3, 5, False)):
+        trained = {}
+        for engine in ("ddp", "pyddp"):
+            model = eval_norm(net())
+            if engine == "ddp":
+                wrapped = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+            else:
+                wrapped = pyddp.wrap(model, ["cpu"], find_unused_parameters=True)
+            state = local.PostLocalSGDState(None, alone, start, allreduce)
+            wrapped.register_comm_hook(state, local.post_localSGD_hook)
+            opt = torch.optim.SGD(wrapped.parameters(), **SGD)
+            averager = PeriodicModelAverager(period=period, warmup_steps=start)
+            for k, (xg, yg) in enumerate(batches):
+                rows = slice(k % 4 + rank * 6, k % 4 + rank * 6 + 5)  # each rank its own rows
+                opt.zero_grad()
+                nn.functional.mse_loss(wrapped(xg[rows]), yg[rows]).backward()
+                opt.step()
+                averager.average_parameters(wrapped.parameters())
+            trained[engine] = model
+        out[f"{name}_vs_ddp"] = max_diff(trained["pyddp"], trained["ddp"])
+        out[f"{name}_sum"] = sum(p.double().sum().item() for p in trained["pyddp"].parameters())
+
+
+def test_post_local_sgd_equals_torch_ddp_with_it(tmp_path):
+    got = spawn(post_local_sgd, out=tmp_path)
+    for r in got:
+        assert r["subgroup_vs_ddp"] <= TOL and r["none_vs_ddp"] <= TOL, r
+    # The last step was not an averaging one: the ranks' parameters differ.
+    for name in ("subgroup", "none"):
+        assert got[0][f"{name}_sum"] != got[1][f"{name}_sum"], got

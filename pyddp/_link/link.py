@@ -166,10 +166,12 @@ class Link:
         communication hook), compared now if they changed since last time.
         A forward's end does it; GradSync's forward pre-hook too."""
 
-    def note_hook(self, name: str, state: Dict[str, str]) -> None:
+    def note_hook(self, name: str, state: Dict[str, str], differ_from: Optional[int]) -> None:
         """register_comm_hook registered the hook `name` with the settings
         `state` (plan.hook_state_settings): across processes, compared before
-        the next synced backward."""
+        the next synced backward. `differ_from`: the synced backward from
+        which the hook lets the ranks' parameters differ on purpose
+        (plan.local_sgd_start), or None."""
 
     def settings_changed(self) -> None:
         """dmodel.optimizer made an optimizer (its shard mode is the work

@@ -51,6 +51,7 @@ class ProcessLink(Link):
         self._settings_due = True
         # register_comm_hook's hook and its state's settings, compared as the shard mode
         self.hook: Tuple[Optional[str], Dict[str, str]] = (None, {})
+        self._differ_from: Optional[int] = None  # the hook lets parameters differ (post-local SGD)
 
     @property
     def global_loss(self) -> Optional[float]:
@@ -97,6 +98,7 @@ class ProcessLink(Link):
     def watch(self, record: WorkRecord) -> None:
         watch_steps(record)
         self.work = record
+        record.differ_from = self._differ_from
 
     def gpu_reduction(self, op: str, local: int) -> Tuple[str, float, Optional[Callable]]:
         return (*nccl_op(op, self.local_counts), self._nccl_rendezvous())
@@ -254,8 +256,11 @@ class ProcessLink(Link):
     def settings_changed(self) -> None:
         self._settings_due = True
 
-    def note_hook(self, name: str, state: Dict[str, str]) -> None:
+    def note_hook(self, name: str, state: Dict[str, str], differ_from: Optional[int]) -> None:
         self.hook = (name, state)
+        self._differ_from = differ_from
+        if self.work is not None:
+            self.work.differ_from = differ_from
         self._settings_due = True
 
     def _compare_settings(self) -> None:

@@ -37,6 +37,10 @@ class WorkRecord:
         # the checksum cannot see ranks stepping with different settings.
         self.shard: Any = False
         self._made: List[weakref.ref] = []  # dmodel.optimizer's, in the order made
+        # From this synced backward on, a communication hook lets the ranks'
+        # parameters differ on purpose (torch's post-local SGD, between its
+        # model averager's averages): no checksum from there.
+        self.differ_from: Optional[int] = None
 
     def backward_done(self) -> None:
         self.backwards_since_sync += 1
@@ -70,7 +74,7 @@ class WorkRecord:
         (the link's wait before it) may have taken it already, off the
         critical path."""
         checksum = 0
-        if not self.on_gpu and iteration % CHECKSUM_EVERY == 0:
+        if self._checksums(iteration):
             if self._ahead is None or self._ahead[0] != iteration:
                 self._ahead = (iteration, self.checksum())
             checksum = self._ahead[1]
@@ -117,8 +121,14 @@ class WorkRecord:
         wire: the checksum synced backward `iteration` will carry, if it is
         one that carries it (the parameters as they are now: a change made
         later is seen CHECKSUM_EVERY synced backwards on)."""
-        if not self.on_gpu and iteration % CHECKSUM_EVERY == 0:
+        if self._checksums(iteration):
             self._ahead = (iteration, self.checksum())
+
+    def _checksums(self, iteration: int) -> bool:
+        """Whether synced backward `iteration` carries the checksum."""
+        if self.on_gpu or iteration % CHECKSUM_EVERY:
+            return False
+        return self.differ_from is None or iteration < self.differ_from
 
     def checksum(self) -> int:
         with torch.no_grad():

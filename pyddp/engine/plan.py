@@ -120,6 +120,22 @@ def hook_state_settings(state: Any) -> Dict[str, str]:
     return settings
 
 
+def local_sgd_start(hook: Callable[..., Any], state: Any) -> Optional[int]:
+    """torch's post-local SGD hook reduces over the whole group for its
+    first `start_localSGD_iter` synced backwards, then over a subgroup or
+    not at all: from there each rank's parameters differ on purpose until a
+    model averager averages them. The synced backward where that starts
+    (registration comes before the first backward), or None for any other
+    hook."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+
+    if getattr(hook, "func", hook) is not post_localSGD_hook.post_localSGD_hook:
+        return None
+    return max(0, int(state.start_localSGD_iter) - int(state.iter))
+
+
 def _is_group(value: Any) -> bool:
     return torch.distributed.is_available() and isinstance(value, torch.distributed.ProcessGroup)
 
@@ -351,7 +367,7 @@ class Plan:
         fn = getattr(hook, "func", hook)  # (a functools.partial's function)
         name = getattr(fn, "__qualname__", type(fn).__name__)
         name = f"{getattr(fn, '__module__', None) or '?'}.{name}"
-        self.link.note_hook(name, hook_state_settings(state))
+        self.link.note_hook(name, hook_state_settings(state), local_sgd_start(hook, state))
         self.hook_set = True
 
     def _compress_on_gpus(self, state: Any, hook: Callable[..., Any]) -> None:

@@ -21,7 +21,9 @@ Accepted torch-DDP arguments, with pyddp's reading: bucket_cap_mb and
 broadcast_buffers (the same options), find_unused_parameters,
 gradient_as_bucket_view and static_graph (what pyddp always does),
 ddp_comm_hook/ddp_comm_state/ddp_comm_wrapper (registered on the wrapped
-model, CPU across processes). Refused by name: model averaging."""
+model, on CPUs too, where Lightning's own DDP registers none), and
+model_averaging_period (post-local SGD, run by Lightning's DDP strategy as
+for its own DDP)."""
 
 from __future__ import annotations
 
@@ -65,8 +67,13 @@ class PyddpStrategy(pl_strategies.DDPStrategy):
         self._hook = {k: kwargs.pop(k, None) for k in _HOOKS}
         if self._hook["ddp_comm_hook"] is None and self._hook["ddp_comm_wrapper"] is not None:
             raise TypeError("PyddpStrategy: ddp_comm_wrapper= needs ddp_comm_hook=")
+        # Post-local SGD as Lightning's DDP strategy runs it: given a
+        # PostLocalSGDState, its setup makes a PeriodicModelAverager of this
+        # period and its optimizer_step averages the parameters after each step.
+        if "model_averaging_period" in kwargs:
+            lightning_own["model_averaging_period"] = kwargs.pop("model_averaging_period")
         self._pyddp_options: Dict[str, Any] = wrap_options(kwargs, "PyddpStrategy")
-        super().__init__(**lightning_own)
+        super().__init__(ddp_comm_state=self._hook["ddp_comm_state"], **lightning_own)
 
     def _setup_model(self, model: nn.Module) -> DistributedModel:  # type: ignore[override]
         return wrap(model, [self.root_device], **self._pyddp_options)

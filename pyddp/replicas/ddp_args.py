@@ -35,7 +35,9 @@ PLACEMENT = {
 
 NOT_YET = {
     "bucket_cap_mb_list": "pass bucket_cap_mb (and first_bucket_cap_mb)",
-    "model_averaging_period": "post-local SGD model averaging is not supported",
+    "model_averaging_period": "a Lightning strategy argument (pyddp.lightning.PyddpStrategy "
+    "takes it); elsewhere register torch's post_localSGD_hook on the wrapped model and run "
+    "a PeriodicModelAverager after each optimizer step",
     "mixed_precision": "DDP's mixed_precision (parameters in low precision) is not "
     "supported; use the trainer's mixed precision (autocast)",
     "init_sync": "pyddp always broadcasts rank 0's parameters and buffers at wrap",
