@@ -249,6 +249,42 @@ def test_values_changed_on_the_users_model_reach_every_replica():
     dm.close()
 
 
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_a_parameters_gradient_hooks_run_on_every_replica(replicas):
+    # Found: a hook registered with p.register_hook (a gradient mask) ran on
+    # replica 0's share only (a deepcopy drops it), so the reduced gradient
+    # was mostly unmasked, without an error. Each replica now runs it on its
+    # share, as each rank does under torch DDP: a linear hook (mask, scale)
+    # then equals one device.
+    torch.manual_seed(0)
+    model = Net(norm=False)
+    model.drop.p = 0.0
+    ref = copy.deepcopy(model)
+    mask = (torch.arange(48).reshape(8, 6) % 3 != 0).float()
+    hooks = [m.body.weight.register_hook(lambda g: g * mask) for m in (model, ref)]
+    dm = pyddp.wrap(model, ["cpu"] * replicas)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for k, (x, y) in enumerate(data(5, batch=9)):
+        if k == 1:  # registered after wrap: the bias's first hook, a new dict
+            later = [m.head.bias.register_hook(lambda g: 3 * g) for m in (model, ref)]
+        if k == 3:  # and removed again
+            for h in hooks + later:
+                h.remove()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        F.cross_entropy(dm(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        if k < 3:
+            assert torch.equal(model.body.weight.grad[mask == 0], torch.zeros(16)), k
+        torch.testing.assert_close(model.head.bias.grad, ref.head.bias.grad, rtol=1e-5, atol=1e-6)
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    dm.close()
+
+
 def test_a_step_failing_on_one_replica_leaves_the_replicas_equal():
     torch.manual_seed(0)
     dm = pyddp.wrap(Net(), ["cpu", "cpu", "cpu"])

@@ -4,6 +4,11 @@ the next forward with an error that names it. Checked before every forward, in
 O(modules + parameters) attribute reads:
 
 - train/eval modes and `requires_grad` are copied to the other replicas;
+- a parameter's own gradient hooks (`p.register_hook`, e.g. a mask) run on
+  every replica's gradient, as on every rank under torch DDP: each replica
+  parameter shares replica 0's hook dict (a deepcopy drops it), so hooks
+  added or removed later reach every replica, and a dict made by the first
+  `register_hook` after wrap is shared before the next forward;
 - a parameter changed in place on one replica only (`model.load_state_dict`,
   an optimizer over `model.parameters()`, a manual edit) is seen through the
   tensors' version counters, which the replicated optimizer and
@@ -92,6 +97,8 @@ class ReplicaMirror:
         self.training = [m.training for m in self.modules[0]]
         self.storage = [p.data_ptr() for p in self.params[0]]
         self.head = list(map(_version_and_grad, self.params[0]))
+        self.hook_dicts: List[object] = []
+        self._share_hooks()
         self.versions = [list(map(_version, ps)) for ps in self.params[1:]]
         # Every buffer slot (module's dict, local name) of every replica, in
         # the same order: follow() keeps the modules and their buffer counts
@@ -141,6 +148,8 @@ class ReplicaMirror:
         ):
             self._raise_replaced()
         first = self.params[0]
+        if not all(map(operator.is_, map(_hook_dict, first), self.hook_dicts)):
+            self._share_hooks()
         training = list(map(_TRAINING, self.modules[0]))
         if training != self.training:
             for mods in self.modules[1:]:
@@ -189,6 +198,15 @@ class ReplicaMirror:
             versions = [list(map(_version, ps)) for ps in self.params[1:]]
         self.head, self.versions = head, versions
         return new_storage
+
+    def _share_hooks(self) -> None:
+        """Every replica's parameter runs replica 0's tensor hooks: it holds
+        the same dict (read by torch when the gradient arrives)."""
+        self.hook_dicts = list(map(_hook_dict, self.params[0]))
+        for ps in self.params[1:]:
+            for p, hooks in zip(ps, self.hook_dicts):
+                if hooks is not None and p._backward_hooks is not hooks:
+                    p._backward_hooks = hooks
 
     def _layout(self) -> List[Tuple[int, ...]]:
         """Per module of replica 0: how many parameters, submodules and buffers,
@@ -239,5 +257,6 @@ _LAYOUT_DICTS = operator.attrgetter(
 _TRAINING = operator.attrgetter("training")
 _MODULES = operator.attrgetter("_modules")
 _version = operator.attrgetter("_version")
+_hook_dict = operator.attrgetter("_backward_hooks")
 _version_and_grad = operator.attrgetter("_version", "requires_grad")
 _data_ptr = operator.methodcaller("data_ptr")
