@@ -658,6 +658,55 @@ def test_a_ctrl_c_between_the_step_and_the_copy_leaves_the_replicas_equal():
         same_replicas(dm)
 
 
+@pytest.mark.parametrize("how", ["ctrl-c threads", "ctrl-c in_turn", "module alone"])
+def test_zero_grad_drops_a_backward_that_did_not_finish(how):
+    # Found: after a Ctrl-C inside loss.backward(), zero_grad() raised
+    # "call finish() ... or abort()", which a wrapped model does not have;
+    # a loop that went on anyway accumulated the next step onto the cut
+    # one's gradients (doubled). The same after a backward through
+    # dmodel.module(x), which only replica 0's hooks see.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    armed = []
+
+    def ctrl_c_once(grad):
+        if armed:
+            armed.pop()
+            raise KeyboardInterrupt
+
+    def on_output(module, inputs, out):
+        if out.requires_grad:
+            out.register_hook(ctrl_c_once)  # on every replica (copied at wrap)
+
+    model[1].register_forward_hook(on_output)
+    ref = copy.deepcopy(model)
+    mode = how.split()[-1] if how.startswith("ctrl-c") else "auto"
+    dm = pyddp.wrap(model, ["cpu", "cpu"], run_replicas=mode)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ((x, y),) = data(1)
+    if how == "module alone":
+        F.cross_entropy(dm.module(x), y).backward()
+    else:
+        armed.append(1)
+        with pytest.raises(KeyboardInterrupt):
+            F.cross_entropy(dm(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"cut short \(Ctrl-C\), or ran through dmodel\.module"):
+        opt.step()
+    opt.zero_grad()  # drops it
+    for k in range(2):
+        F.cross_entropy(dm(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
+        opt.step()
+        ref_opt.step()
+        (dm if k else opt).zero_grad()
+        ref_opt.zero_grad()
+    same_replicas(dm)
+    dm.close()
+
+
 def test_gradsync_compares_frozen_parameters_and_buffers():
     m0 = Net()
     m1 = copy.deepcopy(m0)

@@ -212,7 +212,27 @@ class GradientShards:
         return self._r._in_turn(what, settled)
 
     def check_step(self) -> None:
-        self._r.check_step()
+        r = self._r
+        r._check_open()
+        if r._engine is not None and r._engine.active:
+            raise RuntimeError(
+                "pyddp: cannot step: a backward did not finish, so its gradients are not "
+                "reduced: it was cut short (Ctrl-C), or ran through dmodel.module(...) alone "
+                "(replica 0 only); call zero_grad() (which drops it) and run the step again "
+                "through dmodel(...)"
+            )
+        r.check_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._r.zero_grad(set_to_none)
+        """A backward left open is dropped first (wrap's, where no finish() or
+        abort() is the user's to call): cut short by Ctrl-C, or run through
+        dmodel.module alone, which only replica 0's hooks saw. The replicas'
+        queued work ends, then the engine's backward is aborted (across
+        processes the others are told: their buckets would pair with the
+        next step's)."""
+        r = self._r
+        r._check_open()
+        if r._engine is not None and r._engine.active:
+            r._run_per_replica([lambda: None] * len(r._replicas), "wait")
+            r.abort("zero_grad() dropped a backward that did not finish (a Ctrl-C?)")
+        r.zero_grad(set_to_none)

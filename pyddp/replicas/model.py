@@ -225,7 +225,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         return self._reducer.no_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._reducer.zero_grad(set_to_none)
+        self._reducer.gradients().zero_grad(set_to_none)  # (drops a backward cut short)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """torch DDP's register_comm_hook (see GradSync.register_comm_hook):
