@@ -487,3 +487,77 @@ def test_avg_accumulates_over_synced_backwards_without_zero_grad():
     for m in (m0, m1):
         for p, q in zip(m.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
+
+
+class _Critic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x, scale=None):
+        out = self.b(torch.tanh(self.a(x)))
+        return out if scale is None else out * scale
+
+
+@pytest.mark.parametrize("n, mode", [(2, "threads"), (3, "in_turn")])
+@pytest.mark.parametrize("how", ["forward", "scalar input", "loss", "retain_graph", "leaf"])
+def test_inputs_from_layers_outside_the_wrapper_get_one_devices_gradients(n, mode, how):
+    # Found: a wrapped critic fed by an unwrapped generator (a GAN's
+    # generator step) raised "Trying to backward through the graph a second
+    # time": each CPU replica's backward ran on into the generator's graph.
+    torch.manual_seed(0)
+    gen, critic = nn.Linear(4, 8), _Critic()
+    gen1, critic1 = copy.deepcopy(gen), copy.deepcopy(critic)
+    dm = pyddp.wrap(critic, ["cpu"] * n, run_replicas=mode)
+    z, y = torch.randn(10, 4), torch.randn(10, 1)
+    scale, scale1 = (torch.tensor(1.5, requires_grad=True) for _ in range(2))
+    x, x1 = gen(z), gen1(z)
+    if how == "leaf":  # an input that is itself a leaf (an adversarial example's)
+        x = torch.randn(10, 8, requires_grad=True)
+        x1 = x.detach().clone().requires_grad_()
+    if how == "loss":
+        loss, loss1 = dm.loss(F.mse_loss, x, y), F.mse_loss(critic1(x1), y)
+    elif how == "scalar input":  # 0-dim: every replica takes the same tensor
+        loss, loss1 = dm(x, scale=scale).square().mean(), critic1(x1, scale=scale1).square().mean()
+    else:
+        loss, loss1 = dm(x).square().mean(), critic1(x1).square().mean()
+    if how == "retain_graph":
+        loss.backward(retain_graph=True)
+        loss1.backward(retain_graph=True)
+    loss.backward()
+    loss1.backward()
+    assert_grads_close(grads(critic), grads(critic1))
+    assert_grads_close(grads(gen), grads(gen1))
+    for a, b in [(scale, scale1)] * (how == "scalar input") + [(x, x1)] * (how == "leaf"):
+        torch.testing.assert_close(a.grad, b.grad, atol=ATOL, rtol=RTOL)
+    dm.close()
+
+
+@pytest.mark.parametrize("call", ["autograd.grad", "backward(inputs=...)"])
+def test_input_gradients_alone_touch_no_parameter_as_on_one_device(call):
+    # autograd.grad(out, x) (an adversarial example's gradient) and
+    # backward(inputs=[x]) compute x's gradient only: the replicas' backward
+    # leaves every parameter's gradient alone (it accumulated into them
+    # before, and reduced them), and a later full step is one device's.
+    torch.manual_seed(0)
+    model = _Critic()
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    x, y = torch.randn(10, 8), torch.randn(10, 1)
+    x, x1 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    if call == "autograd.grad":
+        (g,) = torch.autograd.grad(F.mse_loss(dm(x), y), x)
+        (g1,) = torch.autograd.grad(F.mse_loss(ref(x1), y), x1)
+    else:
+        F.mse_loss(dm(x), y).backward(inputs=[x])
+        F.mse_loss(ref(x1), y).backward(inputs=[x1])
+        g, g1 = x.grad, x1.grad
+    torch.testing.assert_close(g, g1, atol=ATOL, rtol=RTOL)
+    assert all(p.grad is None for r in dm.replicas for p in r.parameters())
+    adv = (x + 0.1 * g.sign()).detach()
+    F.mse_loss(dm(adv), y).backward()
+    F.mse_loss(ref(adv), y).backward()
+    assert_grads_close(grads(model), grads(ref))
+    with pytest.raises(RuntimeError, match=r"autograd.grad\(create_graph=True\) is not supported"):
+        torch.autograd.grad(F.mse_loss(dm(x), y), x, create_graph=True)
+    dm.close()

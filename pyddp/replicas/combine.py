@@ -12,7 +12,44 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-RunBackward = Callable[[List[List[torch.Tensor]], List[List[Any]]], None]
+# (replicas' tensors, their grads, the inputs cut, whether the backward is whole)
+RunBackward = Callable[[List[List[torch.Tensor]], List[List[Any]], Any, bool], None]
+
+
+class InputCut:
+    """Input shards that need a gradient, cut where the replicas take them,
+    for CPU replicas, whose backwards run on their workers, each over its own
+    graph. A graph upstream of the inputs (layers the wrapped model does not
+    own: a GAN's generator before a wrapped discriminator) would be run once
+    per replica, and the second run found it freed. Each replica gets a leaf
+    of its own instead; CombineFn takes the shards it cut as inputs and
+    returns the leaves' gradients to them, so autograd runs that graph once,
+    after the replicas."""
+
+    def __init__(self) -> None:
+        self.shards: List[torch.Tensor] = []
+        self.leaves: List[torch.Tensor] = []
+
+    def cut(self, shard: torch.Tensor) -> torch.Tensor:
+        """The leaf replica code sees in place of `shard`."""
+        leaf = shard.detach().requires_grad_()
+        self.shards.append(shard)
+        self.leaves.append(leaf)
+        return leaf
+
+    def of(self, r: int, replicas: int) -> List[torch.Tensor]:
+        """Replica r's leaves (every replica has one per input cut)."""
+        k = len(self.leaves) // replicas
+        return self.leaves[r * k : (r + 1) * k]
+
+    def take_grads(self) -> List[Optional[torch.Tensor]]:
+        """The leaves' gradients from the replicas' backward (None where a
+        replica did not use its shard), cleared for a next backward over a
+        kept graph."""
+        grads = [leaf.grad for leaf in self.leaves]
+        for leaf in self.leaves:
+            leaf.grad = None
+        return grads
 
 
 class Combine:
@@ -24,17 +61,20 @@ class Combine:
         weights: Sequence[float],
         run_backward: RunBackward,
         detached: bool,
+        cut: Optional[InputCut] = None,
     ):
         """tensors[r][j]: replica r's tensor for column j, combined as kinds[j].
         run_backward(tensors, grads) is called from this node's backward;
         `detached`: the replicas' graphs are run by the owner's workers, so the
-        outer graph must not reach them."""
+        outer graph must not reach them (`cut`: the inputs it reaches instead)."""
         self.tensors = tensors
         self.kinds = list(kinds)
         self.device = device
         self.weights = list(weights)
         self.run_backward = run_backward
         self.detached = detached
+        self.cut = cut
+        self.outputs = sum(len(ts) for ts in tensors)
 
     def apply(self) -> Tuple[torch.Tensor, ...]:
         flat = [t for ts in self.tensors for t in ts]
@@ -42,8 +82,12 @@ class Combine:
             # The anchor keeps the output differentiable so this node's
             # backward is called.
             flat = [t.detach() for t in flat]
-        anchor = torch.empty(0, requires_grad=True)
-        return CombineFn.apply(self, anchor, *flat)
+        # A node of the anchor's own: autograd runs it in a whole backward
+        # (loss.backward()), not in autograd.grad(out, inputs) or
+        # backward(inputs=...), which ask for given tensors' gradients only.
+        anchor = torch.empty(0, requires_grad=True).view(0)
+        self.anchor_node = anchor.grad_fn
+        return CombineFn.apply(self, anchor, *flat, *(self.cut.shards if self.cut else ()))
 
     def combine(self, flat: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
         width = len(self.tensors[0])
@@ -78,19 +122,20 @@ class CombineFn(torch.autograd.Function):
         # Saved so that a second backward without retain_graph=True fails in
         # autograd itself, with torch's own message, before any replica runs.
         ctx.save_for_backward(anchor)
-        return node.combine(flat)
+        return node.combine(flat[: node.outputs])  # (then the shards InputCut cut)
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]):
         ctx.saved_tensors  # noqa: B018 - raises if the graph was freed (see forward)
         node = ctx.node
         per_replica = node.split(grads)
-        node.run_backward(node.tensors, per_replica)
+        whole = not node.detached or torch._C._will_engine_execute_node(node.anchor_node)
+        node.run_backward(node.tensors, per_replica, node.cut, whole)
         if node.detached:
-            flat_grads: List[Any] = [None] * sum(len(ts) for ts in node.tensors)
+            flat_grads: List[Any] = [None] * node.outputs
         else:
             flat_grads = [g for gs in per_replica for g in gs]
-        return (None, None, *flat_grads)
+        return (None, None, *flat_grads, *(node.cut.take_grads() if node.cut else ()))
 
 
 def combine_column(

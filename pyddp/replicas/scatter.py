@@ -9,17 +9,20 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .combine import combine_column
+from .combine import InputCut, combine_column
 from .tree import flatten, other_leaves, shard_sizes, structure
 
 # (per-replica tensors, their kinds, shard weights) -> the combined tensors
 CombineFn = Callable[[List[List[torch.Tensor]], List[str], List[float]], List[torch.Tensor]]
 
 
-def scatter(tree: Any, devices: Sequence[torch.device]) -> Tuple[List[Any], List[int]]:
+def scatter(
+    tree: Any, devices: Sequence[torch.device], cut: Optional[InputCut] = None
+) -> Tuple[List[Any], List[int]]:
     """Splits every batched tensor in `tree` along dim 0 over `devices`
     (shard sizes as even as possible; a batch smaller than the number of
-    devices uses the first `batch` ones) and moves each shard there."""
+    devices uses the first `batch` ones) and moves each shard there. `cut`:
+    shards that need a gradient become leaves of their own (combine.InputCut)."""
     leaves, rebuild = flatten(tree)
     batched = [t for t in leaves if t.dim() > 0]
     if not batched:
@@ -39,9 +42,13 @@ def scatter(tree: Any, devices: Sequence[torch.device]) -> Tuple[List[Any], List
     # replicas take part; the others contribute zeros to the reduction.
     sizes = shard_sizes(batch, min(batch, len(devices)))
     split = [[t] * len(sizes) if t.dim() == 0 else list(t.split(sizes)) for t in leaves]
+    if cut is not None and any(t.requires_grad for t in leaves):
+        place = lambda t, device: cut.cut(_to(t, device)) if t.requires_grad else _to(t, device)  # noqa: E731
+    else:
+        place = _to
     shards = []
     for r, device in enumerate(devices[: len(sizes)]):
-        shards.append(rebuild([_to(parts[r], device) for parts in split]))
+        shards.append(rebuild([place(parts[r], device) for parts in split]))
     return shards, sizes
 
 

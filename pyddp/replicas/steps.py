@@ -11,6 +11,7 @@ it reads."""
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from typing import (
     Any,
     Callable,
@@ -35,7 +36,7 @@ from .._link import Link
 from .._link.control import BUFFERS_BROADCAST
 from ..engine.faces import ReplicaDriver
 from ..errors import ReplicaError
-from .combine import Combine, combine_column
+from .combine import Combine, InputCut, combine_column
 from .scatter import batch_size, call_arguments, scatter
 from .syncbn import SyncBatchNorms
 from .workers import ReplicaWorkers
@@ -46,12 +47,13 @@ class StepFlags:
     forward and backward, and an nn.Module's own attribute costs a
     microsecond to set (Module.__setattr__)."""
 
-    __slots__ = ("finish_queued", "output_in_backward", "buffers_due")
+    __slots__ = ("finish_queued", "output_in_backward", "buffers_due", "cut")
 
     def __init__(self) -> None:
         self.finish_queued = False  # this backward's end is queued (_end_of_backward)
         self.output_in_backward = False  # the running backward went through a dmodel output
         self.buffers_due = False  # rank 0's buffers to every rank after this backward
+        self.cut: Optional[InputCut] = None  # this forward's input shards cut (combine.py)
 
 
 class StepsHost(Protocol):
@@ -104,8 +106,9 @@ class ReplicaSteps:
             _check_reduction(reduction)
             return _checked(loss_fn(self.module(*args, **kwargs), targets))
         with self._abandon_on_error("forward/loss"):
-            shards, _ = scatter((inputs, targets), self.devices)
-        return self.loss_on_shards(loss_fn, shards, reduction=reduction)
+            cut = self._input_cut()
+            shards, _ = scatter((inputs, targets), self.devices, cut)
+        return self._loss_on_shards(loss_fn, shards, reduction, None, cut)
 
     def loss_on_shards(
         self,
@@ -121,6 +124,16 @@ class ReplicaSteps:
         out. `context`, if
         given, is entered on each replica's thread around its forward and loss
         (e.g. autocast, which is thread-local)."""
+        return self._loss_on_shards(loss_fn, shards, reduction, context, None)
+
+    def _loss_on_shards(
+        self,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        shards: Sequence[Tuple[Tuple[Any, ...], Any]],
+        reduction: str,
+        context: Optional[Callable[[], ContextManager[Any]]],
+        cut: Optional[InputCut],
+    ) -> torch.Tensor:
         self._check_open()
         _check_reduction(reduction)
         if not 1 <= len(shards) <= len(self._replicas):
@@ -153,6 +166,7 @@ class ReplicaSteps:
             self._reducer.note_forward_end()
         if self._passthrough or not any(v.requires_grad for v in losses):
             return combine_column(losses, "sum", self.devices[0], [])
+        self._flags.cut = cut
         return self._combine([[v] for v in losses], ["sum"], [])[0]
 
     @contextlib.contextmanager
@@ -173,14 +187,21 @@ class ReplicaSteps:
     ) -> List[torch.Tensor]:
         """Combines per-replica tensors on devices[0] through autograd: backward
         through the result runs every replica's backward (_backward)."""
+        cut, self._flags.cut = self._flags.cut, None  # (set just before, by the caller)
         node = Combine(
-            tensors, kinds, self.devices[0], weights, self._backward, self._parallel_backward
+            tensors, kinds, self.devices[0], weights, self._backward, self._parallel_backward, cut
         )
         return list(node.apply())
 
+    def _input_cut(self) -> Optional[InputCut]:
+        """Where each CPU replica's backward runs over its own graph (on its
+        worker), inputs that need a gradient are cut (combine.InputCut)."""
+        return InputCut() if self._parallel_backward and torch.is_grad_enabled() else None
+
     def _start(self, tree: Any) -> Tuple[List[Any], List[int]]:
         """Scatters `tree` and readies the replicas for a new iteration."""
-        shards, sizes = scatter(tree, self.devices)
+        self._flags.cut = cut = self._input_cut()
+        shards, sizes = scatter(tree, self.devices, cut)
         self._begin(sum(sizes))
         return shards, sizes
 
@@ -237,10 +258,23 @@ class ReplicaSteps:
 
         return run
 
-    def _backward(self, tensors: List[List[torch.Tensor]], grads: List[List[Any]]) -> None:
+    def _backward(
+        self,
+        tensors: List[List[torch.Tensor]],
+        grads: List[List[Any]],
+        cut: Optional[InputCut],
+        whole: bool,
+    ) -> None:
         """Runs in the outer backward when it reaches the gathered output or the
         returned loss: schedules the end-of-backward bookkeeping and, for CPU
-        replicas, runs every replica's backward on its worker."""
+        replicas, runs every replica's backward on its worker. Not `whole`
+        (CPU replicas under autograd.grad(out, inputs) or backward(inputs=...)):
+        only the gradients of the inputs `cut`, as one device computes them
+        there, with no parameter's gradient touched and nothing reduced."""
+        if not whole:
+            if cut is not None:
+                self._input_gradients(tensors, grads, cut)
+            return
         if self._flags.output_in_backward:
             # The outputs of two dmodel(...) calls in one backward: each
             # replica's gradients would arrive twice in one synced backward.
@@ -278,20 +312,7 @@ class ReplicaSteps:
         retain = _keep_graph()
 
         def run(r: int) -> Callable[[], None]:
-            def backward() -> None:
-                # An output that needs no gradient on this replica (a constant
-                # auxiliary loss on a shard without the case) has nothing to run.
-                pairs = [
-                    (t, g)
-                    for t, g in zip(tensors[r], grads[r])
-                    if g is not None and t.requires_grad
-                ]
-                if pairs:
-                    _replica_backward(
-                        tuple(t for t, _ in pairs), tuple(g for _, g in pairs), retain
-                    )
-
-            return backward
+            return partial(_replica_backward, tensors[r], grads[r], retain)
 
         if self._streams is not None:
             # Simulated GPUs (host tensors): their provider runs the backwards
@@ -309,6 +330,19 @@ class ReplicaSteps:
             self._flags.finish_queued = False
             self._reducer.abort()
             raise
+
+    def _input_gradients(
+        self, tensors: List[List[torch.Tensor]], grads: List[List[Any]], cut: InputCut
+    ) -> None:
+        """The inputs' gradients alone, each replica's into its leaves."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("pyddp: autograd.grad(create_graph=True) is not supported with "
+                               "CPU replicas")  # fmt: skip
+        retain, n = _keep_graph(), len(tensors)
+        self._workers.run(
+            [partial(_replica_backward, tensors[r], grads[r], retain, cut.of(r, n))
+             for r in range(n)], "input gradients",
+        )  # fmt: skip
 
     def _backward_began(self) -> None:
         """A gradient arrived in a backward that did not pass through this
@@ -350,25 +384,35 @@ class ReplicaSteps:
 
 
 def _replica_backward(
-    tensors: Tuple[torch.Tensor, ...], grads: Tuple[torch.Tensor, ...], retain: bool
+    outputs: Sequence[torch.Tensor],
+    output_grads: Sequence[Any],
+    retain: bool,
+    inputs: Sequence[torch.Tensor] = (),
 ) -> None:
-    """torch.autograd.backward(tensors, grads, retain_graph=retain), without
-    its argument handling (~30 us a call on a 2-core Xeon, once per replica
-    per step): the gradients are this model's own split of the outer
-    gradient, plain tensors of the outputs' shapes. Anything else takes the
-    public call: a shape that differs (the public call raises where the
-    engine would broadcast), tensor subclasses or an active torch function
-    mode (which may override backward), a torch without the engine entry."""
+    """torch.autograd.backward(tensors, grads, retain_graph=retain,
+    inputs=inputs or None) over one replica's outputs that need a gradient
+    and got one (a constant auxiliary loss on a shard without the case has
+    none), without the public call's argument handling (~30 us a call on a
+    2-core Xeon, once per replica per step): the gradients are this model's
+    own split of the outer gradient, plain tensors of the outputs' shapes.
+    Anything else takes the public call: a shape that differs (the public
+    call raises where the engine would broadcast), tensor subclasses or an
+    active torch function mode (which may override backward), a torch
+    without the engine entry."""
+    pairs = [(t, g) for t, g in zip(outputs, output_grads) if g is not None and t.requires_grad]
+    if not pairs:
+        return
+    tensors, grads = tuple(t for t, _ in pairs), tuple(g for _, g in pairs)
     if (
         _engine_run_backward is None
         or torch._C._is_torch_function_mode_enabled()
         or any(type(t) is not torch.Tensor for t in (*tensors, *grads))
         or any(t.shape != g.shape for t, g in zip(tensors, grads))
     ):
-        torch.autograd.backward(tensors, grads, retain_graph=retain)
+        torch.autograd.backward(tensors, grads, retain_graph=retain, inputs=inputs or None)
         return
     _engine_run_backward(
-        tensors, grads, retain, False, (), allow_unreachable=True, accumulate_grad=True
+        tensors, grads, retain, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True
     )
 
 
