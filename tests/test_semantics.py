@@ -561,3 +561,29 @@ def test_input_gradients_alone_touch_no_parameter_as_on_one_device(call):
     with pytest.raises(RuntimeError, match=r"autograd.grad\(create_graph=True\) is not supported"):
         torch.autograd.grad(F.mse_loss(dm(x), y), x, create_graph=True)
     dm.close()
+
+
+def test_a_loss_over_masked_targets_equals_one_device_as_a_sum_over_a_count():
+    # dmodel.loss weighs each shard's mean by its rows: the full batch's
+    # mean when every row weighs the same. A mean over the targets that are
+    # not ignored (ignore_index, padding) weighs shards by their own counts:
+    # the documented recipe, a sum divided by the batch's count, is one
+    # device's, and the shard-mean version is not (docs/semantics.md).
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(10, 8), torch.randint(0, 3, (10,))
+    y[:4] = -100  # replica 0's shard mostly ignored
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    summed = dm.loss(
+        lambda out, t: F.cross_entropy(out, t, ignore_index=-100, reduction="sum"),
+        x, y, reduction="sum",
+    ) / (y != -100).sum()  # fmt: skip
+    one = F.cross_entropy(ref(x), y, ignore_index=-100)
+    torch.testing.assert_close(summed, one, atol=ATOL, rtol=RTOL)
+    summed.backward()
+    one.backward()
+    assert_grads_close(grads(model), grads(ref))
+    shard_means = dm.loss(lambda out, t: F.cross_entropy(out, t, ignore_index=-100), x, y)
+    assert abs(shard_means.item() - one.item()) > 1e-2  # what the docs warn of
+    dm.close()

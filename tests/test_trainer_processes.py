@@ -192,6 +192,53 @@ def test_trainer_trains_the_smallest_number_of_batches_when_ranks_data_are_uneve
         assert len(r["warnings"]) == 1 and "rank 0: 2, rank 1: 3" in r["warnings"][0], r
 
 
+def trainer_settings(out: dict) -> None:
+    """Each rank fits with its own TrainConfig (SCENARIO: field=rank0/rank1),
+    then (a fit is refused before it trains) fixes it and fits again."""
+    field, values = os.environ["SCENARIO"].split("=")
+    value = int(values.split("/")[pyddp.rank()])
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g)
+    cfg = pyddp.TrainConfig(**{"batch_size": 8, "max_epochs": 2, "progress": False, field: value})
+    with pyddp.Trainer(
+        eval_norm(net()),
+        ["cpu"],
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=nn.functional.mse_loss,
+        config=cfg,
+    ) as t:
+        try:
+            t.fit((x, y))
+            out["error"] = None
+        except ValueError as e:
+            out["error"] = str(e)
+        setattr(t.config, field, int(values.split("/")[0]))
+        out["steps"] = t.fit((x, y)).state.step
+
+
+@pytest.mark.parametrize(
+    "scenario, shown",
+    [
+        ("max_epochs=2/3", "max_epochs: rank 0 2, rank 1 3"),
+        ("batch_size=8/16", "batch_size: rank 0 8, rank 1 16"),
+        ("eval_every_steps=2/3", "eval_every_steps: rank 0 2, rank 1 3"),
+        ("prefetch=1/3", None),  # a rank's own
+    ],
+)
+def test_ranks_that_fit_with_different_settings_are_named(tmp_path, scenario, shown):
+    # Found: max_epochs=2 on rank 0 and 3 on rank 1 ended rank 0 normally
+    # and failed rank 1 at epoch 3 blaming rank 0 as missing; a different
+    # batch_size only warned that the ranks' data differ, and trained on.
+    got = spawn(trainer_settings, env={"SCENARIO": scenario, "PYDDP_TIMEOUT_S": "30"}, out=tmp_path)
+    for r in got:
+        if shown is None:
+            assert r["error"] is None, r
+        else:
+            assert "the ranks fit with different settings" in (r["error"] or ""), r
+            assert shown in r["error"], r
+        assert r["steps"] == 8, r  # the same settings: 2 epochs of 4 steps
+
+
 def trainer_disk_full(out: dict) -> None:
     """Rank 0's disk fills during the Trainer's second checkpoint: every
     rank raises naming the file and the full disk (rank 0 used to get

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Type, Union
 
@@ -44,6 +44,11 @@ Metric = Callable[[Any, Any], torch.Tensor]  # (outputs, targets) -> mean over t
 # The Trainer's exchanges across processes (see pyddp._link.control).
 _BATCHES = exchange("the number of batches per epoch on each rank")
 _OUTPUT_DIR = exchange("rank 0's output directory")
+_SETTINGS = exchange("each rank's Trainer settings at fit()")
+# TrainConfig's fields a rank may set for itself: rank 0's output_dir is
+# every rank's, only rank 0 shows progress and prunes checkpoints, and the
+# prefetch depth is local.
+_RANK_OWN = ("output_dir", "progress", "max_to_keep", "prefetch")
 
 
 @dataclass
@@ -224,6 +229,7 @@ class Trainer(EpochLoop, TrainerCheckpoints):
     def _fit(self, train_data: Any, valid_data: Any) -> FitResult:
         cfg = self.config
         cfg.validate()
+        self._same_settings_on_every_rank(cfg)
         loader = ShardedLoader(
             train_data,
             cfg.batch_size,
@@ -273,6 +279,31 @@ class Trainer(EpochLoop, TrainerCheckpoints):
                     self._interrupted_in = "window"
                 raise
         return FitResult(self.state, self.best_state_dict, self.state.stop_reason, self.output_dir)
+
+    def _same_settings_on_every_rank(self, cfg: TrainConfig) -> None:
+        """Across processes the loop's validation, checkpoints and stop
+        decisions are collective: ranks that fit with other limits, cadences
+        or batch sizes would wait for each other at different steps, and the
+        first to finish would be blamed as missing. Refused at fit() on
+        every rank, naming each field that differs and each rank's value."""
+        if not self.ranks.spans_processes:
+            return
+        mine = {f.name: repr(getattr(cfg, f.name)) for f in fields(cfg) if f.name not in _RANK_OWN}
+        mine["scheduler"] = qualname(type(self.scheduler)) if self.scheduler is not None else "None"
+        every = self.ranks.gather(mine, _SETTINGS)
+        differ = [k for k in mine if len({e.get(k) for e in every}) > 1]
+        if differ:
+            names = self.ranks.global_ranks
+            shown = "; ".join(
+                f"{k}: " + ", ".join(f"rank {names[r]} {e.get(k)}" for r, e in enumerate(every))
+                for k in differ
+            )
+            raise ValueError(
+                f"pyddp Trainer: the ranks fit with different settings ({shown}); every rank "
+                "validates, checkpoints and stops together, so every rank must fit with the "
+                "same TrainConfig and scheduler (output_dir, progress, max_to_keep and prefetch "
+                "excepted)"
+            )
 
     def _even_out(self, loader: ShardedLoader) -> None:
         """Every rank must take the same number of steps per epoch (its
