@@ -416,7 +416,7 @@ def test_wrap_and_gradsync_make_every_vml_first_call_first(monkeypatch):
 
 
 def test_replica_backward_by_the_engine_entry_equals_the_public_call(monkeypatch):
-    # steps._replica_backward skips torch.autograd.backward's argument
+    # combine.replica_backward skips torch.autograd.backward's argument
     # handling; without the engine entry (another torch) it takes the public
     # call. Both give the same bytes, on threads and in turn.
     import copy
@@ -424,14 +424,14 @@ def test_replica_backward_by_the_engine_entry_equals_the_public_call(monkeypatch
     from conftest import Mixed, make_batches
 
     import pyddp
-    import pyddp.replicas.steps as steps
+    import pyddp.replicas.combine as combine
 
-    assert steps._engine_run_backward is not None  # this torch: the direct path is tested
+    assert combine._engine_run_backward is not None  # this torch: the direct path is tested
     torch.manual_seed(0)
     model = Mixed()
     got = []
-    for entry in (steps._engine_run_backward, None):
-        monkeypatch.setattr(steps, "_engine_run_backward", entry)
+    for entry in (combine._engine_run_backward, None):
+        monkeypatch.setattr(combine, "_engine_run_backward", entry)
         for run in ("threads", "in_turn"):
             dm = pyddp.wrap(copy.deepcopy(model), ["cpu"] * 3, run_replicas=run)
             opt = dm.optimizer(torch.optim.AdamW, lr=0.01)

@@ -132,8 +132,9 @@ def local_sgd_start(hook: Callable[..., Any], state: Any) -> Optional[int]:
     from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
 
     if getattr(hook, "func", hook) is not post_localSGD_hook.post_localSGD_hook:
-        return None
-    return max(0, int(state.start_localSGD_iter) - int(state.iter))
+        return None  # (also wrapped in another hook, e.g. fp16_compress_wrapper: not seen)
+    start = getattr(state, "start_localSGD_iter", None)  # (a wrong state: the hook says so)
+    return None if start is None else max(0, int(start) - int(getattr(state, "iter", 0)))
 
 
 def _is_group(value: Any) -> bool:

@@ -1,6 +1,8 @@
 """Combining per-replica tensors into one on devices[0] (gathered outputs, the
 summed loss) as an autograd node whose backward hands each replica its share of
-the gradient and calls back the owner to run the replicas' backward.
+the gradient and calls back the owner to run the replicas' backward (one
+replica's: replica_backward), and the input shards that need a gradient cut
+where the replicas take them (InputCut).
 
 How a column (one output position, one tensor per replica) is combined:
 "cat" concatenates along dim 0; "mean" takes the shard-size-weighted mean of
@@ -12,8 +14,13 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-# (replicas' tensors, their grads, the inputs cut, whether the backward is whole)
-RunBackward = Callable[[List[List[torch.Tensor]], List[List[Any]], Any, bool], None]
+try:  # the entry torch.autograd.backward itself calls (logging hooks, TLS context)
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # another torch: the public call
+    _engine_run_backward = None
+
+# (replicas' tensors, their grads, the inputs cut, the call: see backward_call)
+RunBackward = Callable[[List[List[torch.Tensor]], List[List[Any]], Any, str], None]
 
 
 class InputCut:
@@ -42,14 +49,16 @@ class InputCut:
         k = len(self.leaves) // replicas
         return self.leaves[r * k : (r + 1) * k]
 
-    def take_grads(self) -> List[Optional[torch.Tensor]]:
-        """The leaves' gradients from the replicas' backward (None where a
-        replica did not use its shard), cleared for a next backward over a
-        kept graph."""
-        grads = [leaf.grad for leaf in self.leaves]
+    def clear(self) -> None:
+        """Before the replicas' backward (a kept graph may run again, after
+        one that raised before its gradients were taken)."""
         for leaf in self.leaves:
             leaf.grad = None
-        return grads
+
+    def grads(self) -> List[Optional[torch.Tensor]]:
+        """The leaves' gradients from the replicas' backward (None where a
+        replica did not use its shard)."""
+        return [leaf.grad for leaf in self.leaves]
 
 
 class Combine:
@@ -129,13 +138,21 @@ class CombineFn(torch.autograd.Function):
         ctx.saved_tensors  # noqa: B018 - raises if the graph was freed (see forward)
         node = ctx.node
         per_replica = node.split(grads)
-        whole = not node.detached or torch._C._will_engine_execute_node(node.anchor_node)
-        node.run_backward(node.tensors, per_replica, node.cut, whole)
+        if node.cut:
+            node.cut.clear()
+        node.run_backward(node.tensors, per_replica, node.cut, backward_call(node.anchor_node))
         if node.detached:
             flat_grads: List[Any] = [None] * node.outputs
         else:
             flat_grads = [g for gs in per_replica for g in gs]
-        return (None, None, *flat_grads, *(node.cut.take_grads() if node.cut else ()))
+        return (None, None, *flat_grads, *(node.cut.grads() if node.cut else ()))
+
+
+def backward_call(anchor_node: Any) -> str:
+    """What the running backward computes: "backward" (every gradient:
+    autograd runs the anchor's node), else "inputs": given tensors'
+    gradients only (autograd.grad, backward(inputs=...))."""
+    return "backward" if torch._C._will_engine_execute_node(anchor_node) else "inputs"
 
 
 def combine_column(
@@ -151,3 +168,42 @@ def combine_column(
     for t in column[1:]:
         total = total + t.to(device)
     return total
+
+
+def replica_backward(
+    outputs: Sequence[torch.Tensor],
+    output_grads: Sequence[Any],
+    retain: bool,
+    inputs: Sequence[torch.Tensor] = (),
+) -> None:
+    """torch.autograd.backward(tensors, grads, retain_graph=retain,
+    inputs=inputs or None) over one replica's outputs that need a gradient
+    and got one (a constant auxiliary loss on a shard without the case has
+    none), without the public call's argument handling (~30 us a call on a
+    2-core Xeon, once per replica per step): the gradients are this model's
+    own split of the outer gradient, plain tensors of the outputs' shapes.
+    Anything else takes the public call: a shape that differs (the public
+    call raises where the engine would broadcast), tensor subclasses or an
+    active torch function mode (which may override backward), a torch
+    without the engine entry."""
+    pairs = [(t, g) for t, g in zip(outputs, output_grads) if g is not None and t.requires_grad]
+    if not pairs:
+        return
+    tensors, grads = tuple(t for t, _ in pairs), tuple(g for _, g in pairs)
+    if (
+        _engine_run_backward is None
+        or torch._C._is_torch_function_mode_enabled()
+        or any(type(t) is not torch.Tensor for t in (*tensors, *grads))
+        or any(t.shape != g.shape for t, g in zip(tensors, grads))
+    ):
+        torch.autograd.backward(tensors, grads, retain_graph=retain, inputs=inputs or None)
+        return
+    _engine_run_backward(
+        tensors, grads, retain, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True
+    )
+
+
+def keep_graph() -> bool:
+    """Whether the backward running now keeps its graph (retain_graph=True)."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return bool(query()) if query is not None else False

@@ -27,7 +27,7 @@ from ..runtime.libraries import timeout_s
 from ..runtime.torchrun import refuse_training_alone
 from .ddp_args import wrap_options
 from .mirror import ReplicaMirror, planned_as_trainable
-from .scatter import batch_size, gather
+from .scatter import batch_size
 from .steps import ReplicaSteps, StepFlags
 from .syncbn import SyncBatchNorms, sync_layers
 from .uneven import STAGE2_UNDER_JOIN, Joinable, Joining
@@ -358,7 +358,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
                 )
         if torch.is_grad_enabled():
             self._reducer.note_forward_end()
-        return gather(outs, sizes, self.devices[0], self._combine)
+        return self._gathered(outs, sizes)
 
     def _forward_direct(self, args: Any, kwargs: Any) -> Any:
         """One CPU replica in this process (across processes, as torch DDP

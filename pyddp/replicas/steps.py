@@ -11,6 +11,7 @@ it reads."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from functools import partial
 from typing import (
     Any,
@@ -27,17 +28,12 @@ from typing import (
 import torch
 from torch import nn
 
-try:  # the entry torch.autograd.backward itself calls (logging hooks, TLS context)
-    from torch.autograd.graph import _engine_run_backward
-except ImportError:  # another torch: the public call
-    _engine_run_backward = None
-
 from .._link import Link
 from .._link.control import BUFFERS_BROADCAST
 from ..engine.faces import ReplicaDriver
 from ..errors import ReplicaError
-from .combine import Combine, InputCut, combine_column
-from .scatter import batch_size, call_arguments, scatter
+from .combine import Combine, InputCut, combine_column, keep_graph, replica_backward
+from .scatter import batch_size, call_arguments, gather, scatter
 from .syncbn import SyncBatchNorms
 from .workers import ReplicaWorkers
 
@@ -178,6 +174,7 @@ class ReplicaSteps:
         try:
             yield
         except BaseException as e:
+            self._flags.cut = None  # (no backward comes: the upstream graph goes)
             if self._link.spans_processes and torch.is_grad_enabled():
                 self._reducer.abort(f"its {what} raised {type(e).__name__}: {e}")
             raise
@@ -192,6 +189,15 @@ class ReplicaSteps:
             tensors, kinds, self.devices[0], weights, self._backward, self._parallel_backward, cut
         )
         return list(node.apply())
+
+    def _gathered(self, outs: List[Any], sizes: List[int]) -> Any:
+        """The replicas' outputs gathered on devices[0] (scatter.gather). A
+        cut this forward made is the combining node's now, or no backward
+        comes (no output needs a gradient): either way not held here."""
+        try:
+            return gather(outs, sizes, self.devices[0], self._combine)
+        finally:
+            self._flags.cut = None
 
     def _input_cut(self) -> Optional[InputCut]:
         """Where each CPU replica's backward runs over its own graph (on its
@@ -263,16 +269,17 @@ class ReplicaSteps:
         tensors: List[List[torch.Tensor]],
         grads: List[List[Any]],
         cut: Optional[InputCut],
-        whole: bool,
+        call: str,
     ) -> None:
         """Runs in the outer backward when it reaches the gathered output or the
         returned loss: schedules the end-of-backward bookkeeping and, for CPU
-        replicas, runs every replica's backward on its worker. Not `whole`
-        (CPU replicas under autograd.grad(out, inputs) or backward(inputs=...)):
-        only the gradients of the inputs `cut`, as one device computes them
-        there, with no parameter's gradient touched and nothing reduced."""
-        if not whole:
-            if cut is not None:
+        replicas, runs every replica's backward on its worker. Under
+        autograd.grad(out, inputs) or backward(inputs=...) (`call`, see
+        combine.backward_call): nothing is reduced, and CPU replicas compute
+        only the gradients of the inputs `cut` (autograd walks GPU replicas'
+        graphs itself)."""
+        if call != "backward":
+            if self._parallel_backward and cut is not None:
                 self._input_gradients(tensors, grads, cut)
             return
         if self._flags.output_in_backward:
@@ -309,39 +316,48 @@ class ReplicaSteps:
         # The replicas' graphs keep their saved tensors exactly when the
         # outer backward does (retain_graph=True), so a second backward
         # through the same graph works as on one device.
-        retain = _keep_graph()
+        retain = keep_graph()
 
         def run(r: int) -> Callable[[], None]:
-            return partial(_replica_backward, tensors[r], grads[r], retain)
+            return partial(replica_backward, tensors[r], grads[r], retain)
 
-        if self._streams is not None:
-            # Simulated GPUs (host tensors): their provider runs the backwards
-            # as autograd runs GPU replicas' (autograd_backward).
-            n = len(tensors)  # a batch of fewer shards: replicas 0..n-1
-            self._streams.autograd_backward(
-                self._gpus[:n], self._replicas[:n], [run(r) for r in range(n)]
-            )
-            return
         try:
-            self._workers.run(
-                [self._breaking_meetings(r, run(r)) for r in range(len(tensors))], "backward"
-            )
+            self.replica_backwards([run(r) for r in range(len(tensors))])
         except ReplicaError:
             self._flags.finish_queued = False
             self._reducer.abort()
             raise
+
+    def replica_backwards(self, runs: List[Callable[[], None]]) -> None:
+        """runs[r]: replica r's backward, on its worker (on simulated GPUs,
+        host tensors, as autograd runs GPU replicas': autograd_backward)."""
+        n = len(runs)  # a batch of fewer shards: replicas 0..n-1
+        if self._streams is not None:
+            self._streams.autograd_backward(self._gpus[:n], self._replicas[:n], runs)
+            return
+        self._workers.run([self._breaking_meetings(r, runs[r]) for r in range(n)], "backward")
 
     def _input_gradients(
         self, tensors: List[List[torch.Tensor]], grads: List[List[Any]], cut: InputCut
     ) -> None:
         """The inputs' gradients alone, each replica's into its leaves."""
         if torch.is_grad_enabled():
-            raise RuntimeError("pyddp: autograd.grad(create_graph=True) is not supported with "
-                               "CPU replicas")  # fmt: skip
-        retain, n = _keep_graph(), len(tensors)
-        self._workers.run(
-            [partial(_replica_backward, tensors[r], grads[r], retain, cut.of(r, n))
-             for r in range(n)], "input gradients",
+            raise RuntimeError("pyddp: create_graph=True (autograd.grad or backward(inputs=...)) "
+                               "is not supported with CPU replicas")  # fmt: skip
+        # (torch does not tell autograd.grad, which says itself that a parameter
+        # was not used, from backward(inputs=...), which would leave it None.)
+        warnings.warn(
+            "pyddp: autograd.grad or backward(inputs=...) through a wrapped model's output "
+            "computes, with CPU replicas, the gradients of its inputs only: the wrapped "
+            "model's own parameters get none, even if asked for (use backward() for them)",
+            stacklevel=4,
+        )
+        if self._syncbn is not None:
+            self._syncbn.meeting.reset(len(tensors))
+        retain, n = keep_graph(), len(tensors)
+        self.replica_backwards(
+            [partial(replica_backward, tensors[r], grads[r], retain, cut.of(r, n))
+             for r in range(n)]
         )  # fmt: skip
 
     def _backward_began(self) -> None:
@@ -381,45 +397,6 @@ class ReplicaSteps:
             self._link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
             if len(self._replicas) > 1:
                 self._copy_buffers()  # this process's other replicas too, at once
-
-
-def _replica_backward(
-    outputs: Sequence[torch.Tensor],
-    output_grads: Sequence[Any],
-    retain: bool,
-    inputs: Sequence[torch.Tensor] = (),
-) -> None:
-    """torch.autograd.backward(tensors, grads, retain_graph=retain,
-    inputs=inputs or None) over one replica's outputs that need a gradient
-    and got one (a constant auxiliary loss on a shard without the case has
-    none), without the public call's argument handling (~30 us a call on a
-    2-core Xeon, once per replica per step): the gradients are this model's
-    own split of the outer gradient, plain tensors of the outputs' shapes.
-    Anything else takes the public call: a shape that differs (the public
-    call raises where the engine would broadcast), tensor subclasses or an
-    active torch function mode (which may override backward), a torch
-    without the engine entry."""
-    pairs = [(t, g) for t, g in zip(outputs, output_grads) if g is not None and t.requires_grad]
-    if not pairs:
-        return
-    tensors, grads = tuple(t for t, _ in pairs), tuple(g for _, g in pairs)
-    if (
-        _engine_run_backward is None
-        or torch._C._is_torch_function_mode_enabled()
-        or any(type(t) is not torch.Tensor for t in (*tensors, *grads))
-        or any(t.shape != g.shape for t, g in zip(tensors, grads))
-    ):
-        torch.autograd.backward(tensors, grads, retain_graph=retain, inputs=inputs or None)
-        return
-    _engine_run_backward(
-        tensors, grads, retain, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True
-    )
-
-
-def _keep_graph() -> bool:
-    """Whether the backward running now keeps its graph (retain_graph=True)."""
-    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return bool(query()) if query is not None else False
 
 
 def _check_reduction(reduction: str) -> None:
