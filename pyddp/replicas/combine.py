@@ -83,7 +83,7 @@ class Combine:
         self.run_backward = run_backward
         self.detached = detached
         self.cut = cut
-        self.outputs = sum(len(ts) for ts in tensors)
+        self.outputs = len(tensors) * len(tensors[0])  # (every replica's are as wide)
 
     def apply(self) -> Tuple[torch.Tensor, ...]:
         flat = [t for ts in self.tensors for t in ts]
@@ -91,12 +91,7 @@ class Combine:
             # The anchor keeps the output differentiable so this node's
             # backward is called.
             flat = [t.detach() for t in flat]
-        # A node of the anchor's own: autograd runs it in a whole backward
-        # (loss.backward()), not in autograd.grad(out, inputs) or
-        # backward(inputs=...), which ask for given tensors' gradients only.
-        anchor = torch.empty(0, requires_grad=True).view(0)
-        self.anchor_node = anchor.grad_fn
-        return CombineFn.apply(self, anchor, *flat, *(self.cut.shards if self.cut else ()))
+        return CombineFn.apply(self, _ANCHOR, *flat, *(self.cut.shards if self.cut else ()))
 
     def combine(self, flat: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
         width = len(self.tensors[0])
@@ -140,7 +135,7 @@ class CombineFn(torch.autograd.Function):
         per_replica = node.split(grads)
         if node.cut:
             node.cut.clear()
-        node.run_backward(node.tensors, per_replica, node.cut, backward_call(node.anchor_node))
+        node.run_backward(node.tensors, per_replica, node.cut, backward_call())
         if node.detached:
             flat_grads: List[Any] = [None] * node.outputs
         else:
@@ -148,11 +143,19 @@ class CombineFn(torch.autograd.Function):
         return (None, None, *flat_grads, *(node.cut.grads() if node.cut else ()))
 
 
-def backward_call(anchor_node: Any) -> str:
-    """What the running backward computes: "backward" (every gradient:
-    autograd runs the anchor's node), else "inputs": given tensors'
-    gradients only (autograd.grad, backward(inputs=...))."""
-    return "backward" if torch._C._will_engine_execute_node(anchor_node) else "inputs"
+# The anchor every combining node takes (one leaf for all: made once, its
+# node found once). Autograd runs its node in a whole backward
+# (loss.backward()), not in autograd.grad(out, inputs) or
+# backward(inputs=...), which ask for given tensors' gradients only.
+_ANCHOR = torch.empty(0, requires_grad=True)
+_ANCHOR_NODE = torch.autograd.graph.get_gradient_edge(_ANCHOR).node
+
+
+def backward_call() -> str:
+    """What the running backward computes: "backward" (every gradient),
+    else "inputs": given tensors' gradients only (autograd.grad,
+    backward(inputs=...))."""
+    return "backward" if torch._C._will_engine_execute_node(_ANCHOR_NODE) else "inputs"
 
 
 def combine_column(
