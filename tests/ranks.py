@@ -11,7 +11,7 @@ import contextlib
 import functools
 import os
 import sys
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -86,9 +86,10 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
-def reference(batches) -> nn.Module:
-    """Single-device training on the global batches (SGD, mean squared error)."""
-    ref = eval_norm(net())
+def reference(batches, model: Optional[nn.Module] = None) -> nn.Module:
+    """Single-device training of `model` (default: eval_norm(net())) on the
+    global batches (SGD, mean squared error)."""
+    ref = eval_norm(net()) if model is None else model
     opt = torch.optim.SGD(ref.parameters(), **SGD)
     for x, y in batches:
         opt.zero_grad()

@@ -367,8 +367,10 @@ class Plan:
             self._compress_on_gpus(state, hook)  # elementwise: the grouping does not matter
         fn = getattr(hook, "func", hook)  # (a functools.partial's function)
         name = getattr(fn, "__qualname__", type(fn).__name__)
-        name = f"{getattr(fn, '__module__', None) or '?'}.{name}"
-        self.link.note_hook(name, hook_state_settings(state), local_sgd_start(hook, state))
+        module = getattr(fn, "__module__", None) or "?"
+        self.link.note_hook(
+            f"{module}.{name}", hook_state_settings(state), local_sgd_start(hook, state)
+        )
         self.hook_set = True
 
     def _compress_on_gpus(self, state: Any, hook: Callable[..., Any]) -> None:

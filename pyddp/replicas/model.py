@@ -351,14 +351,14 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         if self._direct:
             return self._forward_direct(args, kwargs)
         with self._abandon_on_error("forward"):
-            shards, sizes = self._start((args, kwargs))
+            shards, sizes, cut = self._start((args, kwargs))
             with self._sync_batchnorm(len(shards)):
                 outs = self._workers.run(
                     [self._call(r, a, kw) for r, (a, kw) in enumerate(shards)], "forward"
                 )
         if torch.is_grad_enabled():
             self._reducer.note_forward_end()
-        return self._gathered(outs, sizes)
+        return self._gathered(outs, sizes, cut)
 
     def _forward_direct(self, args: Any, kwargs: Any) -> Any:
         """One CPU replica in this process (across processes, as torch DDP

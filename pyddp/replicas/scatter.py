@@ -17,12 +17,13 @@ CombineFn = Callable[[List[List[torch.Tensor]], List[str], List[float]], List[to
 
 
 def scatter(
-    tree: Any, devices: Sequence[torch.device], cut: Optional[InputCut] = None
-) -> Tuple[List[Any], List[int]]:
+    tree: Any, devices: Sequence[torch.device], cut: bool = False
+) -> Tuple[List[Any], List[int], Optional[InputCut]]:
     """Splits every batched tensor in `tree` along dim 0 over `devices`
     (shard sizes as even as possible; a batch smaller than the number of
     devices uses the first `batch` ones) and moves each shard there. `cut`:
-    shards that need a gradient become leaves of their own (combine.InputCut)."""
+    shards that need a gradient become leaves of their own, returned as a
+    combine.InputCut (None where no input needs a gradient)."""
     leaves, rebuild = flatten(tree)
     batched = [t for t in leaves if t.dim() > 0]
     if not batched:
@@ -42,14 +43,17 @@ def scatter(
     # replicas take part; the others contribute zeros to the reduction.
     sizes = shard_sizes(batch, min(batch, len(devices)))
     split = [[t] * len(sizes) if t.dim() == 0 else list(t.split(sizes)) for t in leaves]
-    if cut is not None and any(t.requires_grad for t in leaves):
-        place = lambda t, device: cut.cut(_to(t, device)) if t.requires_grad else _to(t, device)  # noqa: E731
-    else:
-        place = _to
-    shards = []
-    for r, device in enumerate(devices[: len(sizes)]):
-        shards.append(rebuild([place(parts[r], device) for parts in split]))
-    return shards, sizes
+    inputs = InputCut() if cut and any(t.requires_grad for t in leaves) else None
+
+    def place(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        t = _to(t, device)
+        return inputs.cut(t) if inputs is not None and t.requires_grad else t
+
+    shards = [
+        rebuild([place(parts[r], device) for parts in split])
+        for r, device in enumerate(devices[: len(sizes)])
+    ]
+    return shards, sizes, inputs
 
 
 def gather(outs: List[Any], sizes: List[int], device: torch.device, combine: CombineFn) -> Any:

@@ -43,13 +43,12 @@ class StepFlags:
     forward and backward, and an nn.Module's own attribute costs a
     microsecond to set (Module.__setattr__)."""
 
-    __slots__ = ("finish_queued", "output_in_backward", "buffers_due", "cut")
+    __slots__ = ("finish_queued", "output_in_backward", "buffers_due")
 
     def __init__(self) -> None:
         self.finish_queued = False  # this backward's end is queued (_end_of_backward)
         self.output_in_backward = False  # the running backward went through a dmodel output
         self.buffers_due = False  # rank 0's buffers to every rank after this backward
-        self.cut: Optional[InputCut] = None  # this forward's input shards cut (combine.py)
 
 
 class StepsHost(Protocol):
@@ -102,8 +101,7 @@ class ReplicaSteps:
             _check_reduction(reduction)
             return _checked(loss_fn(self.module(*args, **kwargs), targets))
         with self._abandon_on_error("forward/loss"):
-            cut = self._input_cut()
-            shards, _ = scatter((inputs, targets), self.devices, cut)
+            shards, _, cut = scatter((inputs, targets), self.devices, self._cuts_inputs())
         return self._loss_on_shards(loss_fn, shards, reduction, None, cut)
 
     def loss_on_shards(
@@ -162,8 +160,7 @@ class ReplicaSteps:
             self._reducer.note_forward_end()
         if self._passthrough or not any(v.requires_grad for v in losses):
             return combine_column(losses, "sum", self.devices[0], [])
-        self._flags.cut = cut
-        return self._combine([[v] for v in losses], ["sum"], [])[0]
+        return self._combine([[v] for v in losses], ["sum"], [], cut)[0]
 
     @contextlib.contextmanager
     def _abandon_on_error(self, what: str) -> Iterator[None]:
@@ -174,42 +171,40 @@ class ReplicaSteps:
         try:
             yield
         except BaseException as e:
-            self._flags.cut = None  # (no backward comes: the upstream graph goes)
             if self._link.spans_processes and torch.is_grad_enabled():
                 self._reducer.abort(f"its {what} raised {type(e).__name__}: {e}")
             raise
 
     def _combine(
-        self, tensors: List[List[torch.Tensor]], kinds: List[str], weights: Any
+        self,
+        tensors: List[List[torch.Tensor]],
+        kinds: List[str],
+        weights: Any,
+        cut: Optional[InputCut] = None,
     ) -> List[torch.Tensor]:
         """Combines per-replica tensors on devices[0] through autograd: backward
-        through the result runs every replica's backward (_backward)."""
-        cut, self._flags.cut = self._flags.cut, None  # (set just before, by the caller)
+        through the result runs every replica's backward (_backward), and
+        returns the gradients of the input shards `cut` to them."""
         node = Combine(
             tensors, kinds, self.devices[0], weights, self._backward, self._parallel_backward, cut
         )
         return list(node.apply())
 
-    def _gathered(self, outs: List[Any], sizes: List[int]) -> Any:
-        """The replicas' outputs gathered on devices[0] (scatter.gather). A
-        cut this forward made is the combining node's now, or no backward
-        comes (no output needs a gradient): either way not held here."""
-        try:
-            return gather(outs, sizes, self.devices[0], self._combine)
-        finally:
-            self._flags.cut = None
+    def _gathered(self, outs: List[Any], sizes: List[int], cut: Optional[InputCut]) -> Any:
+        """The replicas' outputs gathered on devices[0] (scatter.gather), the
+        forward's input shards `cut` held by the combining node alone."""
+        return gather(outs, sizes, self.devices[0], partial(self._combine, cut=cut))
 
-    def _input_cut(self) -> Optional[InputCut]:
+    def _cuts_inputs(self) -> bool:
         """Where each CPU replica's backward runs over its own graph (on its
         worker), inputs that need a gradient are cut (combine.InputCut)."""
-        return InputCut() if self._parallel_backward and torch.is_grad_enabled() else None
+        return self._parallel_backward and torch.is_grad_enabled()
 
-    def _start(self, tree: Any) -> Tuple[List[Any], List[int]]:
+    def _start(self, tree: Any) -> Tuple[List[Any], List[int], Optional[InputCut]]:
         """Scatters `tree` and readies the replicas for a new iteration."""
-        self._flags.cut = cut = self._input_cut()
-        shards, sizes = scatter(tree, self.devices, cut)
+        shards, sizes, cut = scatter(tree, self.devices, self._cuts_inputs())
         self._begin(sum(sizes))
-        return shards, sizes
+        return shards, sizes, cut
 
     def _begin(self, rows: int) -> None:
         """Readies the replicas for a forward of `rows` rows that may be
