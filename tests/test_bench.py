@@ -93,6 +93,18 @@ def test_allreduce_replicas_beyond_devices_is_a_usage_error(capsys):
     assert "--replicas [3]: each must be 1..2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["allreduce", "overlap"])
+@pytest.mark.parametrize("device", ["bogus", "cuda:99"])
+def test_a_device_this_machine_lacks_is_a_usage_error(command, device, capsys):
+    # Before the check, overlap raised a traceback from wrap and allreduce
+    # one from torch's CUDA initialisation ("Torch not compiled with CUDA").
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, "--quick", "--devices", "cpu", device])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{command} --devices: devices: " in err and "Traceback" not in err
+
+
 def test_allreduce_rows_hold_the_copy_references_and_consistent_ratios():
     rows = allreduce.run(["cpu"] * 3, [2, 3], [1024, 4096], "float32", "sum", 2, progress=False)
     assert [(r["bytes"], r["replicas"]) for r in rows] == [

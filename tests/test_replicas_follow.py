@@ -382,6 +382,26 @@ def test_gradsync_check_step_names_a_gradient_it_does_not_reduce():
             sync.zero_grad()
 
 
+def test_gradsync_check_step_names_a_parameter_frozen_on_some_replicas_only():
+    # Frozen on replica 0 alone: its share would be summed in as zeros (the
+    # replicas would still agree, on half the batch's gradient).
+    m0, m1 = replicas_pair()
+    ((x, y),) = data(1)
+    with pyddp.GradSync([m0, m1]) as sync:
+        for frozen in ((m0,), (m0, m1)):
+            for m in frozen:
+                m.body.requires_grad_(False)
+            for m, xs, ys in ((m0, x[:4], y[:4]), (m1, x[4:], y[4:])):
+                F.cross_entropy(m(xs), ys).backward()
+            sync.finish()
+            if len(frozen) == 1:
+                with pytest.raises(RuntimeError, match=r"'body\.weight' is frozen .* replica\(s\) \[0\] only"):
+                    sync.check_step()
+            else:
+                sync.check_step()
+            sync.zero_grad()
+
+
 def test_torch_clipping_and_unscaling_on_the_model_reach_every_replica():
     # torch's clip_grad_norm_ and GradScaler.unscale_ see the model's own
     # parameters (replica 0's gradients) only: the step copies them over.

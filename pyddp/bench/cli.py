@@ -22,6 +22,7 @@ import torch
 
 import pyddp
 
+from ..runtime.devices import parse_devices
 from ..train.files import output_root
 from . import allreduce, multiproc, overlap
 from ._util import busy_note, cpu_busy, machine, table, write_json
@@ -145,6 +146,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command in ("allreduce", "overlap"):
+        try:  # a device this machine lacks: a usage error, before anything runs
+            parse_devices(args.devices)
+        except (TypeError, ValueError) as e:
+            parser.error(f"{args.command} --devices: {e}")
     if args.command == "allreduce":
         args.replicas = args.replicas or [len(args.devices)]
         bad = [n for n in args.replicas if not 1 <= n <= len(args.devices)]

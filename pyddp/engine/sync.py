@@ -7,6 +7,7 @@ there once."""
 from __future__ import annotations
 
 import warnings
+from operator import attrgetter
 from typing import Any, ContextManager, Dict, List, Sequence
 
 import torch
@@ -16,6 +17,8 @@ from .observe import ReadyTimes
 from .options import Options
 from .params import assemble
 from .reducer import Reducer
+
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 class GradSync:
@@ -73,6 +76,7 @@ class GradSync:
         self._reducer = Reducer(parts, prepare_on_forward=True)
         self._replicas = replicas  # check_step: what would train unreduced
         self._reduced = {id(p) for ps in parts.params for p in ps}
+        self._params, self._names = parts.params, parts.names  # check_step: frozen on some
         if self._reducer.reduces and any(
             isinstance(m, nn.SyncBatchNorm) for r in replicas for m in r.modules()
         ):
@@ -107,11 +111,21 @@ class GradSync:
         """Raises if stepping now would let replicas diverge, including for a GPU
         reduction that failed or timed out after finish() returned, and for a
         gradient this GradSync does not reduce (a parameter frozen at
-        construction and unfrozen since, or added since): one pass over the
-        parameters."""
+        construction and unfrozen since, or added since), and for a parameter
+        frozen on some replicas only (their share would count as zeros): one
+        pass over the parameters."""
         self._reducer.check_step()
         if not self._reducer.reduces:
             return
+        trainable = [list(map(_REQUIRES_GRAD, ps)) for ps in self._params]  # C-level per parameter
+        if trainable.count(trainable[0]) != len(trainable):
+            j = next(j for j, ps in enumerate(zip(*trainable)) if len(set(ps)) > 1)
+            frozen = [r for r, ps in enumerate(trainable) if not ps[j]]
+            raise RuntimeError(
+                f"pyddp: parameter {self._names[j]!r} is frozen (requires_grad=False) on "
+                f"replica(s) {frozen} only: their share of its gradient counts as zeros; "
+                "freeze or unfreeze it on every replica"
+            )
         for r, replica in enumerate(self._replicas):
             for name, p in replica.named_parameters():
                 if p.requires_grad and p.grad is not None and id(p) not in self._reduced:
