@@ -5,6 +5,7 @@ misuse is caught with messages that name the fix."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import re
 
@@ -99,6 +100,58 @@ def wrapped_with_reference():
     model.drop.p = 0.0
     ref = copy.deepcopy(model)
     return model, ref, pyddp.wrap(model, ["cpu", "cpu"])
+
+
+def _reset(opt, how):
+    if how == "clear":
+        opt.state.clear()
+    elif how == "new dict":
+        opt.state = collections.defaultdict(dict)
+    else:  # the moments zeroed and the step count replaced, in place
+        for s in opt.state.values():
+            s["exp_avg"].zero_()
+            s["exp_avg_sq"].zero_()
+            s["step"] = torch.zeros_like(s["step"])
+
+
+@pytest.mark.parametrize("shard", [False, True, "gradients"])
+@pytest.mark.parametrize("run_replicas", ["threads", "in_turn"])
+@pytest.mark.parametrize("how", ["clear", "new dict", "in place"])
+def test_a_reset_of_the_optimizer_state_reaches_every_replica(how, run_replicas, shard):
+    # The user's optimizer is replica 0's: the others stepped from their old
+    # state (threads: 0.05 apart after 5 steps), and a sharded one's
+    # opt.state was an empty dict, so a reset changed nothing.
+    torch.manual_seed(0)
+    model = Net(norm=False)
+    model.drop.p = 0.0
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"], run_replicas=run_replicas)
+    opt = dm.optimizer(torch.optim.Adam, lr=0.05, shard=shard)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    for k, (x, y) in enumerate(data(8)):
+        if k == 4:
+            _reset(opt, how)
+            _reset(ref_opt, how)
+        F.cross_entropy(dm(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    same_replicas(dm)
+
+
+def test_a_sharded_optimizer_state_replaced_by_one_holding_state_is_refused():
+    model, _, dm = wrapped_with_reference()
+    opt = dm.optimizer(torch.optim.Adam, lr=0.05, shard=True)
+    (x, y), = data(1)
+    F.cross_entropy(dm(x), y).backward()
+    opt.step()
+    assert len(opt.state) >= len(list(model.parameters()))  # the shards': ranges cut some in two
+    opt.state = {model.head.weight: {"step": torch.tensor(1.0)}}
+    with pytest.raises(ValueError, match=r"state lives in its shards.*load_state_dict"):
+        opt.step()
 
 
 def test_freezing_after_wrap_is_followed_and_unfreezing_a_wrap_time_frozen_one_raises():

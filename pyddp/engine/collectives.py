@@ -285,6 +285,10 @@ def _check_tensors(what: str, tensors: List[torch.Tensor]) -> List[torch.Tensor]
                 f"{what}: tensors[{i}] is {t.layout}; sparse tensors are not supported, "
                 "pass dense ones (.to_dense())"
             )
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"{what}: tensors[{i}] is on {t.device}; pass CPU or CUDA tensors (with data)"
+            )
         if t.shape != first.shape or t.dtype != first.dtype:
             raise ValueError(
                 f"{what}: tensors[{i}] is {tuple(t.shape)} {t.dtype}, tensors[0] is "
@@ -293,7 +297,10 @@ def _check_tensors(what: str, tensors: List[torch.Tensor]) -> List[torch.Tensor]
         if not t.is_contiguous():
             raise ValueError(f"{what}: tensors[{i}] is not contiguous; call .contiguous()")
     if first.dtype not in DTYPE_NAMES:
-        raise ValueError(f"{what}: dtype {first.dtype} is not supported")
+        raise ValueError(
+            f"{what}: dtype {first.dtype} is not supported (floating point only: "
+            f"{', '.join(sorted(str(d) for d in DTYPE_NAMES))})"
+        )
     _check_disjoint(what, tensors)
     return tensors
 

@@ -17,7 +17,7 @@ import copy
 import functools
 import operator
 from dataclasses import dataclass, field
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -41,6 +41,7 @@ class ReplicatedState(OptimState):
     _trial_pairs: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = field(
         default=None, init=False, repr=False
     )
+    _state_seen: Any = field(default=None, init=False, repr=False)  # see follow_state
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -50,6 +51,21 @@ class ReplicatedState(OptimState):
 
     def optimizers(self, outer: Any) -> List[Any]:
         return [outer, *self.others]
+
+    def follow_state(self, outer: Any) -> None:
+        """Before a step: the user's optimizer (replica 0's) holds the state
+        as its last step left it, or the user changed it since (a reset:
+        `opt.state.clear()`, a new `opt.state`, a moment zeroed or replaced),
+        which the replicas stepping their own optimizers then take too, or
+        they would step from their old state and drift apart."""
+        if self.width > 1 and _state_marks(outer.state) != self._state_seen:
+            for r, other in enumerate(self.others, start=1):
+                if self.stepping(r):
+                    _give_state(outer, other)
+
+    def stepped(self, outer: Any) -> None:
+        """After a step: what follow_state compares with."""
+        self._state_seen = _state_marks(outer.state) if self.width > 1 else None
 
     def stepping(self, r: int) -> bool:
         return self.source[r] == r
@@ -158,6 +174,18 @@ _GRAD = operator.attrgetter("grad")
 _NONES = repeat(None)
 
 
+def _state_marks(state: Dict[Any, Dict[str, Any]]) -> Tuple[int, List[int], List[int]]:
+    """What tells an optimizer state edited since: the dict's identity, each
+    value's, each tensor's version counter (in-place writes). C-level passes
+    over the values: no Python per parameter."""
+    try:
+        values = list(chain.from_iterable(map(dict.values, state.values())))
+    except TypeError:  # a state that is not torch's dict of dicts: not followed
+        return (id(state), [], [])
+    tensors = compress(values, map(isinstance, values, repeat(torch.Tensor)))
+    return (id(state), list(map(id, values)), list(map(_VERSION, tensors)))
+
+
 def increment_versions(tensors: List[torch.Tensor]) -> None:
     """torch.autograd.graph.increment_version on each (a list at once from
     torch 2.5 on; one at a time before)."""
@@ -199,6 +227,7 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
             state = self._pyddp
             self._pyddp_begin_step(closure, state.others)
             trial = state.step_once_if_in_turn(self)
+            state.follow_state(self)
             if trial:
                 steps = [state.trial_steps(self, super().step)]
             else:
@@ -209,7 +238,9 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
             try:
                 if trial:  # untimed: not a kind of work auto times
                     state.reducer.run_per_replica([state.other_steps], "auto's trial")
-                return state.reducer.run_per_replica(steps, state.kind)[0]
+                out = state.reducer.run_per_replica(steps, state.kind)[0]
+                state.stepped(self)
+                return out
             except ReplicaError as e:
                 # Some replicas stepped and some did not: make them all replica
                 # 0 again (the user's model) before anything else runs.

@@ -6,6 +6,7 @@ on CPUs (HostGather)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import MutableMapping
 from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
@@ -162,6 +163,63 @@ class Shard:
 
 
 Segment = Tuple[int, int, int]  # (parameter, first element, end element)
+
+
+class ShardStates(MutableMapping):
+    """A sharded optimizer's `opt.state`: its shards' states, written
+    through. Keys are the tensors the shards step (a replica's parameter,
+    or a flat range of one where parameters are cut), values their state
+    dicts, so a reset reaches every shard as on one device: `clear()`, a
+    moment zeroed or replaced in place (`for s in opt.state.values(): ...`),
+    or a new empty `opt.state` (follow). The unsharded state, keyed by the
+    model's parameters: `state_dict()`."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]):
+        self._optimizers = list(optimizers)
+
+    def _owner(self, key: Any) -> Dict[Any, Any]:
+        for o in self._optimizers:
+            if key in o.state:
+                return o.state
+        raise KeyError(
+            "not a tensor a shard of this sharded optimizer holds state for (its keys are "
+            "the shards' tensors: iterate opt.state, or use state_dict() for the unsharded "
+            "state)"
+        )
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._owner(key)[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._owner(key)[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del self._owner(key)[key]
+
+    def __iter__(self) -> Any:
+        return itertools.chain.from_iterable(o.state for o in self._optimizers)
+
+    def __len__(self) -> int:
+        return sum(len(o.state) for o in self._optimizers)
+
+    def clear(self) -> None:
+        for o in self._optimizers:
+            o.state.clear()
+
+    def follow(self, opt: Any) -> None:
+        """Before a step: `opt.state` replaced by an empty mapping (a reset)
+        clears every shard's and becomes this view again; one with state in
+        it cannot be cut into the shards."""
+        if opt.state is self:
+            return
+        if len(opt.state):
+            raise ValueError(
+                "a sharded optimizer's state lives in its shards: opt.state was replaced by "
+                "one holding state; load state with opt.load_state_dict(...) (an unsharded "
+                "optimizer's state dict), or reset it with opt.state.clear()"
+            )
+        self.clear()
+        opt.state = self
 
 
 class _Chunks(NamedTuple):

@@ -44,6 +44,7 @@ from .shards import (
     DeviceGather,
     HostGather,
     Shard,
+    ShardStates,
     clone_tree,
     hyper_of,
     numbered,
@@ -86,6 +87,7 @@ class ShardedState(OptimState):
     on_gpus: Optional[DeviceGather]
     across: Optional[HostGather]
     consolidated: Optional[Dict[Any, Any]] = None
+    states: Any = None  # the opt.state it shows: ShardStates
 
     @property
     def inner(self) -> List[Any]:
@@ -114,7 +116,6 @@ def sharded_optimizer(
     """`groups[r]`: replica r's parameters or param groups (as the user gave
     them, applied to each replica); `gradients`: ZeRO stage 2."""
     opt = _sharded_class(cls)(groups[0], **kwargs)
-    opt.state.clear()  # state made at construction (Adagrad's sum) is the shards' to hold
     index = {id(p): i for i, p in enumerate(reducer.params[0])}
     layout = []  # per group: the global index of each of its parameters
     for g in opt.param_groups:
@@ -175,6 +176,7 @@ def sharded_optimizer(
         if not gpus and ranks.spans_processes
         else None,
     )
+    opt.state = opt._pyddp.states = ShardStates(opt._pyddp.inner)  # (Adagrad's made above: theirs)
     return opt
 
 
@@ -213,6 +215,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
         def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
             state = self._pyddp
             self._pyddp_begin_step(closure, state.inner)
+            state.states.follow(self)  # a reset by a new opt.state
             if state.reducer.under_join:  # the ranks that joined step their shards too
                 state.reducer.announce_sharded_step(self)
             self._pyddp_step_shards()
