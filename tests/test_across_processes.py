@@ -165,6 +165,35 @@ def equivalence(out: dict) -> None:
         # no_sync window exchanges each of its micro-batches.
         out["weighing_exchanges"] = exchanges
 
+    # Two synced backwards before one step (no no_sync()), the second with
+    # other rows (13 then 7), then gradients carried over a step without
+    # zero_grad (7 then 13): the buckets hold the first reduction, which a
+    # rescale for the rows at the end of the second must not touch (it did:
+    # 1.25-2x one device's gradient).
+    g = torch.Generator().manual_seed(7)
+    ref5, model = eval_norm(net()), eval_norm(net())
+    ref5_opt = torch.optim.SGD(ref5.parameters(), **SGD)
+    worst = 0.0
+    with pyddp.wrap(model, ["cpu"] * local) as dm:
+        for m in dm.replicas:
+            m.norm.eval()
+        dopt = dm.optimizer(torch.optim.SGD, **SGD)
+        for window, zero in (([13, 7], True), ([7, 13], False), ([13, 13], True)):
+            if zero:
+                ref5_opt.zero_grad()
+                dopt.zero_grad()
+            for n in window:
+                x, y = torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+                nn.functional.mse_loss(ref5(x), y).backward()
+                rows = my_rows(n, rank, world)
+                dm.loss(nn.functional.mse_loss, x[rows], y[rows]).backward()
+            worst = max(worst, max((p.grad - q.grad).abs().max().item()
+                                   for p, q in zip(dm.module.parameters(), ref5.parameters())
+                                   if q.grad is not None))  # fmt: skip
+            ref5_opt.step()
+            dopt.step()
+        out["twice_grad"], out["twice_params"] = worst, max_diff(dm.module, ref5)
+
     # Low-level GradSync with per-replica losses, no_sync accumulation, and a
     # parameter used on rank 0 only.
     model = eval_norm(net())
@@ -265,6 +294,8 @@ def test_processes_equal_single_device_and_torch_ddp(tmp_path, basics, nproc, lo
         # the buckets: equal to one device; exchanges only where needed.
         assert r["weighing_grad"] <= TOL and r["weighing_params"] <= TOL, r
         assert r["weighing_loss"] <= TOL, r
+        # Two synced backwards of other rows before a step, and a carry-over.
+        assert r["twice_grad"] <= TOL and r["twice_params"] <= TOL, r
         # Control exchanges (each with its header) per micro-batch: the rows
         # exchange at the first step, after rows changed (step 4) and in the
         # no_sync() window (both micro-batches), + the bucket plan after the

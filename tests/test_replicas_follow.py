@@ -145,7 +145,7 @@ def test_a_reset_of_the_optimizer_state_reaches_every_replica(how, run_replicas,
 def test_a_sharded_optimizer_state_replaced_by_one_holding_state_is_refused():
     model, _, dm = wrapped_with_reference()
     opt = dm.optimizer(torch.optim.Adam, lr=0.05, shard=True)
-    (x, y), = data(1)
+    ((x, y),) = data(1)
     F.cross_entropy(dm(x), y).backward()
     opt.step()
     assert len(opt.state) >= len(list(model.parameters()))  # the shards': ranges cut some in two
@@ -448,7 +448,8 @@ def test_gradsync_check_step_names_a_parameter_frozen_on_some_replicas_only():
                 F.cross_entropy(m(xs), ys).backward()
             sync.finish()
             if len(frozen) == 1:
-                with pytest.raises(RuntimeError, match=r"'body\.weight' is frozen .* replica\(s\) \[0\] only"):
+                only_0 = r"'body\.weight' is frozen .* replica\(s\) \[0\] only"
+                with pytest.raises(RuntimeError, match=only_0):
                     sync.check_step()
             else:
                 sync.check_step()

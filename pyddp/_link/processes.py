@@ -371,13 +371,14 @@ class ProcessLink(Link):
 
     # ------------------------------------------- for the model and trainer
     def weigh_losses(
-        self, losses: List[torch.Tensor], rows: int, reduction: str, synced: bool
+        self, losses: List[torch.Tensor], rows: int, reduction: str, synced: bool, carried: bool
     ) -> List[torch.Tensor]:
         return self.weighting.weigh(
             losses,
             rows,
             reduction,
             synced,
+            carried,
             self.joining.step,
             self._route is None,
             lambda values: self.control.sum_over_ranks(values, LOSS_WEIGHTS),

@@ -33,6 +33,7 @@ class Weighting:
         rows: int,
         reduction: str,
         synced: bool,
+        carried: bool,
         join: Any,
         host_sums: bool,
         exchange: Callable[[Sequence[float]], List[float]],
@@ -46,7 +47,9 @@ class Weighting:
         no pass, while no rank's rows change; on GPUs on the device, always).
         Micro-batches under no_sync() exchange their rows before their
         backward (a window's gradients can only be rescaled as a whole), and
-        so does the synced backward that ends their window. The global
+        so does the synced backward that ends their window, and one whose
+        buckets carry the last reduction (`carried`: no zero_grad since; a
+        rescale would scale that too). The global
         batch's loss (CPU replicas) is in self.global_loss. `join`: this
         forward's step under torch's Join (None outside); `host_sums`: the
         agreement's sums come to the host (CPU replicas); `exchange`: the
@@ -69,7 +72,7 @@ class Weighting:
                 self.global_loss = None  # known after the backward
             scale = self.world * rows / rows_all if rows_all > 0 else 0.0
             return [ScaleGrad.apply(v, scale) for v in losses]
-        if synced and not window.exchanged and agreed is not None and agreed[0] > 0:
+        if synced and not (window.exchanged or carried) and agreed is not None and agreed[0] > 0:
             window.weigh(rows, local * rows, rows != agreed[1], on_host)
             self.global_loss = None  # known after the backward
             scale = self.world * rows / agreed[0]

@@ -7,7 +7,9 @@ in step, and settling parameters a replica produced no gradient for."""
 
 from __future__ import annotations
 
+import operator
 import threading
+from itertools import repeat
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -417,6 +419,11 @@ class BucketLayout:
 
     def forget_reduced(self) -> None:
         self._versions = None
+
+    def any_gradient(self, r: int) -> bool:
+        """Whether a parameter of replica r has a gradient (C-level pass)."""
+        grads = map(operator.attrgetter("grad"), self.params[r])
+        return any(map(operator.is_not, grads, repeat(None)))
 
     def align(self) -> None:
         """Before a step: gradients changed on replica 0 only since finish()

@@ -43,6 +43,8 @@ class ReplicaDriver(Protocol):
     @property
     def sharded(self) -> bool: ...  # shard='gradients'
 
+    carried: bool  # the buckets carry the last reduction into this backward (no zero_grad)
+
     # one training step, in order
     def prepare_all(self) -> None: ...
     def note_forward_end(self) -> None: ...

@@ -63,7 +63,7 @@ class Reducer:
         self._clock = GpuClock(self._streams, self._gpu_devices)  # GPUs: is the host the bound?
         self._capture = StepCapture()  # GPUs: a backward captured into a CUDA graph
         self._engine: Optional[Any] = None
-        self._closed = False
+        self._closed = self.carried = False  # carried: see _clear_reduced_copy
         self._shadowing = False  # shadow_backward() under way
         self._finish_called_ns = 0
         self._handles: List[Any] = []
@@ -180,11 +180,12 @@ class Reducer:
 
     def _clear_reduced_copy(self, replica: int, fence: bool = False) -> None:
         """Drops replica `replica`'s copy of the last reduction, if it holds
-        one. Sum: replica 0's copy alone carries the previous sum into the
-        next one. Average: every copy does (each holds the mean, and the next
-        mean of (mean + new) is mean + new mean). `fence`: order the current
-        stream after the reductions first (prepare has done it already)."""
+        one. Sum: replica 0's copy alone carries the previous sum into the next
+        one (`carried`: it does now). Average: every copy does (the next mean of
+        (mean + new) is mean + new mean). `fence`: order the current stream
+        after the reductions first (prepare has done it already)."""
         held = self._engine.take_reduced_copy(replica)
+        self.carried = self.carried if replica else held and self._layout.any_gradient(0)
         if self._layout.scattered is not None:
             return  # sharded gradients: no bucket outlives its reduction (scattered.py)
         if not (held and replica > 0 and self._op == "sum"):

@@ -155,7 +155,10 @@ class ReplicaSteps:
             )
         # Training steps only: an evaluation (eval mode) may run on some ranks alone.
         if self.training and torch.is_grad_enabled():
-            losses = self._link.weigh_losses(losses, total, reduction, self._reducer.syncing)
+            reducer = self._reducer
+            losses = self._link.weigh_losses(
+                losses, total, reduction, reducer.syncing, reducer.carried
+            )
         if torch.is_grad_enabled():
             self._reducer.note_forward_end()
         if self._passthrough or not any(v.requires_grad for v in losses):
