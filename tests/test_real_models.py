@@ -124,6 +124,32 @@ def test_a_stock_causal_lm_returns_its_cache_joined():
         out.loss.backward()
 
 
+def test_hidden_states_and_attentions_in_training():
+    # transformers registers its output-capture hooks on the first call
+    # asking for them, on each replica (its own forward): pyddp refused every
+    # call after the first ("hooks ... changed after wrap"). A loss on the
+    # last hidden state and the attentions (eager attention returns them),
+    # against one device.
+    family = FAMILIES["gpt2"]
+    model = family.build()
+    model.config._attn_implementation = "eager"
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
+
+    def loss_of(out):
+        return out.loss + out.hidden_states[-1].square().mean() + out.attentions[0].mean()
+
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        opt = dm.optimizer(torch.optim.SGD, **SGD)
+        for step in range(3):
+            batch = family.batch(ROWS, step)
+            for m, o in ((dm, opt), (ref, ref_opt)):
+                loss_of(m(**batch, output_hidden_states=True, output_attentions=True)).backward()
+                o.step()
+                o.zero_grad()
+        assert max_param_diff(model, ref) < ATOL
+
+
 @pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if not f.batch_norm])
 def test_trainer_on_two_replicas_equals_one(name):
     # The Trainer on one replica is single-device training on the same

@@ -266,15 +266,59 @@ def test_follow_unfreezing_is_named_in_the_refusal_and_checked(monkeypatch):
         (lambda m: m.double(), "changed from torch.float32"),
         (lambda m: setattr(m, "head", nn.Linear(8, 3)), "submodule .* replaced"),
         (lambda m: m.head.register_forward_hook(lambda *a: None), "hooks .* 'head' changed"),
+        # Removed and another registered: the count stays (was not seen;
+        # replica 1 went on running the old hook).
+        (
+            lambda m: (m.hook.remove(), m.head.register_forward_hook(lambda *a: None)),
+            "'head' changed",
+        ),
     ],
-    ids=["add_module", "replaced", "dtype", "submodule", "hook"],
+    ids=["add_module", "replaced", "dtype", "submodule", "hook", "hook replaced"],
 )
 def test_changes_replicas_cannot_follow_raise(change, match):
     model = Net()
+    model.hook = model.head.register_forward_hook(lambda *a: None)
     dm = pyddp.wrap(model, ["cpu", "cpu"])
     change(model)
     with pytest.raises(RuntimeError, match=match):
         dm(torch.randn(4, 6))
+    dm.close()
+
+
+class CapturesOnRequest(Net):
+    """As transformers' output capture (output_hidden_states=True): the
+    model's forward registers hooks on its own layers the first time it is
+    asked, so every replica's forward registers its own."""
+
+    def forward(self, x, capture=False):
+        if capture and not self.body._forward_hooks:
+            self.body.register_forward_hook(lambda m, i, o: self.seen.append(o))
+        self.seen = []
+        out = super().forward(x)
+        return (out, torch.cat(self.seen)) if capture else out
+
+
+def test_hooks_every_replica_registered_itself_are_followed():
+    torch.manual_seed(0)
+    model = CapturesOnRequest(norm=False)
+    model.drop.p = 0.0
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    for x, y in data(4):
+        out, hidden = dm(x, capture=True)
+        ref_out, ref_hidden = ref(x, capture=True)
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(hidden, ref_hidden)
+        (F.cross_entropy(out, y) + hidden.square().mean()).backward()
+        (F.cross_entropy(ref_out, y) + ref_hidden.square().mean()).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        dm.zero_grad()
+        ref.zero_grad()
+    # One registered on the user's model alone is still refused.
+    model.head.register_forward_hook(lambda *a: None)
+    with pytest.raises(RuntimeError, match="hooks .* 'head' changed"):
+        dm(x, capture=True)
     dm.close()
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from itertools import chain
-from typing import Iterator, List, Sequence, Tuple
+from itertools import chain, repeat
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -77,6 +77,11 @@ class ReplicaMirror:
         # one C-level pass (no Python per module per forward).
         self.layout_dicts = [d for m in self.modules[0] for d in _LAYOUT_DICTS(m)]
         self.layout_sizes = list(chain.from_iterable(self.layout))
+        # Hooks replaced (removed and another registered: the count stays)
+        # show in each hook dict's last key, a handle id that only grows.
+        self.hook_dicts0 = _hook_dicts(self.modules[0])
+        self.hook_keys = _last_keys(self.hook_dicts0)
+        self.replica_hooks = [_hook_marks(mods) for mods in self.modules]
         self.members = self._members()
         # Every parameter slot (module, local name) of replica 0, frozen ones included.
         slots = [
@@ -136,8 +141,11 @@ class ReplicaMirror:
         of every replica) with work only where something changed. Returns
         whether replica 0's parameters got new storage (their gradients may
         have too: the caller re-attaches them)."""
-        if list(map(len, self.layout_dicts)) != self.layout_sizes:
-            self._raise_structure(self._layout())
+        if (
+            list(map(len, self.layout_dicts)) != self.layout_sizes
+            or _last_keys(self.hook_dicts0) != self.hook_keys
+        ):
+            self._structure_changed()
         if not all(map(operator.is_, self._members(), self.members)):
             raise RuntimeError(
                 "pyddp: a submodule of the wrapped model was replaced after wrap "
@@ -219,15 +227,38 @@ class ReplicaMirror:
         ones included.)"""
         return list(chain.from_iterable(map(dict.values, map(_MODULES, self.modules[0]))))
 
+    def _structure_changed(self) -> None:
+        """Replica 0's modules or hooks changed since wrap (or since the last
+        change followed). Hooks that changed on every replica alike (each
+        replica's own forward registered them: transformers' output capture
+        under output_hidden_states=True) are followed; hooks added, removed
+        or replaced on the user's model alone are refused, and so is any
+        change of submodules, parameters or buffers."""
+        layout = self._layout()
+        if any(a[:3] != b[:3] for a, b in zip(layout, self.layout)):
+            self._raise_structure(layout)
+        marks = [_hook_marks(mods) for mods in self.modules]
+        moved = list(map(_moved, marks, self.replica_hooks))
+        for (counts, _), changed in zip(marks[1:], moved[1:]):
+            if counts != marks[0][0] or changed != moved[0]:
+                k = next((k for k, c in enumerate(moved[0]) if c), 0)  # one that moved on replica 0
+                self._raise_hooks(k // len(_HOOK_NAMES))
+        self.layout = layout
+        self.layout_sizes = list(chain.from_iterable(layout))
+        self.hook_keys, self.replica_hooks = marks[0][1], marks
+
+    def _raise_hooks(self, j: int) -> None:
+        raise RuntimeError(
+            f"pyddp: hooks of the wrapped model's module {self.module_names[j]!r} changed after "
+            "wrap; only replica 0 would run them, so the replicas' rows would be computed "
+            f"differently: {_REWRAP}, with the hooks registered first"
+        )
+
     def _raise_structure(self, layout: List[Tuple[int, ...]]) -> None:
         j = next(j for j, (a, b) in enumerate(zip(layout, self.layout)) if a != b)
         where = self.module_names[j]
         if layout[j][:3] == self.layout[j][:3]:
-            raise RuntimeError(
-                f"pyddp: hooks of the wrapped model's module {where!r} changed after wrap; "
-                "only replica 0 would run them, so the replicas' rows would be computed "
-                f"differently: {_REWRAP}, with the hooks registered first"
-            )
+            self._raise_hooks(j)
         raise RuntimeError(
             f"pyddp: the wrapped model's module {where!r} gained or lost submodules, "
             "parameters or buffers after wrap (add_module, register_parameter, ...); "
@@ -254,9 +285,33 @@ _LAYOUT_DICTS = operator.attrgetter(
     "_backward_hooks",
     "_backward_pre_hooks",
 )
+_HOOK_NAMES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_HOOKS = operator.attrgetter(*_HOOK_NAMES)
 _TRAINING = operator.attrgetter("training")
 _MODULES = operator.attrgetter("_modules")
 _version = operator.attrgetter("_version")
 _hook_dict = operator.attrgetter("_backward_hooks")
 _version_and_grad = operator.attrgetter("_version", "requires_grad")
 _data_ptr = operator.methodcaller("data_ptr")
+
+
+def _hook_dicts(modules: Sequence[nn.Module]) -> List[Dict[Any, Any]]:
+    """Every module's hook dicts, flat (_HOOK_NAMES per module)."""
+    return list(chain.from_iterable(map(_HOOKS, modules)))
+
+
+def _last_keys(dicts: Sequence[Dict[Any, Any]]) -> List[Any]:
+    """Each dict's last key (None if empty): C-level passes."""
+    return list(map(next, map(reversed, dicts), repeat(None)))
+
+
+def _hook_marks(modules: Sequence[nn.Module]) -> Tuple[List[int], List[Any]]:
+    """Per hook dict of these modules: how many hooks, and the last one's key."""
+    dicts = _hook_dicts(modules)
+    return list(map(len, dicts)), _last_keys(dicts)
+
+
+def _moved(now: Tuple[List[int], List[Any]], was: Tuple[List[int], List[Any]]) -> List[bool]:
+    """Per hook dict: whether its hooks changed between two _hook_marks."""
+    counts, keys = map(operator.ne, now[0], was[0]), map(operator.ne, now[1], was[1])
+    return list(map(operator.or_, counts, keys))
