@@ -200,9 +200,11 @@ void Engine::mark_ready(int replica, int param, uintptr_t stream) {
     fail_mark(replica, param,
               "a gradient arrived after the previous backward was reduced: finish() was called "
               "before this replica's backward returned, or a second backward ran over the same "
-              "graph with no forward in between. Call finish() only once every replica's "
-              "backward has returned, run forward before each backward, and call zero_grad() "
-              "before the next step.");
+              "graph with no forward in between, or (pyddp.wrap) a backward ran through the "
+              "wrapped model's own module (the model you wrapped, or dmodel.module) instead of "
+              "dmodel(...). Call finish() only once every replica's backward has returned, run "
+              "forward (through dmodel(...) when wrapped) before each backward, and call "
+              "zero_grad() before the next step.");
   }
   has_grad_[param].store(1, std::memory_order_relaxed);
   if (!sync_.load(std::memory_order_relaxed)) {

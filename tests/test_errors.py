@@ -17,6 +17,10 @@ import pyddp
     [
         ([], ValueError, "devices is empty"),
         ("cpu", TypeError, "must be a list"),
+        # A set or dict gave one replica per distinct device, silently.
+        ({"cpu": 2}, TypeError, "must be a list"),
+        ({"cpu", "cpu:0"}, TypeError, "must be a list"),
+        (b"cpu", TypeError, "must be a list"),
         (["cuda:3"], ValueError, "cuda:3 is not available"),
         (["tpu"], ValueError, "not a device|unsupported device type"),
         (["cpu", "meta"], ValueError, "unsupported device type 'meta'"),
@@ -399,3 +403,21 @@ def test_bucket_cap_mb_alone_sizes_the_first_bucket_as_ddp():
     # the first bucket too (with pyddp's old 1 MiB first bucket: all 8 in one).
     assert [len(b) for b in alone] == [6, 2]
     assert [len(b) for b in small_first] == [1, 5, 2]
+
+
+def test_a_backward_through_the_wrapped_models_own_module_after_a_step_names_it():
+    # With the user's own torch optimizer (torch's zero_grad), a backward
+    # through the model object itself: the message spoke of finish(), which a
+    # wrap user never calls.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    x = torch.randn(6, 4)
+    dm(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(
+        RuntimeError, match=r"through the wrapped model's own module .* dmodel\(\.\.\.\)"
+    ):
+        model(x).sum().backward()
+    dm.close()

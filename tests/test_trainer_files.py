@@ -11,6 +11,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -413,3 +415,50 @@ def test_pyddp_temporaries_left_by_a_kill_are_removed_at_start(tmp_path):
         assert not (tmp_path / name).exists(), name
     for name in theirs:
         assert (tmp_path / name).exists(), name
+
+
+# ------------------------------------------------------- one run at a time
+def test_a_second_run_in_the_same_output_dir_is_refused_while_the_first_fits(tmp_path):
+    # Two runs on one output_dir wrote the same checkpoint names, and each
+    # removed the other's live temporaries as stale (the first crashed with
+    # FileNotFoundError at its next save). The folder is locked per fit.
+    out = tmp_path / "out"
+    refused = []
+
+    class StartsAnother(pyddp.Callback):
+        def on_train_start(self, view):
+            with pytest.raises(RuntimeError, match="another run is writing to .* now") as e:
+                trainer(out, max_epochs=1).fit(data())
+            refused.append(str(e.value))
+
+    trainer(out, callbacks=[StartsAnother()], max_epochs=1).fit(data())
+    assert refused and f"process {os.getpid()} on " in refused[0]
+    # Free again once the first fit ended (returned or raised).
+    assert trainer(out, max_epochs=2, resume=True).fit(data()).state.epoch == 2
+
+
+def test_the_output_dir_lock_holds_across_processes_and_dies_with_its_holder(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout.readline().strip() == b"locked"
+        with pytest.raises(RuntimeError, match=f"process {holder.pid} on "):
+            trainer(out, max_epochs=1).fit(data())
+    finally:
+        holder.kill()  # not a clean exit: the OS drops the lock
+        holder.wait()
+    assert trainer(out, max_epochs=1).fit(data()).state.epoch == 1
+
+
+HOLD_LOCK = """
+import sys
+from pyddp.train.checkpoints.run_files import LOCK_FILE
+from pyddp.train.files import SafeDir
+with SafeDir.open(sys.argv[1]) as folder:
+    fd, _ = folder.lock(LOCK_FILE)
+print("locked", flush=True)
+sys.stdin.read()
+"""

@@ -122,8 +122,8 @@ def sharded_optimizer(
         missing = [p for p in g["params"] if id(p) not in index]
         if missing:
             raise ValueError(
-                "shard=True: every parameter given to the optimizer must be one the model "
-                f"trains (requires_grad=True when wrapped); got {len(missing)} that are not"
+                f"shard={'gradients' if gradients else True!r}: {len(missing)} parameters given "
+                "are not trained by the model (frozen when wrapped? wrap(follow_unfreezing=True))"
             )
         layout.append([index[id(p)] for p in g["params"]])
     order = [i for idx in layout for i in idx]

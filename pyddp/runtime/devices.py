@@ -3,7 +3,8 @@ clearly what is wrong and what to do."""
 
 from __future__ import annotations
 
-from typing import List, Sequence, Union
+from collections.abc import Sequence
+from typing import List, Union
 
 import torch
 
@@ -11,7 +12,8 @@ DeviceLike = Union[str, int, torch.device]
 
 
 def parse_devices(devices: Sequence[DeviceLike]) -> List[torch.device]:
-    if isinstance(devices, (str, int, torch.device)):
+    if not isinstance(devices, Sequence) or isinstance(devices, (str, bytes)):
+        # (a set or dict would give one replica per distinct key, silently)
         raise TypeError(f"devices must be a list, e.g. ['cpu', 'cpu'], got {devices!r}")
     out = []
     for d in devices:

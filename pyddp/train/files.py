@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import itertools
 import os
 import secrets
 import signal
+import socket
 import stat
 import threading
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, List, Optional
+from typing import IO, Any, Callable, Iterator, List, Optional, Tuple
 
 from ..errors import UnsafePathError
 
@@ -196,6 +198,27 @@ class SafeDir:
                 return folder.path / new
         raise AssertionError("unreachable")
 
+    def lock(self, name: str) -> Tuple[Optional[int], str]:
+        """An exclusive lock on file `name` (created, never through a link),
+        with this process's id written in it: (its fd, held until closed or
+        the process ends, even killed), or (None, what the holder wrote) if
+        another process holds it."""
+        try:
+            fd = os.open(
+                name, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _NOFOLLOW, 0o666, dir_fd=self.fd
+            )
+        except OSError as e:
+            raise self._refusal(name, e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode("utf-8", "replace").strip()
+            os.close(fd)
+            return None, holder
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        return fd, ""
+
     def remove(self, name: str) -> None:
         """Removes `name` (a link is removed, never its target)."""
         with contextlib.suppress(FileNotFoundError):
@@ -241,9 +264,10 @@ class SafeDir:
 
     def _refusal(self, name: str, error: Optional[OSError] = None) -> OSError:
         """UnsafePathError naming the path and what is there; other errors
-        (permissions, a full disk) are returned as they are."""
+        (permissions, a read-only or full disk) as they are, with the whole
+        path (the bare error names the file alone)."""
         if error is not None and error.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
-            return error
+            return type(error)(error.errno, error.strerror, str(self.path / name))
         try:
             mode = os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode
         except OSError:

@@ -173,7 +173,11 @@ class Trainer(EpochLoop, TrainerCheckpoints):
     # -------------------------------------------------------------- public
     def fit(self, train_data: Any, valid_data: Any = None) -> FitResult:
         with self._use("fit"):
-            return self._fit(train_data, valid_data)
+            try:
+                return self._fit(train_data, valid_data)
+            finally:
+                if self._files is not None:
+                    self._files.release()
 
     @torch.no_grad()
     def evaluate(self, data: Any) -> Dict[str, float]:

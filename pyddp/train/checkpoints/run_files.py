@@ -7,6 +7,7 @@ resume from, checked against this run (what wrote it, what it depends on)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -14,6 +15,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from ..._link import exchange
 from ..._link.control import Ranks
 from ..config import TrainConfig
+from ..files import SafeDir
 from ..state import LoopState
 from .identity import (
     changed_run_message,
@@ -33,6 +35,8 @@ _RESUME = exchange("rank 0's checkpoint at resume")
 # Where unreadable checkpoints are moved at resume (under checkpoints/).
 UNREADABLE = "unreadable"
 _DIR_CHECK = exchange("rank 0's check of the output directory")
+_LOCK = exchange("rank 0's lock of the output directory")
+LOCK_FILE = ".pyddp-run.lock"  # in output_dir, held by the run fitting there
 
 
 class RunFiles:
@@ -52,10 +56,15 @@ class RunFiles:
         self.data: Dict[str, str] = {}  # and from its training data (set by each fit)
         self.classes = classes  # what writes its checkpoints
         self.checked = False  # the folder holds this run's files only
+        self._lock: Optional[int] = None  # rank 0, during a fit: the folder's lock
 
     def check_dir(self) -> None:
-        """Once, before the first files: removes pyddp's stale temporaries and
-        refuses to start afresh over another run's checkpoints."""
+        """At each fit, before its first files: rank 0 locks the folder
+        (another run writing there now is refused: the two would write the
+        same checkpoint names, and each took the other's temporaries for
+        stale); once, removes pyddp's stale temporaries and refuses to start
+        afresh over another run's checkpoints."""
+        self.on_rank_0(self._take_lock, _LOCK)
         if self.checked:
             return
 
@@ -68,6 +77,26 @@ class RunFiles:
         refusal = self.on_rank_0(check, _DIR_CHECK)
         if refusal is not None:
             raise ValueError(refusal)
+
+    def _take_lock(self) -> None:
+        if self._lock is not None:
+            return
+        with SafeDir.open(self.output_dir) as folder:
+            fd, holder = folder.lock(LOCK_FILE)
+        if fd is None:
+            who = holder or "a process"
+            raise RuntimeError(
+                f"pyddp: another run is writing to {self.output_dir} now ({who} holds "
+                f"{LOCK_FILE}); an output_dir is for one run at a time: wait for it to end, "
+                "or choose another output_dir"
+            )
+        self._lock = fd
+
+    def release(self) -> None:
+        """At the end of a fit: the folder is free for another run."""
+        if self._lock is not None:
+            os.close(self._lock)  # (the OS drops the lock with the process too)
+            self._lock = None
 
     def save(self, payload: Dict[str, Any], step: int) -> Path:
         """Writes `payload` (rank 0 only) as the checkpoint of `step`."""
