@@ -125,18 +125,21 @@ class ShardedLoader:
             return 0
         return len(loader.dataset) % loader.batch_size
 
-    def epoch(self, epoch: int, start: int = 0) -> Iterator[List[Shard]]:
-        """The shards of every batch of `epoch`, from batch index `start`."""
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[Tuple[List[Shard], int]]:
+        """The shards of every batch of `epoch`, from batch index `start`,
+        each with the rows of the global batch (every rank's; where each rank
+        draws its own batches from a DistributedSampler, this rank's, which
+        that sampler keeps equal across ranks)."""
         stop = threading.Event()
         ready: queue.Queue = queue.Queue(maxsize=max(1, self.prefetch))
 
         def produce() -> None:
             try:
-                for i, batch in enumerate(self._global_batches(epoch)):
+                for i, (x, y, rows) in enumerate(self._global_batches(epoch)):
                     if stop.is_set():
                         return
                     if i >= start:
-                        ready.put(("batch", self._split(batch)))
+                        ready.put(("batch", (self._split((x, y)), rows)))
                 ready.put(("end", None))
             except BaseException as e:  # handed to the consumer, raised there
                 ready.put(("error", e))
@@ -157,7 +160,8 @@ class ShardedLoader:
                 with contextlib.suppress(queue.Empty):
                     ready.get(timeout=0.05)
 
-    def _global_batches(self, epoch: int) -> Iterator[Tuple[Any, Any]]:
+    def _global_batches(self, epoch: int) -> Iterator[Tuple[Any, Any, int]]:
+        """(inputs, targets) of this rank, and the global batch's rows."""
         if self._loader is not None:
             sampler = self._loader.sampler
             if isinstance(sampler, RandomSampler):
@@ -170,7 +174,8 @@ class ShardedLoader:
                     return
                 if not isinstance(batch, (tuple, list)) or len(batch) != 2:
                     raise ValueError("DataLoader batches must be (inputs, targets) pairs")
-                yield self._mine(batch[0], batch[1]) if self._sliced else (batch[0], batch[1])
+                x, y = self._mine(batch[0], batch[1]) if self._sliced else (batch[0], batch[1])
+                yield x, y, _rows(batch)
             return
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -179,15 +184,16 @@ class ShardedLoader:
             order = torch.arange(self._rows)
         for i in range(len(self)):
             idx = order[i * self.batch_size : (i + 1) * self.batch_size]
+            rows = len(idx)
             if self._sliced:  # this rank's rows only: it loads nothing else
                 idx = idx.split(shard_sizes(len(idx), self.world))[self.rank]
             if self._tensors is not None:
                 x, y = self._tensors
-                yield _index(x, idx), _index(y, idx)
+                yield _index(x, idx), _index(y, idx), rows
             else:
                 items = [self._dataset[int(j)] for j in idx]
                 x, y = default_collate(items)
-                yield x, y
+                yield x, y, rows
 
     def _mine(self, inputs: Any, targets: Any) -> Tuple[Any, Any]:
         """This rank's contiguous slice of a global batch."""
@@ -227,3 +233,8 @@ def _pieces(leaves: List[Any], sizes: List[int]) -> List[List[Any]]:
 def _index(tree: Any, idx: torch.Tensor) -> Any:
     leaves, rebuild = flatten(tree)
     return rebuild([t[idx] if t.dim() > 0 else t for t in leaves])
+
+
+def _rows(batch: Any) -> int:
+    """The rows of a batch: the first dimension of its first tensor that has one."""
+    return next(t.shape[0] for t in flatten(batch)[0] if t.dim() > 0)

@@ -7,6 +7,7 @@ mixin of Trainer (trainer.py), whose state it reads."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Protocol
 
@@ -56,48 +57,22 @@ class EpochLoop:
     def _run_epoch(self, loader: ShardedLoader, valid_data: Any) -> None:
         cfg, state = self.config, self.state
         n_batches = len(loader)
-        window_loss = torch.zeros((), device=self.model.devices[0])
+        self._window_loss = torch.zeros((), device=self.model.devices[0])
         # closing(): the loader's clean-up runs here, where a Ctrl-C raised in
         # it propagates, not in a generator finalizer that would only print it.
         with contextlib.closing(loader.epoch(state.epoch, start=state.batch_in_epoch)) as batches:
-            for shards in batches:
-                self._ctrl_c.check()
+            for first in batches:
+                # A window's micro-batches, read ahead: each one's loss (the
+                # mean over its rows) is weighted by its share of the window's
+                # rows, so a short last batch counts as on one device.
                 index = state.batch_in_epoch
                 start = index - index % cfg.grad_accum_steps
                 window = min(cfg.grad_accum_steps, n_batches - start)
-                last = index == start + window - 1
-                self._window = start
-                try:
-                    with contextlib.nullcontext() if last else self.model.no_sync():
-                        loss = self.model.loss_on_shards(
-                            self.loss_fn, shards, context=self._autocast
-                        )
-                        (loss * (self._scaler.scale / window)).backward()
-                    if self.ranks.spans_processes:  # the global batch's loss, as one device
-                        loss = self._global_loss(loss, shards)
-                    window_loss += loss.detach().to(window_loss.device) / window
-                    state.batch_in_epoch += 1
-                    stepped = last and self._optimizer_step()
-                except (ReplicaError, ReduceError) as e:
-                    where = f"epoch {state.epoch + 1}, step {state.step + 1}"
-                    who = f"replica {e.replica}" if isinstance(e, ReplicaError) else "all-reduce"
-                    raise TrainingError(f"training failed at {where} ({who}): {e}") from e
-                if not stepped:  # mid-window, or an fp16 overflow skipped the step
-                    if last:
-                        window_loss.zero_()
-                    continue
-                metrics = {
-                    "epoch": state.epoch + 1,
-                    "step": state.step,
-                    "train_loss": window_loss.item(),
-                    "lr": self.optimizer.param_groups[0]["lr"],
-                }
-                window_loss.zero_()
-                state.train_losses.append(metrics["train_loss"])
-                self._emit("on_step_end", metrics)
-                self._after_step(valid_data, metrics)
-                if state.stop_reason is not None:
-                    return
+                items = [first, *itertools.islice(batches, start + window - index - 1)]
+                total = sum(rows for _, rows in items)
+                for k, (shards, rows) in enumerate(items):
+                    if self._micro_batch(shards, rows / total, k == len(items) - 1, valid_data):
+                        return
         state.epoch += 1
         state.batch_in_epoch = 0
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
@@ -111,6 +86,42 @@ class EpochLoop:
             cfg.max_epochs,
             "max_epochs",
         )
+
+    def _micro_batch(self, shards: Any, weight: float, last: bool, valid_data: Any) -> bool:
+        """One micro-batch's loss and backward (`weight`: its share of the
+        window's rows), and after the window's last its optimizer step, the
+        step's metrics and what follows a step. Returns whether to stop."""
+        state = self.state
+        self._ctrl_c.check()
+        self._window = state.batch_in_epoch - state.batch_in_epoch % self.config.grad_accum_steps
+        try:
+            with contextlib.nullcontext() if last else self.model.no_sync():
+                loss = self.model.loss_on_shards(self.loss_fn, shards, context=self._autocast)
+                (loss * (self._scaler.scale * weight)).backward()
+            if self.ranks.spans_processes:  # the global batch's loss, as one device
+                loss = self._global_loss(loss, shards)
+            self._window_loss += loss.detach().to(self._window_loss.device) * weight
+            state.batch_in_epoch += 1
+            stepped = last and self._optimizer_step()
+        except (ReplicaError, ReduceError) as e:
+            where = f"epoch {state.epoch + 1}, step {state.step + 1}"
+            who = f"replica {e.replica}" if isinstance(e, ReplicaError) else "all-reduce"
+            raise TrainingError(f"training failed at {where} ({who}): {e}") from e
+        if not stepped:  # mid-window, or an fp16 overflow skipped the step
+            if last:
+                self._window_loss.zero_()
+            return False
+        metrics = {
+            "epoch": state.epoch + 1,
+            "step": state.step,
+            "train_loss": self._window_loss.item(),
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
+        self._window_loss.zero_()
+        state.train_losses.append(metrics["train_loss"])
+        self._emit("on_step_end", metrics)
+        self._after_step(valid_data, metrics)
+        return state.stop_reason is not None
 
     def _global_loss(self, loss: torch.Tensor, shards: Any) -> torch.Tensor:
         g = self.model.last_global_loss  # from the agreement's sums (CPU)

@@ -64,7 +64,7 @@ def evaluate(
 
     try:
         with contextlib.closing(loader.epoch(0)) as batches:
-            for shards in batches:
+            for shards, _ in batches:
                 if not shards:  # none of this batch's rows are this rank's
                     continue
                 sums = model._map_replicas(shard_sums, shards, "evaluate")
