@@ -209,12 +209,19 @@ class Link:
 
     # ------------------------------------------- for the model and trainer
     def weigh_losses(
-        self, losses: List[torch.Tensor], rows: int, reduction: str, synced: bool, carried: bool
+        self,
+        losses: List[torch.Tensor],
+        rows: int,
+        reduction: str,
+        synced: bool,
+        carried: bool,
+        known: Optional[int] = None,
     ) -> List[torch.Tensor]:
         """Per-replica losses of a training step (`rows` here, `synced`: its
-        backward reduces; `carried`: its buckets hold the last reduction)
-        scaled so that averaging gradients over processes gives the global
-        batch's gradient (with wait()'s factor)."""
+        backward reduces; `carried`: its buckets hold the last reduction;
+        `known`: the global batch's rows, if the caller knows them) scaled so
+        that averaging gradients over processes gives the global batch's
+        gradient (with wait()'s factor)."""
         return losses
 
     def broadcast(self, tensors: Sequence[torch.Tensor], what: str) -> None:

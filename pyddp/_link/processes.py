@@ -371,7 +371,13 @@ class ProcessLink(Link):
 
     # ------------------------------------------- for the model and trainer
     def weigh_losses(
-        self, losses: List[torch.Tensor], rows: int, reduction: str, synced: bool, carried: bool
+        self,
+        losses: List[torch.Tensor],
+        rows: int,
+        reduction: str,
+        synced: bool,
+        carried: bool,
+        known: Optional[int] = None,
     ) -> List[torch.Tensor]:
         return self.weighting.weigh(
             losses,
@@ -379,6 +385,7 @@ class ProcessLink(Link):
             reduction,
             synced,
             carried,
+            known,
             self.joining.step,
             self._route is None,
             lambda values: self.control.sum_over_ranks(values, LOSS_WEIGHTS),

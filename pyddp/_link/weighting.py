@@ -34,6 +34,7 @@ class Weighting:
         reduction: str,
         synced: bool,
         carried: bool,
+        known: Optional[int],
         join: Any,
         host_sums: bool,
         exchange: Callable[[Sequence[float]], List[float]],
@@ -49,7 +50,9 @@ class Weighting:
         backward (a window's gradients can only be rescaled as a whole), and
         so does the synced backward that ends their window, and one whose
         buckets carry the last reduction (`carried`: no zero_grad since; a
-        rescale would scale that too). The global
+        rescale would scale that too). `known`: the global batch's rows
+        from the caller (the Trainer's loader), used as they are: no
+        exchange, nothing assumed, nothing to rescale. The global
         batch's loss (CPU replicas) is in self.global_loss. `join`: this
         forward's step under torch's Join (None outside); `host_sums`: the
         agreement's sums come to the host (CPU replicas); `exchange`: the
@@ -72,7 +75,13 @@ class Weighting:
                 self.global_loss = None  # known after the backward
             scale = self.world * rows / rows_all if rows_all > 0 else 0.0
             return [ScaleGrad.apply(v, scale) for v in losses]
-        if synced and not (window.exchanged or carried) and agreed is not None and agreed[0] > 0:
+        if known is not None and known > 0:
+            self.agreed = (float(known), float(rows))
+            if synced:  # the agreement brings the global loss (no rescale: unchanged)
+                window.weigh(rows, local * rows, False, on_host)
+            self.global_loss = None
+            scale = self.world * rows / known
+        elif synced and not (window.exchanged or carried) and agreed is not None and agreed[0] > 0:
             window.weigh(rows, local * rows, rows != agreed[1], on_host)
             self.global_loss = None  # known after the backward
             scale = self.world * rows / agreed[0]

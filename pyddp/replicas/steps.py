@@ -102,7 +102,7 @@ class ReplicaSteps:
             return _checked(loss_fn(self.module(*args, **kwargs), targets))
         with self._abandon_on_error("forward/loss"):
             shards, _, cut = scatter((inputs, targets), self.devices, self._cuts_inputs())
-        return self._loss_on_shards(loss_fn, shards, reduction, None, cut)
+        return self._loss_on_shards(loss_fn, shards, reduction, None, cut, None)
 
     def loss_on_shards(
         self,
@@ -111,14 +111,16 @@ class ReplicaSteps:
         *,
         reduction: str = "mean",
         context: Optional[Callable[[], ContextManager[Any]]] = None,
+        global_rows: Optional[int] = None,
     ) -> torch.Tensor:
         """Like `loss`, for batches already split and placed on the replicas'
         devices (per-device data loading): shards[r] = (inputs, targets) for
         replica r, inputs as in `loss`; fewer shards than replicas leaves the rest
-        out. `context`, if
-        given, is entered on each replica's thread around its forward and loss
-        (e.g. autocast, which is thread-local)."""
-        return self._loss_on_shards(loss_fn, shards, reduction, context, None)
+        out. `context`, if given, is entered on each replica's thread around its
+        forward and loss (e.g. autocast, which is thread-local). `global_rows`:
+        the rows of the batch over every process, if the caller knows them
+        (across processes they are then neither exchanged nor assumed)."""
+        return self._loss_on_shards(loss_fn, shards, reduction, context, None, global_rows)
 
     def _loss_on_shards(
         self,
@@ -127,6 +129,7 @@ class ReplicaSteps:
         reduction: str,
         context: Optional[Callable[[], ContextManager[Any]]],
         cut: Optional[InputCut],
+        global_rows: Optional[int],
     ) -> torch.Tensor:
         self._check_open()
         _check_reduction(reduction)
@@ -157,7 +160,7 @@ class ReplicaSteps:
         if self.training and torch.is_grad_enabled():
             reducer = self._reducer
             losses = self._link.weigh_losses(
-                losses, total, reduction, reducer.syncing, reducer.carried
+                losses, total, reduction, reducer.syncing, reducer.carried, global_rows
             )
         if torch.is_grad_enabled():
             self._reducer.note_forward_end()

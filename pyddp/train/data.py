@@ -98,6 +98,8 @@ class ShardedLoader:
         self._sliced = world > 1 and not (
             self._loader is not None and isinstance(self._loader.sampler, DistributedSampler)
         )
+        # Whether epoch() hands the global batches' rows (else this rank's).
+        self.rows_global = world == 1 or self._sliced
         if self._sliced and len(self) == 0:
             raise ValueError(
                 f"data: no batch has at least {world} rows, one per process; use a smaller "

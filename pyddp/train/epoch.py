@@ -71,7 +71,12 @@ class EpochLoop:
                 items = [first, *itertools.islice(batches, start + window - index - 1)]
                 total = sum(rows for _, rows in items)
                 for k, (shards, rows) in enumerate(items):
-                    if self._micro_batch(shards, rows / total, k == len(items) - 1, valid_data):
+                    # The loader's rows are the global batch's (not, where each
+                    # rank draws its own from a DistributedSampler, this rank's).
+                    known = rows if loader.rows_global else None
+                    if self._micro_batch(
+                        shards, rows / total, known, k == len(items) - 1, valid_data
+                    ):
                         return
         state.epoch += 1
         state.batch_in_epoch = 0
@@ -87,16 +92,21 @@ class EpochLoop:
             "max_epochs",
         )
 
-    def _micro_batch(self, shards: Any, weight: float, last: bool, valid_data: Any) -> bool:
+    def _micro_batch(
+        self, shards: Any, weight: float, rows: Optional[int], last: bool, valid_data: Any
+    ) -> bool:
         """One micro-batch's loss and backward (`weight`: its share of the
-        window's rows), and after the window's last its optimizer step, the
-        step's metrics and what follows a step. Returns whether to stop."""
+        window's rows; `rows`: the global batch's, if known), and after the
+        window's last its optimizer step, the step's metrics and what follows a
+        step. Returns whether to stop."""
         state = self.state
         self._ctrl_c.check()
         self._window = state.batch_in_epoch - state.batch_in_epoch % self.config.grad_accum_steps
         try:
             with contextlib.nullcontext() if last else self.model.no_sync():
-                loss = self.model.loss_on_shards(self.loss_fn, shards, context=self._autocast)
+                loss = self.model.loss_on_shards(
+                    self.loss_fn, shards, context=self._autocast, global_rows=rows
+                )
                 (loss * (self._scaler.scale * weight)).backward()
             if self.ranks.spans_processes:  # the global batch's loss, as one device
                 loss = self._global_loss(loss, shards)
