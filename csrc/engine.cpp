@@ -218,9 +218,13 @@ void Engine::mark_ready(int replica, int param, uintptr_t stream) {
     fail_mark(replica, param,
               "gradient produced twice in one synced backward. A parameter used outside the "
               "replica's forward (e.g. a loss term on dmodel.parameters()), a second backward "
-              "before the first finished, or (GradSync) a missing finish() after the previous "
+              "before the first finished, a parameter shared by several segments of reentrant "
+              "activation checkpointing (torch.utils.checkpoint with use_reentrant=True, "
+              "transformers' gradient_checkpointing_enable() default: each segment's backward "
+              "accumulates it once), or (GradSync) a missing finish() after the previous "
               "backward: each gradient is reduced once per backward. Use weight_decay or "
-              "no_sync(), and call finish() once every replica's backward has returned.");
+              "no_sync(), use_reentrant=False (gradient_checkpointing_kwargs={'use_reentrant': "
+              "False}), and call finish() once every replica's backward has returned.");
   }
   active_.store(true, std::memory_order_relaxed);
   if (async_) replica_part_done(replica, bucket_of_[param], stream);

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from conftest import Mixed, make_batches
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import pyddp
 
@@ -421,3 +422,43 @@ def test_a_backward_through_the_wrapped_models_own_module_after_a_step_names_it(
     ):
         model(x).sum().backward()
     dm.close()
+
+
+class SharedAcrossDepth(nn.Module):
+    """An ALBERT-style layer applied three times, each under checkpoint()."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp, self.shared, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(3):
+            h = checkpoint(self._layer, h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+    def _layer(self, h):
+        return torch.tanh(self.shared(h))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_parameter_shared_by_checkpointed_segments(reentrant):
+    # Reentrant: each segment's backward accumulates the shared layer once, so
+    # its gradient arrives three times in one backward: refused, naming the
+    # case and use_reentrant=False, with which it trains as one device.
+    torch.manual_seed(0)
+    model = SharedAcrossDepth(reentrant)
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(12, 8), torch.randint(0, 3, (12,))
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        if reentrant:
+            with pytest.raises(
+                RuntimeError, match="reentrant activation checkpointing.*use_reentrant=False"
+            ):
+                F.cross_entropy(dm(x), y).backward()
+            return
+        F.cross_entropy(dm(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
