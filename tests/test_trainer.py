@@ -15,6 +15,7 @@ import threading
 import warnings
 import weakref
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -318,6 +319,8 @@ def test_config_assigned_after_construction_is_checked_by_the_trainer():
         ("callbacks", [object()], "callbacks must be a list of pyddp.Callback"),
         ("metrics", {"loss": lambda o, t: o.sum()}, "taken by the Trainer"),
         ("scheduler", 5, "scheduler must be a function"),
+        # (it failed after a whole epoch, with torch's missing 'metrics')
+        ("scheduler", torch.optim.lr_scheduler.ReduceLROnPlateau, "steps on a metric"),
     ],
 )
 def test_trainer_arguments_are_checked_before_threads_start(argument, value, message):
@@ -360,7 +363,8 @@ def test_rerunning_a_finished_run_does_not_train_further(tmp_path):
     first = trainer(max_epochs=2, output_dir=str(tmp_path))
     first.fit((x, y))
     again = trainer(max_epochs=2, output_dir=str(tmp_path))
-    result = again.fit((x, y))
+    with pytest.warns(UserWarning, match=r"fit\(\) trains nothing"):
+        result = again.fit((x, y))
     assert result.stop_reason == "max_epochs" and result.state.step == first.state.step == 8
     for p, q in zip(again.model.module.parameters(), first.model.module.parameters()):
         assert torch.equal(p, q)
@@ -651,3 +655,97 @@ def test_second_ctrl_c_while_the_loader_winds_down_is_not_swallowed(tmp_path):
     )
     assert "fit returned" not in run.stdout, run.stdout + run.stderr
     assert "KeyboardInterrupt" in run.stderr and "Exception ignored" not in run.stderr
+
+
+def test_a_per_step_scheduler_equals_one_device_and_each_step_logs_the_lr_it_used():
+    # The logged "lr" was read after the scheduler stepped: the next step's.
+    x, y = data(96)
+    t = pyddp.Trainer(
+        model(),
+        ["cpu", "cpu"],
+        optimizer=SGD,
+        loss_fn=F.cross_entropy,
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5),
+        config=pyddp.TrainConfig(batch_size=32, progress=False, max_epochs=1, shuffle=False),
+    )
+    lrs = []
+
+    class Lrs(pyddp.Callback):
+        def on_step_end(self, view, metrics):
+            lrs.append(metrics["lr"])
+
+    t.callbacks.append(Lrs())
+    t.fit((x, y))
+    ref = model()
+    opt = SGD(ref.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    used = []
+    for k in range(3):
+        used.append(opt.param_groups[0]["lr"])
+        F.cross_entropy(ref(x[32 * k : 32 * (k + 1)]), y[32 * k : 32 * (k + 1)]).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    assert lrs == used == [0.1, 0.05, 0.025]
+    assert_params_close(t.model.module, ref)
+
+
+def test_a_fit_after_the_run_ended_says_it_trains_nothing():
+    # Without an output_dir a second fit() on new data returned at once,
+    # weights unchanged, without a word.
+    x, y = data(64)
+    t = trainer(max_epochs=1)
+    t.fit((x, y))
+    before = [p.detach().clone() for p in t.model.module.parameters()]
+    with pytest.warns(UserWarning, match=r"fit\(\) trains nothing: .*max_epochs, epoch 1"):
+        t.fit(data(64, seed=1))
+    assert all(torch.equal(p, q) for p, q in zip(t.model.module.parameters(), before))
+
+
+class _Items(torch.utils.data.Dataset):
+    def __init__(self, item):
+        self.item = item
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return self.item()
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([(torch.randn(6), torch.tensor(0))] * 8)
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        # Each was an error about something else: StopIteration, "too many
+        # values to unpack", "no len()", "got set()".
+        (
+            lambda: _Items(lambda: {"x": torch.randn(6), "y": torch.tensor(0)}),
+            ValueError,
+            r"items must be \(input, target\) pairs, got dicts with keys \['x', 'y'\]",
+        ),
+        (
+            lambda: _Items(lambda: (torch.randn(6), torch.tensor(0), 1)),
+            ValueError,
+            "pairs, got 3-tuples",
+        ),
+        (
+            lambda: torch.utils.data.DataLoader(_Stream(), batch_size=4),
+            TypeError,
+            "IterableDataset has no length",
+        ),
+        (
+            lambda: (np.zeros((8, 6), np.float32), np.zeros(8, np.int64)),
+            TypeError,
+            "must be torch tensors, got ndarray",
+        ),
+    ],
+    ids=["dict items", "3-tuples", "iterable", "numpy"],
+)
+def test_data_in_forms_the_trainer_does_not_take_is_named(make, error, message):
+    with pytest.raises(error, match=message):
+        trainer(max_epochs=1, batch_size=4).fit(make())

@@ -196,6 +196,67 @@ def test_trainer_trains_the_smallest_number_of_batches_when_ranks_data_are_uneve
         assert len(r["warnings"]) == 1 and "rank 0: 2, rank 1: 3" in r["warnings"][0], r
 
 
+def trainer_loader_forms(out: dict) -> None:
+    """DataLoaders whose last batch len(dataset) does not tell, and
+    validation data as a Dataset whose last batch has fewer rows than
+    processes (found by a hostile-user probe: a lost batch and two crashes)."""
+    from torch.utils.data import (
+        BatchSampler,
+        DataLoader,
+        SequentialSampler,
+        SubsetRandomSampler,
+        TensorDataset,
+    )
+
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randn(49, 6, generator=g), torch.randn(49, 3, generator=g)
+    data = TensorDataset(x, y)
+
+    def fit(train, valid=None):
+        cfg = pyddp.TrainConfig(batch_size=8, eval_batch_size=4, max_epochs=1, progress=False)
+        torch.manual_seed(0)
+        with pyddp.Trainer(
+            eval_norm(net()),
+            ["cpu"],
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            loss_fn=nn.functional.mse_loss,
+            config=cfg,
+        ) as t:
+            t.model.module.norm.eval()
+            result = t.fit(train, valid)
+            return result.state.step, result.state.history
+
+    # A sampler over 44 of the 49 rows: 6 batches, the last of 4 rows (49 % 8
+    # is 1, under 2 processes: the batch was dropped, 5 steps).
+    subset = DataLoader(data, batch_size=8, sampler=SubsetRandomSampler(range(44)))
+    out["subset_steps"] = fit(subset)[0]
+    # A batch_sampler's last batch of 1 row (batch_size None: not foreseen):
+    # dropped on every rank (it crashed: "got 0 shards for 1 replicas").
+    batches = BatchSampler(SequentialSampler(data), batch_size=8, drop_last=False)
+    out["batch_sampler_steps"] = fit(DataLoader(data, batch_sampler=batches))[0]
+    # Validation of 13 rows in batches of 4 (the last of 1 row): as tensors and
+    # as a Dataset, the same figures (the Dataset crashed in default_collate).
+    as_tensors = fit((x, y), (x[:13], y[:13]))[1][-1]["valid_loss"]
+    as_dataset = fit((x, y), TensorDataset(x[:13], y[:13]))[1][-1]["valid_loss"]
+    out["valid"] = (as_tensors, as_dataset)
+    # Each rank its own data (a DDP habit): each rank trained on its slice of
+    # its own rows, half of each unseen, silently. Refused on every rank.
+    mine = torch.Generator().manual_seed(100 + pyddp.rank())
+    try:
+        fit((torch.randn(49, 6, generator=mine), torch.randn(49, 3, generator=mine)))
+        out["per_rank_data"] = None
+    except ValueError as e:
+        out["per_rank_data"] = str(e)
+
+
+def test_dataloader_forms_and_a_short_validation_batch(tmp_path):
+    for r in spawn(trainer_loader_forms, env={"PYDDP_TIMEOUT_S": "20"}, out=tmp_path):
+        assert r["subset_steps"] == 6, r
+        assert r["batch_sampler_steps"] == 6, r  # 7 batches, the 1-row one dropped
+        assert r["valid"][0] == r["valid"][1], r
+        assert "ranks passed different training data" in (r["per_rank_data"] or ""), r
+
+
 def trainer_settings(out: dict) -> None:
     """Each rank fits with its own TrainConfig (SCENARIO: field=rank0/rank1),
     then (a fit is refused before it trains) fixes it and fits again."""

@@ -11,7 +11,7 @@ import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
 from torch.utils.data._utils.collate import default_collate
 
 from ..replicas.tree import flatten, shard_sizes
@@ -74,10 +74,22 @@ class ShardedLoader:
         self._dataset: Optional[Dataset] = None
         if isinstance(data, DataLoader):
             self._loader = data
+            if isinstance(data.dataset, IterableDataset):
+                raise TypeError(
+                    "data: a DataLoader over an IterableDataset has no length, and the Trainer "
+                    "plans each epoch's steps from it; pass a map-style Dataset (or tensors)"
+                )
             if len(data) == 0:
                 raise ValueError("data: the DataLoader yields no batches")
         elif isinstance(data, (tuple, list)) and len(data) == 2:
-            rows = {t.shape[0] for t in flatten(tuple(data))[0] if t.dim() > 0}
+            leaves = flatten(tuple(data))[0]
+            if not leaves:
+                kinds = sorted({type(d).__name__ for d in data})
+                raise TypeError(
+                    f"data: inputs and targets must be torch tensors, got {', '.join(kinds)} "
+                    "(torch.as_tensor converts a numpy array)"
+                )
+            rows = {t.shape[0] for t in leaves if t.dim() > 0}
             if len(rows) != 1:
                 raise ValueError(
                     f"data: inputs and targets must share their first dimension, got {rows}"
@@ -121,11 +133,13 @@ class ShardedLoader:
         return n if self.limit is None else min(n, self.limit)
 
     def _loader_rest(self) -> int:
-        """Rows in the DataLoader's short last batch (0: none, or unknown)."""
+        """Rows in the DataLoader's short last batch (0: none, or unknown):
+        from what its sampler yields (a subset sampler covers part of the
+        dataset), not the dataset's length."""
         loader = self._loader
-        if loader.batch_size is None or loader.drop_last or not hasattr(loader.dataset, "__len__"):
+        if loader.batch_size is None or loader.drop_last or not hasattr(loader.sampler, "__len__"):
             return 0
-        return len(loader.dataset) % loader.batch_size
+        return len(loader.sampler) % loader.batch_size
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[Tuple[List[Shard], int]]:
         """The shards of every batch of `epoch`, from batch index `start`,
@@ -176,8 +190,14 @@ class ShardedLoader:
                     return
                 if not isinstance(batch, (tuple, list)) or len(batch) != 2:
                     raise ValueError("DataLoader batches must be (inputs, targets) pairs")
+                rows = _rows(batch)
+                if self._sliced and rows < self.world and not self.keep_short:
+                    # A last batch of fewer rows than processes that __len__
+                    # could not foresee (a batch_sampler's): every rank sees
+                    # this global batch, so every rank drops it.
+                    return
                 x, y = self._mine(batch[0], batch[1]) if self._sliced else (batch[0], batch[1])
-                yield x, y, _rows(batch)
+                yield x, y, rows
             return
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -193,9 +213,10 @@ class ShardedLoader:
                 x, y = self._tensors
                 yield _index(x, idx), _index(y, idx), rows
             else:
-                items = [self._dataset[int(j)] for j in idx]
-                x, y = default_collate(items)
-                yield x, y, rows
+                # (keep_short: a rank may get no rows: the first item's form, empty)
+                items = [self._dataset[int(j)] for j in idx] or [self._dataset[0]]
+                x, y = _pair(default_collate(items))
+                yield (x, y, rows) if len(idx) else (*_index((x, y), idx), rows)
 
     def _mine(self, inputs: Any, targets: Any) -> Tuple[Any, Any]:
         """This rank's contiguous slice of a global batch."""
@@ -240,3 +261,16 @@ def _index(tree: Any, idx: torch.Tensor) -> Any:
 def _rows(batch: Any) -> int:
     """The rows of a batch: the first dimension of its first tensor that has one."""
     return next(t.shape[0] for t in flatten(batch)[0] if t.dim() > 0)
+
+
+def _pair(batch: Any) -> Tuple[Any, Any]:
+    """A collated batch of a Dataset's items as (inputs, targets)."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    form = f"dicts with keys {sorted(batch)}" if isinstance(batch, dict) else type(batch).__name__
+    if isinstance(batch, (tuple, list)):
+        form = f"{len(batch)}-tuples"
+    raise ValueError(
+        f"data: a Dataset's items must be (input, target) pairs, got {form}; wrap it so each "
+        "item is a pair (inputs may be a dict or a tuple: ((ids, mask), label))"
+    )

@@ -112,6 +112,7 @@ class EpochLoop:
                 loss = self._global_loss(loss, shards)
             self._window_loss += loss.detach().to(self._window_loss.device) * weight
             state.batch_in_epoch += 1
+            lr = self.optimizer.param_groups[0]["lr"]  # this step's (a scheduler moves it)
             stepped = last and self._optimizer_step()
         except (ReplicaError, ReduceError) as e:
             where = f"epoch {state.epoch + 1}, step {state.step + 1}"
@@ -125,7 +126,7 @@ class EpochLoop:
             "epoch": state.epoch + 1,
             "step": state.step,
             "train_loss": self._window_loss.item(),
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": lr,
         }
         self._window_loss.zero_()
         state.train_losses.append(metrics["train_loss"])

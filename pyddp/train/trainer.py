@@ -116,6 +116,13 @@ class Trainer(EpochLoop, TrainerCheckpoints):
                 **optimizer_kwargs,
             )
             self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+            if isinstance(self.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                raise ValueError(
+                    "scheduler: ReduceLROnPlateau steps on a metric, and the Trainer steps its "
+                    "scheduler without one (it failed after the first epoch); step it yourself "
+                    "from a callback's on_validation_end(view, metrics) with "
+                    "metrics['valid_loss'], and pass no scheduler here"
+                )
             counts = self.ranks.replicas_per_rank
             # What this run's result depends on: in every checkpoint, compared at resume.
             signature = run_signature(
@@ -248,9 +255,21 @@ class Trainer(EpochLoop, TrainerCheckpoints):
         self._even_out(loader)
         self.steps_per_epoch = -(-len(loader) // cfg.grad_accum_steps)
         self._recover_interrupted_fit()
+        spans = self.ranks.spans_processes
+        data = self._data_signature(train_data, len(loader)) if self._files or spans else {}
+        differ = [f"{k}: {v}" for k, v in data.items() if v.startswith("rank 0: ")]
+        if differ and loader.rows_global:
+            # (each rank trained on its slice of its own data: most rows unseen, silently)
+            raise ValueError(
+                "pyddp: the ranks passed different training data to fit() ("
+                + "; ".join(differ)
+                + "): the Trainer cuts the same global batches on every rank, each rank taking "
+                "its slice; pass every rank the same data, or a DataLoader with a "
+                "DistributedSampler to give each rank its own"
+            )
         if self._files is not None:
             self._files.config = cfg  # this fit's resume and max_to_keep
-            self._files.data = self._data_signature(train_data, len(loader))
+            self._files.data = data
             self._files.check_dir()
             if cfg.resume:
                 self._resume()
@@ -268,6 +287,13 @@ class Trainer(EpochLoop, TrainerCheckpoints):
                 state.stop_reason = "max_epochs"
             elif cfg.max_steps is not None and state.step >= cfg.max_steps:
                 state.stop_reason = "max_steps"
+        if state.stop_reason is not None:  # (a second fit() on new data trained nothing, silently)
+            warnings.warn(
+                f"pyddp: fit() trains nothing: this Trainer's run already ended "
+                f"({state.stop_reason}, epoch {state.epoch}, step {state.step}); raise max_epochs "
+                "or max_steps to train further, or make a new Trainer for a new run",
+                stacklevel=3,
+            )
         start_step = state.step
         with self._ctrl_c:
             try:
