@@ -462,3 +462,25 @@ def test_a_parameter_shared_by_checkpointed_segments(reentrant):
     F.cross_entropy(ref(x), y).backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "nested"])
+def test_inputs_pyddp_cannot_split_are_named(kind):
+    x = torch.randn(4, 6)
+    if kind == "sparse":
+        x = x.to_sparse()
+    else:
+        x = torch.nested.nested_tensor([x[0], x[1]], layout=torch.jagged)
+    dm = pyddp.wrap(nn.Linear(6, 2), ["cpu", "cpu"])
+    with pytest.raises(ValueError, match=f"an input is a .*{kind}.* tensor"):
+        dm(x)
+    dm.close()
+
+
+def test_a_hook_result_of_the_wrong_size_names_both_sizes():
+    from pyddp._link.transport import _into_bucket
+
+    future = torch.futures.Future()
+    future.set_result(torch.zeros(675))
+    with pytest.raises(RuntimeError, match="a tensor of 676 elements, got one of 675"):
+        _into_bucket(torch.zeros(676), future)

@@ -404,7 +404,12 @@ def _into_bucket(flat: torch.Tensor, future: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.numel() != flat.numel():
         raise RuntimeError(
             "the communication hook's future must hold the reduced bucket, a tensor of "
-            f"{flat.numel()} elements, got {type(value).__name__}"
+            f"{flat.numel()} elements, got "
+            + (
+                f"one of {value.numel()}"
+                if isinstance(value, torch.Tensor)
+                else type(value).__name__
+            )
         )
     if value.data_ptr() != flat.data_ptr():
         flat.copy_(value.view_as(flat))

@@ -356,8 +356,9 @@ class Plan:
             )
         if used:
             raise RuntimeError(
-                "pyddp: register_comm_hook must be called before the first backward (as with "
-                "torch DDP): every rank must reduce every step the same way"
+                "pyddp: register_comm_hook must be called before the first backward (torch "
+                "DDP's docs ask the same, though it accepts one later): every rank must reduce "
+                "every step the same way, and a hook's state starts with the run"
             )
         if not on_gpus:
             self.link.register_comm_hook(state, hook)

@@ -25,6 +25,13 @@ def scatter(
     shards that need a gradient become leaves of their own, returned as a
     combine.InputCut (None where no input needs a gradient)."""
     leaves, rebuild = flatten(tree)
+    for t in leaves:
+        if t.layout != torch.strided or t.is_nested:  # (an internal error in split before)
+            kind = "a nested tensor" if t.is_nested else f"a {t.layout} tensor"
+            raise ValueError(
+                f"pyddp: an input is {kind}, which pyddp cannot split over replicas along "
+                "dim 0; pass dense tensors (.to_dense(), or padded with a mask)"
+            )
     batched = [t for t in leaves if t.dim() > 0]
     if not batched:
         raise ValueError(
