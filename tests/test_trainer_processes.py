@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import pytest
 import torch
@@ -137,6 +137,18 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, straight):
     assert restarted[0]["params"] == straight[0]["params"]
 
 
+def sgd_trainer(cfg: pyddp.TrainConfig, model: Optional[nn.Module] = None) -> pyddp.Trainer:
+    """The Trainer the scenarios below share: one CPU replica of `model`
+    (eval_norm(net()) by default), SGD at lr 0.1, mean squared error."""
+    return pyddp.Trainer(
+        eval_norm(net()) if model is None else model,
+        ["cpu"],
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=nn.functional.mse_loss,
+        config=cfg,
+    )
+
+
 def trainer_uneven(out: dict) -> None:
     """The Trainer with a DataLoader whose DistributedSampler gives the
     ranks different numbers of batches (rank r: 2 + r): every rank trains
@@ -164,13 +176,7 @@ def trainer_uneven(out: dict) -> None:
     model = eval_norm(net())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with pyddp.Trainer(
-            model,
-            ["cpu"],
-            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-            loss_fn=nn.functional.mse_loss,
-            config=cfg,
-        ) as t:
+        with sgd_trainer(cfg, model) as t:
             t.model.module.norm.eval()
             result = t.fit(loader)
             trained = t.model.module
@@ -215,13 +221,7 @@ def trainer_loader_forms(out: dict) -> None:
     def fit(train, valid=None):
         cfg = pyddp.TrainConfig(batch_size=8, eval_batch_size=4, max_epochs=1, progress=False)
         torch.manual_seed(0)
-        with pyddp.Trainer(
-            eval_norm(net()),
-            ["cpu"],
-            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-            loss_fn=nn.functional.mse_loss,
-            config=cfg,
-        ) as t:
+        with sgd_trainer(cfg) as t:
             t.model.module.norm.eval()
             result = t.fit(train, valid)
             return result.state.step, result.state.history
@@ -265,13 +265,7 @@ def trainer_settings(out: dict) -> None:
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g)
     cfg = pyddp.TrainConfig(**{"batch_size": 8, "max_epochs": 2, "progress": False, field: value})
-    with pyddp.Trainer(
-        eval_norm(net()),
-        ["cpu"],
-        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-        loss_fn=nn.functional.mse_loss,
-        config=cfg,
-    ) as t:
+    with sgd_trainer(cfg) as t:
         try:
             t.fit((x, y))
             out["error"] = None

@@ -179,13 +179,13 @@ class Reducer:
             self._layout.follow_resets(self._engine)
 
     def _clear_reduced_copy(self, replica: int, fence: bool = False) -> None:
-        """Drops replica `replica`'s copy of the last reduction, if it holds
-        one. Sum: replica 0's copy alone carries the previous sum into the next
-        one (`carried`: it does now). Average: every copy does (the next mean of
-        (mean + new) is mean + new mean). `fence`: order the current stream
-        after the reductions first (prepare has done it already)."""
+        """Drops replica `replica`'s copy of the last reduction, if it holds one.
+        Sum: replica 0's copy alone carries the previous sum into the next one
+        (`carried`: read by dmodel.loss's weighing across processes). Average:
+        every copy does. `fence`: order the current stream after the reductions."""
         held = self._engine.take_reduced_copy(replica)
-        self.carried = self.carried if replica else held and self._layout.any_gradient(0)
+        if replica == 0 and self._link.spans_processes:
+            self.carried = held and self._layout.any_gradient(0)
         if self._layout.scattered is not None:
             return  # sharded gradients: no bucket outlives its reduction (scattered.py)
         if not (held and replica > 0 and self._op == "sum"):

@@ -256,13 +256,14 @@ class Trainer(EpochLoop, TrainerCheckpoints):
         self.steps_per_epoch = -(-len(loader) // cfg.grad_accum_steps)
         self._recover_interrupted_fit()
         spans = self.ranks.spans_processes
-        data = self._data_signature(train_data, len(loader)) if self._files or spans else {}
-        differ = [f"{k}: {v}" for k, v in data.items() if v.startswith("rank 0: ")]
+        data, differ = (
+            self._data_signature(train_data, len(loader)) if self._files or spans else ({}, [])
+        )
         if differ and loader.rows_global:
             # (each rank trained on its slice of its own data: most rows unseen, silently)
             raise ValueError(
                 "pyddp: the ranks passed different training data to fit() ("
-                + "; ".join(differ)
+                + "; ".join(f"{k}: {data[k]}" for k in differ)
                 + "): the Trainer cuts the same global batches on every rank, each rank taking "
                 "its slice; pass every rank the same data, or a DataLoader with a "
                 "DistributedSampler to give each rank its own"

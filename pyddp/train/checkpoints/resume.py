@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Optional, Protocol
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -132,17 +132,18 @@ class TrainerCheckpoints:
         self.state.batch_in_epoch = self._window
         self._window = self._interrupted_in = None
 
-    def _data_signature(self, train_data: Any, batches: int) -> Dict[str, str]:
+    def _data_signature(self, train_data: Any, batches: int) -> Tuple[Dict[str, str], List[str]]:
         """What the run depends on from its data, the same on every rank:
         each rank's entry where the ranks' data differ (a change on any
-        rank is then a change)."""
+        rank is then a change); and the keys that differ."""
         mine = data_signature(train_data, batches)
         if not self.ranks.spans_processes:
-            return mine
+            return mine, []
         ranks = self.ranks.gather(mine, _DATA)
+        differ = [key for key, value in ranks[0].items() if any(r[key] != value for r in ranks)]
         return {
-            key: value
-            if all(r[key] == value for r in ranks)
-            else ", ".join(f"rank {i}: {r[key]}" for i, r in enumerate(ranks))
+            key: ", ".join(f"rank {i}: {r[key]}" for i, r in enumerate(ranks))
+            if key in differ
+            else value
             for key, value in ranks[0].items()
-        }
+        }, differ
