@@ -177,17 +177,16 @@ class BucketLayout:
         return [flats + wires for flats, wires in zip(self.flat, self._wire)]
 
     def moved(self) -> bool:
-        """Whether replica 0's gradients left their bucket views (Module._apply
-        replaced their storage, or a gradient was assigned). Reliable where
-        parameter pointers are not: the buckets stay allocated, so a replaced
-        gradient cannot reuse their addresses."""
+        """Whether replica 0's gradients left their bucket views: one was
+        assigned, or Module._apply gave the views new storage (seen after
+        zero_grad() too). Reliable where parameter pointers are not: the buckets
+        stay allocated, so a replaced gradient cannot reuse their addresses."""
         if self.scattered is not None:
             return False  # gradients are copied into transient buckets at each backward
-        for p, ptr in zip(self.params[0], self._view_ptrs):
-            g = p.grad
-            if g is not None and g.data_ptr() != ptr:
-                return True
-        return False
+        if list(map(operator.methodcaller("data_ptr"), self.views[0])) != self._view_ptrs:
+            return True
+        grads = zip(map(operator.attrgetter("grad"), self.params[0]), self._view_ptrs)
+        return any([g is not None and g.data_ptr() != ptr for g, ptr in grads])
 
     def bucket_bytes(self) -> List[int]:
         if self.scattered is not None:

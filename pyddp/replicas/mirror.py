@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
 from ..runtime.libraries import DTYPE_NAMES
@@ -105,7 +106,7 @@ class ReplicaMirror:
         self.meta = [(p.dtype, p.device, p.shape) for p in self.params[0]]
         self.synced = set(synced)
         self.training = [m.training for m in self.modules[0]]
-        self.storage = [p.data_ptr() for p in self.params[0]]
+        self.storage = Storages(self.params[0])
         self.head = list(map(_version_and_grad, self.params[0]))
         self.hook_dicts: List[object] = []
         self._share_hooks()
@@ -171,8 +172,8 @@ class ReplicaMirror:
                     m.training = flag
             self.training = training
         drifted = set()
-        storage = list(map(_data_ptr, first))
-        new_storage = storage != self.storage
+        moved = self.storage.moved()
+        new_storage = bool(moved)
         if new_storage:
             # New tensors behind the parameters (`.data =`, `.to()`, `.half()`):
             # the same dtype, device and shape is a value change, else refused.
@@ -183,8 +184,8 @@ class ReplicaMirror:
                         f"{dtype} {tuple(shape)} on {device} to {p.dtype} {tuple(p.shape)} on "
                         f"{p.device} after wrap; the other replicas cannot follow: {_REWRAP}"
                     )
-            drifted.update(k for k, (a, b) in enumerate(zip(storage, self.storage)) if a != b)
-            self.storage = storage
+            drifted.update(moved)
+            self.storage = Storages(first)
         head = list(map(_version_and_grad, first))  # one pass: version, requires_grad
         requires_grad = [wants for _, wants in head]
         if requires_grad != [wants for _, wants in self.head]:
@@ -299,6 +300,31 @@ _version = operator.attrgetter("_version")
 _hook_dict = operator.attrgetter("_backward_hooks")
 _version_and_grad = operator.attrgetter("_version", "requires_grad")
 _data_ptr = operator.methodcaller("data_ptr")
+_expired = torch.UntypedStorage._expired
+
+
+class Storages:
+    """Which of `params` got new storage since this was made (`.data =`,
+    Module._apply: `.half().float()`, `.to(memory_format=...)`). Pointers
+    alone miss a new storage that took its predecessor's freed address (seen
+    in CI after `.double().float()`: the replicas kept stale values, and the
+    gradients' bucket views were lost); a weak reference to each storage sees
+    it die. It keeps the storage's bookkeeping, not its memory, so no storage
+    alive can reuse the address it holds. Two C-level passes per look."""
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        self.params = list(params)
+        self.ptrs = list(map(_data_ptr, self.params))
+        self.refs = [StorageWeakRef(p.untyped_storage()) for p in self.params]
+        self.cdata = [ref.cdata for ref in self.refs]
+
+    def moved(self) -> List[int]:
+        """Indices of the parameters whose storage changed (none: [])."""
+        ptrs = list(map(_data_ptr, self.params))
+        if ptrs == self.ptrs and not any(map(_expired, self.cdata)):
+            return []
+        dead = map(_expired, self.cdata)
+        return [k for k, (a, b, d) in enumerate(zip(ptrs, self.ptrs, dead)) if a != b or d]
 
 
 def _hook_dicts(modules: Sequence[nn.Module]) -> List[Dict[Any, Any]]:

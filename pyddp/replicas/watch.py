@@ -20,10 +20,9 @@ from typing import List, Sequence
 
 from torch import nn
 
-from .mirror import _REWRAP, unfrozen
+from .mirror import _REWRAP, Storages, unfrozen
 
 _DICTS = operator.attrgetter("_parameters", "_modules")
-_data_ptr = operator.methodcaller("data_ptr")
 _requires_grad = operator.attrgetter("requires_grad")
 
 
@@ -33,7 +32,7 @@ class OneReplicaWatch:
         self.reduced = list(reduced)
         self.ids = set(map(id, self.reduced))
         self.meta = [(p.dtype, p.device, p.shape) for p in self.reduced]
-        self.storage = list(map(_data_ptr, self.reduced))
+        self.storage = Storages(self.reduced)
         self._snapshot()
         # The parameters of wrap time that are not reduced (frozen then).
         self.frozen_at_wrap = set(map(id, self.unreduced))
@@ -65,8 +64,7 @@ class OneReplicaWatch:
             self._snapshot()  # added, removed or replaced: judged below, parameter by parameter
         if any(map(_requires_grad, self.unreduced)):
             self._raise_unreduced()
-        storage = list(map(_data_ptr, self.reduced))
-        if storage == self.storage:
+        if not self.storage.moved():
             return False
         for p, (dtype, device, shape) in zip(self.reduced, self.meta):
             if p.dtype != dtype or p.device != device or p.shape != shape:
@@ -77,7 +75,7 @@ class OneReplicaWatch:
                     "after wrap, and it is being trained; pyddp's buckets hold it as it was: "
                     f"{_REWRAP} (evaluating in another dtype under torch.no_grad() is fine)"
                 )
-        self.storage = storage
+        self.storage = Storages(self.reduced)
         return True
 
     def _raise_unreduced(self) -> None:
