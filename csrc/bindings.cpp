@@ -402,6 +402,11 @@ PYBIND11_MODULE(_C, m) {
       .def("note_grad", &Engine::note_grad, py::arg("param"), py::arg("has_grad"))
       .def("has_grad", &Engine::has_grad, py::arg("param"))
       .def("unmarked", &Engine::unmarked)
+      .def("learn_counts", &Engine::learn_counts,
+           "static_graph: the next synced backward counts each gradient's arrivals")
+      .def_property_readonly("learning", &Engine::learning)
+      .def_property_readonly("expected_counts", &Engine::expected_counts,
+                             "Arrivals that make each gradient ready, [replica * P + param]")
       .def_property_readonly("active", &Engine::active)
       .def("take_reduced_copy", &Engine::take_reduced_copy, py::arg("replica"))
       .def("holds_reduced_copy", &Engine::holds_reduced_copy, py::arg("replica"))

@@ -30,7 +30,8 @@ Engine::Engine(int num_replicas, std::vector<ParamInfo> params,
   replica_mu_.reset(new std::mutex[num_replicas_]);
   const size_t p = params_.size();
   param_count_.reset(new std::atomic<int>[p]);
-  marked_.reset(new std::atomic<uint8_t>[p * num_replicas_]);
+  marked_.reset(new std::atomic<int>[p * num_replicas_]);
+  expected_.assign(p * num_replicas_, 1);
   has_grad_.reset(new std::atomic<uint8_t>[p]);
   reduced_copy_.reset(new std::atomic<uint8_t>[num_replicas_]);
   ready_order_.reset(new std::atomic<int>[p]);
@@ -171,6 +172,13 @@ void Engine::fail_mark(int replica, int param, const std::string& why) const {
                                   params_[param].name, "): ", why));
 }
 
+void Engine::note_stream(int replica, int bucket, uintptr_t stream) {
+  const size_t slot = static_cast<size_t>(replica) * buckets_.size() + bucket;
+  std::lock_guard<std::mutex> lk(replica_mu_[replica]);
+  auto& seen = replica_streams_[slot];
+  if (std::find(seen.begin(), seen.end(), stream) == seen.end()) seen.push_back(stream);
+}
+
 void Engine::replica_part_done(int replica, int bucket, uintptr_t stream) {
   const size_t slot = static_cast<size_t>(replica) * buckets_.size() + bucket;
   std::vector<uintptr_t> streams;
@@ -214,7 +222,25 @@ void Engine::mark_ready(int replica, int param, uintptr_t stream) {
     return;
   }
   const size_t slot = static_cast<size_t>(replica) * params_.size() + param;
-  if (marked_[slot].exchange(1, std::memory_order_acq_rel)) {
+  const int arrived = marked_[slot].fetch_add(1, std::memory_order_acq_rel) + 1;
+  active_.store(true, std::memory_order_relaxed);
+  const int counted = expected_[slot];
+  // static_graph's first backward counts only (finish() reduces it), and an
+  // arrival before the counted last one accumulates on: either way the
+  // reduction must also wait for the stream that wrote it.
+  if (learning_.load(std::memory_order_relaxed) || arrived < counted) {
+    if (async_) note_stream(replica, bucket_of_[param], stream);
+    return;
+  }
+  if (arrived > counted && counted > 1) {
+    fail_mark(replica, param,
+              detail::concat("gradient arrived ", arrived, " times in one synced backward, where "
+                             "static_graph's first backward counted ", counted, " (its bucket "
+                             "was reduced at the last of those): the graph changed, which "
+                             "static_graph=True promises it does not. Wrap without "
+                             "static_graph, or keep the graph the same at every step."));
+  }
+  if (arrived > counted) {
     fail_mark(replica, param,
               "gradient produced twice in one synced backward. A parameter used outside the "
               "replica's forward (e.g. a loss term on dmodel.parameters()), a second backward "
@@ -223,10 +249,11 @@ void Engine::mark_ready(int replica, int param, uintptr_t stream) {
               "transformers' gradient_checkpointing_enable() default: each segment's backward "
               "accumulates it once), or (GradSync) a missing finish() after the previous "
               "backward: each gradient is reduced once per backward. Use weight_decay or "
-              "no_sync(), use_reentrant=False (gradient_checkpointing_kwargs={'use_reentrant': "
-              "False}), and call finish() once every replica's backward has returned.");
+              "no_sync(); for checkpointing, use_reentrant=False (gradient_checkpointing_kwargs="
+              "{'use_reentrant': False}) or static_graph=True (its first backward counts each "
+              "gradient's arrivals, as torch DDP's does); and call finish() once every "
+              "replica's backward has returned.");
   }
-  active_.store(true, std::memory_order_relaxed);
   if (async_) replica_part_done(replica, bucket_of_[param], stream);
   if (timeline_.load(std::memory_order_relaxed)) param_ready_ns_[slot] = now_ns();
   if (first_ready_ns_.load(std::memory_order_relaxed) == 0) {
@@ -401,7 +428,7 @@ Engine::Settled Engine::finish(const std::vector<uintptr_t>& streams) {
     // of their bucket waits for that too.
     for (int r = 0; r < num_replicas_; ++r) {
       for (int p = 0; p < num_params(); ++p) {
-        if (!marked_[static_cast<size_t>(r) * params_.size() + p].load()) {
+        if (!ready_marked(static_cast<size_t>(r) * params_.size() + p)) {
           replica_part_done(r, bucket_of_[p], streams[r]);
         }
       }
@@ -458,6 +485,12 @@ Engine::Settled Engine::finish(const std::vector<uintptr_t>& streams) {
   last_ = current_;
   last_ready_order_.resize(ready_pos_.load());
   for (size_t i = 0; i < last_ready_order_.size(); ++i) last_ready_order_[i] = ready_order_[i].load();
+  if (err.empty() && learning_.load()) {
+    // static_graph: from now on a gradient is ready at its counted arrival
+    // (at least one: a parameter unused here may be used later).
+    for (size_t i = 0; i < expected_.size(); ++i) expected_[i] = std::max(1, marked_[i].load());
+    learning_.store(false);
+  }
   reset_iteration_locked();
   if (!err.empty()) {
     partial_kind_.store(kFailed);
@@ -552,11 +585,18 @@ std::vector<std::pair<int, int>> Engine::unmarked() const {
   if (!sync_.load()) return out;
   for (int r = 0; r < num_replicas_; ++r) {
     for (int p = 0; p < num_params(); ++p) {
-      if (!marked_[static_cast<size_t>(r) * params_.size() + p].load()) out.emplace_back(r, p);
+      if (!ready_marked(static_cast<size_t>(r) * params_.size() + p)) out.emplace_back(r, p);
     }
   }
   return out;
 }
+
+void Engine::learn_counts() {
+  PYDDP_ENFORCE(!active_.load(), "cannot learn gradient counts during a synced backward");
+  learning_.store(true);
+}
+
+std::vector<int> Engine::expected_counts() const { return expected_; }
 
 bool Engine::holds_reduced_copy(int replica) const {
   PYDDP_ENFORCE(replica >= 0 && replica < num_replicas_, "replica ", replica,

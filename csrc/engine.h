@@ -120,6 +120,14 @@ class Engine {
   // caller reconciles their buffer slices before finish() reduces them.
   std::vector<std::pair<int, int>> unmarked() const;
   bool active() const { return active_.load(); }
+  // torch DDP's static_graph: the next synced backward counts how many times
+  // each (replica, parameter) gradient arrives (a parameter shared by
+  // segments of reentrant activation checkpointing arrives once per segment)
+  // and reduces every bucket after it; later backwards mark a gradient ready
+  // at its counted arrival, and refuse one more.
+  void learn_counts();
+  bool learning() const { return learning_.load(); }
+  std::vector<int> expected_counts() const;  // [replica * P + param]
   // After a reduction every replica holds the same reduced sum. Before that
   // replica accumulates again, the caller zeroes its copy (except replica 0)
   // and calls take_reduced_copy(replica), which returns whether it held such a copy.
@@ -179,6 +187,14 @@ class Engine {
   // buffers_/recvs_ index of (replica, bucket), both checked in range.
   size_t slot(int replica, int bucket) const;
   bool bucket_has_grad(int bucket) const;
+  // Marked ready in this synced backward: its last expected arrival came.
+  bool ready_marked(size_t slot) const {
+    return !learning_.load(std::memory_order_relaxed) &&
+           marked_[slot].load(std::memory_order_relaxed) >= expected_[slot];
+  }
+  // A stream that wrote part of replica's bucket, recorded with the others
+  // when the replica's part is done (GPU backends).
+  void note_stream(int replica, int bucket, uintptr_t stream);
   [[noreturn]] void fail_mark(int replica, int param, const std::string& why) const;
   // GPU: one more of replica's parameters in `bucket` is written (by
   // `stream`); when it was the last, the backend records the ready events.
@@ -206,7 +222,9 @@ class Engine {
   std::unique_ptr<std::atomic<int>[]> replica_pending_;     // [replica * B + bucket], GPU only
   std::vector<std::vector<uintptr_t>> replica_streams_;     // same index, under replica_mu_
   std::unique_ptr<std::mutex[]> replica_mu_;                // [replica]
-  std::unique_ptr<std::atomic<uint8_t>[]> marked_;  // [replica * P + param]
+  std::unique_ptr<std::atomic<int>[]> marked_;  // arrivals, [replica * P + param]
+  std::vector<int> expected_;                   // arrivals that make it ready, same index
+  std::atomic<bool> learning_{false};           // learn_counts(): this backward counts them
   std::unique_ptr<std::atomic<uint8_t>[]> has_grad_;
   std::unique_ptr<std::atomic<uint8_t>[]> reduced_copy_;   // [replica]
   std::unique_ptr<std::atomic<int>[]> ready_order_;

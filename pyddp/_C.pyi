@@ -262,6 +262,17 @@ class Engine:
         """
     def take_reduced_copy(self, replica: typing.SupportsInt | typing.SupportsIndex) -> bool: ...
     def unmarked(self) -> list[tuple[int, int]]: ...
+    def learn_counts(self) -> None:
+        """
+        static_graph: the next synced backward counts each gradient's arrivals
+        """
+    @property
+    def learning(self) -> bool: ...
+    @property
+    def expected_counts(self) -> list[int]:
+        """
+        Arrivals that make each gradient ready, [replica * P + param]
+        """
     def use_stream(
         self,
         replica: typing.SupportsInt | typing.SupportsIndex,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -69,3 +70,21 @@ def make_batches(steps: int, batch: int, seed: int = 0, vocab: int = 11, seq: in
 def mixed_model():
     torch.manual_seed(0)
     return Mixed()
+
+
+class SharedAcrossDepth(nn.Module):
+    """An ALBERT-style layer applied `depth` times, each under checkpoint()."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp, self.shared, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x, depth=3):
+        h = self.inp(x)
+        for _ in range(depth):
+            h = torch.utils.checkpoint.checkpoint(self._layer, h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+    def _layer(self, h):
+        return torch.tanh(self.shared(h))

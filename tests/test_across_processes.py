@@ -259,6 +259,31 @@ def equivalence(out: dict) -> None:
         side_by_side(ddp, dopt, dm, batches)
         out["vs_ddp"] = max_diff(dm.module, ddp_model)
 
+    # static_graph, a layer shared by three reentrant checkpointed segments
+    # (its gradient arrives three times per backward): against torch DDP
+    # with static_graph=True on the same rows.
+    from conftest import SharedAcrossDepth
+
+    torch.manual_seed(0)
+    model = SharedAcrossDepth(True)
+    ddp_model = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(ddp_model, static_graph=True)
+    dopt = torch.optim.SGD(ddp.parameters(), **SGD)
+    g = torch.Generator().manual_seed(2)
+    with pyddp.wrap(model, ["cpu"] * local, static_graph=True) as dm:
+        popt = dm.optimizer(torch.optim.SGD, **SGD)
+        for _ in range(3):
+            x, y = torch.randn(12, 8, generator=g), torch.randint(0, 3, (12,), generator=g)
+            rows = my_rows(len(x), rank, world)
+            dopt.zero_grad()
+            popt.zero_grad()
+            nn.functional.cross_entropy(ddp(x[rows]), y[rows]).backward()
+            dopt.step()
+            dm.loss(nn.functional.cross_entropy, x[rows], y[rows]).backward()
+            popt.step()
+        out["static_graph_vs_ddp"] = max_diff(dm.module, ddp_model)
+        out["static_graph_counts"] = dm._reducer._engine.expected_counts[:6]
+
 
 class _null:
     def __enter__(self):
@@ -309,6 +334,8 @@ def test_processes_equal_single_device_and_torch_ddp(tmp_path, basics, nproc, lo
         assert r["replicas_equal"]
         assert r["buffers_equal_across_ranks"] and r["buffers_moved"]
         assert r["vs_ddp"] <= TOL
+        assert r["static_graph_vs_ddp"] <= TOL
+        assert r["static_graph_counts"] == [1, 1, 3, 3, 1, 1]
 
 
 def test_different_models_are_refused_at_wrap_naming_rank_and_parameter(basics):

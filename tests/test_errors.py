@@ -6,9 +6,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Mixed, make_batches
+from conftest import Mixed, SharedAcrossDepth, make_batches
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import pyddp
 
@@ -424,44 +423,66 @@ def test_a_backward_through_the_wrapped_models_own_module_after_a_step_names_it(
     dm.close()
 
 
-class SharedAcrossDepth(nn.Module):
-    """An ALBERT-style layer applied three times, each under checkpoint()."""
-
-    def __init__(self, reentrant):
-        super().__init__()
-        self.reentrant = reentrant
-        self.inp, self.shared, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for _ in range(3):
-            h = checkpoint(self._layer, h, use_reentrant=self.reentrant)
-        return self.out(h)
-
-    def _layer(self, h):
-        return torch.tanh(self.shared(h))
-
-
-@pytest.mark.parametrize("reentrant", [True, False])
-def test_a_parameter_shared_by_checkpointed_segments(reentrant):
+@pytest.mark.parametrize("mode", ["reentrant", "reentrant_static_graph", "not_reentrant"])
+def test_a_parameter_shared_by_checkpointed_segments(mode):
     # Reentrant: each segment's backward accumulates the shared layer once, so
     # its gradient arrives three times in one backward: refused, naming the
-    # case and use_reentrant=False, with which it trains as one device.
+    # case and both remedies. use_reentrant=False trains as one device; so
+    # does static_graph=True, whose first backward counts the arrivals (and
+    # reduces after backward), as torch DDP's static_graph does.
     torch.manual_seed(0)
-    model = SharedAcrossDepth(reentrant)
+    model = SharedAcrossDepth(mode != "not_reentrant")
+    ref = copy.deepcopy(model)
+    static = mode == "reentrant_static_graph"
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(12, 8, generator=g), torch.randint(0, 3, (12,), generator=g))]
+    batches *= 4
+    with pyddp.wrap(model, ["cpu", "cpu"], static_graph=static) as dm:
+        if mode == "reentrant":
+            with pytest.raises(
+                RuntimeError,
+                match="reentrant activation checkpointing.*use_reentrant=False.*static_graph=True",
+            ):
+                F.cross_entropy(dm(batches[0][0]), batches[0][1]).backward()
+            return
+        opt = dm.optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        for x, y in batches:
+            F.cross_entropy(dm(x), y).backward()
+            F.cross_entropy(ref(x), y).backward()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        if static:  # inp, shared (3 arrivals each), out; per replica
+            assert dm._reducer._engine.expected_counts == [1, 1, 3, 3, 1, 1] * 2
+
+
+def test_static_graph_refuses_a_graph_that_changed():
+    # After the first backward counted 3 arrivals: 2 still equal one device
+    # (reduced after backward); a 4th is refused, naming static_graph.
+    torch.manual_seed(0)
+    model = SharedAcrossDepth(True)
     ref = copy.deepcopy(model)
     x, y = torch.randn(12, 8), torch.randint(0, 3, (12,))
-    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
-        if reentrant:
-            with pytest.raises(
-                RuntimeError, match="reentrant activation checkpointing.*use_reentrant=False"
-            ):
-                F.cross_entropy(dm(x), y).backward()
-            return
+    with pyddp.wrap(model, ["cpu", "cpu"], static_graph=True) as dm:
         F.cross_entropy(dm(x), y).backward()
-    F.cross_entropy(ref(x), y).backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        dm.zero_grad()
+        F.cross_entropy(dm(x, depth=2), y).backward()
+        F.cross_entropy(ref(x, depth=2), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+        dm.zero_grad()
+        with pytest.raises(RuntimeError, match="arrived 4 times .* counted 3 .*static_graph"):
+            F.cross_entropy(dm(x, depth=4), y).backward()
+        dm.zero_grad()  # drops that backward: the next one is whole again
+        ref.zero_grad()
+        F.cross_entropy(dm(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("kind", ["sparse", "nested"])

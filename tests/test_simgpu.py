@@ -845,3 +845,49 @@ def unfreezing_followed(devices):
 @pytest.mark.parametrize("devices", [[0, 0], [0, 1]])
 def test_a_layer_frozen_at_wrap_unfrozen_later_with_follow_unfreezing(devices):
     run_alone(unfreezing_followed, devices)
+
+
+def static_graph_counts_checkpointed_arrivals(devices):
+    from conftest import SharedAcrossDepth
+    from simulated import assert_replicas_equal, gpu_step, gpu_wrap, sim, streams
+
+    sim.lib.simgpu_set_delay_us(None, 150)
+    torch.manual_seed(0)
+    model = SharedAcrossDepth(True)
+    ref = copy.deepcopy(model)
+
+    def ordered(grad):
+        # torch accumulates the shared layer's next arrival in place on the
+        # stream of the last one; the simulation runs it on the host at once:
+        # drained first (the late write of the last arrival still lands late).
+        streams.synchronize_all(devices)
+        return grad
+
+    for p in model.shared.parameters():
+        p.register_hook(ordered)
+    dm = gpu_wrap(model, devices, static_graph=True, bucket_cap_mb=0.0005)
+    opt = dm.optimizer(torch.optim.AdamW, lr=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(12, 8, generator=g), torch.randint(0, 3, (12,), generator=g)
+        gpu_step(F.cross_entropy(dm(x), y), opt, devices)
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_replicas_equal(dm)
+    assert dm.stats()["buckets"] > 1
+    assert dm._reducer._engine.expected_counts == [1, 1, 3, 3, 1, 1] * len(devices)
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    dm.close()
+
+
+@pytest.mark.parametrize("devices", [[0, 0], [0, 1]])
+def test_static_graph_counts_checkpointed_arrivals_on_gpus(devices):
+    # A layer shared by three reentrant checkpointed segments arrives three
+    # times in each backward: static_graph's first backward counts it (and
+    # reduces after backward), later ones reduce at the third arrival, with
+    # every stream that wrote it waited for (slow streams, gradients landing
+    # late, several buckets).
+    run_alone(static_graph_counts_checkpointed_arrivals, devices)

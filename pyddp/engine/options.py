@@ -93,8 +93,12 @@ class Options:
     itself at every step; this shapes only the buckets a communication hook
     sees, which are DDP's for the same arguments."""
     static_graph: bool = False
-    """torch DDP's, as find_unused_parameters: shapes only the buckets a
-    communication hook sees."""
+    """torch DDP's: the first synced backward counts how many times each
+    gradient arrives (a parameter shared by segments of reentrant activation
+    checkpointing arrives once per segment) and reduces after backward; later
+    backwards reduce a gradient at its counted arrival and refuse one more
+    (the graph changed). As find_unused_parameters, it also shapes the
+    buckets a communication hook sees."""
 
     def __post_init__(self) -> None:
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):

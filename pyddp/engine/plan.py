@@ -251,6 +251,8 @@ class Plan:
         engine = _C.Engine(
             len(params), list(names), numels, dtypes, buckets, opts.reduce_order, op, backend
         )
+        if opts.static_graph:  # its first synced backward counts each gradient's arrivals
+            engine.learn_counts()
         layout = BucketLayout(
             params, dtypes, engine.set_buffer, order.devices, order.fence, order.zeros
         )

@@ -19,7 +19,8 @@ strategy is gone since 2.0), so there is one replica per process here.
 
 Accepted torch-DDP arguments, with pyddp's reading: bucket_cap_mb and
 broadcast_buffers (the same options), find_unused_parameters,
-gradient_as_bucket_view and static_graph (what pyddp always does),
+gradient_as_bucket_view (what pyddp always does), static_graph (its first
+backward counts each gradient's arrivals, as DDP's),
 ddp_comm_hook/ddp_comm_state/ddp_comm_wrapper (registered on the wrapped
 model, on CPUs too, where Lightning's own DDP registers none), and
 model_averaging_period (post-local SGD, run by Lightning's DDP strategy as

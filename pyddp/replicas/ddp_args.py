@@ -11,8 +11,9 @@ from ..engine.options import WRAP_OPTIONS, Options
 
 # DDP's flags that ask for what pyddp always does: accepted, no effect.
 # (find_unused_parameters and static_graph are wrap options: pyddp finds
-# unused parameters on every step whatever they say, and they shape only
-# the buckets a communication hook sees, as DDP's.)
+# unused parameters on every step whatever they say; static_graph counts
+# each gradient's arrivals in the first backward; both shape the buckets a
+# communication hook sees, as DDP's.)
 ALWAYS = {
     # pyddp's gradients are always views into its buckets.
     "gradient_as_bucket_view": "pyddp's gradients are always views into its buckets",
