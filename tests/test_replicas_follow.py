@@ -73,6 +73,42 @@ def test_eval_mode_and_buffers_follow_replica_0():
     dm.close()
 
 
+class Tempered(nn.Module):
+    """Plain attributes read in forward: a temperature, a flag, an offset."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(6, 3), nn.Dropout(0.5)
+        self.temperature, self.clamp = 1.0, False
+
+    def forward(self, x):
+        out = self.drop(self.lin(x)) / self.temperature
+        if getattr(self, "offset", None) is not None:
+            out = out + self.offset
+        return out.clamp(-0.1, 0.1) if self.clamp else out
+
+
+def test_plain_attributes_set_after_wrap_reach_every_replica():
+    # Rebound, added and deleted on the user's model after wrap: replica 1's
+    # rows (the second half) follow at the next forward, bitwise against the
+    # model on the same shards. Before, replica 1 kept wrap time's values.
+    torch.manual_seed(0)
+    model = Tempered()
+    x = torch.randn(8, 6)
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        dm(x)
+        model.drop.p = 0.0  # dropout off: both halves are deterministic
+        model.temperature, model.clamp, model.offset = 4.0, True, (0.25)
+        whole = torch.cat([model(x[:4]), model(x[4:])])
+        torch.testing.assert_close(dm(x), whole, rtol=0, atol=0)
+        del model.offset
+        model.lin.extra = torch.ones(1)  # not plain: each replica keeps its own (none)
+        whole = torch.cat([model(x[:4]), model(x[4:])])
+        torch.testing.assert_close(dm(x), whole, rtol=0, atol=0)
+        assert not hasattr(dm.replicas[1], "offset")
+        assert not hasattr(dm.replicas[1].lin, "extra")
+
+
 def test_buffers_replaced_or_changed_on_the_users_model_reach_every_replica():
     # A buffer given a new tensor (assignment goes through register_buffer)
     # and one changed in place, after wrap: replica 1's rows (the second half

@@ -32,6 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
 from ..runtime.libraries import DTYPE_NAMES
+from .attributes import Attributes
 
 _REWRAP = "dmodel.close() and wrap the model again (or make the change before wrapping)"
 
@@ -89,6 +90,7 @@ class ReplicaMirror:
         self.handles_seen = RemovableHandle.next_id
         self.replica_hooks = [_hook_marks(mods) for mods in self.modules]
         self.members = self._members()
+        self.attributes = Attributes(self.modules)
         # Every parameter slot (module, local name) of replica 0, frozen ones included.
         slots = [
             (m._parameters, f"{where}.{name}" if where != "(the model)" else name, p)
@@ -162,6 +164,7 @@ class ReplicaMirror:
             map(operator.is_, map(dict.get, self.slot_dicts, self.slot_names), self.slot_params)
         ):
             self._raise_replaced()
+        self.attributes.follow()
         first = self.params[0]
         if not all(map(operator.is_, map(_hook_dict, first), self.hook_dicts)):
             self._share_hooks()
