@@ -135,6 +135,20 @@ def test_resume_after_ctrl_c_at_the_end_of_an_epoch_validates_once(tmp_path):
     assert [int(r["step"]) for r in rows] == [2, 4, 6, 8]
 
 
+def test_validation_rows_name_the_epoch_their_step_is_in(tmp_path):
+    # 4 steps an epoch, validated every 3 steps and at each epoch's end: a
+    # row's epoch is its step's, as the training rows say (mid-epoch ones
+    # said the epochs done before).
+    x, y = data()
+    with trainer(tmp_path, max_epochs=2, eval_every_steps=3, eval_every_epochs=1) as t:
+        t.fit((x, y), (x, y))
+    rows = jsonl(tmp_path)
+    train = {r["step"]: r["epoch"] for r in rows if r["kind"] == "train"}
+    valid = [(r["step"], r["epoch"]) for r in rows if r["kind"] == "valid"]
+    assert train == {1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2, 7: 2, 8: 2}
+    assert valid == [(3, 1), (4, 1), (6, 2), (8, 2)]
+
+
 def test_replayed_steps_are_logged_once(tmp_path):
     x, y = data()
     with trainer(tmp_path, max_epochs=3, checkpoint_every_steps=2, max_steps=5) as t:

@@ -42,7 +42,9 @@ class LoopState:
             loss if past is None else smoothing * past + (1 - smoothing) * loss
         )
         row = {
-            "epoch": self.epoch,
+            # The epoch this step belongs to, 1-based, as the training rows
+            # say (at an epoch's end the count of epochs done already is).
+            "epoch": self.epoch + (self.batch_in_epoch > 0),
             "step": self.step,
             **result,
             "smoothed_valid_loss": self.smoothed_valid_loss,
