@@ -10,11 +10,12 @@ import pytest
 from pyddp.engine.streams import StepCapture
 
 
-def _reducer(spans=False, pending=False, scattered=None):
+def _reducer(spans=False, pending=False, scattered=None, learning=False):
     return SimpleNamespace(
         _gpu_devices=None,  # (the driver's capture support is asked on GPUs only)
         _link=SimpleNamespace(spans_processes=spans),
         _plan=SimpleNamespace(rebuild_pending=pending),
+        _engine=SimpleNamespace(learning=learning),
         _layout=SimpleNamespace(scattered=scattered),
     )
 
@@ -24,6 +25,7 @@ def _reducer(spans=False, pending=False, scattered=None):
     [
         ({"spans": True}, "it spans processes"),
         ({"pending": True}, "no synced backward ran yet"),
+        ({"learning": True}, "static_graph's first one counts"),
         ({"scattered": object()}, "the gradients are sharded"),
     ],
 )

@@ -400,6 +400,12 @@ def _not_capturable(reducer: Any) -> Any:
             "(as torch DDP does), and a graph holds their addresses (run a few eager steps "
             "first, as torch.cuda.graph's warm-up asks)"
         )
+    if reducer._engine is not None and reducer._engine.learning:
+        return (
+            "no synced backward ran yet: static_graph's first one counts each gradient's "
+            "arrivals and reduces after backward (run a few eager steps first, as "
+            "torch.cuda.graph's warm-up asks)"
+        )
     if reducer._layout.scattered is not None:
         return (
             "the gradients are sharded (shard='gradients'): their buckets are allocated as "
