@@ -10,6 +10,7 @@ import queue
 import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
 from torch.utils.data._utils.collate import default_collate
@@ -185,7 +186,7 @@ class ShardedLoader:
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)  # DistributedSampler and friends
             n = len(self)
-            for i, batch in enumerate(self._loader):
+            for i, batch in enumerate(self._loader_iterator(epoch)):
                 if i >= n:  # the short last batch this rank must skip
                     return
                 if not isinstance(batch, (tuple, list)) or len(batch) != 2:
@@ -217,6 +218,24 @@ class ShardedLoader:
                 items = [self._dataset[int(j)] for j in idx] or [self._dataset[0]]
                 x, y = _pair(default_collate(items))
                 yield (x, y, rows) if len(idx) else (*_index((x, y), idx), rows)
+
+    def _loader_iterator(self, epoch: int) -> Iterator[Any]:
+        """iter(DataLoader) draws its workers' base seed from the loader's
+        generator, else from torch's global one, which dropout draws from
+        too: a resumed run drew it once more than the run it resumes and went
+        on with another dropout stream. Drawn here from (seed, epoch), and
+        this rank where each rank draws its own batches, so that the global
+        stream is the training's alone (and random transforms in workers
+        replay alike on resume)."""
+        loader = self._loader
+        mine = self.rank if not self._sliced else 0
+        seed = int(np.random.SeedSequence([self.seed, epoch, mine, 1]).generate_state(1)[0])
+        saved = loader.generator
+        loader.generator = torch.Generator().manual_seed(seed)
+        try:
+            return iter(loader)
+        finally:
+            loader.generator = saved
 
     def _mine(self, inputs: Any, targets: Any) -> Tuple[Any, Any]:
         """This rank's contiguous slice of a global batch."""
