@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 from ranks import SGD, TOL, eval_norm, max_diff, net
-from spawn import spawn
+from spawn import spawn, write
 from torch import nn
-from torch.distributed.algorithms.join import Joinable
+from torch.distributed.algorithms.join import Join, Joinable
 
 import pyddp
 
@@ -621,3 +621,61 @@ def test_a_sharded_optimizer_steps_under_join_as_the_unsharded_one(tmp_path, cou
     for key in got[0]:
         if key.endswith(("_params", "_lr")):
             assert all(r[key] == got[0][key] for r in got), key  # one model on every rank
+
+
+def raises_inside_join(out: dict) -> None:
+    """Two wrapped models under one Join, refused on every rank; then rank 1
+    raises after its third step inside dmodel.join() and catches it
+    outside; rank 0 has more batches."""
+    rank = pyddp.rank()
+    dm = pyddp.wrap(_model(), ["cpu"], timeout_s=120)
+    other = pyddp.wrap(_model(), ["cpu"], timeout_s=120)
+    refusals = []
+    for make in (lambda: Join([dm, other]), lambda: nested(dm, other)):
+        try:
+            make()
+        except RuntimeError as e:
+            refusals.append(str(e))
+    out["two_models"] = refusals
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    try:
+        with dm.join():
+            for k in range(6 if rank == 0 else 3):
+                opt.zero_grad()
+                nn.functional.mse_loss(dm(x), y).backward()
+                opt.step()
+                if rank == 1 and k == 2:
+                    raise ValueError("a bad batch")
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    try:  # the caught rank going on (its next epoch): refused, not paired
+        nn.functional.mse_loss(dm(x), y).backward()
+        out["after"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["after"] = type(e).__name__
+    write(out)
+
+
+def nested(a, b) -> None:
+    with a.join(), b.join():
+        pass
+
+
+@pytest.mark.multiprocess
+def test_an_exception_leaving_one_ranks_join_block_is_told_to_the_others(tmp_path):
+    # Before, the other rank went on pairing its steps with whatever the
+    # raising rank did next (its next epoch's), or waited for it until the
+    # timeout (120 s here) and then blamed it for running out of batches.
+    got = spawn(raises_inside_join, 2, out=tmp_path)
+    assert got[1]["error"] == "ValueError: a bad batch"
+    assert "rank 1 abandoned" in got[0]["error"], got[0]["error"]
+    assert "ValueError left its join() block: a bad batch" in got[0]["error"], got[0]["error"]
+    assert got[1]["after"] == "ProcessGroupError"
+    # Two wrapped models under one Join waited on each other until the
+    # timeout (a joined rank shadows one model's step at a time): refused
+    # when the Join is made, on every rank, the first model left usable.
+    for r in got:
+        assert len(r["two_models"]) == 2, r["two_models"]
+        assert all("two wrapped models under Join at once" in e for e in r["two_models"])

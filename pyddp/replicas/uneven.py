@@ -55,6 +55,8 @@ from .steps import StepFlags
 from .syncbn import SyncBatchNorms
 
 _OWN = (ReduceError, ReplicaError, TrainingError)  # pyddp's errors name their cause
+# Wrapped models whose join hook torch's Join made, until they leave it.
+_IN_JOIN: weakref.WeakSet[Any] = weakref.WeakSet()
 STAGE2_UNDER_JOIN = (
     "pyddp: shard='gradients' (ZeRO stage 2) under Join is not supported yet: a rank that "
     "joined would have to shadow the reduce-scatters; use shard=True (ZeRO stage 1, which "
@@ -129,8 +131,13 @@ class Joining(Joinable):
         try:
             try:
                 yield
-            except BaseException:
+            except BaseException as e:
                 join.__exit__(*sys.exc_info())  # torch's: returns at once on an error
+                if not _torch_throw(e) and not getattr(e, "_pyddp_alike", False):
+                    # The others, still in Join, would pair their steps with
+                    # whatever this rank does next, or wait for it until the
+                    # timeout: told now, as a backward that raised tells them.
+                    self._link.abandon(f"{type(e).__name__} left its join() block: {e}")
                 raise
             # The block is done: torch's Join waits for the other ranks with
             # all-reduces of its own, named if a rank dies or stops meanwhile.
@@ -158,6 +165,20 @@ class Joining(Joinable):
             )
         if self._reducer.gradients().gradients_sharded:
             raise NotImplementedError(STAGE2_UNDER_JOIN)
+        others = [m for m in _IN_JOIN if m is not self and not m._reducer.closed]
+        for m in others:
+            if not m._join_config.enable:  # its hook made by this same Join, which fails
+                m._leave_join()
+        if others:
+            raise _alike(
+                "pyddp: two wrapped models under Join at once (torch's Join([a, b]), or one's "
+                "join() inside the other's): a rank that ran out of inputs shadows one model's "
+                "step at a time, while the ranks with inputs interleave both models' "
+                "exchanges, so they would wait on each other until the timeout. Wrap the "
+                "models as one module (one pyddp.wrap). (A torch Join left by an exception "
+                "leaves its model joined; dmodel.join() leaves it however the block ends.)"
+            )
+        _IN_JOIN.add(self)
         divide = kwargs.get("divide_by_initial_world_size", True)
         if not isinstance(divide, bool):
             raise TypeError("divide_by_initial_world_size must be a bool")
@@ -195,7 +216,7 @@ class Joining(Joinable):
         try:
             fn(*args)
         except RuntimeError as e:
-            if isinstance(e, _OWN) or ("exhausted" in str(e) and not isinstance(e, dist.DistError)):
+            if isinstance(e, _OWN) or _torch_throw(e):
                 raise  # pyddp's, already named (a shadowed step), or torch's throw
             self._join.name_failure(what, e)
 
@@ -235,6 +256,22 @@ class Joining(Joinable):
         rows dmodel.loss weighs exchanged again."""
         self._join_config = type(self._join_config).construct_disabled_join_config()
         self._join.leave()
+        _IN_JOIN.discard(self)
+
+
+def _alike(message: str) -> RuntimeError:
+    """A refusal every rank raises at the same point: nothing to tell the
+    others when it leaves a join() block."""
+    e = RuntimeError(message)
+    e._pyddp_alike = True  # type: ignore[attr-defined]
+    return e
+
+
+def _torch_throw(e: BaseException) -> bool:
+    """torch's Join's throw_on_early_termination error, raised on every rank."""
+    return (
+        isinstance(e, RuntimeError) and "exhausted" in str(e) and not isinstance(e, dist.DistError)
+    )
 
 
 class _ShadowHook(JoinHook):
