@@ -611,6 +611,9 @@ def test_accelerate_adapter_refuses_misuse():
     model = acc.prepare(accelerator, torch.nn.Linear(2, 2))
     assert isinstance(model, pyddp.DistributedModel)
     assert acc.unwrap(model) is model.module
+    # As for DDP (the transformers Trainer reads the model's class so).
+    assert accelerator.unwrap_model(model) is model.module
+    assert accelerator.unwrap_model(model.module) is model.module
     # Accelerate's prepare on it again keeps it as it is (no DDP around it).
     assert accelerator.prepare(model) is model
     with pytest.raises(TypeError, match="already wrapped"):

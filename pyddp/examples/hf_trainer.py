@@ -6,7 +6,8 @@ gradients: `PyddpTrainer` in place of `Trainer` is the only change
     torchrun --nproc-per-node=2 -m pyddp.examples.hf_trainer
 
 Uses gradient accumulation, max_grad_norm clipping, a linear learning-rate
-schedule, evaluation and checkpoints (`--resume` goes on from the last).
+schedule, label smoothing, evaluation and checkpoints (`--resume` goes on
+from the last).
 `--lora` fine-tunes through a peft LoRA adapter (the base frozen; the
 Trainer then checkpoints the adapter alone), `--gradient-checkpointing`
 turns on the Trainer's own activation checkpointing (with `--lora`, the
@@ -85,6 +86,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         seed=0,
         disable_tqdm=True,
         gradient_checkpointing=args.gradient_checkpointing,
+        # The Trainer's label smoother shifts a causal LM's labels only when
+        # it sees the model's class through accelerator.unwrap_model.
+        label_smoothing_factor=0.1,
     )
     times = []
 

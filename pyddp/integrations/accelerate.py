@@ -18,10 +18,13 @@ Accelerate initialised. Everything that is not a module goes to
 `accelerator.prepare` unchanged. `accelerator.accumulate(model)` and
 `accelerator.no_sync(model)` call the wrapped model's `no_sync()`.
 
-The returned model is a `pyddp.DistributedModel`: `accelerator.unwrap_model`
-does not see through it (it knows torch's wrappers only); use
-`pyddp.accelerate.unwrap(model)` (or `model.module`), e.g. before
-`save_pretrained`. `DistributedDataParallelKwargs(comm_hook=...,
+The returned model is a `pyddp.DistributedModel`; `accelerator.unwrap_model`
+sees through it as through DDP (Accelerate knows torch's wrappers only:
+`prepare_model` teaches this accelerator pyddp's), so code ported from DDP
+and the transformers Trainer, which reads the model's class through it (its
+label smoother shifts a causal LM's labels only when it sees one), get the
+user's model. `pyddp.accelerate.unwrap(model)` (or `model.module`) does the
+same. `DistributedDataParallelKwargs(comm_hook=...,
 comm_wrapper=..., comm_state_option=...)` is registered on the wrapped model
 by Accelerate itself (FP16, BF16, PowerSGD and batched PowerSGD, with their
 wrappers; CPU processes: hooks on GPUs are refused). Refused by name: FSDP,
@@ -30,6 +33,7 @@ engines)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -114,7 +118,22 @@ def prepare_model(accelerator: Accelerator, model: nn.Module, **options: Any) ->
     # accelerator.prepare again returns it as it is instead of wrapping it
     # in DDP (which would reduce every gradient twice).
     dm._is_accelerate_prepared = True
+    _see_through(accelerator)
     return dm
+
+
+def _see_through(accelerator: Accelerator) -> None:
+    """This accelerator's unwrap_model takes a pyddp model's own module first."""
+    original = accelerator.unwrap_model
+    if getattr(original, "_pyddp", False):
+        return
+
+    @functools.wraps(original)
+    def unwrap_model(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        return original(unwrap(model), *args, **kwargs)
+
+    unwrap_model._pyddp = True  # type: ignore[attr-defined]
+    accelerator.unwrap_model = unwrap_model
 
 
 def unwrap(model: nn.Module) -> nn.Module:
