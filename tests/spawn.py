@@ -128,7 +128,10 @@ def launch(
     if not agent:
         return _launch_without_agent(_name(scenario), nproc, extra, timeout, Path(out))
     args = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    args += [f"--master-port={free_port()}", *torchrun_args, *command(scenario, out)[1:]]
+    # --standalone: the agent's store binds a port of the system's choosing.
+    # (A port found free beforehand may be taken meanwhile on a busy machine:
+    # seen in CI, EADDRINUSE while other jobs ran.)
+    args += ["--standalone", *torchrun_args, *command(scenario, out)[1:]]
     run = subprocess.run(
         args, env=environment(extra), capture_output=True, text=True, timeout=timeout, cwd=out
     )
