@@ -77,7 +77,15 @@ class PyddpStrategy(pl_strategies.DDPStrategy):
         super().__init__(ddp_comm_state=self._hook["ddp_comm_state"], **lightning_own)
 
     def _setup_model(self, model: nn.Module) -> DistributedModel:  # type: ignore[override]
-        return wrap(model, [self.root_device], **self._pyddp_options)
+        options = dict(self._pyddp_options)
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            # Lightning's DDP under manual optimization syncs buffers at its
+            # first forward only (its forward redirection leaves DDP's
+            # require_forward_param_sync off): each rank then keeps its own,
+            # which its validation and sync_dist metrics read.
+            options.setdefault("broadcast_buffers", False)
+        return wrap(model, [self.root_device], **options)
 
     def _register_ddp_hooks(self) -> None:
         hook = self._hook["ddp_comm_hook"]
