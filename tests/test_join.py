@@ -637,6 +637,11 @@ def raises_inside_join(out: dict) -> None:
         except RuntimeError as e:
             refusals.append(str(e))
     out["two_models"] = refusals
+    try:  # the ranks' arguments differ: named on every rank, the model usable after
+        with dm.join(divide_by_initial_world_size=rank == 0):
+            pass
+    except RuntimeError as e:
+        out["arguments"] = str(e)
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     x, y = torch.randn(6, 4), torch.randn(6, 2)
     try:
@@ -676,6 +681,11 @@ def test_an_exception_leaving_one_ranks_join_block_is_told_to_the_others(tmp_pat
     # Two wrapped models under one Join waited on each other until the
     # timeout (a joined rank shadows one model's step at a time): refused
     # when the Join is made, on every rank, the first model left usable.
+    # Different join() arguments: rank 0's flag decided the average (or the
+    # ranks waited until the timeout, for throw_on_early_termination).
+    for r in got:
+        assert "entered join() with different arguments" in r["arguments"], r["arguments"]
+        assert "rank 1: enable=True, divide_by_initial_world_size=False" in r["arguments"]
     for r in got:
         assert len(r["two_models"]) == 2, r["two_models"]
         assert all("two wrapped models under Join at once" in e for e in r["two_models"])

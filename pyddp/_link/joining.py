@@ -42,6 +42,7 @@ from .failure import Failure
 from .groups import Peers, first_line
 
 JOIN_STEP = exchange("the uneven-inputs exchange of a forward under Join")
+JOIN_ARGUMENTS = exchange("the comparison of dmodel.join()'s arguments as it is entered")
 JOIN_LAST = exchange("the choice of the last rank to join, at the end of Join")
 JOIN_FINAL = exchange("the broadcast of the last joiner's parameters and buffers after Join")
 JOIN_OPTIMIZERS_CHECK = exchange("the comparison of optimizers at the end of Join")

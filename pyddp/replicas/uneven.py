@@ -43,7 +43,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .._link import Link
 from .._link.control import BUFFERS_BROADCAST
-from .._link.joining import JOIN_GRADIENTS, JOIN_SETTINGS, join_device
+from .._link.joining import JOIN_ARGUMENTS, JOIN_GRADIENTS, JOIN_SETTINGS, join_device
 from .._link.joining import Joining as JoinState
 from ..engine.faces import ReplicaDriver
 from ..errors import ReduceError, ReplicaError, TrainingError
@@ -113,7 +113,23 @@ class Joining(Joinable):
             if not isinstance(value, bool):
                 raise TypeError(f"join(): {name} must be a bool, got {type(value).__name__}")
         self._check_open()
-        if not self._link.spans_processes or not enable:
+        if not self._link.spans_processes:
+            return contextlib.nullcontext()  # nothing to join
+        # Ranks entering with other arguments would average otherwise, or
+        # wait for each other until the timeout: named on every rank.
+        mine = (enable, divide_by_initial_world_size, throw_on_early_termination)
+        every = self.ranks.gather(mine, JOIN_ARGUMENTS)
+        if any(args != every[0] for args in every):
+            names = ("enable", "divide_by_initial_world_size", "throw_on_early_termination")
+            told = "; ".join(
+                f"rank {r}: " + ", ".join(f"{n}={v}" for n, v in zip(names, args))
+                for r, args in zip(self.ranks.global_ranks, every)
+            )
+            raise _alike(
+                f"pyddp: the ranks entered join() with different arguments ({told}); every "
+                "rank must pass the same"
+            )
+        if not enable:
             return contextlib.nullcontext()  # nothing to join
         return self._joined(enable, throw_on_early_termination, divide_by_initial_world_size)
 
