@@ -485,11 +485,18 @@ Engine::Settled Engine::finish(const std::vector<uintptr_t>& streams) {
   last_ = current_;
   last_ready_order_.resize(ready_pos_.load());
   for (size_t i = 0; i < last_ready_order_.size(); ++i) last_ready_order_[i] = ready_order_[i].load();
-  if (err.empty() && learning_.load()) {
-    // static_graph: from now on a gradient is ready at its counted arrival
-    // (at least one: a parameter unused here may be used later).
-    for (size_t i = 0; i < expected_.size(); ++i) expected_[i] = std::max(1, marked_[i].load());
-    learning_.store(false);
+  if (learning_.load()) {
+    // static_graph's counting backward reduced everything after it, in
+    // index order: no ready order for the bucket plan to learn from (it
+    // waits for the next backward).
+    last_ready_order_.clear();
+    // From now on a gradient is ready at its counted arrival (at least one:
+    // a parameter unused here may be used later). Not from a backward that
+    // failed or where no gradient arrived (a rank shadowing under Join).
+    if (err.empty() && active_.load()) {
+      for (size_t i = 0; i < expected_.size(); ++i) expected_[i] = std::max(1, marked_[i].load());
+      learning_.store(false);
+    }
   }
   reset_iteration_locked();
   if (!err.empty()) {

@@ -460,6 +460,22 @@ def test_a_parameter_shared_by_checkpointed_segments(mode):
             assert dm._reducer._engine.expected_counts == [1, 1, 3, 3, 1, 1] * 2
 
 
+def test_static_graph_plans_its_buckets_from_the_ready_order():
+    # Its counting backward reduces after backward, in index order: the plan
+    # learnt from that order put the first layer (ready last) in the first
+    # bucket, which across processes launches first: no overlap at any step.
+    plans = []
+    for static in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(40, 40) for _ in range(6)])
+        with pyddp.wrap(model, ["cpu", "cpu"], static_graph=static, bucket_cap_mb=0.02) as dm:
+            for _ in range(3):
+                dm(torch.randn(8, 40)).sum().backward()
+                dm.zero_grad()
+            plans.append(dm._reducer.buckets)
+    assert plans[1] == plans[0] and plans[0][0][0] == 11, plans
+
+
 def test_static_graph_refuses_a_graph_that_changed():
     # After the first backward counted 3 arrivals: 2 still equal one device
     # (reduced after backward); a 4th is refused, naming static_graph.

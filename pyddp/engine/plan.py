@@ -298,8 +298,10 @@ class Plan:
         ready order."""
         if not self.rebuild_pending:
             return
+        order = self.link.root_order(self.engine.ready_order(), len(self.params))
+        if not order:  # rank 0 has none: static_graph's counting backward (the next one plans)
+            return
         self.rebuild_pending = False
-        order = self.link.root_order(self.engine.ready_order(), len(self.params)) or []
         if len(order) != len(self.params):
             return
         if self.ddp:  # torch DDP's rebuilt plan: a hook sees it
