@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import re
 
 import pytest
@@ -107,6 +108,45 @@ def test_plain_attributes_set_after_wrap_reach_every_replica():
         torch.testing.assert_close(dm(x), whole, rtol=0, atol=0)
         assert not hasattr(dm.replicas[1], "offset")
         assert not hasattr(dm.replicas[1].lin, "extra")
+
+
+class Cached(nn.Module):
+    """Plain state its own forward sets on each replica (a row count, which
+    uneven shards make differ), and a checkpointing switch with its function,
+    set as transformers' gradient_checkpointing_enable() sets them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.checkpointing = False
+
+    def forward(self, x):
+        if getattr(self, "rows", None) != x.shape[0]:
+            self.rows, self.mask = x.shape[0], torch.ones(x.shape[0], 1)
+        if self.checkpointing:
+            return self.checkpoint_fn(self.lin, x) * self.mask
+        return self.lin(x) * self.mask
+
+
+def test_attributes_a_forward_sets_stay_each_replicas_and_a_function_is_followed():
+    # Found by a review: a row count each replica's forward caches was
+    # overwritten with replica 0's (its mask then had the wrong size), and a
+    # flag was followed without the function it needs (AttributeError on
+    # replica 1).
+    torch.manual_seed(0)
+    model = Cached()
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        for rows in (7, 8, 7):  # shards of 4 and 3, then 4 and 4
+            x = torch.randn(rows, 4)
+            torch.testing.assert_close(dm(x), model.lin(x), rtol=0, atol=0)
+        model.checkpointing = True
+        model.checkpoint_fn = functools.partial(
+            torch.utils.checkpoint.checkpoint, use_reentrant=False
+        )
+        x = torch.randn(8, 4, requires_grad=True)
+        dm(x).sum().backward()
+        assert dm.replicas[1].checkpoint_fn is model.checkpoint_fn
+        torch.testing.assert_close(x.grad, model.lin.weight.sum(0).expand(8, 4), rtol=0, atol=0)
 
 
 def test_buffers_replaced_or_changed_on_the_users_model_reach_every_replica():

@@ -1,33 +1,39 @@
 """Plain attributes the user sets on the wrapped model after wrap
 (`model.drop.p = 0.1`, `model.temperature = 2.0`, transformers'
-`gradient_checkpointing = True` set by `gradient_checkpointing_enable()`):
+`gradient_checkpointing = True` with its `_gradient_checkpointing_func`):
 each other replica is a deep copy made at wrap, so without this its modules
 kept the old values and computed something else, in silence.
 
-Followed, before each forward: an attribute of a module of replica 0 whose
-value is a plain value (None, a bool, number, string, bytes, torch.dtype, an
-enum member, or a tuple or frozenset of these), set, rebound or deleted
-since the last forward, is set (or deleted) alike on every replica. Plain
-values are immutable, so sharing one is exact. Not followed: other objects
-(tensors, lists, configs; a module's own forward often rebinds those, an
-auxiliary loss for instance, and each replica holds its own), changes
-inside a mutable object (`model.config.use_cache = False`), and torch's own
-module state (modes, hooks, parameters, buffers and submodules, which
-mirror.py follows or refuses).
+Followed, before each forward: an attribute of a module of replica 0 set,
+rebound or deleted since the last forward on replica 0 alone, whose value
+is plain: None, a bool, number, string, bytes, torch.dtype, an enum member,
+a function (not a bound method: that would run on replica 0's module), a
+functools.partial of plain parts, or a tuple or frozenset of these. Plain
+values are immutable, so sharing one is exact. An attribute that changed on
+the other replicas too is left as each has it: their own forwards set it
+(a cached row count, which uneven shards make differ). Not followed: other
+objects (tensors, lists, configs; a module's own forward often rebinds
+those, an auxiliary loss for instance), changes inside a mutable object
+(`model.config.use_cache = False`), and torch's own module state (modes,
+hooks, parameters, buffers and submodules, which mirror.py follows or
+refuses).
 
 Cheap where nothing changed: two C-level passes (the modules' dict sizes,
-the identity of every plain value) per forward."""
+the identity of every plain value of replica 0) per forward."""
 
 from __future__ import annotations
 
 import enum
+import functools
 import operator
+import types
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
-_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, enum.Enum)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, enum.Enum)
+_PLAIN += (types.FunctionType,)  # not bound methods
 # torch's own module state: followed (or refused) by mirror.py.
 _TORCH_KEYS = frozenset(nn.Module().__dict__)
 _MISSING = object()
@@ -35,10 +41,14 @@ _MISSING = object()
 
 def plain(value: Any) -> bool:
     """An immutable value that every replica may share."""
-    if isinstance(value, _SCALARS):
+    if isinstance(value, _PLAIN):
         return True
+    if isinstance(value, types.BuiltinFunctionType):  # torch.relu, not a tensor's add
+        return isinstance(value.__self__, (types.ModuleType, type(None)))
     if type(value) in (tuple, frozenset):
         return all(map(plain, value))
+    if type(value) is functools.partial:
+        return plain(value.func) and plain(value.args) and all(map(plain, value.keywords.values()))
     return False
 
 
@@ -48,43 +58,72 @@ class Attributes:
 
     def __init__(self, modules: Sequence[Sequence[nn.Module]]):
         self.dicts: List[List[Dict[str, Any]]] = [[m.__dict__ for m in mods] for mods in modules]
-        self._snapshot()
+        self._slots()
 
-    def _snapshot(self) -> None:
+    def _slots(self) -> None:
+        """The (module, name) slots holding plain values on replica 0 now,
+        and every replica's value in them."""
         first = self.dicts[0]
         self.sizes = list(map(len, first))
-        slots: List[Tuple[int, str]] = [
+        self.slots: List[Tuple[int, str]] = [
             (k, key)
             for k, d in enumerate(first)
             for key, value in d.items()
             if key not in _TORCH_KEYS and plain(value)
         ]
-        self.slots = slots
-        self.slot_dicts = [first[k] for k, _ in slots]
-        self.slot_keys = [key for _, key in slots]
-        self.values = list(map(dict.get, self.slot_dicts, self.slot_keys))
+        self.keys = [key for _, key in self.slots]
+        self.slot_dicts = [[dicts[k] for k, _ in self.slots] for dicts in self.dicts]
+        self._values()
+
+    def _values(self) -> None:
+        self.values = [list(map(dict.get, ds, self.keys)) for ds in self.slot_dicts]
 
     def follow(self) -> bool:
         """Brings the other replicas' plain attributes in line with replica
-        0's; returns whether any changed."""
-        if list(map(len, self.dicts[0])) == self.sizes and all(
-            map(operator.is_, map(dict.get, self.slot_dicts, self.slot_keys), self.values)
-        ):
+        0's where replica 0's alone changed; returns whether any was set."""
+        now = list(map(dict.get, self.slot_dicts[0], self.keys))
+        resized = list(map(len, self.dicts[0])) != self.sizes
+        if not resized and all(map(operator.is_, now, self.values[0])):
             return False
-        before = dict(zip(self.slots, self.values))
+        changed = False
+        for i in [i for i, (a, b) in enumerate(zip(now, self.values[0])) if a is not b]:
+            k, key = self.slots[i]
+            value = self.dicts[0][k].get(key, _MISSING)
+            if value is not _MISSING and not plain(value):
+                continue
+            for r in range(1, len(self.dicts)):
+                other = self.dicts[r][k]
+                if other.get(key, _MISSING) is not _was(self.values[r][i], other, key):
+                    continue  # changed there too: that replica's own forward set it
+                changed = True
+                if value is _MISSING:
+                    other.pop(key, None)
+                else:
+                    other[key] = value
+        if resized:
+            changed |= self._added()
+            self._slots()
+        else:
+            self._values()
+        return changed
+
+    def _added(self) -> bool:
+        """Plain attributes replica 0 gained since the last look: set on the
+        replicas that lack them (those that have them set them themselves)."""
+        known = set(self.slots)
         changed = False
         for k, d in enumerate(self.dicts[0]):
             for key, value in d.items():
-                if key in _TORCH_KEYS or not plain(value):
+                if (k, key) in known or key in _TORCH_KEYS or not plain(value):
                     continue
-                if before.pop((k, key), _MISSING) is not value:
-                    changed = True
-                    for other in self.dicts[1:]:
-                        other[k][key] = value
-        for k, key in before:  # plain before, now deleted or no longer plain
-            if key not in self.dicts[0][k]:
-                changed = True
-                for other in self.dicts[1:]:
-                    other[k].pop(key, None)
-        self._snapshot()
+                for r in range(1, len(self.dicts)):
+                    if key not in self.dicts[r][k]:
+                        self.dicts[r][k][key] = value
+                        changed = True
         return changed
+
+
+def _was(value: Any, d: Dict[str, Any], key: str) -> Any:
+    """A slot's recorded value as `get(key, _MISSING)` reads it (None where
+    the key was absent reads as missing when it still is)."""
+    return _MISSING if value is None and key not in d else value
