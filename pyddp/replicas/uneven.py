@@ -103,8 +103,12 @@ class Joining(Joinable):
         Usage, as with torch DDP: `with dmodel.join(): for x, y in
         my_loader: ...`, or torch's `Join([dmodel, ...])`. The context this
         returns makes torch's Join on entering and leaves the model as it was
-        before on exit, however the block ends (torch's Join alone does not
-        when the block raises)."""
+        before on a normal exit or torch's throw_on_early_termination error
+        (torch's Join alone does not when the block raises). Any other
+        exception leaving the block is told to the other ranks, which raise
+        ProcessGroupError, and this rank's model refuses further steps:
+        restart the processes. The arguments are compared across ranks when
+        join() is called (every rank must call it)."""
         for name, value in (
             ("divide_by_initial_world_size", divide_by_initial_world_size),
             ("enable", enable),
