@@ -148,7 +148,7 @@ class ReplicaMirror:
         raises. Each check is one pass over replica 0 (and the version counters
         of every replica) with work only where something changed. Returns
         whether replica 0's parameters got new storage (their gradients may
-        have too: the caller re-attaches them)."""
+        have too: the caller re-attaches them and copies every parameter)."""
         if list(map(len, self.layout_dicts)) != self.layout_sizes or (
             RemovableHandle.next_id != self.handles_seen
             and _last_keys(self.hook_dicts0) != self.hook_keys
@@ -175,9 +175,8 @@ class ReplicaMirror:
                     m.training = flag
             self.training = training
         drifted = set()
-        moved = self.storage.moved()
-        new_storage = bool(moved)
-        if new_storage:
+        new_storage = bool(self.storage.moved())
+        if new_storage:  # (the caller copies every parameter: which ones moved is moot)
             # New tensors behind the parameters (`.data =`, `.to()`, `.half()`):
             # the same dtype, device and shape is a value change, else refused.
             for k, (p, (dtype, device, shape)) in enumerate(zip(first, self.meta)):
@@ -187,7 +186,6 @@ class ReplicaMirror:
                         f"{dtype} {tuple(shape)} on {device} to {p.dtype} {tuple(p.shape)} on "
                         f"{p.device} after wrap; the other replicas cannot follow: {_REWRAP}"
                     )
-            drifted.update(moved)
             self.storage = Storages(first)
         head = list(map(_version_and_grad, first))  # one pass: version, requires_grad
         requires_grad = [wants for _, wants in head]

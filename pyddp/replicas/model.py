@@ -395,8 +395,8 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             # Module._apply gave parameters new storage (share_memory(),
             # .to(memory_format=...), .half().float()), and their gradients
             # with them: the gradients must point into the buckets again, and
-            # every parameter is copied (a new tensor may reuse the old
-            # address, so pointers alone do not show which ones changed).
+            # every parameter is copied (what else was done beside it, writes
+            # through `.data`, moved no version counter).
             self._reducer.reattach()
             self._mirror.copy_all()
 

@@ -10,12 +10,12 @@ import queue
 import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
 from torch.utils.data._utils.collate import default_collate
 
 from ..replicas.tree import flatten, shard_sizes
+from .rng import derived_seed
 
 Shard = Tuple[Any, Any]  # (model inputs, targets) on one replica's device
 
@@ -229,9 +229,8 @@ class ShardedLoader:
         replay alike on resume)."""
         loader = self._loader
         mine = self.rank if not self._sliced else 0
-        seed = int(np.random.SeedSequence([self.seed, epoch, mine, 1]).generate_state(1)[0])
         saved = loader.generator
-        loader.generator = torch.Generator().manual_seed(seed)
+        loader.generator = torch.Generator().manual_seed(derived_seed(self.seed, epoch, mine, 1))
         try:
             return iter(loader)
         finally:

@@ -22,7 +22,13 @@ def stream_seed(seed: int, rank: int, replica: int = 0) -> int:
     streams (numpy's SeedSequence) for the others."""
     if rank == 0 and replica == 0:
         return seed
-    return int(np.random.SeedSequence([seed, rank, replica]).generate_state(1, np.uint64)[0] >> 1)
+    return derived_seed(seed, rank, replica)
+
+
+def derived_seed(*parts: int) -> int:
+    """An independent stream's seed for `parts` (numpy's SeedSequence), in
+    [0, 2**63)."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0] >> 1)
 
 
 def seed_generators(seed: int, rank: int, devices: Sequence[torch.device]) -> None:
