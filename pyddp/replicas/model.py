@@ -388,8 +388,9 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
     def _follow_model(self) -> None:
         """Brings the other replicas in line with the user's model (replica 0)."""
         if self._mirror is None:
-            if self._watch is not None and torch.is_grad_enabled() and self._watch.follow():
-                self._reducer.reattach()  # Module._apply gave the parameters new storage
+            watching = self._watch is not None and torch.is_grad_enabled()
+            if watching and (self._watch.follow() or self._reducer.grads_moved()):
+                self._reducer.reattach()  # new storage behind parameters or gradients
             return
         if self._mirror.follow() or self._reducer.grads_moved():
             # Module._apply gave parameters new storage (share_memory(),
