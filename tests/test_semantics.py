@@ -568,6 +568,10 @@ def test_input_gradients_alone_touch_no_parameter_as_on_one_device(call):
     assert_grads_close(grads(model), grads(ref))
     with pytest.raises(RuntimeError, match=r"create_graph=True \(autograd.grad or backward"):
         torch.autograd.grad(F.mse_loss(dm(x), y), x, create_graph=True)
+    refused = pytest.raises(RuntimeError, match=r"backward\(create_graph=True\).*one replica per")
+    with refused, warnings.catch_warnings():  # torch warns of the reference cycle it makes
+        warnings.simplefilter("ignore", UserWarning)
+        F.mse_loss(dm(x), y).backward(create_graph=True)
     dm.close()
 
 

@@ -37,6 +37,12 @@ from .scatter import batch_size, call_arguments, gather, scatter
 from .syncbn import SyncBatchNorms
 from .workers import ReplicaWorkers
 
+# The remedy where a replica's backward must stay in the graph torch walks.
+_ONE_PER_PROCESS = (
+    "run one replica per process under torchrun instead (pyddp.wrap(model) in each), where "
+    "create_graph=True works as under torch DDP (a gradient penalty: docs/semantics.md)"
+)
+
 
 class StepFlags:
     """The running step's flags, on a plain object: they change at every
@@ -312,7 +318,8 @@ class ReplicaSteps:
             return
         if torch.is_grad_enabled():
             raise RuntimeError(
-                "pyddp: backward(create_graph=True) is not supported with CPU replicas"
+                "pyddp: backward(create_graph=True) is not supported with CPU replicas in one "
+                f"process; {_ONE_PER_PROCESS}"
             )
         # The replicas' graphs keep their saved tensors exactly when the
         # outer backward does (retain_graph=True), so a second backward
@@ -344,7 +351,8 @@ class ReplicaSteps:
         """The inputs' gradients alone, each replica's into its leaves."""
         if torch.is_grad_enabled():
             raise RuntimeError("pyddp: create_graph=True (autograd.grad or backward(inputs=...)) "
-                               "is not supported with CPU replicas")  # fmt: skip
+                               f"is not supported with CPU replicas in one process; "
+                               f"{_ONE_PER_PROCESS}")  # fmt: skip
         # (torch does not tell autograd.grad, which says itself that a parameter
         # was not used, from backward(inputs=...), which would leave it None.)
         warnings.warn(
