@@ -28,6 +28,7 @@ from ..runtime.torchrun import refuse_training_alone
 from .ddp_args import wrap_options
 from .mirror import ReplicaMirror, planned_as_trainable
 from .scatter import batch_size
+from .staged import StagedBuffers
 from .steps import ReplicaSteps, StepFlags
 from .syncbn import SyncBatchNorms, sync_layers
 from .uneven import STAGE2_UNDER_JOIN, Joinable, Joining
@@ -117,6 +118,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         # One replica and one process: nothing to scatter, join or reduce.
         self._passthrough = not self._reducer.reduces
         self._flags = StepFlags()
+        self._staged = StagedBuffers()  # rank 0's buffers, for the next forward
         self._syncbn: Optional[SyncBatchNorms] = None
         self._optimizers: List[weakref.ref] = []  # dmodel.optimizer's, for Join's end
         self._apart_after_join = ""  # why training is refused after Join (optim/after_join.py)
@@ -412,11 +414,10 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             self._copy_buffers()
 
     def _broadcast_buffers_now(self) -> None:
-        """Copies replica 0's buffers (BatchNorm statistics) to this
-        process's other replicas, if broadcast_buffers is on: before every
-        forward, so every replica runs with replica 0's. Across processes
-        they were made rank 0's at the end of the last synced training
-        backward (_buffers_after_backward)."""
+        """Before every forward: rank 0's buffers (BatchNorm statistics)
+        if the last synced training backward received them (staged.py),
+        then replica 0's to this process's others, if broadcast_buffers."""
+        self._staged.put_in()
         if self.broadcast_buffers and len(self._replicas) > 1:
             self._copy_buffers()
 

@@ -29,11 +29,11 @@ import torch
 from torch import nn
 
 from .._link import Link
-from .._link.control import BUFFERS_BROADCAST
 from ..engine.faces import ReplicaDriver
 from ..errors import ReplicaError
 from .combine import Combine, InputCut, combine_column, keep_graph, replica_backward
 from .scatter import batch_size, call_arguments, gather, scatter
+from .staged import StagedBuffers
 from .syncbn import SyncBatchNorms
 from .workers import ReplicaWorkers
 
@@ -76,6 +76,7 @@ class StepsHost(Protocol):
     _streams: Any  # their stream provider (engine/streams.py; None: CPUs)
     _apart_after_join: str  # why training is refused after Join ("" if not)
     _flags: StepFlags
+    _staged: StagedBuffers
 
     def _check_open(self) -> None: ...
     def _follow_model(self) -> None: ...
@@ -397,15 +398,12 @@ class ReplicaSteps:
         forward (grad enabled, not under no_sync()), rank 0's buffers (the
         highest rank with inputs under Join) go to every rank. DDP sends
         them before the next forward, whatever its mode; pyddp sends the
-        same values at the end of that forward's backward (not earlier: the
-        backward may read buffers its forward saved), so an evaluation that
-        follows sees DDP's statistics on every rank without communicating,
-        and may still run on some ranks only."""
+        same values at the end of that forward's backward, and puts them in
+        at the next forward (staged.py), so that forward needs no collective
+        (an evaluation may still run on some ranks only)."""
         if self._flags.buffers_due:
             self._flags.buffers_due = False
-            self._link.broadcast(list(self.module.buffers()), BUFFERS_BROADCAST)
-            if len(self._replicas) > 1:
-                self._copy_buffers()  # this process's other replicas too, at once
+            self._staged.receive(self._link, list(self.module.buffers()))
 
 
 def _check_reduction(reduction: str) -> None:
