@@ -160,6 +160,16 @@ def test_fabric_equals_fabric_ddp_and_resumes(tmp_path):
     assert max_param_diff(resumed, runs["pyddp"]) <= TOL
 
 
+def test_fabric_with_a_compiled_model_equals_fabric_ddp(tmp_path):
+    # Fabric compiles what the strategy returns with the model's compile
+    # settings: torch.compile(pyddp's wrapper) broke inside pyddp's forward
+    # (dynamo: RecursionError), found by a probe; it now compiles the replicas.
+    pytest.importorskip("lightning")
+    args = ("--compile", "aot_eager", "--epochs", "1")
+    runs, _ = run_pair("fabric_digits", tmp_path, "--strategy", *args)
+    assert max_param_diff(runs["ddp"], runs["pyddp"]) <= TOL
+
+
 LIGHTNING_SYNC_BN = """
 import json, sys
 import lightning as L, torch, torch.nn.functional as F

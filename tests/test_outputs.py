@@ -215,3 +215,35 @@ def test_compile_compiles_each_replica_with_no_graph_break():
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] >= 2  # it did compile (each replica)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_torch_compile_of_the_wrapped_model_compiles_each_replica(replicas):
+    # torch.compile(dmodel), as torch.compile(DDP(model)) is written (and
+    # Lightning Fabric's setup of a compiled model does): pyddp's forward
+    # stays out of dynamo (across processes it broke inside pyddp with a
+    # RecursionError), and each replica runs through the compile's settings.
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    graphs = []
+
+    def backend(gm, inputs):  # a new one per test: dynamo's cache cannot hide a compile
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    with pyddp.wrap(model, ["cpu"] * replicas) as dm:
+        compiled = torch.compile(dm, backend=backend)
+        for _ in range(2):
+            x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+            F.cross_entropy(compiled(x), y).backward()
+            F.cross_entropy(ref(x), y).backward()
+            for g, w in zip(grads(dm.module), grads(ref)):
+                torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+        assert all(isinstance(c, OptimizedModule) for c in dm._callables)
+        assert all(c._orig_mod is r for c, r in zip(dm._callables, dm.replicas))
+        assert all(c.dynamo_ctx is compiled.dynamo_ctx for c in dm._callables)
+        assert dm(x).shape == (6, 3)  # the wrapper itself, called directly, too
+    assert graphs and all(isinstance(g, torch.fx.GraphModule) for g in graphs)

@@ -34,6 +34,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--batch", type=int, default=32, help="per process")
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--resume", action="store_true", help="from state.ckpt")
+    parser.add_argument(
+        "--compile",
+        metavar="BACKEND",
+        help="torch.compile the model with this backend before fabric.setup (Fabric "
+        "compiles the strategy's wrapped model again with the same settings)",
+    )
     parser.add_argument("--output", default=output_root("fabric_digits"))
     args = parser.parse_args(argv)
 
@@ -48,6 +54,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     (xt, yt), (xv, yv) = load_digits()
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if args.compile:
+        model = torch.compile(model, backend=args.compile)
     model, optimizer = fabric.setup(model, optimizer)
     # The sampler's epoch is set here, from the epoch count a resumed run
     # restores (fabric.setup_dataloaders would number epochs from its own

@@ -22,6 +22,7 @@ from ..engine.reducer import Reducer
 from ..optim.factory import ParamsFn, make_optimizer
 from ..optim.replicated import clip_replicas
 from ..optim.shards import clip_sharded, sharded_finite
+from ..runtime.compiled import EagerUnderDynamo
 from ..runtime.devices import DeviceLike, parse_devices, process_devices
 from ..runtime.libraries import timeout_s
 from ..runtime.torchrun import refuse_training_alone
@@ -58,12 +59,9 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             raise TypeError(
                 f"the model is already wrapped in torch's {type(module).__name__}: wrap its "
-                ".module instead (pyddp replaces it; two data-parallel wrappers would reduce "
-                "every gradient twice)"
+                ".module instead (two data-parallel wrappers would reduce every gradient twice)"
             )
-        if _options is None:
-            _options = Options.for_wrap(wrap_options(options, "pyddp.wrap", placed=False))
-        opts = _options
+        opts = _options or Options.for_wrap(wrap_options(options, "pyddp.wrap", placed=False))
         if opts.group is None:
             refuse_training_alone()  # before any replica is copied to a device
         self.devices: List[torch.device] = (
@@ -74,9 +72,9 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         # A plain list, not submodules: parameters() and state_dict() show one copy.
         self._replicas: List[nn.Module] = replicas
         self._callables: List[Callable[..., Any]] = list(replicas)  # compiled by compile()
-        # opts has check_replicas=False: deep copies of replica 0. The link
-        # to the other processes, the work record they compare and the GPU
-        # placement are the model's as much as the reducer's: both hold them.
+        self._compiled_replicas = False  # by compile() or torch.compile(self): compiled.py
+        # opts has check_replicas=False: deep copies of replica 0. The link, the work
+        # record and the GPU placement are the model's as much as the reducer's.
         with planned_as_trainable(replicas, opts.follow_unfreezing):  # mirror.py
             parts = assemble(replicas, opts, "pyddp.wrap")
             self._link, self._work = parts.link, parts.work
@@ -307,10 +305,10 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         """Runs every replica through `torch.compile(replica, *args, **kwargs)`
         from now on; the scatter, threads and gather stay eager, and calling
         `.module` directly stays uncompiled. Equivalent to wrapping a compiled
-        model, and the way to compile after wrap: `torch.compile(dmodel)` would
-        trace pyddp's own threads and break its graph there."""
+        model, and to `torch.compile(dmodel, ...)` (runtime/compiled.py)."""
         self._check_open()
         self._callables = [torch.compile(m, *args, **kwargs) for m in self._replicas]
+        self._compiled_replicas = True
 
     def close(self) -> None:
         """Stops the worker threads, removes the gradient hooks and releases the
@@ -342,13 +340,14 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             )
 
     # --------------------------------------------------------------- forward
+    @EagerUnderDynamo
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Scatters tensors along dim 0, runs the replicas in parallel, gathers
         outputs on devices[0]. Reduce the loss with a mean over the whole batch and
         gradients equal single-device training on it."""
         self._check_open()
         if self._passthrough:
-            return self.module(*args, **kwargs)
+            return self._callables[0](*args, **kwargs)
         self._notify_join()
         if self._direct:
             return self._forward_direct(args, kwargs)

@@ -106,7 +106,7 @@ class ReplicaSteps:
         args, kwargs = call_arguments(inputs)  # checked here, not on every replica
         if self._passthrough:
             _check_reduction(reduction)
-            return _checked(loss_fn(self.module(*args, **kwargs), targets))
+            return _checked(loss_fn(self._callables[0](*args, **kwargs), targets))
         with self._abandon_on_error("forward/loss"):
             shards, _, cut = scatter((inputs, targets), self.devices, self._cuts_inputs())
         return self._loss_on_shards(loss_fn, shards, reduction, None, cut, None)
