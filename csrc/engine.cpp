@@ -244,7 +244,9 @@ void Engine::mark_ready(int replica, int param, uintptr_t stream) {
     fail_mark(replica, param,
               "gradient produced twice in one synced backward. A parameter used outside the "
               "replica's forward (e.g. a loss term on dmodel.parameters()), a second backward "
-              "before the first finished, a parameter shared by several segments of reentrant "
+              "before the first finished (with several replicas in one process, a backward of "
+              "dmodel.module's own outputs, not dmodel(...)'s, never finishes: use a copy of "
+              "the model for that), a parameter shared by several segments of reentrant "
               "activation checkpointing (torch.utils.checkpoint with use_reentrant=True, "
               "transformers' gradient_checkpointing_enable() default: each segment's backward "
               "accumulates it once), or (GradSync) a missing finish() after the previous "

@@ -67,6 +67,39 @@ def test_dropping_a_wrapped_model_releases_threads_memory_and_hooks():
         model(x).sum().backward()  # plain torch again
 
 
+@pytest.mark.parametrize("kept", ["optimizer", "scheduler"])
+def test_a_wrapper_dropped_while_its_optimizer_lives_leaves_the_model_plain(kept):
+    # Found keeping the hooks on the user's model: the optimizer held the
+    # reducer, and the model's own training failed at its second backward
+    # ("gradient produced twice"); wrapping it again was refused as "already
+    # synchronised by a live pyddp model", with no handle left to close it.
+    ((x, y),) = make_batches(1, 8)
+    model = Mixed()
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    held = opt if kept == "optimizer" else torch.optim.lr_scheduler.StepLR(opt, 1)
+    del opt
+    step(dm, held if kept == "optimizer" else held.optimizer, x, y)
+    step(ref, torch.optim.SGD(ref.parameters(), lr=0.1), x, y)
+    del dm
+    gc.collect()
+    assert pyddp_hooks(model) == 0
+    plain, ref_opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.optim.SGD(ref.parameters(), lr=0.1),
+    )
+    for _ in range(3):
+        step(model, plain, x, y)
+        step(ref, ref_opt, x, y)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    stale = held if kept == "optimizer" else held.optimizer
+    with pytest.raises(RuntimeError, match="was closed"):
+        stale.step()
+    pyddp.wrap(model, ["cpu", "cpu"]).close()  # wrapping it again is allowed
+
+
 def test_close_and_context_managers():
     ((x, y),) = make_batches(1, 8)
     baseline = threading.active_count()

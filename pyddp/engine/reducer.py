@@ -13,9 +13,8 @@ step, one state machine:
     zero_grad()                 after it
     no_sync() / shadow_backward() / abort() / reattach()   the detours
 
-No "is there another process" branches: one process has a link that does
-nothing. The wrapped model drives it through the methods below
-(faces.ReplicaDriver), the optimizers see it through `gradients()`."""
+No "is there another process" branches: one process has a link that does nothing.
+The wrapped model drives it (faces.ReplicaDriver), the optimizers see `gradients()`."""
 
 from __future__ import annotations
 
@@ -418,12 +417,13 @@ class Reducer:
         return self._observer.ready_times(self._names, self._params[0])
 
     # ------------------------------------------------------------- lifecycle
-    def close(self) -> None:
+    def close(self, settle: bool = True) -> None:  # settle=False: when its wrapper is collected
         if self._closed:
             return
         self._closed = True
+        settle = settle and self._engine is not None and self._link.spans_processes
         try:
-            if self._engine is not None and self._link.spans_processes and self._link_usable():
+            if settle and self._link_usable():
                 self._link.settle()
         finally:
             self._finalizer()
@@ -431,9 +431,9 @@ class Reducer:
     def _link_usable(self) -> bool:
         try:
             self._link.check_usable()
+            return True
         except ProcessGroupError:
             return False  # it failed already, and said so where it happened
-        return True
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(

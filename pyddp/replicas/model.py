@@ -101,6 +101,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
                 in_turn=self._workers.runs_in_turn,
                 on_backward_start=weakref.WeakMethod(self._backward_began) if one else None,
             )
+        weakref.finalize(self, partial(self._reducer.close, False))  # an optimizer holds it
         try:
             self._mirror = ReplicaMirror(replicas, parts.names) if len(replicas) > 1 else None
             # One replica across processes: no parameter trains unreduced (watch.py).
