@@ -537,6 +537,38 @@ def test_torch_compile_of_the_wrapped_model_trains_as_torch_compile_of_ddp(tmp_p
         assert r["diff"] <= TOL, r
 
 
+def pruned(out: dict) -> None:
+    """A model pruned with torch.nn.utils.prune (a mask applied by a forward
+    pre-hook), one replica per process, against torch DDP on the same rows:
+    the remedy pyddp names where replicas in one process cannot copy it."""
+    from torch.nn.utils import prune
+
+    rank = pyddp.rank()
+    runs = {}
+    for name, wrapper in (("pyddp", pyddp.wrap), ("ddp", nn.parallel.DistributedDataParallel)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        prune.l1_unstructured(model[0], "weight", amount=0.5)
+        wrapped = wrapper(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(1 + rank)
+        for _ in range(3):
+            x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(wrapped(x), y).backward()
+            opt.step()
+        runs[name] = model
+    out["diff"] = max_diff(runs["pyddp"], runs["ddp"])
+    out["masked_zero"] = bool(
+        (runs["pyddp"][0].weight[runs["pyddp"][0].weight_mask == 0] == 0).all()
+    )
+
+
+def test_a_pruned_model_trains_one_replica_per_process_as_torch_ddp(tmp_path):
+    for r in spawn(pruned, out=tmp_path):
+        assert r["diff"] <= TOL and r["masked_zero"], r
+
+
 def diverge(out: dict) -> None:
     """Ranks that do different work: each case used to diverge silently (torch
     DDP misses them too). Each must raise on every rank at the next synced

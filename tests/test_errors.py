@@ -390,6 +390,23 @@ def test_a_model_inside_torchs_data_parallel_wrappers_is_refused_by_name():
         pyddp.wrap(nn.DataParallel(model), ["cpu"])
 
 
+@pytest.mark.parametrize("how", ["prune", "weight_norm"])
+def test_a_model_that_cannot_be_copied_is_refused_with_what_works(how):
+    # torch's own deepcopy error named weight_norm only (for a pruned model,
+    # the wrong cause) and no remedy.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    if how == "prune":
+        from torch.nn.utils import prune
+
+        prune.l1_unstructured(model[2], "weight", amount=0.5)
+    else:
+        with pytest.warns(FutureWarning):  # torch's own deprecation
+            torch.nn.utils.weight_norm(model[2])
+    with pytest.raises(TypeError, match=r"cannot be copied.*prune\.remove.*one replica per"):
+        pyddp.wrap(model, ["cpu", "cpu"])
+    pyddp.wrap(model, ["cpu"]).close()  # one replica copies nothing
+
+
 def test_bucket_cap_mb_alone_sizes_the_first_bucket_as_ddp():
     # torch DDP (2.x): an explicit bucket_cap_mb sizes the first bucket too.
     torch.manual_seed(0)

@@ -6,7 +6,6 @@ through GradSync."""
 
 from __future__ import annotations
 
-import copy
 import weakref
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Type, Union
@@ -27,7 +26,7 @@ from ..runtime.devices import DeviceLike, parse_devices, process_devices
 from ..runtime.libraries import timeout_s
 from ..runtime.torchrun import refuse_training_alone
 from .ddp_args import wrap_options
-from .mirror import ReplicaMirror, planned_as_trainable
+from .mirror import ReplicaMirror, planned_as_trainable, replica_copies
 from .scatter import batch_size
 from .staged import StagedBuffers
 from .steps import ReplicaSteps, StepFlags
@@ -68,7 +67,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
             process_devices(opts.group) if devices is None else parse_devices(devices)
         )
         self.module = module.to(self.devices[0])
-        replicas = [self.module] + [copy.deepcopy(self.module).to(d) for d in self.devices[1:]]
+        replicas = replica_copies(self.module, self.devices)
         # A plain list, not submodules: parameters() and state_dict() show one copy.
         self._replicas: List[nn.Module] = replicas
         self._callables: List[Callable[..., Any]] = list(replicas)  # compiled by compile()
