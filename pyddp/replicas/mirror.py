@@ -53,6 +53,7 @@ def replica_copies(model: nn.Module, devices: Sequence[torch.device]) -> List[nn
             "per process under torchrun, which copies nothing"
         ) from e
 
+
 _REWRAP = "dmodel.close() and wrap the model again (or make the change before wrapping)"
 
 
