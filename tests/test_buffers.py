@@ -157,6 +157,48 @@ def batchnorm_as_ddp(out: dict) -> None:
     with torch.no_grad():
         out["loaded_eval"] = (dm(x) - ddp(x)).abs().max().item()
     out["loaded_buffers"] = buffers_apart()
+    # A step, then the statistics replaced by new tensors (DDP collects its
+    # buffers again at each broadcast): rank 0's reach the new ones.
+    model.train(), ref.train()
+    for wrapped, opt in zip((dm, ddp), opts):
+        wrapped(x).pow(2).mean().backward()
+        opt.step()
+    for m in (model, ref):
+        m[1].running_mean = m[1].running_mean.clone()
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        out["replaced_eval"] = (dm(x) - ddp(x)).abs().max().item()
+    # A step in eval mode with grad enabled (BatchNorm frozen while the rest
+    # fine-tunes) after a no_sync() micro-batch moved each rank's own
+    # statistics: DDP sends rank 0's at the next forward; pyddp sent nothing.
+    # (Before the next part, after which rank 1's differ from DDP's.)
+    model.train(), ref.train()
+    with dm.no_sync(), ddp.no_sync():
+        for wrapped in (dm, ddp):
+            wrapped(x * (2 + rank)).pow(2).mean().backward()
+    model.eval(), ref.eval()
+    for wrapped, opt in zip((dm, ddp), opts):
+        wrapped(x).pow(2).mean().backward()
+        opt.step()
+    model.train(), ref.train()
+    for wrapped, opt in zip((dm, ddp), opts):
+        wrapped(x).pow(2).mean().backward()
+        opt.step()
+    out["eval_mode_step"] = buffers_apart()
+    # A step, then a training forward through the unwrapped module, which
+    # moves BatchNorm's statistics but not their version counters: rank 0
+    # keeps its own pass, as DDP's rank 0 (DDP's rank 1 would take rank 0's;
+    # pyddp's keeps its own, documented).
+    model.train(), ref.train()
+    for wrapped, opt in zip((dm, ddp), opts):
+        wrapped(x).pow(2).mean().backward()
+        opt.step()
+    with torch.no_grad():
+        model(x * 3), ref(x * 3)
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        dm(x), ddp(x)
+    out["unwrapped_pass"] = buffers_apart()
     dm.close()
 
 
@@ -167,8 +209,11 @@ def test_batchnorm_statistics_on_every_rank_equal_torch_ddps(tmp_path):
     # DDP at the next forward, so an evaluation through the unwrapped module
     # (Accelerate's, the transformers Trainer's) saw rank 0's statistics on
     # every rank. Equal to DDP's bit for bit at every point now.
-    for r in spawn(batchnorm_as_ddp, out=tmp_path):
+    got = spawn(batchnorm_as_ddp, out=tmp_path)
+    for r in got:
         assert r["ranks_differ"], "the ranks' rows must move their statistics apart"
         for key in ("steps", "unwrapped_eval", "wrapped_eval", "after_forward"):
             assert r[key] == 0.0, (key, r)
         assert r["loaded_eval"] == 0.0 and r["loaded_buffers"] == 0.0, r
+        assert r["replaced_eval"] == 0.0 and r["eval_mode_step"] == 0.0, r
+    assert got[0]["unwrapped_pass"] == 0.0, got[0]

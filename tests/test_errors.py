@@ -382,6 +382,14 @@ def test_ddp_keywords_are_accepted_or_refused_with_what_to_use():
         dm(torch.ones(4, 2)).sum().backward()
     with pytest.raises(TypeError, match="find_unused_parameters"):
         pyddp.wrap(model, ["cpu"], find_unused_parameters="yes")
+    # torch 2.13's names: forward_sync_buffers is broadcast_buffers (it was
+    # refused as unknown), init_sync=True what pyddp does.
+    with pyddp.wrap(model, ["cpu", "cpu"], forward_sync_buffers=False, init_sync=True) as dm:
+        assert dm.broadcast_buffers is False
+    with pytest.raises(TypeError, match="forward_sync_buffers= and broadcast_buffers= differ"):
+        pyddp.wrap(model, ["cpu"], forward_sync_buffers=False, broadcast_buffers=True)
+    with pytest.raises(TypeError, match="init_sync"):
+        pyddp.wrap(model, ["cpu"], init_sync=False)
 
 
 def test_a_model_inside_torchs_data_parallel_wrappers_is_refused_by_name():

@@ -100,6 +100,24 @@ def test_a_wrapper_dropped_while_its_optimizer_lives_leaves_the_model_plain(kept
     pyddp.wrap(model, ["cpu", "cpu"]).close()  # wrapping it again is allowed
 
 
+@pytest.mark.parametrize("keep_optimizer", [False, True])
+def test_a_dropped_wrapper_releases_its_sync_batchnorm_layers_and_threads(keep_optimizer):
+    # Found (a review): SyncBatchNorm layers stayed bound to a dropped
+    # wrapper, so wrapping the model again was refused ("belong to another
+    # pyddp wrapper that is still open"); with its optimizer alive, the
+    # replicas' worker threads lived on too.
+    baseline = threading.active_count()
+    model = nn.Sequential(nn.Linear(4, 8), nn.SyncBatchNorm(8), nn.ReLU(), nn.Linear(8, 2))
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1) if keep_optimizer else None
+    dm(torch.randn(4, 4)).sum().backward()
+    del dm
+    gc.collect()
+    assert settle_threads(baseline) <= baseline, threading.enumerate()
+    pyddp.wrap(model, ["cpu", "cpu"]).close()
+    assert opt is None or opt.param_groups
+
+
 def test_close_and_context_managers():
     ((x, y),) = make_batches(1, 8)
     baseline = threading.active_count()

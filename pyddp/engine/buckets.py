@@ -176,22 +176,23 @@ class BucketLayout:
             return [self.scattered.memory(r) for r in range(len(self.params))]
         return [flats + wires for flats, wires in zip(self.flat, self._wire)]
 
-    def moved(self) -> bool:
-        """Whether replica 0's gradients left their bucket views: one was
-        assigned, or Module._apply gave the views new storage (seen after
-        zero_grad() too). Reliable where parameter pointers are not: the buckets
-        stay allocated, so a replaced gradient cannot reuse their addresses."""
+    def moved(self, assigned: bool = True) -> bool:
+        """Whether replica 0's gradients left their bucket views: Module._apply
+        or `p.grad.data = ...` gave the views new storage (seen after zero_grad()
+        too), or (`assigned`) one was assigned. Reliable where parameter pointers
+        are not: the buckets stay allocated, their addresses cannot be reused."""
         if self.scattered is not None:
             return False  # gradients are copied into transient buckets at each backward
         if list(map(operator.methodcaller("data_ptr"), self.views[0])) != self._view_ptrs:
             return True
+        if not assigned:  # (the caller's hooks adopt an assigned gradient)
+            return False
         grads = zip(map(operator.attrgetter("grad"), self.params[0]), self._view_ptrs)
         return any([g is not None and g.data_ptr() != ptr for g, ptr in grads])
 
     def bucket_bytes(self) -> List[int]:
-        if self.scattered is not None:
-            return self.scattered.bucket_bytes()
-        return [f.numel() * f.element_size() for f in self.flat[0]]
+        flat = self.flat[0] if self.scattered is None else None
+        return self.scattered.bucket_bytes() if flat is None else [f.nbytes for f in flat]
 
     # ------------------------------------------------------ single gradients
     def hand_over(self) -> None:

@@ -131,10 +131,10 @@ class Reducer:
         """Gradients that arrived outside the buckets and were copied in."""
         return self._layout.adopted if self._engine is not None else 0
 
-    def grads_moved(self) -> bool:
-        """Whether replica 0's gradients left their bucket views (Module._apply
-        replaced their storage, or a gradient was assigned): reattach() then."""
-        return self._engine is not None and self._layout.moved()
+    def grads_moved(self, assigned: bool = True) -> bool:
+        """Whether replica 0's gradients left their bucket views (new storage
+        behind them, or `assigned`: a gradient assigned): reattach() then."""
+        return self._engine is not None and self._layout.moved(assigned)
 
     @property
     def buckets(self) -> List[List[int]]:

@@ -29,7 +29,7 @@ from .ddp_args import wrap_options
 from .mirror import ReplicaMirror, planned_as_trainable, replica_copies
 from .scatter import batch_size
 from .staged import StagedBuffers
-from .steps import ReplicaSteps, StepFlags
+from .steps import ReplicaSteps, StepFlags, release
 from .syncbn import SyncBatchNorms, sync_layers
 from .uneven import STAGE2_UNDER_JOIN, Joinable, Joining
 from .watch import OneReplicaWatch
@@ -100,7 +100,6 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
                 in_turn=self._workers.runs_in_turn,
                 on_backward_start=weakref.WeakMethod(self._backward_began) if one else None,
             )
-        weakref.finalize(self, partial(self._reducer.close, False))  # an optimizer holds it
         try:
             self._mirror = ReplicaMirror(replicas, parts.names) if len(replicas) > 1 else None
             # One replica across processes: no parameter trains unreduced (watch.py).
@@ -122,6 +121,8 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         self._apart_after_join = ""  # why training is refused after Join (optim/after_join.py)
         if sync_layers(self.module) and not self._passthrough:
             self._syncbn = self._bind_sync_batchnorm(replicas, opts)
+        # Dropped while an optimizer holds the reducer: nothing left on the model.
+        weakref.finalize(self, release, self._workers, self._reducer, self._syncbn, False)
         self._direct = one and self.devices[0].type == "cpu"  # forward: _forward_direct
         try:
             self._workers.set_mode(
@@ -316,10 +317,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         on its own; this wrapper raises if used again. Idempotent; dropping the
         last reference, or leaving a `with pyddp.wrap(...) as dmodel:` block,
         does the same."""
-        self._workers.close()
-        self._reducer.close()
-        if getattr(self, "_syncbn", None) is not None:
-            self._syncbn.release()  # torch's SyncBatchNorm again
+        release(self._workers, self._reducer, getattr(self, "_syncbn", None))
 
     def __enter__(self) -> DistributedModel:
         return self
@@ -390,7 +388,8 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         """Brings the other replicas in line with the user's model (replica 0)."""
         if self._mirror is None:
             watching = self._watch is not None and torch.is_grad_enabled()
-            if watching and (self._watch.follow() or self._reducer.grads_moved()):
+            # (An assigned gradient is adopted by its hook: only new storage counts.)
+            if watching and (self._watch.follow() or self._reducer.grads_moved(False)):
                 self._reducer.reattach()  # new storage behind parameters or gradients
             return
         if self._mirror.follow() or self._reducer.grads_moved():
@@ -416,7 +415,8 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         """Before every forward: rank 0's buffers (BatchNorm statistics)
         if the last synced training backward received them (staged.py),
         then replica 0's to this process's others, if broadcast_buffers."""
-        self._staged.put_in()
+        step = self._join.step  # under Join (set by this forward): the rank DDP would send
+        self._staged.put_in(0 if step is None else step.source, self._link.rank)
         if self.broadcast_buffers and len(self._replicas) > 1:
             self._copy_buffers()
 

@@ -9,46 +9,73 @@ the wrapper, as DDP's would: until then every rank keeps its own, as under DDP
 (an evaluation through the unwrapped module after the last step, as the
 transformers Trainer and Accelerate run it, sees each rank's own statistics).
 
-A buffer this rank wrote in between (a checkpoint loaded on every rank) keeps
-what was written: rank 0 wrote the same, which DDP would send."""
+A buffer whose value this rank changed in between keeps the change (a
+checkpoint loaded on every rank: rank 0 loaded the same, which DDP would
+send). Values are compared, not version counters: BatchNorm's forward moves
+its statistics without moving theirs. A buffer replaced by a new tensor in
+between (`model.double()`, an assignment) gets them, as DDP's re-collected
+buffers would. Under Join, DDP sends the highest rank with inputs at the
+next forward: if that rank is this one and another sent at the end of the
+backward, this rank keeps its own."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch import nn
 
 from .._link.control import BUFFERS_BROADCAST
-from .._link.link import Link
+
+Slot = Tuple[Dict[str, Any], str]  # a module's _buffers and a name in it
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _unchanged(now: torch.Tensor, then: torch.Tensor) -> bool:
+    """`now` holds `then`'s value, bit for bit (in `then`'s dtype)."""
+    if now.shape != then.shape:
+        return False
+    return torch.equal(_bits(now.to(then.dtype)), _bits(then))
 
 
 class StagedBuffers:
-    __slots__ = ("_buffers", "_received", "_versions")
+    __slots__ = ("_slots", "_own", "_received", "_source")
 
     def __init__(self) -> None:
-        self._buffers: Optional[List[torch.Tensor]] = None
+        self._slots: List[Slot] = []
+        self._own: Optional[List[torch.Tensor]] = None
         self._received: List[torch.Tensor] = []
-        self._versions: List[int] = []
+        self._source = 0
 
-    def receive(self, link: Link, buffers: List[torch.Tensor]) -> None:
-        """Rank 0's values of `buffers` (this rank's, in the model's order),
-        held for put_in; the buffers themselves are left as they are."""
-        received = [b.detach().clone() for b in buffers]
+    def receive(self, link: Any, model: nn.Module, source: int) -> None:
+        """Rank `source`'s values of `model`'s buffers, held for put_in
+        with this rank's own values now; the buffers are left as they are."""
+        slots = [(m._buffers, n) for m in model.modules() for n, b in m._buffers.items()
+                 if b is not None]  # fmt: skip
+        own = [d[n].detach().clone() for d, n in slots]
+        received = [b.clone() for b in own]
         link.broadcast(received, BUFFERS_BROADCAST)
-        self._buffers, self._received = buffers, received
-        self._versions = [b._version for b in buffers]
+        self._slots, self._own, self._received, self._source = slots, own, received, source
 
-    def put_in(self) -> None:
-        """Writes what receive() held into the buffers that nothing wrote
-        since, once."""
-        if self._buffers is None:
+    def put_in(self, source: int, rank: int) -> None:
+        """Writes what receive() held into the buffers still holding this
+        rank's values of then, once (`source`: whose values DDP would send
+        now; `rank`: this rank's place in the group)."""
+        own, received, staged_from = self._own, self._received, self._source
+        if own is None:
             return
-        pairs = [
-            (b, r)
-            for b, r, v in zip(self._buffers, self._received, self._versions)
-            if b._version == v
-        ]
-        self._buffers, self._received, self._versions = None, [], []
+        self._own, self._received = None, []
+        if staged_from == rank or (source == rank and source != staged_from):
+            return  # this rank's own values are the ones to keep
+        pairs = []
+        for (d, n), then, value in zip(self._slots, own, received):
+            now = d.get(n)
+            if now is not None and _unchanged(now, then):
+                pairs.append((now, value))
         if pairs:
             with torch.no_grad():
-                torch._foreach_copy_([b for b, _ in pairs], [r for _, r in pairs])
+                for now, value in pairs:
+                    now.copy_(value)

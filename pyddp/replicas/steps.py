@@ -44,6 +44,15 @@ _ONE_PER_PROCESS = (
 )
 
 
+def release(workers: Any, reducer: Any, syncbn: Any, wait: bool = True) -> None:
+    """A wrapped model's close(), and its end when it is collected (wait
+    False: on no thread nor the link): threads, hooks, SyncBatchNorm's binding."""
+    workers.close(wait)
+    reducer.close(wait)
+    if syncbn is not None:
+        syncbn.release()  # torch's SyncBatchNorm again
+
+
 class StepFlags:
     """The running step's flags, on a plain object: they change at every
     forward and backward, and an nn.Module's own attribute costs a
@@ -234,11 +243,10 @@ class ReplicaSteps:
             self._reducer.prepare_all()
         self._follow_model()
         if torch.is_grad_enabled():
+            # torch DDP's rule: any synced forward with grad enabled, in
+            # eval mode too (frozen BatchNorm fine-tuning).
             self._flags.buffers_due = (
-                self.broadcast_buffers
-                and self._link.spans_processes
-                and self.module.training
-                and self._reducer.syncing
+                self.broadcast_buffers and self._link.spans_processes and self._reducer.syncing
             )
         self._join_forward(rows)  # under Join: what the joined ranks shadow
         # Training forwards (DDP's default) and eval forwards alike: replicas > 0
@@ -403,7 +411,8 @@ class ReplicaSteps:
         (an evaluation may still run on some ranks only)."""
         if self._flags.buffers_due:
             self._flags.buffers_due = False
-            self._staged.receive(self._link, list(self.module.buffers()))
+            step = self._link.joining.step  # under Join: the highest rank with inputs sends
+            self._staged.receive(self._link, self.module, 0 if step is None else step.source)
 
 
 def _check_reduction(reduction: str) -> None:

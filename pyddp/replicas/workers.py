@@ -201,9 +201,9 @@ class ReplicaWorkers:
             if switch:
                 torch.set_num_threads(caller_threads)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         for pool in self._pools:
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=wait)  # wait=False: safe from any thread (a collection)
         self._pools = []
 
 

@@ -5,10 +5,13 @@ Dynamo cannot trace pyddp's forward (worker threads, gradient hooks, the
 agreement's packing; across processes it failed with a RecursionError inside
 pyddp). So the wrapped model's forward runs outside dynamo, and the first
 forward called through a `torch.compile`d wrapper runs every replica through
-that compile's own settings (its backend, mode, fullgraph, dynamic): what
+that compile's own settings (its backend, mode, dynamic): what
 `dmodel.compile(...)` does, with the same arguments. A `dmodel.compile(...)`
 called before keeps its own. A compiled function that calls the wrapped model
-(`torch.compile(train_step)`) runs it uncompiled, as a graph break.
+(`torch.compile(train_step)`) runs it uncompiled, as a graph break, and
+`fullgraph=True` fails at the wrapper, as `torch.compile(DDP(model),
+fullgraph=True)` fails: `dmodel.compile(fullgraph=True)` compiles each replica
+whole.
 
 Only once dynamo is loaded (a torch.compile was made): before, forward is the
 plain method, and pyddp does not import dynamo (a second to import)."""
