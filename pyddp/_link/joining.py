@@ -8,12 +8,12 @@ join hook makes the same exchange and shadows exactly that, nothing more:
 summed over the ranks: which ranks still have inputs (the highest of them
 is the source of the buffer broadcast in place of rank 0, which may have
 joined: torch DDP's choice under Join), whether they broadcast buffers
-at the end of its backward (a synced training forward), whether a
+at the end of its backward (a synced forward, broadcast_buffers on), whether a
 synced backward follows it (grad enabled, not under no_sync()), and the rows
 of the global batch over them, so that dmodel.loss weighs every forward
 exactly without an exchange of its own.
-The active ranks must agree on the first two (one rank in eval(), or under
-no_sync() alone, would make the joined ranks shadow the wrong work): every
+The active ranks must agree on the first two (one rank under no_sync()
+alone would make the joined ranks shadow the wrong work): every
 rank raises otherwise.
 
 A step of a sharded optimizer (ZeRO: every rank steps its own shard, then
@@ -110,7 +110,7 @@ def decode(sums: Sequence[float], ranks: Sequence[int]) -> JoinStep:
             "where others run a forward; every rank must make the same optimizer steps"
         )
     optimizer = int(k) // n - 1 if k else None
-    for value, what in ((broadcasts, "a training forward"), (syncs, "a synced backward")):
+    for value, what in ((broadcasts, "a buffer broadcast"), (syncs, "a synced backward")):
         if value not in (0.0, float(n)):
             raise ValueError(
                 f"under Join, the ranks that still have inputs ({_ranks(ranks, active)}) "
