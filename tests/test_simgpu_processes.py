@@ -72,7 +72,7 @@ def gradsync_on_simulated_gpus(out: dict) -> None:
         out[f"diff_cap{cap:g}"] = max_diff(dm.module, ref)
         out[f"never_none_cap{cap:g}"] = dm.module.never.weight.grad is None
         out["backend"] = dm._reducer._backend.name
-        # Buffers after a synced training step (torch DDP's rule): rank 0's,
+        # Buffers at the forward after a synced step (torch DDP's rule): rank 0's,
         # on the device (NCCL), bit for bit (a signed zero and an integer
         # counter included; BatchNorm is in eval mode: nothing else moves them).
         with torch.no_grad():
@@ -84,6 +84,9 @@ def gradsync_on_simulated_gpus(out: dict) -> None:
         dm(batches[0][0][my_rows(12, rank, world)]).sum().backward()
         streams.synchronize_all(devices)
         out[f"buffer_exchanges_cap{cap:g}"] = sequence_of(dm) - before
+        with torch.no_grad():  # they go in at the next forward, as DDP's
+            dm(batches[0][0][my_rows(12, rank, world)])
+        streams.synchronize_all(devices)
         out[f"buffers_cap{cap:g}"] = [
             [m.norm.running_mean.tolist(), int(m.norm.num_batches_tracked),
              str(m.norm.running_mean[0].item())]

@@ -34,11 +34,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def _unchanged(now: torch.Tensor, then: torch.Tensor) -> bool:
-    """`now` holds `then`'s value, bit for bit (in `then`'s dtype)."""
-    if now.shape != then.shape:
-        return False
-    return torch.equal(_bits(now.to(then.dtype)), _bits(then))
+def _put(now: torch.Tensor, then: torch.Tensor, value: torch.Tensor) -> None:
+    """`value` into `now` if `now` still holds `then`, bit for bit (in
+    `then`'s dtype), decided on the device: no host read on GPUs."""
+    if now.shape == then.shape:
+        same = torch.eq(_bits(now.to(then.dtype)), _bits(then)).all()
+        now.copy_(torch.where(same, value.to(now.dtype), now))
 
 
 class StagedBuffers:
@@ -70,12 +71,8 @@ class StagedBuffers:
         self._own, self._received = None, []
         if staged_from == rank or (source == rank and source != staged_from):
             return  # this rank's own values are the ones to keep
-        pairs = []
-        for (d, n), then, value in zip(self._slots, own, received):
-            now = d.get(n)
-            if now is not None and _unchanged(now, then):
-                pairs.append((now, value))
-        if pairs:
-            with torch.no_grad():
-                for now, value in pairs:
-                    now.copy_(value)
+        with torch.no_grad():
+            for (d, n), then, value in zip(self._slots, own, received):
+                now = d.get(n)
+                if now is not None:
+                    _put(now, then, value)
