@@ -115,7 +115,7 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         # One replica and one process: nothing to scatter, join or reduce.
         self._passthrough = not self._reducer.reduces
         self._flags = StepFlags()
-        self._staged = StagedBuffers()  # rank 0's buffers, for the next forward
+        self._staged = StagedBuffers(self._gpus is not None)  # rank 0's, for the next forward
         self._syncbn: Optional[SyncBatchNorms] = None
         self._optimizers: List[weakref.ref] = []  # dmodel.optimizer's, for Join's end
         self._apart_after_join = ""  # why training is refused after Join (optim/after_join.py)
