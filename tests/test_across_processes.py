@@ -509,24 +509,36 @@ def test_a_gradient_penalty_trains_as_under_torch_ddp(tmp_path):
         assert r["gen"] <= TOL and r["critic"] <= TOL, r
 
 
-def compiled_wrapper(out: dict) -> None:
-    """torch.compile(pyddp.wrap(model)) against torch.compile(DDP(model)), the
-    way torch's docs compile DDP; aot_eager: AOTAutograd's compiled backward,
-    whose gradients the hooks must see, without inductor's code generation."""
+def _against_ddp(build, optimizer, wrapped=lambda w: w):
+    """The same 3 steps on each rank's own rows under pyddp.wrap and under
+    torch DDP (`build()` the model, seeded alike; `wrapped(wrapper)` what the
+    loop calls): {"pyddp": model, "ddp": model}."""
     rank = pyddp.rank()
     runs = {}
     for name, wrapper in (("pyddp", pyddp.wrap), ("ddp", nn.parallel.DistributedDataParallel)):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
-        compiled = torch.compile(wrapper(model), backend="aot_eager")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model = build()
+        call = wrapped(wrapper(model))
+        opt = optimizer(model.parameters())
         g = torch.Generator().manual_seed(1 + rank)
         for _ in range(3):
             x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
             opt.zero_grad()
-            nn.functional.mse_loss(compiled(x), y).backward()
+            nn.functional.mse_loss(call(x), y).backward()
             opt.step()
         runs[name] = model
+    return runs
+
+
+def compiled_wrapper(out: dict) -> None:
+    """torch.compile(pyddp.wrap(model)) against torch.compile(DDP(model)), the
+    way torch's docs compile DDP; aot_eager: AOTAutograd's compiled backward,
+    whose gradients the hooks must see, without inductor's code generation."""
+    runs = _against_ddp(
+        lambda: nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3)),
+        lambda params: torch.optim.AdamW(params, lr=1e-2),
+        lambda w: torch.compile(w, backend="aot_eager"),
+    )
     out["diff"] = max_diff(runs["pyddp"], runs["ddp"])
 
 
@@ -543,25 +555,15 @@ def pruned(out: dict) -> None:
     the remedy pyddp names where replicas in one process cannot copy it."""
     from torch.nn.utils import prune
 
-    rank = pyddp.rank()
-    runs = {}
-    for name, wrapper in (("pyddp", pyddp.wrap), ("ddp", nn.parallel.DistributedDataParallel)):
-        torch.manual_seed(0)
+    def build() -> nn.Module:
         model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
         prune.l1_unstructured(model[0], "weight", amount=0.5)
-        wrapped = wrapper(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        g = torch.Generator().manual_seed(1 + rank)
-        for _ in range(3):
-            x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
-            opt.zero_grad()
-            nn.functional.mse_loss(wrapped(x), y).backward()
-            opt.step()
-        runs[name] = model
+        return model
+
+    runs = _against_ddp(build, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     out["diff"] = max_diff(runs["pyddp"], runs["ddp"])
-    out["masked_zero"] = bool(
-        (runs["pyddp"][0].weight[runs["pyddp"][0].weight_mask == 0] == 0).all()
-    )
+    first = runs["pyddp"][0]
+    out["masked_zero"] = bool((first.weight[first.weight_mask == 0] == 0).all())
 
 
 def test_a_pruned_model_trains_one_replica_per_process_as_torch_ddp(tmp_path):

@@ -129,12 +129,15 @@ def batchnorm_as_ddp(out: dict) -> None:
         return max((a.double() - b.double()).abs().max().item()
                    for a, b in zip(model.buffers(), ref.buffers()))  # fmt: skip
 
-    for _ in range(3):
-        x = torch.randn(6, 4, generator=g) * (1 + rank)
+    def step(x: torch.Tensor, zero: bool = False) -> None:  # each engine's step on x
         for wrapped, opt in zip((dm, ddp), opts):
-            opt.zero_grad()
+            if zero:
+                opt.zero_grad()
             wrapped(x).pow(2).mean().backward()
             opt.step()
+
+    for _ in range(3):
+        step(torch.randn(6, 4, generator=g) * (1 + rank), zero=True)
         worst = max(worst, buffers_apart())
     out["steps"] = worst
     own = [b.clone() for b in model.buffers()]
@@ -149,9 +152,7 @@ def batchnorm_as_ddp(out: dict) -> None:
     out["after_forward"] = buffers_apart()
     # A step, then the checkpoint loaded on every rank before the next forward.
     model.train(), ref.train()
-    for wrapped, opt in zip((dm, ddp), opts):
-        wrapped(x).pow(2).mean().backward()
-        opt.step()
+    step(x)
     model.load_state_dict(saved), ref.load_state_dict(saved)
     model.eval(), ref.eval()
     with torch.no_grad():
@@ -160,9 +161,7 @@ def batchnorm_as_ddp(out: dict) -> None:
     # A step, then the statistics replaced by new tensors (DDP collects its
     # buffers again at each broadcast): rank 0's reach the new ones.
     model.train(), ref.train()
-    for wrapped, opt in zip((dm, ddp), opts):
-        wrapped(x).pow(2).mean().backward()
-        opt.step()
+    step(x)
     for m in (model, ref):
         m[1].running_mean = m[1].running_mean.clone()
     model.eval(), ref.eval()
@@ -177,22 +176,16 @@ def batchnorm_as_ddp(out: dict) -> None:
         for wrapped in (dm, ddp):
             wrapped(x * (2 + rank)).pow(2).mean().backward()
     model.eval(), ref.eval()
-    for wrapped, opt in zip((dm, ddp), opts):
-        wrapped(x).pow(2).mean().backward()
-        opt.step()
+    step(x)
     model.train(), ref.train()
-    for wrapped, opt in zip((dm, ddp), opts):
-        wrapped(x).pow(2).mean().backward()
-        opt.step()
+    step(x)
     out["eval_mode_step"] = buffers_apart()
     # A step, then a training forward through the unwrapped module, which
     # moves BatchNorm's statistics but not their version counters: rank 0
     # keeps its own pass, as DDP's rank 0 (DDP's rank 1 would take rank 0's;
     # pyddp's keeps its own, documented).
     model.train(), ref.train()
-    for wrapped, opt in zip((dm, ddp), opts):
-        wrapped(x).pow(2).mean().backward()
-        opt.step()
+    step(x)
     with torch.no_grad():
         model(x * 3), ref(x * 3)
     model.eval(), ref.eval()

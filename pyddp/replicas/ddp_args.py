@@ -65,9 +65,9 @@ def wrap_options(kwargs: Mapping[str, Any], where: str, placed: bool = True) -> 
         elif name == "process_group":
             options["group"] = value  # DDP's name for it
         elif name == "forward_sync_buffers":  # torch 2.13's name for broadcast_buffers
-            if value is not None and kwargs.get("broadcast_buffers", value) != value:
-                raise TypeError(f"{where}: forward_sync_buffers= and broadcast_buffers= differ")
-            if value is not None:
+            if value is not None:  # (None: DDP's default, broadcast_buffers decides)
+                if kwargs.get("broadcast_buffers", value) != value:
+                    raise TypeError(f"{where}: forward_sync_buffers= and broadcast_buffers= differ")
                 options["broadcast_buffers"] = value
         elif name == "init_sync" and value is True:
             continue  # pyddp always broadcasts rank 0's parameters and buffers at wrap

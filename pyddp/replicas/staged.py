@@ -39,12 +39,12 @@ def _put(now: torch.Tensor, then: torch.Tensor, value: torch.Tensor, gpus: bool)
     `then`'s dtype): on GPUs decided on the device (no host read)."""
     if now.shape != then.shape:
         return
+    held, was = _bits(now.to(then.dtype)), _bits(then)
     if not gpus:  # on the host: half the device way's time
-        if torch.equal(_bits(now.to(then.dtype)), _bits(then)):
+        if torch.equal(held, was):
             now.copy_(value)
-        return
-    same = torch.eq(_bits(now.to(then.dtype)), _bits(then)).all()
-    now.copy_(torch.where(same, value.to(now.dtype), now))
+    else:
+        now.copy_(torch.where(torch.eq(held, was).all(), value.to(now.dtype), now))
 
 
 class StagedBuffers:
@@ -62,8 +62,9 @@ class StagedBuffers:
         with this rank's own values now; the buffers are left as they are."""
         slots = [(m._buffers, n) for m in model.modules() for n, b in m._buffers.items()
                  if b is not None]  # fmt: skip
-        own = [d[n].detach().clone() for d, n in slots]
-        received = [b.clone() for b in own]
+        received = [d[n].detach().clone() for d, n in slots]
+        # The sender keeps its own (put_in): no second copy of its values.
+        own = received if source == link.rank else [b.clone() for b in received]
         link.broadcast(received, BUFFERS_BROADCAST)
         self._slots, self._own, self._received, self._source = slots, own, received, source
 
