@@ -210,3 +210,63 @@ def test_batchnorm_statistics_on_every_rank_equal_torch_ddps(tmp_path):
         assert r["loaded_eval"] == 0.0 and r["loaded_buffers"] == 0.0, r
         assert r["replaced_eval"] == 0.0 and r["eval_mode_step"] == 0.0, r
     assert got[0]["unwrapped_pass"] == 0.0, got[0]
+
+
+class _Sends:
+    """The link staged buffers receive through: `rank`, and a broadcast
+    that writes the sender's values."""
+
+    def __init__(self, rank: int, values: List[torch.Tensor]):
+        self.rank, self.values, self.sent = rank, values, None
+
+    def broadcast(self, tensors, what):
+        self.sent = [t.clone() for t in tensors]
+        if self.rank != 0:
+            for t, v in zip(tensors, self.values):
+                t.copy_(v)
+
+
+def test_staged_buffers_go_into_what_this_rank_left_alone():
+    """rank 1 after a synced step: rank 0's values go in at the next
+    forward into each buffer still holding rank 1's of then (a NaN, unequal
+    to itself, included; a buffer replaced by a new tensor, or cast to
+    another dtype, too); a buffer rank 1 wrote in between keeps what it
+    wrote; DDP's sender at the forward (under Join, rank 1 itself) keeps its
+    own; the sender holds nothing."""
+    from pyddp.replicas.staged import StagedBuffers
+
+    def model():
+        m = nn.BatchNorm1d(3)
+        m.register_buffer("odd", torch.tensor([float("nan"), 1.0]))
+        return m
+
+    sent = [torch.full((3,), 5.0), torch.full((3,), 6.0), torch.tensor(7), torch.tensor([8.0, 9])]
+    for change, expect in (
+        (None, "received"),
+        (lambda m: m.running_mean.add_(1), "own mean"),
+        (lambda m: setattr(m, "running_var", torch.ones(3)), "received"),
+        (lambda m: m.double(), "received"),
+        (lambda m: m.train()(torch.randn(4, 3)), "own mean"),
+    ):
+        m, staged = model(), StagedBuffers(gpus=False)
+        staged.receive(_Sends(1, sent), m, source=0)
+        assert torch.equal(m.running_mean, torch.zeros(3)), "receive changes no buffer"
+        if change is not None:
+            change(m)
+        mean = m.running_mean.clone()
+        staged.put_in(0, 1)
+        if expect == "received":
+            got = [b.float() for b in m.buffers()]
+            assert [torch.equal(a, b.float()) for a, b in zip(got, sent)] == [True] * 4, change
+        else:
+            assert torch.equal(m.running_mean, mean), "written in between: kept"
+        staged.put_in(0, 1)  # once only
+    m, staged = model(), StagedBuffers(gpus=False)
+    staged.receive(_Sends(1, sent), m, source=0)
+    staged.put_in(1, 1)  # under Join: rank 1 is the highest rank with inputs now
+    assert torch.equal(m.running_mean, torch.zeros(3)), "the sender at the forward keeps its own"
+    m, staged, link = model(), StagedBuffers(gpus=False), _Sends(0, sent)
+    staged.receive(link, m, source=0)
+    assert [torch.equal(a, b) for a, b in zip(link.sent, m.buffers())] == [True] * 3 + [False]
+    staged.put_in(0, 0)
+    assert torch.equal(m.running_mean, torch.zeros(3)), "the sender holds nothing"

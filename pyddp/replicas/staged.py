@@ -39,45 +39,50 @@ def _put(now: torch.Tensor, then: torch.Tensor, value: torch.Tensor, gpus: bool)
     `then`'s dtype): on GPUs decided on the device (no host read)."""
     if now.shape != then.shape:
         return
-    held, was = _bits(now.to(then.dtype)), _bits(then)
-    if not gpus:  # on the host: half the device way's time
-        if torch.equal(held, was):
+    if not gpus:  # on the host: values first (a NaN, unequal to itself, by its bits)
+        if (now.dtype == then.dtype and torch.equal(now, then)) or torch.equal(
+            _bits(now.to(then.dtype)), _bits(then)
+        ):
             now.copy_(value)
-    else:
-        now.copy_(torch.where(torch.eq(held, was).all(), value.to(now.dtype), now))
+        return
+    held, was = _bits(now.to(then.dtype)), _bits(then)
+    now.copy_(torch.where(torch.eq(held, was).all(), value.to(now.dtype), now))
 
 
 class StagedBuffers:
-    __slots__ = ("_slots", "_own", "_received", "_source", "_gpus")
+    __slots__ = ("_slots", "_own", "_received", "_gpus")
 
     def __init__(self, gpus: bool) -> None:
         self._gpus = gpus  # the buffers are on GPUs (simulated ones are host memory)
         self._slots: List[Slot] = []
         self._own: Optional[List[torch.Tensor]] = None
         self._received: List[torch.Tensor] = []
-        self._source = 0
 
     def receive(self, link: Any, model: nn.Module, source: int) -> None:
         """Rank `source`'s values of `model`'s buffers, held for put_in
         with this rank's own values now; the buffers are left as they are."""
         slots = [(m._buffers, n) for m in model.modules() for n, b in m._buffers.items()
                  if b is not None]  # fmt: skip
-        received = [d[n].detach().clone() for d, n in slots]
-        # The sender keeps its own (put_in): no second copy of its values.
-        own = received if source == link.rank else [b.clone() for b in received]
+        live = [d[n].detach() for d, n in slots]
+        if source == link.rank:  # the sender keeps its own: nothing to hold
+            link.broadcast(live, BUFFERS_BROADCAST)
+            self._own = None
+            return
+        received = [torch.empty_like(b) for b in live]
+        own = [b.clone() for b in live]
         link.broadcast(received, BUFFERS_BROADCAST)
-        self._slots, self._own, self._received, self._source = slots, own, received, source
+        self._slots, self._own, self._received = slots, own, received
 
     def put_in(self, source: int, rank: int) -> None:
         """Writes what receive() held into the buffers still holding this
         rank's values of then, once (`source`: whose values DDP would send
         now; `rank`: this rank's place in the group)."""
-        own, received, staged_from = self._own, self._received, self._source
+        own, received = self._own, self._received
         if own is None:
             return
         self._own, self._received = None, []
-        if staged_from == rank or (source == rank and source != staged_from):
-            return  # this rank's own values are the ones to keep
+        if source == rank:
+            return  # DDP's sender now (under Join, the highest rank with inputs) keeps its own
         with torch.no_grad():
             for (d, n), then, value in zip(self._slots, own, received):
                 now = d.get(n)
