@@ -260,8 +260,8 @@ def joined_uneven_inputs(out: dict) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "counts",
-    ["2,4", "3,0,2"],
-    ids=["rank0-runs-out-first", "3-ranks-one-with-no-batch"],
+    ["2,4", "3,0,2", "4,2,3"],
+    ids=["rank0-runs-out-first", "3-ranks-one-with-no-batch", "3-ranks-the-middle-one-last"],
 )
 def test_join_shadows_uneven_inputs_as_torch_ddp_and_the_closed_form(tmp_path, counts):
     """dmodel.join() with a different number of batches per rank
@@ -284,7 +284,11 @@ def test_join_shadows_uneven_inputs_as_torch_ddp_and_the_closed_form(tmp_path, c
                 assert r[f"vs_ddp_divide{divide}_micro1_r1"] <= TOL, r
         assert r["divide_matters"] > 1e-3  # the two divisions are told apart
         if every_rank_had_a_batch:  # torch's Join([dmodel]) and an fp16 hook, as DDP
-            assert r["fp16_hook_vs_ddp"] <= TOL, r
+            # With 3 ranks the engines' gloo rings add the three values in
+            # other orders (the buckets differ in size), and 16-bit sums
+            # round at 2**-11 of the gradient: 3.3e-5 after 4 steps here
+            # (in float32, 4.5e-8).
+            assert r["fp16_hook_vs_ddp"] <= (TOL if world == 2 else 1e-4), r
         assert 0 < r["fp16_hook_vs_closed"] < 1e-2, r  # compressed, and close
         # dmodel.loss: one device on the global batch of the ranks with
         # inputs, and not the average over the world (the control).
