@@ -93,6 +93,38 @@ def test_allreduce_replicas_beyond_devices_is_a_usage_error(capsys):
     assert "--replicas [3]: each must be 1..2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        # --factor 1 looped forever growing a list; --max-bytes 0 and a max
+        # below the min raised TypeError; --reps 0 and --rounds 0 wrote NaN
+        # results; --steps 0 raised ZeroDivisionError; --width 0 and
+        # --depth -1 measured a meaningless model; --batch 0 and --caps -1
+        # raised from the model or the engine; an --out that cannot be made
+        # raised after the work was done.
+        (["allreduce", "--factor", "1"], "--factor: must be >= 2, got 1"),
+        (["allreduce", "--max-bytes", "0"], "--max-bytes: must be at least 1 byte"),
+        (["allreduce", "--min-bytes", "1M", "--max-bytes", "1K"], "below --min-bytes"),
+        (["allreduce", "--reps", "0"], "--reps: must be >= 1, got 0"),
+        (["overlap", "--rounds", "0"], "--rounds: must be >= 1"),
+        (["overlap", "--steps", "0"], "--steps: must be >= 1"),
+        (["overlap", "--width", "0"], "--width: must be >= 1"),
+        (["overlap", "--depth", "-1"], "--depth: must be >= 1"),
+        (["overlap", "--batch", "1"], "--batch 1: at least one row per replica (2 --devices)"),
+        (["overlap", "--caps", "1,-1"], "--caps 1,-1: bucket caps in MiB, each > 0"),
+        (["overlap", "--out", "{file}/sub"], "cannot make the folder"),
+    ],
+)
+def test_arguments_that_cannot_make_a_measurement_are_usage_errors(argv, said, capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    argv = [a.replace("{file}", str(tmp_path / "file")) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--quick", "--no-progress"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("command", ["allreduce", "overlap"])
 @pytest.mark.parametrize("device", ["bogus", "cuda:99"])
 def test_a_device_this_machine_lacks_is_a_usage_error(command, device, capsys):

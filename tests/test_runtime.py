@@ -72,6 +72,24 @@ def test_doctor_reports_a_bad_env_library_instead_of_crashing():
     assert "nccl: error: PYDDP_NCCL_LIBRARY" in out.stdout
 
 
+def test_doctor_reports_bad_settings_that_wrap_refuses_instead_of_crashing():
+    # PYDDP_TIMEOUT_S=abc was a traceback from the doctor itself;
+    # PYDDP_TIMELINE=-3 passed it silently; PYDDP_HOT=false was ignored
+    # (only "0" switched the hot path off) without a word.
+    out = run_python(
+        "-m", "pyddp.doctor", PYDDP_TIMEOUT_S="abc", PYDDP_TIMELINE="-3", PYDDP_HOT="maybe"
+    )
+    assert out.returncode == 0, out.stderr
+    for said in (
+        "collective timeout: ERROR: PYDDP_TIMEOUT_S='abc' is not a number",
+        "timeline: ERROR: PYDDP_TIMELINE='-3' must be >= 0",
+        "hot path (C++ gradient hooks and cross-process launches): ERROR: PYDDP_HOT='maybe'",
+    ):
+        assert said in out.stdout, out.stdout
+    off = run_python("-m", "pyddp.doctor", PYDDP_HOT="False")
+    assert "launches): switched off" in off.stdout, off.stdout
+
+
 def test_nccl_found_and_versioned_when_installed():
     info = _runtime.find_nccl()
     if info.path is None:

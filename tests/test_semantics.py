@@ -575,6 +575,27 @@ def test_input_gradients_alone_touch_no_parameter_as_on_one_device(call):
     dm.close()
 
 
+def test_gradients_of_parameters_alone_through_cpu_replicas_are_not_computed():
+    """A limitation, documented (docs/semantics.md, "Inputs that need a
+    gradient"): the replicas' backward runs on workers, outside the graph
+    autograd walks, so asking for the wrapped model's parameters alone
+    never reaches pyddp. autograd.grad says they were not used;
+    backward(inputs=params) leaves them None, and nothing says so."""
+    model = _Critic()
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    x, y = torch.randn(10, 8), torch.randn(10, 1)
+    params = list(model.parameters())
+    with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+        torch.autograd.grad(F.mse_loss(dm(x), y), params)
+    got = torch.autograd.grad(F.mse_loss(dm(x), y), params, allow_unused=True)
+    assert all(g is None for g in got)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # silent: no warning either
+        F.mse_loss(dm(x), y).backward(inputs=params)
+    assert all(p.grad is None for r in dm.replicas for p in r.parameters())
+    dm.close()
+
+
 def test_a_loss_over_masked_targets_equals_one_device_as_a_sum_over_a_count():
     # dmodel.loss weighs each shard's mean by its rows: the full batch's
     # mean when every row weighs the same. A mean over the targets that are

@@ -217,6 +217,9 @@ def test_early_stopping_and_best_model(tmp_path):
     best = torch.load(tmp_path / "best.pt", weights_only=True)
     assert best.keys() == result.best_state_dict.keys()
     assert not torch.equal(best["0.weight"], t.model.module[0].weight)
+    t.config.max_epochs = 40  # early stopping is final: said so, not "raise max_epochs"
+    with pytest.warns(UserWarning, match=r"nothing: .*\(early_stopping.*early stopping is final"):
+        assert t.fit((x, y), (x, 1 - y)).state.step == result.state.step
 
 
 def test_validation_is_sharded_and_reduced_like_one_device():
@@ -790,3 +793,16 @@ class _Stream(torch.utils.data.IterableDataset):
 def test_data_in_forms_the_trainer_does_not_take_is_named(make, error, message):
     with pytest.raises(error, match=message):
         trainer(max_epochs=1, batch_size=4).fit(make())
+
+
+def test_data_that_makes_no_batch_is_refused_before_training():
+    """drop_last with fewer rows than a batch made empty epochs: fit()
+    spun forever under max_steps, or ended at max_epochs having trained
+    nothing, silently. A DataLoader with batch_size=None (single samples)
+    failed in the model with a shape error."""
+    x, y = torch.randn(8, 6), torch.randint(0, 2, (8,))
+    with pytest.raises(ValueError, match="8 rows make no batch of batch_size=16 with drop_last"):
+        trainer(max_epochs=None, max_steps=10, batch_size=16, drop_last=True).fit((x, y))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=None)
+    with pytest.raises(ValueError, match="batch_size=None yields single samples"):
+        trainer(max_epochs=1, batch_size=4).fit(loader)

@@ -51,6 +51,26 @@ def _size(text: str) -> int:
     return int(text)
 
 
+def _at_least(low: int) -> Any:
+    """An argparse type: an int >= low."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse's "invalid int value" for text that is no int
+    return parse
+
+
+def _bytes(text: str) -> int:
+    value = _size(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
+    return value
+
+
 def _common(parser: argparse.ArgumentParser, top: bool) -> None:
     """The options every subcommand takes. On the top-level parser they carry
     the defaults; on a subcommand they default to SUPPRESS, so a value given
@@ -84,9 +104,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
         default="mlp",
         help="model to train (mlp_bn: BatchNorm1d after each hidden layer)",
     )
-    p.add_argument("--width", type=int, default=1024, help="hidden width (channels for conv)")
-    p.add_argument("--depth", type=int, default=6, help="hidden layers")
-    p.add_argument("--batch", type=int, default=128, help="global batch, split over the replicas")
+    p.add_argument("--width", type=_at_least(1), default=1024, help="hidden width (conv: channels)")
+    p.add_argument("--depth", type=_at_least(1), default=6, help="hidden layers")
+    p.add_argument("--batch", type=_at_least(1), default=128, help="global batch (all replicas)")
     p.add_argument(
         "--devices", nargs="+", default=["cpu", "cpu"], metavar="DEVICE", help="one per replica"
     )
@@ -125,17 +145,17 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="reduce over the first N of --devices, for each N given (default: all of them)",
     )
-    a.add_argument("--min-bytes", type=_size, default="1K", help="smallest buffer per replica")
-    a.add_argument("--max-bytes", type=_size, default="256M", help="largest buffer per replica")
-    a.add_argument("--factor", type=int, default=4, help="size step between rows")
+    a.add_argument("--min-bytes", type=_bytes, default="1K", help="smallest buffer per replica")
+    a.add_argument("--max-bytes", type=_bytes, default="256M", help="largest buffer per replica")
+    a.add_argument("--factor", type=_at_least(2), default=4, help="size step between rows")
     a.add_argument("--dtype", choices=sorted(allreduce.DTYPES), default="float32", help="dtype")
     a.add_argument("--op", choices=["sum", "avg"], default="avg", help="reduction")
-    a.add_argument("--reps", type=int, default=15, help="timed samples per size and operation")
+    a.add_argument("--reps", type=_at_least(1), default=15, help="timed samples per size and op")
 
     o = add("overlap", overlap, "step time and overlap vs baselines and torch DDP")
     _model_options(o)
-    o.add_argument("--rounds", type=int, default=10, help="timed samples per variant")
-    o.add_argument("--steps", type=int, default=3, help="steps per sample")
+    o.add_argument("--rounds", type=_at_least(1), default=10, help="timed samples per variant")
+    o.add_argument("--steps", type=_at_least(1), default=3, help="steps per sample")
     o.add_argument("--no-ddp", action="store_true", help="skip the torch DDP processes")
     multiproc.add_options(o)
 
@@ -159,10 +179,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"allreduce --replicas {bad}: each must be 1..{len(args.devices)}, "
                 "the number of --devices"
             )
+        if args.max_bytes < args.min_bytes:
+            parser.error(f"allreduce --max-bytes {args.max_bytes} is below --min-bytes")
     if args.command == "overlap":
-        multiproc.check_args(parser, args)
+        _check_overlap(parser, args)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         parser.error(f"--out {args.out}: exists and is not a folder")
+    try:  # before the work, not after it
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {args.out}: cannot make the folder ({e.strerror or e})")
     # Before anything of ours runs: other work on the machine makes measured
     # figures noisy. simulate measures nothing (it computes), so it is not asked.
     busy = cpu_busy() if args.command != "simulate" else None
@@ -178,6 +204,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     write_json(path, {"args": vars(args), "machine": info, **payload})
     print(f"wrote {path}")
     return 0
+
+
+def _check_overlap(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    multiproc.check_args(parser, args)
+    try:
+        caps = [float(c) for c in args.caps.split(",")]
+    except ValueError:
+        caps = []
+    if not caps or any(not c > 0 for c in caps):
+        parser.error(f"overlap --caps {args.caps}: bucket caps in MiB, each > 0, comma separated")
+    if args.batch < len(args.devices):
+        parser.error(f"overlap --batch {args.batch}: at least one row per replica "
+                     f"({len(args.devices)} --devices)")  # fmt: skip
 
 
 def _result_name(args: argparse.Namespace) -> str:

@@ -13,6 +13,7 @@ from typing import List
 import torch
 
 from .. import _C, __version__
+from ..engine.observe import timeline_from_env
 from ..runtime.libraries import (
     NCCL_ENV,
     NVRTC_ENV,
@@ -59,9 +60,17 @@ def report() -> List[str]:
                 lines.append(f"on-device kernel on cuda:{i}: FAILED to compile or load: {e}")
     else:
         lines.append("on-device kernel (replicas sharing a GPU): not tried (no GPU or no NVRTC)")
-    _, why = hot_status()
+    try:
+        why = hot_status()[1]
+    except ValueError as e:
+        why = f"ERROR: {e} (wrap refuses it)"
     lines.append(f"torch-linked hot path (C++ gradient hooks and cross-process launches): {why}")
-    lines.append(f"collective timeout: {timeout_s():g} s")
+    for what, read, unit in (("collective timeout", timeout_s, " s"),
+                             ("timeline", timeline_from_env, " iterations kept")):  # fmt: skip
+        try:
+            lines.append(f"{what}: {read():g}{unit}")
+        except ValueError as e:  # what wrap would refuse: said here, not raised
+            lines.append(f"{what}: ERROR: {e} (wrap refuses it)")
     lines.append("backends by replica placement:")
     lines.append("  cpu, cpu, ...          -> cpu (in-process)")
     gpu_ok = driver is not None and count > 0

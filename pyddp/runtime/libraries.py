@@ -169,13 +169,21 @@ _live_backends: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 HOT_ENV = "PYDDP_HOT"  # "0": the Python path, even where pyddp._hot was built
+_SWITCH = {v: on for on, vs in ((False, ("0", "false", "off", "no")),
+                                (True, ("1", "true", "on", "yes", ""))) for v in vs}  # fmt: skip
 
 
 def hot_status() -> tuple:
     """(pyddp._hot or None, why not): the torch-linked hot path (C++
     gradient hooks), loaded only if this build made it for the running
     torch and PYDDP_HOT is not "0"."""
-    return _load_hot(os.environ.get(HOT_ENV, "1").strip() != "0")
+    raw = os.environ.get(HOT_ENV, "1").strip().lower()
+    if raw not in _SWITCH:
+        raise ValueError(
+            f"{HOT_ENV}={os.environ[HOT_ENV]!r}: 0, false, off or no switch the hot path off; "
+            "1, true, on or yes (or leaving it unset) keep it"
+        )
+    return _load_hot(_SWITCH[raw])
 
 
 def hot() -> Optional[Any]:

@@ -80,6 +80,11 @@ class ShardedLoader:
                     "data: a DataLoader over an IterableDataset has no length, and the Trainer "
                     "plans each epoch's steps from it; pass a map-style Dataset (or tensors)"
                 )
+            if data.batch_size is None and data.batch_sampler is None:
+                raise ValueError(
+                    "data: a DataLoader with batch_size=None yields single samples, not "
+                    "batches; give it a batch_size (or pass the Dataset and set TrainConfig's)"
+                )
             if len(data) == 0:
                 raise ValueError("data: the DataLoader yields no batches")
         elif isinstance(data, (tuple, list)) and len(data) == 2:
@@ -113,6 +118,11 @@ class ShardedLoader:
         )
         # Whether epoch() hands the global batches' rows (else this rank's).
         self.rows_global = world == 1 or self._sliced
+        if not self._sliced and len(self) == 0:  # drop_last, fewer rows than a batch
+            raise ValueError(
+                f"data: {self._rows} rows make no batch of batch_size={batch_size} with "
+                "drop_last=True; use a smaller batch_size or drop_last=False"
+            )
         if self._sliced and len(self) == 0:
             raise ValueError(
                 f"data: no batch has at least {world} rows, one per process; use a smaller "

@@ -289,10 +289,14 @@ class Trainer(EpochLoop, TrainerCheckpoints):
             elif cfg.max_steps is not None and state.step >= cfg.max_steps:
                 state.stop_reason = "max_steps"
         if state.stop_reason is not None:  # (a second fit() on new data trained nothing, silently)
+            further = (
+                "early stopping is final" if state.stop_reason == "early_stopping"
+                else "raise max_epochs or max_steps to train further"
+            )  # fmt: skip
             warnings.warn(
                 f"pyddp: fit() trains nothing: this Trainer's run already ended "
-                f"({state.stop_reason}, epoch {state.epoch}, step {state.step}); raise max_epochs "
-                "or max_steps to train further, or make a new Trainer for a new run",
+                f"({state.stop_reason}, epoch {state.epoch}, step {state.step}); {further}, "
+                "or make a new Trainer for a new run",
                 stacklevel=3,
             )
         start_step = state.step

@@ -57,11 +57,13 @@ bucket (each GPU keeps its shard of the sum) instead of all-reducing it.
 Reduce-scatter and all-gather are priced by NCCL's ring model for them
 (hardware.System.gather_s).
 
-Not modelled: compute slowed by NCCL kernels sharing SMs and memory
-bandwidth, per-step framework overheads, stragglers and jitter, the input
-pipeline, GPU memory capacity, NVLink SHARP and in-network reduction,
-low-rank compression (PowerSGD: its cost depends on each matrix's shape,
-which a profile does not keep), host launch overheads. See docs/simulator.md's validation
+Compute slowed by NCCL kernels, per-step framework overheads, stragglers
+and jitter are not simulated from first principles: simulate.Effects adds
+them as three coefficients fitted to published results (FITTED, on by
+default; --no-effects leaves them out). Not modelled: the input pipeline,
+GPU memory capacity, NVLink SHARP and in-network reduction, low-rank
+compression (PowerSGD: its cost depends on each matrix's shape, which a
+profile does not keep), host launch overheads. See docs/simulator.md's validation
 table for what that costs against published results.
 """
 
