@@ -569,6 +569,65 @@ def test_fit_again_after_an_abort_mid_backward_is_bitwise(accum):
             assert torch.equal(p, q)
 
 
+class _RaiseAt:
+    """Raises KeyboardInterrupt (a second Ctrl-C) at its `armed`-th call."""
+
+    def __init__(self, armed=None):
+        self.armed, self.calls = armed, 0
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls == self.armed:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["forward after dropout", "validation metric"])
+def test_fit_again_after_an_abort_redoes_dropout_draws_and_the_steps_validation(where):
+    """One replica, dropout: a fit() aborted after the window's dropout
+    masks were drawn redid the window with other masks (the weights
+    differed), and one aborted in the validation after a step skipped that
+    validation for good (the history, and so the best model and early
+    stopping, differed). Both now equal the uninterrupted run, bitwise."""
+    g = torch.Generator().manual_seed(0)
+    x, xv = torch.randn(64, 6, generator=g), torch.randn(16, 6, generator=g)
+    y, yv = (x[:, 0] > 0).long(), (xv[:, 0] > 0).long()
+    stop = _RaiseAt()
+
+    class Hook(nn.Module):
+        def forward(self, h):
+            if self.training and "forward" in where:
+                stop()
+            return h
+
+    def metric(out, target):
+        if "validation" in where:
+            stop()
+        return (out.argmax(1) == target).float().mean()
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(6, 16), nn.Dropout(0.3), Hook(), nn.Tanh(), nn.Linear(16, 2)
+        )
+        cfg = pyddp.TrainConfig(batch_size=8, max_epochs=1, eval_every_steps=1, progress=False)
+        return pyddp.Trainer(
+            model, ["cpu"], optimizer=SGD, loss_fn=F.cross_entropy, config=cfg,
+            metrics={"accuracy": metric},
+        )  # fmt: skip
+
+    with make() as full:
+        full.fit((x, y), (xv, yv))
+    stop.armed, stop.calls = 4, 0
+    with make() as t:
+        with pytest.raises(KeyboardInterrupt):
+            t.fit((x, y), (xv, yv))
+        t.fit((x, y), (xv, yv))
+        assert [h["step"] for h in t.state.history] == list(range(1, 9))
+        assert t.state.history == full.state.history
+        for p, q in zip(t.model.module.parameters(), full.model.module.parameters()):
+            assert torch.equal(p, q)
+
+
 _SCRIPT = """
 import functools, os, signal, sys, threading
 import torch, torch.nn.functional as F

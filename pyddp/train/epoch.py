@@ -23,6 +23,7 @@ from .config import TrainConfig
 from .data import ShardedLoader
 from .evaluation import shard_rows
 from .interrupt import CtrlC, sigint_deferred
+from .rng import rng_states
 from .scaler import LossScaler
 from .state import LoopState
 
@@ -46,6 +47,9 @@ class EpochHost(Protocol):
     _scaler: LossScaler
     _ctrl_c: CtrlC
     _files: Optional[RunFiles]  # None without output_dir
+    _window: Optional[int]
+    _window_rng: Any  # rng.rng_states at the open window's start
+    _boundary_due: Optional[tuple]  # _boundary's arguments while it runs
 
     def _checkpoint(self) -> None: ...
     def _evaluate(self, data: Any, across_ranks: bool) -> Dict[str, float]: ...
@@ -102,6 +106,8 @@ class EpochLoop:
         state = self.state
         self._ctrl_c.check()
         self._window = state.batch_in_epoch - state.batch_in_epoch % self.config.grad_accum_steps
+        if self._window == state.batch_in_epoch:  # a window begins: its draws (dropout), to redo
+            self._window_rng = rng_states(self.model.devices)
         try:
             with contextlib.nullcontext() if last else self.model.no_sync():
                 loss = self.model.loss_on_shards(
@@ -194,8 +200,12 @@ class EpochLoop:
         reason: str,
     ) -> None:
         """End of a step or an epoch (`count` of them done): validate and
-        checkpoint when due, stop at the limit."""
+        checkpoint when due, stop at the limit. Until done, the next fit()
+        redoes it (an exception left fit() in it: a second Ctrl-C, a metric
+        that raised), so no validation is skipped."""
         state = self.state
+        self._boundary_due = (state.step, state.epoch, count, eval_every, checkpoint_every, limit,
+                              reason)  # fmt: skip
         if (
             valid_data is not None
             and eval_every
@@ -207,6 +217,7 @@ class EpochLoop:
             self._checkpoint()
         if limit is not None and count >= limit:
             state.stop_reason = state.stop_reason or reason
+        self._boundary_due = None
 
     def _validate(self, valid_data: Any) -> None:
         cfg = self.config

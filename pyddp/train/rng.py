@@ -56,3 +56,16 @@ def restore_generators(saved: Dict[str, Any], rank: int, devices: Sequence[torch
     cuda = [d for d in devices if d.type == "cuda"]
     for device, state in zip(cuda, mine["cuda"]):
         torch.cuda.set_rng_state(state, device)
+
+
+def rng_states(devices: Sequence[torch.device]) -> tuple:
+    """This process's CPU generator state and its GPU replicas' (put back by
+    set_rng_states)."""
+    return torch.get_rng_state(), cuda_rng_states(devices)
+
+
+def set_rng_states(states: tuple, devices: Sequence[torch.device]) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    for device, state in zip([d for d in devices if d.type == "cuda"], cuda):
+        torch.cuda.set_rng_state(state, device)

@@ -160,7 +160,9 @@ class Trainer(EpochLoop, TrainerCheckpoints):
         # inside the optimizer step ("step") may have stepped some replicas
         # only, which only a checkpoint repairs.
         self._window: Optional[int] = None
+        self._window_rng: Any = None
         self._interrupted_in: Optional[str] = None
+        self._boundary_due: Optional[tuple] = None
         scheduler_class = type(self.scheduler) if self.scheduler is not None else None
         self._files = (
             None
@@ -303,6 +305,7 @@ class Trainer(EpochLoop, TrainerCheckpoints):
         with self._ctrl_c:
             try:
                 self._emit("on_train_start")
+                self._redo_boundary(valid_data)
                 while state.stop_reason is None:
                     self._run_epoch(loader, valid_data)
                 self._ctrl_c.check()

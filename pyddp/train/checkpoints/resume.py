@@ -17,7 +17,7 @@ from ..._link import exchange
 from ..._link.control import Ranks
 from ...replicas.model import DistributedModel
 from ..config import TrainConfig
-from ..rng import cuda_rng_states, restore_generators
+from ..rng import cuda_rng_states, restore_generators, set_rng_states
 from ..scaler import LossScaler
 from ..state import LoopState
 from .identity import data_signature
@@ -130,7 +130,17 @@ class TrainerCheckpoints:
         # gradients it writes.
         self.model._drop_interrupted_step()
         self.state.batch_in_epoch = self._window
+        if self._window_rng is not None:  # the window's dropout masks drawn again, as they were
+            set_rng_states(self._window_rng, self.model.devices)
         self._window = self._interrupted_in = None
+
+    def _redo_boundary(self, valid_data: Any) -> None:
+        """The validation and checkpoint of a step or epoch end that an
+        exception interrupted (a second Ctrl-C in a metric), unless fit()
+        resumed from elsewhere since."""
+        due, self._boundary_due = self._boundary_due, None
+        if due is not None and due[:2] == (self.state.step, self.state.epoch):
+            self._boundary(valid_data, *due[2:])
 
     def _data_signature(self, train_data: Any, batches: int) -> Tuple[Dict[str, str], List[str]]:
         """What the run depends on from its data, the same on every rank:
