@@ -415,6 +415,48 @@ def test_a_model_that_cannot_be_copied_is_refused_with_what_works(how):
     pyddp.wrap(model, ["cpu"]).close()  # one replica copies nothing
 
 
+@pytest.mark.parametrize("layer", [nn.Embedding, nn.EmbeddingBag])
+def test_an_embedding_that_renormalises_in_its_forward_is_refused_on_several_replicas(layer):
+    # max_norm renormalises the looked-up rows in place: each replica its
+    # shard's rows. The replicas drifted apart, silently (9.5 apart in the
+    # weights after a step; the version counters moved alike, so the
+    # follow check saw nothing).
+    model = nn.Sequential(layer(20, 4, max_norm=1.0), nn.Linear(4, 2))
+    with pytest.raises(
+        ValueError, match=f"{layer.__name__} with max_norm renormalises.*one replica"
+    ):
+        pyddp.wrap(model, ["cpu", "cpu"])
+    pyddp.wrap(model, ["cpu"]).close()  # one replica in one process: as one device
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_parametrized_layers_train_as_one_device_and_cached_is_refused(kind):
+    # torch caches by the module the parametrization was registered on,
+    # which the copies share: under parametrize.cached() replica 1 ran on
+    # replica 0's weight and graph ("backward through the graph a second
+    # time", or, racing, nothing). Without it, each replica computes its own.
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(getattr(parametrizations, kind)(nn.Linear(4, 4)), nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    with pyddp.wrap(model, ["cpu", "cpu"], run_replicas="in_turn") as dm:
+        with parametrize.cached(), pytest.raises(RuntimeError, match=r"parametrize.cached\(\)"):
+            dm(x)
+        opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for _ in range(3):
+            nn.functional.mse_loss(dm(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            nn.functional.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_bucket_cap_mb_alone_sizes_the_first_bucket_as_ddp():
     # torch DDP (2.x): an explicit bucket_cap_mb sizes the first bucket too.
     torch.manual_seed(0)

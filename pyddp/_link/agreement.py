@@ -292,7 +292,8 @@ class Agreement:
             + "; ".join(lines)
             + "): one rank stepped its optimizer more often, ran a micro-batch under no_sync() "
             "the others did not, switched model.train()/eval() alone, weighed a loss with "
-            "dmodel.loss the others did not, changed its parameters outside pyddp, or steps "
+            "dmodel.loss the others did not, changed its parameters outside pyddp (nn.Embedding's "
+            "max_norm does so in its forward, on the rows each rank looks up), or steps "
             "with other optimizer settings (another class or shard mode, a learning rate a "
             "scheduler changed on one rank only); its replicas would differ for the rest of "
             "the run",

@@ -126,6 +126,14 @@ def trainable_params(
                 f"{type(m).__name__} with sparse=True produces sparse gradients, which pyddp "
                 "does not reduce; construct it with sparse=False"
             )
+        renorm = isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+        if renorm and len(replicas) > 1:
+            raise ValueError(
+                f"{type(m).__name__} with max_norm renormalises, in place in its forward, the "
+                "rows its input looks up: each replica would renormalise other rows and the "
+                "replicas would drift apart; drop max_norm (clip the rows after the optimizer "
+                "step instead), or run one replica per process"
+            )
     params = []
     for r, pairs in enumerate(named):
         if [n for n, _ in pairs] != names:

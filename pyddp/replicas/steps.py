@@ -27,6 +27,7 @@ from typing import (
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize as _parametrize
 
 from .._link import Link
 from ..engine.faces import ReplicaDriver
@@ -51,6 +52,14 @@ def release(workers: Any, reducer: Any, syncbn: Any, wait: bool = True) -> None:
     reducer.close(wait)
     if syncbn is not None:
         syncbn.release()  # torch's SyncBatchNorm again
+
+
+_CACHED_PARAMETRIZATIONS = (
+    "pyddp: torch.nn.utils.parametrize.cached() around a forward of several replicas in one "
+    "process: torch caches a parametrized weight by the module it was registered on, which "
+    "the replicas' copies share, so every replica would get replica 0's weight (and its "
+    "graph); leave cached() out of the wrapped forward, or run one replica per process"
+)
 
 
 class StepFlags:
@@ -224,6 +233,10 @@ class ReplicaSteps:
 
     def _start(self, tree: Any) -> Tuple[List[Any], List[int], Optional[InputCut]]:
         """Scatters `tree` and readies the replicas for a new iteration."""
+        if _parametrize._cache_enabled and any(
+            map(_parametrize.is_parametrized, self.module.modules())
+        ):
+            raise RuntimeError(_CACHED_PARAMETRIZATIONS)
         shards, sizes, cut = scatter(tree, self.devices, self._cuts_inputs())
         self._begin(sum(sizes))
         return shards, sizes, cut

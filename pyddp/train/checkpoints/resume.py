@@ -41,8 +41,13 @@ class CheckpointsHost(Protocol):
     ranks: Ranks
     _scaler: LossScaler
     _files: Optional[RunFiles]  # None without output_dir
+    _window_rng: Any  # rng.rng_states at the open window's start (epoch.py)
 
     def _emit(self, hook: str, *args: Any) -> None: ...
+    def _boundary(
+        self, valid_data: Any, count: int, eval_every: Optional[int],
+        checkpoint_every: Optional[int], limit: Optional[int], reason: str,
+    ) -> None: ...  # fmt: skip
 
 
 class TrainerCheckpoints:
