@@ -232,6 +232,13 @@ void Engine::mark_ready(int replica, int param, uintptr_t stream) {
     if (async_) note_stream(replica, bucket_of_[param], stream);
     return;
   }
+  if (arrived > counted) {
+    // Its bucket was reduced at the counted arrival: this one lands on a
+    // reduced copy, so this replica differs until zero_grad() (GradSync's
+    // finish() after this error must not make it look whole).
+    partial_kind_.store(kFailed);
+    partial_.store(true);
+  }
   if (arrived > counted && counted > 1) {
     fail_mark(replica, param,
               detail::concat("gradient arrived ", arrived, " times in one synced backward, where "
@@ -507,7 +514,10 @@ Engine::Settled Engine::finish(const std::vector<uintptr_t>& streams) {
     throw ReduceError(err);
   }
   for (int r = 0; r < num_replicas_; ++r) reduced_copy_[r].store(1);
-  partial_.store(false);
+  // A synced backward resolves no_sync()'s accumulation; a failed or late
+  // one stays refused until zero_grad() (what abort() and the errors say).
+  const int kind = partial_kind_.load();
+  if (kind != kFailed && kind != kLate) partial_.store(false);
   return out;
 }
 
@@ -574,6 +584,7 @@ void Engine::clear_grads(bool set_to_none) {
     for (int p = 0; p < num_params(); ++p) has_grad_[p].store(0);
   }
   for (int r = 0; r < num_replicas_; ++r) reduced_copy_[r].store(0);
+  partial_kind_.store(0);
   partial_.store(false);
 }
 

@@ -162,6 +162,58 @@ def test_gradsync_refuses_replicas_sharing_a_parameter():
         pyddp.GradSync([m, other], check_replicas=False)
     with pyddp.GradSync([m, copy.deepcopy(m)]):
         pass
+    # Views of one buffer that overlap without starting at one address were
+    # accepted: the shared elements were stepped once per replica.
+    base = torch.zeros(13)
+    a, b = torch.nn.Linear(3, 4, bias=False), torch.nn.Linear(3, 4, bias=False)
+    a.weight = torch.nn.Parameter(base[0:12].view(4, 3))
+    b.weight = torch.nn.Parameter(base[1:13].view(4, 3))
+    with pytest.raises(ValueError, match="replica 1's 'weight' shares memory with replica 0's"):
+        pyddp.GradSync([a, b], check_replicas=False)
+
+
+def _two_replicas():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    return [m, copy.deepcopy(m)], torch.randn(2, 5, 4)
+
+
+@pytest.mark.parametrize("how", ["finish forgotten", "abort without zero_grad", "replaced on 1"])
+def test_gradsync_refuses_a_step_after_which_the_replicas_would_differ(how):
+    """Each passed check_step() and stepped the replicas apart (0.084 in a
+    gradient): finish() after the "produced twice" error a forgotten
+    finish() raises; a backward and finish() after abort() without
+    zero_grad() (the aborted replica's share mixed in); a gradient assigned
+    or set to None on a replica other than 0 after finish() (replica 0's
+    are copied to every replica, the others' were not looked at)."""
+    replicas, x = _two_replicas()
+    sync = pyddp.GradSync(replicas, op="avg")
+
+    def backward(r):
+        replicas[r](x[r]).square().mean().backward()
+
+    if how == "finish forgotten":
+        backward(0), backward(1)
+        with pytest.raises(Exception, match="produced twice"):
+            backward(0)  # the previous backward's finish() was forgotten
+        sync.finish()
+    elif how == "abort without zero_grad":
+        backward(0)
+        sync.abort()
+        backward(0), backward(1)
+        sync.finish()
+    else:
+        backward(0), backward(1)
+        sync.finish()
+        sync.check_step()  # whole
+        replicas[1][0].weight.grad = replicas[1][0].weight.grad * 0.5
+    with pytest.raises(RuntimeError, match="call zero_grad|replaced .*after finish"):
+        sync.check_step()
+    sync.zero_grad()
+    backward(0), backward(1)
+    sync.finish()
+    sync.check_step()  # after zero_grad(), a whole step again
+    sync.close()
 
 
 def test_the_wrapper_refuses_pickling_and_copying_clearly():

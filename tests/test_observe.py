@@ -195,3 +195,21 @@ def test_gpu_clock_stops_measuring_when_a_timing_event_fails():
     report = clock.report()
     assert report["gpu"]["cuda:0"]["backwards"] == 1
     assert "illegal memory access" in report["gpu_stopped"]
+
+
+def test_ready_times_of_a_gradsync_count_from_its_first_gradient():
+    # A GradSync does not see the caller's forward end (wrap notes it):
+    # ready_times() raised "no ready time for every parameter" at every call.
+    torch.manual_seed(0)
+    replicas = [mlp(), mlp()]
+    replicas[1].load_state_dict(replicas[0].state_dict())
+    with pyddp.GradSync(replicas, timeline=2) as sync:
+        for _ in range(2):
+            for m in replicas:
+                m(torch.randn(8, 64)).square().mean().backward()
+            sync.finish()
+            sync.zero_grad()
+        got = sync.ready_times()
+    names = [n for n, _ in replicas[0].named_parameters()]
+    assert got.names == names and len(got.ready_s) == len(names)
+    assert min(got.ready_s) == 0.0 and max(got.ready_s) <= got.backward_s

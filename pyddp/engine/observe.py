@@ -91,11 +91,14 @@ class ReadyTimes:
 def ready_times(
     timelines: Sequence[Dict[str, Any]], names: Sequence[str], params: Sequence[Any]
 ) -> ReadyTimes:
-    """The last kept iteration's ReadyTimes for `params` (replica 0's)."""
+    """The last kept iteration's ReadyTimes for `params` (replica 0's), from
+    the end of forward; on a GradSync, which does not see your forward end,
+    from the first gradient (as its stats())."""
     if not timelines:
         raise ValueError("no timeline: wrap with timeline=N (or PYDDP_TIMELINE=N) and run a step")
     t = timelines[-1]
-    raw, begin = t["raw"], t["raw"]["forward_end_ns"]
+    raw = t["raw"]
+    begin = raw["forward_end_ns"] or raw["first_ready_ns"]
     marks = t["param_ready_ns"][: len(names)]
     if not begin or len(marks) < len(names) or not all(marks):
         raise ValueError("the last kept iteration has no ready time for every parameter")

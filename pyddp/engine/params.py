@@ -171,20 +171,46 @@ def note_synced(sync: Any, params: Sequence[Sequence[torch.Tensor]]) -> None:
             _SYNCED[id(p)] = (weakref.ref(p), weakref.ref(sync))
 
 
-def refuse_synced_twice(names: Sequence[str], params: Sequence[Sequence[torch.Tensor]]) -> None:
-    # One tensor (or its memory) in two replicas: its gradient would be
-    # counted once per replica holding it, silently (GradSync([m, m])).
-    owner: Dict[int, Tuple[int, str]] = {}
-    for r, replica in enumerate(params):
-        for name, p in zip(names, replica):
-            if p.numel() and not p.is_meta:
-                first = owner.setdefault(p.data_ptr(), (r, name))
-                if first[0] != r:
+def _span(p: torch.Tensor) -> Tuple[int, int]:
+    """The bytes [start, end) a tensor's elements lie in (strides included)."""
+    extent = 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))
+    return p.data_ptr(), p.data_ptr() + extent * p.element_size()
+
+
+def _refuse_shared_memory(names: Sequence[str], params: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Sorted by start, a span that begins before the furthest end so far
+    overlaps the span reaching there; the refusal names the first shared
+    parameter in the model's order (a search run only then)."""
+    live = [[(name, _span(p)) for name, p in zip(names, replica) if p.numel() and not p.is_meta]
+            for replica in params]  # fmt: skip
+    reach: Optional[Tuple[int, int, int]] = None
+    for start, end, r in sorted((*span, r) for r, spans in enumerate(live) for _, span in spans):
+        if reach is not None and start < reach[1] and reach[2] != r:
+            break
+        if reach is None or end > reach[1]:
+            reach = (start, end, r)
+    else:
+        return
+    for r, spans in enumerate(live):
+        for name, (start, end) in spans:
+            for q, (other, (a, b)) in ((k, s) for k in range(r) for s in live[k]):
+                if start < b and a < end:
+                    how = "is" if (start, end) == (a, b) else "shares memory with"
                     raise ValueError(
-                        f"replica {r}'s {name!r} is replica {first[0]}'s {first[1]!r} (the "
-                        "same memory): each replica needs its own copy of the model "
+                        f"replica {r}'s {name!r} {how} replica {q}'s {other!r} ("
+                        + ("the same memory" if how == "is" else "overlapping views")
+                        + "): each replica needs its own copy of the model "
                         "(copy.deepcopy(model)), or its gradient is counted twice"
-                    )
+                    )  # fmt: skip
+
+
+def refuse_synced_twice(names: Sequence[str], params: Sequence[Sequence[torch.Tensor]]) -> None:
+    # One tensor (or any of its bytes) in two replicas: its gradient would be
+    # counted once per replica holding it, and the shared elements stepped
+    # once per replica, silently (GradSync([m, m]), views of one buffer).
+    _refuse_shared_memory(names, params)
+    for replica in params:
+        for name, p in zip(names, replica):
             p_ref, sync_ref = _SYNCED.get(id(p), (None, None))
             other = sync_ref() if p_ref is not None and p_ref() is p else None
             if other is not None and not other.closed:

@@ -126,6 +126,7 @@ class GradSync:
                 f"replica(s) {frozen} only: their share of its gradient counts as zeros; "
                 "freeze or unfreeze it on every replica"
             )
+        self._refuse_replaced_on_others()
         for r, replica in enumerate(self._replicas):
             for name, p in replica.named_parameters():
                 if p.requires_grad and p.grad is not None and id(p) not in self._reduced:
@@ -134,6 +135,26 @@ class GradSync:
                         "does not reduce (frozen when it was built and unfrozen since, or added "
                         "since): stepping would let the replicas diverge; close it and build a "
                         "new GradSync after such a change"
+                    )
+
+    def _refuse_replaced_on_others(self) -> None:
+        """A gradient assigned on replica 0 after finish() is copied to every
+        replica at the step (align); one replaced on another replica
+        (assigned, or set to None) would step that replica on its own."""
+        layout = self._reducer._layout
+        if layout is None or layout.scattered is not None:
+            return
+        grads0 = [p.grad for p in self._params[0]]
+        for r in range(1, len(self._params)):
+            for i, (p, view) in enumerate(zip(self._params[r], layout.views[r])):
+                g = p.grad
+                if g is not view and not (g is None and grads0[i] is None):
+                    raise RuntimeError(
+                        f"pyddp: the gradient of {self._names[i]!r} on replica {r} was replaced "
+                        "(assigned, or set to None) after finish(): stepping would let the "
+                        "replicas diverge. Change gradients on replica 0 (in place or by "
+                        "assignment: they are copied to every replica before the step), or on "
+                        "every replica in place"
                     )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
