@@ -413,6 +413,10 @@ PYBIND11_MODULE(_C, m) {
       .def("restore_reduced_copy", &Engine::restore_reduced_copy, py::arg("replica"),
            py::arg("held"))
       .def_property_readonly("partial", &Engine::partial)
+      .def_property_readonly("failed", &Engine::failed,
+                             "A failed or late backward's refusal, kept until zero_grad()")
+      .def("clear_failed", &Engine::clear_failed,
+           "Lifts that refusal: the caller saw every gradient cleared since")
       .def_property_readonly("partial_reason", &Engine::partial_reason)
       .def("inject_fault", &Engine::inject_fault, py::arg("bucket"), py::arg("message"))
       .def("use_stream", &Engine::use_stream, py::arg("replica"), py::arg("stream"))

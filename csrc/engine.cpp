@@ -203,8 +203,7 @@ void Engine::mark_ready(int replica, int param, uintptr_t stream) {
   if (reduced_copy_[replica].load(std::memory_order_relaxed)) {
     // The gradient was already added to a bucket that holds the reduced sum:
     // this replica now differs, so stepping is refused until zero_grad().
-    partial_kind_.store(kLate);
-    partial_.store(true);
+    mark_failed(kLate);
     fail_mark(replica, param,
               "a gradient arrived after the previous backward was reduced: finish() was called "
               "before this replica's backward returned, or a second backward ran over the same "
@@ -236,8 +235,7 @@ void Engine::mark_ready(int replica, int param, uintptr_t stream) {
     // Its bucket was reduced at the counted arrival: this one lands on a
     // reduced copy, so this replica differs until zero_grad() (GradSync's
     // finish() after this error must not make it look whole).
-    partial_kind_.store(kFailed);
-    partial_.store(true);
+    mark_failed(kFailed);
   }
   if (arrived > counted && counted > 1) {
     fail_mark(replica, param,
@@ -509,15 +507,11 @@ Engine::Settled Engine::finish(const std::vector<uintptr_t>& streams) {
   }
   reset_iteration_locked();
   if (!err.empty()) {
-    partial_kind_.store(kFailed);
-    partial_.store(true);
+    mark_failed(kFailed);
     throw ReduceError(err);
   }
   for (int r = 0; r < num_replicas_; ++r) reduced_copy_[r].store(1);
-  // A synced backward resolves no_sync()'s accumulation; a failed or late
-  // one stays refused until zero_grad() (what abort() and the errors say).
-  const int kind = partial_kind_.load();
-  if (kind != kFailed && kind != kLate) partial_.store(false);
+  partial_.store(false);  // (a failed or late backward's failed_ stays)
   return out;
 }
 
@@ -527,8 +521,7 @@ void Engine::abort() {
   std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
   done_cv_.wait(lk, [&] { return !busy_; });
   reset_iteration_locked();
-  partial_kind_.store(kFailed);
-  partial_.store(true);
+  mark_failed(kFailed);
   // Reductions launched before the failure may still be running on the GPU:
   // the compute streams wait for them before anything reuses the buckets.
   backend_->fence();
@@ -586,7 +579,16 @@ void Engine::clear_grads(bool set_to_none) {
   for (int r = 0; r < num_replicas_; ++r) reduced_copy_[r].store(0);
   partial_kind_.store(0);
   partial_.store(false);
+  failed_.store(0);
 }
+
+void Engine::mark_failed(int kind) {
+  // Sticky until zero_grad() (or clear_failed(): the caller saw every
+  // gradient cleared): later no_sync() or forward events keep their own kind.
+  failed_.store(kind);
+}
+
+void Engine::clear_failed() { failed_.store(0); }
 
 void Engine::note_grad(int param, bool has_grad) {
   PYDDP_ENFORCE(param >= 0 && param < num_params(), "parameter ", param, " out of range [0, ",
@@ -642,7 +644,8 @@ bool Engine::take_reduced_copy(int replica) {
 }
 
 std::string Engine::partial_reason() const {
-  switch (partial_kind_.load()) {
+  const int failed = failed_.load();
+  switch (failed ? failed : partial_kind_.load()) {
     case kNoSync:
       return "gradients accumulated under no_sync() were never reduced: run the last backward of "
              "the accumulation outside no_sync() before step()";
@@ -685,8 +688,7 @@ void Engine::check() {
   try {
     backend_->check();
   } catch (const ReduceError&) {
-    partial_kind_.store(kFailed);
-    partial_.store(true);
+    mark_failed(kFailed);
     throw;
   }
 }

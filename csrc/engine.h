@@ -138,7 +138,10 @@ class Engine {
   void restore_reduced_copy(int replica, bool held);
   // Replicas hold gradients that were not reduced yet (no_sync accumulation,
   // cleared copies, or a failed backward): stepping now would diverge replicas.
-  bool partial() const { return partial_.load(); }
+  bool partial() const { return partial_.load() || failed_.load() != 0; }
+  // A failed or late backward's refusal, kept until zero_grad().
+  bool failed() const { return failed_.load() != 0; }
+  void clear_failed();
   std::string partial_reason() const;
 
   void inject_fault(int bucket, std::string message);
@@ -234,6 +237,8 @@ class Engine {
   std::atomic<bool> active_{false};
   std::atomic<bool> partial_{false};
   std::atomic<int> partial_kind_{0};
+  std::atomic<int> failed_{0};  // kFailed or kLate until zero_grad() (partial_ is per iteration)
+  void mark_failed(int kind);
   std::atomic<int64_t> first_ready_ns_{0};
   std::atomic<int64_t> forward_end_ns_{0};
   std::atomic<bool> timeline_{false};

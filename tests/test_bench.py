@@ -112,6 +112,7 @@ def test_allreduce_replicas_beyond_devices_is_a_usage_error(capsys):
         (["overlap", "--depth", "-1"], "--depth: must be >= 1"),
         (["overlap", "--batch", "1"], "--batch 1: at least one row per replica (2 --devices)"),
         (["overlap", "--caps", "1,-1"], "--caps 1,-1: bucket caps in MiB, each > 0"),
+        (["overlap", "--caps", "inf"], "--caps inf: bucket caps in MiB, each > 0"),
         (["overlap", "--out", "{file}/sub"], "cannot make the folder"),
     ],
 )

@@ -209,10 +209,39 @@ def test_gradsync_refuses_a_step_after_which_the_replicas_would_differ(how):
         replicas[1][0].weight.grad = replicas[1][0].weight.grad * 0.5
     with pytest.raises(RuntimeError, match="call zero_grad|replaced .*after finish"):
         sync.check_step()
+    if how != "replaced on 1":  # refused until zero_grad(): another window, no_sync() in it
+        with sync.no_sync():
+            backward(0), backward(1)
+        backward(0), backward(1)
+        sync.finish()
+        with pytest.raises(RuntimeError, match="call zero_grad"):
+            sync.check_step()
     sync.zero_grad()
     backward(0), backward(1)
     sync.finish()
     sync.check_step()  # after zero_grad(), a whole step again
+    sync.close()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradsync_steps_again_after_an_abort_cleared_by_torchs_zero_grad(set_to_none):
+    # torch's own zero_grad over every replica (embedding.md: it works) does
+    # what GradSync.zero_grad() asks after an abort: the next step is whole.
+    replicas, x = _two_replicas()
+    sync = pyddp.GradSync(replicas, op="avg")
+    replicas[0](x[0]).square().mean().backward()
+    sync.abort()
+    for m in replicas:
+        m.zero_grad(set_to_none=set_to_none)
+    for r in (0, 1):
+        replicas[r](x[r]).square().mean().backward()
+    sync.finish()
+    sync.check_step()
+    ref, _ = _two_replicas()
+    for r in (0, 1):
+        (ref[0](x[r]).square().mean() / 2).backward()
+    for p, q in zip(replicas[1].parameters(), ref[0].parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5)
     sync.close()
 
 

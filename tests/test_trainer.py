@@ -865,3 +865,28 @@ def test_data_that_makes_no_batch_is_refused_before_training():
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=None)
     with pytest.raises(ValueError, match="batch_size=None yields single samples"):
         trainer(max_epochs=1, batch_size=4).fit(loader)
+
+
+def test_a_run_resumed_at_an_epochs_end_steps_its_epoch_scheduler_without_torchs_warning(tmp_path):
+    # The resumed process steps the epoch's scheduler before any optimizer
+    # step of its own (in order: the checkpoint holds the epoch's steps), and
+    # torch warned that the schedule's first value would be skipped.
+    x, y = data(64)
+
+    def run(out, **limits):
+        t = pyddp.Trainer(
+            model(), ["cpu", "cpu"], optimizer=SGD, loss_fn=F.cross_entropy,
+            scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
+            config=pyddp.TrainConfig(batch_size=16, scheduler_interval="epoch", progress=False,
+                                     output_dir=str(out), **limits),
+        )  # fmt: skip
+        with t:
+            t.fit((x, y))
+            return [p.detach().clone() for p in t.model.module.parameters()], t.state.history
+
+    whole = run(tmp_path / "a", max_epochs=2)
+    run(tmp_path / "b", max_epochs=None, max_steps=4)  # one epoch's 4 steps, then a stop
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        resumed = run(tmp_path / "b", max_epochs=2)
+    assert all(torch.equal(a, b) for a, b in zip(whole[0], resumed[0]))

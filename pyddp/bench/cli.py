@@ -212,7 +212,7 @@ def _check_overlap(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         caps = [float(c) for c in args.caps.split(",")]
     except ValueError:
         caps = []
-    if not caps or any(not c > 0 for c in caps):
+    if not caps or any(not 0 < c < float("inf") for c in caps):
         parser.error(f"overlap --caps {args.caps}: bucket caps in MiB, each > 0, comma separated")
     if args.batch < len(args.devices):
         parser.error(f"overlap --batch {args.batch}: at least one row per replica "

@@ -3,7 +3,8 @@ own finish: the parameters some replica produced no gradient for, settled
 before the last buckets launch, and the gradients made final once every
 reduction (and the link's agreement) returned: None where no process had
 one, scaled to the average the caller asked for, the reduced blocks kept
-under shard='gradients'."""
+under shard='gradients'; and after a failed one, whether its gradients
+were cleared since."""
 
 from __future__ import annotations
 
@@ -116,3 +117,13 @@ def final_gradients(
         order.fence_all()  # the copies out read the reductions' results
         layout.scattered.release_all()
         layout.scattered.after_backward(engine.has_grad)
+
+
+def gradients_cleared(layout: BucketLayout) -> bool:
+    """Whether no replica holds a gradient: every one None, or every bucket
+    zero. After a failed backward, torch's own zero_grad (or optimizers that
+    each own part of the model) did what zero_grad() asks: its refusal lifts."""
+    if not any(layout.any_gradient(r) for r in range(len(layout.params))):
+        return True
+    flats = [f for fs in layout.flat for f in fs if f is not None]
+    return layout.scattered is None and not any(bool(f.any()) for f in flats)

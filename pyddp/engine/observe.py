@@ -84,7 +84,7 @@ class ReadyTimes:
     names: List[str]
     bytes: List[int]  # each parameter's gradient size
     dtypes: List[str]  # "float32", ...
-    ready_s: List[float]  # seconds after the end of forward
+    ready_s: List[float]  # seconds after the end of forward (GradSync: the first gradient)
     backward_s: float  # end of forward -> autograd done
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from ..errors import ProcessGroupError, ReduceError
 from ..runtime.libraries import make_backend
 from . import params as checked
-from .ending import final_gradients, raised_at_finish, settle_unmarked
+from .ending import final_gradients, gradients_cleared, raised_at_finish, settle_unmarked
 from .faces import GradientShards
 from .hooks import arm_began, install_hooks
 from .observe import GpuClock, Observer
@@ -151,18 +151,18 @@ class Reducer:
 
     # ------------------------------------------------------------- iteration
     def prepare(self, replica: int) -> None:
-        """Called before replica `replica` accumulates again (its forward pre-hook
-        does it): after a reduction every replica holds the same sum, so replicas
-        other than 0 clear their copy, keeping sum-over-replicas exact."""
+        """Before replica `replica` accumulates again (its forward pre-hook): after a
+        reduction every replica holds the same sum, so replicas but 0 clear theirs."""
         if self._engine is None:
             return
         self._check_open()
         captured = self._capture.at_prepare(self, replica)  # raises what it cannot hold
-        # Backward runs on the stream its forward runs on: this one. It and the
-        # zeroing below come after the last reduction of these buckets.
+        # Backward and the zeroing below run on this stream, after the reductions.
         self._order.use_current(self._engine, replica, captured)
         if self._layout.hot is not None:  # C++ hooks on the accumulators there are now
             self._layout.hot.refresh(replica)
+        if self._engine.failed and gradients_cleared(self._layout):
+            self._engine.clear_failed()  # torch's zero_grad, or one per part of the model
         self._follow_resets()
         self._clear_reduced_copy(replica)
 

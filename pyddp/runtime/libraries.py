@@ -198,7 +198,7 @@ def hot() -> Optional[Any]:
 @functools.cache
 def _load_hot(enabled: bool) -> tuple:
     if not enabled:
-        return None, f"switched off ({HOT_ENV}=0): Python gradient hooks and bucket launches"
+        return None, f"switched off ({HOT_ENV}): Python gradient hooks and bucket launches"
     try:
         record = importlib.import_module("pyddp._hot_build")
     except ImportError:

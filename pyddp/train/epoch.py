@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Protocol
 
@@ -85,7 +86,12 @@ class EpochLoop:
         state.epoch += 1
         state.batch_in_epoch = 0
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
-            self.scheduler.step()
+            with warnings.catch_warnings():
+                # A run resumed at an epoch's end steps no optimizer in this
+                # process before the epoch's scheduler step: in order, said not.
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step",
+                                        UserWarning)  # fmt: skip
+                self.scheduler.step()
         self._emit("on_epoch_end", {"epoch": state.epoch, "step": state.step})
         self._boundary(
             valid_data,
