@@ -219,6 +219,37 @@ def test_a_reset_of_the_optimizer_state_reaches_every_replica(how, run_replicas,
     same_replicas(dm)
 
 
+@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("run_replicas", ["threads", "in_turn"])
+def test_gradients_assigned_before_any_backward_are_every_replicas(run_replicas, shard):
+    # torch.distributed.checkpoint's get_optimizer_state_dict on a fresh
+    # optimizer assigns zero gradients and steps once (lr 0) to make its
+    # state: replica 1 stepped without them (threads: 0.012 apart, Adam's
+    # step counts one apart; shard=True then failed to gather its state).
+    torch.manual_seed(0)
+    model = Net(norm=False)
+    model.drop.p = 0.0
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"], run_replicas=run_replicas)
+    opt = dm.optimizer(torch.optim.Adam, lr=0.05, shard=shard)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 0.1)
+        o.step()
+        o.zero_grad()
+    assert opt.state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
+    for x, y in data(3):
+        F.cross_entropy(dm(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    same_replicas(dm)
+
+
 def test_a_sharded_optimizer_state_replaced_by_one_holding_state_is_refused():
     model, _, dm = wrapped_with_reference()
     opt = dm.optimizer(torch.optim.Adam, lr=0.05, shard=True)

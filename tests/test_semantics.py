@@ -649,3 +649,48 @@ def test_an_input_cut_is_not_held_after_a_forward_without_backward():
     gc.collect()
     assert held() is None
     dm.close()
+
+
+def test_state_dicts_round_trip_through_a_parent_module_and_distributed_checkpoint():
+    # A module holding the wrapper saved `net.0.weight` but its load looked
+    # for `net.module.0.weight` (strict=False loaded nothing, silently);
+    # torch.distributed.checkpoint's get_model_state_dict raised "no
+    # attribute '0'" walking the wrapper's keys.
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    parent = nn.Module()
+    parent.net = pyddp.wrap(model, ["cpu", "cpu"])
+    saved = {k: v.clone() for k, v in parent.state_dict().items()}
+    assert sorted(saved) == sorted(f"net.{k}" for k in model.state_dict())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    assert parent.load_state_dict(saved, strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    dm = parent.net
+    opt = dm.optimizer(torch.optim.Adam, lr=0.1)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    for m, o in ((dm, opt), (ref, ref_opt)):
+        F.mse_loss(m(x), y).backward()
+        o.step()
+        o.zero_grad()
+    assert dcp.get_model_state_dict(dm).keys() == ref.state_dict().keys()
+    # DCP names the optimizer's parameters through named_parameters(), which
+    # holds `module.` as torch DDP's does; DCP strips it for torch DDP alone.
+    assert sorted(dcp.get_optimizer_state_dict(dm, opt)["state"]) == [
+        f"module.{k}" for k in sorted(ref.state_dict())
+    ]
+    # (a copy: loaded as is, the two optimizers would share their state tensors)
+    dcp.set_optimizer_state_dict(dm, opt, copy.deepcopy(dcp.get_optimizer_state_dict(ref, ref_opt)))
+    dcp.set_model_state_dict(dm, ref.state_dict())
+    for m, o in ((dm, opt), (ref, ref_opt)):
+        F.mse_loss(m(x), y).backward()
+        o.step()
+    for r in dm.replicas:
+        for p, q in zip(r.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    dm.close()

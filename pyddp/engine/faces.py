@@ -223,6 +223,20 @@ class GradientShards:
                 "through dmodel(...)"
             )
         r.check_step()
+        self._follow_unreduced()
+
+    def _follow_unreduced(self) -> None:
+        """Gradients replica 0 holds that no backward reduced since the last
+        zero_grad() (assigned: DCP's get_optimizer_state_dict steps a fresh
+        optimizer once on zeros to make its state) are every replica's: the
+        others stepped without them, their state and values apart."""
+        r, layout = self._r, self._r._layout
+        if r._engine is None or layout.scattered is not None or layout._versions is not None:
+            return  # (shard="gradients": the step reads the reduced blocks alone)
+        for i, p in enumerate(layout.params[0]):
+            g = p.grad
+            for params in layout.params[1:]:
+                params[i].grad = None if g is None else g.detach().to(params[i].device, copy=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """A backward left open is dropped first (wrap's, where no finish() or

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
+from torch import nn
+
 from ..engine.options import WRAP_OPTIONS, Options
 
 # DDP's flags that ask for what pyddp always does: accepted, no effect.
@@ -89,3 +91,26 @@ def wrap_options(kwargs: Mapping[str, Any], where: str, placed: bool = True) -> 
             )
     Options.for_wrap(options)  # values checked here
     return options
+
+
+class StateDictKeys:
+    """The wrapper's state dict holds the model's own keys (torch DDP's adds
+    `module.`). Also where a module holding the wrapper loads its own state
+    dict (torch recurses into the wrapper's `module` child under that
+    prefix) and where torch.distributed.checkpoint walks those keys back to
+    the module (its _fqn_modifiers hook: DCP skips DDP's prefix alike)."""
+
+    module: nn.Module
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """The wrapped model's state dict (replica 0; keys without a prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+        inner = prefix + "module."  # keys a parent saved through state_dict() above
+        for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+            state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[misc]
+
+    def _fqn_modifiers(self) -> Dict[str, str]:
+        return {name: "module" for name in self.module._modules}

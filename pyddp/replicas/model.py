@@ -25,7 +25,7 @@ from ..runtime.compiled import EagerUnderDynamo
 from ..runtime.devices import DeviceLike, parse_devices, process_devices
 from ..runtime.libraries import timeout_s
 from ..runtime.torchrun import refuse_training_alone
-from .ddp_args import wrap_options
+from .ddp_args import StateDictKeys, wrap_options
 from .mirror import ReplicaMirror, planned_as_trainable, replica_copies
 from .scatter import batch_size
 from .staged import StagedBuffers
@@ -36,7 +36,7 @@ from .watch import OneReplicaWatch
 from .workers import ReplicaWorkers
 
 
-class DistributedModel(nn.Module, Joining, ReplicaSteps):
+class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
     """A model replicated over `devices`; see `pyddp.wrap`."""
 
     def __init__(
@@ -286,10 +286,6 @@ class DistributedModel(nn.Module, Joining, ReplicaSteps):
         for m in self._replicas[1:]:
             m.train(mode)
         return self
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        """The wrapped model's state dict (replica 0; keys without a prefix)."""
-        return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(
         self, state_dict: Dict[str, Any], strict: bool = True, assign: bool = False
