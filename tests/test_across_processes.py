@@ -39,6 +39,17 @@ def collectives(out: dict) -> None:
     ts = [torch.full((3,), 2.0 * rank + 1), torch.full((3,), 2.0 * rank + 2)]
     pyddp.all_reduce(ts, op="avg")
     out["avg"] = ts[0].tolist()
+    # Ranks that disagree: gloo aborted the process (shape), or rank 1
+    # returned a sum while rank 0's count exchange paired with its next call.
+    for name, op, shape in (("op", ["avg", "sum"], [3, 3]), ("shape", ["sum"] * 2, [3, 4])):
+        try:
+            pyddp.all_reduce([torch.ones(shape[rank])], op=op[rank])
+            out[f"{name} mismatch"] = None
+        except ValueError as e:
+            out[f"{name} mismatch"] = str(e)
+    ts = [torch.full((2,), rank + 1.0)]
+    pyddp.all_reduce(ts, op="avg")  # the group stays usable
+    out["after mismatch"] = ts[0].tolist()
 
 
 def mismatch(out: dict) -> None:
@@ -364,6 +375,9 @@ def test_all_reduce_across_processes(basics):
             r["sum"] == [1.0 + 2.0 + 3.0 + 4.0] * 3
         )  # 2 tensors per rank, rank r fills 2r+1, 2r+2
         assert r["avg"] == [2.5] * 3
+        assert "rank 0: op avg, 3 elements, float32; rank 1: op sum" in r["op mismatch"]
+        assert "rank 1: op sum, 4 elements, float32" in r["shape mismatch"]
+        assert r["after mismatch"] == [1.5] * 2
 
 
 def test_two_nodes_on_localhost_through_the_c10d_rendezvous(tmp_path):

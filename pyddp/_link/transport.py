@@ -419,9 +419,26 @@ def _into_bucket(flat: torch.Tensor, future: Any) -> torch.Tensor:
 def all_reduce_blocking(tensor: torch.Tensor, count: int, op: str, group: Any) -> None:
     """`pyddp.all_reduce` across processes: `tensor` holds this process's sum
     of `count` tensors; afterwards it holds the sum over every process, or
-    with op "avg" the mean over every process's tensors. Blocks."""
+    with op "avg" the mean over every process's tensors. Blocks. The ranks'
+    calls are compared first (one small all-gather, which also carries the
+    counts): other ops, shapes or dtypes raise on every rank, where gloo
+    aborted the process or an "avg" paired its count with another call."""
+    kind = (op == "avg", tensor.numel(), _CODES.get(tensor.dtype, -1), hash(tuple(tensor.shape)))
+    mine = torch.tensor([count, *kind], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    rows = [e.tolist() for e in every]
+    if any(r[1:] != rows[0][1:] for r in rows):
+        told = "; ".join(f"rank {i}: op {'avg' if r[1] else 'sum'}, {r[2]} elements, "
+                         f"{_NAMES.get(r[3], '?')}" for i, r in enumerate(rows))  # fmt: skip
+        raise ValueError(
+            f"pyddp.all_reduce: the ranks passed different ops, shapes or dtypes ({told}); "
+            "every rank must pass tensors of one shape and dtype, with one op"
+        )
     dist.all_reduce(tensor, group=group)
     if op == "avg":
-        total = torch.tensor([float(count)], dtype=torch.float64)
-        dist.all_reduce(total, group=group)
-        tensor.div_(total.item())
+        tensor.div_(sum(r[0] for r in rows))
+
+
+_CODES = {t: i for i, t in enumerate((torch.float32, torch.float64, torch.float16, torch.bfloat16))}
+_NAMES = {i: str(t).replace("torch.", "") for t, i in _CODES.items()}
