@@ -198,22 +198,36 @@ def test_a_reset_of_the_optimizer_state_reaches_every_replica(how, run_replicas,
     # The user's optimizer is replica 0's: the others stepped from their old
     # state (threads: 0.05 apart after 5 steps), and a sharded one's
     # opt.state was an empty dict, so a reset changed nothing.
+    model, ref, dm, opt, ref_opt = _adam_against_one_device(run_replicas, shard)
+    _train_both(dm, ref, opt, ref_opt, data(8)[:4])
+    _reset(opt, how)
+    _reset(ref_opt, how)
+    _train_both(dm, ref, opt, ref_opt, data(8)[4:])
+    _same_as_one_device(model, ref, dm)
+
+
+def _adam_against_one_device(run_replicas, shard):
+    """Net without dropout on 2 CPU replicas and a copy on one device, each
+    with Adam (lr 0.05): model, ref, dm, opt, ref_opt."""
     torch.manual_seed(0)
     model = Net(norm=False)
     model.drop.p = 0.0
     ref = copy.deepcopy(model)
     dm = pyddp.wrap(model, ["cpu", "cpu"], run_replicas=run_replicas)
     opt = dm.optimizer(torch.optim.Adam, lr=0.05, shard=shard)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
-    for k, (x, y) in enumerate(data(8)):
-        if k == 4:
-            _reset(opt, how)
-            _reset(ref_opt, how)
+    return model, ref, dm, opt, torch.optim.Adam(ref.parameters(), lr=0.05)
+
+
+def _train_both(dm, ref, opt, ref_opt, batches):
+    for x, y in batches:
         F.cross_entropy(dm(x), y).backward()
         F.cross_entropy(ref(x), y).backward()
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
+
+
+def _same_as_one_device(model, ref, dm):
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     same_replicas(dm)
@@ -226,28 +240,15 @@ def test_gradients_assigned_before_any_backward_are_every_replicas(run_replicas,
     # optimizer assigns zero gradients and steps once (lr 0) to make its
     # state: replica 1 stepped without them (threads: 0.012 apart, Adam's
     # step counts one apart; shard=True then failed to gather its state).
-    torch.manual_seed(0)
-    model = Net(norm=False)
-    model.drop.p = 0.0
-    ref = copy.deepcopy(model)
-    dm = pyddp.wrap(model, ["cpu", "cpu"], run_replicas=run_replicas)
-    opt = dm.optimizer(torch.optim.Adam, lr=0.05, shard=shard)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    model, ref, dm, opt, ref_opt = _adam_against_one_device(run_replicas, shard)
     for m, o in ((model, opt), (ref, ref_opt)):
         for p in m.parameters():
             p.grad = torch.full_like(p, 0.1)
         o.step()
         o.zero_grad()
     assert opt.state_dict()["state"].keys() == ref_opt.state_dict()["state"].keys()
-    for x, y in data(3):
-        F.cross_entropy(dm(x), y).backward()
-        F.cross_entropy(ref(x), y).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    same_replicas(dm)
+    _train_both(dm, ref, opt, ref_opt, data(3))
+    _same_as_one_device(model, ref, dm)
 
 
 def test_a_sharded_optimizer_state_replaced_by_one_holding_state_is_refused():
