@@ -389,10 +389,9 @@ class BucketLayout:
 
     def _follow_assigned(self) -> None:
         """Gradients assigned on replica 0 since finish() (`p.grad = p.grad
-        * 0.5`, a clamp, a projection): copied into its bucket view, which
-        becomes its gradient again, so the version check below carries the
-        values to the other replicas. A gradient set to None: None on every
-        replica (the optimizer skips the parameter, as on one device)."""
+        * 0.5`, a clamp; to a parameter backward left without one): copied
+        into its bucket view, every replica's gradient (the version check
+        below carries the values). Set to None: None on every replica."""
         for i, (p, view) in enumerate(zip(self.params[0], self.views[0])):
             g = p.grad
             if g is view:
@@ -409,7 +408,8 @@ class BucketLayout:
             self._before_host_write(0)
             with torch.no_grad():
                 view.copy_(g)
-            p.grad = view
+            for params, views in zip(self.params, self.views):
+                params[i].grad = views[i]
 
     def mark_reduced(self) -> None:
         """At the end of finish(): the buffers' versions, for align()."""

@@ -229,10 +229,14 @@ class GradientShards:
         """Gradients replica 0 holds that no backward reduced since the last
         zero_grad() (assigned: DCP's get_optimizer_state_dict steps a fresh
         optimizer once on zeros to make its state) are every replica's: the
-        others stepped without them, their state and values apart."""
+        others stepped without them, their state and values apart. Under
+        shard="gradients" they go into the blocks (Scattered.take_assigned)."""
         r, layout = self._r, self._r._layout
-        if r._engine is None or layout.scattered is not None or layout._versions is not None:
-            return  # (shard="gradients": the step reads the reduced blocks alone)
+        if r._engine is None or layout._versions is not None:
+            return
+        if layout.scattered is not None:  # the step reads the blocks alone
+            layout.scattered.take_assigned()
+            return
         for i, p in enumerate(layout.params[0]):
             g = p.grad
             for params in layout.params[1:]:

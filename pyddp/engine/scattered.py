@@ -264,6 +264,42 @@ class Scattered:
                     if lo < hi:
                         blocks[b][lo - base : hi - base].zero_()
 
+    def take_assigned(self) -> None:
+        """At the step, after reconcile: a gradient assigned on replica 0 to
+        a parameter the blocks hold none for (before any backward since
+        zero_grad(): torch.distributed.checkpoint's get_optimizer_state_dict
+        steps a fresh optimizer once on zeros to make its state; or to one
+        the backward left without a gradient) is what one device steps on:
+        it is copied into every replica's blocks and the parameter steps as
+        one reduced (its placeholder set after the step, so a next backward
+        adds to it, as on one device)."""
+        params, views = self.layout.params[0], self.layout.views[0]
+        taken = [
+            i
+            for i, p in enumerate(params)
+            if not self.present[i] and p.grad is not None and p.grad is not views[i]
+        ]
+        if not taken:
+            return
+        with torch.no_grad():
+            for r, blocks in enumerate(self.blocks):
+                if self.fresh[r]:  # values from before the last reset
+                    for t in blocks:
+                        t.zero_()
+                    self.fresh[r] = False
+            for i in taken:
+                grad = params[i].grad.detach().reshape(-1)
+                b, n = self.bucket_of[i], grad.numel()
+                for r, blocks in enumerate(self.blocks):
+                    base = self.rank_of[r] * self.block[b]
+                    lo = max(self.offset[i], base)
+                    hi = min(self.offset[i] + n, base + self.block[b])
+                    if lo < hi:
+                        src = grad[lo - self.offset[i] : hi - self.offset[i]]
+                        blocks[b][lo - base : hi - base].copy_(src)
+                self.present[i] = True
+                params[i].grad = None
+
     def piece(self, r: int, i: int, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of parameter i's reduced gradient, which lie in
         replica r's block of its bucket."""
