@@ -8,6 +8,7 @@ replica 0's: tests/test_replicas_follow.py.)"""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import List
 
 import pytest
@@ -218,6 +219,11 @@ class _Sends:
 
     def __init__(self, rank: int, values: List[torch.Tensor]):
         self.rank, self.values, self.sent = rank, values, None
+        self.joining = SimpleNamespace(step=None, staged_from=None)  # no Join
+
+    def under_join(self, source: int, resend: bool = False) -> _Sends:
+        self.joining.step = SimpleNamespace(source=source, resend=resend)
+        return self
 
     def broadcast(self, tensors, what):
         self.sent = [t.clone() for t in tensors]
@@ -248,25 +254,34 @@ def test_staged_buffers_go_into_what_this_rank_left_alone():
         (lambda m: m.double(), "received"),
         (lambda m: m.train()(torch.randn(4, 3)), "own mean"),
     ):
-        m, staged = model(), StagedBuffers(gpus=False)
-        staged.receive(_Sends(1, sent), m, source=0)
+        m, staged, link = model(), StagedBuffers(gpus=False), _Sends(1, sent)
+        staged.receive(link, m)
         assert torch.equal(m.running_mean, torch.zeros(3)), "receive changes no buffer"
         if change is not None:
             change(m)
         mean = m.running_mean.clone()
-        staged.put_in(0, 1)
+        staged.put_in(link, m)
         if expect == "received":
             got = [b.float() for b in m.buffers()]
             assert [torch.equal(a, b.float()) for a, b in zip(got, sent)] == [True] * 4, change
         else:
             assert torch.equal(m.running_mean, mean), "written in between: kept"
-        staged.put_in(0, 1)  # once only
-    m, staged = model(), StagedBuffers(gpus=False)
-    staged.receive(_Sends(1, sent), m, source=0)
-    staged.put_in(1, 1)  # under Join: rank 1 is the highest rank with inputs now
+        staged.put_in(link, m)  # once only
+    m, staged, link = model(), StagedBuffers(gpus=False), _Sends(1, sent)
+    staged.receive(link, m)
+    staged.put_in(link.under_join(1), m)  # under Join: rank 1 is the highest rank with inputs now
     assert torch.equal(m.running_mean, torch.zeros(3)), "the sender at the forward keeps its own"
+    # Under Join, the sender at the backward (rank 0) joined since and rank 2
+    # sends at the forward: rank 1 takes rank 2's buffers of now.
+    m, staged, link = model(), StagedBuffers(gpus=False), _Sends(1, sent)
+    staged.receive(link, m)
+    assert link.joining.staged_from == 0
+    m.running_mean.add_(1)
+    link.values = [torch.full((3,), -1.0), torch.full((3,), -2.0), torch.tensor(3), torch.ones(2)]
+    staged.put_in(link.under_join(2, resend=True), m)
+    assert [torch.equal(a, b) for a, b in zip(m.buffers(), link.values)] == [True] * 4
     m, staged, link = model(), StagedBuffers(gpus=False), _Sends(0, sent)
-    staged.receive(link, m, source=0)
+    staged.receive(link, m)
     assert [torch.equal(a, b) for a, b in zip(link.sent, m.buffers())] == [True] * 3 + [False]
-    staged.put_in(0, 0)
+    staged.put_in(link, m)
     assert torch.equal(m.running_mean, torch.zeros(3)), "the sender holds nothing"

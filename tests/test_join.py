@@ -260,8 +260,13 @@ def joined_uneven_inputs(out: dict) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "counts",
-    ["2,4", "3,0,2", "4,2,3"],
-    ids=["rank0-runs-out-first", "3-ranks-one-with-no-batch", "3-ranks-the-middle-one-last"],
+    ["2,4", "3,0,2", "4,2,3", "4,3,2"],
+    ids=[
+        "rank0-runs-out-first",
+        "3-ranks-one-with-no-batch",
+        "3-ranks-the-middle-one-last",
+        "3-ranks-the-sender-joins-first",
+    ],
 )
 def test_join_shadows_uneven_inputs_as_torch_ddp_and_the_closed_form(tmp_path, counts):
     """dmodel.join() with a different number of batches per rank

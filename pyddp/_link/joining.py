@@ -69,6 +69,10 @@ class JoinStep:
     # Not a forward: a step of the sharded optimizer at this place among
     # dmodel.optimizer's (the joined ranks step their shards too).
     optimizer: Optional[int] = None
+    # The buffers sent at the last synced backward came from another rank
+    # than `source` (it joined since): `source` sends its own before this
+    # forward, as DDP's does, and every rank takes them.
+    resend: bool = False
 
     @property
     def source(self) -> int:
@@ -151,6 +155,9 @@ class Joining:
         # with inputs (the wrapped model's announcement: an iteration of
         # its own for the joined ranks).
         self.before_sharded_step: Optional[Callable[[Any], None]] = None
+        # The rank whose buffers every rank received at the last synced
+        # backward, until the next forward under Join (replicas/staged.py).
+        self.staged_from: Optional[int] = None
 
     def enter(
         self, divide_by_active: bool, before_sharded_step: Optional[Callable[[Any], None]] = None
@@ -220,6 +227,9 @@ class ProcessJoining(Joining):
             self.step = decode(sums, self.peers.ranks)
         except ValueError as e:
             self.failure.fail(str(e), census=False)
+        if self.step.optimizer is None:  # a forward: its buffers come from `source`
+            self.step.resend = self.staged_from not in (None, self.step.source)
+            self.staged_from = None
         return self.step
 
     def leave(self) -> None:

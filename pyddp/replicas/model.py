@@ -411,8 +411,7 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
         """Before every forward: rank 0's buffers (BatchNorm statistics)
         if the last synced training backward received them (staged.py),
         then replica 0's to this process's others, if broadcast_buffers."""
-        step = self._join.step  # under Join (set by this forward): the rank DDP would send
-        self._staged.put_in(0 if step is None else step.source, self._link.rank)
+        self._staged.put_in(self._link, self.module)
         if self.broadcast_buffers and len(self._replicas) > 1:
             self._copy_buffers()
 

@@ -16,7 +16,9 @@ its statistics without moving theirs. A buffer replaced by a new tensor in
 between (`model.double()`, an assignment) gets them, as DDP's re-collected
 buffers would. Under Join, DDP sends the highest rank with inputs at the
 next forward: if that rank is this one and another sent at the end of the
-backward, this rank keeps its own."""
+backward, this rank keeps its own; if it is yet another (the one that sent
+joined since), every rank takes that rank's buffers at that forward, the
+ranks that joined too (their join hook shadows it: JoinStep.resend)."""
 
 from __future__ import annotations
 
@@ -58,9 +60,12 @@ class StagedBuffers:
         self._own: Optional[List[torch.Tensor]] = None
         self._received: List[torch.Tensor] = []
 
-    def receive(self, link: Any, model: nn.Module, source: int) -> None:
-        """Rank `source`'s values of `model`'s buffers, held for put_in
-        with this rank's own values now; the buffers are left as they are."""
+    def receive(self, link: Any, model: nn.Module) -> None:
+        """Rank 0's values of `model`'s buffers (under Join, the highest
+        rank with inputs'), held for put_in with this rank's own values
+        now; the buffers are left as they are."""
+        step = link.joining.step
+        source = link.joining.staged_from = 0 if step is None else step.source
         slots = [(m._buffers, n) for m in model.modules() for n, b in m._buffers.items()
                  if b is not None]  # fmt: skip
         live = [d[n].detach() for d, n in slots]
@@ -73,15 +78,20 @@ class StagedBuffers:
         link.broadcast(received, BUFFERS_BROADCAST)
         self._slots, self._own, self._received = slots, own, received
 
-    def put_in(self, source: int, rank: int) -> None:
-        """Writes what receive() held into the buffers still holding this
-        rank's values of then, once (`source`: whose values DDP would send
-        now; `rank`: this rank's place in the group)."""
+    def put_in(self, link: Any, model: nn.Module) -> None:
+        """Before a forward: writes what receive() held into the buffers
+        still holding this rank's values of then, once. Under Join, where
+        the rank DDP sends from now is another than the one that sent
+        (it joined since), that rank sends its buffers now instead."""
         own, received = self._own, self._received
+        self._own, self._received = None, []
+        step = link.joining.step  # under Join (set by this forward)
+        if step is not None and step.resend:
+            link.broadcast([b.detach() for b in model.buffers()], BUFFERS_BROADCAST)
+            return
         if own is None:
             return
-        self._own, self._received = None, []
-        if source == rank:
+        if (0 if step is None else step.source) == link.rank:
             return  # DDP's sender now (under Join, the highest rank with inputs) keeps its own
         with torch.no_grad():
             for (d, n), then, value in zip(self._slots, own, received):

@@ -424,8 +424,7 @@ class ReplicaSteps:
         (an evaluation may still run on some ranks only)."""
         if self._flags.buffers_due:
             self._flags.buffers_due = False
-            step = self._link.joining.step  # under Join: the highest rank with inputs sends
-            self._staged.receive(self._link, self.module, 0 if step is None else step.source)
+            self._staged.receive(self._link, self.module)  # (under Join: the highest with inputs)
 
 
 def _check_reduction(reduction: str) -> None:

@@ -307,10 +307,14 @@ class _ShadowHook(JoinHook):
         if step.optimizer is not None:
             self._shadow_step(step.optimizer, step.source)
             return
+        if step.resend:  # at the forward, as the ranks with inputs (staged.py)
+            m._link.broadcast(list(m.module.buffers()), BUFFERS_BROADCAST)
+            m._copy_buffers()
         if step.syncs:
             m._reducer.shadow_backward()
         if step.broadcasts:  # after the backward, as the ranks with inputs
             m._link.broadcast(list(m.module.buffers()), BUFFERS_BROADCAST)
+            m._link.joining.staged_from = step.source
             m._copy_buffers()
 
     def _shadow_step(self, place: int, source: int) -> None:
