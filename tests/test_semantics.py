@@ -2,6 +2,7 @@
 backward, buffers, clipping, schedulers, state dicts, eval, output structures,
 small batches, and the low-level GradSync API driven from user threads."""
 
+import contextlib
 import copy
 import dataclasses
 import threading
@@ -72,29 +73,64 @@ class _RowGated(nn.Module):
         return self.out(h)
 
 
-def test_a_layer_only_a_later_replica_used_under_no_sync_keeps_its_gradient():
+@pytest.mark.parametrize("reset", ["pyddp", "torch", "none"])
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_a_layer_only_a_later_replica_used_under_no_sync_keeps_its_gradient(reset, static_graph):
     # After zero_grad() (set_to_none) every replica's grads are None. A
     # micro-batch under no_sync() where only replica 1's rows use `rare`,
     # then a synced one where no replica uses it: replica 1's accumulated
     # gradient must be reduced, though replica 0's `rare` grads are None.
+    # It was dropped at the first window after wrap (no reset yet), after
+    # torch's own model.zero_grad(), and under static_graph (whose first
+    # backward sees every gradient as unmarked) even without no_sync().
     torch.manual_seed(0)
     model = _RowGated()
     ref = copy.deepcopy(model)
-    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    dm = pyddp.wrap(model, ["cpu", "cpu"], static_graph=static_graph)
     x1 = torch.randn(8, 4)
     x1[:4, 0] = -1.0  # replica 0's rows: no `rare`
     x1[4:, 0] = 1.0  # replica 1's: `rare`
     x2 = torch.randn(8, 4)
     x2[:, 0] = -1.0  # nobody's
-    for _ in range(2):  # the second time after zero_grad()
-        dm.zero_grad()
-        ref.zero_grad()
+    for _ in range(2):  # the second time after a reset
+        if reset != "none":
+            (dm if reset == "pyddp" else model).zero_grad()
+            ref.zero_grad()
         with dm.no_sync():
             (dm(x1).pow(2).mean() / 2).backward()
         (dm(x2).pow(2).mean() / 2).backward()
         (ref(torch.cat([x1, x2])).pow(2).mean()).backward()
         assert_grads_close(grads(dm.module), grads(ref))
         assert dm.module.rare.weight.grad is not None
+
+
+@pytest.mark.parametrize("shard", [False, "gradients"])
+def test_torchs_zero_grad_between_micro_batches_resets_every_replica(shard):
+    # torch's model.zero_grad() on the wrapped model (replica 0) inside a
+    # no_sync() accumulation: one device drops what was accumulated; the
+    # other replicas kept theirs and the synced backward reduced it in
+    # (0.25 off one device). Also a reset between a forward and its backward.
+    torch.manual_seed(0)
+    model = _RowGated()
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.5, shard=shard)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    xs = [torch.randn(8, 4) for _ in range(4)]
+    for k, x in enumerate(xs):
+        for m, user in ((dm, model), (ref, ref)):
+            with dm.no_sync() if m is dm and k < 3 else contextlib.nullcontext():
+                out = m(x)
+                if k == 2:  # between a forward and its backward
+                    user.zero_grad()
+                out.pow(2).mean().backward()
+            if k == 0:
+                user.zero_grad()
+    opt.step()
+    ref_opt.step()
+    for rep in dm.replicas:
+        for p, q in zip(rep.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
 
 
 def test_step_after_unreduced_no_sync_is_refused():

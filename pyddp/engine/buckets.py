@@ -14,6 +14,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .ending import Window
 from .scattered import Scattered
 
 
@@ -50,9 +51,11 @@ class BucketLayout:
         # multiple of the ranks, one block each.
         self.pad_to = 1
         self._adopted = 0  # gradients that arrived outside the buckets and were copied in
-        # Per replica and parameter: set to None by hand_over, not yet back.
-        # Bytearrays: the C++ hooks (pyddp._hot) read and clear them in place.
-        self._handed = [bytearray(n) for _ in params]
+        # Per replica and parameter: set to None by pyddp (hand_over; wrap: None
+        # is no reset of the user's), not yet back. Bytearrays: the C++ hooks
+        # (pyddp._hot) read and clear them in place.
+        self._handed = [bytearray(p.grad is None for p in ps) for ps in params]
+        self.window = Window()  # a no_sync() accumulation under way (ending.py)
         # The C++ hooks, if any (hooks.py): told the views after each layout.
         self.hot: Optional[Any] = None
         # Sharded gradients (scattered.py): blocks kept, buckets transient.
@@ -205,20 +208,9 @@ class BucketLayout:
             for i, p in enumerate(params):
                 p.grad = None
                 handed[i] = True
+        self.window.close()
         if self.scattered is not None:
             self.scattered.consume()
-
-    def no_gradient(self, i: int) -> bool:
-        """No replica holds a gradient for parameter i: replica 0's is None,
-        and no other replica accumulated one (under no_sync()) since
-        hand_over set them all to None. A later replica's copy of an earlier
-        reduction does not count: torch's own zero_grad on the model resets
-        replica 0's alone."""
-        if self.params[0][i].grad is not None:
-            return False
-        if self.scattered is not None and self.scattered.kept[i]:
-            return False  # kept in the blocks since the step (scattered.py)
-        return not (self._handed[0][i] and any(ps[i].grad is not None for ps in self.params[1:]))
 
     def adopt(self, p: torch.Tensor, view: torch.Tensor, r: int = 0, i: int = -1) -> None:
         """The gradient is not the bucket view (grad was None, or replaced by
@@ -308,13 +300,20 @@ class BucketLayout:
         for r, held in enumerate(copies):
             engine.restore_reduced_copy(r, held)
 
-    def zero(self, r: int) -> None:
+    def zero(self, r: int, copy_dropped: bool = False) -> None:
+        """Replica r's gradients read zero. `copy_dropped` (its copy of the last
+        reduction; replica 0 carries the sum): one the user reset on replica 0
+        since (torch's model.zero_grad()) is None here too, as after zero_grad()."""
         if self.scattered is not None:
             self.scattered.zero(r)
         for flat in self.flat[r]:
             if flat is not None:
                 flat.zero_()
         self._handed[r][:] = bytes(len(self._handed[r]))  # in place: the C++ hooks hold it
+        grads = map(operator.attrgetter("grad"), self.params[0]) if copy_dropped else ()
+        for i in [i for i, g in enumerate(grads) if g is None]:
+            self.params[r][i].grad = None
+            self._handed[r][i] = self._handed[0][i] = True
 
     def follow_resets(self, engine: Any) -> None:
         """Once per reduction, before any replica accumulates on it, where
@@ -340,10 +339,11 @@ class BucketLayout:
         `p.grad.zero_()` over the bucket), else copied to the others (each
         copy is the whole mean)."""
         for i, p in enumerate(self.params[0]):
-            if p.grad is None and not self._handed[0][i]:
+            if p.grad is None and not self._handed[0][i]:  # reset: as hand_over, for it
                 for r, views in enumerate(self.views):
                     self._before_host_write(r)
                     views[i].zero_()
+                    self.params[r][i].grad, self._handed[r][i] = None, True
         if self._versions is None:
             return
         now = [[f._version for f in flats] for flats in self.flat]

@@ -8,13 +8,16 @@ were cleared since."""
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
-from typing import Any, Sequence
+from itertools import repeat
+from typing import Any, List, Optional, Sequence
 
 from .._link import Link, WorkRecord
 from ..errors import ProcessGroupError
-from .buckets import BucketLayout
 from .streams import StreamOrder
+
+# `layout`: a BucketLayout (buckets.py), which holds a Window: not imported.
 
 
 def raised_at_finish(link: Link, e: Exception, synced: bool) -> BaseException:
@@ -38,7 +41,7 @@ def raised_at_finish(link: Link, e: Exception, synced: bool) -> BaseException:
 
 
 def settle_unmarked(
-    engine: Any, layout: BucketLayout, link: Link, work: WorkRecord, shadowing: bool
+    engine: Any, layout: Any, link: Link, work: WorkRecord, shadowing: bool
 ) -> None:
     """Parameters some replica produced no gradient for. A replica that
     produced none contributes its bucket slice as is (or zero, if its
@@ -49,6 +52,7 @@ def settle_unmarked(
     while the link agrees which have a gradient on no process at all
     (those return to None after the reductions). `shadowing`: this rank
     joined (torch's Join) and adds nothing to the agreement."""
+    layout.window.after_backward(layout, engine.sync_enabled)
     unmarked = engine.unmarked()
     if not unmarked:  # every replica produced every gradient (the steady state)
         if engine.sync_enabled:
@@ -56,7 +60,7 @@ def settle_unmarked(
         return
     replicas = len(layout.views)
     nowhere = {i for i, n in Counter(i for _, i in unmarked).items() if n == replicas}
-    none_here = {i for i in nowhere if layout.no_gradient(i)}
+    none_here = {i for i in nowhere if _no_gradient(layout, i)}
     for i in nowhere - none_here:  # set by hand, unused: kept (one device, torch DDP)
         engine.note_grad(i, True)
     if engine.sync_enabled:
@@ -73,9 +77,59 @@ def settle_unmarked(
         layout.take_in(r, i)
 
 
+def _no_gradient(layout: Any, i: int) -> bool:
+    """No replica holds a gradient for parameter i: replica 0's is None,
+    and no other replica accumulated one (under no_sync()) since pyddp set
+    them all to None (hand_over, a reset followed). A later replica's copy
+    of an earlier reduction does not count: torch's own zero_grad on the
+    model resets replica 0's alone."""
+    if layout.params[0][i].grad is not None:
+        return False
+    if layout.scattered is not None and layout.scattered.kept[i]:
+        return False  # kept in the blocks since the step (scattered.py)
+    others = any(ps[i].grad is not None for ps in layout.params[1:])
+    return not (layout._handed[0][i] and others)
+
+
+class Window:
+    """A gradient accumulation under no_sync() under way, from its first
+    backward to the synced one that reduces it (or a zero_grad()): which
+    of replica 0's gradients (the user's model) were held at the last
+    backward's end. One the user reset since (torch's model.zero_grad()
+    between micro-batches, or between a forward and its backward) is
+    reset on every replica before the next backward accumulates, as on
+    one device: the other replicas kept theirs."""
+
+    def __init__(self) -> None:
+        self._held: Optional[List[bool]] = None
+
+    def close(self) -> None:
+        self._held = None
+
+    def after_backward(self, layout: Any, synced: bool) -> None:
+        if synced:
+            self._held = None
+            return
+        grads = map(operator.attrgetter("grad"), layout.params[0])
+        self._held = list(map(operator.is_not, grads, repeat(None)))
+
+    def follow_resets(self, layout: Any) -> None:
+        """At the start of a backward: replica 0's gradients reset since
+        the last one's end, reset on every replica."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        for i, (had, p) in enumerate(zip(held, layout.params[0])):
+            if had and p.grad is None:
+                layout.zero_param(i)  # (slices read zero: clipping sums buckets)
+                layout.grads_to_none(i)
+                for r in range(len(layout.params)):
+                    layout.handed(r, i)
+
+
 def final_gradients(
     engine: Any,
-    layout: BucketLayout,
+    layout: Any,
     order: StreamOrder,
     synced: bool,
     no_grad: Sequence[int],
@@ -119,7 +173,7 @@ def final_gradients(
         layout.scattered.after_backward(engine.has_grad)
 
 
-def gradients_cleared(layout: BucketLayout) -> bool:
+def gradients_cleared(layout: Any) -> bool:
     """Whether no replica holds a gradient: every one None, or every bucket
     zero. After a failed backward, torch's own zero_grad (or optimizers that
     each own part of the model) did what zero_grad() asks: its refusal lifts."""

@@ -127,8 +127,7 @@ class Reducer:
         return self._engine is None or self._engine.sync_enabled
 
     @property
-    def adopted(self) -> int:
-        """Gradients that arrived outside the buckets and were copied in."""
+    def adopted(self) -> int:  # gradients that arrived outside the buckets and were copied in
         return self._layout.adopted if self._engine is not None else 0
 
     def grads_moved(self, assigned: bool = True) -> bool:
@@ -191,15 +190,16 @@ class Reducer:
             return
         if fence:
             self._order.use_current(self._engine, replica, self._capture.active)
-        self._layout.zero(replica)
+        self._layout.zero(replica, copy_dropped=True)
 
     def restart_accumulation(self) -> None:
-        """At the start of a backward: replicas whose copy of the last
-        reduction is still there (a second backward over a graph kept with
-        retain_graph=True, with no forward in between) clear it, as prepare
-        does, so the sum over replicas stays exact."""
+        """At the start of a backward: the user's resets within a no_sync()
+        accumulation are followed (ending.Window); replicas whose copy of the
+        last reduction is still there (retain_graph=True, no forward between)
+        clear it, as prepare does, so the sum over replicas stays exact."""
         if self._engine is None:
             return
+        self._layout.window.follow_resets(self._layout)
         self._follow_resets()
         for r in range(len(self._replicas)):
             self._clear_reduced_copy(r, fence=True)
