@@ -149,23 +149,55 @@ def test_attributes_a_forward_sets_stay_each_replicas_and_a_function_is_followed
         torch.testing.assert_close(x.grad, model.lin.weight.sum(0).expand(8, 4), rtol=0, atol=0)
 
 
-def test_buffers_replaced_or_changed_on_the_users_model_reach_every_replica():
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_buffers_replaced_or_changed_on_the_users_model_reach_every_replica(broadcast):
     # A buffer given a new tensor (assignment goes through register_buffer)
     # and one changed in place, after wrap: replica 1's rows (the second half
     # of the batch) use them at the next forward, bit for bit as one device.
+    # broadcast_buffers=False followed none of it (1.09 off one device), a
+    # buffer set to None was not followed with either, and one replaced by
+    # another shape raised torch's own shape error.
     torch.manual_seed(0)
     model = Net()
-    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    model.register_buffer("extra", torch.ones(3))
+    dm = pyddp.wrap(model, ["cpu", "cpu"], broadcast_buffers=broadcast)
     model.eval()
     x = data(1, 8, seed=5)[0][0]
     dm(x)
     model.norm.running_mean = torch.linspace(-1.0, 1.0, 8)
     with torch.no_grad():
         model.norm.running_var.mul_(3.0)
+    model.norm.num_batches_tracked = None
+    model.extra = torch.zeros(1, 3, dtype=torch.float64)
     out = dm(x)
-    assert torch.equal(dm.replicas[1].norm.running_mean, model.norm.running_mean)
+    for mine, theirs in zip(dm.replicas[1].buffers(), model.buffers()):
+        assert torch.equal(mine, theirs) and mine.dtype == theirs.dtype
+    assert dm.replicas[1].norm.num_batches_tracked is None
     # (on the same 4-row shards: see the test above)
     torch.testing.assert_close(out, torch.cat([model(x[:4]), model(x[4:])]), rtol=0, atol=0)
+    dm.close()
+
+
+def test_without_broadcast_buffers_each_replica_keeps_its_own_statistics():
+    # broadcast_buffers=False: BatchNorm's running statistics stay each
+    # replica's own (its rows), and a load_state_dict between forwards
+    # reaches every replica.
+    torch.manual_seed(0)
+    model = Net()
+    dm = pyddp.wrap(model, ["cpu", "cpu"], broadcast_buffers=False)
+    x = data(1, 8, seed=5)[0][0]
+    dm(x)
+    dm(x)
+    assert not torch.equal(dm.replicas[1].norm.running_mean, model.norm.running_mean)
+    state = model.state_dict()
+    state["norm.running_mean"], state["norm.running_var"] = torch.zeros(8), torch.ones(8)
+    model.load_state_dict(state)
+    ref = copy.deepcopy(model.norm)
+    dm(x)
+    with torch.no_grad():
+        ref(dm.replicas[1].body(x[4:]))  # replica 1's rows, from the loaded statistics
+    for mine, theirs in zip(dm.replicas[1].norm.buffers(), ref.buffers()):
+        torch.testing.assert_close(mine, theirs)  # (float32 rounding: 3.7e-9 seen)
     dm.close()
 
 
@@ -1200,3 +1232,27 @@ class _OneBranchUnused(nn.Module):
 
     def forward(self, x):
         return self.used(x)
+
+
+@pytest.mark.parametrize("shard", [False, True, "gradients"])
+@pytest.mark.parametrize("run_replicas", ["threads", "in_turn"])
+@pytest.mark.parametrize("how", ["in place", "load_state_dict"])
+def test_values_changed_between_steps_of_a_dmodel_optimizer_reach_every_replica(
+    how, run_replicas, shard
+):
+    # shard=True: the step moved the version counters of the parameters
+    # replica 1 steps by 1 on replica 0 (its copy) and by 2 on replica 1
+    # (its step and its copy back), so one edit on replica 0 looked like the
+    # step's own move: replica 1 stepped its stale copy and gathered it back
+    # over the user's value (0.46 off one device).
+    model, ref, dm, opt, ref_opt = _adam_against_one_device(run_replicas, shard)
+    _train_both(dm, ref, opt, ref_opt, data(4)[:2])
+    for m in (model, ref):
+        if how == "in place":
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(0.25)  # (one move of its counter, as the copy has)
+        else:
+            m.load_state_dict({k: v + 0.25 for k, v in m.state_dict().items()})
+    _train_both(dm, ref, opt, ref_opt, data(4)[2:])
+    _same_as_one_device(model, ref, dm)

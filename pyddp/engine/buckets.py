@@ -51,10 +51,9 @@ class BucketLayout:
         # multiple of the ranks, one block each.
         self.pad_to = 1
         self._adopted = 0  # gradients that arrived outside the buckets and were copied in
-        # Per replica and parameter: set to None by pyddp (hand_over; wrap: None
-        # is no reset of the user's), not yet back. Bytearrays: the C++ hooks
-        # (pyddp._hot) read and clear them in place.
-        self._handed = [bytearray(p.grad is None for p in ps) for ps in params]
+        # Per replica and parameter: set to None by hand_over, not yet back.
+        # Bytearrays: the C++ hooks (pyddp._hot) read and clear them in place.
+        self._handed = [bytearray(n) for _ in params]
         self.window = Window()  # a no_sync() accumulation under way (ending.py)
         # The C++ hooks, if any (hooks.py): told the views after each layout.
         self.hot: Optional[Any] = None

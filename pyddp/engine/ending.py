@@ -52,7 +52,9 @@ def settle_unmarked(
     while the link agrees which have a gradient on no process at all
     (those return to None after the reductions). `shadowing`: this rank
     joined (torch's Join) and adds nothing to the agreement."""
-    layout.window.after_backward(layout, engine.sync_enabled)
+    window = layout.window
+    since_wrap = window.since_wrap  # (no reduction yet: None is wrap's, no reset)
+    window.after_backward(layout, engine.sync_enabled)
     unmarked = engine.unmarked()
     if not unmarked:  # every replica produced every gradient (the steady state)
         if engine.sync_enabled:
@@ -60,7 +62,7 @@ def settle_unmarked(
         return
     replicas = len(layout.views)
     nowhere = {i for i, n in Counter(i for _, i in unmarked).items() if n == replicas}
-    none_here = {i for i in nowhere if _no_gradient(layout, i)}
+    none_here = {i for i in nowhere if _no_gradient(layout, i, since_wrap)}
     for i in nowhere - none_here:  # set by hand, unused: kept (one device, torch DDP)
         engine.note_grad(i, True)
     if engine.sync_enabled:
@@ -77,18 +79,18 @@ def settle_unmarked(
         layout.take_in(r, i)
 
 
-def _no_gradient(layout: Any, i: int) -> bool:
+def _no_gradient(layout: Any, i: int, since_wrap: bool) -> bool:
     """No replica holds a gradient for parameter i: replica 0's is None,
     and no other replica accumulated one (under no_sync()) since pyddp set
-    them all to None (hand_over, a reset followed). A later replica's copy
-    of an earlier reduction does not count: torch's own zero_grad on the
-    model resets replica 0's alone."""
+    them all to None (wrap, hand_over, a reset followed). A later replica's
+    copy of an earlier reduction does not count: torch's own zero_grad on
+    the model resets replica 0's alone."""
     if layout.params[0][i].grad is not None:
         return False
     if layout.scattered is not None and layout.scattered.kept[i]:
         return False  # kept in the blocks since the step (scattered.py)
     others = any(ps[i].grad is not None for ps in layout.params[1:])
-    return not (layout._handed[0][i] and others)
+    return not ((since_wrap or layout._handed[0][i]) and others)
 
 
 class Window:
@@ -102,13 +104,14 @@ class Window:
 
     def __init__(self) -> None:
         self._held: Optional[List[bool]] = None
+        self.since_wrap = True  # no backward reduced yet
 
     def close(self) -> None:
         self._held = None
 
     def after_backward(self, layout: Any, synced: bool) -> None:
         if synced:
-            self._held = None
+            self._held, self.since_wrap = None, False
             return
         grads = map(operator.attrgetter("grad"), layout.params[0])
         self._held = list(map(operator.is_not, grads, repeat(None)))

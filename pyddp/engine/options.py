@@ -63,8 +63,10 @@ class Options:
     initialised, else this process alone."""
     broadcast_buffers: bool = True
     """wrap: replica 0's buffers to the other replicas before each
-    training-mode forward, and rank 0's to every rank after each synced
-    training step (torch DDP's default)."""
+    forward, and rank 0's to every rank after each synced training step
+    (torch DDP's default). False: each replica keeps its own; what the
+    user changes on replica 0 (load_state_dict, in-place writes) still
+    reaches the others."""
     threads_per_replica: Optional[int] = None
     """wrap: each replica's torch intra-op threads (None on CPUs:
     torch.get_num_threads() // replicas, at least 1)."""

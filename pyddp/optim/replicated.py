@@ -186,6 +186,22 @@ def _state_marks(state: Dict[Any, Dict[str, Any]]) -> Tuple[int, List[int], List
     return (id(state), list(map(id, values)), list(map(_VERSION, tensors)))
 
 
+def align_versions(params: List[List[torch.Tensor]], before: List[List[int]]) -> None:
+    """After a step that moved each replica's parameters otherwise (a
+    sharded one: its owner steps a parameter, the others copy it): every
+    replica's counter raised to move as much as the most moved one's, so
+    that the model's mirror (replicas/mirror.py) still tells a parameter
+    the user changed on replica 0 alone before the next forward (an edit,
+    model.load_state_dict) from the step's own moves. `before`: each
+    replica's counters before the step."""
+    moved = [list(map(operator.sub, map(_VERSION, ps), b)) for ps, b in zip(params, before)]
+    most = list(map(max, *moved)) if len(moved) > 1 else moved[0]
+    for ps, m in zip(params, moved):
+        lag = list(map(operator.sub, most, m))
+        for extra in range(1, max(lag, default=0) + 1):
+            increment_versions(list(compress(ps, map(extra.__le__, lag))))
+
+
 def increment_versions(tensors: List[torch.Tensor]) -> None:
     """torch.autograd.graph.increment_version on each (a list at once from
     torch 2.5 on; one at a time before)."""

@@ -39,6 +39,7 @@ from ..engine.faces import GradientShards
 from ..errors import ReplicaError
 from .base import OptimState, PyddpOptimizer
 from .guard import guard
+from .replicated import align_versions
 from .shards import (
     ELEMENTWISE,
     DeviceGather,
@@ -266,9 +267,11 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 shard.attach_grads(reducer.params[r], grads=not scattered)
                 if scattered:
                     shard.attach_blocks(reducer, r)
+            before = [[p._version for p in ps] for ps in reducer.params]
             try:
                 reducer.run_per_replica([_unhooked(o) for o in self._pyddp.inner], self._pyddp.kind)
                 self._pyddp_gather()
+                align_versions(reducer.params, before)
             except BaseException as e:
                 self._pyddp.broken = (
                     "pyddp: a sharded optimizer step failed part-way "
@@ -285,9 +288,8 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             if scattered:
                 reducer.after_step()  # placeholders again: is a gradient reset before the next?
 
-        # Not marked hooked: torch wraps this step with the optimizer step
-        # hooks, which then run once per step for this object (the shards'
-        # own steps run without them: _unhooked).
+        # Not marked hooked: torch's step hooks run once per step for this
+        # object (the shards' own steps run without them: _unhooked).
 
         def _pyddp_gather(self) -> None:
             """Every replica takes the stepped elements it does not own."""
@@ -297,8 +299,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             reducer = self._pyddp.reducer
             local = len(reducer.replicas)
             with torch.no_grad():
-                # Replica 0 first: from this process's other replicas (whole
-                # parameters in any layout, channels_last included).
+                # Replica 0 first, from this process's others (any layout).
                 dst, src = [], []
                 for r in range(1, local):
                     for i, lo, hi, t, whole in self._pyddp.shards[r].pieces:

@@ -139,21 +139,58 @@ class ReplicaMirror:
         self.buffer_slots = [
             [(m._buffers, n) for m in mods for n in m._buffers] for mods in self.modules
         ]
+        self.buffers0 = self._buffers(0)  # replica 0's, as copy_buffers last saw them
+        self.buffer_versions = [list(map(_version_of, self._buffers(r))) for r in self._all]
 
-    def copy_buffers(self) -> None:
-        """Copies replica 0's buffers (replaced ones included) to the others,
-        slot by slot, in one foreach copy: O(buffers) with no walk over the
-        modules (module.buffers() costs 84 us per replica on a 12-layer
-        GPT-2, at every forward)."""
-        pairs = [
-            (d[n], d0[n])
-            for slots in self.buffer_slots[1:]
-            for (d, n), (d0, _) in zip(slots, self.buffer_slots[0])
-            if d.get(n) is not None and d0.get(n) is not None
-        ]
+    @property
+    def _all(self) -> range:
+        return range(len(self.buffer_slots))
+
+    def _buffers(self, r: int) -> List[Any]:
+        return [d.get(n) for d, n in self.buffer_slots[r]]
+
+    def copy_buffers(self, changed_only: bool = False) -> None:
+        """Copies replica 0's buffers to the others, slot by slot, in one
+        foreach copy: O(buffers) with no walk over the modules
+        (module.buffers() costs 84 us per replica on a 12-layer GPT-2, at
+        every forward). A buffer replaced on replica 0 (or set to None) is
+        replaced alike on the others where its shape or dtype changed.
+        `changed_only` (broadcast_buffers=False: each replica keeps what its
+        own forwards wrote): only those the user changed on replica 0 since
+        (load_state_dict, an in-place write: its version counter moved
+        otherwise than the others', which BatchNorm's statistics do not)."""
+        now0 = self._buffers(0)
+        replaced = [b is not seen for b, seen in zip(now0, self.buffers0)]
+        if any(replaced):
+            self._replace_buffers(now0, replaced)
+        moved0 = list(map(operator.sub, map(_version_of, now0), self.buffer_versions[0]))
+        pairs = []
+        for r in self._all[1:]:
+            bufs = self._buffers(r)
+            moved = map(operator.sub, map(_version_of, bufs), self.buffer_versions[r])
+            due = map(operator.ne, moved, moved0) if changed_only else repeat(True)
+            pairs += [
+                (b, b0) for b, b0, d, new in zip(bufs, now0, due, replaced)
+                if (d or new) and b is not None and b0 is not None
+            ]  # fmt: skip
         if pairs:
             with torch.no_grad():
                 torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
+        self.buffers0 = now0
+        self.buffer_versions = [list(map(_version_of, self._buffers(r))) for r in self._all]
+
+    def _replace_buffers(self, now0: List[Any], replaced: List[bool]) -> None:
+        """Buffers replaced on replica 0: None on the others where None there,
+        a copy where the shape or dtype changed (values follow in the copy)."""
+        for r in self._all[1:]:
+            held = [p.device for p in self.params[r][:1]]
+            for (d, n), b0, new in zip(self.buffer_slots[r], now0, replaced):
+                b = d.get(n)
+                if not new or (b is not None and b0 is not None and b.shape == b0.shape
+                               and b.dtype == b0.dtype):  # fmt: skip
+                    continue
+                device = b.device if b is not None else (held or [None])[0]
+                d[n] = None if b0 is None else b0.detach().to(device, copy=True)
 
     def copy_all(self) -> None:
         """Copies replica 0's parameters to the others, unconditionally."""
@@ -318,6 +355,12 @@ _HOOKS = operator.attrgetter(*_HOOK_NAMES)
 _TRAINING = operator.attrgetter("training")
 _MODULES = operator.attrgetter("_modules")
 _version = operator.attrgetter("_version")
+
+
+def _version_of(b: Any) -> int:
+    return -1 if b is None else b._version
+
+
 _hook_dict = operator.attrgetter("_backward_hooks")
 _version_and_grad = operator.attrgetter("_version", "requires_grad")
 _data_ptr = operator.methodcaller("data_ptr")

@@ -412,13 +412,13 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
         if the last synced training backward received them (staged.py),
         then replica 0's to this process's others, if broadcast_buffers."""
         self._staged.put_in(self._link, self.module)
-        if self.broadcast_buffers and len(self._replicas) > 1:
-            self._copy_buffers()
+        if len(self._replicas) > 1:  # (broadcast_buffers=False: the user's changes alone)
+            self._copy_buffers(changed_only=not self.broadcast_buffers)
 
-    def _copy_buffers(self) -> None:
+    def _copy_buffers(self, changed_only: bool = False) -> None:
         self._check_open()
         if self._mirror is not None:  # (one replica: nothing to copy to)
-            self._mirror.copy_buffers()
+            self._mirror.copy_buffers(changed_only)
 
 
 def wrap(
