@@ -117,6 +117,45 @@ def test_a_gradient_replaced_after_backward_reaches_every_replica(shard, change)
     _side_by_side(*_both(2, shard), 3, after=replace)
 
 
+@pytest.mark.parametrize(
+    "shard, change",
+    [(False, "scale"), (False, "none"), (True, "scale"), (True, "none"), ("gradients", "none")],
+)
+def test_dmodel_clip_grad_norm_sees_gradients_changed_after_backward(shard, change):
+    # dmodel.clip_grad_norm_ read the buckets as backward left them: a
+    # gradient assigned after backward (a hand unscale, p.grad = p.grad /
+    # 1024) was not seen (norm 1065 where one device's was 1.04), and the
+    # step then copied the unclipped one in; one set to None still counted.
+    dm, opt, ref, ref_opt = _both(2, shard)
+    norms = []
+
+    def touch_and_clip(model, k):
+        w = model.a.weight
+        if change == "scale":
+            w.grad = w.grad * 4.0
+        else:
+            w.grad = None
+        if model is ref:
+            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+        else:
+            norms.append(dm.clip_grad_norm_(0.05))
+
+    _side_by_side(dm, opt, ref, ref_opt, 3, after=touch_and_clip)
+    for mine, theirs in zip(norms[::2], norms[1::2]):
+        torch.testing.assert_close(mine, theirs)
+    assert norms[1] > 0.05  # (it clipped)
+
+
+@pytest.mark.parametrize("norm_type", [0, -1.0, float("-inf"), float("nan")])
+def test_dmodel_clip_grad_norm_refuses_what_is_no_norm(norm_type):
+    # norm_type 0 returned the number of nonzero buckets (1 where torch's
+    # counts 4), -inf the smallest of the bucket minima, padding included.
+    dm, _, _, _ = _both(2, False)
+    _loss(dm, torch.randn(6, 4), torch.randn(6, 2)).backward()
+    with pytest.raises(ValueError, match="p > 0 or inf"):
+        dm.clip_grad_norm_(1.0, norm_type)
+
+
 def test_under_sharded_gradients_grad_is_a_placeholder_that_does_what_one_device_does():
     # After backward the reduced gradient is in each replica's blocks, and
     # the model's `.grad` a placeholder (one zero expanded): set to None it

@@ -890,3 +890,22 @@ def test_a_run_resumed_at_an_epochs_end_steps_its_epoch_scheduler_without_torchs
         warnings.simplefilter("error", UserWarning)
         resumed = run(tmp_path / "b", max_epochs=2)
     assert all(torch.equal(a, b) for a, b in zip(whole[0], resumed[0]))
+
+
+def test_the_fp16_loss_scaler_keeps_skipping_overflows_at_any_scale():
+    # `enabled` was read off the scale (!= 1.0): after 16 overflows in a
+    # row, or resumed at scale 1.0, the Trainer stopped checking and
+    # stepped inf gradients. GradScaler keeps skipping at any scale.
+    from pyddp.train.scaler import LossScaler
+
+    bad = [[torch.tensor([float("inf"), 1.0])]]
+    scaler = LossScaler(enabled=True)
+    for _ in range(20):
+        assert scaler.enabled and not scaler.unscale_(bad)
+    assert scaler.scale == 2.0**-4
+    resumed = LossScaler(enabled=True)
+    resumed.load_state_dict({"scale": 1.0, "clean_steps": 3})
+    assert resumed.enabled and not resumed.unscale_(bad) and resumed.scale == 0.5
+    off = LossScaler(enabled=False)  # (fp32 or bf16: a saved scale is not applied)
+    off.load_state_dict({"scale": 1024.0, "clean_steps": 3})
+    assert not off.enabled and off.scale == 1.0

@@ -12,6 +12,7 @@ tests/test_layout.py checks that replicas/ and optim/ use nothing else."""
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import (
     Any,
@@ -225,15 +226,27 @@ class GradientShards:
         r.check_step()
         self._follow_unreduced()
 
+    def before_clip(self) -> None:
+        """dmodel.clip_grad_norm_: the gradients as the step would see them
+        (check_step: assigned ones copied in, replicas aligned), and the
+        slices of those set to None read zero (the norm sums buckets)."""
+        self.check_step()
+        if self._r._engine is None or self._r._layout.scattered is not None:
+            return  # (one replica: torch's clipping; sharded: reconciled blocks)
+        layout = self._r._layout
+        grads = map(operator.attrgetter("grad"), layout.params[0])
+        for i in [i for i, g in enumerate(grads) if g is None]:
+            layout.zero_param(i)
+
     def _follow_unreduced(self) -> None:
         """Gradients replica 0 holds that no backward reduced since the last
         zero_grad() (assigned: DCP's get_optimizer_state_dict steps a fresh
         optimizer once on zeros to make its state) are every replica's: the
         others stepped without them, their state and values apart. Under
         shard="gradients" they go into the blocks (Scattered.take_assigned)."""
-        r, layout = self._r, self._r._layout
-        if r._engine is None or layout._versions is not None:
+        if self._r._engine is None or self._r._layout._versions is not None:
             return
+        layout = self._r._layout
         if layout.scattered is not None:  # the step reads the blocks alone
             layout.scattered.take_assigned()
             return

@@ -44,7 +44,7 @@ def make_optimizer(
             "no other optimizer can step it; make one optimizer with shard='gradients' over "
             "every parameter (param groups for different settings)"
         )
-    groups = [_param_groups(m, params) for m in reducer.replicas]
+    groups = [_param_groups(m, params, ps) for m, ps in zip(reducer.replicas, reducer.params)]
     follow_unscaling()  # GradScaler's unscale_: version counters, ZeRO-2's blocks, Join's end
     if shard and (len(groups) > 1 or reducer.ranks.spans_processes):
         return sharded_optimizer(reducer, cls, groups, shard == "gradients", **kwargs)
@@ -53,9 +53,13 @@ def make_optimizer(
     return replicated_optimizer(reducer, cls, groups, **kwargs)
 
 
-def _param_groups(module: nn.Module, params: Optional[ParamsFn]) -> list:
+def _param_groups(module: nn.Module, params: Optional[ParamsFn], planned: list) -> list:
+    """By default every parameter pyddp reduces, frozen now or not (as torch's
+    optimizer over model.parameters(): a frozen one has no gradient and is
+    skipped; unfrozen later, follow_unfreezing's included, it trains)."""
     if params is None:
-        return [p for p in module.parameters() if p.requires_grad]
+        reduced = set(map(id, planned))
+        return [p for p in module.parameters() if p.requires_grad or id(p) in reduced]
     if not callable(params):
         raise TypeError(
             "params must be a function module -> parameters or param groups (it is applied "

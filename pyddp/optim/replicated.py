@@ -338,6 +338,19 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
     return Replicated
 
 
+def checked_norm_type(norm_type: Any) -> float:
+    """dmodel.clip_grad_norm_'s norm_type: a p-norm, p > 0, or inf."""
+    p = float(norm_type)
+    if not p > 0:  # (NaN too)
+        raise ValueError(
+            f"dmodel.clip_grad_norm_: norm_type={norm_type!r} is not supported: use a p-norm "
+            "with p > 0 or inf (torch's 0 counts nonzero elements and -inf takes the "
+            "smallest, which the buckets' padding and gradient-free parameters, zero there, "
+            "would change)"
+        )
+    return p
+
+
 def clip_replicas(
     flats: Sequence[Sequence[torch.Tensor]], max_norm: float, norm_type: float
 ) -> torch.Tensor:

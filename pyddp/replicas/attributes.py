@@ -6,7 +6,8 @@ kept the old values and computed something else, in silence.
 
 Followed, before each forward: an attribute of a module of replica 0 set,
 rebound or deleted since the last forward on replica 0 alone, whose value
-is plain: None, a bool, number, string, bytes, torch.dtype, an enum member,
+is plain (whatever it held before): None, a bool, number (numpy's scalars
+too), string, bytes, torch.dtype, an enum member,
 a function (not a bound method: that would run on replica 0's module), a
 functools.partial of plain parts, or a tuple or frozenset of these. Plain
 values are immutable, so sharing one is exact. An attribute that changed on
@@ -19,7 +20,7 @@ hooks, parameters, buffers and submodules, which mirror.py follows or
 refuses).
 
 Cheap where nothing changed: two C-level passes (the modules' dict sizes,
-the identity of every plain value of replica 0) per forward."""
+the identity of every attribute value of replica 0) per forward."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ from torch import nn
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, enum.Enum)
 _PLAIN += (types.FunctionType,)  # not bound methods
+try:
+    import numpy
+
+    _PLAIN += (numpy.generic,)  # numpy's scalars (np.float32(3.0)), not its arrays
+except ImportError:  # pragma: no cover (torch without numpy)
+    pass
 # torch's own module state: followed (or refused) by mirror.py.
 _TORCH_KEYS = frozenset(nn.Module().__dict__)
 _MISSING = object()
@@ -61,15 +68,12 @@ class Attributes:
         self._slots()
 
     def _slots(self) -> None:
-        """The (module, name) slots holding plain values on replica 0 now,
-        and every replica's value in them."""
+        """Replica 0's (module, name) attribute slots now (a tensor there may
+        be rebound to a plain value), and every replica's value in them."""
         first = self.dicts[0]
         self.sizes = list(map(len, first))
         self.slots: List[Tuple[int, str]] = [
-            (k, key)
-            for k, d in enumerate(first)
-            for key, value in d.items()
-            if key not in _TORCH_KEYS and plain(value)
+            (k, key) for k, d in enumerate(first) for key in d if key not in _TORCH_KEYS
         ]
         self.keys = [key for _, key in self.slots]
         self.slot_dicts = [[dicts[k] for k, _ in self.slots] for dicts in self.dicts]

@@ -19,7 +19,7 @@ from ..engine.options import Options
 from ..engine.params import assemble, refuse_unready
 from ..engine.reducer import Reducer
 from ..optim.factory import ParamsFn, make_optimizer
-from ..optim.replicated import clip_replicas
+from ..optim.replicated import checked_norm_type, clip_replicas
 from ..optim.shards import clip_sharded, sharded_finite
 from ..runtime.compiled import EagerUnderDynamo
 from ..runtime.devices import DeviceLike, parse_devices, process_devices
@@ -203,6 +203,7 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
             )
         if shard == "gradients" and self._join.before_sharded_step is not None:
             raise NotImplementedError(STAGE2_UNDER_JOIN)  # made inside a Join block
+        self._follow_model()  # (the replicas' `params` see the user's changes: requires_grad)
         opt = make_optimizer(
             self._reducer.gradients(), cls or optimizer_class, params, shard, **kwargs
         )
@@ -253,8 +254,11 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips every replica's gradients by their global norm and returns that
-        norm: the norm of the full-batch gradient, not sqrt(N) times it."""
+        norm: the norm of the full-batch gradient, not sqrt(N) times it. What
+        the user did to the gradients since backward counts, as at the step."""
         self._check_open()
+        norm_type = checked_norm_type(norm_type)
+        self._reducer.gradients().before_clip()
         if self._reducer.sharded:  # shard="gradients": blocks only
             return clip_sharded(self._reducer.gradients(), max_norm, norm_type)
         if len(self._replicas) == 1:

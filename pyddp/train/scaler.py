@@ -14,12 +14,11 @@ _GROWTH_INTERVAL = 2000
 
 class LossScaler:
     def __init__(self, enabled: bool):
+        # fp16 alone. Not read off the scale: one that overflowed down to 1.0
+        # (16 in a row, or resumed there) must keep checking, as GradScaler.
+        self.enabled = enabled
         self.scale = 2.0**16 if enabled else 1.0
         self.clean_steps = 0  # steps since the scale last changed
-
-    @property
-    def enabled(self) -> bool:
-        return self.scale != 1.0
 
     def unscale_(
         self, flats: Sequence[List[torch.Tensor]], finite: Optional[Callable[[], bool]] = None
@@ -46,5 +45,6 @@ class LossScaler:
         return {"scale": self.scale, "clean_steps": self.clean_steps}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.scale = float(state["scale"])
-        self.clean_steps = int(state["clean_steps"])
+        if self.enabled:  # (as GradScaler: a disabled one loads nothing)
+            self.scale = float(state["scale"])
+            self.clean_steps = int(state["clean_steps"])
