@@ -205,6 +205,33 @@ def test_without_broadcast_buffers_each_replica_keeps_its_own_statistics():
     dm.close()
 
 
+class _Ema(nn.Module):
+    """A buffer its forward rebinds (an EMA written out of place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("ema", torch.zeros(3))
+
+    def forward(self, x):
+        if self.training:
+            self.ema = 0.9 * self.ema + 0.1 * x.mean(0)
+        return self.lin(x)
+
+
+def test_without_broadcast_buffers_a_buffer_each_forward_rebinds_stays_each_replicas():
+    # A first version of following the user's buffer changes took replica
+    # 0's rebinding for the user's and overwrote replica 1's EMA before each
+    # forward (0.1, 0.1, 0.1 where its own rows give 0.1, 0.19, 0.271).
+    dm = pyddp.wrap(_Ema(), ["cpu", "cpu"], broadcast_buffers=False)
+    x = torch.cat([torch.zeros(2, 3), torch.ones(2, 3)])  # replica 1's rows: ones
+    for _ in range(3):
+        dm(x)
+    torch.testing.assert_close(dm.replicas[1].ema, torch.full((3,), 0.271))
+    assert torch.equal(dm.module.ema, torch.zeros(3))
+    dm.close()
+
+
 def wrapped_with_reference():
     """A dropout-free Net, an untouched copy for single-device reference
     training, and the Net wrapped over two CPU replicas."""
@@ -436,6 +463,47 @@ def test_changes_replicas_cannot_follow_raise(change, match):
     change(model)
     with pytest.raises(RuntimeError, match=match):
         dm(torch.randn(4, 6))
+    dm.close()
+
+
+def _doubled_forward(self, x):
+    return 2.0 * nn.Linear.forward(self, x)
+
+
+class _DoubledLinear(nn.Linear):
+    def forward(self, x):
+        return 2.0 * super().forward(x)
+
+
+@pytest.mark.parametrize("how", ["bound method", "class"])
+def test_a_forward_rebound_or_a_class_swapped_after_wrap_reaches_every_replica(how):
+    # `m.head.forward = MethodType(f, m.head)` and `m.head.__class__ = Sub`
+    # after wrap reached replica 0 alone (0.59 off one device, silently).
+    import types
+
+    model, ref, dm = wrapped_with_reference()
+    x = data(1, 8, seed=5)[0][0]
+    dm(x)
+    for m in (model, ref):
+        if how == "bound method":
+            m.head.forward = types.MethodType(_doubled_forward, m.head)
+        else:
+            m.head.__class__ = _DoubledLinear
+    out = dm(x)
+    torch.testing.assert_close(out, torch.cat([ref(x[:4]), ref(x[4:])]))
+    assert type(dm.replicas[1].head) is type(model.head)
+    dm.close()
+
+
+def test_a_function_set_after_wrap_capturing_the_models_module_is_refused():
+    # A closure over replica 0's old forward, copied to every replica, made
+    # replica 1 run replica 0's layer: "gradient produced twice", blaming
+    # the user's forward.
+    model, _, dm = wrapped_with_reference()
+    old = model.head.forward
+    model.head.forward = lambda x: old(x) * 2
+    with pytest.raises(RuntimeError, match=r"Linear\.forward was set after wrap.*MethodType"):
+        dm(data(1, 8)[0][0])
     dm.close()
 
 

@@ -109,7 +109,8 @@ def test_torchs_zero_grad_between_micro_batches_resets_every_replica(shard):
     # torch's model.zero_grad() on the wrapped model (replica 0) inside a
     # no_sync() accumulation: one device drops what was accumulated; the
     # other replicas kept theirs and the synced backward reduced it in
-    # (0.25 off one device). Also a reset between a forward and its backward.
+    # (0.25 off one device). Also a reset between a forward and its backward,
+    # and of a gradient replica 1 alone held (a first fix missed it: 0.023).
     torch.manual_seed(0)
     model = _RowGated()
     ref = copy.deepcopy(model)
@@ -117,6 +118,9 @@ def test_torchs_zero_grad_between_micro_batches_resets_every_replica(shard):
     opt = dm.optimizer(torch.optim.SGD, lr=0.5, shard=shard)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     xs = [torch.randn(8, 4) for _ in range(4)]
+    for x in xs[1:]:
+        x[:, 0] = -1.0  # no `rare`
+    xs[0][:4, 0], xs[0][4:, 0] = -1.0, 1.0  # `rare` on replica 1's rows alone (then reset)
     for k, x in enumerate(xs):
         for m, user in ((dm, model), (ref, ref)):
             with dm.no_sync() if m is dm and k < 3 else contextlib.nullcontext():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -310,7 +310,8 @@ class BucketLayout:
                 flat.zero_()
         self._handed[r][:] = bytes(len(self._handed[r]))  # in place: the C++ hooks hold it
         grads = map(operator.attrgetter("grad"), self.params[0]) if copy_dropped else ()
-        for i in [i for i, g in enumerate(grads) if g is None]:
+        nones = list(map(operator.is_, grads, repeat(None)))  # (C-level: none in the steady state)
+        for i in compress(range(len(nones)), nones) if True in nones else ():
             self.params[r][i].grad = None
             self._handed[r][i] = self._handed[0][i] = True
 

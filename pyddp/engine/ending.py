@@ -110,11 +110,20 @@ class Window:
         self._held = None
 
     def after_backward(self, layout: Any, synced: bool) -> None:
+        """A parameter only other replicas produced a gradient for in the
+        window gets one on replica 0 too (its slice, zero), as the model on
+        one device holds one: a reset of the user's there is then seen."""
         if synced:
             self._held, self.since_wrap = None, False
             return
-        grads = map(operator.attrgetter("grad"), layout.params[0])
-        self._held = list(map(operator.is_not, grads, repeat(None)))
+        held = _held(layout.params[0])
+        for i in [i for i, had in enumerate(held) if not had] if not all(held) else []:
+            if any(ps[i].grad is not None for ps in layout.params[1:]):
+                view = layout._view(0, i)
+                view.zero_()
+                layout.params[0][i].grad, layout._handed[0][i] = view, False
+                held[i] = True
+        self._held = held
 
     def follow_resets(self, layout: Any) -> None:
         """At the start of a backward: replica 0's gradients reset since
@@ -128,6 +137,11 @@ class Window:
                 layout.grads_to_none(i)
                 for r in range(len(layout.params)):
                     layout.handed(r, i)
+
+
+def _held(params: Sequence[Any]) -> List[bool]:
+    """Which of `params` hold a gradient (C-level passes)."""
+    return list(map(operator.is_not, map(operator.attrgetter("grad"), params), repeat(None)))
 
 
 def final_gradients(

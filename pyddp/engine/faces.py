@@ -230,7 +230,12 @@ class GradientShards:
         """dmodel.clip_grad_norm_: the gradients as the step would see them
         (check_step: assigned ones copied in, replicas aligned), and the
         slices of those set to None read zero (the norm sums buckets)."""
-        self.check_step()
+        try:
+            self.check_step()
+        except RuntimeError as e:  # (the reasons name the step)
+            if type(e) is not RuntimeError:
+                raise
+            raise RuntimeError(str(e).replace("cannot step:", "cannot clip:", 1)) from None
         if self._r._engine is None or self._r._layout.scattered is not None:
             return  # (one replica: torch's clipping; sharded: reconciled blocks)
         layout = self._r._layout

@@ -35,7 +35,9 @@ optimizer's, dmodel's, the Trainer's) resets everything at once."""
 
 from __future__ import annotations
 
+import operator
 import threading
+from itertools import repeat
 from typing import Any, Callable, List, Optional, Sequence, Set
 
 import torch
@@ -274,10 +276,13 @@ class Scattered:
         one reduced (its placeholder set after the step, so a next backward
         adds to it, as on one device)."""
         params, views = self.layout.params[0], self.layout.views[0]
+        grads = list(map(operator.attrgetter("grad"), params))
+        if all(map(operator.is_, grads, repeat(None))):
+            return  # the steady state: reconcile took every placeholder (C-level)
         taken = [
             i
-            for i, p in enumerate(params)
-            if not self.present[i] and p.grad is not None and p.grad is not views[i]
+            for i, g in enumerate(grads)
+            if not self.present[i] and g is not None and g is not views[i]
         ]
         if not taken:
             return

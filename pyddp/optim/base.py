@@ -106,3 +106,16 @@ class PyddpOptimizer:
             "a pyddp optimizer steps live replicas and cannot be pickled or copied: save "
             "opt.state_dict() and load it into a new dmodel.optimizer(...)"
         )
+
+
+def checked_norm_type(norm_type: Any) -> float:
+    """dmodel.clip_grad_norm_'s norm_type: a p-norm, p > 0, or inf."""
+    p = float(norm_type)
+    if not p > 0:  # (NaN too)
+        raise ValueError(
+            f"dmodel.clip_grad_norm_: norm_type={norm_type!r} is not supported: use a p-norm "
+            "with p > 0 or inf (torch's 0 counts nonzero elements and -inf takes the "
+            "smallest, which the buckets' padding and gradient-free parameters, zero there, "
+            "would change)"
+        )
+    return p

@@ -25,7 +25,7 @@ from torch.autograd.graph import increment_version
 
 from ..engine.faces import GradientShards
 from ..errors import ReplicaError
-from .base import OptimState, PyddpOptimizer
+from .base import OptimState, PyddpOptimizer, checked_norm_type
 
 
 @dataclass
@@ -186,6 +186,11 @@ def _state_marks(state: Dict[Any, Dict[str, Any]]) -> Tuple[int, List[int], List
     return (id(state), list(map(id, values)), list(map(_VERSION, tensors)))
 
 
+def versions(params: List[List[torch.Tensor]]) -> List[List[int]]:
+    """Each replica's parameters' version counters (C-level passes)."""
+    return [list(map(_VERSION, ps)) for ps in params]
+
+
 def align_versions(params: List[List[torch.Tensor]], before: List[List[int]]) -> None:
     """After a step that moved each replica's parameters otherwise (a
     sharded one: its owner steps a parameter, the others copy it): every
@@ -338,25 +343,13 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
     return Replicated
 
 
-def checked_norm_type(norm_type: Any) -> float:
-    """dmodel.clip_grad_norm_'s norm_type: a p-norm, p > 0, or inf."""
-    p = float(norm_type)
-    if not p > 0:  # (NaN too)
-        raise ValueError(
-            f"dmodel.clip_grad_norm_: norm_type={norm_type!r} is not supported: use a p-norm "
-            "with p > 0 or inf (torch's 0 counts nonzero elements and -inf takes the "
-            "smallest, which the buckets' padding and gradient-free parameters, zero there, "
-            "would change)"
-        )
-    return p
-
-
 def clip_replicas(
     flats: Sequence[Sequence[torch.Tensor]], max_norm: float, norm_type: float
 ) -> torch.Tensor:
     """dmodel.clip_grad_norm_ over replicas that each hold the whole reduced
     gradient (`flats[r]`: replica r's flat buckets): the norm is replica
     0's, and every replica scales by the same coefficient. Returns it."""
+    norm_type = checked_norm_type(norm_type)
     norms = [
         torch.linalg.vector_norm(f, norm_type, dtype=torch.promote_types(f.dtype, torch.float32))
         for f in flats[0]  # replicas hold the same reduced values

@@ -13,6 +13,7 @@ import torch
 
 from .._link import exchange
 from ..engine.faces import GradientShards
+from .base import checked_norm_type
 
 # Optimizers whose update of each element depends on that element alone (and
 # scalars): their state can be split inside a parameter, exactly.
@@ -381,6 +382,7 @@ def clip_sharded(reducer: GradientShards, max_norm: float, norm_type: float) -> 
     the reduced gradient in its block of every bucket only, so the global
     norm combines every replica's (sharded_norm), and each replica scales
     its blocks. Returns the total norm (on replica 0's device)."""
+    norm_type = checked_norm_type(norm_type)
     blocks, totals = sharded_norm(reducer, norm_type)
     with torch.no_grad():
         for own, total in zip(blocks, totals):

@@ -39,7 +39,7 @@ from ..engine.faces import GradientShards
 from ..errors import ReplicaError
 from .base import OptimState, PyddpOptimizer
 from .guard import guard
-from .replicated import align_versions
+from .replicated import align_versions, versions
 from .shards import (
     ELEMENTWISE,
     DeviceGather,
@@ -267,7 +267,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 shard.attach_grads(reducer.params[r], grads=not scattered)
                 if scattered:
                     shard.attach_blocks(reducer, r)
-            before = [[p._version for p in ps] for ps in reducer.params]
+            before = versions(reducer.params)
             try:
                 reducer.run_per_replica([_unhooked(o) for o in self._pyddp.inner], self._pyddp.kind)
                 self._pyddp_gather()

@@ -64,6 +64,8 @@ class Attributes:
     each replica's modules, in the same order."""
 
     def __init__(self, modules: Sequence[Sequence[nn.Module]]):
+        self.modules = [list(mods) for mods in modules]
+        self._index = {id(m): j for j, m in enumerate(self.modules[0])}  # replica 0's
         self.dicts: List[List[Dict[str, Any]]] = [[m.__dict__ for m in mods] for mods in modules]
         self._slots()
 
@@ -93,17 +95,18 @@ class Attributes:
         for i in [i for i, (a, b) in enumerate(zip(now, self.values[0])) if a is not b]:
             k, key = self.slots[i]
             value = self.dicts[0][k].get(key, _MISSING)
-            if value is not _MISSING and not plain(value):
-                continue
             for r in range(1, len(self.dicts)):
                 other = self.dicts[r][k]
                 if other.get(key, _MISSING) is not _was(self.values[r][i], other, key):
                     continue  # changed there too: that replica's own forward set it
+                mine = value if value is _MISSING else self._for(value, r, k, key)
+                if mine is _MISSING and value is not _MISSING:
+                    break  # not followed
                 changed = True
                 if value is _MISSING:
                     other.pop(key, None)
                 else:
-                    other[key] = value
+                    other[key] = mine
         if resized:
             changed |= self._added()
             self._slots()
@@ -118,13 +121,45 @@ class Attributes:
         changed = False
         for k, d in enumerate(self.dicts[0]):
             for key, value in d.items():
-                if (k, key) in known or key in _TORCH_KEYS or not plain(value):
+                if (k, key) in known or key in _TORCH_KEYS:
                     continue
                 for r in range(1, len(self.dicts)):
-                    if key not in self.dicts[r][k]:
-                        self.dicts[r][k][key] = value
-                        changed = True
+                    if key in self.dicts[r][k]:
+                        continue  # set there too: by that replica's own forward
+                    mine = self._for(value, r, k, key)
+                    if mine is _MISSING:
+                        break  # not followed
+                    self.dicts[r][k][key] = mine
+                    changed = True
         return changed
+
+    def _for(self, value: Any, r: int, k: int, key: str) -> Any:
+        """Replica r's counterpart of replica 0's `value` in module k's
+        `key`, or _MISSING where it is not followed: a plain value itself; a
+        method bound to one of replica 0's modules (`m.fc.forward =
+        MethodType(f, m.fc)`), bound to replica r's module there. A function
+        capturing one of replica 0's modules or their methods (a closure over
+        the old forward) is refused: every replica would run replica 0's."""
+        if isinstance(value, types.MethodType):
+            j = self._index.get(id(value.__self__))
+            return _MISSING if j is None else types.MethodType(value.__func__, self.modules[r][j])
+        if not plain(value):
+            return _MISSING
+        for cell in value.__closure__ or () if isinstance(value, types.FunctionType) else ():
+            try:
+                held = cell.cell_contents
+            except ValueError:  # (an empty cell)
+                continue
+            owner = held.__self__ if isinstance(held, types.MethodType) else held
+            if id(owner) in self._index:
+                raise RuntimeError(
+                    f"pyddp: {type(self.modules[0][k]).__name__}.{key} was set after wrap to "
+                    f"a function that captures the wrapped model's {type(owner).__name__} "
+                    "(a closure over its forward?): every replica would run that one module "
+                    "of replica 0. Bind a function as a method instead (types.MethodType(f, "
+                    "module): followed on each replica's own module), or set it before wrap"
+                )
+        return value
 
 
 def _was(value: Any, d: Dict[str, Any], key: str) -> Any:

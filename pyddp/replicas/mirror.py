@@ -25,7 +25,7 @@ import contextlib
 import copy
 import operator
 from itertools import chain, repeat
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -128,6 +128,7 @@ class ReplicaMirror:
         self.meta = [(p.dtype, p.device, p.shape) for p in self.params[0]]
         self.synced = set(synced)
         self.training = [m.training for m in self.modules[0]]
+        self.classes = list(map(type, self.modules[0]))
         self.storage = Storages(self.params[0])
         self.head = list(map(_version_and_grad, self.params[0]))
         self.hook_dicts: List[object] = []
@@ -139,55 +140,75 @@ class ReplicaMirror:
         self.buffer_slots = [
             [(m._buffers, n) for m in mods for n in m._buffers] for mods in self.modules
         ]
-        self.buffers0 = self._buffers(0)  # replica 0's, as copy_buffers last saw them
-        self.buffer_versions = [list(map(_version_of, self._buffers(r))) for r in self._all]
-
-    @property
-    def _all(self) -> range:
-        return range(len(self.buffer_slots))
+        self._saw_buffers()
 
     def _buffers(self, r: int) -> List[Any]:
         return [d.get(n) for d, n in self.buffer_slots[r]]
+
+    def _saw_buffers(self) -> None:
+        """Every replica's buffers (and version counters) as copy_buffers
+        leaves them: what a later change is told from."""
+        self.seen = [self._buffers(r) for r in range(len(self.buffer_slots))]
+        self.buffer_versions = [list(map(_version_of, bufs)) for bufs in self.seen]
 
     def copy_buffers(self, changed_only: bool = False) -> None:
         """Copies replica 0's buffers to the others, slot by slot, in one
         foreach copy: O(buffers) with no walk over the modules
         (module.buffers() costs 84 us per replica on a 12-layer GPT-2, at
         every forward). A buffer replaced on replica 0 (or set to None) is
-        replaced alike on the others where its shape or dtype changed.
-        `changed_only` (broadcast_buffers=False: each replica keeps what its
-        own forwards wrote): only those the user changed on replica 0 since
-        (load_state_dict, an in-place write: its version counter moved
-        otherwise than the others', which BatchNorm's statistics do not)."""
+        replaced alike where its shape or dtype changed. `changed_only`
+        (broadcast_buffers=False: each replica keeps what its own forwards
+        wrote, in place or rebinding): only those the user changed on
+        replica 0 alone since (load_state_dict, an in-place write: its
+        version counter moved otherwise than the other's, which BatchNorm's
+        statistics do not; a buffer replaced), each where that replica's
+        own forward did not rebind it."""
         now0 = self._buffers(0)
-        replaced = [b is not seen for b, seen in zip(now0, self.buffers0)]
-        if any(replaced):
-            self._replace_buffers(now0, replaced)
-        moved0 = list(map(operator.sub, map(_version_of, now0), self.buffer_versions[0]))
-        pairs = []
-        for r in self._all[1:]:
-            bufs = self._buffers(r)
-            moved = map(operator.sub, map(_version_of, bufs), self.buffer_versions[r])
-            due = map(operator.ne, moved, moved0) if changed_only else repeat(True)
-            pairs += [
-                (b, b0) for b, b0, d, new in zip(bufs, now0, due, replaced)
-                if (d or new) and b is not None and b0 is not None
-            ]  # fmt: skip
+        kept0 = list(map(operator.is_, now0, self.seen[0]))  # not rebound on replica 0
+        due = self._changed_by_user(now0, kept0) if changed_only else None
+        if not all(kept0):
+            self._replace_buffers(now0, kept0, due)
+        pairs = [
+            (b, b0)
+            for r, flags in zip(range(1, len(self.seen)), due or repeat(repeat(True)))
+            for b, b0, go in zip(self._buffers(r), now0, flags)
+            if go and b is not None and b0 is not None
+        ]
         if pairs:
             with torch.no_grad():
                 torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
-        self.buffers0 = now0
-        self.buffer_versions = [list(map(_version_of, self._buffers(r))) for r in self._all]
+        if changed_only:
+            self._saw_buffers()
+        else:
+            self.seen[0] = now0
 
-    def _replace_buffers(self, now0: List[Any], replaced: List[bool]) -> None:
+    def _changed_by_user(self, now0: List[Any], kept0: List[bool]) -> List[List[bool]]:
+        """Per other replica and buffer slot: whether the user changed it on
+        replica 0 alone since the last forward (see copy_buffers)."""
+        moved0 = list(map(operator.sub, map(_version_of, now0), self.buffer_versions[0]))
+        due = []
+        for r in range(1, len(self.seen)):
+            bufs = self._buffers(r)
+            kept = map(operator.is_, bufs, self.seen[r])
+            moved = map(operator.sub, map(_version_of, bufs), self.buffer_versions[r])
+            due.append([
+                mine and (not k0 or m != m0)
+                for mine, k0, m, m0 in zip(kept, kept0, moved, moved0)
+            ])  # fmt: skip
+        return due
+
+    def _replace_buffers(
+        self, now0: List[Any], kept0: List[bool], due: Optional[List[List[bool]]]
+    ) -> None:
         """Buffers replaced on replica 0: None on the others where None there,
         a copy where the shape or dtype changed (values follow in the copy)."""
-        for r in self._all[1:]:
+        for r in range(1, len(self.seen)):
             held = [p.device for p in self.params[r][:1]]
-            for (d, n), b0, new in zip(self.buffer_slots[r], now0, replaced):
+            flags = due[r - 1] if due is not None else repeat(True)
+            for (d, n), b0, same, go in zip(self.buffer_slots[r], now0, kept0, flags):
                 b = d.get(n)
-                if not new or (b is not None and b0 is not None and b.shape == b0.shape
-                               and b.dtype == b0.dtype):  # fmt: skip
+                if same or not go or (b is not None and b0 is not None and b.shape == b0.shape
+                                      and b.dtype == b0.dtype):  # fmt: skip
                     continue
                 device = b.device if b is not None else (held or [None])[0]
                 d[n] = None if b0 is None else b0.detach().to(device, copy=True)
@@ -231,6 +252,12 @@ class ReplicaMirror:
                 for m, flag in zip(mods, training):
                     m.training = flag
             self.training = training
+        classes = list(map(type, self.modules[0]))
+        if not all(map(operator.is_, classes, self.classes)):  # `m.__class__ = Sub` after wrap
+            for mods in self.modules[1:]:
+                for m, cls in zip(mods, classes):
+                    m.__class__ = cls
+            self.classes = classes
         drifted = set()
         new_storage = bool(self.storage.moved())
         if new_storage:  # (the caller copies every parameter: which ones moved is moot)

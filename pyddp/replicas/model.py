@@ -19,7 +19,7 @@ from ..engine.options import Options
 from ..engine.params import assemble, refuse_unready
 from ..engine.reducer import Reducer
 from ..optim.factory import ParamsFn, make_optimizer
-from ..optim.replicated import checked_norm_type, clip_replicas
+from ..optim.replicated import clip_replicas
 from ..optim.shards import clip_sharded, sharded_finite
 from ..runtime.compiled import EagerUnderDynamo
 from ..runtime.devices import DeviceLike, parse_devices, process_devices
@@ -257,7 +257,6 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
         norm: the norm of the full-batch gradient, not sqrt(N) times it. What
         the user did to the gradients since backward counts, as at the step."""
         self._check_open()
-        norm_type = checked_norm_type(norm_type)
         self._reducer.gradients().before_clip()
         if self._reducer.sharded:  # shard="gradients": blocks only
             return clip_sharded(self._reducer.gradients(), max_norm, norm_type)
