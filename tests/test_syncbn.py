@@ -138,6 +138,35 @@ def test_fewer_shards_than_replicas():
         torch.testing.assert_close(q.grad, p.grad, atol=ATOL, rtol=RTOL, msg=name)
 
 
+class _CheckpointedNorm(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.lin, self.norm, self.head = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(
+            lambda t: torch.relu(self.norm(self.lin(t))), x, use_reentrant=self.reentrant
+        )
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_sync_batchnorm_inside_checkpointing_is_refused(reentrant):
+    # Recomputed in backward, where the replicas no longer meet, it fell
+    # back to torch's forward: each replica's own statistics (a gradient 3.8
+    # off one device, reentrant), or torch's errors (a CheckpointError
+    # about shapes; across processes "expected input tensor to be on GPU").
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(_CheckpointedNorm(reentrant))
+    x = torch.randn(8, 4, requires_grad=True)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    with pytest.raises(Exception, match="SyncBatchNorm layer runs inside a backward"):
+        dm(x).pow(2).mean().backward()
+    dm.close()
+
+
 def test_a_failing_replica_breaks_the_meeting_instead_of_hanging():
     class FailsOnReplica1(nn.Module):
         def __init__(self):

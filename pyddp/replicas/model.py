@@ -101,6 +101,8 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
                 on_backward_start=weakref.WeakMethod(self._backward_began) if one else None,
             )
         try:
+            if len(replicas) > 1 and self.devices[0].type == "cpu":  # (before the mirror looks)
+                self._workers.guard_checkpointing(replicas)
             self._mirror = ReplicaMirror(replicas, parts.names) if len(replicas) > 1 else None
             # One replica across processes: no parameter trains unreduced (watch.py).
             self._watch = OneReplicaWatch(self.module, parts.params[0]) if one else None
@@ -309,6 +311,7 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
         self._check_open()
         self._callables = [torch.compile(m, *args, **kwargs) for m in self._replicas]
         self._compiled_replicas = True
+        self._workers.compiled()
 
     def close(self) -> None:
         """Stops the worker threads, removes the gradient hooks and releases the

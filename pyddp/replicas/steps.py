@@ -255,6 +255,7 @@ class ReplicaSteps:
             self._flags.output_in_backward = False
             self._reducer.prepare_all()
         self._follow_model()
+        self._workers.before_forward()  # (transformers' gradient checkpointing: in turn)
         if torch.is_grad_enabled():
             # torch DDP's rule: any synced forward with grad enabled, in
             # eval mode too (frozen BatchNorm fine-tuning).

@@ -284,6 +284,13 @@ class BoundSyncBatchNorm(nn.SyncBatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         binding = self.__dict__.get("_pyddp_binding")
         if binding is None or not (binding.meeting.active and self.training):
+            if binding is not None and self.training and torch._C._current_graph_task_id() != -1:
+                raise RuntimeError(
+                    "pyddp: a SyncBatchNorm layer runs inside a backward: activation "
+                    "checkpointing recomputes it there, where the replicas no longer meet, so "
+                    "its statistics (and gradients) would be each replica's own. Keep "
+                    "SyncBatchNorm layers out of checkpointed segments"
+                )
             return super().forward(input)
         return _global_forward(self, input, binding.r, binding.meeting)
 

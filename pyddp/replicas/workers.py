@@ -19,7 +19,9 @@ fixed order)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
@@ -62,6 +64,13 @@ class ReplicaWorkers:
 
         self.mode = "threads"
         self._choice = _Choice()
+        self.running = "threads"  # how the run under way runs
+        self._meet = False
+        self._checkpointing: List[Any] = []  # transformers' layers with the flag
+        self._guards: List[Any] = []  # hooks on the replicas' Dropout layers
+        self._guarded = False  # CPU replicas: guard_checkpointing
+        self._probe = False  # "auto": the first forward runs in turn, looking for checkpointing
+        self._spotted = False
 
     def set_mode(
         self,
@@ -86,6 +95,56 @@ class ReplicaWorkers:
             raise ValueError(f"run_replicas='in_turn': {why}; use 'auto' or 'threads'")
         self.mode = "threads" if why else mode
         self._choice = _Choice()
+        self._meet = bool(why)
+        self._probe = self._guarded and self.mode == "auto"  # (threads if they meet)
+
+    def guard_checkpointing(self, replicas: Sequence[torch.nn.Module]) -> None:
+        """CPU replicas: activation checkpointing recomputes a segment's
+        forward in backward with torch's CPU generator set back to its state
+        at the forward, and replicas on threads share that generator, so a
+        Dropout there would draw other masks than the forward's (wrong
+        gradients, silently). Under "auto", a transformers model with
+        gradient checkpointing on runs in turn (before_forward), as does a
+        model whose first forward (run in turn, _probed) calls torch's
+        checkpoint; under "threads" (chosen, or for SyncBatchNorm) a Dropout
+        layer run inside a checkpointed forward or a recompute raises (other
+        randomness there, torch.rand, is not seen). In turn the replicas
+        draw one after another: exact. The hooks are removed at close()."""
+        self._guarded = True  # (set_mode: the first forward's look under "auto")
+        self._checkpointing = [m for m in replicas[0].modules() if _flag(m) is not None]
+        self._guards = [
+            m.register_forward_pre_hook(self._dropout_in_checkpoint)
+            for replica in replicas
+            for m in replica.modules()
+            if isinstance(m, torch.nn.modules.dropout._DropoutNd)
+        ]
+
+    def compiled(self) -> None:
+        """The replicas are compiled: their forwards hide their callers from
+        the first forward's look for checkpointing (and tracing it would
+        change their graphs)."""
+        self._probe = False
+
+    def before_forward(self) -> None:
+        if self.mode == "auto" and not self._meet and any(map(_flag, self._checkpointing)):
+            self.mode = "in_turn"  # gradient_checkpointing_enable() (see guard_checkpointing)
+
+    def _dropout_in_checkpoint(self, module: torch.nn.Module, args: Any) -> None:
+        if self.running == "in_turn" or not module.training or not module.p:
+            return
+        if torch.compiler.is_compiling():
+            return  # (traced away: no graph break in a compiled replica)
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        checkpointed = hooks is not None and "checkpoint" in getattr(hooks[0], "__qualname__", "")
+        if checkpointed or torch._C._current_graph_task_id() != -1:  # (a recompute in backward)
+            raise RuntimeError(
+                "pyddp: a Dropout layer runs inside activation checkpointing on CPU replicas "
+                "running on threads: the recompute in backward sets torch's CPU generator back "
+                "to its state at the forward, which the replicas share, so it would draw other "
+                "masks than the forward did (wrong gradients). Wrap with run_replicas='in_turn' "
+                "(the replicas then draw one after another and recompute exactly), or turn "
+                "dropout off in the checkpointed layers"
+            )
 
     def choices(self) -> Dict[str, str]:
         """How each kind of work runs now: "threads", "in_turn", or "trying"
@@ -115,15 +174,40 @@ class ReplicaWorkers:
         # "auto" times the runs of every replica, and the runs of one where
         # its caller asked how the next runs (the optimizer's step once, in
         # a trial in turn): not a forward that reached replica 0 alone.
+        if self._probe and what.startswith("forward") and len(fns) > 1:
+            return self._probed(fns, what)
         if self.mode == "auto" and (len(fns) > 1 or what in self._choice.announced):
-            how = self._choice.next(what)
+            how = self.running = self._choice.next(what)
             start = time.perf_counter()
             results = self._in_turn(fns, what) if how == "in_turn" else self._threads(fns, what)
             self._choice.took(what, how, time.perf_counter() - start)
             return results
         if len(fns) < 2 or self.mode == "threads":
+            self.running = "threads"
             return self._threads(fns, what)
+        self.running = "in_turn"
         return self._in_turn(fns, what)
+
+    def _probed(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
+        """The first forward under "auto", in turn, with a hook on every
+        module's forward looking for torch's checkpoint among its callers:
+        found, every run is in turn from now on (guard_checkpointing)."""
+        self._probe, self.running = False, "in_turn"
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(self._spot)
+        try:
+            return self._in_turn(fns, what)
+        finally:
+            handle.remove()
+            if self._spotted:
+                self.mode = "in_turn"
+
+    def _spot(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # (traced away: no graph break in a compiled replica)
+        frame = sys._getframe(1)
+        while frame is not None and not self._spotted:
+            self._spotted = frame.f_code.co_filename.endswith(_CHECKPOINT_FILE)
+            frame = frame.f_back
 
     def _in_turn(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
         """Every replica's work on the caller's thread, in replica order, at
@@ -202,9 +286,21 @@ class ReplicaWorkers:
                 torch.set_num_threads(caller_threads)
 
     def close(self, wait: bool = True) -> None:
+        for handle in self._guards:
+            handle.remove()
+        self._guards = []
         for pool in self._pools:
             pool.shutdown(wait=wait)  # wait=False: safe from any thread (a collection)
         self._pools = []
+
+
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def _flag(module: torch.nn.Module) -> Any:
+    """transformers' gradient_checkpointing flag on a layer, or None."""
+    flag = module.__dict__.get("gradient_checkpointing")
+    return flag if isinstance(flag, bool) else None
 
 
 def _init_worker(threads: Optional[int], device: Optional[torch.device]) -> None:

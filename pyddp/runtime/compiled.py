@@ -69,3 +69,4 @@ def _compile_through_wrapper(model: Any, optimized: type) -> None:
         return
     model._callables = [ctx(replica) for replica in model._replicas]
     model._compiled_replicas = True
+    model._workers.compiled()
