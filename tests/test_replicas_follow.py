@@ -1337,3 +1337,26 @@ def test_values_changed_between_steps_of_a_dmodel_optimizer_reach_every_replica(
             m.load_state_dict({k: v + 0.25 for k, v in m.state_dict().items()})
     _train_both(dm, ref, opt, ref_opt, data(4)[2:])
     _same_as_one_device(model, ref, dm)
+
+
+@pytest.mark.parametrize("shard", [False, True, "gradients"])
+def test_an_optimizer_made_after_a_backward_steps_on_its_gradients(shard):
+    # shard="gradients" made after a backward: the held (reduced) gradients
+    # were copied into fresh buckets that the step never read (0.278 off one
+    # device after one step); now each replica's slice goes into its block.
+    torch.manual_seed(0)
+    model = Net(norm=False)
+    model.drop.p = 0.0
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    ((x, y),) = data(1)
+    F.cross_entropy(dm(x), y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    opt = dm.optimizer(torch.optim.SGD, lr=0.5, momentum=0.9, shard=shard)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    _train_both(dm, ref, opt, ref_opt, data(3)[1:])
+    _same_as_one_device(model, ref, dm)

@@ -267,7 +267,8 @@ class Scattered:
                         blocks[b][lo - base : hi - base].zero_()
 
     def take_assigned(self) -> None:
-        """At the step, after reconcile: a gradient assigned on replica 0 to
+        """At the step, after reconcile: gradients held in buckets (below),
+        then a gradient assigned on replica 0 to
         a parameter the blocks hold none for (before any backward since
         zero_grad(): torch.distributed.checkpoint's get_optimizer_state_dict
         steps a fresh optimizer once on zeros to make its state; or to one
@@ -279,6 +280,16 @@ class Scattered:
         grads = list(map(operator.attrgetter("grad"), params))
         if all(map(operator.is_, grads, repeat(None))):
             return  # the steady state: reconcile took every placeholder (C-level)
+        if any(f is not None for flats in self.layout.flat for f in flats):
+            # Buckets held since this optimizer was made after a synced backward
+            # (BucketLayout._allocate_scattered; a step under no_sync() is
+            # refused before): the reduced gradient, whose slice is each
+            # replica's block, as a reduce-scatter would have left it.
+            had = [g is not None and g is views[i] for i, g in enumerate(grads)]
+            self._landing = [[False] * len(self.buckets) for _ in self.blocks]  # (none ran)
+            self.release_all()
+            self.present = list(map(operator.or_, self.present, had))
+            grads = list(map(operator.attrgetter("grad"), params))
         taken = [
             i
             for i, g in enumerate(grads)
