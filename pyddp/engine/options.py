@@ -81,7 +81,10 @@ class Options:
     (dmodel.run_replicas() says which); tried again when a kind first runs
     after the choice (a backward after a validation pass, a new optimizer). Replicas
     on several GPUs and SyncBatchNorm (whose replicas meet inside forward
-    and backward) always run on threads."""
+    and backward) always run on threads. CPU replicas under "auto" run in
+    turn for good once activation checkpointing is seen (the first forward,
+    run in turn, looks for it; transformers' flag at every forward): their
+    recomputed randomness is exact only in turn (docs/semantics.md)."""
     follow_unfreezing: bool = False
     """wrap: parameters frozen at wrap (requires_grad=False) get a place in
     the buckets too, as if frozen just after wrap, so unfreezing them later
