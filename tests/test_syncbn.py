@@ -167,6 +167,18 @@ def test_a_sync_batchnorm_inside_checkpointing_is_refused(reentrant):
     dm.close()
 
 
+def test_compiling_sync_batchnorm_as_one_whole_graph_is_refused_by_name():
+    # dynamo's own error named "a Condition context manager" (the replicas'
+    # meeting); without fullgraph the layers break the graph and work.
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(
+        nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    )
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"compile\(fullgraph=True\) cannot compile SyncBatchNorm"):
+        dm.compile(backend="eager", fullgraph=True)
+    dm.close()
+
+
 def test_a_failing_replica_breaks_the_meeting_instead_of_hanging():
     class FailsOnReplica1(nn.Module):
         def __init__(self):

@@ -30,7 +30,7 @@ from .mirror import ReplicaMirror, planned_as_trainable, replica_copies
 from .scatter import batch_size
 from .staged import StagedBuffers
 from .steps import ReplicaSteps, StepFlags, release
-from .syncbn import SyncBatchNorms, sync_layers
+from .syncbn import SyncBatchNorms, refuse_full_graph, sync_layers
 from .uneven import STAGE2_UNDER_JOIN, Joinable, Joining
 from .watch import OneReplicaWatch
 from .workers import ReplicaWorkers
@@ -304,11 +304,11 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
         return result
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """Runs every replica through `torch.compile(replica, *args, **kwargs)`
-        from now on; the scatter, threads and gather stay eager, and calling
-        `.module` directly stays uncompiled. Equivalent to wrapping a compiled
-        model, and to `torch.compile(dmodel, ...)` (runtime/compiled.py)."""
+        """Every replica through `torch.compile(replica, *args, **kwargs)` from now on
+        (scatter, threads and gather stay eager; `.module` alone stays uncompiled):
+        as wrapping a compiled model, or `torch.compile(dmodel, ...)` (runtime/compiled.py)."""
         self._check_open()
+        refuse_full_graph(self._syncbn, kwargs)
         self._callables = [torch.compile(m, *args, **kwargs) for m in self._replicas]
         self._compiled_replicas = True
         self._workers.compiled()

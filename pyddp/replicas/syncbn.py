@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -418,3 +418,15 @@ class SyncBatchNorms:
         self._bound = []
         if self.backend is not None:
             self.backend.close()
+
+
+def refuse_full_graph(bound: Optional[SyncBatchNorms], options: Dict[str, Any]) -> None:
+    """dmodel.compile(fullgraph=True) with SyncBatchNorm layers: refused by name
+    (dynamo's own error names a Condition context manager, pyddp's meeting)."""
+    if bound is not None and options.get("fullgraph"):
+        raise ValueError(
+            "pyddp: dmodel.compile(fullgraph=True) cannot compile SyncBatchNorm layers: their "
+            "replicas meet inside the forward (each waits for the others' statistics), which "
+            "one whole graph cannot hold. Compile without fullgraph=True: the graph breaks at "
+            "those layers and the rest compiles"
+        )
