@@ -269,12 +269,13 @@ def test_a_reset_of_the_optimizer_state_reaches_every_replica(how, run_replicas,
     _same_as_one_device(model, ref, dm)
 
 
-def _adam_against_one_device(run_replicas, shard):
-    """Net without dropout on 2 CPU replicas and a copy on one device, each
-    with Adam (lr 0.05): model, ref, dm, opt, ref_opt."""
+def _adam_against_one_device(run_replicas, shard, model=None):
+    """`model` (else Net without dropout) on 2 CPU replicas and a copy on
+    one device, each with Adam (lr 0.05): model, ref, dm, opt, ref_opt."""
     torch.manual_seed(0)
-    model = Net(norm=False)
-    model.drop.p = 0.0
+    if model is None:
+        model = Net(norm=False)
+        model.drop.p = 0.0
     ref = copy.deepcopy(model)
     dm = pyddp.wrap(model, ["cpu", "cpu"], run_replicas=run_replicas)
     opt = dm.optimizer(torch.optim.Adam, lr=0.05, shard=shard)
@@ -1290,11 +1291,7 @@ def test_a_gradient_assigned_to_a_parameter_backward_left_without_one_is_stepped
     # without one (a branch unused this step) was silently not stepped
     # (0.1 off one device after 2 Adam steps).
     torch.manual_seed(0)
-    model = _OneBranchUnused()
-    ref = copy.deepcopy(model)
-    dm = pyddp.wrap(model, ["cpu", "cpu"])
-    opt = dm.optimizer(torch.optim.Adam, lr=0.05, shard=shard)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
+    model, ref, dm, opt, ref_opt = _adam_against_one_device("auto", shard, _OneBranchUnused())
     x, y = torch.randn(6, 4), torch.randn(6, 2)
     for _ in range(2):
         for m, fwd, o in ((model, dm, opt), (ref, ref, ref_opt)):
