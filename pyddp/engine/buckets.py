@@ -315,17 +315,16 @@ class BucketLayout:
             self.params[r][i].grad = None
             self._handed[r][i] = self._handed[0][i] = True
 
-    def follow_resets(self, engine: Any) -> None:
+    def follow_resets(self, engine: Any, forward: bool = False, guard: bool = False) -> None:
         """Once per reduction, before any replica accumulates on it, where
-        every replica keeps a copy of it (op="avg": each the mean): replica
-        0's gradients reset by the user since (torch's `model.zero_grad()`)
-        are reset on every replica, or the others would add the old
-        reduction into the next one. Sharded gradients: what the user did to
-        replica 0's placeholders (scattered.py)."""
+        every replica keeps a copy of it (op="avg": each the mean): replica 0's
+        gradients reset by the user since (torch's `model.zero_grad()`) are reset
+        on every replica, or the others would add the old reduction into the next.
+        Sharded gradients: what the user did to replica 0's placeholders
+        (scattered.py), at the start of backward (`forward`: guarded, if `guard`)."""
         with self._resets_lock:  # prepare(r) runs in each replica's forward
             if self.scattered is not None:
-                self.scattered.reconcile(before_step=False)  # replica 0's placeholders
-                return
+                return self.scattered.guard(guard) if forward else self.scattered.reconcile(False)
             if len(self.flat) > 1 and all(
                 engine.holds_reduced_copy(r) for r in range(len(self.flat))
             ):

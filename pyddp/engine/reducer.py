@@ -14,7 +14,7 @@ step, one state machine:
     no_sync() / shadow_backward() / abort() / reattach()   the detours
 
 No "is there another process" branches: one process has a link that does nothing.
-The wrapped model drives it (faces.ReplicaDriver), the optimizers see `gradients()`."""
+The model drives it (faces.ReplicaDriver), the optimizers see `gradients()`."""
 
 from __future__ import annotations
 
@@ -137,9 +137,8 @@ class Reducer:
 
     @property
     def buckets(self) -> List[List[int]]:
-        if self._engine is None:
-            return [list(range(len(self._names)))]
-        return [list(b) for b in self._engine.buckets]
+        one = [range(len(self._names))] if self._engine is None else None
+        return [list(b) for b in one or self._engine.buckets]
 
     def flat_grads(self, replica: int) -> List[Any]:
         if self._engine is None:  # the gradients themselves: in-place ops must reach them
@@ -162,7 +161,7 @@ class Reducer:
             self._layout.hot.refresh(replica)
         if self._engine.failed and gradients_cleared(self._layout):
             self._engine.clear_failed()  # torch's zero_grad, or one per part of the model
-        self._follow_resets()
+        self._follow_resets(forward=True)
         self._clear_reduced_copy(replica)
 
     def compare_settings(self) -> None:
@@ -170,11 +169,13 @@ class Reducer:
         if self._engine is not None and self._engine.sync_enabled:
             self._link.compare_due()
 
-    def _follow_resets(self) -> None:
-        # Every replica keeps a copy of the last reduction (op="avg": the
-        # mean), or its placeholders tell the user's resets (sharded gradients).
+    def _follow_resets(self, forward: bool = False) -> None:
+        # Every replica keeps a copy of the last reduction (op="avg": the mean), or
+        # placeholders tell the user's resets (sharded gradients: read as backward
+        # starts, so resets after the forward count; scattered.Scattered.guard).
         if self._engine.scatter_ranks or self._op == "avg":
-            self._layout.follow_resets(self._engine)
+            guard = self._on_backward_start is not None  # a backward may skip the outputs
+            self._layout.follow_resets(self._engine, forward, guard)
 
     def _clear_reduced_copy(self, replica: int, fence: bool = False) -> None:
         """Drops replica `replica`'s copy of the last reduction, if it holds one.
@@ -193,10 +194,10 @@ class Reducer:
         self._layout.zero(replica, copy_dropped=True)
 
     def restart_accumulation(self) -> None:
-        """At the start of a backward: the user's resets within a no_sync()
-        accumulation are followed (ending.Window); replicas whose copy of the
-        last reduction is still there (retain_graph=True, no forward between)
-        clear it, as prepare does, so the sum over replicas stays exact."""
+        """At the start of a backward: the user's resets since the forward or
+        within a no_sync() accumulation are followed (ending.Window); replicas
+        whose copy of the last reduction is still there (retain_graph=True, no
+        forward between) clear it, as prepare does: the sum stays exact."""
         if self._engine is None:
             return
         self._layout.window.follow_resets(self._layout)
@@ -430,8 +431,7 @@ class Reducer:
 
     def _link_usable(self) -> bool:
         try:
-            self._link.check_usable()
-            return True
+            return self._link.check_usable() or True
         except ProcessGroupError:
             return False  # it failed already, and said so where it happened
 

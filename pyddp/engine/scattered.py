@@ -28,10 +28,12 @@ gradient is reset; any other tensor assigned is refused at the step (it
 could not hold the reduced values). After the step the placeholders are
 set again, so a reset before the next forward (torch's `model.zero_grad()`)
 is seen too; left alone, the next backward adds to the blocks, as one
-device adds to `.grad`. They are removed before each backward (autograd
-cannot accumulate into them); a tensor assigned there then becomes the
-parameter's gradient, as on one device. zero_grad() through pyddp (the
-optimizer's, dmodel's, the Trainer's) resets everything at once."""
+device adds to `.grad`. They stay on through the forward, so a reset
+between it and the backward is seen too, and come off as the backward
+starts, before autograd accumulates into them (it cannot; guard); a
+tensor assigned by then becomes the parameter's gradient, as on one device.
+zero_grad() through pyddp (the optimizer's, dmodel's, the Trainer's) resets
+everything at once."""
 
 from __future__ import annotations
 
@@ -97,6 +99,7 @@ class Scattered:
         self.present = [False] * len(params)  # holds a gradient (the step steps it)
         self._cache: List[Optional[torch.Tensor]] = [None] * len(params)
         self._placed = False  # some placeholder is out (reconcile has work)
+        self._guards: List[Any] = []  # hooks on replica 0's parameters (guard)
         # Per replica: its hooks allocate its buckets while another replica's
         # hook (or the main thread) frees them; replicas never wait on each
         # other's allocations.
@@ -178,7 +181,10 @@ class Scattered:
                 self.release(r, b)
 
     def release_all(self) -> None:
-        """At the end of a synced backward: every bucket still held."""
+        """At the end of a synced backward: every bucket still held (the
+        placeholders no gradient reached in it reconciled first)."""
+        self.reconcile(before_step=False)
+        self.unguard()
         for r in range(len(self.blocks)):
             for b in range(len(self.buckets)):
                 self.release(r, b)
@@ -192,6 +198,7 @@ class Scattered:
         self.markers = [None] * len(self.markers)
         self._placed = False
         self.present = [False] * len(self.present)
+        self.unguard()
 
     def zero(self, r: int) -> None:
         with torch.no_grad():
@@ -219,11 +226,35 @@ class Scattered:
                 self.markers[i], self._marker_versions[i] = marker, marker._version
                 self._placed = True
 
+    def guard(self, needed: bool) -> None:
+        """At a forward: the placeholders stay on until the backward starts,
+        so a reset in between counts. Where a backward may start past the
+        outputs (one replica in the process: `needed`), hooks on their
+        parameters, which run before autograd accumulates into `.grad`,
+        reconcile at the first one's gradient (they stay, idle, until the
+        backward ends: unguard)."""
+        if not needed or not self._placed or self._guards:
+            return
+        params = self.layout.params[0]
+        for i in (i for i, marker in enumerate(self.markers) if marker is not None):
+            self._guards.append(params[i].register_hook(self._arrived))
+
+    def _arrived(self, grad: torch.Tensor) -> None:
+        self.reconcile(before_step=False)
+
+    def unguard(self) -> None:
+        """Removes guard's hooks (never from within one: autograd walks them)."""
+        for handle in self._guards:
+            handle.remove()
+        self._guards.clear()
+
     def reconcile(self, before_step: bool) -> None:
         """What the user did to replica 0's placeholders (see the module's
         docstring), applied to every replica's blocks; the placeholders
         are removed. `before_step`: at the step (a tensor assigned is
         refused) rather than before a backward (it becomes the gradient)."""
+        if before_step:
+            self.unguard()
         if not self._placed:
             return
         self._placed = False
