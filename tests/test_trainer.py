@@ -6,6 +6,7 @@ mid-checkpoint-write, while the loader winds down) and bitwise resume after it."
 
 import functools
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -628,6 +629,64 @@ def test_fit_again_after_an_abort_redoes_dropout_draws_and_the_steps_validation(
             assert torch.equal(p, q)
 
 
+class _Recorder(pyddp.Callback):
+    """Records every event it gets; `stop` (a _RaiseAt) is called at `hook`'s."""
+
+    def __init__(self, hook=None, stop=None):
+        self.hook, self.stop, self.events = hook, stop, []
+
+    def _record(self, name, metrics):
+        if name == self.hook:
+            self.stop()
+        self.events.append((name, metrics.get("step")))
+
+    def on_step_end(self, trainer, metrics):
+        self._record("on_step_end", metrics)
+
+    def on_epoch_end(self, trainer, metrics):
+        self._record("on_epoch_end", metrics)
+
+    def on_validation_end(self, trainer, metrics):
+        self._record("on_validation_end", metrics)
+
+
+@pytest.mark.parametrize("hook", ["on_step_end", "on_epoch_end", "on_validation_end"])
+def test_fit_again_after_an_abort_in_a_callback_gives_every_callback_each_event_once(
+    tmp_path, hook
+):
+    """A second Ctrl-C landing in a callback at a step's or an epoch's end
+    (a user's, which runs before the metrics logger): the next fit() skipped
+    that boundary's validation (on_step_end, on_epoch_end) or its logged lines
+    (the callbacks after the one that raised never got the event). Now the
+    history, the events each callback gets and the metrics files are the
+    uninterrupted run's; the callback that raised gets the event again."""
+    x, y = data(40)
+
+    def run(out, first):
+        after = _Recorder()
+        cfg = pyddp.TrainConfig(batch_size=8, max_epochs=2, eval_every_steps=2, progress=False,
+                                output_dir=out)  # fmt: skip
+        with pyddp.Trainer(model(), ["cpu", "cpu"], optimizer=SGD, loss_fn=F.cross_entropy,
+                           config=cfg, callbacks=[first, after]) as t:  # fmt: skip
+            try:
+                t.fit((x, y), (x[:16], y[:16]))
+            except KeyboardInterrupt:
+                t.fit((x, y), (x[:16], y[:16]))
+            files = [(out / name).read_text() for name in ("metrics.jsonl", "metrics.csv")]
+            return t.state.history, after.events, first.events, files
+
+    full = run(tmp_path / "full", _Recorder())
+    at = {"on_step_end": 4, "on_epoch_end": 1, "on_validation_end": 2}[hook]
+    cut = run(tmp_path / "cut", _Recorder(hook, _RaiseAt(at)))
+    assert cut[0] == full[0]
+    assert cut[1] == full[1]  # the callback after the one that raised: each event once
+    assert cut[2] == full[2]  # (it raised before recording; called again, it records)
+    jsonl = [[{k: v for k, v in json.loads(line).items() if k != "engine"} for line in
+              f.splitlines()] for f in (cut[3][0], full[3][0])]  # fmt: skip
+    assert jsonl[0] == jsonl[1]
+    assert cut[3][1] == full[3][1]
+
+
 _SCRIPT = """
 import functools, os, signal, sys, threading
 import torch, torch.nn.functional as F
@@ -909,3 +968,37 @@ def test_the_fp16_loss_scaler_keeps_skipping_overflows_at_any_scale():
     off = LossScaler(enabled=False)  # (fp32 or bf16: a saved scale is not applied)
     off.load_state_dict({"scale": 1024.0, "clean_steps": 3})
     assert not off.enabled and off.scale == 1.0
+
+
+def test_a_run_stopping_at_an_epochs_last_step_ends_that_epoch_and_resumes_bitwise(tmp_path):
+    """max_steps falling on an epoch's last step: the epoch's end (its
+    scheduler step, on_epoch_end, its validation) never ran (epoch 0, no
+    validation, no best model where max_epochs=1 gave them, the same
+    weights). Now as max_epochs=1; and a run resumed from that stop to
+    max_steps=10 is the uninterrupted one, bitwise."""
+    x, y = data(40)  # 5 batches of 8
+    epochs = _Recorder()
+
+    def run(out=None, callbacks=(), **limits):
+        cfg = pyddp.TrainConfig(batch_size=8, eval_every_epochs=1, scheduler_interval="epoch",
+                                output_dir=out, progress=False, **limits)  # fmt: skip
+        step_lr = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+        t = pyddp.Trainer(model(), ["cpu", "cpu"], optimizer=SGD, loss_fn=F.cross_entropy,
+                          config=cfg, callbacks=list(callbacks), scheduler=step_lr)  # fmt: skip
+        with t:
+            t.fit((x, y), (x[:16], y[:16]))
+        return t
+
+    by_epochs = run(max_epochs=1)
+    by_steps = run(max_epochs=None, max_steps=5, callbacks=[epochs])
+    assert (by_steps.state.epoch, by_steps.state.step) == (1, 5)
+    assert by_steps.state.history == by_epochs.state.history and len(by_steps.state.history) == 1
+    assert by_steps.best_state_dict is not None
+    assert by_steps.optimizer.param_groups[0]["lr"] == by_epochs.optimizer.param_groups[0]["lr"]
+    assert ("on_epoch_end", 5) in epochs.events
+    straight = run(max_epochs=None, max_steps=10)
+    run(tmp_path, max_epochs=None, max_steps=5)
+    resumed = run(tmp_path, max_epochs=None, max_steps=10)
+    assert resumed.state.history == straight.state.history
+    for p, q in zip(resumed.model.module.parameters(), straight.model.module.parameters()):
+        assert torch.equal(p, q)

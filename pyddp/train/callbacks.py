@@ -39,6 +39,22 @@ class Callback:
     def on_checkpoint(self, trainer: TrainerView, path: Path) -> None: ...
 
 
+class Emission:
+    """One event's calls to the callbacks, in order, resumable: `done` of
+    them returned. One cut short (a second Ctrl-C landing in a callback) is
+    finished when the next fit() redoes its step's or epoch's end, from the
+    callback that raised: no callback misses the event, none that returned
+    gets it twice (the metrics logger writes each step once)."""
+
+    def __init__(self, hook: str, *args: Any) -> None:
+        self.hook, self.args, self.done = hook, args, 0
+
+    def run(self, trainer: Any, callbacks: List[Callback]) -> None:
+        while self.done < len(callbacks):
+            getattr(callbacks[self.done], self.hook)(trainer, *self.args)
+            self.done += 1
+
+
 class ProgressBar(Callback):
     """One tqdm bar per epoch with the running loss."""
 
@@ -99,6 +115,7 @@ class MetricsLogger(Callback):
         self.jsonl = self.directory / self.JSONL
         self.csv = self.directory / self.CSV
         self._csv_fields: Optional[List[str]] = None
+        self._csv_rows = 0  # rows of the history the CSV holds
 
     def on_train_start(self, trainer: TrainerView) -> None:
         with SafeDir.open(self.directory) as folder:
@@ -113,13 +130,17 @@ class MetricsLogger(Callback):
     def on_validation_end(self, trainer: TrainerView, metrics: Dict[str, Any]) -> None:
         with SafeDir.open(self.directory) as folder:
             folder.append(self.JSONL, json.dumps(dict(metrics, kind="valid")) + "\n")
+            history = trainer.state.history  # holds this row (already in the CSV
+            new = history[self._csv_rows :]  # if fit() rewrote it since: a redone event)
             if self._csv_fields is None or any(k not in self._csv_fields for k in metrics):
-                self._rewrite_csv(folder, trainer.state.history)  # holds this row too
-            else:
-                folder.append(self.CSV, _csv_text(self._csv_fields, [metrics], header=False))
+                self._rewrite_csv(folder, history)
+            elif new:
+                folder.append(self.CSV, _csv_text(self._csv_fields, new, header=False))
+                self._csv_rows = len(history)
 
     def _rewrite_csv(self, folder: SafeDir, rows: List[Dict[str, Any]]) -> None:
         self._csv_fields = _csv_fields(rows) if rows else None
+        self._csv_rows = len(rows)
         if not rows and not folder.check(self.CSV):
             return  # nothing to write, nothing to clear
         text = _csv_text(self._csv_fields, rows, header=True) if rows else ""

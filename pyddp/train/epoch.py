@@ -18,6 +18,7 @@ from .._link import exchange
 from .._link.control import Ranks
 from ..errors import ReduceError, ReplicaError, TrainingError
 from ..replicas.model import DistributedModel
+from .callbacks import Emission
 from .checkpoints.run_files import RunFiles
 from .checkpoints.saving import save_atomic
 from .config import TrainConfig
@@ -51,11 +52,12 @@ class EpochHost(Protocol):
     _window: Optional[int]
     _window_rng: Any  # rng.rng_states at the open window's start
     _boundary_due: Optional[tuple]  # _boundary's arguments while it runs
+    _validation_end: Optional[Emission]  # while its callbacks are called
 
     def _checkpoint(self) -> None: ...
     def _evaluate(self, data: Any, across_ranks: bool) -> Dict[str, float]: ...
     def _autocast(self) -> contextlib.AbstractContextManager: ...
-    def _emit(self, hook: str, *args: Any) -> None: ...
+    def _emit(self, hook: Any, *args: Any) -> None: ...
 
 
 class EpochLoop:
@@ -79,10 +81,11 @@ class EpochLoop:
                     # The loader's rows are the global batch's (not, where each
                     # rank draws its own from a DistributedSampler, this rank's).
                     known = rows if loader.rows_global else None
-                    if self._micro_batch(
+                    stop = self._micro_batch(
                         shards, rows / total, known, k == len(items) - 1, valid_data
-                    ):
-                        return
+                    )
+                    if stop and state.batch_in_epoch < n_batches:
+                        return  # (a stop at the epoch's last step ends the epoch first)
         state.epoch += 1
         state.batch_in_epoch = 0
         if self.scheduler is not None and cfg.scheduler_interval == "epoch":
@@ -92,7 +95,6 @@ class EpochLoop:
                 warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step",
                                         UserWarning)  # fmt: skip
                 self.scheduler.step()
-        self._emit("on_epoch_end", {"epoch": state.epoch, "step": state.step})
         self._boundary(
             valid_data,
             state.epoch,
@@ -100,6 +102,7 @@ class EpochLoop:
             cfg.checkpoint_every_epochs,
             cfg.max_epochs,
             "max_epochs",
+            Emission("on_epoch_end", {"epoch": state.epoch, "step": state.step}),
         )
 
     def _micro_batch(
@@ -142,7 +145,6 @@ class EpochLoop:
         }
         self._window_loss.zero_()
         state.train_losses.append(metrics["train_loss"])
-        self._emit("on_step_end", metrics)
         self._after_step(valid_data, metrics)
         return state.stop_reason is not None
 
@@ -189,6 +191,7 @@ class EpochLoop:
             cfg.checkpoint_every_steps,
             cfg.max_steps,
             "max_steps",
+            Emission("on_step_end", metrics),
         )
         stop = self._ctrl_c.stop_requested
         # A Ctrl-C on any rank stops every rank at this step.
@@ -204,14 +207,17 @@ class EpochLoop:
         checkpoint_every: Optional[int],
         limit: Optional[int],
         reason: str,
+        event: Emission,
     ) -> None:
-        """End of a step or an epoch (`count` of them done): validate and
-        checkpoint when due, stop at the limit. Until done, the next fit()
-        redoes it (an exception left fit() in it: a second Ctrl-C, a metric
-        that raised), so no validation is skipped."""
+        """End of a step or an epoch (`count` of them done): its `event` to the
+        callbacks, validate and checkpoint when due, stop at the limit. Until
+        done, the next fit() redoes it (an exception left fit() in it: a second
+        Ctrl-C, a metric or callback that raised), so no validation, nor any
+        callback's event (logged lines), is skipped."""
         state = self.state
         self._boundary_due = (state.step, state.epoch, count, eval_every, checkpoint_every, limit,
-                              reason)  # fmt: skip
+                              reason, event)  # fmt: skip
+        self._emit(event)
         if (
             valid_data is not None
             and eval_every
@@ -219,6 +225,9 @@ class EpochLoop:
             and not state.validated_here
         ):  # not twice for one model, also across a resume
             self._validate(valid_data)
+        elif self._validation_end is not None:  # a redo: its callbacks not all called
+            self._emit(self._validation_end)
+        self._validation_end = None
         if self.output_dir is not None and checkpoint_every and count % checkpoint_every == 0:
             self._checkpoint()
         if limit is not None and count >= limit:
@@ -237,4 +246,5 @@ class EpochLoop:
             if self._files is not None:  # rank 0 writes; every rank hears how it went
                 best_pt = self.output_dir / "best.pt"
                 self._files.on_rank_0(lambda: save_atomic(self.best_state_dict, best_pt), _BEST)
-        self._emit("on_validation_end", row)
+        self._validation_end = Emission("on_validation_end", row)
+        self._emit(self._validation_end)

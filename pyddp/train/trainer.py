@@ -22,7 +22,7 @@ from ..errors import TrainingError
 from ..replicas.model import wrap
 from ..runtime.devices import DeviceLike
 from .arguments import check_arguments, optimizer_spec, qualname
-from .callbacks import Callback, MetricsLogger, ProgressBar
+from .callbacks import Callback, Emission, MetricsLogger, ProgressBar
 from .checkpoints.identity import run_signature
 from .checkpoints.resume import TrainerCheckpoints
 from .checkpoints.run_files import RunFiles
@@ -163,6 +163,7 @@ class Trainer(EpochLoop, TrainerCheckpoints):
         self._window_rng: Any = None
         self._interrupted_in: Optional[str] = None
         self._boundary_due: Optional[tuple] = None
+        self._validation_end: Optional[Emission] = None
         scheduler_class = type(self.scheduler) if self.scheduler is not None else None
         self._files = (
             None
@@ -389,6 +390,6 @@ class Trainer(EpochLoop, TrainerCheckpoints):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         return torch.autocast(self.model.devices[0].type, dtype=dtype)
 
-    def _emit(self, hook: str, *args: Any) -> None:
-        for cb in self.callbacks:
-            getattr(cb, hook)(self, *args)
+    def _emit(self, hook: Any, *args: Any) -> None:
+        """Every callback's `hook` (a name, or a resumable callbacks.Emission)."""
+        (hook if isinstance(hook, Emission) else Emission(hook, *args)).run(self, self.callbacks)

@@ -42,11 +42,12 @@ class CheckpointsHost(Protocol):
     _scaler: LossScaler
     _files: Optional[RunFiles]  # None without output_dir
     _window_rng: Any  # rng.rng_states at the open window's start (epoch.py)
+    _validation_end: Any  # a callbacks.Emission (epoch.py)
 
-    def _emit(self, hook: str, *args: Any) -> None: ...
+    def _emit(self, hook: Any, *args: Any) -> None: ...
     def _boundary(
         self, valid_data: Any, count: int, eval_every: Optional[int],
-        checkpoint_every: Optional[int], limit: Optional[int], reason: str,
+        checkpoint_every: Optional[int], limit: Optional[int], reason: str, event: Any,
     ) -> None: ...  # fmt: skip
 
 
@@ -146,6 +147,7 @@ class TrainerCheckpoints:
         due, self._boundary_due = self._boundary_due, None
         if due is not None and due[:2] == (self.state.step, self.state.epoch):
             self._boundary(valid_data, *due[2:])
+        self._validation_end = None
 
     def _data_signature(self, train_data: Any, batches: int) -> Tuple[Dict[str, str], List[str]]:
         """What the run depends on from its data, the same on every rank:
