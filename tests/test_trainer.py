@@ -903,10 +903,35 @@ class _Stream(torch.utils.data.IterableDataset):
         (
             lambda: (np.zeros((8, 6), np.float32), np.zeros(8, np.int64)),
             TypeError,
-            "must be torch tensors, got ndarray",
+            "inputs must be torch tensors .*got ndarray",
+        ),
+        # One half numpy: "a shard holds no tensor with a batch dimension", or
+        # a TypeError in cross_entropy inside a replica at the first step.
+        (
+            lambda: (np.zeros((8, 6), np.float32), torch.zeros(8, dtype=torch.long)),
+            TypeError,
+            "data: inputs must be torch tensors .*got ndarray",
+        ),
+        (
+            lambda: (torch.zeros(8, 6), np.zeros(8, np.int64)),
+            TypeError,
+            "data: targets must be torch tensors .*got ndarray",
+        ),
+        (
+            lambda: ({"x": torch.zeros(8, 6), "m": np.zeros(8)}, torch.zeros(8, dtype=torch.long)),
+            TypeError,
+            r"inputs must be torch tensors .*got dict of Tensor, ndarray",
         ),
     ],
-    ids=["dict items", "3-tuples", "iterable", "numpy"],
+    ids=[
+        "dict items",
+        "3-tuples",
+        "iterable",
+        "numpy",
+        "numpy inputs",
+        "numpy targets",
+        "numpy in a dict",
+    ],
 )
 def test_data_in_forms_the_trainer_does_not_take_is_named(make, error, message):
     with pytest.raises(error, match=message):
@@ -1002,3 +1027,123 @@ def test_a_run_stopping_at_an_epochs_last_step_ends_that_epoch_and_resumes_bitwi
     assert resumed.state.history == straight.state.history
     for p, q in zip(resumed.model.module.parameters(), straight.model.module.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "valid, message",
+    [
+        ((np.zeros((8, 6), np.float32), np.zeros(8, np.int64)), "valid_data: inputs must be"),
+        ("x.csv", "valid_data must be"),
+        ((torch.zeros(0, 6), torch.zeros(0, dtype=torch.long)), "valid_data is empty"),
+    ],
+    ids=["numpy", "a path", "empty"],
+)
+def test_bad_validation_data_is_refused_before_training(valid, message):
+    # Each was refused only after the first epoch's training, as "data: ...".
+    t = trainer(max_epochs=1, batch_size=8)
+    with pytest.raises((TypeError, ValueError), match=message):
+        t.fit(data(32), valid)
+    assert t.state.step == 0
+
+
+def test_early_stopping_without_validation_warns():
+    # early_stopping_patience with nothing to validate ran to the limit silently.
+    with pytest.warns(UserWarning, match="early_stopping_patience=1 without validation .no valid"):
+        trainer(max_epochs=1, batch_size=32, early_stopping_patience=1).fit(data(32))
+    with pytest.warns(UserWarning, match="eval_every_epochs and eval_every_steps are None"):
+        trainer(max_epochs=1, batch_size=32, early_stopping_patience=1, eval_every_epochs=None).fit(
+            data(32), data(8)
+        )
+
+
+@pytest.mark.parametrize(
+    "metric, got",
+    [
+        (lambda o, t: 0.5, "got float"),
+        (lambda o, t: (o.argmax(1) == t).float(), r"got torch.Size\(\["),
+    ],  # fmt: skip
+)
+def test_a_metric_not_returning_a_scalar_tensor_is_named(metric, got):
+    # Was a bare "'float' object has no attribute 'detach'" or "stack expects
+    # each tensor to be equal size", naming no metric.
+    t = trainer(max_epochs=1, batch_size=32)
+    t.metrics = {"accuracy": metric}
+    named = f"the metric 'accuracy' must return a scalar.*{got}"
+    with pytest.raises(pyddp.ReplicaError, match=named):
+        t.fit(data(32), data(8))
+
+
+class _Numbered(torch.utils.data.Dataset):
+    """data(40) with each row's index, recorded as the model sees it."""
+
+    def __init__(self):
+        self.x, self.y = data(40)
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "index": torch.tensor(float(i))}, self.y[i]
+
+
+_SEEN: list = []  # every replica's rows (a module-level list: replicas are deep copies)
+
+
+class _Seen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = model()
+
+    def forward(self, x, index):
+        _SEEN.extend(index.long().tolist())
+        return self.net(x)
+
+
+@pytest.mark.parametrize("kind", ["batch_sampler", "subset", "weighted"])
+def test_torch_samplers_resume_mid_epoch_on_the_same_rows(tmp_path, kind):
+    """torch's random samplers but a RandomSampler at loader.sampler drew
+    from the global generator: resumed mid-epoch, epoch 1 trained 32
+    distinct rows of 40 (8 twice, 8 never) under batch_sampler=BatchSampler(
+    RandomSampler), and other weights under SubsetRandomSampler and
+    WeightedRandomSampler. Now the rows and weights of an uninterrupted run."""
+    from torch.utils.data import (
+        BatchSampler,
+        RandomSampler,
+        SubsetRandomSampler,
+        WeightedRandomSampler,
+    )
+
+    ds = _Numbered()
+
+    def loader():
+        if kind == "batch_sampler":
+            return DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), 8, False))
+        if kind == "subset":
+            return DataLoader(ds, batch_size=8, sampler=SubsetRandomSampler(range(40)))
+        return DataLoader(ds, batch_size=8, sampler=WeightedRandomSampler([1.0] * 40, 40))
+
+    def run(out, max_steps):
+        _SEEN.clear()
+        cfg = pyddp.TrainConfig(batch_size=8, max_epochs=2, max_steps=max_steps, progress=False,
+                                output_dir=out)  # fmt: skip
+        with pyddp.Trainer(_Seen(), ["cpu", "cpu"], optimizer=SGD, loss_fn=F.cross_entropy,
+                           config=cfg) as t:  # fmt: skip
+            torch.manual_seed(123)  # the global stream moved, as a resumed process's is
+            t.fit(loader())
+        return list(_SEEN), t
+
+    full, straight = run(None, None)
+    run(tmp_path, 3)
+    rest, resumed = run(tmp_path, None)
+    assert sorted(rest) == sorted(full[24:])  # the rows of steps 4-10 (replicas: any order)
+    if kind != "weighted":
+        assert sorted(full[:40]) == list(range(40))  # each row once in epoch 1
+    for p, q in zip(resumed.model.module.parameters(), straight.model.module.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_persistent_dataloader_workers_warn_that_resume_is_not_bitwise():
+    x, y = data(32)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, num_workers=1, persistent_workers=True)
+    with pytest.warns(UserWarning, match="persistent_workers=True: its workers are seeded once"):
+        trainer(max_epochs=1).fit(loader)

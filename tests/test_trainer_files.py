@@ -304,11 +304,15 @@ def test_resuming_a_changed_run_is_refused_naming_what_differs(tmp_path):
     with trainer(tmp_path, max_epochs=1) as t:
         t.fit((x, y))
     changed = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
-    refused = trainer(tmp_path, optimizer=changed, max_epochs=2, batch_size=16)
+    refused = trainer(tmp_path, optimizer=changed, max_epochs=2, batch_size=16,
+                      scheduler_interval="epoch", smoothing=0.9)  # fmt: skip
     with refused as t, pytest.raises(ValueError, match="differs from this one") as info:
         t.fit((x, y))
     text = str(info.value)
     assert "batch_size: checkpoint 32, now 16" in text
+    # Found accepted silently: the schedule, and the best model's judging, changed.
+    assert "scheduler_interval: checkpoint 'step', now 'epoch'" in text
+    assert "smoothing: checkpoint 0.6, now 0.9" in text
     assert "lr=0.1" in text and "lr=0.05" in text
     assert "max_epochs" not in text  # a longer run is how one continues
     assert "resume_if_changed=True" in text

@@ -11,7 +11,7 @@ import threading
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..replicas.tree import flatten, shard_sizes
@@ -25,8 +25,9 @@ class ShardedLoader:
 
     `data` is a pair of tensors (inputs, targets) with the same first
     dimension, a map-style torch Dataset yielding (input, target) items, or a
-    DataLoader (its batches are taken as global batches; a RandomSampler's
-    generator is re-seeded, and a sampler's set_epoch called, each epoch). The
+    DataLoader (its batches are taken as global batches; each sampler's
+    `generator`, where it has one (torch's random samplers, also inside a
+    batch_sampler), is re-seeded, and its set_epoch called, each epoch). The
     order is a function of (seed, epoch) only, so a resumed run sees the same
     batches (for a DataLoader, as far as its sampler follows those two hooks).
     The last batch of an epoch may be smaller (drop_last=False):
@@ -56,7 +57,9 @@ class ShardedLoader:
         rank: int = 0,
         world: int = 1,
         keep_short: bool = False,
+        name: str = "data",
     ):
+        """`name`: what errors call `data` (the Trainer's "valid_data")."""
         self.devices = list(devices)
         self.rank, self.world = rank, world
         # Evaluation keeps a last batch with fewer rows than processes (its
@@ -77,28 +80,28 @@ class ShardedLoader:
             self._loader = data
             if isinstance(data.dataset, IterableDataset):
                 raise TypeError(
-                    "data: a DataLoader over an IterableDataset has no length, and the Trainer "
+                    f"{name}: a DataLoader over an IterableDataset has no length, and the Trainer "
                     "plans each epoch's steps from it; pass a map-style Dataset (or tensors)"
                 )
             if data.batch_size is None and data.batch_sampler is None:
                 raise ValueError(
-                    "data: a DataLoader with batch_size=None yields single samples, not "
+                    f"{name}: a DataLoader with batch_size=None yields single samples, not "
                     "batches; give it a batch_size (or pass the Dataset and set TrainConfig's)"
                 )
             if len(data) == 0:
-                raise ValueError("data: the DataLoader yields no batches")
+                raise ValueError(f"{name}: the DataLoader yields no batches")
         elif isinstance(data, (tuple, list)) and len(data) == 2:
             leaves = flatten(tuple(data))[0]
-            if not leaves:
-                kinds = sorted({type(d).__name__ for d in data})
-                raise TypeError(
-                    f"data: inputs and targets must be torch tensors, got {', '.join(kinds)} "
-                    "(torch.as_tensor converts a numpy array)"
-                )
+            for part, side in ((data[0], "inputs"), (data[1], "targets")):
+                if not flatten(part)[0] or _holds_numpy(part):  # (numpy failed in a replica)
+                    raise TypeError(
+                        f"{name}: {side} must be torch tensors (or tuples, lists, dicts of "
+                        f"them), got {_kinds(part)} (torch.as_tensor converts a numpy array)"
+                    )
             rows = {t.shape[0] for t in leaves if t.dim() > 0}
             if len(rows) != 1:
                 raise ValueError(
-                    f"data: inputs and targets must share their first dimension, got {rows}"
+                    f"{name}: inputs and targets must share their first dimension, got {rows}"
                 )
             self._tensors = (data[0], data[1])
             self._rows = rows.pop()
@@ -107,25 +110,26 @@ class ShardedLoader:
             self._rows = len(data)
         else:
             raise TypeError(
-                "data must be (inputs, targets) tensors, a map-style Dataset of (input, "
+                f"{name} must be (inputs, targets) tensors, a map-style Dataset of (input, "
                 f"target) items, or a DataLoader; got {type(data).__name__}"
             )
         if self._loader is None and self._rows == 0:
-            raise ValueError("data is empty")
+            raise ValueError(f"{name} is empty")
         # A DistributedSampler already gives each rank its own batches.
-        self._sliced = world > 1 and not (
-            self._loader is not None and isinstance(self._loader.sampler, DistributedSampler)
+        own = self._loader is not None and any(
+            isinstance(x, DistributedSampler) for x in samplers(self._loader)
         )
+        self._sliced = world > 1 and not own
         # Whether epoch() hands the global batches' rows (else this rank's).
         self.rows_global = world == 1 or self._sliced
         if not self._sliced and len(self) == 0:  # drop_last, fewer rows than a batch
             raise ValueError(
-                f"data: {self._rows} rows make no batch of batch_size={batch_size} with "
+                f"{name}: {self._rows} rows make no batch of batch_size={batch_size} with "
                 "drop_last=True; use a smaller batch_size or drop_last=False"
             )
         if self._sliced and len(self) == 0:
             raise ValueError(
-                f"data: no batch has at least {world} rows, one per process; use a smaller "
+                f"{name}: no batch has at least {world} rows, one per process; use a smaller "
                 "world or a larger batch_size"
             )
 
@@ -190,11 +194,14 @@ class ShardedLoader:
     def _global_batches(self, epoch: int) -> Iterator[Tuple[Any, Any, int]]:
         """(inputs, targets) of this rank, and the global batch's rows."""
         if self._loader is not None:
-            sampler = self._loader.sampler
-            if isinstance(sampler, RandomSampler):
-                sampler.generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)  # DistributedSampler and friends
+            for k, sampler in enumerate(samplers(self._loader)):
+                if isinstance(getattr(sampler, "generator", None), (torch.Generator, type(None))):
+                    # torch's RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+                    # (also inside a batch_sampler): else from the global stream
+                    seed = self.seed * 1_000_003 + epoch + k * 7_919
+                    sampler.generator = torch.Generator().manual_seed(seed)
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(epoch)  # DistributedSampler and friends
             n = len(self)
             for i, batch in enumerate(self._loader_iterator(epoch)):
                 if i >= n:  # the short last batch this rank must skip
@@ -279,6 +286,34 @@ class ShardedLoader:
 def _pieces(leaves: List[Any], sizes: List[int]) -> List[List[Any]]:
     """Each leaf split along dim 0 by `sizes` (0-dim leaves repeated)."""
     return [list(t.split(sizes)) if t.dim() > 0 else [t] * len(sizes) for t in leaves]
+
+
+def samplers(loader: DataLoader) -> List[Any]:
+    """The samplers a DataLoader draws from: its batch_sampler, and each
+    `sampler` inside (a BatchSampler's, or its own when batch_size=None)."""
+    found: List[Any] = []
+    todo = [loader.batch_sampler, loader.sampler]  # (its own sampler first: k=0 below)
+    while todo:
+        s = todo.pop()
+        if s is not None and not any(s is f for f in found):
+            found.append(s)
+            todo.append(getattr(s, "sampler", None))
+    return found
+
+
+def _holds_numpy(tree: Any) -> bool:
+    if type(tree).__module__ == "numpy":
+        return True
+    items = tree.values() if isinstance(tree, dict) else tree
+    return isinstance(tree, (tuple, list, dict)) and any(map(_holds_numpy, items))
+
+
+def _kinds(tree: Any) -> str:
+    """The types in `tree`, for an error."""
+    if isinstance(tree, (tuple, list, dict)):
+        items = tree.values() if isinstance(tree, dict) else tree
+        return f"{type(tree).__name__} of " + ", ".join(sorted({type(t).__name__ for t in items}))
+    return type(tree).__name__
 
 
 def _index(tree: Any, idx: torch.Tensor) -> Any:

@@ -33,17 +33,7 @@ def evaluate(
     evaluates its slice and the sums are exchanged (every rank must call
     it); else this process evaluates all of `data`."""
     ranks = model.ranks
-    loader = ShardedLoader(
-        data,
-        cfg.eval_batch_size or cfg.batch_size,
-        model.devices,
-        shuffle=False,
-        seed=cfg.seed,
-        prefetch=cfg.prefetch,
-        rank=ranks.rank if across_ranks else 0,
-        world=ranks.world if across_ranks else 1,
-        keep_short=True,  # every row counts; a rank may get none of the last batch
-    )
+    loader = eval_loader(model, data, cfg, across_ranks)
     # Each module's own mode comes back afterwards (a user may keep, say,
     # BatchNorm in eval mode while training the rest).
     modes = [(m, m.training) for m in model.module.modules()]
@@ -60,7 +50,14 @@ def evaluate(
             out = replica(*args, **kwargs)
             values = [loss_fn(out, targets)]
             values += [fn(out, targets) for fn in metrics.values()]
-        return torch.stack([v.detach().float() * n for v in values])
+        for name, value in zip(names, values):
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                what = "loss_fn" if name == "loss" else f"the metric {name!r}"
+                raise ValueError(
+                    f"{what} must return a scalar tensor (the mean over the shard's rows), "
+                    f"got {getattr(value, 'shape', type(value).__name__)}"
+                )
+        return torch.stack([v.detach().float().reshape(()) * n for v in values])
 
     try:
         with contextlib.closing(loader.epoch(0)) as batches:
@@ -81,6 +78,25 @@ def evaluate(
         rows, totals = sums[0], torch.tensor(sums[1:], dtype=torch.float64)
     values = (totals / rows).tolist()  # one host sync for the whole evaluation
     return {f"valid_{n}" if n == "loss" else n: v for n, v in zip(names, values)}
+
+
+def eval_loader(model: Any, data: Any, cfg: TrainConfig, across_ranks: bool,
+                name: str = "data") -> ShardedLoader:  # fmt: skip
+    """The loader of an evaluation over `data` (see evaluate); built early,
+    fit() refuses bad `valid_data` (`name`) before it trains."""
+    ranks = model.ranks
+    return ShardedLoader(
+        data,
+        cfg.eval_batch_size or cfg.batch_size,
+        model.devices,
+        shuffle=False,
+        seed=cfg.seed,
+        prefetch=cfg.prefetch,
+        rank=ranks.rank if across_ranks else 0,
+        world=ranks.world if across_ranks else 1,
+        keep_short=True,  # every row counts; a rank may get none of the last batch
+        name=name,
+    )
 
 
 def shard_rows(shard: Any) -> int:

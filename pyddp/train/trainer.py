@@ -29,7 +29,7 @@ from .checkpoints.run_files import RunFiles
 from .config import TrainConfig
 from .data import ShardedLoader
 from .epoch import EpochLoop
-from .evaluation import evaluate
+from .evaluation import eval_loader, evaluate
 from .interrupt import CtrlC
 from .rng import seed_generators
 from .scaler import LossScaler
@@ -257,6 +257,29 @@ class Trainer(EpochLoop, TrainerCheckpoints):
         )
         self._even_out(loader)
         self.steps_per_epoch = -(-len(loader) // cfg.grad_accum_steps)
+        if getattr(train_data, "persistent_workers", False) and train_data.num_workers > 0:
+            warnings.warn(
+                "pyddp: a DataLoader with persistent_workers=True: its workers are seeded once "
+                "and their random state runs on across epochs, so a run resumed in a later "
+                "epoch draws other random transforms than the uninterrupted one (not bitwise); "
+                "persistent_workers=False replays them",
+                stacklevel=3,
+            )
+        validates = cfg.eval_every_epochs or cfg.eval_every_steps
+        if valid_data is not None:  # refused now, not after an epoch of training
+            eval_loader(self.model, valid_data, cfg, self.ranks.spans_processes, "valid_data")
+        if cfg.early_stopping_patience is not None and (valid_data is None or not validates):
+            warnings.warn(
+                f"pyddp: early_stopping_patience={cfg.early_stopping_patience} without "
+                "validation ("
+                + (
+                    "no valid_data"
+                    if valid_data is None
+                    else "eval_every_epochs and eval_every_steps are None"
+                )
+                + "): the run never stops early",
+                stacklevel=3,
+            )
         self._recover_interrupted_fit()
         spans = self.ranks.spans_processes
         data, differ = (

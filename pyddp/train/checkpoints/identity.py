@@ -63,6 +63,9 @@ def run_signature(
         "seed": repr(config.seed),
         "precision": repr(config.precision),
         "clip_grad_norm": repr(config.clip_grad_norm),
+        # (when the learning rate moves; how the best model and early stopping judge)
+        "scheduler_interval": repr(config.scheduler_interval),
+        "smoothing": repr(config.smoothing),
         "optimizer": f"{qualname(optimizer)}({', '.join(arguments)})",
     }
 
