@@ -291,6 +291,32 @@ def test_a_torch_optimizer_over_a_model_with_sharded_gradients_is_refused(made):
     torch.optim.SGD(other.parameters(), lr=0.1).step()
 
 
+@pytest.mark.parametrize("shard", MODES)
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_dmodel_clip_grad_value_clips_as_one_device(shard, n):
+    # torch's clip_grad_value_ over the model raised torch's "more than one
+    # element of the written-to tensor refers to a single memory location"
+    # under shard="gradients" (the placeholders), with nothing to use instead.
+    dm, opt, ref, ref_opt = _both(n, shard)
+
+    def clip(model, k):
+        if model is ref:
+            torch.nn.utils.clip_grad_value_(ref.parameters(), 0.02)
+        else:
+            dm.clip_grad_value_(0.02)
+
+    _side_by_side(dm, opt, ref, ref_opt, 3, after=clip)
+    assert any(p.grad is not None and p.grad.abs().max() == 0.02 for p in ref.parameters())
+
+
+@pytest.mark.parametrize("value, error", [("1", TypeError), (True, TypeError), (-1.0, ValueError),
+                                          (float("nan"), ValueError)])  # fmt: skip
+def test_dmodel_clip_grad_value_refuses_what_is_not_a_bound(value, error):
+    dm, *_ = _both(2, False)
+    with pytest.raises(error, match="clip_value must be"):
+        dm.clip_grad_value_(value)
+
+
 def unused_hand_set_across_processes(out: dict) -> None:
     # Every rank sets the same gradient by hand on a parameter no forward
     # uses: kept and averaged over the ranks (the same value), as torch DDP

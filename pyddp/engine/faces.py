@@ -134,6 +134,10 @@ class GradientShards:
         """Each replica keeps only its blocks of the reduced buckets."""
         return self._r._engine is not None and self._r._layout.scattered is not None
 
+    def flat_grads(self, replica: int) -> List[Any]:
+        """`replica`'s gradients as held: flat buckets, blocks, or `.grad`."""
+        return self._r.flat_grads(replica)
+
     @property
     def blocks(self) -> List[List[Any]]:
         """Under shard='gradients': each replica's reduced blocks, one per bucket."""

@@ -18,9 +18,8 @@ from ..engine.faces import ReplicaDriver
 from ..engine.options import Options
 from ..engine.params import assemble, refuse_unready
 from ..engine.reducer import Reducer
+from ..optim.clipping import clip_norm, clip_values, finite_check, flat_grads
 from ..optim.factory import ParamsFn, make_optimizer
-from ..optim.replicated import clip_replicas
-from ..optim.shards import clip_sharded, sharded_finite
 from ..runtime.compiled import EagerUnderDynamo
 from ..runtime.devices import DeviceLike, parse_devices, process_devices
 from ..runtime.libraries import timeout_s
@@ -259,32 +258,25 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
         norm: the norm of the full-batch gradient, not sqrt(N) times it. What
         the user did to the gradients since backward counts, as at the step."""
         self._check_open()
-        self._reducer.gradients().before_clip()
-        if self._reducer.sharded:  # shard="gradients": blocks only
-            return clip_sharded(self._reducer.gradients(), max_norm, norm_type)
-        if len(self._replicas) == 1:
-            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
-        return clip_replicas(self._flat_grads(), max_norm, norm_type)
+        return clip_norm(self._reducer.gradients(), self.module, max_norm, norm_type)
 
-    def _flat_grads(self) -> List[List[torch.Tensor]]:
-        """Each replica's gradients as the reducer holds them (the flat
-        buckets, or the blocks under shard='gradients'), for the Trainer's
-        loss scaling."""
-        return [self._reducer.flat_grads(r) for r in range(len(self._replicas))]
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamps every replica's gradients into [-clip_value, clip_value] (torch's
+        clip_grad_value_, which under shard='gradients' cannot write them)."""
+        self._check_open()
+        clip_values(self._reducer.gradients(), clip_value)
+
+    def _flat_grads(self) -> List[List[torch.Tensor]]:  # the Trainer's loss scaling
+        return flat_grads(self._reducer.gradients())
+
+    def _sharded_finite(self) -> Optional[Callable[[], bool]]:  # (optim/clipping.py)
+        return finite_check(self._reducer.gradients())
 
     def _drop_interrupted_step(self) -> None:
         """After a step cut short (Ctrl-C): the replicas' queued work ends,
         then the backward still open in the engine is dropped."""
         self._map_replicas(lambda r, m, s: None, [None] * len(self._replicas), "wait")
         self._reducer.abort()
-
-    def _sharded_finite(self) -> Optional[Callable[[], bool]]:
-        """Under shard='gradients', the check that every replica's blocks
-        (of every process) are finite, for fp16 loss scaling; else None
-        (replica 0's reduced gradients hold every value)."""
-        if not self._reducer.sharded:
-            return None
-        return partial(sharded_finite, self._reducer.gradients())
 
     def train(self, mode: bool = True) -> DistributedModel:
         super().train(mode)
