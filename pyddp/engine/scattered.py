@@ -207,9 +207,11 @@ class Scattered:
         self.fresh[r] = True
 
     def after_backward(self, has_grad: Callable[[int], bool]) -> None:
-        """A synced backward ended: which parameters hold a gradient, and
-        their placeholders on replica 0."""
-        self.present = [has_grad(i) for i in range(len(self.present))]
+        """A synced backward ended: which parameters hold a gradient (one the
+        backward reached, or one held before it: zeroed in place or left
+        alone, as `.grad` stays on one device), and their placeholders on
+        replica 0."""
+        self.present = [has_grad(i) or held for i, held in enumerate(self.present)]
         self.kept = [False] * len(self.kept)
         self.place()
 
