@@ -147,6 +147,45 @@ def test_step_after_unreduced_no_sync_is_refused():
         opt.step()
 
 
+def step_after_no_sync_only_across_processes(out: dict) -> None:
+    # One replica per process: the optimizer is torch's own (the user's, or
+    # the plain one dmodel.optimizer makes there), which pyddp's step check
+    # did not reach: found stepping each rank on its own gradient in silence
+    # (also under Accelerate's trigger_sync_in_backward inside no_sync).
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    dm = pyddp.wrap(model)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for name, opt in [
+        ("torch", torch.optim.SGD(model.parameters(), lr=0.1)),
+        ("pyddp", dm.optimizer(torch.optim.SGD, lr=0.1)),
+    ]:
+        with dm.no_sync():
+            dm(x).square().mean().backward()
+        try:
+            opt.step()
+            out[name] = "stepped"
+        except RuntimeError as e:
+            out[name] = str(e)
+        dm(x).square().mean().backward()  # the accumulation's synced backward: steps
+        opt.step()
+        opt.zero_grad()
+    out["weight"] = model.weight.detach().sum().item()
+
+
+@pytest.mark.multiprocess
+def test_step_after_unreduced_no_sync_is_refused_across_processes(tmp_path):
+    from spawn import spawn
+
+    results = spawn(step_after_no_sync_only_across_processes, out=tmp_path)
+    for r in results:
+        for name in ("torch", "pyddp"):
+            assert "accumulated under no_sync() were never reduced" in r[name], r
+    assert results[0]["weight"] == results[1]["weight"]
+
+
 @pytest.mark.parametrize("path", ["gather", "loss"])
 def test_second_backward_before_step_accumulates_like_one_device(path):
     dm, ref = wrapped(2, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)

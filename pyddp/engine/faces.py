@@ -63,6 +63,14 @@ class ReplicaDriver(Protocol):
     def register_comm_hook(self, state: Any, hook: Any) -> None: ...
 
     # what the model reads and hands on
+    def refuse_unsynced_step(self) -> None:
+        """Before a step of the user's optimizer (one replica per process:
+        optim/unsynced.py): gradients accumulated under no_sync() and never
+        reduced are refused, as pyddp's own optimizers refuse them."""
+        engine = self._r._engine
+        if engine is not None and not self._r.closed and engine.partial:
+            raise RuntimeError(f"pyddp: cannot step: {engine.partial_reason}")
+
     def flat_grads(self, replica: int) -> List[Any]: ...
     def gradients(self) -> GradientShards: ...
     def stats(self) -> Dict[str, Any]: ...
@@ -133,6 +141,14 @@ class GradientShards:
     def gradients_sharded(self) -> bool:
         """Each replica keeps only its blocks of the reduced buckets."""
         return self._r._engine is not None and self._r._layout.scattered is not None
+
+    def refuse_unsynced_step(self) -> None:
+        """Before a step of the user's optimizer (one replica per process:
+        optim/unsynced.py): gradients accumulated under no_sync() and never
+        reduced are refused, as pyddp's own optimizers refuse them."""
+        engine = self._r._engine
+        if engine is not None and not self._r.closed and engine.partial:
+            raise RuntimeError(f"pyddp: cannot step: {engine.partial_reason}")
 
     def flat_grads(self, replica: int) -> List[Any]:
         """`replica`'s gradients as held: flat buckets, blocks, or `.grad`."""

@@ -20,6 +20,7 @@ from ..engine.params import assemble, refuse_unready
 from ..engine.reducer import Reducer
 from ..optim.clipping import clip_norm, clip_values, finite_check, flat_grads
 from ..optim.factory import ParamsFn, make_optimizer
+from ..optim.unsynced import watch_steps
 from ..runtime.compiled import EagerUnderDynamo
 from ..runtime.devices import DeviceLike, parse_devices, process_devices
 from ..runtime.libraries import timeout_s
@@ -105,6 +106,8 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
             self._mirror = ReplicaMirror(replicas, parts.names) if len(replicas) > 1 else None
             # One replica across processes: no parameter trains unreduced (watch.py).
             self._watch = OneReplicaWatch(self.module, parts.params[0]) if one else None
+            if one:  # a step of the user's optimizer after no_sync() backwards only
+                watch_steps(parts.params[0], weakref.WeakMethod(self._reducer.gradients))
         except BaseException:
             self._reducer.close()  # no hooks left behind on the user's model
             self._workers.close()

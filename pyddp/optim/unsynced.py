@@ -1,0 +1,58 @@
+"""One replica per process (torchrun's usual layout): the optimizer is the
+user's own (dmodel.optimizer makes a plain one there, and users build torch's
+over the model, as with torch DDP), so pyddp's step check does not run in it.
+A step after backwards that all ran under no_sync(), whose gradients were
+never reduced, would leave the processes apart in silence (the parameter
+checksums compare synced backwards only). A process-wide step pre-hook of
+torch's refuses it, as pyddp's own optimizers do: cheap per step (the wrapped
+models an optimizer steps are found once per optimizer and parameter count)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .._link.weak import LenientWeakKeys
+
+# id(parameter) -> the parameter, of one-replica wrapped models across
+# processes (weak: a dropped model leaves nothing); and the check of each.
+_params: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_checks: Dict[int, Callable[[], Any]] = {}
+_seen = LenientWeakKeys()  # optimizer -> (its parameter count, the checks it needs)
+_hook: Dict[str, Any] = {}
+
+
+def watch_steps(params: List[torch.Tensor], gradients: Callable[[], Any]) -> None:
+    """Before every step of an optimizer over any of `params`, the wrapped
+    model's gradients (`gradients`: a weak method giving its reducer's
+    GradientShards; None once the reducer is gone) refuse unsynced ones."""
+    for p in params:
+        _params[id(p)] = p
+        _checks[id(p)] = gradients
+        weakref.finalize(p, _checks.pop, id(p), None)
+    if "handle" not in _hook:
+        _hook["handle"] = register_optimizer_step_pre_hook(_before_step)
+
+
+def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if not _params:
+        return
+    groups = optimizer.param_groups
+    count = sum(len(g["params"]) for g in groups)
+    seen: Tuple[int, List[Callable[[], Any]]] = _seen.get(optimizer, (-1, []))
+    if seen[0] != count:
+        checks: List[Callable[[], Any]] = []
+        for g in groups:
+            for p in g["params"]:
+                check = _checks.get(id(p)) if _params.get(id(p)) is p else None
+                if check is not None and all(check is not c for c in checks):
+                    checks.append(check)
+        seen = (count, checks)
+        _seen[optimizer] = seen
+    for check in seen[1]:
+        gradients = check()
+        if gradients is not None:
+            gradients().refuse_unsynced_step()
