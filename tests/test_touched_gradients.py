@@ -459,3 +459,51 @@ def test_resetting_gradients_after_the_forward_across_processes(tmp_path, shard,
     env = {"SCENARIO_SHARD": shard, "SCENARIO_REPLICAS": str(replicas)}
     for r in spawn(reset_after_forward_across_processes, env=env, out=tmp_path):
         assert r["diff"] < TOL, r
+
+
+def one_replica_guards(out: dict) -> None:
+    # One replica per process, shard="gradients", where hooks take the
+    # placeholders off as a backward starts (scattered.py, guard). Found in
+    # review: a layer frozen after some steps (torch's model.zero_grad()
+    # leaving the placeholders on) made every later forward raise "cannot
+    # register a hook on a tensor that doesn't require gradient"; and after
+    # a grad-enabled forward with no backward, close() left the hooks and
+    # the placeholders on the user's model (a plain backward then raised).
+    import warnings
+
+    dm, opt, ref, ref_opt = _both(1, "gradients")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (freezing after wrap warns)
+
+        def freeze(model, k):
+            model.zero_grad()
+            if k == 2:
+                model.a.weight.requires_grad_(False)
+
+        _side_by_side(dm, opt, ref, ref_opt, 4, zero=False, before=freeze)
+    out["diff"] = _diff(dm.module, ref)
+    model = dm.module
+    dm(torch.randn(6, 4))  # a forward with no backward (a validation loss under grad)
+    dm.close()
+    out["hooks"] = sum(len(p._backward_hooks or {}) for p in model.parameters())
+    _loss(model, torch.randn(6, 4), torch.randn(6, 2)).backward()  # the model is the user's again
+    out["plain"] = model.b.weight.grad is not None
+
+
+@pytest.mark.multiprocess
+def test_one_replica_per_process_guards_follow_freezing_and_leave_at_close(tmp_path):
+    for r in spawn(one_replica_guards, out=tmp_path):
+        assert r["diff"] < TOL and r["hooks"] == 0 and r["plain"], r
+
+
+def test_close_takes_the_sharded_gradients_placeholders_off_the_model():
+    # After backward the model's `.grad` were placeholders (expanded zeros):
+    # after close() a plain backward on the model raised torch's "more than
+    # one element of the written-to tensor refers to a single memory location".
+    dm, opt, *_ = _both(2, "gradients")
+    model = dm.module
+    _loss(dm, torch.randn(6, 4), torch.randn(6, 2)).backward()
+    dm(torch.randn(6, 4))
+    dm.close()
+    assert all(p.grad is None for p in model.parameters())
+    _loss(model, torch.randn(6, 4), torch.randn(6, 2)).backward()

@@ -1147,3 +1147,25 @@ def test_persistent_dataloader_workers_warn_that_resume_is_not_bitwise():
     loader = DataLoader(TensorDataset(x, y), batch_size=16, num_workers=1, persistent_workers=True)
     with pytest.warns(UserWarning, match="persistent_workers=True: its workers are seeded once"):
         trainer(max_epochs=1).fit(loader)
+
+
+def test_a_sampler_that_takes_no_new_attribute_still_trains():
+    # Found in review: every sampler in the chain was given a `generator`,
+    # and one with __slots__ raised AttributeError in fit().
+    class Slotted(torch.utils.data.Sampler):
+        __slots__ = ("n",)
+
+        def __init__(self, n):
+            self.n = n
+
+        def __iter__(self):
+            return iter(range(self.n))
+
+        def __len__(self):
+            return self.n
+
+    x, y = data(32)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, sampler=Slotted(32))
+    t = trainer(max_epochs=1)
+    t.fit(loader)
+    assert t.state.step == 4

@@ -59,6 +59,7 @@ class BucketLayout:
         self.hot: Optional[Any] = None
         # Sharded gradients (scattered.py): blocks kept, buckets transient.
         self.scattered: Optional[Scattered] = None
+        self.handles: List[Any] = []  # the reducer's hooks, removed at its close (hooks.py)
         self._scatter_setup: Optional[tuple] = None
         self._resets_lock = threading.Lock()
 

@@ -36,6 +36,7 @@ def install_hooks(reducer: Any, handles: List[Any], began: bool, prepare_on_forw
     owner, mark = weakref.ref(reducer), reducer._engine.mark_ready
     gpus, streams = reducer._gpu_devices, reducer._streams
     layout = reducer._layout
+    layout.handles = handles  # (sharded gradients' guards join them: released alike)
     fast = hot()
     python_hooks: List[List[Callable[[torch.Tensor], None]]] = []
     for r, (module, params) in enumerate(zip(reducer._replicas, reducer._params)):

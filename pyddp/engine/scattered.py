@@ -37,12 +37,41 @@ everything at once."""
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
+import weakref
+from functools import partial
 from itertools import repeat
 from typing import Any, Callable, List, Optional, Sequence, Set
 
 import torch
+
+
+def _arrived(scattered: Any, grad: torch.Tensor) -> None:
+    """A guard hook (Scattered.guard): the placeholders come off before
+    autograd accumulates. Weak: a hook left on a dropped model does nothing."""
+    owner = scattered()
+    if owner is not None:
+        owner.reconcile(before_step=False)
+
+
+class _Release:
+    """Removed like a hook handle at the reducer's close (engine/reducer.py
+    _release, which removes the guards' handles too)."""
+
+    def __init__(self, scattered: Any) -> None:
+        self.scattered = scattered
+
+    def remove(self) -> None:
+        owner = self.scattered()
+        if owner is not None:
+            owner._guards.clear()
+            owner.markers = [None] * len(owner.markers)
+            owner._placed = False
+            for p, marker in zip(owner.layout.params[0], owner._cache):
+                if marker is not None and p.grad is marker:
+                    p.grad = None
 
 
 class Scattered:
@@ -100,6 +129,10 @@ class Scattered:
         self._cache: List[Optional[torch.Tensor]] = [None] * len(params)
         self._placed = False  # some placeholder is out (reconcile has work)
         self._guards: List[Any] = []  # hooks on replica 0's parameters (guard)
+        # At the reducer's close (or its collection) with its other hooks: the
+        # placeholders come off the user's model (autograd cannot accumulate
+        # into them; the model is the user's own again).
+        layout.handles.append(_Release(weakref.ref(self)))
         # Per replica: its hooks allocate its buckets while another replica's
         # hook (or the main thread) frees them; replicas never wait on each
         # other's allocations.
@@ -237,17 +270,18 @@ class Scattered:
         backward ends: unguard)."""
         if not needed or not self._placed or self._guards:
             return
-        params = self.layout.params[0]
-        for i in (i for i, marker in enumerate(self.markers) if marker is not None):
-            self._guards.append(params[i].register_hook(self._arrived))
-
-    def _arrived(self, grad: torch.Tensor) -> None:
-        self.reconcile(before_step=False)
+        params, arrived = self.layout.params[0], partial(_arrived, weakref.ref(self))
+        for i, marker in enumerate(self.markers):
+            if marker is not None and params[i].requires_grad:  # (frozen since: no hook)
+                self._guards.append(params[i].register_hook(arrived))
+        self.layout.handles.extend(self._guards)  # removed with the reducer's, at close
 
     def unguard(self) -> None:
         """Removes guard's hooks (never from within one: autograd walks them)."""
         for handle in self._guards:
             handle.remove()
+            with contextlib.suppress(ValueError):  # (the reducer's close took them)
+                self.layout.handles.remove(handle)
         self._guards.clear()
 
     def reconcile(self, before_step: bool) -> None:

@@ -195,7 +195,8 @@ class ShardedLoader:
         """(inputs, targets) of this rank, and the global batch's rows."""
         if self._loader is not None:
             for k, sampler in enumerate(samplers(self._loader)):
-                if isinstance(getattr(sampler, "generator", None), (torch.Generator, type(None))):
+                generator = getattr(sampler, "generator", False)  # (False: it has none)
+                if generator is None or isinstance(generator, torch.Generator):
                     # torch's RandomSampler, SubsetRandomSampler, WeightedRandomSampler
                     # (also inside a batch_sampler): else from the global stream
                     seed = self.seed * 1_000_003 + epoch + k * 7_919
