@@ -293,3 +293,45 @@ def test_the_users_model_stays_copyable_and_saveable():
     )
     assert out.returncode == 0 and b"[1, 2]" in out.stdout, out.stderr.decode()
     dm.close()
+
+
+@pytest.mark.parametrize("how", ["share_memory", "double then float", "grad.data"])
+def test_gradsync_refuses_gradients_given_new_storage_until_reattach(how):
+    """After zero_grad(set_to_none=False), Module._apply on the replicas
+    (share_memory(), .double().float()) moved each bucket's storage under its
+    views: the engine wrote the freed memory ("corrupted double-linked list"
+    at exit) and each replica stepped on its own gradient; `p.grad.data = ...`
+    left the gradient outside the bucket, unreduced. Each is refused by name
+    (at the next forward, or at check_step); reattach() makes them right."""
+    replicas, x = _two_replicas()
+    ref = copy.deepcopy(replicas[0])
+    sync = pyddp.GradSync(replicas, op="avg")
+
+    def backward(r):
+        replicas[r](x[r]).square().mean().backward()
+
+    backward(0), backward(1)
+    sync.finish()
+    sync.zero_grad(set_to_none=False)
+    for m in replicas:
+        if how == "share_memory":
+            m.share_memory()
+        elif how == "double then float":
+            m.double().float()
+        else:
+            for p in m.parameters():
+                p.grad.data = torch.zeros_like(p)
+    with pytest.raises(RuntimeError, match="given new storage .*reattach"):
+        backward(0), backward(1)
+        sync.finish()
+        sync.check_step()
+    sync.zero_grad()
+    sync.reattach()
+    backward(0), backward(1)
+    sync.finish()
+    sync.check_step()
+    (ref(x[0]).square().mean() + ref(x[1]).square().mean()).div(2).backward()
+    for m in replicas:
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
+    sync.close()

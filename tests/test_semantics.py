@@ -570,6 +570,34 @@ def test_avg_accumulates_over_synced_backwards_without_zero_grad():
             torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("case", ["finish twice", "a replica with no rows"])
+def test_a_replica_that_ran_no_forward_since_the_reduction_adds_nothing(op, case):
+    # Found (GradSync probe), op="sum": each replica but 0 keeps a copy of the
+    # sum until its next forward clears it; one that ran none (no rows in a
+    # second micro-batch, or a finish() called twice) had it summed in again:
+    # the first reduction counted twice, silently.
+    torch.manual_seed(0)
+    m0 = torch.nn.Linear(4, 2)
+    m1, ref = copy.deepcopy(m0), copy.deepcopy(m0)
+    x = torch.randn(12, 4)
+    scale = 1.0 if op == "sum" else 0.5
+    with pyddp.GradSync([m0, m1], op=op) as sync:
+        m0(x[:4]).pow(2).sum().backward()
+        m1(x[4:8]).pow(2).sum().backward()
+        sync.finish()
+        if case == "a replica with no rows":
+            m0(x[8:]).pow(2).sum().backward()
+        sync.finish()
+        sync.check_step()
+    ref(x[:8]).pow(2).sum().mul(scale).backward()
+    if case == "a replica with no rows":
+        ref(x[8:]).pow(2).sum().mul(scale).backward()
+    for m in (m0, m1):
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=0)  # (values ~10)
+
+
 class _Critic(nn.Module):
     def __init__(self):
         super().__init__()

@@ -158,6 +158,22 @@ def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor, r: int, i: int) -> N
         reducer._layout.adopt(p, view, r, i)
 
 
+def storage_kept(layout: Any, r: int) -> None:
+    """Before replica r's forward (GradSync): its buckets are where the engine
+    writes. Module._apply (share_memory(), .double().float()) moves a bucket's
+    storage under its views: the engine would write the freed memory."""
+    if layout is None:
+        return
+    for b, flat in enumerate(layout.flat[r]):
+        if flat is not None and flat.data_ptr() != layout.given.get((r, b), flat.data_ptr()):
+            raise RuntimeError(
+                f"pyddp: replica {r}'s gradients were given new storage after the GradSync "
+                "laid out its buckets (Module._apply: share_memory(), .double().float(), "
+                ".to(...); or p.grad.data = ...): call sync.reattach() after such calls, "
+                "before the next forward"
+            )
+
+
 class PrepareHook:
     """Replica r's forward pre-hook: prepare(r) before a forward that may be
     followed by backward. Holds the reducer weakly. A copy of the module
@@ -172,6 +188,7 @@ class PrepareHook:
     def __call__(self, module: nn.Module, args: Any) -> None:
         sync = self.owner()
         if sync is not None and torch.is_grad_enabled():
+            storage_kept(sync._layout, self.replica)
             sync.prepare(self.replica)
             if self.replica == 0:
                 sync.compare_settings()  # (wrap compares at the forward's end)

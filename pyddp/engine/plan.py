@@ -253,9 +253,14 @@ class Plan:
         )
         if opts.static_graph:  # its first synced backward counts each gradient's arrivals
             engine.learn_counts()
-        layout = BucketLayout(
-            params, dtypes, engine.set_buffer, order.devices, order.fence, order.zeros
-        )
+        given: Dict[Tuple[int, int], int] = {}  # (replica, bucket) -> where the engine writes
+
+        def set_buffer(r: int, b: int, ptr: int, *rest: Any) -> None:
+            given[r, b] = ptr
+            engine.set_buffer(r, b, ptr, *rest)
+
+        layout = BucketLayout(params, dtypes, set_buffer, order.devices, order.fence, order.zeros)
+        layout.given = given  # (hooks.storage_kept reads it)
         plan = Plan(engine, layout, order, link, first, backend, opts)
         plan.allocate(buckets)
         return engine, layout, plan

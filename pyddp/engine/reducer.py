@@ -128,11 +128,10 @@ class Reducer:
 
     @property
     def adopted(self) -> int:  # gradients that arrived outside the buckets and were copied in
-        return self._layout.adopted if self._engine is not None else 0
+        return 0 if self._engine is None else self._layout.adopted
 
     def grads_moved(self, assigned: bool = True) -> bool:
-        """Whether replica 0's gradients left their bucket views (new storage
-        behind them, or `assigned`: a gradient assigned): reattach() then."""
+        """Replica 0's gradients left their views (new storage, `assigned`): reattach()."""
         return self._engine is not None and self._layout.moved(assigned)
 
     @property
@@ -222,8 +221,7 @@ class Reducer:
         """GradSync.finish (its docstring is the contract)."""
         if self._engine is None:
             return
-        # Autograd is done here: what follows (settling unused parameters, the
-        # agreement across processes) counts as finish, not backward compute.
+        # Autograd is done: what follows counts as finish, not backward compute.
         self._finish_called_ns = time.monotonic_ns()
         synced = self._engine.sync_enabled
         captured = self._capture.at_finish(self)  # raises what a replay could not redo
@@ -234,6 +232,8 @@ class Reducer:
         streams = self._order.current()
         if not captured:  # (captured: the host writes nothing)
             self._order.fence_all()
+        for r in range(1, len(self._replicas)):  # (no forward since: not summed again)
+            self._clear_reduced_copy(r)
         launched: List[int] = []
         unused: List[int] = []
         factor: Any = 1.0

@@ -7,7 +7,7 @@ there once."""
 from __future__ import annotations
 
 import warnings
-from operator import attrgetter
+from operator import attrgetter, methodcaller
 from typing import Any, ContextManager, Dict, List, Sequence
 
 import torch
@@ -92,7 +92,10 @@ class GradSync:
     def finish(self) -> None:
         """End of backward: reduces what is left (unused parameters), waits for every
         reduction, and leaves parameters nobody produced a gradient for at None.
-        Raises ReduceError (naming bucket and parameters) if a reduction failed."""
+        Raises ReduceError (naming bucket and parameters) if a reduction failed.
+        Call check_step() before stepping: it copies what you change on replica
+        0's gradients after finish() (clipping, unscaling) to every replica."""
+        self._reducer._check_open()  # (closed: said so, not as a reduction cut short)
         self._reducer.finish()
 
     def abort(self, reason: str = "abort() after a backward raised") -> None:
@@ -127,6 +130,7 @@ class GradSync:
                 "freeze or unfreeze it on every replica"
             )
         self._refuse_replaced_on_others()
+        self._refuse_moved_storage()
         for r, replica in enumerate(self._replicas):
             for name, p in replica.named_parameters():
                 if p.requires_grad and p.grad is not None and id(p) not in self._reduced:
@@ -156,6 +160,24 @@ class GradSync:
                         "assignment: they are copied to every replica before the step), or on "
                         "every replica in place"
                     )
+
+    def _refuse_moved_storage(self) -> None:
+        """Module._apply (share_memory(), .double().float()) or `p.grad.data =`
+        gave a replica's gradients storage outside its buckets since they
+        were laid out: the reduction did not reach them (reattach())."""
+        layout = self._reducer._layout
+        if layout is None or layout.scattered is not None:
+            return
+        storage, ptr = methodcaller("untyped_storage"), methodcaller("data_ptr")
+        for r, (views, flats) in enumerate(zip(layout.views, layout.flat)):  # (C-level passes)
+            if not set(map(ptr, map(storage, views))) <= set(map(ptr, map(storage, flats))):
+                raise RuntimeError(
+                    f"pyddp: cannot step: the gradients of replica {r} were given new "
+                    "storage after this GradSync laid out its buckets (Module._apply: "
+                    "share_memory(), .double().float(); or p.grad.data = ...), so the "
+                    "reduction did not reach them; call sync.reattach() after such calls. "
+                    "Now: sync.zero_grad(), sync.reattach(), and run the step again"
+                )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears every replica's gradients. set_to_none (the default): every
