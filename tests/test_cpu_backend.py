@@ -233,3 +233,30 @@ def test_one_tensor_is_refused_not_taken_for_replicas(name):
     # A tuple and a generator of per-replica tensors still work.
     a, b = torch.ones(4), torch.full((4,), 2.0)
     getattr(pyddp, name)(x for x in (a, b))
+
+
+@pytest.mark.parametrize("name", ["all_reduce", "broadcast"])
+def test_in_place_collectives_tell_autograd_they_wrote(name):
+    # Found (GradSync probe): the version counter stayed 0, so a tensor saved
+    # for backward and reduced since gave a silently wrong gradient (12.0,
+    # where the tensor's own value gives 8.0) instead of torch's error.
+    w = torch.tensor([2.0], requires_grad=True)
+    h = w * torch.ones(3)
+    out = (h * h).sum()  # saves h for backward
+    tensors = [h.detach(), torch.ones(3)] if name == "all_reduce" else [torch.ones(3), h.detach()]
+    getattr(pyddp, name)(tensors)
+    assert h._version == 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_lazily_negated_views_are_refused_by_name():
+    # .conj().imag reads -2 but stores +2: the backend read raw memory and
+    # gave +2 (all_reduce, broadcast, all_gather alike).
+    neg = torch.tensor([1 + 2j]).conj().imag
+    for fn in (pyddp.all_reduce, pyddp.broadcast, pyddp.all_gather):
+        with pytest.raises(ValueError, match="lazily negated .*resolve_neg"):
+            fn([neg, torch.zeros(1)])
+    t = [neg.resolve_neg(), torch.zeros(1)]
+    pyddp.all_reduce(t)
+    assert t[1].item() == -2.0

@@ -53,6 +53,9 @@ def all_reduce(
         _all_reduce_across(tensors, cupy_streams, op, xgroup)
     else:
         _reduce_in_process(tensors, cupy_streams, op)
+    # Written in place behind torch's back: autograd must know (a tensor saved
+    # for backward and reduced since raises, as after torch's own add_).
+    torch.autograd.graph.increment_version(tensors)
 
 
 def _reduce_in_process(
@@ -151,6 +154,7 @@ def broadcast(tensors: Sequence[Any], root: int = 0) -> None:
             _ptrs(tensors), place.devices, place.streams, first.numel(), _name(first), rank
         ),
     )
+    torch.autograd.graph.increment_version([t for i, t in enumerate(tensors) if i != root])
 
 
 def all_gather(tensors: Sequence[Any]) -> List[torch.Tensor]:
@@ -296,6 +300,11 @@ def _check_tensors(what: str, tensors: List[torch.Tensor]) -> List[torch.Tensor]
             )
         if not t.is_contiguous():
             raise ValueError(f"{what}: tensors[{i}] is not contiguous; call .contiguous()")
+        if t.is_neg() or t.is_conj():  # its memory holds the other sign: read raw, wrong
+            raise ValueError(
+                f"{what}: tensors[{i}] is a lazily negated or conjugated view (.conj().imag, "
+                "torch._neg_view); call .resolve_neg() (or .clone()) first"
+            )
     if first.dtype not in DTYPE_NAMES:
         raise ValueError(
             f"{what}: dtype {first.dtype} is not supported (floating point only: "
