@@ -248,6 +248,12 @@ def test_in_place_collectives_tell_autograd_they_wrote(name):
     assert h._version == 1
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward()
+    # One tensor alone is not written: nothing to tell (found in review: a
+    # loop written for N replicas, run with one, raised).
+    h = w * torch.ones(3)
+    out = (h * h).sum()
+    getattr(pyddp, name)([h.detach()])
+    out.backward()
 
 
 def test_lazily_negated_views_are_refused_by_name():

@@ -172,6 +172,23 @@ def step_after_no_sync_only_across_processes(out: dict) -> None:
         dm(x).square().mean().backward()  # the accumulation's synced backward: steps
         opt.step()
         opt.zero_grad()
+    # Found in review: torch's zero_grad after the no_sync() backward leaves
+    # nothing to step (allowed, as torch DDP allows it); and an optimizer
+    # that stepped before the model was wrapped again kept the first wrap's
+    # (closed) check, stepping the ranks apart.
+    with dm.no_sync():
+        dm(x).square().mean().backward()
+    opt.zero_grad()
+    opt.step()
+    dm.close()
+    dm = pyddp.wrap(model)
+    with dm.no_sync():
+        dm(x).square().mean().backward()
+    try:
+        opt.step()
+        out["rewrapped"] = "stepped"
+    except RuntimeError as e:
+        out["rewrapped"] = str(e)
     out["weight"] = model.weight.detach().sum().item()
 
 
@@ -181,7 +198,7 @@ def test_step_after_unreduced_no_sync_is_refused_across_processes(tmp_path):
 
     results = spawn(step_after_no_sync_only_across_processes, out=tmp_path)
     for r in results:
-        for name in ("torch", "pyddp"):
+        for name in ("torch", "pyddp", "rewrapped"):
             assert "accumulated under no_sync() were never reduced" in r[name], r
     assert results[0]["weight"] == results[1]["weight"]
 

@@ -55,7 +55,8 @@ def all_reduce(
         _reduce_in_process(tensors, cupy_streams, op)
     # Written in place behind torch's back: autograd must know (a tensor saved
     # for backward and reduced since raises, as after torch's own add_).
-    torch.autograd.graph.increment_version(tensors)
+    if len(tensors) > 1 or xgroup is not None:  # (one, alone: nothing written)
+        torch.autograd.graph.increment_version(tensors)
 
 
 def _reduce_in_process(

@@ -30,6 +30,7 @@ from torch.distributed.algorithms.join import JoinHook
 from .._link.control import Ranks
 from .._link.joining import join_device
 from .._link.route import DeviceRoute
+from .ending import gradients_cleared
 
 
 class ReplicaDriver(Protocol):
@@ -63,14 +64,6 @@ class ReplicaDriver(Protocol):
     def register_comm_hook(self, state: Any, hook: Any) -> None: ...
 
     # what the model reads and hands on
-    def refuse_unsynced_step(self) -> None:
-        """Before a step of the user's optimizer (one replica per process:
-        optim/unsynced.py): gradients accumulated under no_sync() and never
-        reduced are refused, as pyddp's own optimizers refuse them."""
-        engine = self._r._engine
-        if engine is not None and not self._r.closed and engine.partial:
-            raise RuntimeError(f"pyddp: cannot step: {engine.partial_reason}")
-
     def flat_grads(self, replica: int) -> List[Any]: ...
     def gradients(self) -> GradientShards: ...
     def stats(self) -> Dict[str, Any]: ...
@@ -146,8 +139,9 @@ class GradientShards:
         """Before a step of the user's optimizer (one replica per process:
         optim/unsynced.py): gradients accumulated under no_sync() and never
         reduced are refused, as pyddp's own optimizers refuse them."""
-        engine = self._r._engine
-        if engine is not None and not self._r.closed and engine.partial:
+        engine, r = self._r._engine, self._r
+        unsynced = engine is not None and not r.closed and engine.partial
+        if unsynced and not gradients_cleared(r._layout):  # (torch's zero_grad: nothing to step)
             raise RuntimeError(f"pyddp: cannot step: {engine.partial_reason}")
 
     def flat_grads(self, replica: int) -> List[Any]:

@@ -21,8 +21,8 @@ from .._link.weak import LenientWeakKeys
 # processes (weak: a dropped model leaves nothing); and the check of each.
 _params: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _checks: Dict[int, Callable[[], Any]] = {}
-_seen = LenientWeakKeys()  # optimizer -> (its parameter count, the checks it needs)
-_hook: Dict[str, Any] = {}
+_seen = LenientWeakKeys()  # optimizer -> ((parameter count, wraps), the checks it needs)
+_hook: Dict[str, Any] = {"wraps": 0}  # wraps: watch_steps calls (a wrap since: look again)
 
 
 def watch_steps(params: List[torch.Tensor], gradients: Callable[[], Any]) -> None:
@@ -33,6 +33,7 @@ def watch_steps(params: List[torch.Tensor], gradients: Callable[[], Any]) -> Non
         _params[id(p)] = p
         _checks[id(p)] = gradients
         weakref.finalize(p, _checks.pop, id(p), None)
+    _hook["wraps"] += 1
     if "handle" not in _hook:
         _hook["handle"] = register_optimizer_step_pre_hook(_before_step)
 
@@ -41,16 +42,16 @@ def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if not _params:
         return
     groups = optimizer.param_groups
-    count = sum(len(g["params"]) for g in groups)
-    seen: Tuple[int, List[Callable[[], Any]]] = _seen.get(optimizer, (-1, []))
-    if seen[0] != count:
+    key = (sum(len(g["params"]) for g in groups), _hook["wraps"])
+    seen: Tuple[Tuple[int, int], List[Callable[[], Any]]] = _seen.get(optimizer, ((-1, -1), []))
+    if seen[0] != key:
         checks: List[Callable[[], Any]] = []
         for g in groups:
             for p in g["params"]:
                 check = _checks.get(id(p)) if _params.get(id(p)) is p else None
                 if check is not None and all(check is not c for c in checks):
                     checks.append(check)
-        seen = (count, checks)
+        seen = (key, checks)
         _seen[optimizer] = seen
     for check in seen[1]:
         gradients = check()
