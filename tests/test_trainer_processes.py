@@ -421,3 +421,73 @@ def test_evaluating_on_one_rank_and_exchanges_that_do_not_pair(tmp_path):
         assert error is not None and "not at the same exchange" in error, error
         assert "rank 0 at exchange" in error and "the loss weighting of a training step" in error
         assert "rank 1 at exchange" in error and "the sums of a validation during fit()" in error
+
+
+class _Unrepeated(torch.utils.data.DistributedSampler):
+    """Rank r's rows r, r + world, ... without padding (Lightning's
+    UnrepeatedDistributedSampler): the ranks hold different numbers of rows."""
+
+    def __iter__(self):
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+    def __len__(self):
+        return len(range(self.rank, len(self.dataset), self.num_replicas))
+
+
+def trainer_agreement(out: dict) -> None:
+    """Found by a probe of the Trainer across processes: (a) accumulation over
+    a window whose ranks hold different rows (11 rows, batches 2/2/2 and
+    2/2/1) weighed each micro-batch by this rank's rows: 0.048 from one
+    device's step; (b) ranks with other metrics summed validation sums of
+    different lengths (rank 1's valid_loss 4.0 for 0.589) and (c) other
+    validation data were accepted; (d) a stop a callback set on rank 0 only
+    ended rank 0 and failed rank 1 at the timeout, blaming rank 0."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    rank = pyddp.rank()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(11, 6, generator=g), torch.randn(11, 3, generator=g)
+    ds = TensorDataset(x, y)
+    loader = DataLoader(ds, batch_size=2, sampler=_Unrepeated(ds, shuffle=False))
+    cfg = pyddp.TrainConfig(batch_size=2, max_epochs=1, grad_accum_steps=3, progress=False)
+    model, ref = eval_norm(net()), eval_norm(net())
+    with sgd_trainer(cfg, model) as t:
+        t.fit(loader)
+    nn.functional.mse_loss(ref(x), y).backward()  # one step on the mean over the 11 rows
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.grad is not None:
+                p -= 0.1 * p.grad
+    out["diff"] = max_diff(model, ref)
+    for case in ("metrics", "valid_data"):
+        metrics = {"mae": lambda o, t: (o - t).abs().mean()} if case == "metrics" and rank else {}
+        valid = (x[:8] + rank, y[:8]) if case == "valid_data" else (x[:8], y[:8])
+        t = sgd_trainer(pyddp.TrainConfig(batch_size=4, max_epochs=1, progress=False))
+        t.metrics = metrics
+        with t:
+            try:
+                t.fit((x, y), valid)
+                out[case] = None
+            except ValueError as e:
+                out[case] = str(e)
+
+    class StopOnRank0(pyddp.Callback):
+        def on_step_end(self, trainer, metrics):
+            if rank == 0 and trainer.state.step == 1:
+                trainer.state.stop_reason = "enough"
+
+    t = sgd_trainer(pyddp.TrainConfig(batch_size=4, max_epochs=2, progress=False))
+    t.callbacks.append(StopOnRank0())
+    with t:
+        result = t.fit((x, y))
+    out["stopped"] = (result.state.step, result.stop_reason)
+
+
+def test_ranks_agree_on_windows_metrics_validation_data_and_stops(tmp_path):
+    got = spawn(trainer_agreement, env={"PYDDP_TIMEOUT_S": "30"}, out=tmp_path)
+    for r in got:
+        assert r["diff"] < TOL, r
+        assert "metrics: rank 0 [], rank 1 ['mae']" in (r["metrics"] or ""), r
+        assert "valid_data: rank 0 8 rows, samples" in (r["valid_data"] or ""), r
+    assert got[0]["stopped"] == [1, "enough"]
+    assert got[1]["stopped"] == [1, "stopped on another rank"]

@@ -30,8 +30,9 @@ from .scaler import LossScaler
 from .state import LoopState
 
 _TRAIN_LOSS = exchange("the training loss of a step (GPU replicas)")
-_STOP = exchange("the stop decision after a step (Ctrl-C on any rank)")
+_STOP = exchange("the stop decision after a step (Ctrl-C or a stop on any rank)")
 _BEST = exchange("rank 0's writing of best.pt")
+_WINDOW_ROWS = exchange("the rows of each micro-batch of a window (each rank's own batches)")
 
 
 class EpochHost(Protocol):
@@ -76,13 +77,16 @@ class EpochLoop:
                 start = index - index % cfg.grad_accum_steps
                 window = min(cfg.grad_accum_steps, n_batches - start)
                 items = [first, *itertools.islice(batches, start + window - index - 1)]
-                total = sum(rows for _, rows in items)
-                for k, (shards, rows) in enumerate(items):
-                    # The loader's rows are the global batch's (not, where each
-                    # rank draws its own from a DistributedSampler, this rank's).
-                    known = rows if loader.rows_global else None
+                # The loader's rows are the global batch's; where each rank draws
+                # its own (a DistributedSampler) this rank's, summed over the
+                # ranks here (once per window): an uneven window weighs as one device.
+                rows_of = [rows for _, rows in items]
+                if not loader.rows_global:
+                    rows_of = [round(r) for r in self.ranks.sum(rows_of, _WINDOW_ROWS)]
+                total = sum(rows_of)
+                for k, ((shards, _), rows) in enumerate(zip(items, rows_of)):
                     stop = self._micro_batch(
-                        shards, rows / total, known, k == len(items) - 1, valid_data
+                        shards, rows / total, rows, k == len(items) - 1, valid_data
                     )
                     if stop and state.batch_in_epoch < n_batches:
                         return  # (a stop at the epoch's last step ends the epoch first)
@@ -193,11 +197,14 @@ class EpochLoop:
             "max_steps",
             Emission("on_step_end", metrics),
         )
-        stop = self._ctrl_c.stop_requested
-        # A Ctrl-C on any rank stops every rank at this step.
-        stop = self.ranks.sum([float(stop)], _STOP)[0] > 0
-        if stop:
+        # A Ctrl-C on any rank stops every rank at this step; so does a stop
+        # a callback set on some ranks only (trainer.state.stop_reason).
+        flags = [float(self._ctrl_c.stop_requested), float(state.stop_reason is not None)]
+        ctrl_c, stopped = self.ranks.sum(flags, _STOP)
+        if ctrl_c > 0:
             state.stop_reason = "interrupted"  # fit() writes the checkpoint on the way out
+        elif stopped > 0 and state.stop_reason is None:
+            state.stop_reason = "stopped on another rank"
 
     def _boundary(
         self,

@@ -23,7 +23,7 @@ from ..replicas.model import wrap
 from ..runtime.devices import DeviceLike
 from .arguments import check_arguments, optimizer_spec, qualname
 from .callbacks import Callback, Emission, MetricsLogger, ProgressBar
-from .checkpoints.identity import run_signature
+from .checkpoints.identity import data_signature, run_signature
 from .checkpoints.resume import TrainerCheckpoints
 from .checkpoints.run_files import RunFiles
 from .config import TrainConfig
@@ -243,7 +243,7 @@ class Trainer(EpochLoop, TrainerCheckpoints):
     def _fit(self, train_data: Any, valid_data: Any) -> FitResult:
         cfg = self.config
         cfg.validate()
-        self._same_settings_on_every_rank(cfg)
+        self._same_settings_on_every_rank(cfg, valid_data)
         loader = ShardedLoader(
             train_data,
             cfg.batch_size,
@@ -342,7 +342,7 @@ class Trainer(EpochLoop, TrainerCheckpoints):
                 raise
         return FitResult(self.state, self.best_state_dict, self.state.stop_reason, self.output_dir)
 
-    def _same_settings_on_every_rank(self, cfg: TrainConfig) -> None:
+    def _same_settings_on_every_rank(self, cfg: TrainConfig, valid_data: Any) -> None:
         """Across processes the loop's validation, checkpoints and stop
         decisions are collective: ranks that fit with other limits, cadences
         or batch sizes would wait for each other at different steps, and the
@@ -352,6 +352,8 @@ class Trainer(EpochLoop, TrainerCheckpoints):
             return
         mine = {f.name: repr(getattr(cfg, f.name)) for f in fields(cfg) if f.name not in _RANK_OWN}
         mine["scheduler"] = qualname(type(self.scheduler)) if self.scheduler is not None else "None"
+        mine["metrics"] = repr(list(self.metrics))  # (the validation's sums, by position)
+        mine["valid_data"] = _validation_signature(valid_data)
         every = self.ranks.gather(mine, _SETTINGS)
         differ = [k for k in mine if len({e.get(k) for e in every}) > 1]
         if differ:
@@ -363,8 +365,8 @@ class Trainer(EpochLoop, TrainerCheckpoints):
             raise ValueError(
                 f"pyddp Trainer: the ranks fit with different settings ({shown}); every rank "
                 "validates, checkpoints and stops together, so every rank must fit with the "
-                "same TrainConfig and scheduler (output_dir, progress, max_to_keep and prefetch "
-                "excepted)"
+                "same TrainConfig, scheduler, metrics and validation data (output_dir, progress, "
+                "max_to_keep and prefetch excepted)"
             )
 
     def _even_out(self, loader: ShardedLoader) -> None:
@@ -416,3 +418,16 @@ class Trainer(EpochLoop, TrainerCheckpoints):
     def _emit(self, hook: Any, *args: Any) -> None:
         """Every callback's `hook` (a name, or a resumable callbacks.Emission)."""
         (hook if isinstance(hook, Emission) else Emission(hook, *args)).run(self, self.callbacks)
+
+
+def _validation_signature(data: Any) -> str:
+    """What the ranks compare of fit()'s valid_data: its rows and a hash of
+    four samples (a DataLoader's dataset: a DistributedSampler splits the
+    same one); fit() refuses data it cannot read after this comparison."""
+    if data is None:
+        return "None"
+    try:
+        signature = data_signature(data, 0)
+    except Exception as e:  # (named by the check of valid_data that follows)
+        return f"unreadable ({type(e).__name__})"
+    return f"{signature['training rows']} rows, samples {signature['training samples (hash of 4)']}"
