@@ -461,7 +461,7 @@ def trainer_agreement(out: dict) -> None:
     out["diff"] = max_diff(model, ref)
     for case in ("metrics", "valid_data"):
         metrics = {"mae": lambda o, t: (o - t).abs().mean()} if case == "metrics" and rank else {}
-        valid = (x[:8] + rank, y[:8]) if case == "valid_data" else (x[:8], y[:8])
+        valid = (x[: 8 - rank], y[: 8 - rank]) if case == "valid_data" else (x[:8], y[:8])
         t = sgd_trainer(pyddp.TrainConfig(batch_size=4, max_epochs=1, progress=False))
         t.metrics = metrics
         with t:
@@ -472,15 +472,26 @@ def trainer_agreement(out: dict) -> None:
                 out[case] = str(e)
 
     class StopOnRank0(pyddp.Callback):
+        def __init__(self, at):
+            self.at = at
+
         def on_step_end(self, trainer, metrics):
-            if rank == 0 and trainer.state.step == 1:
+            if rank == 0 and self.at == trainer.state.step == 1:
                 trainer.state.stop_reason = "enough"
 
-    t = sgd_trainer(pyddp.TrainConfig(batch_size=4, max_epochs=2, progress=False))
-    t.callbacks.append(StopOnRank0())
-    with t:
-        result = t.fit((x, y))
-    out["stopped"] = (result.state.step, result.stop_reason)
+        def on_validation_end(self, trainer, metrics):  # (at an epoch's end: found in review)
+            if rank == 0 and self.at == trainer.state.step == 3:
+                trainer.state.stop_reason = "plateau"
+
+    for at in (1, 3):
+        t = sgd_trainer(pyddp.TrainConfig(batch_size=4, max_epochs=2, progress=False))
+        t.callbacks.append(StopOnRank0(at))
+        with t:
+            if at == 3:
+                t.fit((x, y), (x[:8], y[:8]))  # 3 steps per epoch
+            else:
+                t.fit((x, y))
+            out[f"stopped at {at}"] = (t.state.step, t.state.stop_reason)
 
 
 def test_ranks_agree_on_windows_metrics_validation_data_and_stops(tmp_path):
@@ -488,6 +499,8 @@ def test_ranks_agree_on_windows_metrics_validation_data_and_stops(tmp_path):
     for r in got:
         assert r["diff"] < TOL, r
         assert "metrics: rank 0 [], rank 1 ['mae']" in (r["metrics"] or ""), r
-        assert "valid_data: rank 0 8 rows, samples" in (r["valid_data"] or ""), r
-    assert got[0]["stopped"] == [1, "enough"]
-    assert got[1]["stopped"] == [1, "stopped on another rank"]
+        assert "valid_data: rank 0 tuple of 8 rows, rank 1 tuple of 7" in (r["valid_data"] or ""), r
+    assert got[0]["stopped at 1"] == [1, "enough"]
+    assert got[1]["stopped at 1"] == [1, "stopped on another rank"]
+    assert got[0]["stopped at 3"] == [3, "plateau"]
+    assert got[1]["stopped at 3"] == [3, "stopped on another rank"]

@@ -108,6 +108,7 @@ class EpochLoop:
             "max_epochs",
             Emission("on_epoch_end", {"epoch": state.epoch, "step": state.step}),
         )
+        self._agree_on_stop()
 
     def _micro_batch(
         self, shards: Any, weight: float, rows: Optional[int], last: bool, valid_data: Any
@@ -197,8 +198,13 @@ class EpochLoop:
             "max_steps",
             Emission("on_step_end", metrics),
         )
-        # A Ctrl-C on any rank stops every rank at this step; so does a stop
-        # a callback set on some ranks only (trainer.state.stop_reason).
+        self._agree_on_stop()
+
+    def _agree_on_stop(self) -> None:
+        """After a step and an epoch's end: a Ctrl-C on any rank stops every
+        rank here; so does a stop a callback set on some ranks only
+        (trainer.state.stop_reason, from any hook)."""
+        state = self.state
         flags = [float(self._ctrl_c.stop_requested), float(state.stop_reason is not None)]
         ctrl_c, stopped = self.ranks.sum(flags, _STOP)
         if ctrl_c > 0:

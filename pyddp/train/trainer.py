@@ -15,15 +15,17 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Type,
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from .._link import exchange
 from ..engine.options import Options
 from ..errors import TrainingError
 from ..replicas.model import wrap
+from ..replicas.tree import flatten
 from ..runtime.devices import DeviceLike
 from .arguments import check_arguments, optimizer_spec, qualname
 from .callbacks import Callback, Emission, MetricsLogger, ProgressBar
-from .checkpoints.identity import data_signature, run_signature
+from .checkpoints.identity import run_signature
 from .checkpoints.resume import TrainerCheckpoints
 from .checkpoints.run_files import RunFiles
 from .config import TrainConfig
@@ -421,13 +423,16 @@ class Trainer(EpochLoop, TrainerCheckpoints):
 
 
 def _validation_signature(data: Any) -> str:
-    """What the ranks compare of fit()'s valid_data: its rows and a hash of
-    four samples (a DataLoader's dataset: a DistributedSampler splits the
-    same one); fit() refuses data it cannot read after this comparison."""
+    """What the ranks compare of fit()'s valid_data: its form and rows (a
+    DataLoader's dataset: a DistributedSampler splits the same one). Not its
+    values: a Dataset may augment with a generator of its own, per rank."""
     if data is None:
         return "None"
+    form = type(data.dataset if isinstance(data, DataLoader) else data).__name__
     try:
-        signature = data_signature(data, 0)
+        data = data.dataset if isinstance(data, DataLoader) else data
+        leaves = flatten(tuple(data))[0] if isinstance(data, (tuple, list)) else None
+        rows = len(data) if leaves is None else next(t.shape[0] for t in leaves if t.dim() > 0)
+        return f"{form} of {rows} rows"
     except Exception as e:  # (named by the check of valid_data that follows)
-        return f"unreadable ({type(e).__name__})"
-    return f"{signature['training rows']} rows, samples {signature['training samples (hash of 4)']}"
+        return f"{form}, unreadable ({type(e).__name__})"
