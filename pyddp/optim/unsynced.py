@@ -5,7 +5,9 @@ A step after backwards that all ran under no_sync(), whose gradients were
 never reduced, would leave the processes apart in silence (the parameter
 checksums compare synced backwards only). A process-wide step pre-hook of
 torch's refuses it, as pyddp's own optimizers do: cheap per step (the wrapped
-models an optimizer steps are found once per optimizer and parameter count)."""
+models an optimizer steps are found once per optimizer and wrap). A step given
+a closure is not judged: the closure runs the step's backward after the hook
+(Lightning's automatic optimization)."""
 
 from __future__ import annotations
 
@@ -39,8 +41,9 @@ def watch_steps(params: List[torch.Tensor], gradients: Callable[[], Any]) -> Non
 
 
 def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if not _params:
-        return
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")  # (args[0]: the optimizer)
+    if not _params or closure is not None:
+        return  # (a closure runs this step's backward after the hook: Lightning's loop)
     groups = optimizer.param_groups
     key = (sum(len(g["params"]) for g in groups), _hook["wraps"])
     seen: Tuple[Tuple[int, int], List[Callable[[], Any]]] = _seen.get(optimizer, ((-1, -1), []))
