@@ -66,12 +66,7 @@ class _Release:
     def remove(self) -> None:
         owner = self.scattered()
         if owner is not None:
-            owner._guards.clear()
-            owner.markers = [None] * len(owner.markers)
-            owner._placed = False
-            for p, marker in zip(owner.layout.params[0], owner._cache):
-                if marker is not None and p.grad is marker:
-                    p.grad = None
+            owner.take_off_placeholders()
 
 
 class Scattered:
@@ -275,6 +270,17 @@ class Scattered:
             if marker is not None and params[i].requires_grad:  # (frozen since: no hook)
                 self._guards.append(params[i].register_hook(arrived))
         self.layout.handles.extend(self._guards)  # removed with the reducer's, at close
+
+    def take_off_placeholders(self) -> None:
+        """At the reducer's close: replica 0's `.grad` placeholders go (None:
+        the model is the user's own again); the guards' handles went with the
+        reducer's (never removed here: _release is walking them)."""
+        self._guards.clear()
+        self.markers = [None] * len(self.markers)
+        self._placed = False
+        for p, marker in zip(self.layout.params[0], self._cache):
+            if marker is not None and p.grad is marker:
+                p.grad = None
 
     def unguard(self) -> None:
         """Removes guard's hooks (never from within one: autograd walks them)."""

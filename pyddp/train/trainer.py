@@ -21,11 +21,10 @@ from .._link import exchange
 from ..engine.options import Options
 from ..errors import TrainingError
 from ..replicas.model import wrap
-from ..replicas.tree import flatten
 from ..runtime.devices import DeviceLike
 from .arguments import check_arguments, optimizer_spec, qualname
 from .callbacks import Callback, Emission, MetricsLogger, ProgressBar
-from .checkpoints.identity import run_signature
+from .checkpoints.identity import data_rows, run_signature
 from .checkpoints.resume import TrainerCheckpoints
 from .checkpoints.run_files import RunFiles
 from .config import TrainConfig
@@ -430,9 +429,6 @@ def _validation_signature(data: Any) -> str:
         return "None"
     form = type(data.dataset if isinstance(data, DataLoader) else data).__name__
     try:
-        data = data.dataset if isinstance(data, DataLoader) else data
-        leaves = flatten(tuple(data))[0] if isinstance(data, (tuple, list)) else None
-        rows = len(data) if leaves is None else next(t.shape[0] for t in leaves if t.dim() > 0)
-        return f"{form} of {rows} rows"
+        return f"{form} of {data_rows(data)} rows"
     except Exception as e:  # (named by the check of valid_data that follows)
         return f"{form}, unreadable ({type(e).__name__})"

@@ -84,20 +84,29 @@ def data_signature(data: Any, batches_per_epoch: int) -> Dict[str, str]:
     }
 
 
+def data_rows(data: Any) -> int:
+    """The rows of the data fit() takes: (inputs, targets) tensors, a Dataset,
+    or a DataLoader's dataset (a DistributedSampler splits the same one)."""
+    data = data.dataset if isinstance(data, DataLoader) else data
+    if isinstance(data, (tuple, list)):  # (inputs, targets) tensors, as ShardedLoader takes them
+        return next(t.shape[0] for t in flatten(tuple(data))[0] if t.dim() > 0)
+    return len(data)
+
+
 def _rows_and_samples(data: Any) -> Tuple[str, str]:
     if isinstance(data, DataLoader):
         data = data.dataset
         if isinstance(data, IterableDataset) or not hasattr(data, "__len__"):
             return "unknown", "not hashed (an iterable dataset)"
     pick: Callable[[int], Any]
-    if isinstance(data, (tuple, list)):  # (inputs, targets) tensors, as ShardedLoader takes them
+    n = data_rows(data)
+    if isinstance(data, (tuple, list)):
         leaves = flatten(tuple(data))[0]
-        n = next(t.shape[0] for t in leaves if t.dim() > 0)
 
         def pick(i: int) -> Any:
             return [t[i] if t.dim() > 0 else t for t in leaves]
     else:
-        n, pick = len(data), data.__getitem__
+        pick = data.__getitem__
     h = hashlib.sha256()
     # Random transforms in a Dataset draw the same numbers in every run, and
     # the training's own streams are left as they were.
