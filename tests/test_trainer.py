@@ -1149,6 +1149,26 @@ def test_persistent_dataloader_workers_warn_that_resume_is_not_bitwise():
         trainer(max_epochs=1).fit(loader)
 
 
+def test_settings_a_dataloader_overrides_are_named():
+    # Found by a probe: batch_size, shuffle and drop_last set in TrainConfig
+    # were silently ignored with a DataLoader (its batches are the global ones).
+    x, y = data(40)
+    loader = DataLoader(TensorDataset(x, y), batch_size=10, shuffle=True)
+    t = trainer(max_epochs=1, batch_size=8, shuffle=False, drop_last=True)
+    with pytest.warns(UserWarning) as caught:
+        t.fit(loader)
+    said = " ".join(str(w.message) for w in caught)
+    for name in ("batch_size=8 (the training DataLoader's: 10)", "shuffle=False", "drop_last"):
+        assert name in said
+    assert t.state.step == 4  # the loader's batches of 10 were used
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # what the loader does anyway: nothing to say
+        trainer(max_epochs=1, batch_size=10).fit(loader)
+        trainer(max_epochs=1, batch_size=8).fit(loader, (x, y))  # batch_size cuts valid_data
+    with pytest.warns(UserWarning, match=r"eval_batch_size=8 \(valid_data's: 10\)"):
+        trainer(max_epochs=1, eval_batch_size=8).fit((x, y), loader)
+
+
 def test_a_sampler_that_takes_no_new_attribute_still_trains():
     # Found in review: every sampler in the chain was given a `generator`,
     # and one with __slots__ raised AttributeError in fit().

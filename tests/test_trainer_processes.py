@@ -209,6 +209,7 @@ def trainer_loader_forms(out: dict) -> None:
     from torch.utils.data import (
         BatchSampler,
         DataLoader,
+        DistributedSampler,
         SequentialSampler,
         SubsetRandomSampler,
         TensorDataset,
@@ -238,7 +239,12 @@ def trainer_loader_forms(out: dict) -> None:
     # as a Dataset, the same figures (the Dataset crashed in default_collate).
     as_tensors = fit((x, y), (x[:13], y[:13]))[1][-1]["valid_loss"]
     as_dataset = fit((x, y), TensorDataset(x[:13], y[:13]))[1][-1]["valid_loss"]
-    out["valid"] = (as_tensors, as_dataset)
+    # And as a DataLoader with torch's DistributedSampler, which pads 13 rows
+    # to 14 by repeating row 0: it was counted twice (docs: each row once).
+    sampler = DistributedSampler(TensorDataset(x[:13], y[:13]), shuffle=False)
+    padded = DataLoader(TensorDataset(x[:13], y[:13]), batch_size=2, sampler=sampler)
+    as_padded = fit((x, y), padded)[1][-1]["valid_loss"]
+    out["valid"] = (as_tensors, as_dataset, as_padded)
     # Each rank its own data (a DDP habit): each rank trained on its slice of
     # its own rows, half of each unseen, silently. Refused on every rank.
     mine = torch.Generator().manual_seed(100 + pyddp.rank())
@@ -254,6 +260,8 @@ def test_dataloader_forms_and_a_short_validation_batch(tmp_path):
         assert r["subset_steps"] == 6, r
         assert r["batch_sampler_steps"] == 6, r  # 7 batches, the 1-row one dropped
         assert r["valid"][0] == r["valid"][1], r
+        # (sums over other slices: float32 rounding apart, not bitwise)
+        assert abs(r["valid"][2] - r["valid"][0]) <= 1e-6 * abs(r["valid"][0]), r
         assert "ranks passed different training data" in (r["per_rank_data"] or ""), r
 
 

@@ -8,16 +8,27 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+from dataclasses import fields
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 from torch.utils.data._utils.collate import default_collate
 
 from ..replicas.tree import flatten, shard_sizes
 from .rng import derived_seed
 
 Shard = Tuple[Any, Any]  # (model inputs, targets) on one replica's device
+_PADS = DistributedSampler.__iter__  # (a subclass may draw otherwise)
+_SHUFFLING = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 
 
 class ShardedLoader:
@@ -203,13 +214,17 @@ class ShardedLoader:
                     sampler.generator = torch.Generator().manual_seed(seed)
                 if hasattr(sampler, "set_epoch"):
                     sampler.set_epoch(epoch)  # DistributedSampler and friends
-            n = len(self)
+            n, real = len(self), self._unpadded_rows()
             for i, batch in enumerate(self._loader_iterator(epoch)):
                 if i >= n:  # the short last batch this rank must skip
                     return
                 if not isinstance(batch, (tuple, list)) or len(batch) != 2:
                     raise ValueError("DataLoader batches must be (inputs, targets) pairs")
                 rows = _rows(batch)
+                if real is not None:  # an evaluation counts each row once: no padding
+                    leaves, rebuild = flatten(tuple(batch))
+                    batch = rebuild([t[: max(real, 0)] if t.dim() > 0 else t for t in leaves])
+                    real, rows = real - rows, min(rows, max(real, 0))
                 if self._sliced and rows < self.world and not self.keep_short:
                     # A last batch of fewer rows than processes that __len__
                     # could not foresee (a batch_sampler's): every rank sees
@@ -236,6 +251,21 @@ class ShardedLoader:
                 items = [self._dataset[int(j)] for j in idx] or [self._dataset[0]]
                 x, y = _pair(default_collate(items))
                 yield (x, y, rows) if len(idx) else (*_index((x, y), idx), rows)
+
+    def _unpadded_rows(self) -> Optional[int]:
+        """For an evaluation (keep_short) over a DataLoader whose sampler is
+        torch's DistributedSampler padding the dataset to a multiple of its
+        ranks by repeating rows: this rank's rows before the padding (the
+        padding comes last). None: no padding to leave out."""
+        sampler = getattr(self._loader, "sampler", None)
+        if not self.keep_short or getattr(type(sampler), "__iter__", None) is not _PADS:
+            return None
+        if sampler.drop_last or self._loader.batch_size is None:
+            return None
+        rows = len(sampler.dataset)
+        if sampler.total_size == rows:
+            return None
+        return len(range(sampler.rank, rows, sampler.num_replicas))
 
     def _loader_iterator(self, epoch: int) -> Iterator[Any]:
         """iter(DataLoader) draws its workers' base seed from the loader's
@@ -299,6 +329,36 @@ def samplers(loader: DataLoader) -> List[Any]:
         if s is not None and not any(s is f for f in found):
             found.append(s)
             todo.append(getattr(s, "sampler", None))
+    return found
+
+
+def overridden_settings(cfg: Any, train_data: Any, valid_data: Any) -> List[str]:
+    """The TrainConfig fields set away from their defaults that a DataLoader
+    of the caller's overrides (its batches are the global batches, as it cuts
+    them), each with what the loader does instead: for the Trainer's warning."""
+    default = {f.name: f.default for f in fields(cfg)}
+    found = []
+    if isinstance(train_data, DataLoader):
+        kinds = [type(s) for s in samplers(train_data)]
+        shuffles = any(issubclass(k, _SHUFFLING) for k in kinds) or any(
+            getattr(s, "shuffle", False) for s in samplers(train_data)
+        )
+        drops = train_data.drop_last or getattr(train_data.batch_sampler, "drop_last", False)
+        rows = train_data.batch_size or getattr(train_data.batch_sampler, "batch_size", None)
+        eval_uses = valid_data is not None and not isinstance(valid_data, DataLoader)
+        eval_uses = eval_uses and cfg.eval_batch_size is None  # (its default: batch_size)
+        for name, value, loader in (
+            ("batch_size", rows, not eval_uses),
+            ("shuffle", shuffles, True),
+            ("drop_last", bool(drops), True),
+        ):
+            given = getattr(cfg, name)
+            if loader and given != default[name] and given != value:
+                found.append(f"{name}={given!r} (the training DataLoader's: {value!r})")
+    if isinstance(valid_data, DataLoader) and cfg.eval_batch_size is not None:
+        rows = valid_data.batch_size or getattr(valid_data.batch_sampler, "batch_size", None)
+        if cfg.eval_batch_size != rows:
+            found.append(f"eval_batch_size={cfg.eval_batch_size!r} (valid_data's: {rows!r})")
     return found
 
 

@@ -28,7 +28,7 @@ from .checkpoints.identity import data_rows, run_signature
 from .checkpoints.resume import TrainerCheckpoints
 from .checkpoints.run_files import RunFiles
 from .config import TrainConfig
-from .data import ShardedLoader
+from .data import ShardedLoader, overridden_settings
 from .epoch import EpochLoop
 from .evaluation import eval_loader, evaluate
 from .interrupt import CtrlC
@@ -264,6 +264,13 @@ class Trainer(EpochLoop, TrainerCheckpoints):
                 "and their random state runs on across epochs, so a run resumed in a later "
                 "epoch draws other random transforms than the uninterrupted one (not bitwise); "
                 "persistent_workers=False replays them",
+                stacklevel=3,
+            )
+        unused = overridden_settings(cfg, train_data, valid_data)
+        if unused:
+            warnings.warn(
+                "pyddp: TrainConfig " + "; ".join(unused) + ": not used, a DataLoader's batches "
+                "are taken as it cuts them; set it on the DataLoader, or pass its Dataset",
                 stacklevel=3,
             )
         validates = cfg.eval_every_epochs or cfg.eval_every_steps
