@@ -15,7 +15,7 @@ import pytest
 import torch
 from full_disk import full_after_first_checkpoint
 from ranks import TOL, eval_norm, max_diff, net
-from spawn import out_dir, spawn, write_and_exit
+from spawn import expect_failure, out_dir, spawn, write_and_exit
 from torch import nn
 
 import pyddp
@@ -512,3 +512,43 @@ def test_ranks_agree_on_windows_metrics_validation_data_and_stops(tmp_path):
     assert got[1]["stopped at 1"] == [1, "stopped on another rank"]
     assert got[0]["stopped at 3"] == [3, "plateau"]
     assert got[1]["stopped at 3"] == [3, "stopped on another rank"]
+
+
+def trainer_raising(out: dict) -> None:
+    """A callback, or a metric, raising on rank 0 alone, caught there: rank 1
+    waited at its next exchange and failed at the timeout blaming rank 0 as
+    "died, stalled" (found by a probe); it now fails at once, told why."""
+    case = os.environ["CASE"]
+
+    class Boom(pyddp.Callback):
+        def on_step_end(self, trainer, metrics):
+            if case == "callback" and pyddp.rank() == 0 and metrics["step"] == 2:
+                raise ValueError("boom on rank 0")
+
+    def metric(pred, target):
+        if pyddp.rank() == 0:
+            raise ValueError("metric boom on rank 0")
+        return nn.functional.l1_loss(pred, target)
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(40, 6, generator=g), torch.randn(40, 3, generator=g)
+    cfg = pyddp.TrainConfig(batch_size=10, max_steps=6, max_epochs=10, eval_every_steps=3,
+                            progress=False)  # fmt: skip
+    t = pyddp.Trainer(
+        eval_norm(net()), ["cpu"], optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        loss_fn=nn.functional.mse_loss, config=cfg, callbacks=[Boom()],
+        metrics={"l1": metric} if case == "metric" else {},
+    )  # fmt: skip
+    expect_failure(out, lambda: t.fit((x, y), (x[:20], y[:20])))
+
+
+@pytest.mark.parametrize(
+    "case, said",
+    [("callback", "the callback Boom.on_step_end raised ValueError: boom on rank 0"),
+     ("metric", "its validation raised ReplicaError: replica 0 failed during evaluate: "
+                "ValueError: metric boom on rank 0")],
+)  # fmt: skip
+def test_a_callback_or_metric_raising_on_one_rank_is_named_on_the_others(tmp_path, case, said):
+    r0, r1 = spawn(trainer_raising, env={"CASE": case, "PYDDP_TIMEOUT_S": "120"}, out=tmp_path)
+    assert "boom on rank 0" in r0["error"], r0
+    assert "rank 0 abandoned the step" in (r1["error"] or "") and said in r1["error"], r1

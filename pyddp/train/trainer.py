@@ -405,15 +405,14 @@ class Trainer(EpochLoop, TrainerCheckpoints):
     def _evaluate(self, data: Any, across_ranks: bool) -> Dict[str, float]:
         """`across_ranks`: every rank evaluates its slice and the sums are
         exchanged (every rank must call it); else this rank evaluates all."""
-        return evaluate(
-            self.model,
-            data,
-            self.config,
-            self.loss_fn,
-            self.metrics,
-            self._autocast,
-            across_ranks and self.ranks.spans_processes,
-        )
+        across = across_ranks and self.ranks.spans_processes
+        try:
+            return evaluate(self.model, data, self.config, self.loss_fn, self.metrics,
+                            self._autocast, across)  # fmt: skip
+        except Exception as e:  # a metric raising on this rank: the others wait for its sums
+            if across:
+                self.model._abandon(f"its validation raised {type(e).__name__}: {e}")
+            raise
 
     # --------------------------------------------------------------- misc
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -424,8 +423,16 @@ class Trainer(EpochLoop, TrainerCheckpoints):
         return torch.autocast(self.model.devices[0].type, dtype=dtype)
 
     def _emit(self, hook: Any, *args: Any) -> None:
-        """Every callback's `hook` (a name, or a resumable callbacks.Emission)."""
-        (hook if isinstance(hook, Emission) else Emission(hook, *args)).run(self, self.callbacks)
+        """Every callback's `hook` (a name, or a resumable callbacks.Emission).
+        One raising across processes (not a Ctrl-C, which every rank stops at
+        together) ends the run on every rank, named, rather than at the timeout."""
+        event = hook if isinstance(hook, Emission) else Emission(hook, *args)
+        try:
+            event.run(self, self.callbacks)
+        except Exception as e:
+            who = type(self.callbacks[event.done]).__name__
+            self.model._abandon(f"the callback {who}.{event.hook} raised {type(e).__name__}: {e}")
+            raise
 
 
 def _validation_signature(data: Any) -> str:
