@@ -569,6 +569,37 @@ def test_values_changed_on_the_users_model_reach_every_replica():
     dm.close()
 
 
+@pytest.mark.parametrize("shard", [False, True, "gradients"])
+@pytest.mark.parametrize("run_replicas", ["threads", "in_turn"])
+def test_values_changed_between_backward_and_step_reach_every_replica(shard, run_replicas):
+    # Found by a probe: a sharded optimizer's replicas each stepped their share
+    # from their own copy, so an edit of the user's model after the backward
+    # (SAM restoring its weights, load_state_dict) was lost in the shares of
+    # replicas 1.. (0.40 from one device on one SGD step; unsharded: followed).
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu"] * 3, run_replicas=run_replicas)
+    opt = dm.optimizer(torch.optim.SGD, shard=shard, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(12, 6), torch.randn(12, 4)
+    for step in range(3):
+        for net, optimizer, forward in ((ref, ref_opt, ref), (model, opt, dm)):
+            F.mse_loss(forward(x), y).backward()
+            with torch.no_grad():
+                if step == 1:
+                    net.load_state_dict({"weight": torch.ones(4, 6), "bias": torch.zeros(4)})
+                else:
+                    net.weight.mul_(0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    dm(x)
+    same_replicas(dm)
+    dm.close()
+
+
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_a_parameters_gradient_hooks_run_on_every_replica(replicas):
     # Found: a hook registered with p.register_hook (a gradient mask) ran on

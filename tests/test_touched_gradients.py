@@ -162,6 +162,56 @@ def test_dmodel_clip_grad_norm_sees_gradients_changed_after_backward(shard, chan
     assert norms[1] > 0.05  # (it clipped)
 
 
+@pytest.mark.parametrize("shard", MODES)
+@pytest.mark.parametrize("clip", ["norm", "value"])
+@pytest.mark.parametrize("change", ["none", "zero_"])
+def test_gradients_changed_after_the_clip_count_as_after_the_backward(shard, clip, change):
+    # Found by a probe: under shard="gradients" the clip took the
+    # placeholders off (every p.grad None until the step), so a gradient set
+    # to None after it was stepped anyway (0.02 from one device).
+    dm, opt, ref, ref_opt = _both(2, shard)
+
+    def clip_then_touch(model, k):
+        if model is ref:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05) if clip == "norm" else (
+                torch.nn.utils.clip_grad_value_(ref.parameters(), 0.01))  # fmt: skip
+        else:
+            dm.clip_grad_norm_(0.05) if clip == "norm" else dm.clip_grad_value_(0.01)
+        assert all(p.grad is not None for p in model.a.parameters())
+        if change == "none":
+            model.a.weight.grad = None
+        else:
+            model.a.weight.grad.zero_()
+
+    _side_by_side(dm, opt, ref, ref_opt, 3, after=clip_then_touch)
+
+
+@pytest.mark.parametrize("shard", MODES)
+@pytest.mark.parametrize("n", [1, 2])
+def test_dmodel_clip_grad_norm_takes_torchs_keywords(shard, n):
+    # error_if_nonfinite raises before any gradient is scaled, as torch's;
+    # foreach is taken (pyddp clips its buckets with foreach kernels anyway).
+    dm, opt, ref, ref_opt = _both(n, shard)
+    _loss(dm, torch.randn(6, 4), torch.randn(6, 2)).backward()
+    norm = dm.clip_grad_norm_(1e-3, 2.0, error_if_nonfinite=True, foreach=False)
+    assert torch.isfinite(norm) and norm > 1e-3
+    opt.zero_grad()
+    x = torch.randn(6, 4)
+    x[0, 0] = float("inf")
+    _loss(dm, x, torch.randn(6, 2)).backward()
+    before = [t.clone() for t in dm._flat_grads()[0]]
+    with pytest.raises(RuntimeError, match="non-finite, so it cannot be clipped"):
+        dm.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    for t, kept in zip(dm._flat_grads()[0], before):
+        torch.testing.assert_close(t, kept, rtol=0, atol=0, equal_nan=True)
+    for bad in ({"error_if_nonfinite": 1}, {"foreach": "yes"}):
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            dm.clip_grad_norm_(1.0, **bad)
+    with pytest.raises(TypeError, match="foreach"):
+        dm.clip_grad_value_(1.0, foreach=0)
+    dm.close()
+
+
 @pytest.mark.parametrize("norm_type", [0, -1.0, float("-inf"), float("nan")])
 def test_dmodel_clip_grad_norm_refuses_what_is_no_norm(norm_type):
     # norm_type 0 returned the number of nonzero buckets (1 where torch's

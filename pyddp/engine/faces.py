@@ -92,6 +92,20 @@ class GradientShards:
         self.on_gpus = reducer._gpu_devices is not None and reducer._engine is not None
         self.gpus = None if reducer._gpu_devices is None else list(reducer._gpu_devices)
         self.ranks = reducer._link.ranks
+        self._follow: Optional[Callable[[], Any]] = None  # a weak DistributedModel method
+
+    def follow_model_with(self, method: Callable[[], None]) -> None:
+        """The wrapped model's check that brings the other replicas in line
+        with the user's model (DistributedModel._follow_model), kept weakly."""
+        self._follow = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def follow_model(self) -> None:
+        """Before a sharded step: values changed in place on the user's
+        model since the forward (SAM restoring its weights, load_state_dict)
+        reach the other replicas, which step their shares from their copies."""
+        follow = None if self._follow is None else self._follow()
+        if follow is not None:
+            follow()
 
     # ------------------------------------------------------------ the slots
     def slot_of(self, replica: int) -> int:
@@ -250,8 +264,11 @@ class GradientShards:
             if type(e) is not RuntimeError:
                 raise
             raise RuntimeError(str(e).replace("cannot step:", "cannot clip:", 1)) from None
-        if self._r._engine is None or self._r._layout.scattered is not None:
-            return  # (one replica: torch's clipping; sharded: reconciled blocks)
+        if self._r._engine is None:
+            return  # (one replica: torch's clipping)
+        if self._r._layout.scattered is not None:  # reconciled blocks; the placeholders
+            self._r._layout.scattered.place()  # back on, so a reset after the clip counts
+            return
         layout = self._r._layout
         grads = map(operator.attrgetter("grad"), layout.params[0])
         for i in [i for i, g in enumerate(grads) if g is None]:

@@ -49,13 +49,17 @@ class PyddpOptimizer:
     _pyddp: OptimState
     param_groups: List[Dict[str, Any]]
 
-    def _pyddp_begin_step(self, closure: Any, others: Sequence[Any]) -> None:
+    def _pyddp_begin_step(self, closure: Any, others: Sequence[Any], follow: bool = False) -> None:
+        """`follow`: the user's in-place edits since the forward reach the other
+        replicas first (sharded: each steps its share from its own copy)."""
         if closure is not None:
             raise ValueError(
                 "pyddp optimizers do not take a closure: re-evaluating the loss would "
                 "need a forward and backward on every replica"
             )
         self._pyddp.reducer.check_step()
+        if follow:
+            self._pyddp.reducer.follow_model()
         self._pyddp_spread_settings(others)
         if self._pyddp.broken:
             raise RuntimeError(self._pyddp.broken)
@@ -105,6 +109,17 @@ class PyddpOptimizer:
         raise TypeError(
             "a pyddp optimizer steps live replicas and cannot be pickled or copied: save "
             "opt.state_dict() and load it into a new dmodel.optimizer(...)"
+        )
+
+
+def refuse_nonfinite(total: torch.Tensor, norm_type: float) -> None:
+    """clip_grad_norm_(error_if_nonfinite=True): torch's error, raised before
+    any gradient is scaled (reads the norm on the host: a GPU waits)."""
+    if not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be "
+            "clipped (dmodel.clip_grad_norm_ with error_if_nonfinite=True); set "
+            "error_if_nonfinite=False to scale the gradients by the non-finite norm anyway"
         )
 
 

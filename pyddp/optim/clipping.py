@@ -18,20 +18,38 @@ from .shards import clip_sharded, sharded_finite
 
 
 def clip_norm(
-    gradients: GradientShards, module: nn.Module, max_norm: float, norm_type: float
+    gradients: GradientShards,
+    module: nn.Module,
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    foreach: Optional[bool],
 ) -> torch.Tensor:
     """dmodel.clip_grad_norm_ (`module`: replica 0, the user's model)."""
+    _check_flags(error_if_nonfinite, foreach)
     gradients.before_clip()
     if gradients.scatter_ranks:  # shard="gradients": blocks only
-        return clip_sharded(gradients, max_norm, norm_type)
+        return clip_sharded(gradients, max_norm, norm_type, error_if_nonfinite)
     if len(gradients.replicas) == 1:
-        return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, norm_type)
-    return clip_replicas(flat_grads(gradients), max_norm, norm_type)
+        return torch.nn.utils.clip_grad_norm_(
+            module.parameters(), max_norm, norm_type, error_if_nonfinite, foreach
+        )
+    return clip_replicas(flat_grads(gradients), max_norm, norm_type, error_if_nonfinite)
 
 
-def clip_values(gradients: GradientShards, value: float) -> None:
+def _check_flags(error_if_nonfinite: bool, foreach: Optional[bool]) -> None:
+    """torch's keywords, taken for a drop-in call (`foreach`: pyddp clips its
+    flat buckets or blocks with foreach kernels whatever it says)."""
+    if not isinstance(error_if_nonfinite, bool):
+        raise TypeError(f"error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(f"foreach must be None, True or False, got {foreach!r}")
+
+
+def clip_values(gradients: GradientShards, value: float, foreach: Optional[bool]) -> None:
     """dmodel.clip_grad_value_: torch's clip_grad_value_ on every replica's
     (reduced) gradients, each element into [-value, value]."""
+    _check_flags(False, foreach)
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise TypeError(f"clip_value must be a number, got {type(value).__name__}")
     if not value >= 0:

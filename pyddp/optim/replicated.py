@@ -25,7 +25,7 @@ from torch.autograd.graph import increment_version
 
 from ..engine.faces import GradientShards
 from ..errors import ReplicaError
-from .base import OptimState, PyddpOptimizer, checked_norm_type
+from .base import OptimState, PyddpOptimizer, checked_norm_type, refuse_nonfinite
 
 
 @dataclass
@@ -344,7 +344,7 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
 
 
 def clip_replicas(
-    flats: Sequence[Sequence[torch.Tensor]], max_norm: float, norm_type: float
+    flats: Sequence[Sequence[torch.Tensor]], max_norm: float, norm_type: float, strict: bool
 ) -> torch.Tensor:
     """dmodel.clip_grad_norm_ over replicas that each hold the whole reduced
     gradient (`flats[r]`: replica r's flat buckets): the norm is replica
@@ -355,6 +355,8 @@ def clip_replicas(
         for f in flats[0]  # replicas hold the same reduced values
     ]
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if strict:  # error_if_nonfinite
+        refuse_nonfinite(total, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grads in flats:
         torch._foreach_mul_(list(grads), coef.to(grads[0].device))

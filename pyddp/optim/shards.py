@@ -13,7 +13,7 @@ import torch
 
 from .._link import exchange
 from ..engine.faces import GradientShards
-from .base import checked_norm_type
+from .base import checked_norm_type, refuse_nonfinite
 
 # Optimizers whose update of each element depends on that element alone (and
 # scalars): their state can be split inside a parameter, exactly.
@@ -377,13 +377,17 @@ class HostGather:
                 torch._foreach_copy_(flat_v, params_v)
 
 
-def clip_sharded(reducer: GradientShards, max_norm: float, norm_type: float) -> torch.Tensor:
+def clip_sharded(
+    reducer: GradientShards, max_norm: float, norm_type: float, strict: bool
+) -> torch.Tensor:
     """dmodel.clip_grad_norm_ under shard='gradients': each replica holds
     the reduced gradient in its block of every bucket only, so the global
     norm combines every replica's (sharded_norm), and each replica scales
     its blocks. Returns the total norm (on replica 0's device)."""
     norm_type = checked_norm_type(norm_type)
     blocks, totals = sharded_norm(reducer, norm_type)
+    if strict:  # error_if_nonfinite (every replica holds the same total)
+        refuse_nonfinite(totals[0], norm_type)
     with torch.no_grad():
         for own, total in zip(blocks, totals):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

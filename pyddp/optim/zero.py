@@ -215,7 +215,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
     class Sharded(PyddpOptimizer, cls):  # type: ignore[misc, valid-type]
         def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
             state = self._pyddp
-            self._pyddp_begin_step(closure, state.inner)
+            self._pyddp_begin_step(closure, state.inner, follow=True)
             state.states.follow(self)  # a reset by a new opt.state
             if state.reducer.under_join:  # the ranks that joined step their shards too
                 state.reducer.announce_sharded_step(self)

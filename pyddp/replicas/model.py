@@ -208,9 +208,9 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
         if shard == "gradients" and self._join.before_sharded_step is not None:
             raise NotImplementedError(STAGE2_UNDER_JOIN)  # made inside a Join block
         self._follow_model()  # (the replicas' `params` see the user's changes: requires_grad)
-        opt = make_optimizer(
-            self._reducer.gradients(), cls or optimizer_class, params, shard, **kwargs
-        )
+        shards = self._reducer.gradients()
+        shards.follow_model_with(self._follow_model)  # (a sharded step follows edits)
+        opt = make_optimizer(shards, cls or optimizer_class, params, shard, **kwargs)
         self._work.shard = {"state": True}.get(shard, shard)  # type: ignore[call-overload]
         self._work.note_made(opt)
         self._link.settings_changed()
@@ -256,18 +256,21 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
         (GradSync.ready_times; wrap with timeline=N)."""
         return self._reducer.ready_times()
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> torch.Tensor:  # fmt: skip
         """Clips every replica's gradients by their global norm and returns that
         norm: the norm of the full-batch gradient, not sqrt(N) times it. What
         the user did to the gradients since backward counts, as at the step."""
         self._check_open()
-        return clip_norm(self._reducer.gradients(), self.module, max_norm, norm_type)
+        gradients = self._reducer.gradients()
+        return clip_norm(gradients, self.module, max_norm, norm_type, error_if_nonfinite, foreach)
 
-    def clip_grad_value_(self, clip_value: float) -> None:
+    def clip_grad_value_(self, clip_value: float, foreach: Optional[bool] = None) -> None:
         """Clamps every replica's gradients into [-clip_value, clip_value] (torch's
         clip_grad_value_, which under shard='gradients' cannot write them)."""
         self._check_open()
-        clip_values(self._reducer.gradients(), clip_value)
+        clip_values(self._reducer.gradients(), clip_value, foreach)
 
     def _flat_grads(self) -> List[List[torch.Tensor]]:  # the Trainer's loss scaling
         return flat_grads(self._reducer.gradients())
