@@ -195,6 +195,18 @@ def optimizer_settings(out: dict) -> None:
             return opt, (sched.step if rank == 0 else None)
         if case.startswith("skipped step"):
             return dm.optimizer(torch.optim.SGD, shard=_mode(case.split()[-1]), lr=0.01), None
+        if case.startswith("loaded on rank 0"):
+            # The usual `if rank == 0: opt.load_state_dict(...)`: the sharded
+            # step's all-gather keeps the parameters equal, so rank 1 stepped
+            # its share with other Adam moments, silently (found in review).
+            opt = dm.optimizer(torch.optim.Adam, shard=_mode(case.split()[-1]), lr=0.01)
+            saved = torch.optim.Adam(dm.module.parameters(), lr=0.01)
+            for p in dm.module.parameters():
+                saved.state[p] = {"step": torch.tensor(9.0), "exp_avg": torch.ones_like(p),
+                                  "exp_avg_sq": torch.ones_like(p)}  # fmt: skip
+            if rank == 0:
+                opt.load_state_dict(saved.state_dict())
+            return opt, None
         cls = torch.optim.AdamW if rank == 0 else torch.optim.SGD
         return dm.optimizer(cls, shard="gradients", lr=0.01), None
 
@@ -208,6 +220,8 @@ def optimizer_settings(out: dict) -> None:
         ("AdamW and SGD", "optimizer settings"),
         ("skipped step True", ""),
         ("skipped step gradients", ""),
+        ("loaded on rank 0 True", "optimizer settings"),
+        ("loaded on rank 0 gradients", "optimizer settings"),
     ],
 )
 def test_ranks_stepping_with_different_optimizer_settings_are_named(tmp_path, case, field):
@@ -218,6 +232,7 @@ def test_ranks_stepping_with_different_optimizer_settings_are_named(tmp_path, ca
         if field:
             assert "did different work" in error and field in error, error
             assert "a learning rate a scheduler changed on one rank only" in error, error
+            assert "an optimizer state dict loaded on one rank only" in error, error
     _ended_cleanly(run)
 
 

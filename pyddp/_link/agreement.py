@@ -295,7 +295,8 @@ class Agreement:
             "dmodel.loss the others did not, changed its parameters outside pyddp (nn.Embedding's "
             "max_norm does so in its forward, on the rows each rank looks up), or steps "
             "with other optimizer settings (another class or shard mode, a learning rate a "
-            "scheduler changed on one rank only); its replicas would differ for the rest of "
+            "scheduler changed on one rank only, an optimizer state dict loaded on one rank "
+            "only: load it on every rank); its replicas would differ for the rest of "
             "the run",
             census=False,
             where=where,

@@ -86,9 +86,8 @@ class WorkRecord:
             # One BatchNorm left in eval() counts, not only the whole model.
             "modules in training mode": sum(m.training for m in self._modules),
             "parameter checksum": checksum,
-            "optimizer settings (shard mode, class and per-group hyper-parameters, hashed)": (
-                self.settings_hash()
-            ),
+            "optimizer settings (shard mode, class, per-group hyper-parameters and state "
+            "dicts loaded, hashed)": self.settings_hash(),
         }
 
     def note_made(self, optimizer: Any) -> None:
@@ -106,7 +105,7 @@ class WorkRecord:
         Tensor values are hashed by dtype and shape (reading them would
         make a GPU's host wait)."""
         parts = [
-            repr((type(o).__qualname__, [_hyper(g) for g in o.param_groups]))
+            repr((type(o).__qualname__, [_hyper(g) for g in o.param_groups], _loads(o)))
             for o in (ref() for ref in self._made)
             if o is not None
         ]
@@ -133,6 +132,11 @@ class WorkRecord:
     def checksum(self) -> int:
         with torch.no_grad():
             return sum(bits_sum(p) for p in self.params) & 0x7FFFFFFFFFFFFFFF
+
+
+def _loads(optimizer: Any) -> int:
+    """State dicts a pyddp optimizer loaded (optim/base.py: OptimState.loads)."""
+    return getattr(optimizer.__dict__.get("_pyddp"), "loads", 0)
 
 
 def _hyper(group: Dict[str, Any]) -> List[Tuple[str, str]]:

@@ -27,6 +27,11 @@ class OptimState:
     grads: List[torch.Tensor]
     owns_all: bool
     broken: str = field(default="", init=False)
+    # State dicts a sharded optimizer loaded: the ranks compare them
+    # (_link/record.py), as one loaded on one rank only steps the others'
+    # shares from other state while its all-gather keeps the parameters
+    # equal (unsharded, the parameter checksum sees the ranks drift apart).
+    loads: int = field(default=0, init=False)
     kind: str = field(default=OPTIMIZER_STEP, init=False)  # its steps' kind of work
 
     def __post_init__(self) -> None:

@@ -369,8 +369,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             return {"state": state, "param_groups": numbered(self.param_groups, sizes)}
 
         def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-            """Loads an unsharded optimizer's state dict (or this one's):
-            each shard takes its pieces' state."""
+            """An unsharded optimizer's state dict (or this one's): each shard takes its pieces."""
             self._pyddp.consolidated = None
             groups = state_dict.get("param_groups")
             if not isinstance(groups, list) or len(groups) != len(self.param_groups):
@@ -424,6 +423,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 shard.optimizer.load_state_dict(
                     {"state": clone_tree(sub_state), "param_groups": sub_groups}
                 )
+            self._pyddp.loads += 1  # (in the ranks' settings hash: a load on one rank only)
 
         def _pyddp_add_group(self, param_group: Dict[str, Any]) -> None:
             raise RuntimeError(
