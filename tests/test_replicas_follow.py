@@ -583,13 +583,15 @@ def test_values_changed_between_backward_and_step_reach_every_replica(shard, run
     opt = dm.optimizer(torch.optim.SGD, shard=shard, lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     x, y = torch.randn(12, 6), torch.randn(12, 4)
-    for step in range(3):
+    for step in range(5):
         for net, optimizer, forward in ((ref, ref_opt, ref), (model, opt, dm)):
             F.mse_loss(forward(x), y).backward()
             with torch.no_grad():
                 if step == 1:
                     net.load_state_dict({"weight": torch.ones(4, 6), "bias": torch.zeros(4)})
-                else:
+                elif step == 2:  # new storage, as SAM restores its weights (in review:
+                    net.weight.data = net.weight.detach() * 0.5  # the step's gradient lost)
+                elif step == 3:
                     net.weight.mul_(0.5)
             optimizer.step()
             optimizer.zero_grad()

@@ -557,3 +557,26 @@ def test_close_takes_the_sharded_gradients_placeholders_off_the_model():
     dm.close()
     assert all(p.grad is None for p in model.parameters())
     _loss(model, torch.randn(6, 4), torch.randn(6, 2)).backward()
+
+
+def data_swapped_after_backward(out: dict) -> None:
+    # SAM restores its weights with `p.data = ...` between backward and step.
+    import os
+
+    dm, opt, ref, ref_opt = _both(1, {"1": True, "2": "gradients"}[os.environ["SCENARIO_SHARD"]])
+
+    def swap(model, k):
+        model.a.weight.data = model.a.weight.detach() * 0.5
+
+    _side_by_side(dm, opt, ref, ref_opt, 3, after=swap)
+    out["diff"] = _diff(dm.module, ref)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("shard", ["1", "2"])
+def test_parameters_given_new_storage_before_a_sharded_step_across_processes(tmp_path, shard):
+    # Found in review: a follow check at the sharded step re-attached the
+    # gradients of one replica per process and lost the step's reduced
+    # gradient under shard="gradients" (0.20 from one device).
+    for r in spawn(data_swapped_after_backward, env={"SCENARIO_SHARD": shard}, out=tmp_path):
+        assert r["diff"] < TOL, r

@@ -15,7 +15,7 @@ import pytest
 import torch
 from full_disk import full_after_first_checkpoint
 from ranks import TOL, eval_norm, max_diff, net
-from spawn import expect_failure, out_dir, spawn, write_and_exit
+from spawn import out_dir, spawn, write_and_exit
 from torch import nn
 
 import pyddp
@@ -244,7 +244,20 @@ def trainer_loader_forms(out: dict) -> None:
     sampler = DistributedSampler(TensorDataset(x[:13], y[:13]), shuffle=False)
     padded = DataLoader(TensorDataset(x[:13], y[:13]), batch_size=2, sampler=sampler)
     as_padded = fit((x, y), padded)[1][-1]["valid_loss"]
-    out["valid"] = (as_tensors, as_dataset, as_padded)
+    # (in review: a BatchSampler of one, given as batch_sampler, still counted it)
+    batches = BatchSampler(DistributedSampler(TensorDataset(x[:13], y[:13])), 3, False)
+    in_batches = DataLoader(TensorDataset(x[:13], y[:13]), batch_sampler=batches)
+    as_batches = fit((x, y), in_batches)[1][-1]["valid_loss"]
+    out["valid"] = (as_tensors, as_dataset, as_padded, as_batches)
+    # One row over 2 ranks: rank 1's share is padding alone. Trainer.evaluate()
+    # (no exchange) crashed there dividing None (found in review): named now.
+    one = DataLoader(TensorDataset(x[:1], y[:1]), batch_size=2,
+                     sampler=DistributedSampler(TensorDataset(x[:1], y[:1])))  # fmt: skip
+    with sgd_trainer(pyddp.TrainConfig(progress=False)) as t:
+        try:
+            out["one_row"] = t.evaluate(one)["valid_loss"]
+        except ValueError as e:
+            out["one_row"] = str(e)
     # Each rank its own data (a DDP habit): each rank trained on its slice of
     # its own rows, half of each unseen, silently. Refused on every rank.
     mine = torch.Generator().manual_seed(100 + pyddp.rank())
@@ -256,13 +269,17 @@ def trainer_loader_forms(out: dict) -> None:
 
 
 def test_dataloader_forms_and_a_short_validation_batch(tmp_path):
-    for r in spawn(trainer_loader_forms, env={"PYDDP_TIMEOUT_S": "20"}, out=tmp_path):
+    r0, r1 = spawn(trainer_loader_forms, env={"PYDDP_TIMEOUT_S": "20"}, out=tmp_path)
+    for r in (r0, r1):
         assert r["subset_steps"] == 6, r
         assert r["batch_sampler_steps"] == 6, r  # 7 batches, the 1-row one dropped
         assert r["valid"][0] == r["valid"][1], r
         # (sums over other slices: float32 rounding apart, not bitwise)
-        assert abs(r["valid"][2] - r["valid"][0]) <= 1e-6 * abs(r["valid"][0]), r
+        for padded in r["valid"][2:]:
+            assert abs(padded - r["valid"][0]) <= 1e-6 * abs(r["valid"][0]), r
         assert "ranks passed different training data" in (r["per_rank_data"] or ""), r
+    assert isinstance(r0["one_row"], float), r0
+    assert "this rank's share of the data holds no rows" in r1["one_row"], r1
 
 
 def trainer_settings(out: dict) -> None:
@@ -515,15 +532,22 @@ def test_ranks_agree_on_windows_metrics_validation_data_and_stops(tmp_path):
 
 
 def trainer_raising(out: dict) -> None:
-    """A callback, or a metric, raising on rank 0 alone, caught there: rank 1
-    waited at its next exchange and failed at the timeout blaming rank 0 as
-    "died, stalled" (found by a probe); it now fails at once, told why."""
+    """A callback, or a metric, raising on rank 0 alone, caught there (rank 0
+    carries on, as a notebook would): rank 1 timed out at its next exchange
+    blaming rank 0 as "died, stalled" (found by a probe); it now names what
+    rank 0 reported. And a callback raising on every rank, caught: the next
+    fit() finishes the run (found in review: an abandon there had ended it)."""
+    import time
+
     case = os.environ["CASE"]
+    raised = []
 
     class Boom(pyddp.Callback):
         def on_step_end(self, trainer, metrics):
-            if case == "callback" and pyddp.rank() == 0 and metrics["step"] == 2:
-                raise ValueError("boom on rank 0")
+            everyone = case == "every rank" and not raised
+            if metrics["step"] == 2 and (everyone or case == "callback" and pyddp.rank() == 0):
+                raised.append(True)
+                raise ValueError(f"boom on rank {pyddp.rank()}")
 
     def metric(pred, target):
         if pyddp.rank() == 0:
@@ -539,16 +563,35 @@ def trainer_raising(out: dict) -> None:
         loss_fn=nn.functional.mse_loss, config=cfg, callbacks=[Boom()],
         metrics={"l1": metric} if case == "metric" else {},
     )  # fmt: skip
-    expect_failure(out, lambda: t.fit((x, y), (x[:20], y[:20])))
+    try:
+        t.fit((x, y), (x[:20], y[:20]))
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["error"] = f"{type(e).__name__}: {e}"
+    if case == "every rank":
+        t.fit((x, y), (x[:20], y[:20]))
+        out["steps"] = t.state.step
+        write_and_exit(out)
+    if pyddp.rank() == 0:  # alive, elsewhere, until rank 1 has timed out and said why
+        for _ in range(600):
+            if any(Path(out_dir()).glob("*.rank1.json")):
+                break
+            time.sleep(0.1)
+    write_and_exit(out)
 
 
 @pytest.mark.parametrize(
     "case, said",
-    [("callback", "the callback Boom.on_step_end raised ValueError: boom on rank 0"),
-     ("metric", "its validation raised ReplicaError: replica 0 failed during evaluate: "
-                "ValueError: metric boom on rank 0")],
+    [("callback", "fit(): its callback Boom.on_step_end raised ValueError('boom on rank 0')"),
+     ("metric", "fit(): its validation raised ReplicaError("),
+     ("every rank", None)],
 )  # fmt: skip
 def test_a_callback_or_metric_raising_on_one_rank_is_named_on_the_others(tmp_path, case, said):
-    r0, r1 = spawn(trainer_raising, env={"CASE": case, "PYDDP_TIMEOUT_S": "120"}, out=tmp_path)
+    r0, r1 = spawn(trainer_raising, env={"CASE": case, "PYDDP_TIMEOUT_S": "10"}, out=tmp_path)
+    if said is None:  # every rank raised, caught it, and fit again: the run ends as planned
+        assert "boom on rank 0" in r0["error"] and "boom on rank 1" in r1["error"], (r0, r1)
+        assert r0["steps"] == r1["steps"] == 6, (r0, r1)
+        return
     assert "boom on rank 0" in r0["error"], r0
-    assert "rank 0 abandoned the step" in (r1["error"] or "") and said in r1["error"], r1
+    assert "missing: rank 0" in (r1["error"] or "") and "rank 0 left: it reported" in r1["error"]
+    assert said in r1["error"], r1

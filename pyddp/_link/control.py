@@ -275,6 +275,13 @@ class Ranks:
         """Each rank's global rank (torch.distributed's), for messages."""
         return list(self._link.peers.ranks) if self.spans_processes else [0]
 
+    def leave_note(self, why: Optional[str]) -> None:
+        """Across processes, `why` this rank leaves the run here (a callback
+        raised on it): a rank that then times out waiting for it names it
+        rather than "died, stalled". None takes it back. Not an exchange."""
+        if self.spans_processes:
+            self._link.failure.note(why)
+
     def sum(self, values: Sequence[float], what: str) -> List[float]:
         """Element-wise sums of `values` over the ranks."""
         control = self._link.control

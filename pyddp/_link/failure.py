@@ -33,6 +33,7 @@ class Failure:
         self._store_unreachable = False
         self._store_misses = 0
         self._stops: List[Callable[[], None]] = []
+        self._noted = False  # a note() of this rank's is in the store
 
     @property
     def failed(self) -> Optional[str]:
@@ -183,6 +184,23 @@ class Failure:
         self._store_misses = 0
         return result[0]
 
+    def note(self, why: Optional[str]) -> None:
+        """Leaves `why` (this rank left the others' next exchange: its user
+        code raised) in the store, read only by the census of a rank that
+        times out waiting for this one, which then names it instead of
+        "died, stalled"; None takes it back (this rank carries on). Not a
+        failure: every rank may have raised alike, and fit again."""
+        if why is not None or self._noted:
+            self._store("set", f"{self.peers.prefix}/left/{self.peers.rank}", why or "")
+            self._noted = why is not None
+
+    def _left(self, r: int) -> str:
+        """Rank `r`'s note, if it left one (read as data, bounded, quoted)."""
+        key = f"{self.peers.prefix}/left/{r}"
+        raw = self._store("get", key) if self._store("check", [key]) else None
+        text = bytes(raw).decode("utf-8", errors="replace") if raw is not None else ""
+        return f": it reported {_quoted(text)}" if text else ""
+
     def _census(self) -> str:
         """Which ranks did not report this failure within a few seconds: the
         ones that died or stopped arriving."""
@@ -196,9 +214,11 @@ class Failure:
         if not others:
             return ""
         named = ", ".join(str(peers.ranks[r]) for r in others)
+        left = "".join(f"; rank {peers.ranks[r]} left{note}" for r in others
+                       if (note := self._left(r)))  # fmt: skip
         return (
             f"; missing: rank {named} (died, stalled, or ran out of batches: every rank must "
-            "run the same number of steps, or train under dmodel.join())"
+            f"run the same number of steps, or train under dmodel.join()){left}"
         )
 
 

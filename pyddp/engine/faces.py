@@ -95,8 +95,8 @@ class GradientShards:
         self._follow: Optional[Callable[[], Any]] = None  # a weak DistributedModel method
 
     def follow_model_with(self, method: Callable[[], None]) -> None:
-        """The wrapped model's check that brings the other replicas in line
-        with the user's model (DistributedModel._follow_model), kept weakly."""
+        """The wrapped model's check that brings its other replicas in line
+        with the user's model before a step (Mirror.follow_at_step), kept weakly."""
         self._follow = weakref.WeakMethod(method)  # type: ignore[arg-type]
 
     def follow_model(self) -> None:

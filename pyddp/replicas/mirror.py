@@ -96,6 +96,7 @@ class ReplicaMirror:
         self.modules: List[List[nn.Module]] = [list(m.modules()) for m in replicas]
         self.module_names = [n or "(the model)" for n, _ in replicas[0].named_modules()]
         self.layout = self._layout()
+        self.reattach_due = False  # (follow_at_step saw new storage: the next follow says so)
         # The dicts behind the layout, flat: follow() compares their sizes in
         # one C-level pass (no Python per module per forward).
         self.layout_dicts = [d for m in self.modules[0] for d in _LAYOUT_DICTS(m)]
@@ -297,7 +298,16 @@ class ReplicaMirror:
                         ps[k].copy_(first[k])
             versions = [list(map(_version, ps)) for ps in self.params[1:]]
         self.head, self.versions = head, versions
-        return new_storage
+        moved, self.reattach_due = new_storage or self.reattach_due, False
+        return moved
+
+    def follow_at_step(self) -> None:
+        """follow() before a sharded step (each replica steps its share from its copy); new
+        storage (`p.data = ...`) is copied as values, the gradients re-attached at the next
+        forward's follow() (here that would drop the reduced gradient the step uses)."""
+        if self.follow():
+            self.copy_all()
+            self.reattach_due = True
 
     def _share_hooks(self) -> None:
         """Every replica's parameter runs replica 0's tensor hooks: it holds

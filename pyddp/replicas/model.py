@@ -209,7 +209,8 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
             raise NotImplementedError(STAGE2_UNDER_JOIN)  # made inside a Join block
         self._follow_model()  # (the replicas' `params` see the user's changes: requires_grad)
         shards = self._reducer.gradients()
-        shards.follow_model_with(self._follow_model)  # (a sharded step follows edits)
+        if self._mirror is not None:  # (replicas here: a sharded step follows edits first)
+            shards.follow_model_with(self._mirror.follow_at_step)
         opt = make_optimizer(shards, cls or optimizer_class, params, shard, **kwargs)
         self._work.shard = {"state": True}.get(shard, shard)  # type: ignore[call-overload]
         self._work.note_made(opt)

@@ -202,16 +202,9 @@ class ReplicaSteps:
         try:
             yield
         except BaseException as e:
-            if torch.is_grad_enabled():
-                self._abandon(f"its {what} raised {type(e).__name__}: {e}")
+            if self._link.spans_processes and torch.is_grad_enabled():
+                self._reducer.abort(f"its {what} raised {type(e).__name__}: {e}")
             raise
-
-    def _abandon(self, reason: str) -> None:
-        """Across processes: this rank leaves the others' next exchange (user
-        code raised on it alone, maybe): they fail now, naming `reason`, not
-        at the timeout; this wrapper takes no further step."""
-        if self._link.spans_processes:
-            self._reducer.abort(reason)
 
     def _combine(
         self,

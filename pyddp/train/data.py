@@ -13,6 +13,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import (
+    BatchSampler,
     DataLoader,
     Dataset,
     DistributedSampler,
@@ -254,13 +255,15 @@ class ShardedLoader:
 
     def _unpadded_rows(self) -> Optional[int]:
         """For an evaluation (keep_short) over a DataLoader whose sampler is
-        torch's DistributedSampler padding the dataset to a multiple of its
-        ranks by repeating rows: this rank's rows before the padding (the
-        padding comes last). None: no padding to leave out."""
-        sampler = getattr(self._loader, "sampler", None)
-        if not self.keep_short or getattr(type(sampler), "__iter__", None) is not _PADS:
+        torch's DistributedSampler (as its `sampler`, or in the BatchSampler
+        given as its `batch_sampler`; not a subclass drawing its own order)
+        padding the dataset to a multiple of its ranks by repeating rows: this
+        rank's rows before the padding (which comes last). None: none to leave out."""
+        batches = self._loader.batch_sampler  # (batch_size=N: a BatchSampler of `sampler`)
+        sampler = getattr(batches, "sampler", None)
+        if not self.keep_short or type(batches) is not BatchSampler:
             return None
-        if sampler.drop_last or self._loader.batch_size is None:
+        if getattr(type(sampler), "__iter__", None) is not _PADS or sampler.drop_last:
             return None
         rows = len(sampler.dataset)
         if sampler.total_size == rows:

@@ -72,6 +72,11 @@ def evaluate(
         for m, mode in modes:
             m.train(mode)
         model.training = model.module.training
+    if not across_ranks and rows == 0:  # (a DistributedSampler's share of padding alone)
+        raise ValueError(
+            "evaluate: this rank's share of the data holds no rows (its DistributedSampler "
+            "gave it padding only); evaluate during fit(), where the ranks' sums are exchanged"
+        )
     if across_ranks:  # every rank's rows: the same figures everywhere
         local = totals.tolist() if totals is not None else [0.0] * len(names)
         sums = ranks.sum([rows, *local], _VALID_SUMS)

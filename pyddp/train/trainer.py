@@ -244,6 +244,7 @@ class Trainer(EpochLoop, TrainerCheckpoints):
     def _fit(self, train_data: Any, valid_data: Any) -> FitResult:
         cfg = self.config
         cfg.validate()
+        self.ranks.leave_note(None)  # (a callback raised in the last fit(): this rank is back)
         self._same_settings_on_every_rank(cfg, valid_data)
         loader = ShardedLoader(
             train_data,
@@ -410,8 +411,7 @@ class Trainer(EpochLoop, TrainerCheckpoints):
             return evaluate(self.model, data, self.config, self.loss_fn, self.metrics,
                             self._autocast, across)  # fmt: skip
         except Exception as e:  # a metric raising on this rank: the others wait for its sums
-            if across:
-                self.model._abandon(f"its validation raised {type(e).__name__}: {e}")
+            self.ranks.leave_note(f"fit(): its validation raised {e!r}") if across else None
             raise
 
     # --------------------------------------------------------------- misc
@@ -425,13 +425,13 @@ class Trainer(EpochLoop, TrainerCheckpoints):
     def _emit(self, hook: Any, *args: Any) -> None:
         """Every callback's `hook` (a name, or a resumable callbacks.Emission).
         One raising across processes (not a Ctrl-C, which every rank stops at
-        together) ends the run on every rank, named, rather than at the timeout."""
+        together) leaves a note: a rank timing out waiting for this one names it."""
         event = hook if isinstance(hook, Emission) else Emission(hook, *args)
         try:
             event.run(self, self.callbacks)
         except Exception as e:
             who = type(self.callbacks[event.done]).__name__
-            self.model._abandon(f"the callback {who}.{event.hook} raised {type(e).__name__}: {e}")
+            self.ranks.leave_note(f"fit(): its callback {who}.{event.hook} raised {e!r}")
             raise
 
 
