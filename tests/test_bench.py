@@ -103,7 +103,7 @@ def test_allreduce_replicas_beyond_devices_is_a_usage_error(capsys):
         # raised from the model or the engine; an --out that cannot be made
         # raised after the work was done.
         (["allreduce", "--factor", "1"], "--factor: must be >= 2, got 1"),
-        (["allreduce", "--max-bytes", "0"], "--max-bytes: must be at least 1 byte"),
+        (["allreduce", "--max-bytes", "0"], "--max-bytes: must be 1 byte to this machine's memory"),
         (["allreduce", "--min-bytes", "1M", "--max-bytes", "1K"], "below --min-bytes"),
         (["allreduce", "--reps", "0"], "--reps: must be >= 1, got 0"),
         (["overlap", "--rounds", "0"], "--rounds: must be >= 1"),
@@ -114,10 +114,20 @@ def test_allreduce_replicas_beyond_devices_is_a_usage_error(capsys):
         (["overlap", "--caps", "1,-1"], "--caps 1,-1: bucket caps in MiB, each > 0"),
         (["overlap", "--caps", "inf"], "--caps inf: bucket caps in MiB, each > 0"),
         (["overlap", "--out", "{file}/sub"], "cannot make the folder"),
+        # Found by a probe: these raised tracebacks, or (the options of the
+        # multi-process mode given without it) were recorded unused.
+        (["allreduce", "--min-bytes", "1M"], "--quick's 64K is below --min-bytes 1048576"),
+        (["allreduce", "--max-bytes", "1e400G"], "a size in bytes (e.g. 4096, 64K, 1M)"),
+        (["allreduce", "--max-bytes", "1000000000G"], "must be 1 byte to this machine's memory"),
+        (["overlap", "--comm-hook", "fp16"], "--comm-hook: only with --processes N"),
+        (["overlap", "--processes", "2", "--power-sgd-rank", "0"], "--power-sgd-rank 0: give 1"),
+        (["simulate", "--out", "{squat}"], "simulate-quick.json is a folder there"),
     ],
 )
 def test_arguments_that_cannot_make_a_measurement_are_usage_errors(argv, said, capsys, tmp_path):
     (tmp_path / "file").write_text("")
+    (tmp_path / "squat" / "simulate-quick.json").mkdir(parents=True)  # (found: after the work)
+    argv = [a.replace("{squat}", str(tmp_path / "squat")) for a in argv]
     argv = [a.replace("{file}", str(tmp_path / "file")) for a in argv]
     with pytest.raises(SystemExit) as exit_:
         cli.main([*argv, "--quick", "--no-progress"])
@@ -343,3 +353,14 @@ def test_the_gpu_check_stops_at_a_ctrl_c_in_a_stage(tmp_path):
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert summary.startswith("interrupted in stage timing"), summary
     assert "doctor     rc=0" in summary  # the stages before it, as they ended
+
+
+def test_an_interrupted_run_says_so_in_a_line_and_writes_nothing(monkeypatch, capsys, tmp_path):
+    # Found by a probe: Ctrl-C printed a KeyboardInterrupt traceback.
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_simulate", interrupted)
+    assert cli.main(["simulate", "--quick", "--no-progress", "--out", str(tmp_path)]) == 130
+    assert "simulate: interrupted, no results written" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

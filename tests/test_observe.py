@@ -91,6 +91,73 @@ def test_chrome_trace_structure_and_bounded_memory(tmp_path):
         )
 
 
+def test_the_trace_names_each_iterations_own_buckets(tmp_path):
+    # Found by a probe: the trace labelled every kept iteration with the
+    # plan after the rebuild (forward order), the first one's included.
+    class Shuffled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big1, self.small = nn.Linear(64, 64), nn.Linear(64, 64, bias=False)
+            self.tiny, self.big2 = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):  # another order than registration
+            return self.big1(self.big2(self.tiny(self.small(x))))
+
+    torch.manual_seed(0)
+    dm = pyddp.wrap(Shuffled(), ["cpu", "cpu"], timeline=5, bucket_cap_mb=0.02,
+                    first_bucket_cap_mb=0.005)  # fmt: skip
+    sizes = {n: p.numel() * 4 for n, p in dm.module.named_parameters()}
+    x, y = torch.randn(8, 64), torch.randint(0, 64, (8,))
+    bytes_per_iteration = []
+    for _ in range(3):
+        F.cross_entropy(dm(x), y).backward()
+        bytes_per_iteration.append(dm.stats()["bucket_bytes"])
+    assert bytes_per_iteration[0] != bytes_per_iteration[1]  # (the rebuild moved members)
+    trace = json.loads(dm.export_timeline(tmp_path / "t.json").read_text())
+    seen = {}
+    for e in trace["traceEvents"]:
+        if e["name"].startswith("backward+sync"):
+            it = int(e["name"].split()[-1])
+        elif e["name"].startswith("all-reduce"):
+            members = e["args"]["params"]
+            seen.setdefault(it, {})[e["args"]["bucket"]] = sum(sizes[n] for n in members)
+    for it, buckets in seen.items():
+        assert [buckets[b] for b in sorted(buckets)] == bytes_per_iteration[it - 1], it
+    dm.close()
+
+
+def test_files_the_tools_write_replace_links_and_are_whole_or_absent(tmp_path):
+    # Found by a probe: export_timeline, the benchmarks' JSON and charts and
+    # Profile.save wrote through a symbolic link (into the file it named)
+    # and in place (an interrupted write left half a file).
+    from pyddp.bench._util import write_json
+    from pyddp.runtime.writing import write_atomic
+
+    dm = pyddp.wrap(nn.Linear(4, 2), ["cpu", "cpu"], timeline=2)
+    dm(torch.randn(4, 4)).sum().backward()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    for write in (dm.export_timeline, lambda p: write_json(p, {"a": 1})):
+        link = tmp_path / "out.json"
+        link.unlink(missing_ok=True)
+        link.symlink_to(victim)
+        written = write(link)
+        assert victim.read_text() == "keep me" and not written.is_symlink()
+        assert json.loads(written.read_text())
+    with pytest.raises(IsADirectoryError, match="a directory is there"):
+        dm.export_timeline(tmp_path)
+
+    def half(tmp):
+        tmp.write_text("{half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(victim, half)
+    assert victim.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "victim.txt"]
+    dm.close()
+
+
 def test_timeline_off_by_default_and_env_validated(monkeypatch):
     dm = pyddp.wrap(mlp(), ["cpu", "cpu"])
     with pytest.raises(RuntimeError, match="timeline is off"):
@@ -213,3 +280,16 @@ def test_ready_times_of_a_gradsync_count_from_its_first_gradient():
     names = [n for n, _ in replicas[0].named_parameters()]
     assert got.names == names and len(got.ready_s) == len(names)
     assert min(got.ready_s) == 0.0 and max(got.ready_s) <= got.backward_s
+
+
+def test_what_was_measured_is_still_read_after_close(tmp_path):
+    # README: a closed wrapper raises if used for training, and still gives
+    # what it measured.
+    dm = pyddp.wrap(nn.Linear(4, 2), ["cpu", "cpu"], timeline=2)
+    dm(torch.randn(4, 4)).sum().backward()
+    dm.close()
+    assert dm.stats()["iteration"] == 1
+    assert json.loads(dm.export_timeline(tmp_path / "t.json").read_text())["traceEvents"]
+    assert dm.ready_times()
+    with pytest.raises(RuntimeError, match="closed"):
+        dm(torch.randn(4, 4))

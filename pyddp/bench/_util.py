@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import pyddp
+from pyddp.runtime.writing import write_atomic, write_text
 
 
 def summary(values: Sequence[float]) -> Dict[str, float]:
@@ -137,19 +138,17 @@ def pyplot() -> Any:
 
 
 def save_figure(fig: Any, path: Any, dpi: int) -> Path:
-    """Writes `fig` as a PNG (making its folder) and releases it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
-    return path
+    """Writes `fig` as a PNG (making its folder; whole or not at all, never
+    through a link: runtime/writing.py) and releases it."""
+    try:
+        return write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    finally:
+        pyplot().close(fig)
 
 
 def write_json(path: Path, payload: Dict[str, Any]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2))
-    return path
+    """`payload` as JSON at `path`, as save_figure writes."""
+    return write_text(path, json.dumps(payload, indent=2))
 
 
 def make_model(kind: str, width: int, depth: int, classes: int = 10) -> nn.Module:

@@ -61,8 +61,9 @@ def run(
     element = torch.tensor([], dtype=dt).element_size()
     cuda = any(d.startswith("cuda") for d in devices)
     rows = []
-    for size in tqdm(byte_sizes, desc="all-reduce sizes", disable=not progress, leave=False):
-        count = max(1, size // element)
+    # Sizes below one element's bytes run one element: each count once.
+    counts = list(dict.fromkeys(max(1, size // element) for size in byte_sizes))
+    for count in tqdm(counts, desc="all-reduce sizes", disable=not progress, leave=False):
         nbytes = count * element
         ops = _ops(devices, replicas, count, dt, op)
         calls = max(1, min(_MAX_CALLS, _BYTES_PER_SAMPLE // nbytes))

@@ -15,6 +15,9 @@ after the subcommand (`pyddp-bench overlap --quick`) or before it."""
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -46,9 +49,14 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 def _size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     text = text.strip().upper().rstrip("B")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except (OverflowError, ValueError):  # (1e400G; "12x")
+        raise argparse.ArgumentTypeError(
+            f"a size in bytes (e.g. 4096, 64K, 1M), got {text!r}"
+        ) from None
 
 
 def _at_least(low: int) -> Any:
@@ -66,9 +74,14 @@ def _at_least(low: int) -> Any:
 
 def _bytes(text: str) -> int:
     value = _size(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
+    if not 1 <= value <= _MEMORY:
+        raise argparse.ArgumentTypeError(f"must be 1 byte to this machine's memory, got {text}")
     return value
+
+
+_MEMORY = (  # the largest buffer that could run: this machine's memory
+    os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 1 << 50
+)
 
 
 def _common(parser: argparse.ArgumentParser, top: bool) -> None:
@@ -172,23 +185,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (TypeError, ValueError) as e:
             parser.error(f"{args.command} --devices: {e}")
     if args.command == "allreduce":
-        args.replicas = args.replicas or [len(args.devices)]
+        args.replicas = list(dict.fromkeys(args.replicas or [len(args.devices)]))  # (once each)
         bad = [n for n in args.replicas if not 1 <= n <= len(args.devices)]
         if bad:
             parser.error(
                 f"allreduce --replicas {bad}: each must be 1..{len(args.devices)}, "
                 "the number of --devices"
             )
-        if args.max_bytes < args.min_bytes:
-            parser.error(f"allreduce --max-bytes {args.max_bytes} is below --min-bytes")
+        most = min(args.max_bytes, _size("64K")) if args.quick else args.max_bytes
+        if most < args.min_bytes:
+            below = "--quick's 64K" if args.quick else f"--max-bytes {args.max_bytes}"
+            parser.error(f"allreduce {below} is below --min-bytes {args.min_bytes}")
     if args.command == "overlap":
         _check_overlap(parser, args)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         parser.error(f"--out {args.out}: exists and is not a folder")
     try:  # before the work, not after it
         Path(args.out).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.out).close()
     except OSError as e:
-        parser.error(f"--out {args.out}: cannot make the folder ({e.strerror or e})")
+        parser.error(f"--out {args.out}: cannot make the folder or write there ({e.strerror or e})")
+    result = _path(args, _result_name(args))
+    for taken in (result, result.with_suffix(".png")):
+        if taken.is_dir():
+            parser.error(f"--out {args.out}: {taken.name} is a folder there, where results go")
     # Before anything of ours runs: other work on the machine makes measured
     # figures noisy. simulate measures nothing (it computes), so it is not asked.
     busy = cpu_busy() if args.command != "simulate" else None
@@ -198,7 +218,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"threads{load}"
     )
     command = {"allreduce": _allreduce, "overlap": _overlap, "simulate": _simulate}
-    payload = command[args.command](args)
+    try:
+        payload = command[args.command](args)
+    except KeyboardInterrupt:  # (one line, not a traceback; the measuring processes are gone)
+        print(f"pyddp-bench {args.command}: interrupted, no results written", file=sys.stderr)
+        return 130
     path = _path(args, _result_name(args))
     info = {**machine(), "cpu_busy_before_start": busy}
     write_json(path, {"args": vars(args), "machine": info, **payload})
@@ -225,6 +249,8 @@ def _result_name(args: argparse.Namespace) -> str:
         return f"overlap-{args.processes}proc"
     if args.command == "simulate" and args.validate:
         return "simulate-validation"
+    if args.command == "simulate" and args.compare_plans:  # (another table: another file)
+        return "simulate-plans"
     return args.command
 
 

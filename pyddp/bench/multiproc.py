@@ -81,7 +81,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "fp16/bf16 compression hook or PowerSGD (rank --power-sgd-rank, compressing from "
         "the second step, error feedback on) (run once without to compare)",
     )
-    p.add_argument("--power-sgd-rank", type=int, default=4, help="PowerSGD's rank (default 4)")
+    p.add_argument("--power-sgd-rank", type=int, default=4, help="PowerSGD's rank")
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -91,6 +91,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"overlap --threads {args.threads}: give 1 or more")
     if args.processes > 1 and args.no_ddp:
         parser.error("overlap --processes N with --no-ddp: this mode measures pyddp against DDP")
+    given = [f"--{k.replace('_', '-')}" for k in ("threads", "comm_hook") if getattr(args, k)]
+    given += ["--power-sgd-rank"] * (args.power_sgd_rank != 4)
+    if args.processes == 1 and given:  # (they were recorded in the JSON, unused)
+        parser.error(f"overlap {' '.join(given)}: only with --processes N (N > 1)")
+    if args.power_sgd_rank < 1:
+        parser.error(f"overlap --power-sgd-rank {args.power_sgd_rank}: give 1 or more")
 
 
 def command(args: argparse.Namespace, size: Dict[str, int], chart: Path) -> Dict[str, Any]:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from ..runtime.writing import write_text
+
 TIMELINE_ENV = "PYDDP_TIMELINE"  # number of iterations to keep, e.g. PYDDP_TIMELINE=20
 _AVERAGED = (
     "backward_compute_s",
@@ -95,13 +97,21 @@ def ready_times(
     the end of forward; on a GradSync, which does not see your forward end,
     from the first gradient (as its stats())."""
     if not timelines:
-        raise ValueError("no timeline: wrap with timeline=N (or PYDDP_TIMELINE=N) and run a step")
+        raise ValueError(
+            "no timeline: wrap with timeline=N (or PYDDP_TIMELINE=N) and run a synced step "
+            "(with one replica in one process nothing is reduced, so nothing is timed)"
+        )
     t = timelines[-1]
     raw = t["raw"]
     begin = raw["forward_end_ns"] or raw["first_ready_ns"]
     marks = t["param_ready_ns"][: len(names)]
     if not begin or len(marks) < len(names) or not all(marks):
-        raise ValueError("the last kept iteration has no ready time for every parameter")
+        none = [n for n, m in zip(names, marks) if not m][:5]
+        raise ValueError(
+            "the last kept iteration has no ready time for every parameter"
+            + (f": none for {', '.join(none)} (unused in its backward: time a step that "
+               "uses every parameter)" if none else "")
+        )  # fmt: skip
     return ReadyTimes(
         list(names),
         [p.numel() * p.element_size() for p in params],
@@ -158,13 +168,16 @@ class Observer:
             return
         # The flat buffers are the buckets: O(buckets) per step, no walk over parameters.
         timeline = engine.last_timeline() if self.keep else None
+        if timeline is not None:  # (the plan of this iteration: a rebuild comes after the first)
+            timeline["buckets"] = engine.buckets
         link.merge_timing(raw, timeline, finish_called_ns)
         self.record(raw, layout.bucket_bytes(), timeline)
 
     def stats(self, adopted: int, buckets: int, reduces: bool) -> Dict[str, Any]:
         """GradSync.stats(): the last synced iteration at the top level, the
-        running means under "mean" (zeros before the first, or with nothing
-        to reduce)."""
+        running means under "mean" (before the first, or with nothing to
+        reduce: iteration, bytes and launches 0, the bucket count, and "mean"
+        empty)."""
         if not reduces or self.last is None:
             empty = {"iteration": 0, "bytes": 0, "launches": 0, "buckets": buckets}
             return {**empty, "adopted": adopted, "mean": {}}
@@ -231,7 +244,7 @@ def chrome_trace(
                 "args": {"finish_wait_us": raw["wait_ns"] / 1e3},
             }
         )
-        for b, members in enumerate(buckets):
+        for b, members in enumerate(t.get("buckets", buckets)):
             ready, launch, done = (
                 t["bucket_ready_ns"][b],
                 t["bucket_launch_ns"][b],
@@ -282,10 +295,8 @@ def chrome_trace(
 
 
 def write_trace(trace: Dict[str, Any], path: os.PathLike) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(trace))
-    return path
+    """Whole or not at all, never through a link (runtime/writing.py)."""
+    return write_text(path, json.dumps(trace))
 
 
 class GpuClock:

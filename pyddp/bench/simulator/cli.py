@@ -124,8 +124,8 @@ def add_options(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--compare-plans",
         action="store_true",
-        help="the bucket plans side by side (pyddp's with taper_buckets=True, its default, torch "
-        "DDP's two) for every preset at 8, 64 and 256 GPUs of --hardware",
+        help="the bucket plans side by side (pyddp's with and without taper_buckets=True, torch "
+        "DDP's two) for every preset at 8, 64 and 256 GPUs of --hardware (to simulate-plans.json)",
     )
     s.add_argument(
         "--validate",

@@ -85,6 +85,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Dict, Tuple
 
+from .checks import numbers_of
+
 # NCCL src/graph/tuning.cc (the NVLS-era version, commit b6475625): latencies
 # in microseconds, [algorithm][protocol] with protocols (LL, LL128, Simple).
 _BASE_LAT = {"tree": (6.8, 14.0, 0.0), "ring": (6.6, 14.0, 8.4)}
@@ -188,6 +190,9 @@ class Gpu:
     memory_eff: float = 0.85
     kernel_floor_s: float = 3e-6
 
+    def __post_init__(self) -> None:
+        numbers_of(self, "fp32 half memory_bw", "tf32 kernel_floor_s", "compute_eff memory_eff")
+
     def peaks(self, precision: str) -> Tuple[float, float]:
         """(matmul peak, vector peak) in FLOP/s at `precision`."""
         if precision == "fp32":
@@ -233,6 +238,9 @@ class System:
     # NCCL before 2.4 (2019) had rings only; 2.4 added double binary trees.
     algorithms: Tuple[str, ...] = ("ring", "tree")
     about: str = ""
+
+    def __post_init__(self) -> None:
+        numbers_of(self, "gpus_per_node intra_busbw nics nic_gbit", fractions="nic_eff")
 
     def uses_ll128(self, nodes: int) -> bool:
         """Whether NCCL runs LL128 over `nodes` nodes of this system."""

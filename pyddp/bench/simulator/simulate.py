@@ -78,6 +78,7 @@ import torch
 
 from ... import plan_buckets
 from .._util import pyplot, save_figure
+from .checks import bucket_cap, gpu_count
 from .costmodel import Profile
 from .hardware import System
 
@@ -271,6 +272,8 @@ def step(
         raise ValueError(
             f"accumulate={accumulate}: give the number of micro-batches per step, >= 1"
         )
+    gpus = gpu_count(gpus)
+    bucket_cap(cap_mb)
     ideal = profile.step_s(accumulate)
     if gpus == 1:
         return Step(ideal, ideal, 0.0, 0.0, 0, {})
