@@ -646,6 +646,37 @@ def test_accelerate_adapter_refuses_misuse():
         acc.prepare(wrapper_only, torch.nn.Linear(2, 2))
 
 
+def test_processes_accelerate_set_up_nothing_for_are_refused(monkeypatch, tmp_path):
+    # Launched as 2 processes where Accelerate (or the transformers Trainer,
+    # without use_cpu=True on a CPU machine: found by a probe) set up no
+    # process group: each process would train alone, silently.
+    acc = pytest.importorskip("pyddp.accelerate")
+    from accelerate import Accelerator
+
+    transformers = pytest.importorskip("transformers")
+    from pyddp.hf import PyddpTrainer
+
+    accelerator = Accelerator()  # (on a CPU machine: no process group, as under torchrun)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="each process would train alone.*cpu=True"):
+        acc.prepare(accelerator, torch.nn.Linear(2, 2))
+
+    class Regressor(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def forward(self, x, labels):
+            return {"loss": torch.nn.functional.mse_loss(self.lin(x), labels)}
+
+    rows = [{"x": torch.randn(2), "labels": torch.randn(1)} for _ in range(8)]
+    args = transformers.TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=4,
+                                          report_to=[], save_strategy="no")  # fmt: skip
+    trainer = PyddpTrainer(model=Regressor(), args=args, train_dataset=rows)
+    with pytest.raises(RuntimeError, match=r"each process would train alone.*use_cpu=True"):
+        trainer.train()
+
+
 # ------------------------------------------------------------------ Ray Train
 def test_ray_train_equals_ray_ddp_and_a_worker_failure_resumes_exactly(tmp_path):
     pytest.importorskip("ray.train")

@@ -1390,3 +1390,30 @@ def test_an_optimizer_made_after_a_backward_steps_on_its_gradients(shard):
     ref_opt.zero_grad()
     _train_both(dm, ref, opt, ref_opt, data(3)[1:])
     _same_as_one_device(model, ref, dm)
+
+
+def test_a_transformers_config_changed_after_wrap_reaches_every_replica():
+    # Found by a probe: each replica held its own copy of model.config, so
+    # `model.config.pad_token_id = 7` after wrap moved the pooled token on
+    # replica 0 alone (0.34 off one device's gradient). Configs are shared.
+    transformers = pytest.importorskip("transformers")
+
+    def make():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2,
+                                         n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+                                         num_labels=3, pad_token_id=0)  # fmt: skip
+        return transformers.GPT2ForSequenceClassification(config)
+
+    ids = torch.randint(1, 100, (8, 16), generator=torch.Generator().manual_seed(1))
+    ids[:, 12:] = 7
+    y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(2))
+    model, ref = make(), make()
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    assert all(r.config is model.config for r in dm.replicas)
+    for net, forward in ((model, dm), (ref, ref)):
+        net.config.pad_token_id = 7
+        F.cross_entropy(forward(input_ids=ids).logits, y).backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
+    dm.close()

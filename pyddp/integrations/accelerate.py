@@ -75,6 +75,17 @@ def prepare(accelerator: Accelerator, *objects: Any, **options: Any) -> Any:
     return out[0] if len(out) == 1 else tuple(out)
 
 
+def refuse_lone_processes(accelerator: Accelerator, remedy: str) -> None:
+    """Launched as several processes (WORLD_SIZE) where Accelerate set up
+    none: each would train alone, silently; refused, with `remedy`."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if accelerator.distributed_type == DistributedType.NO and world.isdigit() and int(world) > 1:
+        raise RuntimeError(
+            f"pyddp: launched as {world} processes (WORLD_SIZE), but Accelerate set up none: "
+            f"each process would train alone. {remedy}"
+        )
+
+
 def prepare_model(accelerator: Accelerator, model: nn.Module, **options: Any) -> DistributedModel:
     """`model` prepared by Accelerate without its DDP wrap, then wrapped by
     pyddp over `accelerator.device`; `options` are pyddp.wrap's (or the
@@ -89,13 +100,8 @@ def prepare_model(accelerator: Accelerator, model: nn.Module, **options: Any) ->
             "DDP; pyddp replaces DDP only (one process per device, or several CPU processes). "
             "Use accelerator.prepare(model) for that mode"
         )
-    world = os.environ.get("WORLD_SIZE", "1")
-    if kind == DistributedType.NO and world.isdigit() and int(world) > 1:
-        raise RuntimeError(
-            f"pyddp.accelerate: launched as {world} processes (WORLD_SIZE), but Accelerate set "
-            "up none: each process would train alone. On CPUs, Accelerate needs "
-            "Accelerator(cpu=True) (or `accelerate launch --cpu`) to start its gloo group"
-        )
+    refuse_lone_processes(accelerator, "On CPUs, Accelerate needs Accelerator(cpu=True) (or "
+                          "`accelerate launch --cpu`) to start its gloo group")  # fmt: skip
     handler = accelerator.ddp_handler
     ddp_kwargs = handler.to_kwargs() if handler is not None else {}
     hook = getattr(getattr(handler, "comm_hook", None), "value", None) or "no"

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..replicas.ddp_args import wrap_options
 from ..replicas.model import DistributedModel
-from .accelerate import prepare_model
+from .accelerate import prepare_model, refuse_lone_processes
 
 
 class PyddpTrainer(transformers.Trainer):
@@ -48,6 +48,9 @@ class PyddpTrainer(transformers.Trainer):
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None):
         if isinstance(model, DistributedModel):
             return model  # a second train() call
+        if training:  # (the stock Trainer trains each process alone there, silently)
+            remedy = "On CPUs the Trainer needs TrainingArguments(use_cpu=True) for its gloo group"
+            refuse_lone_processes(self.accelerator, remedy)
         if not training or not self.accelerator.use_distributed:
             # Evaluation runs the model itself, as under DDP; one process has
             # nothing to reduce (and several GPUs in one process keep the

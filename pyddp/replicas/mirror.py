@@ -33,24 +33,23 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
 from ..runtime.libraries import DTYPE_NAMES
-from .attributes import Attributes
+from .attributes import Attributes, shared_at_copy
 
 
 def replica_copies(model: nn.Module, devices: Sequence[torch.device]) -> List[nn.Module]:
     """`model` (replica 0, on devices[0]) and a deep copy on each other device;
     a model that cannot be deep-copied is refused naming why and what works."""
     try:
-        return [model] + [copy.deepcopy(model).to(d) for d in devices[1:]]
+        return [model] + [copy.deepcopy(model, shared_at_copy(model)).to(d) for d in devices[1:]]
     except RuntimeError as e:
         if "deepcopy protocol" not in str(e):
             raise
         raise TypeError(
-            "pyddp: the model cannot be copied for the other replicas: a module holds a "
-            "computed tensor as an attribute (torch.nn.utils.prune's `weight` from "
-            "`weight_orig` and its mask, or torch.nn.utils.weight_norm's old API). Make "
-            "pruning permanent first (prune.remove), use torch.nn.utils.parametrizations "
-            "(weight_norm, spectral_norm) or torch.nn.utils.parametrize, or run one replica "
-            "per process under torchrun, which copies nothing"
+            "pyddp: the model cannot be copied for the other replicas: a module holds a computed "
+            "tensor as an attribute (torch.nn.utils.prune's `weight` from `weight_orig` and its "
+            "mask, or torch.nn.utils.weight_norm's old API). Make pruning permanent first "
+            "(prune.remove), use torch.nn.utils.parametrizations (weight_norm, spectral_norm) "
+            "or torch.nn.utils.parametrize, or run one replica per process under torchrun"
         ) from e
 
 

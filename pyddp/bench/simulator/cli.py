@@ -206,18 +206,12 @@ def run(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
             )
         except ValueError as e:
             raise _fail(f"--step-ms {args.step_ms} at {gpus} GPUs: {e}") from None
-    rows = simulate.sweep(
-        profile,
-        system,
-        counts,
-        policies,
-        accumulate=args.accumulate,
-        batch=batch,
-        cap_mb=args.cap_mb,
-        compression=args.compression,
-        sharding=args.sharding,
-        effects=effects,
-    )
+    try:  # (what the options cannot check alone: a 16-bit profile compressed)
+        rows = simulate.sweep(profile, system, counts, policies, accumulate=args.accumulate,
+                              batch=batch, cap_mb=args.cap_mb, compression=args.compression,
+                              sharding=args.sharding, effects=effects)  # fmt: skip
+    except ValueError as e:
+        raise _fail(str(e)) from None
     band = None if args.no_effects else simulate.BAND
     if band:
         for r in rows:
