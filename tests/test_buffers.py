@@ -285,3 +285,40 @@ def test_staged_buffers_go_into_what_this_rank_left_alone():
     assert [torch.equal(a, b) for a, b in zip(link.sent, m.buffers())] == [True] * 3 + [False]
     staged.put_in(link, m)
     assert torch.equal(m.running_mean, torch.zeros(3)), "the sender holds nothing"
+
+
+def rank_local_buffers(out: dict) -> None:
+    """Buffers that differ by rank at wrap (a rank id, statistics loaded per
+    rank), with broadcast_buffers True and False, against torch DDP."""
+    import copy
+
+    rank = pyddp.rank()
+    for broadcast in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        model.register_buffer("rank_id", torch.tensor(float(rank)))
+        with torch.no_grad():
+            model[1].running_mean.fill_(1.0 + rank)
+        ref = copy.deepcopy(model)
+        dm = pyddp.wrap(model, broadcast_buffers=broadcast)
+        ddp = nn.parallel.DistributedDataParallel(ref, broadcast_buffers=broadcast)
+        apart = []
+        g = torch.Generator().manual_seed(1 + rank)
+        for _ in range(2):
+            apart.append(max((a - b).abs().max().item()
+                             for a, b in zip(model.buffers(), ref.buffers())))  # fmt: skip
+            x = torch.randn(6, 4, generator=g)
+            for wrapped in (dm, ddp):
+                wrapped(x).sum().backward()
+        out[str(broadcast)] = {"apart": apart, "rank_id": model.rank_id.item()}
+        dm.close()
+
+
+@pytest.mark.multiprocess
+def test_rank_local_buffers_at_wrap_as_torch_ddp(tmp_path):
+    # Found by a probe: broadcast_buffers=False still took rank 0's buffers
+    # at wrap, where DDP keeps each rank's own (rank 1's running statistics
+    # then ended 0.27 off DDP's).
+    for rank, r in enumerate(spawn(rank_local_buffers, out=tmp_path)):
+        assert r["True"]["apart"] == [0.0, 0.0] and r["True"]["rank_id"] == 0.0, r
+        assert r["False"]["apart"] == [0.0, 0.0] and r["False"]["rank_id"] == rank, r

@@ -74,7 +74,9 @@ class ProcessLink(Link):
     ) -> None:
         """At construction: the same model and settings on every rank (else a
         ValueError naming the first difference), then rank 0's parameters and
-        buffers on every replica of every rank, as torch DDP does."""
+        buffers on every replica of every rank, as torch DDP does (its
+        buffers too only with broadcast_buffers: DDP's False keeps each
+        rank's own from the start, rank-local buffers)."""
         m0 = replicas[0]
         entries = [("parameter", n, p) for n, p in m0.named_parameters()]
         entries += [("buffer", n, b) for n, b in m0.named_buffers()]
@@ -87,7 +89,8 @@ class ProcessLink(Link):
                 f"op='avg' across processes with {self.local_counts} replicas per process: "
                 "use the same number of replicas in every process, or op='sum'"
             )
-        state = [t for _, _, t in entries]
+        state = [t for kind, _, t in entries if kind == "parameter" or settings.get(
+            "broadcast_buffers", True)]  # fmt: skip
         self.control.broadcast(state, PARAMS_BROADCAST)
         with torch.no_grad():
             for m in replicas[1:]:

@@ -64,9 +64,10 @@ class Options:
     broadcast_buffers: bool = True
     """wrap: replica 0's buffers to the other replicas before each
     forward, and rank 0's to every rank after each synced training step
-    (torch DDP's default). False: each replica keeps its own; what the
-    user changes on replica 0 (load_state_dict, in-place writes) still
-    reaches the others."""
+    (torch DDP's default). False: each replica keeps its own (each rank's
+    from wrap on, as DDP's broadcast_buffers=False: rank-local buffers);
+    what the user changes on replica 0 (load_state_dict, in-place writes)
+    still reaches the others."""
     threads_per_replica: Optional[int] = None
     """wrap: each replica's torch intra-op threads (None on CPUs:
     torch.get_num_threads() // replicas, at least 1)."""

@@ -43,8 +43,8 @@ NOT_YET = {
     "a PeriodicModelAverager after each optimizer step",
     "mixed_precision": "DDP's mixed_precision (parameters in low precision) is not "
     "supported; use the trainer's mixed precision (autocast)",
-    "init_sync": "pyddp always broadcasts rank 0's parameters and buffers at wrap "
-    "(init_sync=True is accepted)",
+    "init_sync": "pyddp always broadcasts rank 0's parameters (and buffers, unless "
+    "broadcast_buffers=False) at wrap (init_sync=True is accepted)",
     "delay_all_reduce_named_params": "not supported",
     "param_to_hook_all_reduce": "not supported",
     "device_mesh": "not supported",
@@ -72,7 +72,7 @@ def wrap_options(kwargs: Mapping[str, Any], where: str, placed: bool = True) -> 
                     raise TypeError(f"{where}: forward_sync_buffers= and broadcast_buffers= differ")
                 options["broadcast_buffers"] = value
         elif name == "init_sync" and value is True:
-            continue  # pyddp always broadcasts rank 0's parameters and buffers at wrap
+            continue  # pyddp always broadcasts rank 0's parameters at wrap
         elif name in ALWAYS or (placed and name in PLACEMENT) or (name == "dim" and value == 0):
             continue
         elif name in PLACEMENT:
