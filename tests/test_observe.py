@@ -4,6 +4,8 @@ against hand-computed values (the pyddp-bench CLI: test_bench.py). No timing
 assertions: only structure, ordering and arithmetic."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -293,3 +295,30 @@ def test_what_was_measured_is_still_read_after_close(tmp_path):
     assert dm.ready_times()
     with pytest.raises(RuntimeError, match="closed"):
         dm(torch.randn(4, 4))
+
+
+def test_files_the_tools_write_keep_the_usual_mode_names_and_formats(tmp_path, monkeypatch):
+    # Found in review of the atomic writes: files came out 0600 (a temporary
+    # file's mode), a read-only file was replaced, a long name failed on the
+    # temporary one's, and a chart named .svg was written as PNG bytes.
+    from pyddp.bench._util import pyplot, save_figure, write_json
+    from pyddp.runtime.writing import write_text
+
+    old = os.umask(0o022)
+    try:
+        path = write_json(tmp_path / "r.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    locked = tmp_path / "locked.json"
+    locked.write_text("keep")
+    locked.chmod(0o444)
+    if not os.access(locked, os.W_OK):  # (root may write anyway)
+        with pytest.raises(PermissionError):
+            write_text(locked, "new")
+        assert locked.read_text() == "keep"
+    long = tmp_path / ("x" * 240 + ".json")
+    assert json.loads(write_json(long, {"b": 2}).read_text()) == {"b": 2}
+    fig = pyplot().figure()
+    svg = save_figure(fig, tmp_path / "c.svg", dpi=50)
+    assert svg.read_text().lstrip().startswith("<?xml")

@@ -563,7 +563,7 @@ def test_cli_sweep_shows_the_band_with_the_fitted_effects_only(tmp_path, capsys)
 @pytest.mark.parametrize(
     "change, said",
     [
-        (lambda s: s.with_network(8, 0), "System.nic_gbit=0: must be a finite number > 0"),
+        (lambda s: s.with_network(8, -1), "System.nic_gbit=-1: must be a finite number >= 0"),
         (lambda s: s.with_network(-1, 400), "System.nics=-1"),
         (lambda s: s.with_network(8, float("nan")), "System.nic_gbit=nan"),
         (lambda s: replace(s, intra_busbw=-1e9), "System.intra_busbw"),
@@ -581,12 +581,25 @@ def test_hardware_no_machine_has_is_refused_by_name(change, said):
 
 @pytest.mark.parametrize(
     "kwargs, said",
-    [({"gpu_counts": [0]}, "gpus=0: must be an int >= 1"),
+    [({"gpu_counts": [0]}, "gpus=0: must be a whole number >= 1"),
      ({"gpu_counts": [2.5]}, "gpus=2.5"),
+     ({"gpu_counts": [16], "system": "no network"}, "no network (nics or nic_gbit 0)"),
      ({"gpu_counts": [8], "cap_mb": -5}, "cap_mb=-5"),
      ({"gpu_counts": [8], "cap_mb": float("nan")}, "cap_mb=nan")],
 )  # fmt: skip
 def test_sweeps_over_no_gpus_or_no_buckets_are_refused_by_name(kwargs, said):
     profile = costmodel.Profile(0.001, 0.002, [4096, 4096], [0.001, 0.002])
+    system = hardware.SYSTEMS["a100-dgx"]
+    if kwargs.pop("system", None):  # one node without a network is a machine; two are not
+        system = system.with_network(0, 400)
+        assert simulate.sweep(profile, system, [8, 8.0, np.int64(8), torch.tensor(8)])
     with pytest.raises(ValueError, match=re.escape(said)):
-        simulate.sweep(profile, hardware.SYSTEMS["a100-dgx"], **kwargs)
+        simulate.sweep(profile, system, **kwargs)
+
+
+def test_cli_network_options_and_a_compressed_16_bit_profile_are_named(tmp_path):
+    # Found in review: --nics 0 reached the System's own check first (a
+    # traceback); and a probe: --compression of 16-bit gradients, a traceback.
+    assert "--nics 0: must be a positive number" in _cli(tmp_path, "--quick", "--nics", "0", code=1)
+    err = _cli(tmp_path, "--quick", "--grad-dtype", "float16", "--compression", "fp16", code=1)
+    assert "gradients are 16-bit already (nothing to compress)" in err

@@ -580,3 +580,22 @@ def test_parameters_given_new_storage_before_a_sharded_step_across_processes(tmp
     # gradient under shard="gradients" (0.20 from one device).
     for r in spawn(data_swapped_after_backward, env={"SCENARIO_SHARD": shard}, out=tmp_path):
         assert r["diff"] < TOL, r
+
+
+@pytest.mark.parametrize("set_to_none", [True, False, None])
+def test_new_storage_and_gradients_kept_across_a_step_under_zero2_as_one_device(set_to_none):
+    # Found in review: under shard="gradients", `p.data = ...` and then a
+    # backward adding to the gradient kept since the step (no zero_grad)
+    # re-attached the gradients from the placeholders, losing the kept ones
+    # (0.043 off one device). With zero_grad (to None, in place) or without.
+    dm, opt, ref, ref_opt = _both(2, "gradients")
+
+    def swap(model, k):
+        model.a.weight.data = model.a.weight.detach() * 0.9
+
+    def zero(model, k):
+        if set_to_none is not None:
+            (opt if model is dm.module else ref_opt).zero_grad(set_to_none=set_to_none)
+
+    _side_by_side(dm, opt, ref, ref_opt, 4, zero=False, before=zero, after=swap)
+    dm.close()

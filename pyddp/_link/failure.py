@@ -84,6 +84,8 @@ class Failure:
         that abandoned its step, or that waits somewhere else, makes the
         others fail now, not at the timeout. The completion callback (on a
         gloo thread) holds only an Event."""
+        if self._noted:  # this rank is at an exchange again: its note() is stale
+            self.note(None)
         done = threading.Event()
         work.get_future().then(functools.partial(_set_event, done))
         deadline = time.monotonic() + self.peers.timeout

@@ -138,10 +138,12 @@ def pyplot() -> Any:
 
 
 def save_figure(fig: Any, path: Any, dpi: int) -> Path:
-    """Writes `fig` as a PNG (making its folder; whole or not at all, never
-    through a link: runtime/writing.py) and releases it."""
+    """Writes `fig` (a PNG, or the format its name says: making its folder;
+    whole or not at all, never through a link: runtime/writing.py) and
+    releases it."""
     try:
-        return write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+        kind = Path(path).suffix[1:].lower() or "png"  # (matplotlib's choice by the name)
+        return write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=kind))
     finally:
         pyplot().close(fig)
 

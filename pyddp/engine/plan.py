@@ -327,6 +327,12 @@ class Plan:
 
     def reattach(self) -> None:
         """Fresh bucket buffers for every gradient, values kept."""
+        if self.layout.scattered is not None:
+            # shard='gradients': no view into a gradient outlives a backward
+            # (each copies into transient buckets) and the blocks hold the
+            # reduced values, kept across a step too: nothing to re-attach
+            # (fresh ones from the placeholders lost the kept gradients).
+            return
         if self.engine.active:
             self.engine.abort()
         self.order.fence_all()

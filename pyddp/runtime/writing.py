@@ -1,16 +1,20 @@
 """Files pyddp's tools write at a path the user names (a Chrome trace, a
 benchmark's JSON and chart, a simulator profile): written whole or not at
-all (into a temporary file beside it, then renamed over it), and never
-through a symbolic link, which the file replaces rather than follows (the
-file a link pointed at is left alone). A file already there is replaced;
-missing folders above it are made. (The Trainer's run folder has its own,
-stricter rules: train/files.py.)"""
+all (into a temporary file beside it, flushed to disk, then renamed over
+it), and never through a symbolic link, which the file replaces rather than
+follows (the file a link pointed at is left alone). A file already there
+is replaced if it is writable (a read-only one is refused, as an in-place
+write would be); missing folders above it are made; the new file gets the
+usual mode (0666 less the umask), not a temporary file's 0600. Where the
+folder takes no new file but the file there is writable, it is written in
+place (not atomic)."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,11 +24,21 @@ def write_atomic(path: Any, write: Callable[[Path], None]) -> Path:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path}: a directory is there; name a file to write")
+    if path.exists() and not path.is_symlink() and not os.access(path, os.W_OK):
+        raise PermissionError(errno.EACCES, "not writable", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = path.parent / f".{path.name[:64]}.{secrets.token_hex(4)}.tmp"
     try:
-        write(Path(tmp))
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # (the umask applies)
+    except PermissionError:
+        if not path.is_file() or path.is_symlink():
+            raise
+        write(path)  # a writable file in a folder that takes no new one: in place
+        return path
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

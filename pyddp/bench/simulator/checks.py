@@ -27,9 +27,13 @@ def numbers_of(spec: Any, positive: str, nonnegative: str = "", fractions: str =
 
 
 def gpu_count(gpus: Any) -> int:
-    """A number of GPUs: an int >= 1."""
-    if isinstance(gpus, bool) or not isinstance(gpus, numbers.Integral) or gpus < 1:
-        raise ValueError(f"gpus={gpus!r}: must be an int >= 1")
+    """A number of GPUs: a whole number >= 1 (an int, numpy's or torch's, 8.0)."""
+    try:
+        whole = not isinstance(gpus, bool) and int(gpus) == gpus
+    except (TypeError, ValueError, OverflowError):
+        whole = False
+    if not whole or gpus < 1:
+        raise ValueError(f"gpus={gpus!r}: must be a whole number >= 1")
     return int(gpus)
 
 

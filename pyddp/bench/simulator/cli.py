@@ -150,12 +150,12 @@ def run(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
     if args.compare_plans:
         return _compare_plans(args)
     system = hardware.SYSTEMS[args.hardware]
+    counts = _gpu_counts(args, system)  # the options are checked before any work
     if args.nics is not None or args.nic_gbit is not None:
         system = system.with_network(
             system.nics if args.nics is None else args.nics,
             system.nic_gbit if args.nic_gbit is None else args.nic_gbit,
         )
-    counts = _gpu_counts(args, system)  # the options are checked before any work
     batch = None
     if args.profile:
         given = [f"--{o}" for o in _PROFILE_FIXES if getattr(args, o) is not None]

@@ -240,7 +240,7 @@ class System:
     about: str = ""
 
     def __post_init__(self) -> None:
-        numbers_of(self, "gpus_per_node intra_busbw nics nic_gbit", fractions="nic_eff")
+        numbers_of(self, "gpus_per_node intra_busbw", "nics nic_gbit", "nic_eff")  # (0: no network)
 
     def uses_ll128(self, nodes: int) -> bool:
         """Whether NCCL runs LL128 over `nodes` nodes of this system."""

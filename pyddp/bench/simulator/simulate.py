@@ -272,8 +272,9 @@ def step(
         raise ValueError(
             f"accumulate={accumulate}: give the number of micro-batches per step, >= 1"
         )
-    gpus = gpu_count(gpus)
-    bucket_cap(cap_mb)
+    gpus, _ = gpu_count(gpus), bucket_cap(cap_mb)
+    if getattr(system, "inter_busbw", 1) <= 0 and system.topology(gpus)[0] > 1:
+        raise ValueError(f"{system.name}: no network (nics or nic_gbit 0), so one node at most")
     ideal = profile.step_s(accumulate)
     if gpus == 1:
         return Step(ideal, ideal, 0.0, 0.0, 0, {})
