@@ -322,3 +322,20 @@ def test_files_the_tools_write_keep_the_usual_mode_names_and_formats(tmp_path, m
     fig = pyplot().figure()
     svg = save_figure(fig, tmp_path / "c.svg", dpi=50)
     assert svg.read_text().lstrip().startswith("<?xml")
+
+
+def test_a_replaced_file_keeps_its_mode_and_odd_names_write(tmp_path):
+    # Found in review: a replaced 0600 file came back with the umask's mode,
+    # a long non-ASCII name failed on the temporary one's, and a chart named
+    # `run.final` raised matplotlib's unknown format.
+    from pyddp.bench._util import pyplot, save_figure
+    from pyddp.runtime.writing import write_text
+
+    private = tmp_path / "private.json"
+    private.write_text("{}")
+    private.chmod(0o600)
+    write_text(private, "{}")
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
+    assert write_text(tmp_path / ("\U0001f600" * 60 + ".json"), "{}").read_text() == "{}"
+    png = save_figure(pyplot().figure(), tmp_path / "run.final", dpi=50)
+    assert png.read_bytes().startswith(b"\x89PNG")

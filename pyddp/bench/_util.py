@@ -142,7 +142,8 @@ def save_figure(fig: Any, path: Any, dpi: int) -> Path:
     whole or not at all, never through a link: runtime/writing.py) and
     releases it."""
     try:
-        kind = Path(path).suffix[1:].lower() or "png"  # (matplotlib's choice by the name)
+        kind = Path(path).suffix[1:].lower()  # (matplotlib's choice by the name, else PNG)
+        kind = kind if kind in fig.canvas.get_supported_filetypes() else "png"
         return write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=kind))
     finally:
         pyplot().close(fig)

@@ -328,10 +328,11 @@ class Plan:
     def reattach(self) -> None:
         """Fresh bucket buffers for every gradient, values kept."""
         if self.layout.scattered is not None:
-            # shard='gradients': no view into a gradient outlives a backward
-            # (each copies into transient buckets) and the blocks hold the
-            # reduced values, kept across a step too: nothing to re-attach
-            # (fresh ones from the placeholders lost the kept gradients).
+            # shard='gradients': the blocks hold the reduced values, kept
+            # across a step too: nothing to re-attach (fresh ones from the
+            # placeholders lost the kept gradients). Not covered: storage
+            # moved inside a no_sync() window, whose transient buckets the
+            # gradients then leave (see the docs' ZeRO-2 section).
             return
         if self.engine.active:
             self.engine.abort()

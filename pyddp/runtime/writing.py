@@ -4,8 +4,8 @@ all (into a temporary file beside it, flushed to disk, then renamed over
 it), and never through a symbolic link, which the file replaces rather than
 follows (the file a link pointed at is left alone). A file already there
 is replaced if it is writable (a read-only one is refused, as an in-place
-write would be); missing folders above it are made; the new file gets the
-usual mode (0666 less the umask), not a temporary file's 0600. Where the
+write would be), keeping its mode; missing folders above it are made; a new
+file gets the usual mode (0666 less the umask), not a temporary file's 0600. Where the
 folder takes no new file but the file there is writable, it is written in
 place (not atomic)."""
 
@@ -15,6 +15,7 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,9 +28,12 @@ def write_atomic(path: Any, write: Callable[[Path], None]) -> Path:
     if path.exists() and not path.is_symlink() and not os.access(path, os.W_OK):
         raise PermissionError(errno.EACCES, "not writable", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name[:64]}.{secrets.token_hex(4)}.tmp"
+    stem = path.name.encode()[:64].decode(errors="ignore")  # (a short name, in bytes)
+    tmp = path.parent / f".{stem}.{secrets.token_hex(4)}.tmp"
     try:
         os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # (the umask applies)
+        if path.is_file() and not path.is_symlink():  # a file replaced keeps its mode
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
     except PermissionError:
         if not path.is_file() or path.is_symlink():
             raise

@@ -28,8 +28,9 @@ def numbers_of(spec: Any, positive: str, nonnegative: str = "", fractions: str =
 
 def gpu_count(gpus: Any) -> int:
     """A number of GPUs: a whole number >= 1 (an int, numpy's or torch's, 8.0)."""
-    try:
-        whole = not isinstance(gpus, bool) and int(gpus) == gpus
+    try:  # (a bool, numpy's or torch's too, is no count)
+        whole = "bool" not in type(gpus).__name__ + str(getattr(gpus, "dtype", ""))
+        whole = whole and int(gpus) == gpus
     except (TypeError, ValueError, OverflowError):
         whole = False
     if not whole or gpus < 1:
