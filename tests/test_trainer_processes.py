@@ -587,7 +587,7 @@ def trainer_raising(out: dict) -> None:
      ("every rank", None)],
 )  # fmt: skip
 def test_a_callback_or_metric_raising_on_one_rank_is_named_on_the_others(tmp_path, case, said):
-    r0, r1 = spawn(trainer_raising, env={"CASE": case, "PYDDP_TIMEOUT_S": "10"}, out=tmp_path)
+    r0, r1 = spawn(trainer_raising, env={"CASE": case, "PYDDP_TIMEOUT_S": "20"}, out=tmp_path)
     if said is None:  # every rank raised, caught it, and fit again: the run ends as planned
         assert "boom on rank 0" in r0["error"] and "boom on rank 1" in r1["error"], (r0, r1)
         assert r0["steps"] == r1["steps"] == 6, (r0, r1)

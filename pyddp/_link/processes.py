@@ -89,8 +89,8 @@ class ProcessLink(Link):
                 f"op='avg' across processes with {self.local_counts} replicas per process: "
                 "use the same number of replicas in every process, or op='sum'"
             )
-        state = [t for kind, _, t in entries if kind == "parameter" or settings.get(
-            "broadcast_buffers", True)]  # fmt: skip
+        buffers_too = settings.get("broadcast_buffers", True)
+        state = [t for kind, _, t in entries if buffers_too or kind == "parameter"]
         self.control.broadcast(state, PARAMS_BROADCAST)
         with torch.no_grad():
             for m in replicas[1:]:

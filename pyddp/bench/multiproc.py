@@ -44,6 +44,8 @@ import pyddp
 from ._util import make_input, make_model, rotated
 from .multiproc_results import DDP, PYDDP, combine, report
 
+_PSGD_RANK = 4  # --power-sgd-rank's default (given otherwise: only with --processes)
+
 
 def cores() -> int:
     """The cores this process may run on (the machine's, less any affinity mask)."""
@@ -81,7 +83,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
         "fp16/bf16 compression hook or PowerSGD (rank --power-sgd-rank, compressing from "
         "the second step, error feedback on) (run once without to compare)",
     )
-    p.add_argument("--power-sgd-rank", type=int, default=4, help="PowerSGD's rank")
+    p.add_argument("--power-sgd-rank", type=int, default=_PSGD_RANK, help="PowerSGD's rank")
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -92,7 +94,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.processes > 1 and args.no_ddp:
         parser.error("overlap --processes N with --no-ddp: this mode measures pyddp against DDP")
     given = [f"--{k.replace('_', '-')}" for k in ("threads", "comm_hook") if getattr(args, k)]
-    given += ["--power-sgd-rank"] * (args.power_sgd_rank != 4)
+    given += ["--power-sgd-rank"] * (args.power_sgd_rank != _PSGD_RANK)
     if args.processes == 1 and given:  # (they were recorded in the JSON, unused)
         parser.error(f"overlap {' '.join(given)}: only with --processes N (N > 1)")
     if args.power_sgd_rank < 1:

@@ -342,12 +342,11 @@ def overridden_settings(cfg: Any, train_data: Any, valid_data: Any) -> List[str]
     default = {f.name: f.default for f in fields(cfg)}
     found = []
     if isinstance(train_data, DataLoader):
-        kinds = [type(s) for s in samplers(train_data)]
-        shuffles = any(issubclass(k, _SHUFFLING) for k in kinds) or any(
-            getattr(s, "shuffle", False) for s in samplers(train_data)
+        shuffles = any(  # (torch's random samplers; a DistributedSampler's own flag)
+            isinstance(s, _SHUFFLING) or getattr(s, "shuffle", False) for s in samplers(train_data)
         )
         drops = train_data.drop_last or getattr(train_data.batch_sampler, "drop_last", False)
-        rows = train_data.batch_size or getattr(train_data.batch_sampler, "batch_size", None)
+        rows = _batch_rows(train_data)
         eval_uses = valid_data is not None and not isinstance(valid_data, DataLoader)
         eval_uses = eval_uses and cfg.eval_batch_size is None  # (its default: batch_size)
         for name, value, loader in (
@@ -359,10 +358,15 @@ def overridden_settings(cfg: Any, train_data: Any, valid_data: Any) -> List[str]
             if loader and given != default[name] and given != value:
                 found.append(f"{name}={given!r} (the training DataLoader's: {value!r})")
     if isinstance(valid_data, DataLoader) and cfg.eval_batch_size is not None:
-        rows = valid_data.batch_size or getattr(valid_data.batch_sampler, "batch_size", None)
+        rows = _batch_rows(valid_data)
         if cfg.eval_batch_size != rows:
             found.append(f"eval_batch_size={cfg.eval_batch_size!r} (valid_data's: {rows!r})")
     return found
+
+
+def _batch_rows(loader: DataLoader) -> Optional[int]:
+    """The rows a DataLoader's batches take: its batch_size, or its batch_sampler's."""
+    return loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
 
 
 def _holds_numpy(tree: Any) -> bool:

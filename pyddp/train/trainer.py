@@ -411,7 +411,8 @@ class Trainer(EpochLoop, TrainerCheckpoints):
             return evaluate(self.model, data, self.config, self.loss_fn, self.metrics,
                             self._autocast, across)  # fmt: skip
         except Exception as e:  # a metric raising on this rank: the others wait for its sums
-            self.ranks.leave_note(f"fit(): its validation raised {e!r}") if across else None
+            if across:
+                self.ranks.leave_note(f"fit(): its validation raised {e!r}")
             raise
 
     # --------------------------------------------------------------- misc
