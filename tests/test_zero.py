@@ -561,6 +561,10 @@ def sharded_on_simulated_gpus(devices, hook, stage=True, accumulate=False):
                 if accumulate:
                     with dm.no_sync():
                         F.cross_entropy(dm(x[:7]), y[:7]).backward()
+                    if accumulate == "moved":  # the window's gradients moved out of its buckets
+                        for p in dm.module.parameters():
+                            if p.grad is not None:
+                                p.grad.data = p.grad.data.clone()
                     x, y = x[7:], y[7:]
                 gpu_step(F.cross_entropy(dm(x), y), opt, devices)
         return dm, opt
@@ -595,6 +599,8 @@ def sharded_on_simulated_gpus(devices, hook, stage=True, accumulate=False):
         ([2, 0, 1], None, "gradients", False),
         ([0, 0, 0], None, "gradients", False),
         ([2, 0, 1], None, "gradients", True),
+        ([2, 0, 1], None, "gradients", "moved"),
+        ([0, 0, 0], None, "gradients", "moved"),
         ([1, 2, 0], None, True, True),
     ],
 )
@@ -613,7 +619,9 @@ def test_sharded_optimizer_on_simulated_gpus_equals_the_unsharded_one(
     # of every bucket, landing late and skewed, each replica stepping its
     # block: bitwise the same. With `accumulate`, a micro-batch under
     # no_sync() before each synced one: which replica owns which block must
-    # follow NCCL's ranks (the devices' order) through the accumulation too.
+    # follow NCCL's ranks (the devices' order) through the accumulation too;
+    # "moved": `p.grad.data = ...` between the window and the synced backward
+    # (the window's gradients left its buckets: fresh ones, values kept).
     run_alone(sharded_on_simulated_gpus, devices, hook, stage, accumulate)
 
 

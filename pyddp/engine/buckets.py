@@ -185,7 +185,7 @@ class BucketLayout:
         too), or (`assigned`) one was assigned. Reliable where parameter pointers
         are not: the buckets stay allocated, their addresses cannot be reused."""
         if self.scattered is not None:
-            return False  # gradients are copied into transient buckets at each backward
+            return bool(self.scattered.moved(0))  # only a no_sync() window's buckets stay
         if list(map(operator.methodcaller("data_ptr"), self.views[0])) != self._view_ptrs:
             return True
         if not assigned:  # (the caller's hooks adopt an assigned gradient)

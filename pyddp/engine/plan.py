@@ -329,10 +329,11 @@ class Plan:
         """Fresh bucket buffers for every gradient, values kept."""
         if self.layout.scattered is not None:
             # shard='gradients': the blocks hold the reduced values, kept
-            # across a step too: nothing to re-attach (fresh ones from the
-            # placeholders lost the kept gradients). Not covered: storage
-            # moved inside a no_sync() window, whose transient buckets the
-            # gradients then leave (see the docs' ZeRO-2 section).
+            # across a step too (fresh ones from the placeholders lost the
+            # kept gradients); only a no_sync() window's open buckets, which
+            # the gradients left, take fresh buffers.
+            for r in range(len(self.layout.params)):
+                self.layout.scattered.relay(r)
             return
         if self.engine.active:
             self.engine.abort()

@@ -200,6 +200,44 @@ class Scattered:
             self._retire(self.engine, [[flat] if q == r else [] for q in range(len(self.blocks))])
             self.held[r] -= flat.numel() * flat.element_size()
 
+    def moved(self, r: int) -> List[int]:
+        """Replica r's buckets open in a no_sync() window that its gradients
+        left: Module._apply moved a whole buffer (share_memory()), or
+        `p.grad.data = ...` gave a gradient storage of its own."""
+        flats, views = self.layout.flat[r], self.layout.views[r]
+        out = []
+        for b, flat in enumerate(flats):
+            if flat is None:
+                continue
+            base, size = flat.data_ptr(), flat.element_size()
+            left = base != self.layout.given.get((r, b), base) or any(
+                views[i].data_ptr() != base + self.offset[i] * size
+                for i in self.buckets[b]
+                if views[i].numel()
+            )
+            if left:
+                out.append(b)
+        return out
+
+    def relay(self, r: int) -> None:
+        """Each bucket of replica r's that its gradients left (moved) gets a
+        fresh buffer holding their values, where the engine is told to
+        reduce; a parameter whose `.grad` was the old view gets the new one."""
+        for b in self.moved(r):
+            members = self.buckets[b]
+            old, flat = [self.layout.views[r][i] for i in members], self.layout.flat[r][b]
+            with self._locks[r]:
+                self.layout.flat[r][b] = None
+                self.held[r] -= flat.numel() * flat.element_size()
+            self.ensure(r, b)
+            params, views = self.layout.params[r], self.layout.views[r]
+            with torch.no_grad():
+                for i, was in zip(members, old):
+                    views[i].copy_(was)
+                    if params[i].grad is was:
+                        params[i].grad = views[i]
+            self._retire(self.engine, [[flat] if q == r else [] for q in range(len(self.blocks))])
+
     def poll(self) -> None:
         """During a synced backward (early): frees the buckets whose
         reduction returned since the last poll, on every replica (called
