@@ -117,15 +117,19 @@ def test_resetting_the_models_own_gradients_after_the_forward_trains_as_one_devi
 
 
 @pytest.mark.parametrize("shard", [False, True])
-@pytest.mark.parametrize("change", ["scale", "clamp", "none"])
+@pytest.mark.parametrize("change", ["scale", "clamp", "none", "data"])
 def test_a_gradient_replaced_after_backward_reaches_every_replica(shard, change):
     # Found reaching replica 0 only: replica 1 0.23 from replica 0 after 3
-    # steps with momentum (in-place changes were followed, assignments not).
+    # steps with momentum (in-place changes were followed, assignments not);
+    # through `.data` (the same tensor, new storage): replica 1 0.022 from
+    # replica 0 with shard=False (found by a later review).
 
     def replace(model, k):
         w = model.a.weight
         if change == "scale":
             w.grad = w.grad * 0.5
+        elif change == "data":
+            w.grad.data = w.grad.detach() * 0.5
         elif change == "clamp":
             w.grad = w.grad.clamp(-0.01, 0.01)
         else:
@@ -238,8 +242,21 @@ def test_under_sharded_gradients_grad_is_a_placeholder_that_does_what_one_device
     with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
         w.grad.mul_(0.5)
     w.grad = w.grad * 0.5
-    with pytest.raises(RuntimeError, match="a tensor was assigned as the gradient of parameter 0"):
+    assigned = r"a tensor was assigned as the gradient \(or its .data\) of parameter 0"
+    with pytest.raises(RuntimeError, match=assigned):
         opt.step()
+    # Through `.data` too (it was stepped as if untouched: 0.063 off one
+    # device); the placeholder it replaced is never set again.
+    dm2, opt2, _, _ = _both(2, "gradients")
+    _loss(dm2, x, y).backward()
+    w = dm2.module.a.weight
+    w.grad.data = torch.ones_like(w)
+    with pytest.raises(RuntimeError, match=assigned):
+        opt2.step()
+    opt2.zero_grad()
+    _loss(dm2, x, y).backward()
+    opt2.step()
+    assert w.grad.stride() == (0, 0) and not w.grad.any()
 
     def touch(model, k):
         if k % 2:

@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .ending import Window
+from .ending import Window, fresh_views
 from .scattered import Scattered
 
 
@@ -202,8 +202,7 @@ class BucketLayout:
         """zero_grad(set_to_none=True): every gradient None, the buckets left
         as they are. Autograd hands each replica its next gradient as a new
         tensor, which adopt() copies in (one pass over the memory, where
-        zeroing and then accumulating in place would take two). Not counted
-        as adopted: pyddp set them to None."""
+        zeroing and accumulating would take two); not counted as adopted."""
         for params, handed in zip(self.params, self._handed):
             for i, p in enumerate(params):
                 p.grad = None
@@ -373,8 +372,7 @@ class BucketLayout:
                             flats[b].copy_(self.flat[0][b])
 
     def scale(self, factor: Any) -> None:
-        """Every bucket times `factor`: a float, or one 0-dim tensor per
-        replica (on its device)."""
+        """Every bucket times `factor`: a float, or a 0-dim tensor per replica."""
         factors = factor if isinstance(factor, (list, tuple)) else [factor] * len(self.flat)
         with torch.no_grad():
             for r, (flats, f) in enumerate(zip(self.flat, factors)):
@@ -391,7 +389,9 @@ class BucketLayout:
         """Gradients assigned on replica 0 since finish() (`p.grad = p.grad
         * 0.5`, a clamp; to a parameter backward left without one): copied
         into its bucket view, every replica's gradient (the version check
-        below carries the values). Set to None: None on every replica."""
+        below carries the values), as is one given storage of its own
+        (`p.grad.data = ...`: fresh_views). Set to None: None everywhere."""
+        fresh_views(self)
         for i, (p, view) in enumerate(zip(self.params[0], self.views[0])):
             g = p.grad
             if g is view:

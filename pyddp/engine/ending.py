@@ -198,3 +198,20 @@ def gradients_cleared(layout: Any) -> bool:
         return True
     flats = [f for fs in layout.flat for f in fs if f is not None]
     return layout.scattered is None and not any(bool(f.any()) for f in flats)
+
+
+def fresh_views(layout: Any) -> None:
+    """Before a step: `p.grad.data = ...` on replica 0 since finish() gave a
+    gradient storage of its own, which the buckets no longer hold; a fresh
+    view of its slice takes its place, so BucketLayout.align copies the
+    moved values in as an assigned gradient's. A whole bucket moved
+    (Module._apply) keeps its values; the next forward re-attaches it."""
+    now = list(map(operator.methodcaller("data_ptr"), layout.views[0]))
+    if now == layout._view_ptrs:
+        return
+    for i, (ptr, was) in enumerate(zip(now, layout._view_ptrs)):
+        flat = next((f for f in layout.flat[0] if 0 <= was - f.data_ptr() < f.nbytes), None)
+        if ptr != was and flat is not None:
+            p, start = layout.params[0][i], (was - flat.data_ptr()) // flat.element_size()
+            layout.views[0][i] = flat[start : start + p.numel()].view_as(p)
+    layout.tell_hooks()  # (the C++ hooks copy into the views they were told)

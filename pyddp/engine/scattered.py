@@ -118,7 +118,7 @@ class Scattered:
         self.fresh = [True] * len(layout.params)  # the next reduction replaces the blocks
         # After a step: replica 0's markers (see the module's docstring).
         self.markers: List[Optional[torch.Tensor]] = [None] * len(params)
-        self._marker_versions: List[int] = [0] * len(params)
+        self._stamps = [(0, 0)] * len(params)  # each marker's version and address at place()
         self.kept = [False] * len(params)  # not reset since the step: its gradient stays
         self.present = [False] * len(params)  # holds a gradient (the step steps it)
         self._cache: List[Optional[torch.Tensor]] = [None] * len(params)
@@ -291,7 +291,7 @@ class Scattered:
                     marker = torch.zeros(1, dtype=p.dtype, device=p.device).expand_as(p)
                     self._cache[i] = marker
                 p.grad = marker
-                self.markers[i], self._marker_versions[i] = marker, marker._version
+                self.markers[i], self._stamps[i] = marker, (marker._version, marker.data_ptr())
                 self._placed = True
 
     def guard(self, needed: bool) -> None:
@@ -344,24 +344,27 @@ class Scattered:
             if marker is None:
                 continue
             g = p.grad
-            if g is marker and marker._version == self._marker_versions[i]:
+            own = g is marker and marker.data_ptr() == self._stamps[i][1]  # (`.data =` swaps it)
+            if g is marker and not own:
+                self._cache[i] = None  # it holds the user's tensor now, as if assigned
+            if own and marker._version == self._stamps[i][0]:
                 self.kept[i] = not before_step  # left alone: the next backward adds to it
-            elif g is None or g is marker:
+            elif g is None or own:
                 reset.append(i)
-                self.present[i] = self.present[i] and g is marker  # None: skipped
+                self.present[i] = self.present[i] and own  # None: skipped
             elif before_step:
                 self.markers = [None] * len(self.markers)
                 raise RuntimeError(
-                    f"pyddp: a tensor was assigned as the gradient of parameter {i} of the "
-                    "wrapped model after backward under shard='gradients', where the reduced "
-                    "gradient lives in each replica's blocks and `.grad` is a placeholder: "
-                    "set it to None to skip the parameter, zero it, or clip with "
+                    f"pyddp: a tensor was assigned as the gradient (or its .data) of parameter "
+                    f"{i} of the wrapped model after backward under shard='gradients', where "
+                    "the reduced gradient lives in each replica's blocks and `.grad` is a "
+                    "placeholder: set it to None to skip the parameter, zero it, or clip with "
                     "dmodel.clip_grad_norm_; other changes need shard=True"
                 )
             else:
                 reset.append(i)  # assigned before a backward: it is the gradient now
                 continue
-            if g is marker or g is None:
+            if own or g is None:
                 p.grad = None
         self.markers = [None] * len(self.markers)
         if not before_step and not any(self.kept):
