@@ -295,6 +295,23 @@ def test_the_users_model_stays_copyable_and_saveable():
     dm.close()
 
 
+def test_gradsync_takes_new_storage_on_replica_0_after_finish_as_an_assignment():
+    """`p.grad.data = tensor` on replica 0 after finish() (a clamp through
+    `.data`) is what `p.grad = tensor` is: copied to every replica at
+    check_step (it was refused, "call sync.reattach()")."""
+    replicas, x = _two_replicas()
+    sync = pyddp.GradSync(replicas, op="avg")
+    for r in (0, 1):
+        replicas[r](x[r]).square().mean().backward()
+    sync.finish()
+    w = replicas[0][0].weight
+    w.grad.data = w.grad.detach().clamp(-0.01, 0.01)
+    sync.check_step()
+    assert replicas[1][0].weight.grad.abs().max() <= 0.01
+    torch.testing.assert_close(replicas[1][0].weight.grad, w.grad, atol=0, rtol=0)
+    sync.close()
+
+
 @pytest.mark.parametrize("how", ["share_memory", "double then float", "grad.data"])
 def test_gradsync_refuses_gradients_given_new_storage_until_reattach(how):
     """After zero_grad(set_to_none=False), Module._apply on the replicas
