@@ -583,7 +583,7 @@ def test_hardware_no_machine_has_is_refused_by_name(change, said):
     "kwargs, said",
     [({"gpu_counts": [0]}, "gpus=0: must be a whole number >= 1"),
      ({"gpu_counts": [2.5]}, "gpus=2.5"),
-     ({"gpu_counts": [16], "system": "no network"}, "no network (nics or nic_gbit 0)"),
+     ({"gpu_counts": [16], "system": "no network"}, "16 GPUs cannot span, with no network,"),
      ({"gpu_counts": [8], "cap_mb": -5}, "cap_mb=-5"),
      ({"gpu_counts": [8], "cap_mb": float("nan")}, "cap_mb=nan")],
 )  # fmt: skip
@@ -595,6 +595,16 @@ def test_sweeps_over_no_gpus_or_no_buckets_are_refused_by_name(kwargs, said):
         assert simulate.sweep(profile, system, [8, 8.0, np.int64(8), torch.tensor(8)])
     with pytest.raises(ValueError, match=re.escape(said)):
         simulate.sweep(profile, system, **kwargs)
+
+
+@pytest.mark.parametrize("cost", ["allreduce_s", "gather_s", "algorithm"])
+def test_collectives_across_nodes_without_a_network_are_refused_by_name(cost):
+    # Found by a probe: System.allreduce_s over two nodes with no network
+    # divided by zero (the sweep refused it first; the System's own costs did not).
+    system = hardware.SYSTEMS["a100-dgx"].with_network(0, 400)
+    assert getattr(system, cost)(1e6, 8)  # one node needs none
+    with pytest.raises(ValueError, match="16 GPUs cannot span, with no network,"):
+        getattr(system, cost)(1e6, 16)
 
 
 def test_cli_network_options_and_a_compressed_16_bit_profile_are_named(tmp_path):

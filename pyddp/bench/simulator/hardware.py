@@ -284,10 +284,11 @@ class System:
         """(nodes, GPUs per node) for `gpus` GPUs: fill nodes first."""
         if gpus <= self.gpus_per_node:
             return 1, gpus
-        if gpus % self.gpus_per_node:
-            raise ValueError(
-                f"{gpus} GPUs is not a whole number of {self.name}'s {self.gpus_per_node}-GPU nodes"
-            )
+        if gpus % self.gpus_per_node or self.inter_busbw <= 0:
+            why = ("is not a whole number of", "cannot span, with no network,")[
+                self.inter_busbw <= 0
+            ]
+            raise ValueError(f"{gpus} GPUs {why} {self.name}'s {self.gpus_per_node}-GPU nodes")
         return gpus // self.gpus_per_node, self.gpus_per_node
 
 

@@ -273,8 +273,8 @@ def step(
             f"accumulate={accumulate}: give the number of micro-batches per step, >= 1"
         )
     gpus, _ = gpu_count(gpus), bucket_cap(cap_mb)
-    if getattr(system, "inter_busbw", 1) <= 0 and system.topology(gpus)[0] > 1:
-        raise ValueError(f"{system.name}: no network (nics or nic_gbit 0), so one node at most")
+    if getattr(system, "inter_busbw", 1) <= 0:  # (a test's stand-in has neither)
+        system.topology(gpus)  # more than one node without a network: refused by name
     ideal = profile.step_s(accumulate)
     if gpus == 1:
         return Step(ideal, ideal, 0.0, 0.0, 0, {})
