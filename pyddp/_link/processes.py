@@ -382,12 +382,15 @@ class ProcessLink(Link):
         carried: bool,
         known: Optional[int] = None,
     ) -> List[torch.Tensor]:
+        # A communication hook sees the weighted buckets: a rescale after it
+        # (assumed rows) would miss its state (PowerSGD's error feedback).
+        hooked = self.transport.hook is not None
         return self.weighting.weigh(
             losses,
             rows,
             reduction,
             synced,
-            carried,
+            carried or hooked,
             known,
             self.joining.step,
             self._route is None,

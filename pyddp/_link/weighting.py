@@ -50,9 +50,10 @@ class Weighting:
         backward (a window's gradients can only be rescaled as a whole), and
         so does the synced backward that ends their window, and one whose
         buckets carry the last reduction (`carried`: no zero_grad since; a
-        rescale would scale that too). `known`: the global batch's rows
-        from the caller (the Trainer's loader), used as they are: no
-        exchange, nothing assumed, nothing to rescale. The global
+        rescale would scale that too; or a communication hook reduces).
+        `known`: the global batch's rows from the caller (the Trainer's
+        loader), used as they are: no exchange, nothing assumed, nothing to
+        rescale. The global
         batch's loss (CPU replicas) is in self.global_loss. `join`: this
         forward's step under torch's Join (None outside); `host_sums`: the
         agreement's sums come to the host (CPU replicas); `exchange`: the
