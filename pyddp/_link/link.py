@@ -45,6 +45,8 @@ class Link:
         self.group: Any = None  # the process group spanned (torch's Join runs on it)
         self.control: Any = None  # the control exchanges (control.Control; none here)
         self.joining = Joining()  # torch's Join (nothing to exchange in one process)
+        # The communication hook's name and settings (note_hook), if one is registered.
+        self.hook: Tuple[Optional[str], Dict[str, str]] = (None, {})
 
     @property
     def statistics(self) -> Statistics:

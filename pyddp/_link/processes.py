@@ -237,11 +237,12 @@ class ProcessLink(Link):
     def _join_divisor(self, window: Window) -> float:
         """Under Join with divide_by_initial_world_size=False: gradients
         averaged over every rank (joined ones adding zeros) are brought to
-        the average over the ranks with inputs. dmodel.loss weighs the rows
-        that exist already (exact either way)."""
-        if self.joining.step is None or not self.joining.divide_by_active or window.weighed:
+        the average over the ranks with inputs, unless a communication hook
+        divides. dmodel.loss weighs the rows that exist (exact either way)."""
+        joining = self.joining  # (with a hook, as under torch DDP; join_hook warns)
+        if joining.step is None or not joining.divide_by_active or window.weighed or self.hook[0]:
             return 1.0
-        return self.world / max(1, len(self.joining.step.active))
+        return self.world / max(1, len(joining.step.active))
 
     def forward_ended(self, syncing: bool) -> None:
         if syncing:
