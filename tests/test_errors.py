@@ -49,6 +49,20 @@ def test_sparse_embedding_rejected():
         pyddp.wrap(nn.Embedding(10, 3, sparse=True), ["cpu", "cpu"])
 
 
+def test_torch_ddps_list_of_what_to_leave_alone_is_refused_by_name():
+    # Found by a probe: DDP leaves the listed parameters and buffers per
+    # rank; pyddp broadcast and reduced them, silently (0.81 on one rank).
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    ddp = nn.parallel.DistributedDataParallel
+    ddp._set_params_and_buffers_to_ignore_for_model(model, ["1.bias", "0.bias", "1.weight", "x"])
+    with pytest.raises(NotImplementedError, match=r"leave alone \(0\.bias, 1\.bias, 1\.weight, "):
+        pyddp.wrap(model, ["cpu", "cpu"])
+    with pytest.raises(NotImplementedError, match="per rank"):
+        pyddp.GradSync([model, copy.deepcopy(model)])
+    model._ddp_params_and_buffers_to_ignore = []
+    pyddp.wrap(model, ["cpu", "cpu"]).close()
+
+
 def test_lazy_modules_refused_until_a_forward_made_them():
     # Their shapes exist only after a forward: refused by name (torch's own
     # error from reading a shape said nothing of pyddp), on every entry point.

@@ -7,7 +7,7 @@ import copy
 import dataclasses
 import threading
 import warnings
-from collections import namedtuple
+from collections import OrderedDict, namedtuple
 
 import pytest
 import torch
@@ -351,6 +351,31 @@ def test_model_state_dict_has_plain_keys_and_loads_everywhere():
     for rep in dm.replicas:
         for k, v in rep.state_dict().items():
             assert torch.equal(v, new[k])
+
+
+def test_a_torch_ddp_checkpoint_loads_into_the_wrapped_model():
+    # Found by a probe: DDP's `module.` keys failed with torch's bare
+    # missing-keys error, and loaded nothing with strict=False.
+    dm, ref = wrapped(2)
+    new = OrderedDict((f"module.{k}", torch.randn_like(v)) for k, v in ref.state_dict().items())
+    new._metadata = OrderedDict({"": {}, "module": {"version": 1}})  # as DDP's state_dict()
+    before = (list(new), dict(new._metadata))
+    for strict in (True, False):
+        assert not any(dm.load_state_dict(new, strict=strict))  # no key missing or unexpected
+        for rep in dm.replicas:
+            for k, v in rep.state_dict().items():
+                assert torch.equal(v, new[f"module.{k}"])
+    assert (list(new), dict(new._metadata)) == before  # the caller's dict untouched
+
+    class Holder(nn.Module):  # a model whose own keys start with `module.`
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+    dm = pyddp.wrap(Holder(), ["cpu", "cpu"])
+    own = {k: torch.zeros_like(v) for k, v in dm.state_dict().items()}
+    dm.load_state_dict(own)
+    assert not dm.module.module.weight.any()
 
 
 def test_eval_and_no_grad_forward_match_the_module():

@@ -96,9 +96,19 @@ def dtype_name(name: str, p: torch.Tensor) -> str:
 
 def refuse_unready(model: Any) -> None:
     """Raises unless `model` is a module whose parameters and buffers all
-    exist (a lazy module's exist after its first forward)."""
+    exist (a lazy module's exist after its first forward) and none of which
+    torch DDP was told to leave alone."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    ignored = sorted(getattr(model, "_ddp_params_and_buffers_to_ignore", None) or ())
+    if ignored:  # DistributedDataParallel._set_params_and_buffers_to_ignore_for_model's list
+        raise NotImplementedError(
+            f"pyddp: the model carries torch DDP's list of parameters and buffers to leave "
+            f"alone ({', '.join(map(str, ignored[:3]))}{', ...' if len(ignored) > 3 else ''}): "
+            "pyddp broadcasts every parameter and buffer at wrap and reduces every trainable "
+            "parameter, so they would not stay per rank; keep per-rank state outside the "
+            "wrapped module, or clear the list (model._ddp_params_and_buffers_to_ignore = [])"
+        )
     lazy = [n for n, t in model.named_parameters() if is_lazy(t)]
     lazy += [n for n, t in model.named_buffers() if is_lazy(t)]
     if lazy:

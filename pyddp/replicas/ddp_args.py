@@ -5,9 +5,11 @@ accepted, and what pyddp does not do is refused by name."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Dict, Mapping
 
 from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ..engine.options import WRAP_OPTIONS, Options
 
@@ -105,6 +107,21 @@ class StateDictKeys:
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """The wrapped model's state dict (replica 0; keys without a prefix)."""
         return self.module.state_dict(*args, **kwargs)
+
+    def _own_keys(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """`state_dict` for load_state_dict: a torch DDP checkpoint's (every
+        key `module.`-prefixed, where the model has no `module` child) with
+        the prefix taken off a copy, as torch's consume_prefix_in_state_dict_if_present."""
+        keys = list(state_dict)
+        if not keys or not all(k.startswith("module.") for k in keys):
+            return state_dict
+        if any(name == "module" for name, _ in self.module.named_children()):
+            return state_dict
+        own = OrderedDict(state_dict)  # (the caller's stays as it was, _metadata too)
+        if getattr(state_dict, "_metadata", None) is not None:
+            own._metadata = OrderedDict(state_dict._metadata)  # type: ignore[attr-defined]
+        consume_prefix_in_state_dict_if_present(own, "module.")
+        return own
 
     def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
         inner = prefix + "module."  # keys a parent saved through state_dict() above

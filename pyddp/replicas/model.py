@@ -297,6 +297,7 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
         self._check_open()
         if assign:
             raise ValueError("assign=True would detach the replicas from their gradient buffers")
+        state_dict = self._own_keys(state_dict)  # (torch DDP's checkpoints: `module.` keys)
         result = self.module.load_state_dict(state_dict, strict=strict)
         for m in self._replicas[1:]:
             m.load_state_dict(state_dict, strict=strict)
