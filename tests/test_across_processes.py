@@ -74,6 +74,9 @@ def mismatch(out: dict) -> None:
         ("bucket_cap_mb", 25.0, 10.0),
         ("rebuild_buckets", True, False),
         ("broadcast_buffers", True, False),
+        ("find_unused_parameters", True, False),
+        ("static_graph", True, False),
+        ("taper_buckets", True, False),
     ):
         try:
             pyddp.wrap(nn.Linear(4, 3), ["cpu"], **{name: here if pyddp.rank() == 0 else there})
