@@ -167,25 +167,29 @@ def joined_uneven_inputs(out: dict) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     # With divide_by_initial_world_size=False too, which torch DDP leaves to
-    # the hook (it divides by the whole group): pyddp warns and does the same.
-    for divide in (True, False):
+    # the hook (it divides by the whole group): pyddp warns and does the same,
+    # also for a hook registered inside the Join ("late": found in review).
+    for divide, late in ((True, False), (False, False), (False, True)):
         ddp_model = eval_norm(net())
         ddp = nn.parallel.DistributedDataParallel(ddp_model, find_unused_parameters=True)
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         dm = pyddp.wrap(eval_norm(net()), ["cpu"])
-        dm.register_comm_hook(None, "fp16")
+        if not late:
+            dm.register_comm_hook(None, "fp16")
         for model in (ddp, dm):
             opt = torch.optim.SGD(model.parameters(), **SGD)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 with Join([model], divide_by_initial_world_size=divide):
+                    if late and model is dm:
+                        dm.register_comm_hook(None, "fp16")
                     for x, y in batches[rank]:
                         opt.zero_grad()
                         nn.functional.mse_loss(model(x), y).backward()
                         opt.step()
         said = [w for w in caught if "no effect with a communication" in str(w.message)]
-        out[f"hook_warned_divide{divide}"] = len(said)
-        out[f"fp16_hook_vs_ddp_divide{divide}"] = diff(dm.module, ddp_model)
+        out[f"hook_warned_divide{divide}{'_late' * late}"] = len(said)
+        out[f"fp16_hook_vs_ddp_divide{divide}{'_late' * late}"] = diff(dm.module, ddp_model)
         if divide:
             out["fp16_hook_vs_closed"] = diff(dm.module, emulated(True, 1))  # 16 bits on the wire
         dm.close()
@@ -302,9 +306,10 @@ def test_join_shadows_uneven_inputs_as_torch_ddp_and_the_closed_form(tmp_path, c
             # other orders (the buckets differ in size), and 16-bit sums
             # round at 2**-11 of the gradient: 3.3e-5 after 4 steps here
             # (in float32, 4.5e-8).
-            for divide in (True, False):
-                assert r[f"fp16_hook_vs_ddp_divide{divide}"] <= (TOL if world == 2 else 1e-4), r
+            for case in ("True", "False", "False_late"):
+                assert r[f"fp16_hook_vs_ddp_divide{case}"] <= (TOL if world == 2 else 1e-4), r
         assert r["hook_warned_divideTrue"] == 0 and r["hook_warned_divideFalse"] == 1, r
+        assert r["hook_warned_divideFalse_late"] == 1, r
         assert 0 < r["fp16_hook_vs_closed"] < 1e-2, r  # compressed, and close
         # dmodel.loss: one device on the global batch of the ranks with
         # inputs, and not the average over the world (the control).

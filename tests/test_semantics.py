@@ -376,6 +376,9 @@ def test_a_torch_ddp_checkpoint_loads_into_the_wrapped_model():
     own = {k: torch.zeros_like(v) for k, v in dm.state_dict().items()}
     dm.load_state_dict(own)
     assert not dm.module.module.weight.any()
+    # and its torch DDP checkpoint (`module.module.*`) too (found in review)
+    dm.load_state_dict({f"module.{k}": torch.ones_like(v) for k, v in own.items()})
+    assert dm.module.module.weight.eq(1).all()
 
 
 def test_eval_and_no_grad_forward_match_the_module():

@@ -691,3 +691,21 @@ def test_storage_moved_inside_a_no_sync_window_under_zero2_across_processes(tmp_
     env = {"SCENARIO_HOW": how}
     for r in spawn(moved_inside_a_window_across_processes, env=env, out=tmp_path):
         assert r["diff"] < TOL, r
+
+
+@pytest.mark.parametrize("how", ["share_memory", "double_float"])
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_module_apply_on_zero2_placeholders_is_no_assignment(how, where):
+    # Found in review: under shard="gradients", Module._apply moves the
+    # `.grad` placeholders as `p.grad.data = fn(p.grad)` does, which was
+    # taken as the user's tensor: refused at the step (between backward and
+    # step), a ReplicaError or 0.37 off one device (between a step and the
+    # next backward, gradients kept across the step). Four steps: the second
+    # share_memory() finds the parameters shared already.
+    def apply(model, k):
+        if where == "after" or k > 0:
+            model.share_memory() if how == "share_memory" else model.double().float()
+
+    dm, opt, ref, ref_opt = _both(2, "gradients")
+    _side_by_side(dm, opt, ref, ref_opt, 4, zero=where == "after", **{where: apply})
+    dm.close()

@@ -31,6 +31,7 @@ across processes the link holds a `ProcessJoining`."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -151,6 +152,7 @@ class Joining:
         # Gradients averaged over the ranks with inputs (torch DDP's
         # divide_by_initial_world_size=False) rather than over every rank.
         self.divide_by_active = False
+        self.hook_warned = False  # hook_divides said so in this Join
         # Under Join, what a sharded optimizer's step calls first on a rank
         # with inputs (the wrapped model's announcement: an iteration of
         # its own for the joined ranks).
@@ -160,12 +162,33 @@ class Joining:
         self.staged_from: Optional[int] = None
 
     def enter(
-        self, divide_by_active: bool, before_sharded_step: Optional[Callable[[Any], None]] = None
+        self,
+        divide_by_active: bool,
+        before_sharded_step: Optional[Callable[[Any], None]] = None,
+        hooked: bool = False,
     ) -> None:
         """torch's Join hands out its hook: gradients are then averaged over
-        the ranks with inputs (`divide_by_active`) or over every rank."""
+        the ranks with inputs (`divide_by_active`) or over every rank.
+        `hooked`: a communication hook is registered (hook_divides)."""
         self.divide_by_active = divide_by_active
         self.before_sharded_step = before_sharded_step
+        self.hook_warned = False
+        self.hook_divides(hooked, stacklevel=4)  # (called by torch's Join, through join_hook)
+
+    def hook_divides(self, hooked: bool, stacklevel: int = 1) -> float:
+        """The divisor on top of a synced backward's average under Join with
+        divide_by_initial_world_size=False where a communication hook is
+        registered: none, as torch DDP leaves the division to the hook (its
+        own hooks divide by the whole group). Warned once per Join."""
+        if hooked and self.divide_by_active and not self.hook_warned:
+            self.hook_warned = True
+            warnings.warn(
+                "pyddp: divide_by_initial_world_size=False has no effect with a communication "
+                "hook, as under torch DDP: the hook divides the gradients (torch's own hooks "
+                "by the whole group's size, joined ranks included)",
+                stacklevel=stacklevel,
+            )
+        return 1.0
 
     def exchange_step(
         self,

@@ -239,9 +239,9 @@ class ProcessLink(Link):
         averaged over every rank (joined ones adding zeros) are brought to
         the average over the ranks with inputs, unless a communication hook
         divides. dmodel.loss weighs the rows that exist (exact either way)."""
-        joining = self.joining  # (with a hook, as under torch DDP; join_hook warns)
-        if joining.step is None or not joining.divide_by_active or window.weighed or self.hook[0]:
-            return 1.0
+        joining, hooked = self.joining, self.hook[0] is not None
+        if joining.step is None or not joining.divide_by_active or window.weighed or hooked:
+            return joining.hook_divides(hooked and joining.step is not None)  # 1.0
         return self.world / max(1, len(joining.step.active))
 
     def forward_ended(self, syncing: bool) -> None:
@@ -385,7 +385,7 @@ class ProcessLink(Link):
     ) -> List[torch.Tensor]:
         # A communication hook sees the weighted buckets: a rescale after it
         # (assumed rows) would miss its state (PowerSGD's error feedback).
-        hooked = self.transport.hook is not None
+        hooked = self.hook[0] is not None  # (any: GPU built-ins never reach the transport)
         return self.weighting.weigh(
             losses,
             rows,

@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .ending import Window, fresh_views
+from .ending import Window, fresh_views, views_left
 from .scattered import Scattered
 
 
@@ -181,12 +181,11 @@ class BucketLayout:
 
     def moved(self, assigned: bool = True) -> bool:
         """Whether replica 0's gradients left their bucket views: Module._apply
-        or `p.grad.data = ...` gave the views new storage (seen after zero_grad()
-        too), or (`assigned`) one was assigned. Reliable where parameter pointers
-        are not: the buckets stay allocated, their addresses cannot be reused."""
+        or `p.grad.data = ...` gave them new storage (views_left), or (`assigned`)
+        one was assigned. The buckets stay allocated: their addresses are not reused."""
         if self.scattered is not None:
             return bool(self.scattered.moved(0))  # only a no_sync() window's buckets stay
-        if list(map(operator.methodcaller("data_ptr"), self.views[0])) != self._view_ptrs:
+        if views_left(self):
             return True
         if not assigned:  # (the caller's hooks adopt an assigned gradient)
             return False
@@ -232,8 +231,7 @@ class BucketLayout:
     def take_in(self, r: int, i: int) -> None:
         """Replica r produced no gradient for parameter i this backward: its
         slice takes part as is, unless its grad was reset behind pyddp's back
-        (torch's zero_grad sets None: the slice is stale and counts as zero)
-        or replaced (copied in)."""
+        (torch's zero_grad sets None: stale, counts as zero) or replaced (copied in)."""
         grad, view = self.params[r][i].grad, self._view(r, i)
         if grad is view:
             return
@@ -412,10 +410,12 @@ class BucketLayout:
                 params[i].grad = views[i]
 
     def mark_reduced(self) -> None:
-        """At the end of finish(): the buffers' versions, for align()."""
+        """At the end of finish(): the buffers' versions, for align(); none if
+        replica 0's gradients had left their views (no assignment to follow)."""
         if self.scattered is not None:
             return  # no buffer outlives a synced backward: nothing to compare
-        self._versions = [[f._version for f in flats] for flats in self.flat]
+        left = views_left(self)  # (the backward accumulated outside the buckets)
+        self._versions = None if left else [[f._version for f in flats] for flats in self.flat]
 
     def forget_reduced(self) -> None:
         self._versions = None

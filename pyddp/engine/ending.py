@@ -206,12 +206,18 @@ def fresh_views(layout: Any) -> None:
     view of its slice takes its place, so BucketLayout.align copies the
     moved values in as an assigned gradient's. A whole bucket moved
     (Module._apply) keeps its values; the next forward re-attaches it."""
-    now = list(map(operator.methodcaller("data_ptr"), layout.views[0]))
-    if now == layout._view_ptrs:
+    if not views_left(layout):
         return
+    now = list(map(operator.methodcaller("data_ptr"), layout.views[0]))
     for i, (ptr, was) in enumerate(zip(now, layout._view_ptrs)):
         flat = next((f for f in layout.flat[0] if 0 <= was - f.data_ptr() < f.nbytes), None)
         if ptr != was and flat is not None:
             p, start = layout.params[0][i], (was - flat.data_ptr()) // flat.element_size()
             layout.views[0][i] = flat[start : start + p.numel()].view_as(p)
     layout.tell_hooks()  # (the C++ hooks copy into the views they were told)
+
+
+def views_left(layout: Any) -> bool:
+    """Whether replica 0's gradient views no longer point where they were laid
+    out (Module._apply moved a bucket, or `p.grad.data = ...` one gradient)."""
+    return list(map(operator.methodcaller("data_ptr"), layout.views[0])) != layout._view_ptrs

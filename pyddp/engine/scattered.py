@@ -7,14 +7,12 @@ block is copied out; then it is freed and the parameters' `.grad` on that
 replica return to None.
 
 When the block is copied out: on CPU replicas in one process once the
-bucket's reduction returned (the engine reports it), collected before a
-replica allocates its next bucket, so a backward holds the blocks and the
-buckets still being filled or reduced (and those that returned after the
-replica's last allocation, until the end of backward); elsewhere (GPUs, where the copy is ordered
-on the streams after the reduction; processes, where the reduction ends in
-the link's wait) at the end of backward, before the optimizer step and the
-next forward. Under no_sync() nothing is reduced: the buffers stay, holding
-the accumulated gradient, until the next synced backward.
+bucket's reduction returned, collected before a replica allocates its next
+bucket (a backward holds the blocks and the buckets being filled, reduced,
+or returned since); elsewhere (GPUs: ordered on the streams; processes: the
+link's wait) at the end of backward. Under no_sync() nothing is reduced:
+the buffers stay, holding the accumulated gradient, until the next synced
+backward (storage moved under them meanwhile: moved, relay).
 
 After backward the reduced gradient is in the blocks (dmodel.clip_grad_norm_
 and the sharded optimizer read them), and each parameter with a gradient
@@ -118,7 +116,7 @@ class Scattered:
         self.fresh = [True] * len(layout.params)  # the next reduction replaces the blocks
         # After a step: replica 0's markers (see the module's docstring).
         self.markers: List[Optional[torch.Tensor]] = [None] * len(params)
-        self._stamps = [(0, 0)] * len(params)  # each marker's version and address at place()
+        self._stamps = [(0, 0, 0)] * len(params)  # at place(): version, address, parameter's
         self.kept = [False] * len(params)  # not reset since the step: its gradient stays
         self.present = [False] * len(params)  # holds a gradient (the step steps it)
         self._cache: List[Optional[torch.Tensor]] = [None] * len(params)
@@ -204,18 +202,13 @@ class Scattered:
         """Replica r's buckets open in a no_sync() window that its gradients
         left: Module._apply moved a whole buffer (share_memory()), or
         `p.grad.data = ...` gave a gradient storage of its own."""
-        flats, views = self.layout.flat[r], self.layout.views[r]
-        out = []
-        for b, flat in enumerate(flats):
-            if flat is None:
-                continue
-            base, size = flat.data_ptr(), flat.element_size()
-            left = base != self.layout.given.get((r, b), base) or any(
-                views[i].data_ptr() != base + self.offset[i] * size
-                for i in self.buckets[b]
-                if views[i].numel()
-            )
-            if left:
+        views, out = self.layout.views[r], []
+        for b, flat in enumerate(self.layout.flat[r]):
+            base = -1 if flat is None else flat.data_ptr()
+            if base != -1 and (base != self.layout.given.get((r, b), base) or any(
+                views[i].data_ptr() != base + self.offset[i] * flat.element_size()
+                for i in self.buckets[b] if views[i].numel()
+            )):  # fmt: skip
                 out.append(b)
         return out
 
@@ -291,7 +284,8 @@ class Scattered:
                     marker = torch.zeros(1, dtype=p.dtype, device=p.device).expand_as(p)
                     self._cache[i] = marker
                 p.grad = marker
-                self.markers[i], self._stamps[i] = marker, (marker._version, marker.data_ptr())
+                self.markers[i] = marker
+                self._stamps[i] = (marker._version, marker.data_ptr(), p.data_ptr())
                 self._placed = True
 
     def guard(self, needed: bool) -> None:
@@ -344,9 +338,15 @@ class Scattered:
             if marker is None:
                 continue
             g = p.grad
-            own = g is marker and marker.data_ptr() == self._stamps[i][1]  # (`.data =` swaps it)
-            if g is marker and not own:
-                self._cache[i] = None  # it holds the user's tensor now, as if assigned
+            # `.data =` swaps it: the user's tensor, unless Module._apply did (still zeros,
+            # shared by share_memory(), or the parameter moved too). Made again at place().
+            stamp = self._stamps[i]
+            swapped = g is marker and g.data_ptr() != stamp[1]
+            if swapped:
+                self._cache[i] = None
+                shared = g.device.type == "cpu" and g.is_shared()
+                swapped = bool(g.any()) or not (shared or p.data_ptr() != stamp[2])
+            own = g is marker and not swapped
             if own and marker._version == self._stamps[i][0]:
                 self.kept[i] = not before_step  # left alone: the next backward adds to it
             elif g is None or own:

@@ -110,13 +110,13 @@ class StateDictKeys:
 
     def _own_keys(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
         """`state_dict` for load_state_dict: a torch DDP checkpoint's (every
-        key `module.`-prefixed, where the model has no `module` child) with
-        the prefix taken off a copy, as torch's consume_prefix_in_state_dict_if_present."""
+        key `module.`-prefixed, not all of them the model's own) with the
+        prefix taken off a copy, as torch's consume_prefix_in_state_dict_if_present."""
         keys = list(state_dict)
         if not keys or not all(k.startswith("module.") for k in keys):
             return state_dict
-        if any(name == "module" for name, _ in self.module.named_children()):
-            return state_dict
+        if set(keys) <= set(self.module.state_dict(keep_vars=True)):
+            return state_dict  # (a model with a `module` child: its own checkpoint)
         own = OrderedDict(state_dict)  # (the caller's stays as it was, _metadata too)
         if getattr(state_dict, "_metadata", None) is not None:
             own._metadata = OrderedDict(state_dict._metadata)  # type: ignore[attr-defined]

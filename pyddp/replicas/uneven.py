@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
@@ -203,15 +202,9 @@ class Joining(Joinable):
         divide = kwargs.get("divide_by_initial_world_size", True)
         if not isinstance(divide, bool):
             raise TypeError("divide_by_initial_world_size must be a bool")
-        if not divide and self._link.hook[0] is not None:
-            warnings.warn(
-                "pyddp: divide_by_initial_world_size=False has no effect with a communication "
-                "hook, as under torch DDP: the hook divides the gradients (torch's own hooks "
-                "by the whole group's size, joined ranks included)",
-                stacklevel=3,  # (torch's Join calls this)
-            )
         announce = weakref.WeakMethod(self._announce_sharded_step)
-        self._join.enter(not divide, lambda opt: announce()(opt))  # type: ignore[misc]
+        hooked = self._link.hook[0] is not None  # (no divisor then: Joining.hook_divides)
+        self._join.enter(not divide, lambda opt: announce()(opt), hooked)  # type: ignore[misc]
         return _ShadowHook(self)
 
     @property
