@@ -106,12 +106,28 @@ def test_gradsync_replicas_must_match():
     "kw, message",
     [
         (dict(bucket_cap_mb=-1), "must be >= 0"),
+        (dict(bucket_cap_mb=float("nan")), "bucket_cap_mb=nan .* must be >= 0"),
+        (dict(first_bucket_cap_mb=float("nan")), "first_bucket_cap_mb=nan must be >= 0"),
         (dict(reduce_order="fifo"), "reduce_order"),
+        (dict(group="x"), "group='x' must be a torch.distributed process group"),
     ],
 )
 def test_bad_options(kw, message):
-    with pytest.raises(ValueError, match=message):
+    # NaN caps and a group that is no process group: found by a probe, they
+    # failed at the first backward (NaN to int) or in Lightning's fit (KeyError).
+    error = TypeError if "group" in kw else ValueError
+    with pytest.raises(error, match=message):
         pyddp.wrap(nn.Linear(2, 2), ["cpu", "cpu"], **kw)
+
+
+def test_caps_past_any_size_put_every_parameter_in_one_bucket():
+    # Found by a probe: bucket_cap_mb=1e30 raised pybind's "incompatible
+    # function arguments", inf an OverflowError at fit.
+    for cap in (float("inf"), 1e30):
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        with pyddp.wrap(model, ["cpu", "cpu"], bucket_cap_mb=cap) as dm:
+            dm(torch.randn(4, 2)).sum().backward()
+            assert dm.stats()["buckets"] == 1
 
 
 def test_bad_batches():

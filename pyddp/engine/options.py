@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch.distributed as dist
 
 from ..runtime.libraries import checked_timeout
 from .observe import timeline_from_env
+
+_MIB = 1 << 20
+_NO_CAP = 1 << 62  # bytes: no bucket is that large
 
 REDUCE_ORDERS = ("ready", "index", "after_backward")
 
@@ -110,10 +115,15 @@ class Options:
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             if not _is_number(getattr(self, name)):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be a number of MiB")
-        if self.bucket_cap_mb < 0 or self.first_bucket_cap_mb < 0:
+        if not (self.bucket_cap_mb >= 0 and self.first_bucket_cap_mb >= 0):  # (NaN too)
             raise ValueError(
                 f"bucket_cap_mb={self.bucket_cap_mb} and first_bucket_cap_mb="
                 f"{self.first_bucket_cap_mb} must be >= 0 (0 = one bucket per parameter)"
+            )
+        if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
+            raise TypeError(
+                f"group={self.group!r} must be a torch.distributed process group "
+                "(dist.new_group(...)), or None for every process"
             )
         if self.reduce_order is not None and self.reduce_order not in REDUCE_ORDERS:
             raise ValueError(
@@ -200,6 +210,13 @@ class Options:
     def keep(self) -> int:
         """Timeline iterations to keep: the option, else $PYDDP_TIMELINE."""
         return timeline_from_env() if self.timeline is None else self.timeline
+
+    def cap_bytes(self) -> Tuple[int, int]:
+        """The bucket caps in bytes (every bucket's, the first's; 0: one
+        bucket per parameter). Any cap past 2**62 bytes (infinity too) puts
+        every parameter in one bucket."""
+        cap = int(min(self.bucket_cap_mb * _MIB, _NO_CAP))
+        return cap, int(min(self.first_bucket_cap_mb * _MIB, _NO_CAP)) if cap else 0
 
     def compared(self) -> Dict[str, Any]:
         """The settings every process must share (checked at wrap)."""

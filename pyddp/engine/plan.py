@@ -32,8 +32,6 @@ from .options import Options
 from .params import dtype_name
 from .streams import StreamOrder
 
-_MIB = 1 << 20
-
 WIRE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -196,8 +194,7 @@ def ddp_plan(
 def first_plan(params: Sequence[torch.Tensor], dtypes: List[str], opts: Options) -> List[List[int]]:
     """pyddp's plan before any backward: parameters in reverse order (about
     the order backward produces them), capped as `opts` says."""
-    cap = int(opts.bucket_cap_mb * _MIB)
-    first_cap = int(opts.first_bucket_cap_mb * _MIB) if cap else 0
+    cap, first_cap = opts.cap_bytes()
     order = list(reversed(range(len(params))))
     return plan_buckets(
         [p.numel() for p in params], dtypes, order, first_cap, cap, opts.taper_buckets
@@ -221,8 +218,7 @@ class Plan:
         self.engine, self.layout, self.order, self.link = engine, layout, order, link
         self.params = params  # replica 0's
         self.backend = backend
-        self.cap = int(opts.bucket_cap_mb * _MIB)
-        self.first_cap = int(opts.first_bucket_cap_mb * _MIB) if self.cap else 0
+        self.cap, self.first_cap = opts.cap_bytes()
         self.taper = opts.taper_buckets
         self.rebuild_pending = opts.rebuild_buckets and self.cap > 0
         self.rebuild_allowed = opts.rebuild_buckets
