@@ -190,6 +190,19 @@ def step_after_no_sync_only_across_processes(out: dict) -> None:
         dm(x).square().mean().backward()
     opt.step(closure)  # (found refused in CI: every Lightning run with accumulation)
     opt.zero_grad()
+    # Found by a probe: a closure that runs no backward (Lightning's manual
+    # optimization passes one) after no_sync() backwards alone was not
+    # judged, stepping each rank on its own gradient (0.21 apart in 3 steps).
+    with dm.no_sync():
+        dm(x).square().mean().backward()
+    for name, step in (("closure", lambda: opt.step(lambda: None)),
+                       ("keyword", lambda: opt.step(closure=lambda: None))):  # fmt: skip
+        try:
+            step()
+            out[name] = "stepped"
+        except RuntimeError as e:
+            out[name] = str(e)
+    opt.zero_grad()
     dm.close()
     dm = pyddp.wrap(model)
     with dm.no_sync():
@@ -208,7 +221,7 @@ def test_step_after_unreduced_no_sync_is_refused_across_processes(tmp_path):
 
     results = spawn(step_after_no_sync_only_across_processes, out=tmp_path)
     for r in results:
-        for name in ("torch", "pyddp", "rewrapped"):
+        for name in ("torch", "pyddp", "rewrapped", "closure", "keyword"):
             assert "accumulated under no_sync() were never reduced" in r[name], r
     assert results[0]["weight"] == results[1]["weight"]
 

@@ -6,8 +6,9 @@ never reduced, would leave the processes apart in silence (the parameter
 checksums compare synced backwards only). A process-wide step pre-hook of
 torch's refuses it, as pyddp's own optimizers do: cheap per step (the wrapped
 models an optimizer steps are found once per optimizer and wrap). A step given
-a closure is not judged: the closure runs the step's backward after the hook
-(Lightning's automatic optimization)."""
+a closure is judged after the closure ran, inside the step: the closure may
+run the step's backward (Lightning's automatic optimization, and its manual
+one, which passes a closure that does nothing)."""
 
 from __future__ import annotations
 
@@ -40,10 +41,29 @@ def watch_steps(params: List[torch.Tensor], gradients: Callable[[], Any]) -> Non
         _hook["handle"] = register_optimizer_step_pre_hook(_before_step)
 
 
-def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _before_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
+    if not _params:
+        return None
+    checks = _checks_of(optimizer)
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # (args[0]: the optimizer)
-    if not _params or closure is not None:
-        return  # (a closure runs this step's backward after the hook: Lightning's loop)
+    if closure is None:
+        _judge(checks)
+        return None
+    if not checks:
+        return None
+
+    def judged() -> Any:  # (torch's step calls it first, before changing anything)
+        loss = closure()
+        _judge(checks)
+        return loss
+
+    if len(args) > 1:
+        return (args[0], judged, *args[2:]), kwargs
+    return args, {**kwargs, "closure": judged}
+
+
+def _checks_of(optimizer: Any) -> List[Callable[[], Any]]:
+    """The checks of the wrapped models whose parameters `optimizer` steps."""
     groups = optimizer.param_groups
     key = (sum(len(g["params"]) for g in groups), _hook["wraps"])
     seen: Tuple[Tuple[int, int], List[Callable[[], Any]]] = _seen.get(optimizer, ((-1, -1), []))
@@ -56,7 +76,11 @@ def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
                     checks.append(check)
         seen = (key, checks)
         _seen[optimizer] = seen
-    for check in seen[1]:
+    return seen[1]
+
+
+def _judge(checks: List[Callable[[], Any]]) -> None:
+    for check in checks:
         gradients = check()
         if gradients is not None:
             gradients().refuse_unsynced_step()
