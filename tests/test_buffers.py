@@ -181,6 +181,20 @@ def batchnorm_as_ddp(out: dict) -> None:
     model.train(), ref.train()
     step(x)
     out["eval_mode_step"] = buffers_apart()
+    # Two forwards before one backward (SimCLR's two views), then a forward
+    # with grad enabled that no backward follows (a loss only looked at):
+    # DDP sends rank 0's before each next forward; pyddp sent nothing there
+    # (found by a probe: 0.087 apart in running_var; Lightning's
+    # StochasticWeightAveraging, whose BatchNorm epoch runs forwards alone,
+    # ended 0.41 apart on rank 1).
+    model.train(), ref.train()
+    for wrapped, opt in zip((dm, ddp), opts):
+        (wrapped(x).pow(2).mean() + wrapped(x * (2 + rank)).pow(2).mean()).backward()
+        opt.step()
+    for wrapped in (dm, ddp):
+        wrapped(x * (3 + rank)).pow(2).mean()  # no backward
+    step(x)
+    out["forwards_without_backward"] = buffers_apart()
     # A step, then a training forward through the unwrapped module, which
     # moves BatchNorm's statistics but not their version counters: rank 0
     # keeps its own pass, as DDP's rank 0 (DDP's rank 1 would take rank 0's;
@@ -210,6 +224,7 @@ def test_batchnorm_statistics_on_every_rank_equal_torch_ddps(tmp_path):
             assert r[key] == 0.0, (key, r)
         assert r["loaded_eval"] == 0.0 and r["loaded_buffers"] == 0.0, r
         assert r["replaced_eval"] == 0.0 and r["eval_mode_step"] == 0.0, r
+        assert r["forwards_without_backward"] == 0.0, r
     assert got[0]["unwrapped_pass"] == 0.0, got[0]
 
 

@@ -413,11 +413,11 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
             self._mirror.copy_all()
             self._copy_buffers()
 
-    def _broadcast_buffers_now(self) -> None:
-        """Before every forward: rank 0's buffers (BatchNorm statistics)
-        if the last synced training backward received them (staged.py),
-        then replica 0's to this process's others, if broadcast_buffers."""
-        self._staged.put_in(self._link, self.module)
+    def _broadcast_buffers_now(self, now: bool = False) -> None:
+        """Before every forward: rank 0's buffers (BatchNorm statistics) if
+        the last synced training backward received them, or sent `now`
+        (staged.py), then replica 0's to this process's others."""
+        self._staged.put_in(self._link, self.module, now)
         if len(self._replicas) > 1:  # (broadcast_buffers=False: the user's changes alone)
             self._copy_buffers(changed_only=not self.broadcast_buffers)
 

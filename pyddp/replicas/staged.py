@@ -78,16 +78,21 @@ class StagedBuffers:
         link.broadcast(received, BUFFERS_BROADCAST)
         self._slots, self._own, self._received = slots, own, received
 
-    def put_in(self, link: Any, model: nn.Module) -> None:
+    def put_in(self, link: Any, model: nn.Module, now: bool = False) -> None:
         """Before a forward: writes what receive() held into the buffers
         still holding this rank's values of then, once. Under Join, where
         the rank DDP sends from now is another than the one that sent
-        (it joined since), that rank sends its buffers now instead."""
+        (it joined since), that rank sends its buffers now instead. `now`:
+        a synced forward with grad enabled that no backward followed came
+        before this one (outside Join): rank 0 sends its buffers as they are,
+        DDP's moment (every rank makes the same forwards, as under DDP)."""
         own, received = self._own, self._received
         self._own, self._received = None, []
         step = link.joining.step  # under Join (set by this forward)
-        if step is not None and step.resend:
-            link.broadcast([b.detach() for b in model.buffers()], BUFFERS_BROADCAST)
+        if now or (step is not None and step.resend):
+            # Through `.data`, whose writes move no version counter, as DDP's:
+            # a graph of the forward before may hold the buffers (BatchNorm's).
+            link.broadcast([b.data for b in model.buffers()], BUFFERS_BROADCAST)
             return
         if own is None:
             return

@@ -93,13 +93,14 @@ class StepsHost(Protocol):
     _gpus: Optional[List[int]]  # CUDA device per replica (None: CPUs)
     _streams: Any  # their stream provider (engine/streams.py; None: CPUs)
     _apart_after_join: str  # why training is refused after Join ("" if not)
+    _join_config: Any  # torch's Join's, for this model (enable: under Join)
     _flags: StepFlags
     _staged: StagedBuffers
 
     def _check_open(self) -> None: ...
     def _follow_model(self) -> None: ...
     def _copy_buffers(self) -> None: ...
-    def _broadcast_buffers_now(self) -> None: ...
+    def _broadcast_buffers_now(self, now: bool = False) -> None: ...
     def _notify_join(self) -> None: ...
     def _join_forward(self, rows: int) -> None: ...
 
@@ -256,16 +257,19 @@ class ReplicaSteps:
             self._reducer.prepare_all()
         self._follow_model()
         self._workers.before_forward()  # (transformers' gradient checkpointing: in turn)
-        if torch.is_grad_enabled():
-            # torch DDP's rule: any synced forward with grad enabled, in
-            # eval mode too (frozen BatchNorm fine-tuning).
-            self._flags.buffers_due = (
-                self.broadcast_buffers and self._link.spans_processes and self._reducer.syncing
-            )
+        # A synced forward with grad enabled that no backward followed (two
+        # views before one backward, a forward with no backward): rank 0's
+        # buffers at this one, as DDP sends them (outside Join).
+        unanswered = self._flags.buffers_due and not self._join_config.enable
+        # torch DDP's rule: any synced forward with grad enabled, in eval
+        # mode too (frozen BatchNorm fine-tuning); none without grad.
+        self._flags.buffers_due = torch.is_grad_enabled() and (
+            self.broadcast_buffers and self._link.spans_processes and self._reducer.syncing
+        )
         self._join_forward(rows)  # under Join: what the joined ranks shadow
         # Training forwards (DDP's default) and eval forwards alike: replicas > 0
         # updated their own BatchNorm statistics in their last training forward.
-        self._broadcast_buffers_now()
+        self._broadcast_buffers_now(unanswered)
 
     def _call(self, r: int, args: Any, kwargs: Any) -> Callable[[], Any]:
         return self._breaking_meetings(r, lambda: self._callables[r](*args, **kwargs))
