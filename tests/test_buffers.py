@@ -337,3 +337,51 @@ def test_rank_local_buffers_at_wrap_as_torch_ddp(tmp_path):
     for rank, r in enumerate(spawn(rank_local_buffers, out=tmp_path)):
         assert r["True"]["apart"] == [0.0, 0.0] and r["True"]["rank_id"] == 0.0, r
         assert r["False"]["apart"] == [0.0, 0.0] and r["False"]["rank_id"] == rank, r
+
+
+def flows_with_forwards_alone(out: dict) -> None:
+    """Forwards that no backward answers, where the ranks' paths differ:
+    rank 0 evaluating alone (eval mode, grad enabled: no torch.no_grad) after
+    an answered step; and a forward alone on every rank before a Join where
+    rank 1 has no batch. Each rank must then step with the others."""
+    from torch.distributed.algorithms.join import Join
+
+    rank = pyddp.rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    dm = pyddp.wrap(model, timeout_s=20)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1 + rank)
+
+    def step() -> None:
+        opt.zero_grad()
+        dm(torch.randn(6, 4, generator=g) * (1 + rank)).pow(2).mean().backward()
+        opt.step()
+
+    step()
+    if rank == 0:
+        dm.eval()
+        for _ in range(3):
+            dm(torch.randn(5, 4, generator=g)).sum()  # no backward, grad enabled
+        dm.train()
+    step()
+    dm(torch.randn(6, 4, generator=g)).sum()  # a forward alone, on every rank
+    with Join([dm]):
+        for _ in range(2 if rank == 0 else 0):
+            step()
+    step()
+    dm.eval()
+    with torch.no_grad():
+        dm(torch.randn(5, 4, generator=g))  # rank 0's statistics of the last step go in
+    out["buffers"] = [b.double().sum().item() for b in model.buffers()]
+    dm.close()
+
+
+@pytest.mark.multiprocess
+def test_forwards_alone_leave_the_ranks_exchanging_alike(tmp_path):
+    # Found in review of the first version of the rule that sends rank 0's
+    # buffers at the forward after one no backward answered: rank 0's second
+    # evaluation forward sent alone, and a rank that joined without batches
+    # kept the rule's flag past Join ("not at the same exchange" on both).
+    got = spawn(flows_with_forwards_alone, out=tmp_path)
+    assert got[0]["buffers"] == got[1]["buffers"], got  # rank 0's, at the last forward

@@ -67,12 +67,13 @@ class StepFlags:
     forward and backward, and an nn.Module's own attribute costs a
     microsecond to set (Module.__setattr__)."""
 
-    __slots__ = ("finish_queued", "output_in_backward", "buffers_due")
+    __slots__ = ("finish_queued", "output_in_backward", "buffers_due", "send_at_next")
 
     def __init__(self) -> None:
         self.finish_queued = False  # this backward's end is queued (_end_of_backward)
         self.output_in_backward = False  # the running backward went through a dmodel output
         self.buffers_due = False  # rank 0's buffers to every rank after this backward
+        self.send_at_next = False  # a synced training forward no backward answered (_begin)
 
 
 class StepsHost(Protocol):
@@ -243,8 +244,7 @@ class ReplicaSteps:
         return shards, sizes, cut
 
     def _begin(self, rows: int) -> None:
-        """Readies the replicas for a forward of `rows` rows that may be
-        followed by backward."""
+        """Readies the replicas for a forward of `rows` rows (a backward may follow)."""
         if self._passthrough:
             return
         if self.training != self.module.training:
@@ -257,19 +257,22 @@ class ReplicaSteps:
             self._reducer.prepare_all()
         self._follow_model()
         self._workers.before_forward()  # (transformers' gradient checkpointing: in turn)
-        # A synced forward with grad enabled that no backward followed (two
-        # views before one backward, a forward with no backward): rank 0's
-        # buffers at this one, as DDP sends them (outside Join).
-        unanswered = self._flags.buffers_due and not self._join_config.enable
-        # torch DDP's rule: any synced forward with grad enabled, in eval
-        # mode too (frozen BatchNorm fine-tuning); none without grad.
+        # The forward after a synced training one no backward answered (two
+        # views before one backward, forwards alone): rank 0's buffers now, as
+        # DDP (outside Join). Evaluation forwards (eval mode or no grad) do not
+        # count: after an answered step rank 0 may evaluate alone.
+        training = torch.is_grad_enabled() and self.training
+        send = self._flags.send_at_next and not self._join_config.enable
+        # DDP's rule: any synced forward with grad, in eval mode too (frozen BatchNorm)
         self._flags.buffers_due = torch.is_grad_enabled() and (
             self.broadcast_buffers and self._link.spans_processes and self._reducer.syncing
         )
+        if training or send:
+            self._flags.send_at_next = training and self._flags.buffers_due
         self._join_forward(rows)  # under Join: what the joined ranks shadow
         # Training forwards (DDP's default) and eval forwards alike: replicas > 0
         # updated their own BatchNorm statistics in their last training forward.
-        self._broadcast_buffers_now(unanswered)
+        self._broadcast_buffers_now(send)
 
     def _call(self, r: int, args: Any, kwargs: Any) -> Callable[[], Any]:
         return self._breaking_meetings(r, lambda: self._callables[r](*args, **kwargs))
@@ -427,6 +430,7 @@ class ReplicaSteps:
         same values at the end of that forward's backward, and puts them in
         at the next forward (staged.py), so that forward needs no collective
         (an evaluation may still run on some ranks only)."""
+        self._flags.send_at_next = False  # answered
         if self._flags.buffers_due:
             self._flags.buffers_due = False
             self._staged.receive(self._link, self.module)  # (under Join: the highest with inputs)

@@ -276,6 +276,7 @@ class Joining(Joinable):
         when the block raised): no step exchange, rank 0's buffers, the
         rows dmodel.loss weighs exchanged again."""
         self._join_config = type(self._join_config).construct_disabled_join_config()
+        self._flags.send_at_next = False  # (a rank that joined never answered its last forward)
         self._join.leave()
         _IN_JOIN.discard(self)
 
