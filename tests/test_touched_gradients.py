@@ -709,3 +709,33 @@ def test_module_apply_on_zero2_placeholders_is_no_assignment(how, where):
     dm, opt, ref, ref_opt = _both(2, "gradients")
     _side_by_side(dm, opt, ref, ref_opt, 4, zero=where == "after", **{where: apply})
     dm.close()
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.logit_scale = nn.Parameter(torch.tensor(1.5))  # 0-dim, as CLIP's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.logit_scale
+
+
+@pytest.mark.parametrize("shard", MODES)
+def test_a_zero_dim_parameter_trains_as_on_one_device(shard):
+    # Found in review: under shard="gradients" the first backward raised
+    # (the placeholder of a 0-dim parameter: expand(torch.FloatTensor{[1]}, size=[])).
+    torch.manual_seed(0)
+    model = _Scaled()
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.SGD, shard=shard, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        x, y = torch.randn(6, 4), torch.randn(6, 2)
+        for m, o in ((dm, opt), (ref, ref_opt)):
+            o.zero_grad()
+            _loss(m, x, y).backward()
+            o.step()
+    assert _diff(dm.module, ref) < TOL
+    dm.close()

@@ -120,7 +120,8 @@ class Options:
                 f"bucket_cap_mb={self.bucket_cap_mb} and first_bucket_cap_mb="
                 f"{self.first_bucket_cap_mb} must be >= 0 (0 = one bucket per parameter)"
             )
-        if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
+        member = isinstance(self.group, dist.ProcessGroup)  # (or torch's sentinel for others:)
+        if self.group is not None and not member and not _not_a_member(self.group):
             raise TypeError(
                 f"group={self.group!r} must be a torch.distributed process group "
                 "(dist.new_group(...)), or None for every process"
@@ -259,6 +260,12 @@ _COMPARED = (
     "find_unused_parameters",
     "static_graph",
 )
+
+
+def _not_a_member(group: Any) -> bool:
+    """torch's dist.new_group result on a process outside the group (named
+    later, where the group is resolved)."""
+    return isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
 
 
 def first_cap_as_ddp(options: Mapping[str, Any]) -> Dict[str, Any]:

@@ -281,7 +281,7 @@ class Scattered:
             if self.present[i] and p.grad is None:
                 marker = self._cache[i]
                 if marker is None or marker.dtype != p.dtype or marker.device != p.device:
-                    marker = torch.zeros(1, dtype=p.dtype, device=p.device).expand_as(p)
+                    marker = torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p)
                     self._cache[i] = marker
                 p.grad = marker
                 self.markers[i] = marker
@@ -340,14 +340,13 @@ class Scattered:
             g = p.grad
             # `.data =` swaps it: the user's tensor, unless Module._apply did (still zeros,
             # shared by share_memory(), or the parameter moved too). Made again at place().
-            stamp = self._stamps[i]
-            swapped = g is marker and g.data_ptr() != stamp[1]
+            stamp, swapped = self._stamps[i], g is marker and g.data_ptr() != self._stamps[i][1]
             if swapped:
                 self._cache[i] = None
                 shared = g.device.type == "cpu" and g.is_shared()
                 swapped = bool(g.any()) or not (shared or p.data_ptr() != stamp[2])
             own = g is marker and not swapped
-            if own and marker._version == self._stamps[i][0]:
+            if own and marker._version == stamp[0]:
                 self.kept[i] = not before_step  # left alone: the next backward adds to it
             elif g is None or own:
                 reset.append(i)
@@ -358,8 +357,9 @@ class Scattered:
                     f"pyddp: a tensor was assigned as the gradient (or its .data) of parameter "
                     f"{i} of the wrapped model after backward under shard='gradients', where "
                     "the reduced gradient lives in each replica's blocks and `.grad` is a "
-                    "placeholder: set it to None to skip the parameter, zero it, or clip with "
-                    "dmodel.clip_grad_norm_; other changes need shard=True"
+                    "placeholder: set it to None to skip the parameter, zero it in place "
+                    "(p.grad.zero_()), or clip with dmodel.clip_grad_norm_; other changes "
+                    "need shard=True"
                 )
             else:
                 reset.append(i)  # assigned before a backward: it is the gradient now
