@@ -83,9 +83,9 @@ class StagedBuffers:
         still holding this rank's values of then, once. Under Join, where
         the rank DDP sends from now is another than the one that sent
         (it joined since), that rank sends its buffers now instead. `now`:
-        a synced forward with grad enabled that no backward followed came
-        before this one (outside Join): rank 0 sends its buffers as they are,
-        DDP's moment (every rank makes the same forwards, as under DDP)."""
+        a synced training forward that no backward answered came before this
+        one (outside Join): rank 0 sends its buffers as they are, DDP's
+        moment (every rank made that forward, as under DDP)."""
         own, received = self._own, self._received
         self._own, self._received = None, []
         step = link.joining.step  # under Join (set by this forward)
