@@ -249,7 +249,8 @@ class ReplicaSteps:
             return
         if self.training != self.module.training:
             self.training = self.module.training
-        if torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()  # (read once: this runs before every forward)
+        if grad:
             if self._apart_after_join:
                 raise RuntimeError(self._apart_after_join)  # on every rank alike
             self._flags.finish_queued = False  # a backward that raised never ran its callback
@@ -261,10 +262,9 @@ class ReplicaSteps:
         # views before one backward, forwards alone): rank 0's buffers now, as
         # DDP (outside Join). Evaluation forwards (eval mode or no grad) do not
         # count: after an answered step rank 0 may evaluate alone.
-        training = torch.is_grad_enabled() and self.training
+        training = grad and self.training
         send = self._flags.send_at_next and not self._join_config.enable
-        # DDP's rule: any synced forward with grad, in eval mode too (frozen BatchNorm)
-        self._flags.buffers_due = torch.is_grad_enabled() and (
+        self._flags.buffers_due = grad and (  # DDP's: synced, with grad, eval mode too
             self.broadcast_buffers and self._link.spans_processes and self._reducer.syncing
         )
         if training or send:
