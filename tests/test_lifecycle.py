@@ -295,6 +295,36 @@ def test_the_users_model_stays_copyable_and_saveable():
     dm.close()
 
 
+@pytest.mark.parametrize("on", [[0], [1], [0, 1]])
+def test_gradsync_reduces_a_gradient_given_new_storage_between_forward_and_backward(on):
+    """`p.grad.data = tensor` after a replica's forward, before its
+    backward: the backward accumulated into the new storage and the bucket
+    reduced the old (found under wrap, 0.135 off one device)."""
+    replicas, x = _two_replicas()
+    ref = copy.deepcopy(replicas[0])
+    sync = pyddp.GradSync(replicas, op="avg")
+    for r in (0, 1):
+        replicas[r](x[r]).square().mean().backward()
+    sync.finish()
+    (ref(x[0]).square().mean() + ref(x[1]).square().mean()).div(2).backward()
+    losses = [replicas[r](x[r]).square().mean() for r in (0, 1)]
+    for r in on:
+        for p in replicas[r].parameters():
+            p.grad.data = torch.full_like(p, 0.25)
+    for loss in losses:
+        loss.backward()
+    sync.finish()
+    sync.check_step()
+    kept = {r: 0.25 if r in on else None for r in (0, 1)}  # what each replica's gradient was
+    for p in ref.parameters():
+        p.grad = sum(p.grad if k is None else torch.full_like(p, k) for k in kept.values()) / 2
+    (ref(x[0]).square().mean() + ref(x[1]).square().mean()).div(2).backward()
+    for m in replicas:
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0)
+    sync.close()
+
+
 def test_gradsync_takes_new_storage_on_replica_0_after_finish_as_an_assignment():
     """`p.grad.data = tensor` on replica 0 after finish() (a clamp through
     `.data`) is what `p.grad = tensor` is: copied to every replica at
@@ -313,13 +343,17 @@ def test_gradsync_takes_new_storage_on_replica_0_after_finish_as_an_assignment()
 
 
 @pytest.mark.parametrize("how", ["share_memory", "double then float", "grad.data", "on 0 alone"])
-def test_gradsync_refuses_gradients_given_new_storage_until_reattach(how):
+def test_gradsync_refuses_moved_buckets_until_reattach_and_reduces_moved_gradients(how):
     """After zero_grad(set_to_none=False), Module._apply on the replicas
     (share_memory(), .double().float()) moved each bucket's storage under its
     views: the engine wrote the freed memory ("corrupted double-linked list"
     at exit) and each replica stepped on its own gradient; `p.grad.data = ...`
-    left the gradient outside the bucket, unreduced. Each is refused by name
-    (at the next forward, or at check_step); reattach() makes them right."""
+    left the gradient outside the bucket, unreduced. A bucket moved
+    (share_memory()) is refused by name at the next forward, and reattach()
+    makes it right; a gradient given storage of its own (.double().float()
+    sets each `p.grad.data`) is copied into its bucket by the backward's
+    hook, as an assigned gradient is (they were refused at check_step, until
+    reattach())."""
     replicas, x = _two_replicas()
     ref = copy.deepcopy(replicas[0])
     sync = pyddp.GradSync(replicas, op="avg")
@@ -338,12 +372,11 @@ def test_gradsync_refuses_gradients_given_new_storage_until_reattach(how):
         else:  # "on 0 alone": found in review, replica 0's unreduced gradient was
             for p in m.parameters():  # stepped on every replica, taken as assigned
                 p.grad.data = torch.zeros_like(p)
-    with pytest.raises(RuntimeError, match="given new storage .*reattach"):
-        backward(0), backward(1)
-        sync.finish()
-        sync.check_step()
-    sync.zero_grad()
-    sync.reattach()
+    if how == "share_memory":
+        with pytest.raises(RuntimeError, match="given new storage .*reattach"):
+            backward(0)
+        sync.zero_grad()
+        sync.reattach()
     backward(0), backward(1)
     sync.finish()
     sync.check_step()

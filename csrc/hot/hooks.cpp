@@ -52,6 +52,7 @@ struct State {
   MarkFn mark = nullptr;
   std::vector<std::vector<at::Tensor>> params;  // [replica][parameter]
   std::vector<std::vector<at::Tensor>> views;   // their bucket views (undefined: none)
+  std::vector<std::vector<uintptr_t>> slots;  // where each view was laid out (0: untracked)
   std::vector<uint8_t*> handed;  // per replica: the layout's bytearray (set to None by pyddp)
   std::atomic<int64_t> adopted{0};
   std::atomic<int64_t> marks{0};  // gradients marked from C++ (counted, for the tests)
@@ -158,6 +159,10 @@ struct MarkHook : public torch::autograd::FunctionPostHook {
     at::Tensor& param = st.params[r][i];
     const at::Tensor& grad = param.grad();
     const int device = st.devices.empty() ? -1 : st.devices[r];
+    if (st.slots[r][i] != 0 && reinterpret_cast<uintptr_t>(view.data_ptr()) != st.slots[r][i]) {
+      call_python(st.fallback, r, i);  // `p.grad.data = ...` after the forward: Python reseats
+      return outputs;
+    }
     if (!grad.defined() || grad.unsafeGetTensorImpl() != view.unsafeGetTensorImpl()) {
       if (!grad.defined() || grad.is_sparse() || grad.sizes() != view.sizes() ||
           grad.scalar_type() != view.scalar_type() || grad.device() != view.device()) {
@@ -240,10 +245,12 @@ class HookSet {
     }
     s.translate = translate_.is_none() ? nullptr : translate_.ptr();
     s.views.resize(s.params.size());
+    s.slots.resize(s.params.size());
     TORCH_CHECK(handed_.size() == s.params.size(), "pyddp._hot: one bytearray per replica");
     accumulators_.resize(s.params.size());
     for (size_t r = 0; r < s.params.size(); ++r) {
       s.views[r].resize(s.params[r].size());
+      s.slots[r].resize(s.params[r].size());
       auto* bytes = reinterpret_cast<uint8_t*>(PyByteArray_AsString(handed_[r].ptr()));
       TORCH_CHECK(static_cast<size_t>(PyByteArray_Size(handed_[r].ptr())) == s.params[r].size(),
                   "pyddp._hot: a handed bytearray per parameter");
@@ -301,13 +308,17 @@ class HookSet {
     }
   }
 
-  // The bucket views of replica r (None where it has none), after each layout.
-  void set_views(int r, const std::vector<std::optional<at::Tensor>>& views) {
+  // The bucket views of replica r (None where it has none) and where each was
+  // laid out (0: untracked; a view elsewhere goes to Python), after each layout.
+  void set_views(int r, const std::vector<std::optional<at::Tensor>>& views,
+                 const std::vector<uintptr_t>& slots) {
     State& s = *state_;
     TORCH_CHECK(r >= 0 && static_cast<size_t>(r) < s.views.size(), "replica out of range");
-    TORCH_CHECK(views.size() == s.views[r].size(), "one view per parameter");
+    TORCH_CHECK(views.size() == s.views[r].size() && slots.size() == views.size(),
+                "one view and one address per parameter");
     for (size_t i = 0; i < views.size(); ++i) {
       s.views[r][i] = views[i].has_value() ? *views[i] : at::Tensor();
+      s.slots[r][i] = slots[i];
     }
   }
 
@@ -351,7 +362,8 @@ PYBIND11_MODULE(_hot, m) {
            py::arg("began"), py::arg("reduce_error"), py::arg("usage_error"), py::arg("handed"),
            py::arg("devices") = std::vector<int>{}, py::arg("source") = py::none(),
            py::arg("translate") = py::none())
-      .def("set_views", &HookSet::set_views, py::arg("replica"), py::arg("views"))
+      .def("set_views", &HookSet::set_views, py::arg("replica"), py::arg("views"),
+           py::arg("slots"))
       .def("set_python_only", &HookSet::set_python_only, py::arg("on"))
       .def("arm_began", &HookSet::arm_began)
       .def("adopted", &HookSet::adopted)

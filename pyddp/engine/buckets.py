@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .ending import Window, fresh_views, views_left
+from .ending import Window, fresh_views, reseat, views_left
 from .scattered import Scattered
 
 
@@ -44,7 +44,8 @@ class BucketLayout:
         # NCCL with wire compression: a 16-bit copy of every float32 bucket.
         self.wire_dtype: Optional[torch.dtype] = None
         self._wire: List[List[torch.Tensor]] = [[] for _ in params]
-        self._view_ptrs: List[int] = []
+        # Per replica, where each gradient view was laid out (0: none, sharded).
+        self.ptrs: List[List[int]] = [[0] * n for _ in params]
         self._versions: Optional[List[List[int]]] = None  # the buffers' at finish()
         self.riding: Optional[torch.Tensor] = None  # allocate's `spare`
         # Sharded gradients (Engine.set_scatter): every bucket padded to a
@@ -71,17 +72,15 @@ class BucketLayout:
         early: bool,
         direct: bool,
     ) -> None:
-        """Sharded gradients from the next allocate on (pad_to > 1): see
-        scattered.py for the arguments."""
+        """Sharded gradients from the next allocate on (pad_to > 1): scattered.py."""
         self._scatter_setup = (list(rank_of), engine, retire, early, direct)
 
     def zeros_for(self, count: int, dtype: torch.dtype, r: int) -> torch.Tensor:
         return self._zeros(count, dtype, r)
 
     def empty_for(self, count: int, dtype: torch.dtype, r: int) -> torch.Tensor:
-        """Uninitialised on CPUs (the caller writes every element); zeroed on
-        GPUs, where the stream provider allocates (and the simulation lays
-        guard zones around it)."""
+        """Uninitialised on CPUs (the caller writes every element); zeroed on GPUs,
+        where the stream provider allocates (the simulation: with guard zones)."""
         if self._gpu_devices is None:
             return torch.empty(count, dtype=dtype)
         return self._zeros(count, dtype, r)
@@ -97,8 +96,7 @@ class BucketLayout:
 
     @property
     def adopted(self) -> int:
-        """Gradients that arrived outside the buckets and were copied in
-        (by the Python hooks and the C++ ones)."""
+        """Gradients copied into the buckets (by the Python hooks and the C++ ones)."""
         return self._adopted + (self.hot.adopted() if self.hot is not None else 0)
 
     def tell_hooks(self) -> None:
@@ -107,8 +105,8 @@ class BucketLayout:
         if self.hot is None:
             return
         self.hot.set_python_only(self.scattered is not None)
-        for r, views in enumerate(self.views):
-            self.hot.set_views(r, views)
+        for r, (views, ptrs) in enumerate(zip(self.views, self.ptrs)):
+            self.hot.set_views(r, views, ptrs)
 
     def _allocate_scattered(self, buckets: Sequence[Sequence[int]]) -> None:
         """Sharded gradients: every replica's blocks, and no bucket until a
@@ -129,7 +127,8 @@ class BucketLayout:
                         self.scattered.ensure(r, self.scattered.bucket_of[i])
                         self.views[r][i].copy_(g)
                         self.params[r][i].grad = self.views[r][i]
-        self._view_ptrs = []
+        for ptrs in self.ptrs:
+            ptrs[:] = [0] * len(ptrs)
         self._versions = None
         self.tell_hooks()
 
@@ -169,7 +168,8 @@ class BucketLayout:
                 self._set_buffer(r, b, flat.data_ptr(), count, dtype, device, wire)
                 flats.append(flat)
             self.flat[r], self._wire[r] = flats, wires
-        self._view_ptrs = [v.data_ptr() for v in self.views[0]]
+        for ptrs, views in zip(self.ptrs, self.views):  # (in place: the hooks hold them)
+            ptrs[:] = map(operator.methodcaller("data_ptr"), views)
         self._versions = None
         self.tell_hooks()
 
@@ -189,7 +189,7 @@ class BucketLayout:
             return True
         if not assigned:  # (the caller's hooks adopt an assigned gradient)
             return False
-        grads = zip(map(operator.attrgetter("grad"), self.params[0]), self._view_ptrs)
+        grads = zip(map(operator.attrgetter("grad"), self.params[0]), self.ptrs[0])
         return any([g is not None and g.data_ptr() != ptr for g, ptr in grads])
 
     def bucket_bytes(self) -> List[int]:
@@ -212,7 +212,8 @@ class BucketLayout:
 
     def adopt(self, p: torch.Tensor, view: torch.Tensor, r: int = 0, i: int = -1) -> None:
         """The gradient is not the bucket view (grad was None, or replaced by
-        the user): copy it in once; later backwards accumulate in place."""
+        the user; or its view given other storage: `p.grad.data = ...` after
+        the forward): copy it in once; later backwards accumulate in place."""
         g = p.grad
         if g.is_sparse:
             raise RuntimeError(
@@ -221,6 +222,8 @@ class BucketLayout:
             )
         if view is None:  # sharded gradients: the bucket's first gradient on this replica
             view = self._view(r, i)
+        elif i >= 0 and self.ptrs[r][i] not in (0, view.data_ptr()):
+            view = reseat(self, r, i)
         view.copy_(g)
         p.grad = view
         if i >= 0 and self._handed[r][i]:
@@ -229,11 +232,10 @@ class BucketLayout:
             self._adopted += 1
 
     def take_in(self, r: int, i: int) -> None:
-        """Replica r produced no gradient for parameter i this backward: its
-        slice takes part as is, unless its grad was reset behind pyddp's back
-        (torch's zero_grad sets None: stale, counts as zero) or replaced (copied in)."""
+        """Replica r produced no gradient for parameter i this backward: its slice takes
+        part as is, unless its grad was reset (None: zero) or replaced (copied in)."""
         grad, view = self.params[r][i].grad, self._view(r, i)
-        if grad is view:
+        if grad is view and self.ptrs[r][i] in (0, view.data_ptr()):
             return
         if grad is None:
             view.zero_()
@@ -261,8 +263,7 @@ class BucketLayout:
             params[i].grad = None
 
     def point_grads(self, i: int) -> None:
-        """Parameter i was reduced without every replica producing it: a
-        replica whose grad was None must now see the reduced slice."""
+        """Parameter i was reduced without every replica producing it: the reduced slice."""
         for params, views in zip(self.params, self.views):
             if params[i].grad is not views[i]:
                 params[i].grad = views[i]
@@ -426,10 +427,9 @@ class BucketLayout:
         return any(map(operator.is_not, grads, repeat(None)))
 
     def align(self) -> None:
-        """Before a step: gradients changed on replica 0 only since finish()
-        (torch's clip_grad_norm_ or a GradScaler's unscale_ over the model's
-        own parameters) are copied to the other replicas, so every replica
-        steps on the same values. Seen through the buffers' version counters."""
+        """Before a step: gradients changed on replica 0 only since finish() (torch's
+        clip_grad_norm_, a GradScaler's unscale_ over the model's own parameters) are
+        copied to the other replicas, seen through the buffers' version counters."""
         if self.scattered is not None:
             self.scattered.reconcile(before_step=True)  # replica 0's placeholders
             return

@@ -208,16 +208,45 @@ def fresh_views(layout: Any) -> None:
     (Module._apply) keeps its values; the next forward re-attaches it."""
     if not views_left(layout):
         return
-    now = list(map(operator.methodcaller("data_ptr"), layout.views[0]))
-    for i, (ptr, was) in enumerate(zip(now, layout._view_ptrs)):
-        flat = next((f for f in layout.flat[0] if 0 <= was - f.data_ptr() < f.nbytes), None)
-        if ptr != was and flat is not None:
-            p, start = layout.params[0][i], (was - flat.data_ptr()) // flat.element_size()
-            layout.views[0][i] = flat[start : start + p.numel()].view_as(p)
+    for i, (view, was) in enumerate(zip(layout.views[0], layout.ptrs[0])):
+        if view.data_ptr() != was:
+            fresh_view(layout, 0, i)
     layout.tell_hooks()  # (the C++ hooks copy into the views they were told)
+
+
+def fresh_view(layout: Any, r: int, i: int) -> Optional[Any]:
+    """Replica r's parameter i's slice of its bucket, where it was laid out,
+    as a new view (its old one went with `p.grad.data = ...` to other
+    storage); None where no bucket holds that address (a whole bucket moved:
+    Module._apply)."""
+    was, p = layout.ptrs[r][i], layout.params[r][i]
+    for flat in layout.flat[r]:
+        start = (was - flat.data_ptr()) // flat.element_size()
+        if was >= flat.data_ptr() and start + p.numel() <= flat.numel():
+            layout.views[r][i] = flat[start : start + p.numel()].view_as(p)
+            return layout.views[r][i]
+    return None
+
+
+def reseat(layout: Any, r: int, i: int) -> Any:
+    """During a backward, replica r's gradient i left its bucket view
+    (`p.grad.data = ...` after the forward): a fresh view of its slice,
+    told to the C++ hooks. A whole bucket moved (Module._apply) is refused:
+    the engine would reduce memory that is gone."""
+    view = fresh_view(layout, r, i)
+    if view is None:
+        raise RuntimeError(
+            f"pyddp: replica {r}'s gradients were given new storage between the forward "
+            "and its backward (Module._apply: share_memory(), .double().float(), .to(...)); "
+            "pyddp's buckets stay where the forward found them: move the model before "
+            "the forward, not after it"
+        )
+    if layout.hot is not None:
+        layout.hot.set_views(r, layout.views[r], layout.ptrs[r])
+    return view
 
 
 def views_left(layout: Any) -> bool:
     """Whether replica 0's gradient views no longer point where they were laid
     out (Module._apply moved a bucket, or `p.grad.data = ...` one gradient)."""
-    return list(map(operator.methodcaller("data_ptr"), layout.views[0])) != layout._view_ptrs
+    return list(map(operator.methodcaller("data_ptr"), layout.views[0])) != layout.ptrs[0]

@@ -41,10 +41,10 @@ def install_hooks(reducer: Any, handles: List[Any], began: bool, prepare_on_forw
     python_hooks: List[List[Callable[[torch.Tensor], None]]] = []
     for r, (module, params) in enumerate(zip(reducer._replicas, reducer._params)):
         device = -1 if gpus is None else gpus[r]
-        views = layout.views[r]
+        views, ptrs = layout.views[r], layout.ptrs[r]
         python_hooks.append([])
         for i, p in enumerate(params):
-            hook = grad_hook(owner, views, r, i, mark, streams, device, began)
+            hook = grad_hook(owner, views, ptrs, r, i, mark, streams, device, began)
             if fast is None:
                 handles.append(p.register_post_accumulate_grad_hook(hook))
             python_hooks[r].append(hook)
@@ -94,6 +94,7 @@ def _cpp_hooks(
 def grad_hook(
     owner: Any,
     views: List[Optional[torch.Tensor]],
+    ptrs: List[int],
     r: int,
     i: int,
     mark: Callable[..., None],
@@ -102,14 +103,20 @@ def grad_hook(
     began: bool = False,
 ) -> Callable[[torch.Tensor], None]:
     """Replica r's post-accumulate-grad hook for parameter i. `owner` is a
-    weak reference to the reducer; `views[i]` is the gradient's bucket view.
-    `began`: tell the owner's wrapped model a gradient arrived (one replica
-    per process, where a backward may bypass the model's outputs); every
-    other hook skips that call."""
+    weak reference to the reducer; `views[i]` is the gradient's bucket view,
+    laid out at `ptrs[i]` (0: not tracked). `began`: tell the owner's wrapped
+    model a gradient arrived (one replica per process, where a backward may
+    bypass the model's outputs); every other hook skips that call."""
+
+    def elsewhere(p: torch.Tensor) -> bool:
+        """The gradient is not its view, or the view left its slice
+        (`p.grad.data = ...` after the forward)."""
+        return p.grad is not views[i] or ptrs[i] not in (0, p.grad.data_ptr())
+
     if streams is None:
 
         def on_grad(p: torch.Tensor) -> None:
-            if p.grad is not views[i]:
+            if elsewhere(p):
                 _adopt(owner, p, views[i], r, i)
             if began:
                 _began(owner)
@@ -119,7 +126,7 @@ def grad_hook(
     current, produced = streams.current, streams.produced
 
     def on_grad_gpu(p: torch.Tensor) -> None:
-        if p.grad is not views[i]:
+        if elsewhere(p):
             streams.before_host_write(device)
             _adopt(owner, p, views[i], r, i)
         if began:
