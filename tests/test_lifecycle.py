@@ -258,10 +258,15 @@ def test_the_wrapper_refuses_pickling_and_copying_clearly():
 
 
 def test_the_users_model_stays_copyable_and_saveable():
+    # With a Dropout layer (its checkpointing guard, a hook on the user's
+    # layer): found refusing copy.deepcopy, pickle, torch.save and
+    # swa_utils.AveragedModel ("cannot pickle '_queue.SimpleQueue'").
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.0), nn.Linear(8, 2))
     ref = copy.deepcopy(model)
-    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    dm = pyddp.wrap(model, ["cpu", "cpu"], run_replicas="threads")
+    assert model[2]._forward_pre_hooks  # (what the copies must carry as nothing)
+    torch.optim.swa_utils.AveragedModel(model)
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))

@@ -181,12 +181,20 @@ def storage_kept(layout: Any, r: int) -> None:
             )
 
 
-class PrepareHook:
+class InertCopy:
+    """A forward pre-hook pyddp leaves on the user's modules. A copy of the
+    module (copy.deepcopy, pickle, torch.save) must not carry a live pyddp
+    hook, nor need pyddp to load: it copies as `functools.partial(dict.pop,
+    {})`, a standard-library callable that returns the forward's arguments
+    unchanged."""
+
+    def __reduce__(self) -> Any:
+        return functools.partial, (dict.pop, {})
+
+
+class PrepareHook(InertCopy):
     """Replica r's forward pre-hook: prepare(r) before a forward that may be
-    followed by backward. Holds the reducer weakly. A copy of the module
-    (copy.deepcopy, pickle, torch.save) must not carry a live pyddp hook, nor
-    need pyddp to load: this hook copies as `functools.partial(dict.pop, {})`,
-    a standard-library callable that returns the forward's arguments unchanged."""
+    followed by backward. Holds the reducer weakly."""
 
     def __init__(self, sync: Any, replica: int):
         self.owner = weakref.ref(sync)
@@ -199,6 +207,3 @@ class PrepareHook:
             sync.prepare(self.replica)
             if self.replica == 0:
                 sync.compare_settings()  # (wrap compares at the forward's end)
-
-    def __reduce__(self) -> Any:
-        return functools.partial, (dict.pop, {})

@@ -23,11 +23,13 @@ import os
 import statistics
 import sys
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from ..engine.hooks import InertCopy
 from ..errors import ReplicaError
 
 
@@ -112,8 +114,9 @@ class ReplicaWorkers:
         draw one after another: exact. The hooks are removed at close()."""
         self._guarded = True  # (set_mode: the first forward's look under "auto")
         self._checkpointing = [m for m in replicas[0].modules() if _flag(m) is not None]
+        guard = _DropoutGuard(self)  # (weak, and copied as nothing: the user's model)
         self._guards = [
-            m.register_forward_pre_hook(self._dropout_in_checkpoint)
+            m.register_forward_pre_hook(guard)
             for replica in replicas
             for m in replica.modules()
             if isinstance(m, torch.nn.modules.dropout._DropoutNd)
@@ -129,7 +132,7 @@ class ReplicaWorkers:
         if self.mode == "auto" and not self._meet and any(map(_flag, self._checkpointing)):
             self.mode = "in_turn"  # gradient_checkpointing_enable() (see guard_checkpointing)
 
-    def _dropout_in_checkpoint(self, module: torch.nn.Module, args: Any) -> None:
+    def dropout_in_checkpoint(self, module: torch.nn.Module) -> None:
         if self.running == "in_turn" or not module.training or not module.p:
             return
         if torch.compiler.is_compiling():
@@ -295,6 +298,19 @@ class ReplicaWorkers:
 
 
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+class _DropoutGuard(InertCopy):
+    """ReplicaWorkers.guard_checkpointing's hook on the Dropout layers,
+    holding the workers weakly."""
+
+    def __init__(self, workers: ReplicaWorkers) -> None:
+        self.owner = weakref.ref(workers)
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        workers = self.owner()
+        if workers is not None:
+            workers.dropout_in_checkpoint(module)
 
 
 def _flag(module: torch.nn.Module) -> Any:
