@@ -266,6 +266,16 @@ def _edited(payload, edit):
         payload["rng"] = payload["rng"]["ranks"][0]
     elif edit in ("no loss_scaler", "no classes", "no run"):
         del payload[edit[3:]]
+    elif edit == "step a str":  # (these were bare TypeErrors mid-fit, or taken: a probe)
+        payload["loop"]["step"] = "4"
+    elif edit == "epoch -1":
+        payload["loop"]["epoch"] = -1
+    elif edit == "history None":
+        payload["loop"]["history"] = None
+    elif edit == "no rank's rng":
+        payload["rng"]["ranks"] = []
+    elif edit == "best of another net":
+        payload["best"] = {k: v[:1] for k, v in payload["model"].items()}
     return payload
 
 
@@ -281,6 +291,11 @@ def _edited(payload, edit):
         ("no loss_scaler", 'no "loss_scaler"'),
         ("no classes", 'no "classes"'),
         ("no run", 'no "run"'),
+        ("step a str", "\"loop\" step is '4', not a count"),
+        ("epoch -1", '"loop" epoch is -1, not a count'),
+        ("history None", '"loop" history is None, not a list of validation rows'),
+        ("no rank's rng", '"rng" "ranks" is not a list'),
+        ("best of another net", "its best model does not fit this Trainer"),
     ],
 )
 def test_a_hand_edited_checkpoint_is_refused_naming_the_file_and_what_is_wrong(
@@ -323,6 +338,146 @@ def test_resuming_a_changed_run_is_refused_naming_what_differs(tmp_path):
     anyway = trainer(tmp_path, max_epochs=3, batch_size=16, resume_if_changed=True)
     with anyway as t, pytest.warns(UserWarning, match="batch_size: checkpoint 32, now 16"):
         assert t.fit((x, y)).state.step == 8 + 7
+
+
+def _scheduled(out, gamma, **cfg):
+    torch.manual_seed(0)
+    return pyddp.Trainer(
+        nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)),
+        ["cpu", "cpu"],
+        optimizer=SGD,
+        loss_fn=F.cross_entropy,
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=gamma),
+        config=pyddp.TrainConfig(progress=False, output_dir=str(out), batch_size=32, **cfg),
+    )
+
+
+def test_resuming_with_other_scheduler_arguments_is_refused_naming_them(tmp_path):
+    # Found resumed silently with the checkpoint's arguments: a cosine
+    # schedule made for the new max_steps (T_max=20) went on with T_max=10,
+    # its learning rate climbing back up (a probe).
+    x, y = data()
+    with _scheduled(tmp_path, 0.5, max_epochs=1) as t:
+        t.fit((x, y))
+    with _scheduled(tmp_path, 0.1, max_epochs=2) as t, pytest.raises(ValueError) as info:
+        t.fit((x, y))
+    assert "scheduler gamma: checkpoint 0.5, now 0.1" in str(info.value)
+    assert "step_size" not in str(info.value) and "last_epoch" not in str(info.value)
+    with _scheduled(tmp_path, 0.5, max_epochs=2) as t:  # the same arguments: resumes
+        assert t.fit((x, y)).state.step == 8
+    anyway = _scheduled(tmp_path, 0.1, max_epochs=3, resume_if_changed=True)
+    with anyway as t, pytest.warns(UserWarning, match="scheduler gamma"):
+        t.fit((x, y))
+        # The new argument, on the checkpoint's progress (StepLR: 0.1 * 0.5**4 * 0.1**2).
+        assert t.scheduler.gamma == 0.1 and t.scheduler.last_epoch == 12
+        assert t.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4 * 0.1**2)
+
+
+def test_resuming_on_a_dataloader_cut_otherwise_is_refused(tmp_path):
+    # Found resumed silently: batch_size 100 then 101 over 1000 rows (10
+    # batches per epoch either way), and 5 rows of the epoch never trained.
+    x, y = data(100)
+    loader = functools.partial(torch.utils.data.DataLoader, torch.utils.data.TensorDataset(x, y))
+    limits = dict(max_epochs=None, batch_size=10)  # (TrainConfig's batch_size is the loader's)
+    with trainer(tmp_path, max_steps=3, **limits) as t:
+        t.fit(loader(batch_size=10, shuffle=True))
+    cut = trainer(tmp_path, max_steps=6, max_epochs=None, batch_size=11)
+    with cut as t, pytest.raises(ValueError) as info:
+        t.fit(loader(batch_size=11, shuffle=True))
+    text = str(info.value)
+    assert "training DataLoader: checkpoint batch_size=10" in text and "now batch_size=11" in text
+    assert "training batches per epoch" not in text  # (10 either way)
+    with trainer(tmp_path, max_steps=6, **limits) as t, pytest.raises(ValueError) as info:
+        t.fit(loader(batch_size=10, shuffle=False))
+    assert "RandomSampler" in str(info.value) and "SequentialSampler" in str(info.value)
+    with trainer(tmp_path, max_steps=6, **limits) as t:
+        assert t.fit(loader(batch_size=10, shuffle=True)).state.step == 6
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("shard_optimizer", True), ("precision", "bf16"), ("output_dir", "elsewhere"),
+     ("progress", True)],
+)  # fmt: skip
+def test_config_fields_the_trainer_took_at_construction_are_not_reassigned(tmp_path, field, value):
+    # Found ignored or half applied: shard_optimizer=True assigned after
+    # construction kept an unsharded optimizer, precision="fp16" trained on
+    # CPU under autocast without loss scaling (a probe).
+    x, y = data()
+    with trainer(tmp_path, max_epochs=1) as t:
+        setattr(t.config, field, value)
+        with pytest.raises(ValueError, match=f"{field}: .* at construction, now {value!r}"):
+            t.fit((x, y))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_fields_assigned_after_construction_are_the_ones_recorded(tmp_path):
+    # Found: batch_size and grad_accum_steps assigned after construction
+    # trained with the new values and recorded the old, so resuming with the
+    # values the run used was refused ("checkpoint 16, now 64").
+    x, y = data()
+    with trainer(tmp_path, max_epochs=1, batch_size=16) as t:
+        t.config.batch_size, t.config.grad_accum_steps = 32, 2
+        t.fit((x, y))
+    with trainer(tmp_path, max_epochs=2, batch_size=32, grad_accum_steps=2) as t:
+        assert t.fit((x, y)).state.step == 4
+
+
+def test_the_seed_is_taken_at_the_first_fit(tmp_path):
+    # Found seeded at construction: a torch.randn between construction and
+    # fit(), or another Trainer made meanwhile, changed the run's dropout
+    # masks (0.074 apart after 12 steps).
+    x, y = data()
+
+    def run(between):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+        config = pyddp.TrainConfig(progress=False, batch_size=32, max_epochs=2, seed=3)
+        with pyddp.Trainer(model, ["cpu"], optimizer=SGD, loss_fn=F.cross_entropy,
+                           config=config) as t:  # fmt: skip
+            between()
+            t.fit((x, y))
+            with pytest.raises(ValueError, match="seed: 3 at the first fit .* now 4"):
+                t.config.seed = 4
+                t.fit((x, y))
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    alone = run(lambda: None)
+    assert torch.equal(alone, run(lambda: torch.randn(1)))
+    assert torch.equal(alone, run(lambda: torch.manual_seed(7)))
+
+
+def test_best_pt_is_the_resumed_runs_best(tmp_path):
+    # Found: a run that crashed after writing best.pt at step 6, resumed from
+    # its step-4 checkpoint with another validation cadence, kept the crashed
+    # run's best.pt (best_step 3 in the loop state).
+    x, y = data(97)
+
+    class Crash(pyddp.Callback):
+        def on_step_end(self, trainer, metrics):
+            if trainer.state.step == 7:
+                raise RuntimeError("crash")
+
+    every = dict(eval_every_steps=3, checkpoint_every_steps=4, checkpoint_every_epochs=None)
+    crashing = trainer(tmp_path, callbacks=[Crash()], max_epochs=3, eval_every_epochs=None, **every)
+    with crashing as t, pytest.raises(RuntimeError, match="crash"):
+        t.fit((x, y), (x, y))
+    assert t.state.best_step == 6
+    with trainer(tmp_path, max_epochs=3, eval_every_epochs=None, eval_every_steps=100) as t:
+        result = t.fit((x, y), (x, y))
+    assert result.state.best_step == 3
+    best = torch.load(tmp_path / "best.pt", weights_only=True)
+    assert best.keys() == result.best_state_dict.keys()
+    assert all(torch.equal(best[k], v) for k, v in result.best_state_dict.items())
+
+
+def test_an_output_dir_that_is_a_file_is_refused_by_name(tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    x, y = data()
+    with trainer(tmp_path / "afile", max_epochs=1) as t, pytest.raises(UnsafePathError) as info:
+        t.fit((x, y))
+    assert "afile as a folder: it is not a directory" in str(info.value)
+    assert (tmp_path / "afile").read_text() == "mine"
 
 
 def test_resuming_on_changed_training_data_is_refused_naming_what_differs(tmp_path):

@@ -381,9 +381,9 @@ def rng(out: dict) -> None:
             model, ["cpu"], optimizer=functools.partial(torch.optim.SGD, lr=0.1),
             loss_fn=nn.functional.mse_loss, config=cfg,
         ) as t:  # fmt: skip
-            if probe:
-                return torch.rand(4).tolist()
             t.fit((x, y))
+            if probe:  # (the streams are seeded at the first fit)
+                return torch.rand(4).tolist()
             return [p.detach().flatten().tolist() for p in t.model.module.parameters()]
 
     out["draws"] = run("probe", 1, probe=True)

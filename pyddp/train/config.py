@@ -63,6 +63,32 @@ class TrainConfig:
             raise ValueError("max_epochs and max_steps are both None: set at least one")
 
 
+# What a Trainer builds from its config at construction (the optimizer, sharded
+# or not; loss scaling; the run's files and callbacks): assigned afterwards,
+# they would be ignored, or half applied.
+_MADE_WITH = ("shard_optimizer", "precision", "output_dir", "progress")
+
+
+def check_made(made: TrainConfig, now: TrainConfig, seeded: Optional[int]) -> None:
+    """At fit(): refuses, naming each, the fields assigned since the Trainer
+    was made that it took at construction, and a seed other than the one
+    its random streams were seeded with at its first fit()."""
+    changed = [
+        f"{name}: {getattr(made, name)!r} at construction, now {getattr(now, name)!r}"
+        for name in _MADE_WITH
+        if getattr(now, name) != getattr(made, name)
+    ]
+    if seeded is not None and now.seed != seeded:
+        changed.append(f"seed: {seeded!r} at the first fit (its random streams), now {now.seed!r}")
+    if changed:
+        raise ValueError(
+            "pyddp Trainer: TrainConfig fields were assigned after the Trainer took them ("
+            + "; ".join(changed)
+            + "); they would not take effect: make a new Trainer with them (with output_dir "
+            "and resume=True it continues from the last checkpoint)"
+        )
+
+
 def _fail(name: str, value: Any, must: str) -> ValueError:
     return ValueError(f"TrainConfig.{name}={value!r} ({type(value).__name__}): must be {must}")
 

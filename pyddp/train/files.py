@@ -88,13 +88,13 @@ class SafeDir:
     def open(cls, path: Path, *, create: bool = True) -> Optional[SafeDir]:
         """The directory at `path` (created if `create`), or None if missing."""
         path = Path(path)
-        if create:
-            path.mkdir(parents=True, exist_ok=True)
         try:
+            if create:
+                path.mkdir(parents=True, exist_ok=True)  # (a file there: FileExistsError)
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        except NotADirectoryError:
+        except (NotADirectoryError, FileExistsError):
             raise UnsafePathError(
                 errno.ENOTDIR, f"pyddp: cannot use {path} as a folder: it is not a directory"
             ) from None

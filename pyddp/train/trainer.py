@@ -7,6 +7,7 @@ early stopping), atomic checkpoints with exact resume, callbacks and Ctrl-C."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass, fields
@@ -15,7 +16,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Type,
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from .._link import exchange
 from ..engine.options import Options
@@ -24,10 +24,10 @@ from ..replicas.model import wrap
 from ..runtime.devices import DeviceLike
 from .arguments import check_arguments, optimizer_spec, qualname
 from .callbacks import Callback, Emission, MetricsLogger, ProgressBar
-from .checkpoints.identity import data_rows, run_signature
+from .checkpoints.identity import run_signature, scheduler_settings, validation_signature
 from .checkpoints.resume import TrainerCheckpoints
 from .checkpoints.run_files import RunFiles
-from .config import TrainConfig
+from .config import TrainConfig, check_made
 from .data import ShardedLoader, overridden_settings
 from .epoch import EpochLoop
 from .evaluation import eval_loader, evaluate
@@ -106,7 +106,8 @@ class Trainer(EpochLoop, TrainerCheckpoints):
         # writes files, every rank trains on its slice of each global batch.
         self.ranks = self.model.ranks
         self.rank, self.world = self.ranks.rank, self.ranks.world
-        seed_generators(self.config.seed, self.rank, self.model.devices)
+        self._made_with = dataclasses.replace(self.config)  # (fit() refuses changes: check_made)
+        self._seeded: Optional[int] = None  # the seed of this rank's streams, at the first fit
         try:
             if self.config.precision == "fp16" and self.model.devices[0].type != "cuda":
                 raise ValueError("precision='fp16' needs CUDA replicas; use 'bf16' on CPU")
@@ -124,16 +125,16 @@ class Trainer(EpochLoop, TrainerCheckpoints):
                     "from a callback's on_validation_end(view, metrics) with "
                     "metrics['valid_loss'], and pass no scheduler here"
                 )
-            counts = self.ranks.replicas_per_rank
-            # What this run's result depends on: in every checkpoint, compared at resume.
-            signature = run_signature(
-                self.model.module,
-                self.config,
-                self._optimizer_class,
-                optimizer_args,
-                optimizer_kwargs,
-                counts,
-            )
+            # What this run's result depends on: in every checkpoint, compared at resume
+            # (taken at each fit, from its config; the scheduler's arguments as made).
+            self._scheduler_made = scheduler_settings(self.scheduler)
+            self._signature = functools.partial(
+                run_signature, self.model.module, optimizer=self._optimizer_class,
+                optimizer_args=optimizer_args, optimizer_kwargs=optimizer_kwargs,
+                replicas_per_process=self.ranks.replicas_per_rank,
+                scheduler=self._scheduler_made[0],
+            )  # fmt: skip
+            signature = self._signature(self.config)
         except BaseException:
             self.close()  # no worker threads left behind by a failed constructor
             raise
@@ -244,6 +245,7 @@ class Trainer(EpochLoop, TrainerCheckpoints):
     def _fit(self, train_data: Any, valid_data: Any) -> FitResult:
         cfg = self.config
         cfg.validate()
+        check_made(self._made_with, cfg, self._seeded)
         self.ranks.leave_note(None)  # (a callback raised in the last fit(): this rank is back)
         self._same_settings_on_every_rank(cfg, valid_data)
         loader = ShardedLoader(
@@ -303,8 +305,12 @@ class Trainer(EpochLoop, TrainerCheckpoints):
                 "its slice; pass every rank the same data, or a DataLoader with a "
                 "DistributedSampler to give each rank its own"
             )
+        if self._seeded is None:  # at the first fit: what ran since construction draws nothing
+            seed_generators(cfg.seed, self.rank, self.model.devices)
+            self._seeded = cfg.seed
         if self._files is not None:
             self._files.config = cfg  # this fit's resume and max_to_keep
+            self._files.signature = self._signature(cfg)
             self._files.data = data
             self._files.check_dir()
             if cfg.resume:
@@ -362,7 +368,7 @@ class Trainer(EpochLoop, TrainerCheckpoints):
         mine = {f.name: repr(getattr(cfg, f.name)) for f in fields(cfg) if f.name not in _RANK_OWN}
         mine["scheduler"] = qualname(type(self.scheduler)) if self.scheduler is not None else "None"
         mine["metrics"] = repr(list(self.metrics))  # (the validation's sums, by position)
-        mine["valid_data"] = _validation_signature(valid_data)
+        mine["valid_data"] = validation_signature(valid_data)
         every = self.ranks.gather(mine, _SETTINGS)
         differ = [k for k in mine if len({e.get(k) for e in every}) > 1]
         if differ:
@@ -434,16 +440,3 @@ class Trainer(EpochLoop, TrainerCheckpoints):
             who = type(self.callbacks[event.done]).__name__
             self.ranks.leave_note(f"fit(): its callback {who}.{event.hook} raised {e!r}")
             raise
-
-
-def _validation_signature(data: Any) -> str:
-    """What the ranks compare of fit()'s valid_data: its form and rows (a
-    DataLoader's dataset: a DistributedSampler splits the same one). Not its
-    values: a Dataset may augment with a generator of its own, per rank."""
-    if data is None:
-        return "None"
-    form = type(data.dataset if isinstance(data, DataLoader) else data).__name__
-    try:
-        return f"{form} of {data_rows(data)} rows"
-    except Exception as e:  # (named by the check of valid_data that follows)
-        return f"{form}, unreadable ({type(e).__name__})"

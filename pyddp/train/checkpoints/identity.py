@@ -6,6 +6,7 @@ temporaries left by a kill mid-write."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import numbers
 import random
@@ -36,12 +37,14 @@ def run_signature(
     optimizer_args: Any,
     optimizer_kwargs: Dict[str, Any],
     replicas_per_process: List[int],
+    scheduler: Dict[str, str],
 ) -> Dict[str, str]:
     """What the result of a run depends on, as comparable strings. Leaves out
     what may change between a run and its resumption: the limits
     (max_epochs, max_steps), evaluation and checkpoint cadence, progress;
     and the optimizer's and scheduler's classes, which checkpoint.check_classes
-    judges (a scheduler may be added or dropped on resume)."""
+    judges (a scheduler may be added or dropped on resume). `scheduler`:
+    scheduler_settings' entries."""
     entries = [
         f"{kind} {name} {tuple(t.shape)} {t.dtype}"
         for kind, named in (
@@ -67,7 +70,39 @@ def run_signature(
         "scheduler_interval": repr(config.scheduler_interval),
         "smoothing": repr(config.smoothing),
         "optimizer": f"{qualname(optimizer)}({', '.join(arguments)})",
+        **scheduler,
     }
+
+
+def scheduler_settings(scheduler: Any) -> Tuple[Dict[str, str], Dict[str, Any]]:
+    """An LR scheduler's state as made, before its first step: what its
+    arguments set (T_max, gamma, milestones, ...; its progress reads alike
+    in every run then), as signature entries ("scheduler T_max": "10"), and
+    the state itself, whose changed entries a run resumed with
+    resume_if_changed keeps over the checkpoint's (the new T_max, not the old)."""
+    if scheduler is None:
+        return {}, {}
+    state = copy.deepcopy(scheduler.state_dict())
+    return {f"scheduler {k}": _stable(v) for k, v in sorted(state.items())}, state
+
+
+def changed_settings(saved: Dict[str, str], made: Dict[str, Any]) -> Dict[str, Any]:
+    """The entries of a scheduler's state as made (scheduler_settings) that
+    differ from those the checkpoint's run recorded (`saved`: its "run")."""
+    return {k: v for k, v in made.items() if saved.get(f"scheduler {k}", _stable(v)) != _stable(v)}
+
+
+def validation_signature(data: Any) -> str:
+    """What the ranks compare of fit()'s valid_data: its form and rows (a
+    DataLoader's dataset: a DistributedSampler splits the same one). Not its
+    values: a Dataset may augment with a generator of its own, per rank."""
+    if data is None:
+        return "None"
+    form = type(data.dataset if isinstance(data, DataLoader) else data).__name__
+    try:
+        return f"{form} of {data_rows(data)} rows"
+    except Exception as e:  # (named by the check of valid_data that follows)
+        return f"{form}, unreadable ({type(e).__name__})"
 
 
 def data_signature(data: Any, batches_per_epoch: int) -> Dict[str, str]:
@@ -81,7 +116,24 @@ def data_signature(data: Any, batches_per_epoch: int) -> Dict[str, str]:
         "training rows": rows,
         "training batches per epoch": str(batches_per_epoch),
         "training samples (hash of 4)": samples,
+        **({"training DataLoader": _cutting(data)} if isinstance(data, DataLoader) else {}),
     }
+
+
+def _cutting(loader: DataLoader) -> str:
+    """How a DataLoader cuts its epochs (TrainConfig's batch_size, shuffle and
+    drop_last do not apply to it): its batch size, drop_last, and its
+    sampler's class and settings (a DistributedSampler's shuffle, seed, ...)."""
+    sampler = loader.batch_sampler if loader.batch_size is None else loader.sampler
+    settings = [
+        f"{k}={_stable(getattr(sampler, k))}"
+        for k in ("shuffle", "seed", "drop_last", "replacement", "num_samples", "batch_size")
+        if isinstance(getattr(sampler, k, None), (bool, int))
+    ]
+    return (
+        f"batch_size={loader.batch_size}, drop_last={loader.drop_last}, "
+        f"{type(sampler).__qualname__}({', '.join(settings)})"
+    )
 
 
 def data_rows(data: Any) -> int:

@@ -6,6 +6,7 @@ of Trainer (train/trainer.py), whose state it reads."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -20,13 +21,14 @@ from ..config import TrainConfig
 from ..rng import cuda_rng_states, restore_generators, set_rng_states
 from ..scaler import LossScaler
 from ..state import LoopState
-from .identity import data_signature
+from .identity import changed_settings, data_signature
 from .run_files import RunFiles
-from .saving import restoring
+from .saving import fits, put_best, restoring
 
 _RNG = exchange("the RNG states for a checkpoint")
 _SAVED = exchange("rank 0's writing of a checkpoint")
 _DATA = exchange("each rank's training data signature")
+_BEST = exchange("rank 0's best.pt at resume")
 
 
 class CheckpointsHost(Protocol):
@@ -41,6 +43,8 @@ class CheckpointsHost(Protocol):
     ranks: Ranks
     _scaler: LossScaler
     _files: Optional[RunFiles]  # None without output_dir
+    output_dir: Optional[Path]
+    _scheduler_made: Tuple[Dict[str, str], Dict[str, Any]]  # identity.scheduler_settings
     _window_rng: Any  # rng.rng_states at the open window's start (epoch.py)
     _validation_end: Any  # a callbacks.Emission (epoch.py)
 
@@ -87,15 +91,23 @@ class TrainerCheckpoints:
             state = LoopState(**payload["loop"])
         with restoring(path, "model"):
             self.model.load_state_dict(payload["model"])
+        with restoring(path, "best model"):  # (best.pt is rewritten from it below)
+            fits(payload.get("best"), self.model.state_dict())
         with restoring(path, "optimizer state"):
             self.optimizer.load_state_dict(payload["optimizer"])
         if self.scheduler is not None and payload.get("scheduler") is not None:
             with restoring(path, "scheduler state"):
                 self.scheduler.load_state_dict(payload["scheduler"])
+            # resume_if_changed: the arguments this run made it with (T_max=20, not 10)
+            made = changed_settings(payload["run"], self._scheduler_made[1])
+            self.scheduler.__dict__.update(copy.deepcopy(made))
         with restoring(path, "loss scaler state"):
             self._scaler.load_state_dict(payload["loss_scaler"])
         self.state = state
         self.best_state_dict = payload.get("best")
+        # best.pt as of the resumed step: one written after it (the run went on
+        # and crashed) would stay, another model than best_state_dict.
+        self._files.on_rank_0(lambda: put_best(self.output_dir, self.best_state_dict), _BEST)
         with restoring(path, "RNG state"):
             restore_generators(payload["rng"], self.rank, self.model.devices)
         if self.rank == 0:

@@ -11,7 +11,7 @@ import contextlib
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -60,6 +60,28 @@ def save_atomic(payload: Dict[str, Any], path: Path) -> None:
         folder.write_atomic(path.name, lambda f: torch.save(payload, f))
 
 
+def fits(best: Optional[Dict[str, Any]], model: Dict[str, torch.Tensor]) -> None:
+    """Raises ValueError unless `best` (None, or a state dict) has the
+    model's keys, shapes and dtypes."""
+    if best is None:
+        return
+    form = {k: (tuple(v.shape), v.dtype) for k, v in model.items()}
+    theirs = {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
+              for k, v in best.items()}  # fmt: skip
+    if theirs != form:
+        wrong = sorted(k for k in form.keys() | theirs.keys() if form.get(k) != theirs.get(k))
+        raise ValueError(f"keys, shapes or dtypes differ from the model's: {', '.join(wrong[:4])}")
+
+
+def put_best(output_dir: Path, best: Optional[Dict[str, Any]]) -> None:
+    """output_dir/best.pt holds `best` (removed where there is none yet)."""
+    if best is not None:
+        save_atomic(best, Path(output_dir) / "best.pt")
+        return
+    with SafeDir.open(output_dir) as folder:
+        folder.remove("best.pt")
+
+
 def save_checkpoint(
     payload: Dict[str, Any], directory: Path, step: int, max_to_keep: Optional[int]
 ) -> Path:
@@ -96,6 +118,32 @@ def check_classes(
             )
 
 
+def _count(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# LoopState's fields (state.py): a test of each value, and what it must be.
+_LOOP_FORMS: Dict[str, Tuple[Callable[[Any], bool], str]] = {
+    "epoch": (_count, "a count (an int >= 0)"),
+    "batch_in_epoch": (_count, "a count (an int >= 0)"),
+    "step": (_count, "a count (an int >= 0)"),
+    "evals_without_improvement": (_count, "a count (an int >= 0)"),
+    "best_step": (lambda v: v is None or _count(v), "None or a count"),
+    "history": (
+        lambda v: isinstance(v, list) and all(isinstance(r, dict) and "step" in r for r in v),
+        "a list of validation rows (dicts with a step)",
+    ),
+    "train_losses": (lambda v: isinstance(v, list) and all(map(_number, v)), "a list of numbers"),
+    "smoothed_valid_loss": (lambda v: v is None or _number(v), "None or a number"),
+    "best_smoothed_valid_loss": (lambda v: v is None or _number(v), "None or a number"),
+    "stop_reason": (lambda v: v is None or isinstance(v, str), "None or a str"),
+}
+
+
 def check_payload(path: Path, payload: Dict[str, Any], loop_fields: List[str]) -> None:
     """Refuses, naming the file and each problem, a checkpoint that lacks
     what a resume reads or holds it in another form (edited by hand, or
@@ -118,8 +166,15 @@ def check_payload(path: Path, payload: Dict[str, Any], loop_fields: List[str]) -
             problems.append(f'"loop" has fields this pyddp does not know: {", ".join(unknown)}')
         if missing:
             problems.append(f'"loop" lacks {", ".join(missing)}')
+        problems += [
+            f'"loop" {k} is {v!r}, not {_LOOP_FORMS[k][1]}'
+            for k, v in loop.items()
+            if k in _LOOP_FORMS and not _LOOP_FORMS[k][0](v)
+        ]
     if isinstance(rng, dict) and "ranks" not in rng:
         problems.append('"rng" holds no "ranks" (every rank\'s random state)')
+    elif isinstance(rng, dict) and not (isinstance(rng["ranks"], list) and rng["ranks"]):
+        problems.append('"rng" "ranks" is not a list of each rank\'s random state')
     if problems:
         raise ValueError(
             f"pyddp: checkpoint {path} cannot be resumed: {'; '.join(problems)}. It was "
