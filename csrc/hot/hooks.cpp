@@ -322,6 +322,15 @@ class HookSet {
     }
   }
 
+  // One view of replica r and where it lies (a gradient reseated in its slice).
+  void set_view(int r, int i, const at::Tensor& view, uintptr_t slot) {
+    State& s = *state_;
+    TORCH_CHECK(r >= 0 && static_cast<size_t>(r) < s.views.size(), "replica out of range");
+    TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < s.views[r].size(), "parameter out of range");
+    s.views[r][i] = view;
+    s.slots[r][i] = slot;
+  }
+
   void set_python_only(bool on) { state_->python_only.store(on); }
   void arm_began() { state_->began_due.store(true); }
   int64_t adopted() const { return state_->adopted.load(); }
@@ -364,6 +373,8 @@ PYBIND11_MODULE(_hot, m) {
            py::arg("translate") = py::none())
       .def("set_views", &HookSet::set_views, py::arg("replica"), py::arg("views"),
            py::arg("slots"))
+      .def("set_view", &HookSet::set_view, py::arg("replica"), py::arg("param"), py::arg("view"),
+           py::arg("slot"))
       .def("set_python_only", &HookSet::set_python_only, py::arg("on"))
       .def("arm_began", &HookSet::arm_began)
       .def("adopted", &HookSet::adopted)

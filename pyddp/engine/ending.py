@@ -230,19 +230,19 @@ def fresh_view(layout: Any, r: int, i: int) -> Optional[Any]:
 
 def reseat(layout: Any, r: int, i: int) -> Any:
     """During a backward, replica r's gradient i left its bucket view
-    (`p.grad.data = ...` after the forward): a fresh view of its slice,
-    told to the C++ hooks. A whole bucket moved (Module._apply) is refused:
-    the engine would reduce memory that is gone."""
+    (`p.grad.data = ...` after the forward, as `.double().float()` does): a
+    fresh view of its slice, told to the C++ hooks. A whole bucket moved
+    (share_memory()) is refused: the engine would reduce memory that is gone."""
     view = fresh_view(layout, r, i)
     if view is None:
         raise RuntimeError(
-            f"pyddp: replica {r}'s gradients were given new storage between the forward "
-            "and its backward (Module._apply: share_memory(), .double().float(), .to(...)); "
-            "pyddp's buckets stay where the forward found them: move the model before "
-            "the forward, not after it"
+            f"pyddp: replica {r}'s gradient buckets were moved between the forward and its "
+            "backward (share_memory() moves them with the gradients); the engine reduces "
+            "them where the forward found them: call it before the forward (under GradSync, "
+            "then sync.reattach())"
         )
-    if layout.hot is not None:
-        layout.hot.set_views(r, layout.views[r], layout.ptrs[r])
+    if layout.hot is not None:  # (this one: all of them would cost O(parameters) each)
+        layout.hot.set_view(r, i, view, layout.ptrs[r][i])
     return view
 
 

@@ -167,17 +167,16 @@ def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor, r: int, i: int) -> N
 
 def storage_kept(layout: Any, r: int) -> None:
     """Before replica r's forward (GradSync): its buckets are where the engine
-    writes. Module._apply (share_memory(), .double().float()) moves a bucket's
-    storage under its views: the engine would write the freed memory."""
+    writes. share_memory() moves a bucket's storage under its views: the
+    engine would write the freed memory."""
     if layout is None:
         return
     for b, flat in enumerate(layout.flat[r]):
         if flat is not None and flat.data_ptr() != layout.given.get((r, b), flat.data_ptr()):
             raise RuntimeError(
                 f"pyddp: replica {r}'s gradients were given new storage after the GradSync "
-                "laid out its buckets (Module._apply: share_memory(), .double().float(), "
-                ".to(...); or p.grad.data = ...): call sync.reattach() after such calls, "
-                "before the next forward"
+                "laid out its buckets (share_memory() moves them with the gradients): call "
+                "sync.reattach() after it, before the next forward"
             )
 
 
