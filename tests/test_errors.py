@@ -100,6 +100,24 @@ def test_gradsync_replicas_must_match():
         pyddp.GradSync([nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2))])
     with pytest.raises(ValueError, match="replicas is empty"):
         pyddp.GradSync([])
+    # One module, not a list: found iterated (a Sequential's layers taken as
+    # replicas, "replica 1 has trainable parameters []").
+    with pytest.raises(TypeError, match="a list of modules, one per replica, got one Sequential"):
+        pyddp.GradSync(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+
+
+def test_gradsync_misuse_is_refused_by_name():
+    # Found by a probe: flat_grads(5) a bare IndexError, flat_grads(-1) the
+    # last replica; no_sync() after close() accepted.
+    m = nn.Linear(2, 2)
+    sync = pyddp.GradSync([m, copy.deepcopy(m)])
+    for bad in (2, -1, 1.0, True):
+        with pytest.raises(IndexError, match=r"replica must be an int in \[0, 2\)"):
+            sync.flat_grads(bad)
+    assert len(sync.flat_grads(1)) == 1
+    sync.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        sync.no_sync()
 
 
 @pytest.mark.parametrize(

@@ -66,6 +66,11 @@ class GradSync:
     """
 
     def __init__(self, replicas: Sequence[nn.Module], **options: Any):
+        if isinstance(replicas, nn.Module):  # (iterating a Sequential gives its layers)
+            raise TypeError(
+                f"replicas must be a list of modules, one per replica, got one "
+                f"{type(replicas).__name__}: pass [model, copy.deepcopy(model), ...]"
+            )
         replicas = list(replicas)
         if not replicas:
             raise ValueError("replicas is empty: pass at least one module")
@@ -108,6 +113,7 @@ class GradSync:
     def no_sync(self) -> ContextManager[None]:
         """Backwards inside accumulate locally; the next synced backward reduces
         the accumulated sum. The backward must run inside the block."""
+        self._reducer._check_open()
         return self._reducer.no_sync()
 
     def check_step(self) -> None:
@@ -192,6 +198,9 @@ class GradSync:
         """Tensors holding all of one replica's gradients, for in-place ops: the
         flat bucket buffers (None ones read as zeros), or with one replica the
         gradients themselves."""
+        n = len(self._replicas)
+        if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < n:
+            raise IndexError(f"flat_grads({replica!r}): replica must be an int in [0, {n})")
         return self._reducer.flat_grads(replica)
 
     @property
