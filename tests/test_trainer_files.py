@@ -340,16 +340,78 @@ def test_resuming_a_changed_run_is_refused_naming_what_differs(tmp_path):
         assert t.fit((x, y)).state.step == 8 + 7
 
 
-def _scheduled(out, gamma, **cfg):
+def _scheduled(out, gamma, scheduler=None, **cfg):
     torch.manual_seed(0)
+    step = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=gamma)
     return pyddp.Trainer(
         nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)),
         ["cpu", "cpu"],
         optimizer=SGD,
         loss_fn=F.cross_entropy,
-        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=gamma),
+        scheduler=scheduler or step,
         config=pyddp.TrainConfig(progress=False, output_dir=str(out), batch_size=32, **cfg),
     )
+
+
+class _Warm:
+    """A LambdaLR's callable object (its __dict__ is in the state dict)."""
+
+    def __init__(self, steps, keep=None):
+        self.steps, self.keep = steps, keep
+
+    def __call__(self, step):
+        return min(1.0, (step + 1) / self.steps)
+
+
+def _sequential(t_max):
+    def make(opt):
+        lr = torch.optim.lr_scheduler
+        warm, cosine = lr.LinearLR(opt, 0.5, total_iters=2), lr.CosineAnnealingLR(opt, t_max)
+        return lr.SequentialLR(opt, [warm, cosine], milestones=[2])
+
+    return make
+
+
+@pytest.mark.parametrize("kind", ["sequential", "lambda object"])
+def test_resume_if_changed_keeps_a_composite_schedulers_new_arguments(tmp_path, kind):
+    # Found (a review): SequentialLR's schedulers and a LambdaLR's callable
+    # object were replaced by their state dicts ("'dict' object has no
+    # attribute 'step'", "'dict' object is not callable").
+    def make(n):
+        if kind == "sequential":
+            return _sequential(n)
+        return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _Warm(n))
+
+    x, y = data()
+    with _scheduled(tmp_path, 0.5, make(20), max_epochs=1) as t:
+        t.fit((x, y))
+    with _scheduled(tmp_path, 0.5, make(40), max_epochs=2) as t, pytest.raises(ValueError) as info:
+        t.fit((x, y))
+    assert ": checkpoint 20, now 40" in str(info.value)
+    anyway = _scheduled(tmp_path, 0.5, make(40), max_epochs=2, resume_if_changed=True)
+    with anyway as t, pytest.warns(UserWarning, match="checkpoint 20, now 40"):
+        t.fit((x, y))
+        if kind == "sequential":
+            cosine = t.scheduler._schedulers[1]
+            assert cosine.T_max == 40 and t.scheduler.last_epoch == 8
+        else:
+            assert t.scheduler.lr_lambdas[0].steps == 40 and t.scheduler.last_epoch == 8
+
+
+def test_a_scheduler_holding_the_optimizer_is_not_copied(tmp_path):
+    # Found (a review): the scheduler's state was deep-copied at
+    # construction, refusing a LambdaLR whose callable holds the optimizer
+    # ("a pyddp optimizer cannot be copied") and keeping a copy of what it holds.
+    # (No output_dir: torch.save cannot write such a state, as without pyddp.)
+    x, y = data()
+    torch.manual_seed(0)
+    with pyddp.Trainer(
+        nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)), ["cpu", "cpu"],
+        optimizer=SGD, loss_fn=F.cross_entropy,
+        scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _Warm(4, keep=opt)),
+        config=pyddp.TrainConfig(progress=False, batch_size=32, max_epochs=1),
+    ) as t:  # fmt: skip
+        assert t.fit((x, y)).state.step == 4
 
 
 def test_resuming_with_other_scheduler_arguments_is_refused_naming_them(tmp_path):
@@ -392,6 +454,17 @@ def test_resuming_on_a_dataloader_cut_otherwise_is_refused(tmp_path):
     assert "RandomSampler" in str(info.value) and "SequentialSampler" in str(info.value)
     with trainer(tmp_path, max_steps=6, **limits) as t:
         assert t.fit(loader(batch_size=10, shuffle=True)).state.step == 6
+    # A batch_sampler's own sampler (found unrecorded by a review).
+    dataset = torch.utils.data.TensorDataset(x, y)
+    batches = functools.partial(torch.utils.data.BatchSampler, batch_size=10, drop_last=False)
+    by = {k: torch.utils.data.DataLoader(dataset, batch_sampler=batches(s(dataset)))
+          for k, s in (("random", torch.utils.data.RandomSampler),
+                        ("in order", torch.utils.data.SequentialSampler))}  # fmt: skip
+    with trainer(tmp_path / "b", max_steps=3, **limits) as t:
+        t.fit(by["random"])
+    with trainer(tmp_path / "b", max_steps=6, **limits) as t, pytest.raises(ValueError) as info:
+        t.fit(by["in order"])
+    assert "BatchSampler(drop_last=False, batch_size=10, RandomSampler(" in str(info.value)
 
 
 @pytest.mark.parametrize(

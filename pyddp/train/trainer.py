@@ -132,7 +132,7 @@ class Trainer(EpochLoop, TrainerCheckpoints):
                 run_signature, self.model.module, optimizer=self._optimizer_class,
                 optimizer_args=optimizer_args, optimizer_kwargs=optimizer_kwargs,
                 replicas_per_process=self.ranks.replicas_per_rank,
-                scheduler=self._scheduler_made[0],
+                scheduler=self._scheduler_made,
             )  # fmt: skip
             signature = self._signature(self.config)
         except BaseException:
@@ -366,7 +366,11 @@ class Trainer(EpochLoop, TrainerCheckpoints):
         if not self.ranks.spans_processes:
             return
         mine = {f.name: repr(getattr(cfg, f.name)) for f in fields(cfg) if f.name not in _RANK_OWN}
-        mine["scheduler"] = qualname(type(self.scheduler)) if self.scheduler is not None else "None"
+        mine["scheduler"] = (
+            f"{qualname(type(self.scheduler))} {self._scheduler_made}"
+            if self.scheduler is not None
+            else "None"
+        )
         mine["metrics"] = repr(list(self.metrics))  # (the validation's sums, by position)
         mine["valid_data"] = validation_signature(valid_data)
         every = self.ranks.gather(mine, _SETTINGS)

@@ -74,22 +74,61 @@ def run_signature(
     }
 
 
-def scheduler_settings(scheduler: Any) -> Tuple[Dict[str, str], Dict[str, Any]]:
+def scheduler_settings(scheduler: Any) -> Dict[str, str]:
     """An LR scheduler's state as made, before its first step: what its
     arguments set (T_max, gamma, milestones, ...; its progress reads alike
-    in every run then), as signature entries ("scheduler T_max": "10"), and
-    the state itself, whose changed entries a run resumed with
-    resume_if_changed keeps over the checkpoint's (the new T_max, not the old)."""
+    in every run then), as signature entries ("scheduler T_max": "10"); a
+    composite one's schedulers and a LambdaLR's callable objects entry by
+    entry ("scheduler _schedulers.1.T_max")."""
     if scheduler is None:
-        return {}, {}
-    state = copy.deepcopy(scheduler.state_dict())
-    return {f"scheduler {k}": _stable(v) for k, v in sorted(state.items())}, state
+        return {}
+    return {f"scheduler {path}": text for path, text in _entries(scheduler.state_dict())}
 
 
-def changed_settings(saved: Dict[str, str], made: Dict[str, Any]) -> Dict[str, Any]:
-    """The entries of a scheduler's state as made (scheduler_settings) that
-    differ from those the checkpoint's run recorded (`saved`: its "run")."""
-    return {k: v for k, v in made.items() if saved.get(f"scheduler {k}", _stable(v)) != _stable(v)}
+def _entries(value: Any, path: str = "") -> List[Tuple[str, str]]:
+    """(dotted path, _stable text) of every leaf of a state dict."""
+    if isinstance(value, Mapping):
+        items = [(str(k), v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))]
+    elif isinstance(value, (list, tuple)) and any(isinstance(v, Mapping) for v in value):
+        items = [(str(k), v) for k, v in enumerate(value)]
+    else:
+        return [(path, _stable(value))]
+    return [e for k, v in items for e in _entries(v, f"{path}.{k}" if path else k)]
+
+
+def keep_changed_settings(
+    saved: Dict[str, str], made: Dict[str, str], state: Any, loaded: Any
+) -> Any:
+    """resume_if_changed: `loaded` (the checkpoint's scheduler state) with
+    each entry whose text as made (`made`, this run's scheduler_settings)
+    differs from the checkpoint's run's (`saved`) taken from `state` (the
+    scheduler's state as made: the new T_max over the checkpoint's progress)."""
+    merged = copy.deepcopy(loaded)
+    for key, text in made.items():
+        if saved.get(key, text) == text:
+            continue
+        *parents, last = key[len("scheduler ") :].split(".")
+        src, dst = state, merged
+        try:
+            for k in parents:
+                src, dst = _at(src, k), _at(dst, k)
+            _put(dst, last, copy.deepcopy(_at(src, last)))
+        except (KeyError, IndexError, TypeError):
+            continue  # (not in the checkpoint's form: its own value stays)
+    return merged
+
+
+def _at(container: Any, key: str) -> Any:
+    return container[int(key)] if isinstance(container, (list, tuple)) else container[key]
+
+
+def _put(container: Any, key: str, value: Any) -> None:
+    if isinstance(container, list):
+        container[int(key)] = value
+    elif isinstance(container, dict):
+        container[key] = value
+    else:
+        raise TypeError(type(container).__name__)
 
 
 def validation_signature(data: Any) -> str:
@@ -125,15 +164,20 @@ def _cutting(loader: DataLoader) -> str:
     drop_last do not apply to it): its batch size, drop_last, and its
     sampler's class and settings (a DistributedSampler's shuffle, seed, ...)."""
     sampler = loader.batch_sampler if loader.batch_size is None else loader.sampler
+    return f"batch_size={loader.batch_size}, drop_last={loader.drop_last}, {_sampler(sampler)}"
+
+
+def _sampler(sampler: Any) -> str:
+    """A sampler's class and settings; a batch sampler's with its sampler's."""
     settings = [
         f"{k}={_stable(getattr(sampler, k))}"
         for k in ("shuffle", "seed", "drop_last", "replacement", "num_samples", "batch_size")
         if isinstance(getattr(sampler, k, None), (bool, int))
     ]
-    return (
-        f"batch_size={loader.batch_size}, drop_last={loader.drop_last}, "
-        f"{type(sampler).__qualname__}({', '.join(settings)})"
-    )
+    inner = getattr(sampler, "sampler", None)
+    if inner is not None and inner is not sampler:
+        settings.append(_sampler(inner))
+    return f"{type(sampler).__qualname__}({', '.join(settings)})"
 
 
 def data_rows(data: Any) -> int:

@@ -6,7 +6,6 @@ of Trainer (train/trainer.py), whose state it reads."""
 
 from __future__ import annotations
 
-import copy
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -21,7 +20,7 @@ from ..config import TrainConfig
 from ..rng import cuda_rng_states, restore_generators, set_rng_states
 from ..scaler import LossScaler
 from ..state import LoopState
-from .identity import changed_settings, data_signature
+from .identity import data_signature, keep_changed_settings
 from .run_files import RunFiles
 from .saving import fits, put_best, restoring
 
@@ -44,7 +43,7 @@ class CheckpointsHost(Protocol):
     _scaler: LossScaler
     _files: Optional[RunFiles]  # None without output_dir
     output_dir: Optional[Path]
-    _scheduler_made: Tuple[Dict[str, str], Dict[str, Any]]  # identity.scheduler_settings
+    _scheduler_made: Dict[str, str]  # identity.scheduler_settings at construction
     _window_rng: Any  # rng.rng_states at the open window's start (epoch.py)
     _validation_end: Any  # a callbacks.Emission (epoch.py)
 
@@ -97,10 +96,10 @@ class TrainerCheckpoints:
             self.optimizer.load_state_dict(payload["optimizer"])
         if self.scheduler is not None and payload.get("scheduler") is not None:
             with restoring(path, "scheduler state"):
-                self.scheduler.load_state_dict(payload["scheduler"])
-            # resume_if_changed: the arguments this run made it with (T_max=20, not 10)
-            made = changed_settings(payload["run"], self._scheduler_made[1])
-            self.scheduler.__dict__.update(copy.deepcopy(made))
+                # resume_if_changed: the arguments this run made it with (T_max=20, not 10)
+                made, now = self._scheduler_made, self.scheduler.state_dict()
+                kept = keep_changed_settings(payload["run"], made, now, payload["scheduler"])
+                self.scheduler.load_state_dict(kept)
         with restoring(path, "loss scaler state"):
             self._scaler.load_state_dict(payload["loss_scaler"])
         self.state = state
