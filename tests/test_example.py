@@ -3,6 +3,10 @@
 
 import importlib
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -53,3 +57,24 @@ def test_rerunning_finished_digits_says_so_and_how_to_start_fresh(tmp_path, caps
     assert again["stop_reason"] == "max_epochs"
     line = next(x for x in out.splitlines() if "this run had already finished" in x)
     assert f"remove {tmp_path}/" in line and "--output" in line and "--epochs" in line
+    # More epochs in the same folder: its cosine schedule spans the run's
+    # epochs, so the resume is refused naming it (it advised "--epochs
+    # above 1 to go on", which then went on with the old schedule's T_max).
+    with pytest.raises(ValueError, match="scheduler T_max: checkpoint 1, now 2"):
+        digits.main(["--output", str(tmp_path), "--epochs", "2", "--no-progress"])
+
+
+def test_digits_stopped_by_ctrl_c_exits_130(tmp_path):
+    # Found exiting 0 (success) after a Ctrl-C had stopped it (a probe).
+    command = [sys.executable, "-m", "pyddp.examples.digits", "--output", str(tmp_path),
+               "--epochs", "400", "--batch", "2", "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not list((tmp_path / "checkpoints").glob("ckpt-*.pt")) and proc.poll() is None:
+            time.sleep(0.2)  # (until it trains: a file, not a deadline)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "stopped: interrupted" in out

@@ -68,7 +68,8 @@ def test_wrong_library_in_env_is_a_clear_error():
 
 def test_doctor_reports_a_bad_env_library_instead_of_crashing():
     out = run_python("-m", "pyddp.doctor", PYDDP_NCCL_LIBRARY="/nonexistent/libnccl.so.2")
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 1, out.stderr  # (found 0: no pre-flight check could use it)
+    assert "doctor: 1 problem(s) above (exit status 1)" in out.stdout
     assert "nccl: error: PYDDP_NCCL_LIBRARY" in out.stdout
 
 
@@ -79,7 +80,8 @@ def test_doctor_reports_bad_settings_that_wrap_refuses_instead_of_crashing():
     out = run_python(
         "-m", "pyddp.doctor", PYDDP_TIMEOUT_S="abc", PYDDP_TIMELINE="-3", PYDDP_HOT="maybe"
     )
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 1, out.stderr  # (found 0, a probe)
+    assert "doctor: 3 problem(s) above" in out.stdout
     for said in (
         "collective timeout: ERROR: PYDDP_TIMEOUT_S='abc' is not a number",
         "timeline: ERROR: PYDDP_TIMELINE='-3' must be >= 0",

@@ -505,6 +505,17 @@ def test_cli_expresses_the_validation_cases(tmp_path, capsys):
     assert set(out["profile"]["dtypes"]) == {"float16"}
     with pytest.raises(SystemExit, match="--step-gpus"):
         cli.main(["--out", str(tmp_path), "simulate", "--step-gpus", "8"])
+    # The policy the step was measured under (found: always the first one's,
+    # unsaid; a torch DDP step was taken as a no-overlap one, 9.39 ms for 10).
+    args = ["--out", str(tmp_path), "simulate", "--gpus", "1,8", "--step-ms", "10"]
+    args += ["--step-gpus", "8", "--policy", "no overlap", "--policy", "torch DDP"]
+    assert cli.main(args + ["--step-policy", "torch DDP"]) == 0
+    out = json.loads((tmp_path / "simulate.json").read_text())
+    ddp = next(r for r in out["rows"] if r["policy"] == "torch DDP" and r["gpus"] == 8)
+    assert ddp["step_ms"] == pytest.approx(10, rel=1e-6)
+    assert "calibrated at 8 GPUs under torch DDP" in out["profile"]["source"]
+    with pytest.raises(SystemExit, match=r"--cap-mb 1\d+\.0: at most 2\*\*40"):
+        cli.main(["--out", str(tmp_path), "simulate", "--gpus", "8", "--cap-mb", "1e13"])
     with pytest.raises(SystemExit, match="compare-plans runs every preset"):
         cli.main(["--out", str(tmp_path), "simulate", "--compare-plans", "--gpus", "8"])
 

@@ -551,6 +551,11 @@ def test_an_output_dir_that_is_a_file_is_refused_by_name(tmp_path):
         t.fit((x, y))
     assert "afile as a folder: it is not a directory" in str(info.value)
     assert (tmp_path / "afile").read_text() == "mine"
+    # Where no folder can be made (found: "'NoneType' object does not support
+    # the context manager protocol", a probe).
+    with trainer("/proc/pyddp-nowhere", max_epochs=1) as t, pytest.raises(OSError) as info:
+        t.fit((x, y))
+    assert "cannot create the folder /proc/pyddp-nowhere" in str(info.value)
 
 
 def test_resuming_on_changed_training_data_is_refused_naming_what_differs(tmp_path):

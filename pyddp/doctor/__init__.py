@@ -115,9 +115,15 @@ def main(argv: List[str] = None) -> int:
         "machine's GPUs, a minute or two, and print a pass/fail table",
     )
     args = parser.parse_args(argv)
-    print("\n".join(report()))
+    lines = report()
+    print("\n".join(lines))
+    # A setting wrap refuses, or a library named in the environment that does
+    # not load: a pre-flight check (`python -m pyddp.doctor && ...`) stops here.
+    problems = [line for line in lines if "ERROR:" in line or ": error:" in line]
+    if problems:
+        print(f"doctor: {len(problems)} problem(s) above (exit status 1)")
     if args.selftest:
         from .selftest import run
 
-        return run()
-    return 0
+        return run() or int(bool(problems))
+    return int(bool(problems))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -136,8 +137,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if finished.reason is not None:
         # Resumed from the newest checkpoint in --output, which had stopped.
         more = ""
-        if finished.reason == "max_epochs":  # early stopping is final; more epochs go on
-            more = f", or --epochs above {args.epochs} to go on"
+        if finished.reason == "max_epochs":  # (its cosine spans its epochs: refused on resume)
+            more = f" (with more --epochs than {args.epochs} to train longer)"
         print(
             f"this run had already finished in {out}/ ({finished.reason} after epoch "
             f"{result.state.epoch}): nothing more to train, the results below are its own. To "
@@ -157,4 +158,5 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    # Stopped by Ctrl-C (its checkpoint written): the shell hears it, as 130.
+    sys.exit(130 if main()["stop_reason"] == "interrupted" else 0)

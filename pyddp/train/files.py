@@ -90,7 +90,10 @@ class SafeDir:
         path = Path(path)
         try:
             if create:
-                path.mkdir(parents=True, exist_ok=True)  # (a file there: FileExistsError)
+                try:
+                    path.mkdir(parents=True, exist_ok=True)  # (a file there: FileExistsError)
+                except FileNotFoundError as e:  # (/proc/x: no folder can be made there)
+                    raise OSError(f"pyddp: cannot create the folder {path}: {e.strerror}") from e
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None

@@ -115,6 +115,14 @@ def add_options(s: argparse.ArgumentParser) -> None:
         "backwards, then the optimizer) takes this long, as measured on the real GPU",
     )
     s.add_argument(
+        "--step-policy",
+        choices=simulate.POLICIES + simulate.MORE_POLICIES,
+        default=None,
+        help="with --step-ms at several GPUs: the policy the measured step ran under (a "
+        "step measured with torch DDP: 'torch DDP'; default: the first --policy, 'no "
+        "overlap' without one)",
+    )
+    s.add_argument(
         "--step-gpus",
         type=int,
         default=None,
@@ -201,8 +209,9 @@ def run(args: argparse.Namespace, chart_path: Path) -> Dict[str, Any]:
         gpus = args.step_gpus or 1
         try:
             system.topology(gpus)
+            under = args.step_policy or policies[0]
             profile = published.calibrated_at(
-                profile, system, gpus, policies[0], args.accumulate, args.step_ms / 1e3, effects
+                profile, system, gpus, under, args.accumulate, args.step_ms / 1e3, effects
             )
         except ValueError as e:
             raise _fail(f"--step-ms {args.step_ms} at {gpus} GPUs: {e}") from None
@@ -329,6 +338,10 @@ def _gpu_counts(args: argparse.Namespace, system: hardware.System) -> List[int]:
             raise _fail(f"{option} {value}: must be a positive number")
     if args.step_gpus is not None and args.step_ms is None:
         raise _fail("--step-gpus says where --step-ms was measured: give --step-ms too")
+    if args.step_policy is not None and args.step_ms is None:
+        raise _fail("--step-policy says how --step-ms was measured: give --step-ms too")
+    if args.cap_mb is not None and args.cap_mb > 2**40:  # (bytes past int64 in the planner)
+        raise _fail(f"--cap-mb {args.cap_mb}: at most 2**40 (one bucket takes every parameter)")
     if args.cap_mb is not None and not (math.isfinite(args.cap_mb) and args.cap_mb >= 0):
         raise _fail(f"--cap-mb {args.cap_mb}: must be >= 0 (0: one bucket per parameter)")
     text = args.nodes or args.gpus or ("1,8,64" if args.quick else _GPUS)

@@ -73,7 +73,7 @@ def calibrated_at(
     for _ in range(60):  # the step grows with the compute factor: bisect
         mid = (lo_f + hi_f) / 2
         lo_f, hi_f = (mid, hi_f) if at(mid) < measured_s else (lo_f, mid)
-    return profile.scaled(hi_f, f"{profile.source}, calibrated at {gpus} GPUs")
+    return profile.scaled(hi_f, f"{profile.source}, calibrated at {gpus} GPUs under {policy}")
 
 
 def _calibrate(
