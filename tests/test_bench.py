@@ -42,6 +42,9 @@ def test_every_subcommand_quick_with_options_after_it(tmp_path):
     variants = [r["variant"] for r in results]
     assert variants[:3] == ["no reduction", "after backward", "per-parameter"]
     assert "torch DDP" in variants
+    # Its samples are means of --steps steps, as the others' (found: single
+    # steps, a p10-p90 ten times wider, and an odd batch's last row dropped).
+    assert all(r["step_s"]["n"] == results[0]["step_s"]["n"] for r in results)
     assert all(isinstance(r["within_bound_spread"], bool) for r in results)
     assert (tmp_path / "overlap-quick.png").is_file()
     sim = json.loads((tmp_path / "simulate-quick.json").read_text())
@@ -122,6 +125,11 @@ def test_allreduce_replicas_beyond_devices_is_a_usage_error(capsys):
         (["overlap", "--comm-hook", "fp16"], "--comm-hook: only with --processes N"),
         (["overlap", "--processes", "2", "--power-sgd-rank", "0"], "--power-sgd-rank 0: give 1"),
         (["simulate", "--out", "{squat}"], "simulate-quick.json is a folder there"),
+        # Found by a later probe: a rank with no rows ran and printed a table.
+        (
+            ["overlap", "--processes", "3", "--batch", "2"],
+            "--batch 2: at least one row per replica (3 --processes)",
+        ),  # fmt: skip
     ],
 )
 def test_arguments_that_cannot_make_a_measurement_are_usage_errors(argv, said, capsys, tmp_path):

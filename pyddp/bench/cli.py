@@ -238,9 +238,10 @@ def _check_overlap(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         caps = []
     if not caps or any(not 0 < c < float("inf") for c in caps):
         parser.error(f"overlap --caps {args.caps}: bucket caps in MiB, each > 0, comma separated")
-    if args.batch < len(args.devices):
-        parser.error(f"overlap --batch {args.batch}: at least one row per replica "
-                     f"({len(args.devices)} --devices)")  # fmt: skip
+    replicas = args.processes if args.processes > 1 else len(args.devices)
+    if args.batch < replicas:  # (--processes: one replica each; --devices is not used)
+        where = f"{args.processes} --processes" if args.processes > 1 else f"{replicas} --devices"
+        parser.error(f"overlap --batch {args.batch}: at least one row per replica ({where})")
 
 
 def _result_name(args: argparse.Namespace) -> str:
@@ -404,10 +405,12 @@ def _overlap(args: argparse.Namespace) -> Dict[str, Any]:
     )
     print(
         "/lower bound: median step over the median of 'no reduction' (pyddp's hooks, no "
-        "reductions),\nmeasured in this run, interleaved, not computed. 'within noise': the "
-        "median lies inside\nthe bound's p10-p90, so which side of 1 the ratio falls on means "
-        "nothing."
+        "reductions),\nmeasured in this run, interleaved, not computed (torch DDP: after the "
+        "others, in processes\nof its own). 'within noise': the median lies inside the "
+        "bound's p10-p90, so which side of 1\nthe ratio falls on means nothing."
     )
+    if not args.no_ddp and len(args.devices) < 2 and args.processes < 2:
+        print("torch DDP: not run (one device: nothing to reduce across)")
     _print_gpu_bound(result["results"])
     if args.quick:
         print(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -104,7 +105,7 @@ def run(
         )
         dm.close()
     if ddp and len(devices) > 1:
-        s = run_ddp(model, width, depth, batch, devices, rounds * steps)
+        s = run_ddp(model, width, depth, batch, devices, rounds, steps)
         results.append(
             {
                 "variant": "torch DDP",
@@ -148,10 +149,12 @@ def _step(dm: pyddp.DistributedModel, x, y, ctx: Callable) -> Callable[[], None]
 
 
 def run_ddp(
-    model: str, width: int, depth: int, batch: int, devices: List[str], steps: int
+    model: str, width: int, depth: int, batch: int, devices: List[str], rounds: int, steps: int
 ) -> Dict[str, float]:
-    """torch DDP with one process per replica at the same global batch; rank 0's
-    step times."""
+    """torch DDP with one process per replica at the same global batch (an
+    odd one split as pyddp splits it); rank 0's step times, each sample the
+    mean of `steps` steps, as the other variants' (after them, not
+    interleaved with them: its own processes)."""
     import torch.multiprocessing as mp
 
     world = len(devices)
@@ -171,7 +174,7 @@ def run_ddp(
                     depth,
                     batch,
                     devices[r],
-                    steps,
+                    rounds * steps,
                     threads,
                     queue,
                 ),
@@ -185,7 +188,7 @@ def run_ddp(
             p.join(timeout=60)
     if isinstance(result, str):
         raise RuntimeError(f"torch DDP run failed: {result}")
-    return summary(result)
+    return summary([statistics.fmean(result[i : i + steps]) for i in range(0, len(result), steps)])
 
 
 def _ddp_rank(rank, world, init_file, model, width, depth, batch, device, steps, threads, queue):
@@ -200,11 +203,8 @@ def _ddp_rank(rank, world, init_file, model, width, depth, batch, device, steps,
         net = make_model(model, width, depth).to(device)
         ddp = torch.nn.parallel.DistributedDataParallel(net, device_ids=None)
         x, y = make_input(model, width, batch)
-        shard = batch // world
-        xs, ys = (
-            x[rank * shard : (rank + 1) * shard].to(device),
-            y[rank * shard : (rank + 1) * shard].to(device),
-        )
+        # (every row, as pyddp's replicas take them: an odd batch split unevenly)
+        xs, ys = x.tensor_split(world)[rank].to(device), y.tensor_split(world)[rank].to(device)
         times = []
         for i in range(steps + 2):
             start = time.perf_counter()
