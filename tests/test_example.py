@@ -78,3 +78,19 @@ def test_digits_stopped_by_ctrl_c_exits_130(tmp_path):
         proc.kill()
     assert proc.returncode == 130, err
     assert "stopped: interrupted" in out
+
+
+@pytest.mark.parametrize("module", [classifier, digits])
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--epochs", "0"], "--epochs: must be at least 1, got 0"),
+        (["--batch", "-1"], "--batch: must be at least 1, got -1"),
+    ],
+)
+def test_examples_refuse_counts_that_train_nothing(module, argv, said, capsys):
+    # Found by a probe: classifier --batch -1 printed a loss of 0 and exited
+    # 0, --epochs 0 trained nothing and exited 0, digits raised tracebacks.
+    with pytest.raises(SystemExit) as info:
+        module.main(argv)
+    assert info.value.code == 2 and said in capsys.readouterr().err

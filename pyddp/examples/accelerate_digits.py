@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from pyddp.examples import count
 from pyddp.examples._trainers import make_model, report, step_times
 from pyddp.examples.digits import load_digits
 from pyddp.train.files import output_root
@@ -33,9 +34,9 @@ from pyddp.train.files import output_root
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", default="pyddp", help="pyddp (default) or ddp")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=32, help="per process")
-    parser.add_argument("--accumulate", type=int, default=2)
+    parser.add_argument("--epochs", type=count, default=3)
+    parser.add_argument("--batch", type=count, default=32, help="per process")
+    parser.add_argument("--accumulate", type=count, default=2)
     parser.add_argument("--precision", default="no", help="no or bf16")
     parser.add_argument("--comm-hook", default="no", help="no, fp16, bf16 or power_sgd")
     parser.add_argument("--resume", action="store_true", help="from the last saved state")

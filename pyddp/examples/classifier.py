@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
+from pyddp.examples import count
 
 
 def make_data(n: int, dim: int, classes: int, seed: int):
@@ -26,8 +27,8 @@ def make_data(n: int, dim: int, classes: int, seed: int):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--devices", nargs="+", default=None, help="default: cpu cpu")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--epochs", type=count, default=10)
+    parser.add_argument("--batch", type=count, default=128)
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)

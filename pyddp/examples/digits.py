@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
+from pyddp.examples import count
 from pyddp.train.files import SafeDir, output_root
 
 
@@ -95,8 +96,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument(
         "--devices", nargs="+", default=None, help="default: all GPUs, else cpu cpu"
     )
-    parser.add_argument("--epochs", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--epochs", type=count, default=40)
+    parser.add_argument("--batch", type=count, default=64)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 

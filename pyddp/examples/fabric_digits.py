@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from pyddp.examples import count
 from pyddp.examples._trainers import make_model, report, step_times
 from pyddp.examples.digits import load_digits
 from pyddp.train.files import output_root
@@ -29,10 +30,10 @@ from pyddp.train.files import output_root
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", default="pyddp", help="pyddp (default) or ddp")
-    parser.add_argument("--devices", type=int, default=2, help="processes (default 2)")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=32, help="per process")
-    parser.add_argument("--accumulate", type=int, default=2)
+    parser.add_argument("--devices", type=count, default=2, help="processes (default 2)")
+    parser.add_argument("--epochs", type=count, default=3)
+    parser.add_argument("--batch", type=count, default=32, help="per process")
+    parser.add_argument("--accumulate", type=count, default=2)
     parser.add_argument("--resume", action="store_true", help="from state.ckpt")
     parser.add_argument(
         "--compile",

@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
+from pyddp.examples import count
 from pyddp.examples._trainers import report, step_times
 from pyddp.train.files import output_root
 
@@ -45,7 +46,7 @@ class Tokens(torch.utils.data.Dataset):
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", default="pyddp", help="pyddp (default) or ddp")
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps")
+    parser.add_argument("--steps", type=count, default=12, help="optimizer steps")
     parser.add_argument("--resume", action="store_true", help="from the last checkpoint")
     parser.add_argument("--lora", action="store_true", help="a peft LoRA adapter (needs peft)")
     parser.add_argument("--gradient-checkpointing", action="store_true")

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from pyddp.examples import count
 from pyddp.examples._trainers import make_model, report, step_times
 from pyddp.examples.digits import load_digits
 from pyddp.train.files import output_root
@@ -95,10 +96,10 @@ def build(lr: float = 0.05):
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", default="pyddp", help="pyddp (default) or ddp")
-    parser.add_argument("--devices", type=int, default=2, help="processes (default 2)")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=32, help="per process")
-    parser.add_argument("--accumulate", type=int, default=2)
+    parser.add_argument("--devices", type=count, default=2, help="processes (default 2)")
+    parser.add_argument("--epochs", type=count, default=3)
+    parser.add_argument("--batch", type=count, default=32, help="per process")
+    parser.add_argument("--accumulate", type=count, default=2)
     parser.add_argument("--precision", default="32-true", help="32-true or bf16-mixed")
     parser.add_argument("--resume", action="store_true", help="from checkpoints/last.ckpt")
     parser.add_argument(

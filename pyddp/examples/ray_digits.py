@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from pyddp.examples import count
 from pyddp.examples._trainers import report, step_times
 from pyddp.train.files import output_root
 
@@ -89,9 +90,9 @@ def train_loop(config: Dict[str, Any]) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", default="pyddp", help="pyddp (default) or ddp")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=32, help="per worker")
+    parser.add_argument("--workers", type=count, default=2)
+    parser.add_argument("--epochs", type=count, default=3)
+    parser.add_argument("--batch", type=count, default=32, help="per worker")
     parser.add_argument("--fail-at", type=int, default=-1, help="epoch where worker 1 dies once")
     parser.add_argument("--output", default=output_root("ray_digits"))
     args = parser.parse_args(argv)

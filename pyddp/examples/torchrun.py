@@ -14,14 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
+from pyddp.examples import count
 from pyddp.examples.classifier import make_data
 from pyddp.train.files import output_root
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--replicas", type=int, default=1, help="CPU replicas per process")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--replicas", type=count, default=1, help="CPU replicas per process")
+    parser.add_argument("--epochs", type=count, default=3)
     parser.add_argument(
         "--out",
         default=output_root("torchrun"),
