@@ -90,6 +90,10 @@ def test_doctor_reports_bad_settings_that_wrap_refuses_instead_of_crashing():
         assert said in out.stdout, out.stdout
     off = run_python("-m", "pyddp.doctor", PYDDP_HOT="False")
     assert "launches): switched off" in off.stdout, off.stdout
+    assert off.returncode == 0  # (the Python path: no problem)
+    # A driver library named and missing (found exit 0, "no NVIDIA driver", by a review).
+    cuda = run_python("-m", "pyddp.doctor", PYDDP_CUDA_LIBRARY="/nonexistent/libcuda.so.1")
+    assert cuda.returncode == 1 and "doctor: 1 problem(s) above" in cuda.stdout, cuda.stdout
 
 
 def test_nccl_found_and_versioned_when_installed():

@@ -398,6 +398,42 @@ def test_resume_if_changed_keeps_a_composite_schedulers_new_arguments(tmp_path, 
             assert t.scheduler.lr_lambdas[0].steps == 40 and t.scheduler.last_epoch == 8
 
 
+def _replaced(inner):
+    def make(opt):
+        lr = torch.optim.lr_scheduler
+        second = lr.CosineAnnealingLR(opt, 20) if inner == "cosine" else lr.StepLR(opt, 3)
+        return lr.SequentialLR(opt, [lr.LinearLR(opt, 0.5, total_iters=2), second], [2])
+
+    return make
+
+
+@pytest.mark.parametrize("change", ["milestones", "a scheduler replaced"])
+def test_scheduler_arguments_of_another_form_are_differences(tmp_path, change):
+    # Found resumed silently by a review of my first version (entries of the
+    # new run alone were compared): MultiStepLR's milestones [2, 6] -> [20],
+    # and SequentialLR's cosine replaced by a StepLR.
+    def make(first):
+        if change == "milestones":
+            milestones = [2, 6] if first else [20]
+            return lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, milestones, 0.1)
+        return _replaced("cosine" if first else "step")
+
+    x, y = data()
+    with _scheduled(tmp_path, 0.5, make(True), max_epochs=1) as t:
+        t.fit((x, y))
+    with _scheduled(tmp_path, 0.5, make(False), max_epochs=2) as t, pytest.raises(ValueError) as e:
+        t.fit((x, y))
+    said = "milestones: checkpoint Counter" if change == "milestones" else "_schedulers.1."
+    assert said in str(e.value)
+    anyway = _scheduled(tmp_path, 0.5, make(False), max_epochs=2, resume_if_changed=True)
+    with anyway as t, pytest.warns(UserWarning, match="resuming .* with changes"):
+        assert t.fit((x, y)).state.step == 8
+        if change == "milestones":
+            assert dict(t.scheduler.milestones) == {20: 1}
+        else:  # (the replaced scheduler starts afresh, as made)
+            assert t.scheduler._schedulers[1].step_size == 3
+
+
 def test_a_scheduler_holding_the_optimizer_is_not_copied(tmp_path):
     # Found (a review): the scheduler's state was deep-copied at
     # construction, refusing a LambdaLR whose callable holds the optimizer

@@ -7,8 +7,9 @@ pyddp.doctor.selftest on this machine's GPUs (the first thing to run on real GPU
 from __future__ import annotations
 
 import argparse
+import os
 import platform
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -25,7 +26,10 @@ from ..runtime.libraries import (
 )
 
 
-def report() -> List[str]:
+def report(problems: Optional[List[str]] = None) -> List[str]:
+    """The doctor's lines; what pyddp would refuse, or a library named in
+    the environment that does not load, also into `problems`."""
+    problems = [] if problems is None else problems
     lines = [
         f"pyddp {__version__}, torch {torch.__version__}, Python {platform.python_version()}, "
         f"{platform.machine()}",
@@ -34,6 +38,8 @@ def report() -> List[str]:
     driver, count, why = cuda_driver()
     if driver is None:
         lines.append(f"cuda driver: not available ({why})")
+        if os.environ.get("PYDDP_CUDA_LIBRARY"):  # (named, and it does not load)
+            problems.append(f"PYDDP_CUDA_LIBRARY={os.environ['PYDDP_CUDA_LIBRARY']!r}: {why}")
     else:
         simulated = _C.cuda_driver_simulated()
         lines.append(
@@ -44,10 +50,10 @@ def report() -> List[str]:
             cc = _C.cuda_compute_capability(i)
             lines.append(f"  cuda:{i}: {_C.cuda_device_name(i)} (sm_{cc})")
     nccl = _library_line(
-        lines, "nccl", find_nccl, NCCL_ENV, 'pip install ".[cuda12]" (from the clone)'
+        lines, problems, "nccl", find_nccl, NCCL_ENV, 'pip install ".[cuda12]" (from the clone)'
     )
     nvrtc = _library_line(
-        lines, "nvrtc", find_nvrtc, NVRTC_ENV, "pip install nvidia-cuda-nvrtc-cu12"
+        lines, problems, "nvrtc", find_nvrtc, NVRTC_ENV, "pip install nvidia-cuda-nvrtc-cu12"
     )
     kernel_ok = False
     if driver is not None and count > 0 and nvrtc is not None and nvrtc.path:
@@ -64,6 +70,7 @@ def report() -> List[str]:
         why = hot_status()[1]
     except ValueError as e:
         why = f"ERROR: {e} (wrap refuses it)"
+        problems.append(str(e))
     lines.append(f"torch-linked hot path (C++ gradient hooks and cross-process launches): {why}")
     for what, read, unit in (("collective timeout", timeout_s, " s"),
                              ("timeline", timeline_from_env, " iterations kept")):  # fmt: skip
@@ -71,6 +78,7 @@ def report() -> List[str]:
             lines.append(f"{what}: {read():g}{unit}")
         except ValueError as e:  # what wrap would refuse: said here, not raised
             lines.append(f"{what}: ERROR: {e} (wrap refuses it)")
+            problems.append(str(e))
     lines.append("backends by replica placement:")
     lines.append("  cpu, cpu, ...          -> cpu (in-process)")
     gpu_ok = driver is not None and count > 0
@@ -88,11 +96,13 @@ def report() -> List[str]:
     return lines
 
 
-def _library_line(lines: List[str], name: str, find, env: str, install: str):
+def _library_line(lines: List[str], problems: List[str], name: str, find, env: str,
+                  install: str):  # fmt: skip
     try:
         info = find()
-    except RuntimeError as e:
+    except RuntimeError as e:  # (the library its variable names does not load)
         lines.append(f"{name}: error: {e}")
+        problems.append(str(e))
         return None
     if info.path:
         lines.append(f"{name}: {info.version} from {info.path}")
@@ -115,11 +125,11 @@ def main(argv: List[str] = None) -> int:
         "machine's GPUs, a minute or two, and print a pass/fail table",
     )
     args = parser.parse_args(argv)
-    lines = report()
-    print("\n".join(lines))
+    problems: List[str] = []
+    print("\n".join(report(problems)))
     # A setting wrap refuses, or a library named in the environment that does
     # not load: a pre-flight check (`python -m pyddp.doctor && ...`) stops here.
-    problems = [line for line in lines if "ERROR:" in line or ": error:" in line]
+    # (A hot path that did not build is no problem: the Python path runs.)
     if problems:
         print(f"doctor: {len(problems)} problem(s) above (exit status 1)")
     if args.selftest:

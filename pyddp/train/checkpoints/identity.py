@@ -85,15 +85,33 @@ def scheduler_settings(scheduler: Any) -> Dict[str, str]:
     return {f"scheduler {path}": text for path, text in _entries(scheduler.state_dict())}
 
 
-def _entries(value: Any, path: str = "") -> List[Tuple[str, str]]:
-    """(dotted path, _stable text) of every leaf of a state dict."""
-    if isinstance(value, Mapping):
+def _entries(value: Any, path: str = "", into: bool = True) -> List[Tuple[str, str]]:
+    """(dotted path, _stable text) of a state dict's entries: its own, and
+    those of the dicts in its lists (a composite's schedulers, a LambdaLR's
+    callable objects), whose other values (a MultiStepLR's milestones, a
+    Counter) are read whole."""
+    if into and isinstance(value, Mapping):
         items = [(str(k), v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))]
-    elif isinstance(value, (list, tuple)) and any(isinstance(v, Mapping) for v in value):
-        items = [(str(k), v) for k, v in enumerate(value)]
-    else:
-        return [(path, _stable(value))]
-    return [e for k, v in items for e in _entries(v, f"{path}.{k}" if path else k)]
+        return [e for k, v in items for e in _entries(v, f"{path}.{k}" if path else k, False)]
+    if isinstance(value, (list, tuple)) and any(isinstance(v, Mapping) for v in value):
+        return [e for k, v in enumerate(value) for e in _entries(v, f"{path}.{k}")]
+    return [(path, _stable(value))]
+
+
+def scheduler_differences(saved: Dict[str, str], mine: Dict[str, str]) -> List[str]:
+    """run_differences' lines for the scheduler's entries, over the entries
+    of both runs (other milestones, a scheduler of a composite replaced:
+    other entries); none where one run recorded none (an older checkpoint,
+    or a scheduler added or dropped on resume: check_classes judges that)."""
+    theirs = {k: v for k, v in saved.items() if k.startswith("scheduler ")}
+    ours = {k: v for k, v in mine.items() if k.startswith("scheduler ")}
+    if not theirs or not ours:
+        return []
+    return [
+        f"{key}: checkpoint {theirs.get(key, '(none)')}, now {ours.get(key, '(none)')}"
+        for key in sorted(theirs.keys() | ours.keys())
+        if theirs.get(key) != ours.get(key)
+    ]
 
 
 def keep_changed_settings(
@@ -102,19 +120,21 @@ def keep_changed_settings(
     """resume_if_changed: `loaded` (the checkpoint's scheduler state) with
     each entry whose text as made (`made`, this run's scheduler_settings)
     differs from the checkpoint's run's (`saved`) taken from `state` (the
-    scheduler's state as made: the new T_max over the checkpoint's progress)."""
+    scheduler's state as made: the new T_max over the checkpoint's
+    progress); an entry of another form in the checkpoint (a composite's
+    scheduler replaced) is taken whole, as made (it starts afresh)."""
     merged = copy.deepcopy(loaded)
-    for key, text in made.items():
-        if saved.get(key, text) == text:
-            continue
-        *parents, last = key[len("scheduler ") :].split(".")
-        src, dst = state, merged
+    for line in scheduler_differences(saved, made):
+        path = line[len("scheduler ") : line.index(": checkpoint ")].split(".")
         try:
-            for k in parents:
+            src, dst = state, merged
+            for k in path[:-1]:
                 src, dst = _at(src, k), _at(dst, k)
-            _put(dst, last, copy.deepcopy(_at(src, last)))
-        except (KeyError, IndexError, TypeError):
-            continue  # (not in the checkpoint's form: its own value stays)
+            _at(dst, path[-1])  # (the checkpoint holds it: this entry alone)
+            _put(dst, path[-1], copy.deepcopy(_at(src, path[-1])))
+        except (KeyError, IndexError, ValueError):  # (another form: the whole entry, as made)
+            if path[0] in state:
+                merged[path[0]] = copy.deepcopy(state[path[0]])
     return merged
 
 
@@ -125,10 +145,8 @@ def _at(container: Any, key: str) -> Any:
 def _put(container: Any, key: str, value: Any) -> None:
     if isinstance(container, list):
         container[int(key)] = value
-    elif isinstance(container, dict):
-        container[key] = value
     else:
-        raise TypeError(type(container).__name__)
+        container[key] = value
 
 
 def validation_signature(data: Any) -> str:
@@ -264,12 +282,13 @@ def _stable(value: Any) -> str:
 
 
 def run_differences(saved: Dict[str, str], mine: Dict[str, str]) -> List[str]:
-    """Lines naming each field that differs."""
+    """Lines naming each field that differs (the scheduler's entries over
+    both runs' entries: scheduler_differences)."""
     return [
         f"{key}: checkpoint {saved.get(key, '(not recorded)')}, now {value}"
         for key, value in mine.items()
-        if saved.get(key, value) != value
-    ]
+        if not key.startswith("scheduler ") and saved.get(key, value) != value
+    ] + scheduler_differences(saved, mine)
 
 
 def changed_run_message(path: Path, lines: List[str]) -> str:
