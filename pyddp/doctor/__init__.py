@@ -16,6 +16,7 @@ import torch
 from .. import _C, __version__
 from ..engine.observe import timeline_from_env
 from ..runtime.libraries import (
+    CUDA_ENV,
     NCCL_ENV,
     NVRTC_ENV,
     cuda_driver,
@@ -38,8 +39,8 @@ def report(problems: Optional[List[str]] = None) -> List[str]:
     driver, count, why = cuda_driver()
     if driver is None:
         lines.append(f"cuda driver: not available ({why})")
-        if os.environ.get("PYDDP_CUDA_LIBRARY"):  # (named, and it does not load)
-            problems.append(f"PYDDP_CUDA_LIBRARY={os.environ['PYDDP_CUDA_LIBRARY']!r}: {why}")
+        if os.environ.get(CUDA_ENV):  # (named, and it does not load)
+            problems.append(f"{CUDA_ENV}={os.environ[CUDA_ENV]!r}: {why}")
     else:
         simulated = _C.cuda_driver_simulated()
         lines.append(

@@ -106,17 +106,15 @@ def grad_hook(
     weak reference to the reducer; `views[i]` is the gradient's bucket view,
     laid out at `ptrs[i]` (0: not tracked). `began`: tell the owner's wrapped
     model a gradient arrived (one replica per process, where a backward may
-    bypass the model's outputs); every other hook skips that call."""
-
-    def elsewhere(p: torch.Tensor) -> bool:
-        """The gradient is not its view, or the view left its slice
-        (`p.grad.data = ...` after the forward)."""
-        return p.grad is not views[i] or ptrs[i] not in (0, p.grad.data_ptr())
-
+    bypass the model's outputs); every other hook skips that call. Either
+    hook adopts a gradient that is not its view, or whose view left its
+    slice (`p.grad.data = ...` after the forward): one inline test each, as
+    it runs per parameter per step."""
     if streams is None:
 
         def on_grad(p: torch.Tensor) -> None:
-            if elsewhere(p):
+            g = p.grad
+            if g is not views[i] or (ptrs[i] and g.data_ptr() != ptrs[i]):
                 _adopt(owner, p, views[i], r, i)
             if began:
                 _began(owner)
@@ -126,7 +124,8 @@ def grad_hook(
     current, produced = streams.current, streams.produced
 
     def on_grad_gpu(p: torch.Tensor) -> None:
-        if elsewhere(p):
+        g = p.grad
+        if g is not views[i] or (ptrs[i] and g.data_ptr() != ptrs[i]):
             streams.before_host_write(device)
             _adopt(owner, p, views[i], r, i)
         if began:

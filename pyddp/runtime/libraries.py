@@ -24,6 +24,7 @@ import torch
 
 from .. import _C
 
+CUDA_ENV = "PYDDP_CUDA_LIBRARY"  # read by the core (_C) itself
 NCCL_ENV = "PYDDP_NCCL_LIBRARY"
 NVRTC_ENV = "PYDDP_NVRTC_LIBRARY"
 TIMEOUT_ENV = "PYDDP_TIMEOUT_S"

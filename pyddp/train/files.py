@@ -90,12 +90,11 @@ class SafeDir:
         path = Path(path)
         try:
             if create:
-                try:
-                    path.mkdir(parents=True, exist_ok=True)  # (a file there: FileExistsError)
-                except FileNotFoundError as e:  # (/proc/x: no folder can be made there)
-                    raise OSError(f"pyddp: cannot create the folder {path}: {e.strerror}") from e
+                path.mkdir(parents=True, exist_ok=True)  # (a file there: FileExistsError)
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        except FileNotFoundError as e:
+            if create:  # (/proc/x: no folder can be made there)
+                raise OSError(f"pyddp: cannot create the folder {path}: {e.strerror}") from e
             return None
         except (NotADirectoryError, FileExistsError):
             raise UnsafePathError(

@@ -74,6 +74,9 @@ def run_signature(
     }
 
 
+_SCHEDULER = "scheduler "  # the scheduler's entries' prefix in a run signature
+
+
 def scheduler_settings(scheduler: Any) -> Dict[str, str]:
     """An LR scheduler's state as made, before its first step: what its
     arguments set (T_max, gamma, milestones, ...; its progress reads alike
@@ -82,7 +85,7 @@ def scheduler_settings(scheduler: Any) -> Dict[str, str]:
     entry ("scheduler _schedulers.1.T_max")."""
     if scheduler is None:
         return {}
-    return {f"scheduler {path}": text for path, text in _entries(scheduler.state_dict())}
+    return {_SCHEDULER + path: text for path, text in _entries(scheduler.state_dict())}
 
 
 def _entries(value: Any, path: str = "", into: bool = True) -> List[Tuple[str, str]]:
@@ -98,17 +101,20 @@ def _entries(value: Any, path: str = "", into: bool = True) -> List[Tuple[str, s
     return [(path, _stable(value))]
 
 
-def scheduler_differences(saved: Dict[str, str], mine: Dict[str, str]) -> List[str]:
-    """run_differences' lines for the scheduler's entries, over the entries
-    of both runs (other milestones, a scheduler of a composite replaced:
-    other entries); none where one run recorded none (an older checkpoint,
-    or a scheduler added or dropped on resume: check_classes judges that)."""
-    theirs = {k: v for k, v in saved.items() if k.startswith("scheduler ")}
-    ours = {k: v for k, v in mine.items() if k.startswith("scheduler ")}
+def _changed_scheduler_entries(
+    saved: Dict[str, str], mine: Dict[str, str]
+) -> List[Tuple[str, str, str]]:
+    """(key, checkpoint's text, ours) of each scheduler entry that differs,
+    over the entries of both runs (other milestones, a scheduler of a
+    composite replaced: other entries); none where one run recorded none (an
+    older checkpoint, or a scheduler added or dropped on resume:
+    check_classes judges that)."""
+    theirs = {k: v for k, v in saved.items() if k.startswith(_SCHEDULER)}
+    ours = {k: v for k, v in mine.items() if k.startswith(_SCHEDULER)}
     if not theirs or not ours:
         return []
     return [
-        f"{key}: checkpoint {theirs.get(key, '(none)')}, now {ours.get(key, '(none)')}"
+        (key, theirs.get(key, "(none)"), ours.get(key, "(none)"))
         for key in sorted(theirs.keys() | ours.keys())
         if theirs.get(key) != ours.get(key)
     ]
@@ -124,8 +130,8 @@ def keep_changed_settings(
     progress); an entry of another form in the checkpoint (a composite's
     scheduler replaced) is taken whole, as made (it starts afresh)."""
     merged = copy.deepcopy(loaded)
-    for line in scheduler_differences(saved, made):
-        path = line[len("scheduler ") : line.index(": checkpoint ")].split(".")
+    for key, _, _ in _changed_scheduler_entries(saved, made):
+        path = key[len(_SCHEDULER) :].split(".")
         try:
             src, dst = state, merged
             for k in path[:-1]:
@@ -283,12 +289,15 @@ def _stable(value: Any) -> str:
 
 def run_differences(saved: Dict[str, str], mine: Dict[str, str]) -> List[str]:
     """Lines naming each field that differs (the scheduler's entries over
-    both runs' entries: scheduler_differences)."""
+    both runs' entries: _changed_scheduler_entries)."""
     return [
         f"{key}: checkpoint {saved.get(key, '(not recorded)')}, now {value}"
         for key, value in mine.items()
-        if not key.startswith("scheduler ") and saved.get(key, value) != value
-    ] + scheduler_differences(saved, mine)
+        if not key.startswith(_SCHEDULER) and saved.get(key, value) != value
+    ] + [
+        f"{key}: checkpoint {theirs}, now {ours}"
+        for key, theirs, ours in _changed_scheduler_entries(saved, mine)
+    ]
 
 
 def changed_run_message(path: Path, lines: List[str]) -> str:
