@@ -891,3 +891,54 @@ def test_static_graph_counts_checkpointed_arrivals_on_gpus(devices):
     # every stream that wrote it waited for (slow streams, gradients landing
     # late, several buckets).
     run_alone(static_graph_counts_checkpointed_arrivals, devices)
+
+
+def gradients_touched_inside_a_window(devices, shard):
+    # A no_sync() window of two micro-batches per step: the model's
+    # gradients zeroed in place after the first (as on one device), then
+    # scaled in place (refused; lifted by zero_grad()).
+    from simulated import assert_replicas_equal, gpu_wrap, streams
+
+    torch.manual_seed(0)
+    model = Mixed()
+    ref = copy.deepcopy(model)
+    dm = gpu_wrap(model, devices, bucket_cap_mb=0.001)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1, shard=shard)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in make_batches(3, 14):
+        for m in (dm, ref):
+            with dm.no_sync() if m is dm else contextlib.nullcontext():
+                F.cross_entropy(m(x[:7]), y[:7]).backward()
+            streams.synchronize_all(devices)
+            (dm.module if m is dm else m).zero_grad(set_to_none=False)  # (torch's own)
+            F.cross_entropy(m(x[7:]), y[7:]).backward()
+            streams.synchronize_all(devices)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        streams.synchronize_all(devices)
+        assert_replicas_equal(dm)
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    x, y = make_batches(1, 14)[0]
+    with dm.no_sync():
+        F.cross_entropy(dm(x), y).backward()
+    for p in dm.module.parameters():
+        if p.grad is not None:
+            p.grad.mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"inside a no_sync\(\) window"):
+        F.cross_entropy(dm(x), y).backward()
+    opt.zero_grad()
+    F.cross_entropy(dm(x), y).backward()
+    streams.synchronize_all(devices)
+    dm.close()
+
+
+@pytest.mark.parametrize("shard", [False, "gradients"])
+@pytest.mark.parametrize("devices", [[0, 0], [0, 1]])
+def test_gradients_touched_inside_a_no_sync_window_on_gpus(devices, shard):
+    # Zeroed on replica 0 in a window: reset on every GPU replica before the
+    # synced backward (within 1e-6 of one device: float32 sums of halves);
+    # any other change refused.
+    run_alone(gradients_touched_inside_a_window, devices, shard)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from itertools import repeat
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
 
 from .._link import Link, WorkRecord
 from ..errors import ProcessGroupError
@@ -104,17 +106,21 @@ class Window:
 
     def __init__(self) -> None:
         self._held: Optional[List[bool]] = None
+        # Replicas in one process: replica 0's buckets, their versions and
+        # which gradients were their views, at the last backward's end.
+        self._seen: Optional[Tuple[List[Any], List[int], List[bool]]] = None
         self.since_wrap = True  # no backward reduced yet
+        self.names: Sequence[str] = ()  # the parameters' (Plan.build), for refusals
 
     def close(self) -> None:
-        self._held = None
+        self._held = self._seen = None
 
     def after_backward(self, layout: Any, synced: bool) -> None:
         """A parameter only other replicas produced a gradient for in the
         window gets one on replica 0 too (its slice, zero), as the model on
         one device holds one: a reset of the user's there is then seen."""
         if synced:
-            self._held, self.since_wrap = None, False
+            self._held, self._seen, self.since_wrap = None, None, False
             return
         held = _held(layout.params[0])
         for i in [i for i, had in enumerate(held) if not had] if not all(held) else []:
@@ -124,19 +130,100 @@ class Window:
                 layout.params[0][i].grad, layout._handed[0][i] = view, False
                 held[i] = True
         self._held = held
+        if len(layout.params) > 1:  # (one replica per process: each rank's own, as DDP)
+            flats, grads = list(layout.flat[0]), map(operator.attrgetter("grad"), layout.params[0])
+            versions = [-1 if f is None else f._version for f in flats]
+            self._seen = (flats, versions, list(map(operator.is_, grads, layout.views[0])))
+
+    def check(self, layout: Any) -> None:
+        """Replica 0's changes since the last backward's end, followed or
+        refused (follow_changes; raises again until a zero_grad()): at the
+        start of a backward, and before pyddp moves the buckets (reattach)."""
+        if self._seen is not None:
+            follow_changes(layout, *self._seen)
 
     def follow_resets(self, layout: Any) -> None:
         """At the start of a backward: replica 0's gradients reset since
-        the last one's end, reset on every replica."""
-        held, self._held = self._held, None
+        the last one's end (None, or zero: `zero_grad(set_to_none=False)`),
+        reset on every replica; any other change to them is refused
+        (follow_changes). Sharded gradients: the open buckets the gradients
+        left since the forward (`p.grad.data = ...`) are laid out again, as
+        at a forward (before, the backward accumulated outside them)."""
+        self.check(layout)
+        held, self._held, self._seen = self._held, None, None
         if held is None:
             return
+        if layout.scattered is not None:
+            layout.scattered.relay(0)
         for i, (had, p) in enumerate(zip(held, layout.params[0])):
             if had and p.grad is None:
                 layout.zero_param(i)  # (slices read zero: clipping sums buckets)
                 layout.grads_to_none(i)
                 for r in range(len(layout.params)):
                     layout.handed(r, i)
+
+
+def follow_changes(layout: Any, flats: List[Any], versions: List[int], viewed: List[bool]) -> None:
+    """Replica 0's gradients changed inside a no_sync() window (since its
+    last backward's end), with every replica in this process: a bucket
+    changed in place, or a gradient assigned or given other storage. One
+    that now reads zero is reset on every replica (and one set to None is
+    left to Window.follow_resets); any other change is refused: it would
+    reach replica 0's share of the batch alone (0.01 to 0.03 off one device
+    after 2 steps), where each DDP rank makes it to its own."""
+    changed, views = [], layout.views[0]
+    grads = list(map(operator.attrgetter("grad"), layout.params[0]))
+    with torch.no_grad():
+        for b, (flat, version) in enumerate(zip(flats, versions)):
+            if flat is None or layout.flat[0][b] is not flat or flat._version == version:
+                continue  # (a bucket pyddp moved keeps its values: scattered.relay)
+            base = flat.untyped_storage().data_ptr()
+            held = [i for i, v in enumerate(views) if grads[i] is not None
+                    and v is not None and v.untyped_storage().data_ptr() == base]  # fmt: skip
+            if not held:
+                continue  # every gradient in it set to None since
+            if any(bool(views[i].any()) for i in held):  # (slices of no gradient: unset)
+                shown = ", ".join(_name(layout, i) for i in held[:3])
+                changed.append(f"in place, one of {shown}{', ...' if len(held) > 3 else ''}")
+                continue
+            for i in held:
+                layout.zero_param(i)
+        assigned = list(map(operator.is_not, grads, views))
+        for i in [i for i, a in enumerate(assigned) if a and viewed[i] and grads[i] is not None]:
+            changed += _changed_gradient(layout, i, grads[i], views[i])
+        if layout.scattered.moved(0) if layout.scattered is not None else views_left(layout):
+            for i in [i for i, a in enumerate(assigned) if not a and viewed[i]]:
+                old = slice_of(layout, 0, i)  # `p.grad.data = ...`: its slice holds the old values
+                if old is not None and old.data_ptr() != grads[i].data_ptr():
+                    changed += _changed_gradient(layout, i, grads[i], old)
+    if changed:
+        raise RuntimeError(
+            f"pyddp: your model's gradients were changed inside a no_sync() window "
+            f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): with "
+            f"{len(layout.params)} replicas in this process, .grad there is replica 0's own "
+            "and the change would reach its share of the batch alone. Change gradients "
+            "after the synced backward that ends the window (e.g. clip under `if "
+            "accelerator.sync_gradients:`), set them to None or zero them all (reset on "
+            "every replica), or take one replica per process (torchrun) for DDP's per-rank "
+            "behaviour; refused until zero_grad() (docs/semantics.md#no_sync)"
+        )
+
+
+def _changed_gradient(layout: Any, i: int, new: Any, old: Optional[Any]) -> List[str]:
+    """Parameter i's gradient on replica 0 is `new` where its slice holds
+    `old` (None: a whole bucket moved, its values kept): unchanged, reset
+    (zero) on every replica, or a change to refuse."""
+    if old is None or (new.shape == old.shape and torch.equal(new, old)):
+        return []
+    if not bool(new.any()):
+        layout.zero_param(i)  # (replica 0's zeros are copied in as its gradient arrives)
+        return []
+    return [_name(layout, i)]
+
+
+def _name(layout: Any, i: int) -> str:
+    names = layout.window.names
+    return repr(names[i]) if i < len(names) else f"parameter {i}"
 
 
 def _held(params: Sequence[Any]) -> List[bool]:
@@ -219,12 +306,23 @@ def fresh_view(layout: Any, r: int, i: int) -> Optional[Any]:
     as a new view (its old one went with `p.grad.data = ...` to other
     storage); None where no bucket holds that address (a whole bucket moved:
     Module._apply)."""
+    view = slice_of(layout, r, i)
+    if view is not None:
+        layout.views[r][i] = view
+    return view
+
+
+def slice_of(layout: Any, r: int, i: int) -> Optional[Any]:
+    """Replica r's parameter i's slice of its bucket, where it was laid out
+    (None where no bucket holds that address, or none is held)."""
     was, p = layout.ptrs[r][i], layout.params[r][i]
+    if layout.scattered is not None:  # (laid out in its bucket, where one is held)
+        flat, start = layout.flat[r][layout.scattered.bucket_of[i]], layout.scattered.offset[i]
+        return None if flat is None else flat[start : start + p.numel()].view_as(p)
     for flat in layout.flat[r]:
         start = (was - flat.data_ptr()) // flat.element_size()
         if was >= flat.data_ptr() and start + p.numel() <= flat.numel():
-            layout.views[r][i] = flat[start : start + p.numel()].view_as(p)
-            return layout.views[r][i]
+            return flat[start : start + p.numel()].view_as(p)
     return None
 
 

@@ -257,6 +257,7 @@ class Plan:
 
         layout = BucketLayout(params, dtypes, set_buffer, order.devices, order.fence, order.zeros)
         layout.given = given  # (hooks.storage_kept reads it)
+        layout.window.names = names
         plan = Plan(engine, layout, order, link, first, backend, opts)
         plan.allocate(buckets)
         return engine, layout, plan
@@ -322,7 +323,9 @@ class Plan:
         self.allocate(buckets)
 
     def reattach(self) -> None:
-        """Fresh bucket buffers for every gradient, values kept."""
+        """Fresh bucket buffers for every gradient, values kept (after the
+        user's changes inside a no_sync() window are judged)."""
+        self.layout.window.check(self.layout)
         if self.layout.scattered is not None:
             # shard='gradients': the blocks hold the reduced values, kept
             # across a step too (fresh ones from the placeholders lost the
