@@ -11,11 +11,14 @@ import contextlib
 import copy
 import os
 import pickle
+import signal
+import threading
 from typing import List
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.optim.sgd as _sgd_module
 from conftest import make_batches
 from ranks import (
     SGD,
@@ -328,6 +331,13 @@ def test_torchs_zero_spellings_port_unchanged():
         assert torch.equal(a["exp_avg"], b["exp_avg"])
     with pytest.raises(ValueError, match="to=1"):
         opt.consolidate_state_dict(to=1)  # one process: rank 0 only
+    old = kept["state"][0]["exp_avg"].clone()
+    dm(x).sum().backward()
+    opt.step()  # the kept state is now stale: refused (torch's returns it as it was)
+    with pytest.raises(RuntimeError, match=r"1 step\(s\) old: call consolidate_state_dict"):
+        opt.state_dict()
+    opt.consolidate_state_dict(to=0)
+    assert not torch.equal(opt.state_dict()["state"][0]["exp_avg"], old)
     with pytest.raises(TypeError, match="once"):
         dm.optimizer(torch.optim.SGD, optimizer_class=torch.optim.SGD, lr=0.1)
     dm.close()
@@ -497,9 +507,7 @@ def check_zero(got: List[dict], replicas: int, stage: str = "state") -> None:
 def state_dict_on_rank_0_alone(out: dict) -> None:
     """A sharded optimizer's state_dict() called on rank 0 alone (to save
     it there) while rank 1 trains on: both ranks fail, saying the call is
-    collective (it used to read as a rank that died or ran out of batches).
-    Before that, torch ZeroRedundancyOptimizer's way works: every rank
-    calls consolidate_state_dict(to=0), then rank 0 alone state_dict()."""
+    collective (it used to read as a rank that died or ran out of batches)."""
     rank = pyddp.rank()
     dm = pyddp.wrap(net(), ["cpu"])
     opt = dm.optimizer(optimizer_class=torch.optim.SGD, shard=True, **SGD)
@@ -507,14 +515,6 @@ def state_dict_on_rank_0_alone(out: dict) -> None:
     nn.functional.mse_loss(dm(batches[0][0]), batches[0][1]).backward()
     opt.step()
     opt.zero_grad()
-    every = opt.state_dict()  # collective
-    opt.consolidate_state_dict(to=0)
-    if rank == 0:
-        alone = opt.state_dict()  # rank 0 alone: no exchange
-        pairs = zip(every["state"].values(), alone["state"].values())
-        out["consolidated_equal"] = len(every["state"]) == len(alone["state"]) and all(
-            torch.equal(a["momentum_buffer"], b["momentum_buffer"]) for a, b in pairs
-        )
 
     def step(x, y) -> None:
         nn.functional.mse_loss(dm(x[my_rows(8, rank, 2)]), y[my_rows(8, rank, 2)]).backward()
@@ -536,7 +536,60 @@ def test_a_sharded_optimizers_state_dict_on_rank_0_alone_is_named_as_collective(
     got = spawn(state_dict_on_rank_0_alone, env={"PYDDP_TIMEOUT_S": "20"}, out=tmp_path)
     for r in got:
         assert r["error"] is not None and "state_dict() is collective" in r["error"], r
-    assert got[0]["consolidated_equal"] is True  # consolidate_state_dict(to=0), as torch's
+
+
+def consolidated_on_rank_0(out: dict) -> None:
+    """torch ZeroRedundancyOptimizer's way: every rank calls
+    consolidate_state_dict(to=0), then rank 0 alone state_dict()."""
+    rank = pyddp.rank()
+    dm = pyddp.wrap(net(), ["cpu"])
+    opt = dm.optimizer(optimizer_class=torch.optim.SGD, shard=True, **SGD)
+
+    def step(x, y) -> None:
+        nn.functional.mse_loss(dm(x[my_rows(8, rank, 2)]), y[my_rows(8, rank, 2)]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    batches = data(3, 8)
+    step(*batches[0])
+    every = opt.state_dict()  # collective
+    opt.consolidate_state_dict(to=0)
+    refused = []
+    for k in range(2):
+        try:  # every rank, as if it were collective: rank 1's is refused, not a hang
+            alone = opt.state_dict()
+        except RuntimeError as e:
+            refused.append(str(e))
+        if k == 0:
+            alone = copy.deepcopy(alone) if rank == 0 else None  # (live tensors on one rank)
+            step(*batches[1])  # rank 0's kept state is stale now
+    if rank == 0:
+        buffers = zip(every["state"].values(), alone["state"].values())
+        out["consolidated_equal"] = all(
+            torch.equal(a["momentum_buffer"], b["momentum_buffer"]) for a, b in buffers
+        )
+    out["refused"] = refused
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        out["fresh_moved"] = not torch.equal(
+            opt.state_dict()["state"][0]["momentum_buffer"], alone["state"][0]["momentum_buffer"]
+        )
+    step(*batches[2])  # both ranks train on
+    out["trained"] = True
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_optimizers_state_consolidated_on_rank_0_is_rank_0s_alone(tmp_path):
+    # Before, state_dict() on every rank after consolidate_state_dict(to=0)
+    # was a collective on rank 1 that rank 0 (answering alone) never joined:
+    # both ranks failed and the group was gone. Now as torch's: refused on
+    # rank 1; and on rank 0 once a step made the kept state stale.
+    got = spawn(consolidated_on_rank_0, env={"PYDDP_TIMEOUT_S": "20"}, out=tmp_path)
+    assert got[0]["consolidated_equal"] is True and got[0]["fresh_moved"] is True
+    assert len(got[0]["refused"]) == 1 and "1 step(s) old" in got[0]["refused"][0], got[0]
+    assert len(got[1]["refused"]) == 2, got[1]
+    assert all("consolidated on rank 0" in e for e in got[1]["refused"]), got[1]
+    assert all(r["trained"] for r in got)
 
 
 # -------------------------------------------------------- on simulated GPUs
@@ -674,3 +727,70 @@ def test_stage2_keeps_one_block_per_replica_between_backwards():
         for m in dm.replicas[1:]:
             assert all(p.grad is None for p in m.parameters())
         opt.step()
+
+
+@pytest.mark.parametrize("run_replicas", ["threads", "in_turn"])
+@pytest.mark.parametrize("shard", [True, "gradients"])
+def test_a_ctrl_c_inside_a_sharded_step_lands_after_it(shard, run_replicas, monkeypatch):
+    # Before, a Ctrl-C landing while the replicas stepped their shards left
+    # some shards stepped and others not: every later step was refused
+    # ("failed part-way: load a checkpoint into a new wrapped model") while
+    # opt.state_dict() and dmodel.state_dict() saved the half-stepped mix
+    # (replicas 1.0e-3 apart), silently. Now the step completes first.
+    torch.manual_seed(0)
+    model = _model()
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu"] * 3, run_replicas=run_replicas)
+    opt = dm.optimizer(torch.optim.SGD, shard=shard, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    armed, sgd = [False], _sgd_module.sgd
+
+    def interrupted(*args, **kwargs):  # on the main thread: replica 0's shard (or each)
+        if armed[0] and threading.current_thread() is threading.main_thread():
+            armed[0] = False
+            signal.raise_signal(signal.SIGINT)  # half way through the replicas' steps
+        return sgd(*args, **kwargs)
+
+    monkeypatch.setattr(_sgd_module, "sgd", interrupted)  # (SGD.step's arithmetic)
+    torch.manual_seed(1)
+    for k in range(3):
+        x = torch.randn(6, next(model.parameters()).shape[1])
+        dm(x).pow(2).mean().backward()
+        ref(x).pow(2).mean().backward()
+        armed[0] = k == 1
+        if k == 1:
+            with pytest.raises(KeyboardInterrupt):
+                opt.step()
+            opt.state_dict()  # a whole step: a checkpoint may be taken
+        else:
+            opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)  # (sums of thirds against one)
+    for replica in dm.replicas[1:]:
+        assert all(torch.equal(p, q) for p, q in zip(replica.parameters(), model.parameters()))
+    dm.close()
+
+
+class _FailingSGD(torch.optim.SGD):
+    """SGD whose step off the main thread (a replica's shard on its worker) raises."""
+
+    def step(self, closure=None):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("out of memory (test)")
+        return super().step(closure)
+
+
+def test_a_sharded_step_that_failed_part_way_refuses_its_state_dict():
+    # Before, state_dict() after a step that failed on one replica's shard
+    # returned the half-stepped state, silently (the steps were refused).
+    dm = pyddp.wrap(_model(), ["cpu"] * 2, run_replicas="threads")
+    opt = dm.optimizer(_FailingSGD, shard=True, lr=0.1)
+    dm(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(pyddp.ReplicaError, match="out of memory"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        opt.state_dict()
+    dm.close()

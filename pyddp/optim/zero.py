@@ -22,9 +22,8 @@ format (loadable by the plain optimizer and back). Across processes,
 calls them.
 
 On GPUs every replica takes the elements it does not own by one all-gather
-per dtype on the engine's backend (NCCL, or pyddp's kernel for replicas
-sharing a GPU), in one process as across processes (shards.py's
-DeviceGather); the state dict is joined on replica 0's device."""
+per dtype on the engine's backend (NCCL, or pyddp's kernel for replicas sharing
+a GPU), in one process as across processes (shards.py's DeviceGather)."""
 
 from __future__ import annotations
 
@@ -37,7 +36,8 @@ import torch
 from .._link import exchange
 from ..engine.faces import GradientShards
 from ..errors import ReplicaError
-from .base import OptimState, PyddpOptimizer
+from ..runtime.signals import sigint_deferred
+from .base import OptimState, PyddpOptimizer, consolidated
 from .guard import guard
 from .replicated import align_versions, versions
 from .shards import (
@@ -75,11 +75,10 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> List[int]:
 
 @dataclass
 class ShardedState(OptimState):
-    """Besides OptimState: the user's groups as global parameter indices
-    (layout) and laid end to end (order), this process's shards, whether
-    parameters are cut inside (split), the state kept by
-    consolidate_state_dict(to=this rank), and how the stepped elements
-    travel: on GPUs (on_gpus), across processes on CPUs (across)."""
+    """Besides OptimState: the user's groups as global parameter indices (layout) and
+    laid end to end (order), this process's shards, whether parameters are cut inside
+    (split), consolidate_state_dict's, and how the stepped elements travel: on GPUs
+    (on_gpus), across processes on CPUs (across)."""
 
     layout: List[List[int]]
     order: List[int]
@@ -87,7 +86,7 @@ class ShardedState(OptimState):
     split: bool
     on_gpus: Optional[DeviceGather]
     across: Optional[HostGather]
-    consolidated: Optional[Dict[Any, Any]] = None
+    consolidated: Optional[List[Any]] = None  # [to, steps since, its state on rank to]
     states: Any = None  # the opt.state it shows: ShardStates
 
     @property
@@ -99,12 +98,8 @@ class ShardedState(OptimState):
 
 
 def _bytes(state: Any) -> int:
-    total = 0
-    for per_param in state.values():
-        for v in per_param.values():
-            if isinstance(v, torch.Tensor):
-                total += v.numel() * v.element_size()
-    return total
+    held = [v for per_param in state.values() for v in per_param.values()]
+    return sum(v.numel() * v.element_size() for v in held if isinstance(v, torch.Tensor))
 
 
 def sharded_optimizer(
@@ -114,8 +109,8 @@ def sharded_optimizer(
     gradients: bool = False,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
-    """`groups[r]`: replica r's parameters or param groups (as the user gave
-    them, applied to each replica); `gradients`: ZeRO stage 2."""
+    """`groups[r]`: replica r's parameters or param groups (as the user gave them,
+    applied to each replica); `gradients`: ZeRO stage 2."""
     opt = _sharded_class(cls)(groups[0], **kwargs)
     index = {id(p): i for i, p in enumerate(reducer.params[0])}
     layout = []  # per group: the global index of each of its parameters
@@ -164,6 +159,7 @@ def sharded_optimizer(
         shards.append(Shard(pieces, cls(inner_groups, **kwargs)))
     if gradients:
         guard([p for params in reducer.params for p in params], opt)
+    gather = (reducer, plan, order, SHARD_PARAMS)
     opt._pyddp = ShardedState(
         reducer=reducer,
         grads=[params[i] for params in reducer.params for i in order],
@@ -173,9 +169,7 @@ def sharded_optimizer(
         shards=shards,
         split=split,
         on_gpus=DeviceGather(reducer, plan, order, slot_of) if gpus else None,
-        across=HostGather(reducer, plan, order, SHARD_PARAMS)
-        if not gpus and ranks.spans_processes
-        else None,
+        across=None if gpus or not ranks.spans_processes else HostGather(*gather),
     )
     opt.state = opt._pyddp.states = ShardStates(opt._pyddp.inner)  # (Adagrad's made above: theirs)
     return opt
@@ -219,7 +213,8 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             state.states.follow(self)  # a reset by a new opt.state
             if state.reducer.under_join:  # the ranks that joined step their shards too
                 state.reducer.announce_sharded_step(self)
-            self._pyddp_step_shards()
+            with sigint_deferred():  # a Ctrl-C lands after the step, not between two shards'
+                self._pyddp_step_shards()
             return None
 
         # torch's Joinable (ported `Join([dmodel, opt])`): the model's hook shadows its steps.
@@ -249,7 +244,8 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 for r, ps in enumerate(params):
                     for p, g in zip(ps, grads):
                         p.grad = g if g is None or r == 0 else g.to(p.device, copy=True)
-                self._pyddp_step_shards()
+                with sigint_deferred():
+                    self._pyddp_step_shards()
             finally:
                 for name in amp:
                     self.__dict__.pop(name, None)
@@ -260,7 +256,8 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
         def _pyddp_step_shards(self) -> None:
             """Every slot steps its shard, then every replica takes the
             stepped elements it does not own."""
-            self._pyddp.consolidated = None  # the state moves on
+            if self._pyddp.consolidated is not None:
+                self._pyddp.consolidated[1] += 1  # the kept state is stale
             reducer = self._pyddp.reducer
             scattered = reducer.gradients_sharded  # shard='gradients': the reduced blocks
             for r, shard in enumerate(self._pyddp.shards):
@@ -317,23 +314,26 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
         def consolidate_state_dict(self, to: int = 0) -> None:
             """torch's ZeroRedundancyOptimizer spelling, for ported code:
             collective (every rank calls it); afterwards rank `to` (in the
-            wrapped model's group) may call state_dict() alone, until the
-            next step or load. state_dict() called on every rank needs no
-            consolidation."""
+            wrapped model's group) calls state_dict() alone, until a load
+            (as torch's; refused as stale after a step, which torch's returns)."""
             ranks = self._pyddp.reducer.ranks
             if not isinstance(to, int) or not 0 <= to < ranks.world:
                 raise ValueError(f"consolidate_state_dict: to={to!r} is not a rank of the group")
+            self._pyddp.consolidated = None
             full = self.state_dict()
-            self._pyddp.consolidated = full["state"] if ranks.rank == to else None
+            self._pyddp.consolidated = [to, 0, full["state"] if ranks.rank == to else None]
 
         def state_dict(self) -> Dict[str, Any]:
             """The unsharded optimizer's state dict (collective across
             processes: every rank calls it, every rank gets it; after
             consolidate_state_dict(to=r), rank r alone may)."""
             sizes = [len(idx) for idx in self._pyddp.layout]
+            if self._pyddp.broken:  # (a half-stepped state is no checkpoint)
+                raise RuntimeError(self._pyddp.broken)
             kept = self._pyddp.consolidated
             if kept is not None:  # hyper-parameters as they are now (LR schedulers)
-                return {"state": kept, "param_groups": numbered(self.param_groups, sizes)}
+                state = consolidated(kept, self._pyddp.reducer.ranks.rank)
+                return {"state": state, "param_groups": numbered(self.param_groups, sizes)}
             reducer = self._pyddp.reducer
             # GPUs: pieces cross processes through the host, and are joined
             # on replica 0's device.

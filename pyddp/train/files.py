@@ -12,14 +12,13 @@ import fcntl
 import itertools
 import os
 import secrets
-import signal
 import socket
 import stat
-import threading
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, List, Optional, Tuple
 
 from ..errors import UnsafePathError
+from ..runtime.signals import sigint_deferred
 
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO planted at a name fails to open instead of blocking forever.
@@ -36,27 +35,6 @@ def output_root(name: str) -> str:
     $PYDDP_OUTPUT, else under `pyddp-runs/` in the working directory (one
     root, ignored by this repository's .gitignore)."""
     return os.path.join(os.environ.get(OUTPUT_ENV) or "pyddp-runs", name)
-
-
-@contextlib.contextmanager
-def sigint_deferred() -> Iterator[None]:
-    """A SIGINT (Ctrl-C) arriving inside the block is handed to the handler
-    that was installed before it once the block ends: a KeyboardInterrupt never
-    lands in the middle of a write. Only the main thread receives signals."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: List[Any] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-        for frame in pending:  # each one: a first Ctrl-C stops, a second aborts
-            if callable(previous):
-                previous(signal.SIGINT, frame)
-            elif previous == signal.SIG_DFL or previous is None:
-                signal.raise_signal(signal.SIGINT)
 
 
 def _disk_full(error: BaseException) -> Optional[str]:

@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Any, Optional
 
-from .files import sigint_deferred
+from ..runtime.signals import sigint_deferred
 
 __all__ = ["CtrlC", "sigint_deferred"]
 
