@@ -895,8 +895,8 @@ def test_static_graph_counts_checkpointed_arrivals_on_gpus(devices):
 
 def gradients_touched_inside_a_window(devices, shard):
     # A no_sync() window of two micro-batches per step: the model's
-    # gradients zeroed in place after the first (as on one device), then
-    # scaled in place (refused; lifted by zero_grad()).
+    # gradients set to None after the first (reset on every GPU replica, as
+    # on one device); zeroed in place, or scaled, is refused until zero_grad().
     from simulated import assert_replicas_equal, gpu_wrap, streams
 
     torch.manual_seed(0)
@@ -910,7 +910,7 @@ def gradients_touched_inside_a_window(devices, shard):
             with dm.no_sync() if m is dm else contextlib.nullcontext():
                 F.cross_entropy(m(x[:7]), y[:7]).backward()
             streams.synchronize_all(devices)
-            (dm.module if m is dm else m).zero_grad(set_to_none=False)  # (torch's own)
+            (dm.module if m is dm else m).zero_grad()  # (torch's own, on the user's model)
             F.cross_entropy(m(x[7:]), y[7:]).backward()
             streams.synchronize_all(devices)
         opt.step()
@@ -922,14 +922,15 @@ def gradients_touched_inside_a_window(devices, shard):
     for p, q in zip(dm.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
     x, y = make_batches(1, 14)[0]
-    with dm.no_sync():
-        F.cross_entropy(dm(x), y).backward()
-    for p in dm.module.parameters():
-        if p.grad is not None:
-            p.grad.mul_(0.5)
-    with pytest.raises(RuntimeError, match=r"inside a no_sync\(\) window"):
-        F.cross_entropy(dm(x), y).backward()
-    opt.zero_grad()
+    for touch in ("zero", "scale"):
+        with dm.no_sync():
+            F.cross_entropy(dm(x), y).backward()
+        for p in dm.module.parameters():
+            if p.grad is not None:
+                p.grad.zero_() if touch == "zero" else p.grad.mul_(0.5)
+        with pytest.raises(RuntimeError, match=r"inside a no_sync\(\) window"):
+            F.cross_entropy(dm(x), y).backward()
+        opt.zero_grad()
     F.cross_entropy(dm(x), y).backward()
     streams.synchronize_all(devices)
     dm.close()
@@ -938,7 +939,8 @@ def gradients_touched_inside_a_window(devices, shard):
 @pytest.mark.parametrize("shard", [False, "gradients"])
 @pytest.mark.parametrize("devices", [[0, 0], [0, 1]])
 def test_gradients_touched_inside_a_no_sync_window_on_gpus(devices, shard):
-    # Zeroed on replica 0 in a window: reset on every GPU replica before the
-    # synced backward (within 1e-6 of one device: float32 sums of halves);
-    # any other change refused.
+    # Set to None on replica 0 in a window: reset on every GPU replica before
+    # the synced backward (within 1e-6 of one device: float32 sums of
+    # halves; before, zeroing in place reached replica 0's share alone); any
+    # other touch refused.
     run_alone(gradients_touched_inside_a_window, devices, shard)

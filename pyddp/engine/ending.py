@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from itertools import repeat
-from typing import Any, List, Optional, Sequence, Tuple
-
-import torch
+from itertools import compress, repeat
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .._link import Link, WorkRecord
 from ..errors import ProcessGroupError
@@ -106,9 +104,7 @@ class Window:
 
     def __init__(self) -> None:
         self._held: Optional[List[bool]] = None
-        # Replicas in one process: replica 0's buckets, their versions and
-        # which gradients were their views, at the last backward's end.
-        self._seen: Optional[Tuple[List[Any], List[int], List[bool]]] = None
+        self._seen: Optional[_Seen] = None  # (several replicas in this process)
         self.since_wrap = True  # no backward reduced yet
         self.names: Sequence[str] = ()  # the parameters' (Plan.build), for refusals
 
@@ -131,25 +127,31 @@ class Window:
                 held[i] = True
         self._held = held
         if len(layout.params) > 1:  # (one replica per process: each rank's own, as DDP)
-            flats, grads = list(layout.flat[0]), map(operator.attrgetter("grad"), layout.params[0])
-            versions = [-1 if f is None else f._version for f in flats]
-            self._seen = (flats, versions, list(map(operator.is_, grads, layout.views[0])))
+            self._seen = _Seen(layout)
 
-    def check(self, layout: Any) -> None:
-        """Replica 0's changes since the last backward's end, followed or
-        refused (follow_changes; raises again until a zero_grad()): at the
-        start of a backward, and before pyddp moves the buckets (reattach)."""
+    def check(
+        self, layout: Any, params_moved: Optional[Callable[[], bool]], relaid: bool = False
+    ) -> None:
+        """Replica 0's gradients touched since the last backward's end are
+        refused (follow_changes; again until a zero_grad()): at the start of
+        a backward, and before pyddp lays the buckets out again (reattach);
+        `relaid`: after it, the new buckets are watched. `params_moved`:
+        whether Module._apply moved the parameters (and the gradients with
+        them) since; None: GradSync's caller, who holds every replica."""
         if self._seen is not None:
-            follow_changes(layout, *self._seen)
+            if relaid:
+                self._seen = _Seen(layout)
+            elif params_moved is not None:
+                follow_changes(layout, self._seen, params_moved)
 
-    def follow_resets(self, layout: Any) -> None:
-        """At the start of a backward: replica 0's gradients reset since
-        the last one's end (None, or zero: `zero_grad(set_to_none=False)`),
-        reset on every replica; any other change to them is refused
-        (follow_changes). Sharded gradients: the open buckets the gradients
-        left since the forward (`p.grad.data = ...`) are laid out again, as
-        at a forward (before, the backward accumulated outside them)."""
-        self.check(layout)
+    def follow_resets(self, layout: Any, params_moved: Callable[[], bool]) -> None:
+        """At the start of a backward: replica 0's gradients set to None
+        since the last one's end (torch's `model.zero_grad()`) are reset on
+        every replica; any other touch of them is refused (follow_changes).
+        Sharded gradients: the open buckets the gradients left since the
+        forward (`model.share_memory()`) are laid out again, as at a forward
+        (before, the backward accumulated outside them)."""
+        self.check(layout, params_moved)
         held, self._held, self._seen = self._held, None, None
         if held is None:
             return
@@ -163,39 +165,49 @@ class Window:
                     layout.handed(r, i)
 
 
-def follow_changes(layout: Any, flats: List[Any], versions: List[int], viewed: List[bool]) -> None:
-    """Replica 0's gradients changed inside a no_sync() window (since its
+class _Seen:
+    """At a no_sync() backward's end, with several replicas in this process:
+    every replica's buckets and their version counters, which of replica 0's
+    gradients were their bucket views, and where its buckets were."""
+
+    def __init__(self, layout: Any) -> None:
+        self.flats = [list(flats) for flats in layout.flat]
+        self.versions = [[-1 if f is None else f._version for f in fs] for fs in self.flats]
+        grads = map(operator.attrgetter("grad"), layout.params[0])
+        self.viewed = list(map(operator.is_, grads, layout.views[0]))
+        self.spans = [(0, 0) if f is None else (f.data_ptr(), f.nbytes) for f in self.flats[0]]
+
+
+def follow_changes(layout: Any, seen: _Seen, params_moved: Callable[[], bool]) -> None:
+    """Replica 0's gradients touched inside a no_sync() window (since its
     last backward's end), with every replica in this process: a bucket
-    changed in place, or a gradient assigned or given other storage. One
-    that now reads zero is reset on every replica (and one set to None is
-    left to Window.follow_resets); any other change is refused: it would
-    reach replica 0's share of the batch alone (0.01 to 0.03 off one device
-    after 2 steps), where each DDP rank makes it to its own."""
+    changed in place (pyddp's own writes reach every replica alike), a
+    gradient assigned, or given other storage by hand (`p.grad.data = ...`;
+    Module._apply moves the parameters with them, and keeps the values).
+    Refused: the change would reach replica 0's share of the batch alone
+    (0.01 to 0.03 off one device after 2 steps), where each DDP rank makes
+    it to its own, and what it was cannot be told from replica 0's values
+    (a clip or a scale of a share that reads zero leaves it zero; a clamp
+    leaves a small one as it was). Set to None: a reset (Window.follow_resets)."""
     changed, views = [], layout.views[0]
     grads = list(map(operator.attrgetter("grad"), layout.params[0]))
-    with torch.no_grad():
-        for b, (flat, version) in enumerate(zip(flats, versions)):
-            if flat is None or layout.flat[0][b] is not flat or flat._version == version:
-                continue  # (a bucket pyddp moved keeps its values: scattered.relay)
-            base = flat.untyped_storage().data_ptr()
-            held = [i for i, v in enumerate(views) if grads[i] is not None
-                    and v is not None and v.untyped_storage().data_ptr() == base]  # fmt: skip
-            if not held:
-                continue  # every gradient in it set to None since
-            if any(bool(views[i].any()) for i in held):  # (slices of no gradient: unset)
-                shown = ", ".join(_name(layout, i) for i in held[:3])
-                changed.append(f"in place, one of {shown}{', ...' if len(held) > 3 else ''}")
-                continue
-            for i in held:
-                layout.zero_param(i)
-        assigned = list(map(operator.is_not, grads, views))
-        for i in [i for i, a in enumerate(assigned) if a and viewed[i] and grads[i] is not None]:
-            changed += _changed_gradient(layout, i, grads[i], views[i])
-        if layout.scattered.moved(0) if layout.scattered is not None else views_left(layout):
-            for i in [i for i, a in enumerate(assigned) if not a and viewed[i]]:
-                old = slice_of(layout, 0, i)  # `p.grad.data = ...`: its slice holds the old values
-                if old is not None and old.data_ptr() != grads[i].data_ptr():
-                    changed += _changed_gradient(layout, i, grads[i], old)
+    for b, (flat, version) in enumerate(zip(seen.flats[0], seen.versions[0])):
+        if flat is None or flat._version == version or _alike(layout, seen, b):
+            continue
+        members = _members(layout, b, seen.spans[b])
+        if any(grads[i] is not None for i in members):  # (else: every one set to None since)
+            shown = ", ".join(_name(layout, i) for i in members[:3])
+            changed.append(f"in place, one of {shown}{', ...' if len(members) > 3 else ''}")
+    assigned = list(map(operator.is_not, grads, views))
+    for i in compress(range(len(grads)), assigned) if True in assigned else ():
+        if seen.viewed[i] and grads[i] is not None:
+            changed.append(_name(layout, i))
+    left = layout.scattered.moved(0) if layout.scattered is not None else views_left(layout)
+    if left and not params_moved():  # (parameters moved with them: Module._apply's conversion)
+        for i, (grad, viewed) in enumerate(zip(grads, seen.viewed)):
+            view = slice_of(layout, 0, i) if viewed and grad is not None else None
+            if view is not None and not assigned[i] and grad.data_ptr() != view.data_ptr():
+                changed.append(_name(layout, i))
     if changed:
         raise RuntimeError(
             f"pyddp: your model's gradients were changed inside a no_sync() window "
@@ -203,22 +215,25 @@ def follow_changes(layout: Any, flats: List[Any], versions: List[int], viewed: L
             f"{len(layout.params)} replicas in this process, .grad there is replica 0's own "
             "and the change would reach its share of the batch alone. Change gradients "
             "after the synced backward that ends the window (e.g. clip under `if "
-            "accelerator.sync_gradients:`), set them to None or zero them all (reset on "
-            "every replica), or take one replica per process (torchrun) for DDP's per-rank "
-            "behaviour; refused until zero_grad() (docs/semantics.md#no_sync)"
+            "accelerator.sync_gradients:`); to reset them, set them to None "
+            "(model.zero_grad()); or take one replica per process (torchrun) for DDP's "
+            "per-rank behaviour. Refused until zero_grad() (docs/semantics.md#no_sync)"
         )
 
 
-def _changed_gradient(layout: Any, i: int, new: Any, old: Optional[Any]) -> List[str]:
-    """Parameter i's gradient on replica 0 is `new` where its slice holds
-    `old` (None: a whole bucket moved, its values kept): unchanged, reset
-    (zero) on every replica, or a change to refuse."""
-    if old is None or (new.shape == old.shape and torch.equal(new, old)):
-        return []
-    if not bool(new.any()):
-        layout.zero_param(i)  # (replica 0's zeros are copied in as its gradient arrives)
-        return []
-    return [_name(layout, i)]
+def _alike(layout: Any, seen: _Seen, b: int) -> bool:
+    """Whether bucket b changed alike on every replica holding it (pyddp's own writes)."""
+    moved = seen.flats[0][b]._version - seen.versions[0][b]
+    others = [(fs[b], vs[b]) for fs, vs in zip(seen.flats[1:], seen.versions[1:])]
+    return all(f is None or f._version - v == moved for f, v in others)
+
+
+def _members(layout: Any, b: int, span: Tuple[int, int]) -> List[int]:
+    """The parameters laid out in replica 0's bucket b (at `span`: its
+    address and bytes then; Module._apply may have moved it since)."""
+    if layout.scattered is not None:
+        return [i for i, k in enumerate(layout.scattered.bucket_of) if k == b]
+    return [i for i, ptr in enumerate(layout.ptrs[0]) if span[0] <= ptr < span[0] + span[1]]
 
 
 def _name(layout: Any, i: int) -> str:

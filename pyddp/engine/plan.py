@@ -322,10 +322,10 @@ class Plan:
         self.engine.set_buckets(buckets)
         self.allocate(buckets)
 
-    def reattach(self) -> None:
+    def reattach(self, params_moved: Optional[Callable[[], bool]] = None) -> None:
         """Fresh bucket buffers for every gradient, values kept (after the
-        user's changes inside a no_sync() window are judged)."""
-        self.layout.window.check(self.layout)
+        wrapped model's changes inside a no_sync() window are judged: Window.check)."""
+        self.layout.window.check(self.layout, params_moved)
         if self.layout.scattered is not None:
             # shard='gradients': the blocks hold the reduced values, kept
             # across a step too (fresh ones from the placeholders lost the
@@ -333,11 +333,12 @@ class Plan:
             # the gradients left, take fresh buffers.
             for r in range(len(self.layout.params)):
                 self.layout.scattered.relay(r)
-            return
-        if self.engine.active:
-            self.engine.abort()
-        self.order.fence_all()
-        self.allocate(self.engine.buckets)
+        else:
+            if self.engine.active:
+                self.engine.abort()
+            self.order.fence_all()
+            self.allocate(self.engine.buckets)
+        self.layout.window.check(self.layout, params_moved, relaid=True)  # (the new buckets)
 
     def as_ddp(self) -> None:
         """A communication hook sees buckets: from now on they are torch

@@ -192,14 +192,14 @@ class Reducer:
             self._order.use_current(self._engine, replica, self._capture.active)
         self._layout.zero(replica, copy_dropped=True)
 
-    def restart_accumulation(self) -> None:
+    def restart_accumulation(self, params_moved: Callable[[], bool]) -> None:
         """At the start of a backward: the user's resets since the forward or
-        within a no_sync() accumulation are followed (ending.Window); replicas
+        within a no_sync() accumulation are followed (ending.Window: `params_moved`); replicas
         whose copy of the last reduction is still there (retain_graph=True, no
         forward between) clear it, as prepare does: the sum stays exact."""
         if self._engine is None:
             return
-        self._layout.window.follow_resets(self._layout)
+        self._layout.window.follow_resets(self._layout, params_moved)
         self._follow_resets()
         for r in range(len(self._replicas)):
             self._clear_reduced_copy(r, fence=True)
@@ -381,11 +381,11 @@ class Reducer:
         if self._closed:
             raise RuntimeError("pyddp: this GradSync (or wrapped model) was closed")
 
-    def reattach(self) -> None:
+    def reattach(self, params_moved: Optional[Callable[[], bool]] = None) -> None:
         if self._engine is None:
             return
         self._check_open()
-        self._plan.reattach()
+        self._plan.reattach(params_moved)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         if self._engine is None:  # one replica in one process: the link says it is unused

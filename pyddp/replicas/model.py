@@ -104,6 +104,7 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
             if len(replicas) > 1 and self.devices[0].type == "cpu":  # (before the mirror looks)
                 self._workers.guard_checkpointing(replicas)
             self._mirror = ReplicaMirror(replicas, parts.names) if len(replicas) > 1 else None
+            self._params_moved = lambda m=self._mirror: m is not None and bool(m.storage.moved())
             # One replica across processes: no parameter trains unreduced (watch.py).
             self._watch = OneReplicaWatch(self.module, parts.params[0]) if one else None
             if one:  # a step of the user's optimizer after no_sync() backwards only
@@ -394,13 +395,12 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
             if watching and (self._watch.follow() or self._reducer.grads_moved(False)):
                 self._reducer.reattach()  # new storage behind parameters or gradients
             return
-        if self._mirror.follow() or self._reducer.grads_moved():
-            # Module._apply gave parameters new storage (share_memory(),
-            # .to(memory_format=...), .half().float()), and their gradients
-            # with them: the gradients must point into the buckets again, and
-            # every parameter is copied (what else was done beside it, writes
-            # through `.data`, moved no version counter).
-            self._reducer.reattach()
+        moved = self._mirror.follow()
+        if moved or self._reducer.grads_moved():
+            # Module._apply gave parameters new storage (share_memory(), .half().float()),
+            # and their gradients with them: the gradients point into the buckets again,
+            # every parameter is copied (writes through `.data` move no version counter).
+            self._reducer.reattach(lambda: moved)
             self._mirror.copy_all()
 
     def sync_replicas(self) -> None:

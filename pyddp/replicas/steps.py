@@ -63,9 +63,8 @@ _CACHED_PARAMETRIZATIONS = (
 
 
 class StepFlags:
-    """The running step's flags, on a plain object: they change at every
-    forward and backward, and an nn.Module's own attribute costs a
-    microsecond to set (Module.__setattr__)."""
+    """The running step's flags, on a plain object: they change at every forward and
+    backward, and an nn.Module's own attribute costs a microsecond to set."""
 
     __slots__ = ("finish_queued", "output_in_backward", "buffers_due", "send_at_next")
 
@@ -97,6 +96,7 @@ class StepsHost(Protocol):
     _join_config: Any  # torch's Join's, for this model (enable: under Join)
     _flags: StepFlags
     _staged: StagedBuffers
+    _params_moved: Callable[[], bool]  # replica 0's, since the forward (Module._apply)
 
     def _check_open(self) -> None: ...
     def _follow_model(self) -> None: ...
@@ -337,7 +337,7 @@ class ReplicaSteps:
             # after a backward over a graph kept with retain_graph=True (no
             # forward in between), the last reduction's copies are cleared as
             # a forward would (replica 0 carries the sum, the others restart).
-            self._reducer.restart_accumulation()
+            self._reducer.restart_accumulation(self._params_moved)
             if self._syncbn is not None:
                 self._syncbn.meeting.reset(len(tensors))
             self._flags.finish_queued = True
@@ -410,7 +410,7 @@ class ReplicaSteps:
             return
         # As _backward's first join: a previous reduction's copy is taken
         # before this backward accumulates over it.
-        self._reducer.restart_accumulation()
+        self._reducer.restart_accumulation(self._params_moved)
         if self._syncbn is not None:
             self._syncbn.meeting.reset(1)
         self._flags.finish_queued = True
