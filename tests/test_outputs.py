@@ -247,3 +247,73 @@ def test_torch_compile_of_the_wrapped_model_compiles_each_replica(replicas):
         assert all(c.dynamo_ctx is compiled.dynamo_ctx for c in dm._callables)
         assert dm(x).shape == (6, 3)  # the wrapper itself, called directly, too
     assert graphs and all(isinstance(g, torch.fx.GraphModule) for g in graphs)
+
+
+class _SequenceFirst(nn.Module):
+    """A sequence-first layer (batch_first=False), fed (sequence, batch,
+    features) as given, or `transposed` from (batch, sequence, features)."""
+
+    def __init__(self, layer: nn.Module, transposed: bool = False) -> None:
+        super().__init__()
+        self.layer, self.transposed = layer, transposed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.transpose(0, 1) if self.transposed else x
+        out = self.layer(x)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(0, 1) if self.transposed else out
+
+
+def _sequence_first_layers():
+    return {
+        "LSTM": nn.LSTM(4, 5),
+        "GRU": nn.GRU(4, 5, num_layers=2),
+        "TransformerEncoderLayer": nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0),
+        "MultiheadAttention": _SelfAttention(),
+    }
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x)[0]
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("name", ["LSTM", "GRU", "TransformerEncoderLayer", "MultiheadAttention"])
+def test_a_sequence_first_input_split_along_its_sequence_is_refused(name, grad):
+    # Found by a probe: a (sequence, batch, features) input to a layer with
+    # batch_first=False was split along the sequence, each replica running a
+    # piece of every sequence: outputs of the right shape, 0.20 (LSTM) and
+    # 0.41 (TransformerEncoderLayer) off one device, silently, in training
+    # and evaluation alike.
+    torch.manual_seed(0)
+    dm = pyddp.wrap(_SequenceFirst(_sequence_first_layers()[name]), ["cpu", "cpu"])
+    x = torch.randn(10, 3, 4)  # 10 steps of a batch of 3
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match="batch_first=False"):
+        dm(x)
+    with pytest.raises(RuntimeError, match=r"\(5, 3, 4\).*5 of 10 rows"):
+        dm.loss(lambda out, y: F.mse_loss(out, y), x, torch.zeros(10, 3, 5 if "U" in name else 4))
+    dm.module(x)  # the model alone is the user's to run as they like
+    copy.deepcopy(dm.module)(x)  # (the guard copies as nothing)
+    dm.close()
+
+
+@pytest.mark.parametrize("name", ["LSTM", "GRU", "TransformerEncoderLayer", "MultiheadAttention"])
+def test_a_batch_first_input_transposed_for_a_sequence_first_layer_is_split_by_rows(name):
+    # The same layers fed batch first and transposed inside forward: split
+    # by rows, as one device (float32 rounding: 1e-6).
+    torch.manual_seed(0)
+    model = _SequenceFirst(_sequence_first_layers()[name], transposed=True)
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    x = torch.randn(6, 10, 4)  # a batch of 6 sequences of 10 steps
+    torch.testing.assert_close(dm(x), ref(x), atol=1e-6, rtol=1e-5)
+    dm(x).sum().backward()
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5)
+    dm.close()

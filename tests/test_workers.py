@@ -156,7 +156,7 @@ def test_auto_times_in_turn_the_step_taken_once_and_every_replica_keeps_its_stat
     monkeypatch.setattr(
         workers.ReplicaWorkers,
         "run",
-        lambda w, fns, what: runs.append((what, len(fns))) or run(w, fns, what),
+        lambda w, fns, what, *rows: runs.append((what, len(fns))) or run(w, fns, what, *rows),
     )
     monkeypatch.setattr(
         workers._Choice,

@@ -101,8 +101,8 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
                 on_backward_start=weakref.WeakMethod(self._backward_began) if one else None,
             )
         try:
-            if len(replicas) > 1 and self.devices[0].type == "cpu":  # (before the mirror looks)
-                self._workers.guard_checkpointing(replicas)
+            if len(replicas) > 1:  # (before the mirror looks)
+                self._workers.guard_replicas(replicas, self.devices[0].type == "cpu")
             self._mirror = ReplicaMirror(replicas, parts.names) if len(replicas) > 1 else None
             self._params_moved = lambda m=self._mirror: m is not None and bool(m.storage.moved())
             # One replica across processes: no parameter trains unreduced (watch.py).
@@ -356,7 +356,7 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
             shards, sizes, cut = self._start((args, kwargs))
             with self._sync_batchnorm(len(shards)):
                 outs = self._workers.run(
-                    [self._call(r, a, kw) for r, (a, kw) in enumerate(shards)], "forward"
+                    [self._call(r, a, kw) for r, (a, kw) in enumerate(shards)], "forward", sizes
                 )
         if torch.is_grad_enabled():
             self._reducer.note_forward_end()

@@ -1,14 +1,17 @@
 """Scatter and gather for the wrapped model: a batch (any tree of tensors,
 containers, dataclasses, pytree nodes, model caches) split along dim 0 over
 the replicas' devices, and the replicas' outputs combined into one batch
-on devices[0], refusing what cannot be combined with a message that says why."""
+on devices[0], refusing what cannot be combined with a message that says why;
+and the guard on sequence-first layers a batch split along dim 0 would cut."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..engine.hooks import InertCopy
 from .combine import InputCut, combine_column
 from .tree import flatten, other_leaves, shard_sizes, structure
 
@@ -196,3 +199,53 @@ def batch_size(args: Any) -> int:
         if t.dim() > 0:
             return t.shape[0]
     raise ValueError("a shard holds no tensor with a batch dimension")
+
+
+# Layers whose input is (sequence, batch, ...) unless batch_first=True.
+_SEQUENCE_FIRST = (
+    torch.nn.RNNBase,
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.TransformerDecoderLayer,
+)
+
+
+def guard_sequence_first(replicas: Sequence[Any], workers: Any) -> List[Any]:
+    """Hooks on every replica's sequence-first layers (batch_first=False),
+    which read the running forward's shares of the batch (`workers.shard_rows`,
+    set by ReplicaWorkers.run); their handles."""
+    return [
+        m.register_forward_pre_hook(_SequenceFirstGuard(workers, r, name))
+        for r, replica in enumerate(replicas)
+        for name, m in replica.named_modules()
+        if isinstance(m, _SEQUENCE_FIRST) and getattr(m, "batch_first", True) is False
+    ]
+
+
+class _SequenceFirstGuard(InertCopy):
+    """A forward pre-hook on replica r's sequence-first layer: where its
+    input's dim 0 is the share of the batch pyddp gave replica r (split
+    along dim 0) and its dim 1 is not, the batch was the sequence: each
+    replica would run a piece of every sequence (0.2 to 0.4 off one device,
+    silently, before). Refused, with the remedy. Holds the workers weakly."""
+
+    def __init__(self, workers: Any, r: int, name: str) -> None:
+        self.owner, self.r, self.name = weakref.ref(workers), r, name
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        workers = self.owner()
+        rows = None if workers is None else workers.shard_rows
+        x = args[0] if args else None
+        if rows is None or len(rows) < 2 or not isinstance(x, torch.Tensor) or x.dim() != 3:
+            return
+        share = rows[self.r]
+        if x.shape[0] == share and x.shape[1] != share:
+            raise RuntimeError(
+                f"pyddp: {type(module).__name__} {self.name or '(the model)'!r} has "
+                f"batch_first=False, so it reads its input {tuple(x.shape)} as (sequence, "
+                f"batch, ...), but its dim 0 is this replica's share of the batch pyddp split "
+                f"along dim 0 ({share} of {sum(rows)} rows) and its dim 1 is not: the inputs "
+                "look sequence-first, and each replica would run a piece of every sequence. "
+                "Pass inputs batch first (batch, sequence, ...) and transpose inside forward, "
+                "or build the layer with batch_first=True (pyddp splits dim 0 only)"
+            )

@@ -179,10 +179,8 @@ class ReplicaSteps:
             return run
 
         with self._abandon_on_error("forward/loss"), self._sync_batchnorm(len(shards)):
-            losses = self._workers.run(
-                [self._breaking_meetings(r, replica_loss(r)) for r in range(len(shards))],
-                "forward/loss",
-            )
+            runs = [self._breaking_meetings(r, replica_loss(r)) for r in range(len(shards))]
+            losses = self._workers.run(runs, "forward/loss", sizes)
         # Training steps only: an evaluation (eval mode) may run on some ranks alone.
         if self.training and torch.is_grad_enabled():
             reducer = self._reducer

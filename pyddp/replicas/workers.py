@@ -31,6 +31,7 @@ import torch
 
 from ..engine.hooks import InertCopy
 from ..errors import ReplicaError
+from .scatter import guard_sequence_first
 
 
 class ReplicaWorkers:
@@ -69,7 +70,8 @@ class ReplicaWorkers:
         self.running = "threads"  # how the run under way runs
         self._meet = False
         self._checkpointing: List[Any] = []  # transformers' layers with the flag
-        self._guards: List[Any] = []  # hooks on the replicas' Dropout layers
+        self._guards: List[Any] = []  # hooks on the replicas' Dropout and sequence-first layers
+        self.shard_rows: Optional[List[int]] = None  # the running forward's (run)
         self._guarded = False  # CPU replicas: guard_checkpointing
         self._probe = False  # "auto": the first forward runs in turn, looking for checkpointing
         self._spotted = False
@@ -100,6 +102,14 @@ class ReplicaWorkers:
         self._meet = bool(why)
         self._probe = self._guarded and self.mode == "auto"  # (threads if they meet)
 
+    def guard_replicas(self, replicas: Sequence[torch.nn.Module], cpu: bool) -> None:
+        """Several replicas in this process: a batch split along dim 0 that
+        is a sequence-first layer's sequence is refused (scatter.py);
+        on CPU replicas, Dropout under activation checkpointing (below)."""
+        self._guards += guard_sequence_first(replicas, self)
+        if cpu:
+            self.guard_checkpointing(replicas)
+
     def guard_checkpointing(self, replicas: Sequence[torch.nn.Module]) -> None:
         """CPU replicas: activation checkpointing recomputes a segment's
         forward in backward with torch's CPU generator set back to its state
@@ -115,7 +125,7 @@ class ReplicaWorkers:
         self._guarded = True  # (set_mode: the first forward's look under "auto")
         self._checkpointing = [m for m in replicas[0].modules() if _flag(m) is not None]
         guard = _DropoutGuard(self)  # (weak, and copied as nothing: the user's model)
-        self._guards = [
+        self._guards += [
             m.register_forward_pre_hook(guard)
             for replica in replicas
             for m in replica.modules()
@@ -168,10 +178,20 @@ class ReplicaWorkers:
         self._choice.announced.add(what)
         return self._choice.upcoming(what) == "in_turn"
 
-    def run(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
+    def run(
+        self, fns: Sequence[Callable[[], Any]], what: str, rows: Optional[List[int]] = None
+    ) -> List[Any]:
         """Runs fns[r] for replica r, in parallel (or in turn, see the module);
         returns results in order. All replicas finish before this returns,
-        even when one raises."""
+        even when one raises. `rows`: a forward's shares of the batch (split
+        along dim 0), which the sequence-first guard reads while it runs."""
+        self.shard_rows = rows
+        try:
+            return self._run(fns, what)
+        finally:
+            self.shard_rows = None
+
+    def _run(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
         if not self._pools and len(fns) > 1:
             raise RuntimeError("pyddp: this model was closed; wrap the model again to use it")
         # "auto" times the runs of every replica, and the runs of one where
