@@ -636,3 +636,13 @@ def test_a_hook_result_of_the_wrong_size_names_both_sizes():
     future.set_result(torch.zeros(675))
     with pytest.raises(RuntimeError, match="a tensor of 676 elements, got one of 675"):
         _into_bucket(torch.zeros(676), future)
+
+
+def test_trainer_options_that_are_not_a_dict_are_named():
+    # Found by a probe: PyddpTrainer(pyddp_options=[("bucket_cap_mb", 1)])
+    # raised a bare "'list' object has no attribute 'items'".
+    from pyddp.replicas.ddp_args import wrap_options
+
+    with pytest.raises(TypeError, match=r"PyddpTrainer\(pyddp_options=...\): takes a dict"):
+        wrap_options([("bucket_cap_mb", 1)], "PyddpTrainer(pyddp_options=...)")
+    assert wrap_options({"bucket_cap_mb": 1}, "x") == {"bucket_cap_mb": 1}

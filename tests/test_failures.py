@@ -438,3 +438,41 @@ def test_init_without_torchrun_environment_says_how_to_launch(monkeypatch):
     with pytest.raises(RuntimeError, match="torchrun"):
         pyddp.init()
     assert pyddp.rank() == 0 and pyddp.world() == 1  # one process, as before
+
+
+def caught_then_exits(out: dict) -> None:
+    """Rank 1's forward raises; both ranks catch the failure and end as a
+    trainer does: sys.exit(3), with an exit handler of their own and a file
+    left open with a line buffered."""
+    import atexit
+
+    rank = pyddp.rank()
+    folder = os.environ["SCENARIO_FOLDER"]
+    atexit.register(lambda: open(os.path.join(folder, f"atexit.rank{rank}"), "w").close())
+    log = open(os.path.join(folder, f"metrics.rank{rank}.csv"), "w")  # noqa: SIM115
+    log.write("step,loss\n")
+    dm = pyddp.wrap(nn.Linear(6, 3), ["cpu"])
+    try:
+        for step in range(3):
+            x = torch.randn(4, 5 if rank == 1 and step == 1 else 6)  # rank 1: a bad batch
+            dm(x).sum().backward()
+    except Exception as e:  # noqa: BLE001 - a trainer that reports and exits
+        out["error"] = f"{type(e).__name__}: {e}"
+    write(out)
+    sys.exit(3)
+
+
+def test_a_process_that_exits_after_a_caught_failure_keeps_its_status_and_exit_work(tmp_path):
+    # Found by a probe: after a failure, pyddp ends the process with
+    # os._exit (gloo would abort it in the interpreter's teardown), which
+    # read 0 after sys.exit(3) (torchrun, a scheduler, --max-restarts saw a
+    # success; Lightning's exit 1 after a Ctrl-C read 0 too), ran none of the
+    # script's exit handlers and lost what open files buffered.
+    run = launch(caught_then_exits, out=tmp_path, agent=False,
+                 env={"PYDDP_TIMEOUT_S": "30", "SCENARIO_FOLDER": str(tmp_path)})  # fmt: skip
+    assert run.codes == [3, 3], (run.codes, run.tail(0), run.tail(1))
+    for r in range(2):
+        assert "abandoned" in run.result(r)["error"] or "mat1" in run.result(r)["error"]
+        assert (tmp_path / f"atexit.rank{r}").exists(), run.tail(r)
+        assert (tmp_path / f"metrics.rank{r}.csv").read_text() == "step,loss\n"
+        assert "terminate called" not in run.log(r)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import gc
+import io
 import json
 import logging
 import os
@@ -299,22 +301,53 @@ def exit_without_teardown() -> None:
     interpreter lock, is unwound by the thread exit through a noexcept frame,
     and aborts the process (SIGABRT, "terminate called after throwing an
     instance of 'gloo::IoException'") after pyddp's named error. So at exit
-    (first among the exit handlers: registered last) the standard streams
-    and logging are flushed and the process leaves with os._exit: code 1
-    after an uncaught exception (Python's own), else 0 (a `sys.exit(n)`
-    after the failure reads 0 too)."""
+    (first among the exit handlers: registered last) the other exit handlers
+    run, then open files, the standard streams and logging are flushed, and
+    the process leaves with os._exit and the status Python would have given:
+    the last `sys.exit(n)`'s (a trainer's after catching the failure, as
+    Lightning's after a Ctrl-C), 1 after an uncaught exception, else 0.
+    Before, the other exit handlers never ran, files left open lost what
+    they buffered, and a `sys.exit(n)` after the failure read 0."""
     if not _exit_armed:
         _exit_armed["armed"] = True
         atexit.register(_leave)
+        sys.exit = functools.partial(_exit_noted, sys.exit)
+
+
+def _exit_noted(exit: Callable[..., Any], status: Any = None) -> Any:
+    """sys.exit, noting the status asked for (a `raise SystemExit(n)` is not seen)."""
+    _exit_armed["status"] = status
+    return exit(status)
 
 
 def _leave() -> None:
-    code = 1 if hasattr(sys, "last_value") else 0  # set when Python printed an uncaught error
+    status = _exit_armed.get("status")
+    if "status" not in _exit_armed:
+        code = 1 if hasattr(sys, "last_value") else 0  # set when Python printed an uncaught error
+    elif status is None or isinstance(status, int):
+        code = status or 0
+    else:  # Python prints any other value to stderr and exits 1
+        print(status, file=sys.stderr)
+        code = 1
+    atexit.unregister(_leave)
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()  # the others (each one's error is printed, as Python does)
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
+    for stream in [*_open_files(), sys.stdout, sys.stderr]:
         with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing to say there
             stream.flush()
     os._exit(code)
+
+
+def _open_files() -> List[Any]:
+    """The file objects open for writing, whose buffers the teardown os._exit
+    skips would have flushed."""
+    found = []
+    for obj in gc.get_objects():
+        with contextlib.suppress(Exception):
+            if isinstance(obj, io.IOBase) and not obj.closed and obj.writable():
+                found.append(obj)
+    return found
 
 
 def report_to_launcher(message: str) -> None:

@@ -61,6 +61,8 @@ def wrap_options(kwargs: Mapping[str, Any], where: str, placed: bool = True) -> 
     a trainer chose the device (DDP's placement arguments are ignored);
     False for pyddp.wrap itself, which refuses them naming `devices`."""
     options: Dict[str, Any] = {}
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(f"{where}: takes a dict of options, not {type(kwargs).__name__}")
     if "process_group" in kwargs and "group" in kwargs:
         raise TypeError(f"{where}: pass group= or torch DDP's process_group=, not both")
     for name, value in kwargs.items():
