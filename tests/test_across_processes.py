@@ -67,6 +67,16 @@ def mismatch(out: dict) -> None:
         out["frozen on one rank"] = None
     except ValueError as e:
         out["frozen on one rank"] = str(e)
+    # SyncBatchNorm on one rank only (same parameters and buffers): both
+    # ranks waited the whole timeout, the errors naming a stats group.
+    syncbn = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    if pyddp.rank() == 0:
+        syncbn = pyddp.convert_sync_batchnorm(syncbn)
+    try:
+        pyddp.wrap(syncbn, ["cpu"])
+        out["syncbn on one rank"] = None
+    except ValueError as e:
+        out["syncbn on one rank"] = str(e)
     # Settings that must agree: each used to end in an abort (bucket_cap_mb:
     # std::terminate), a timeout (rebuild_buckets) or a failed broadcast.
     out["settings"] = {}
@@ -356,6 +366,13 @@ def test_different_models_are_refused_at_wrap_naming_rank_and_parameter(basics):
     for r in basics:
         assert "rank 1" in r["error"] and "weight" in r["error"], r["error"]
         assert "(3, 4)" in r["error"] and "(5, 4)" in r["error"], r["error"]
+
+
+def test_syncbatchnorm_on_one_rank_only_is_refused_at_wrap(basics):
+    for r in basics:
+        error = r["syncbn on one rank"]
+        assert error is not None and "rank 1 has module '1' of class BatchNorm1d" in error, error
+        assert "rank 0 has module '1' of class SyncBatchNorm" in error, error
 
 
 def test_a_layer_frozen_on_one_rank_only_is_refused_at_wrap(basics):
@@ -669,3 +686,31 @@ def test_ranks_doing_different_work_are_named_at_the_next_synced_backward(tmp_pa
         # reductions first and be named as two waits at different exchanges).
         error = r["model eval"]
         assert error and "modules in training mode: rank 0 4, rank 1 0" in error, error
+
+
+def replicas_differ_per_rank(out: dict) -> None:
+    """Rank r wraps 1 + r CPU replicas and steps with dmodel.optimizer:
+    torch's SGD on rank 0, pyddp's replicated subclass of it on rank 1."""
+    rank = pyddp.rank()
+    ref = eval_norm(net())
+    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
+    dm = pyddp.wrap(eval_norm(net()), ["cpu"] * (1 + rank))
+    opt = dm.optimizer(torch.optim.SGD, **SGD)
+    for x, y in data(4, 12):
+        nn.functional.mse_loss(dm(x[my_rows(12, rank, 2)]), y[my_rows(12, rank, 2)]).backward()
+        opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    out["diff"] = max_diff(dm.module, ref)
+    write_and_exit(out)
+
+
+def test_ranks_with_one_and_two_replicas_step_with_dmodel_optimizer(tmp_path):
+    # Found by a probe: the ranks' optimizer settings were compared by the
+    # optimizer's class, torch's SGD on one rank and pyddp's ReplicatedSGD
+    # on the other: both failed at the second synced backward, blaming
+    # "optimizer settings". The class compared is now the one the user chose.
+    for r in spawn(replicas_differ_per_rank, env={"PYDDP_TIMEOUT_S": "20"}, out=tmp_path):
+        assert r["diff"] < TOL, r

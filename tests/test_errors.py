@@ -294,7 +294,10 @@ def test_optimizer_misuse():
     dm = pyddp.wrap(nn.Linear(3, 2), ["cpu", "cpu"])
     with pytest.raises(TypeError, match="Optimizer subclass"):
         dm.optimizer(object)
-    opt = dm.optimizer(torch.optim.LBFGS)
+    for shard in (False, True):  # (every step of it was refused: made, unusable)
+        with pytest.raises(ValueError, match="LBFGS steps through a closure"):
+            dm.optimizer(torch.optim.LBFGS, shard=shard)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="closure"):
         opt.step(lambda: 0.0)
     with pytest.raises(ValueError, match="add_param_group: 1 parameter"):

@@ -304,3 +304,20 @@ class Ranks:
         every rank), end to end in rank order, bit for bit."""
         control = self._link.control
         return t if control is None else control.gather_tensor(t, what)
+
+
+def model_signature(entries: Sequence[tuple], device_type: str) -> List[tuple]:
+    """What must match across ranks: every parameter's and buffer's name, shape
+    and dtype, whether a parameter is trained (reduced) or frozen (else buckets
+    of other sizes), every module's class (SyncBatchNorm on one rank only waited
+    the timeout, naming a stats group), and the kind of device."""
+    sig: List[tuple] = [("device type", device_type)]
+    for kind, name, t in entries:
+        if kind == "module":
+            sig.append((kind, repr(name or "(the model)"), "of class", type(t).__qualname__))
+            continue
+        entry = (kind, name, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+        if kind == "parameter":
+            entry += ("trained" if t.requires_grad else "frozen",)
+        sig.append(entry)
+    return sig

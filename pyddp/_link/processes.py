@@ -13,7 +13,14 @@ from .. import _C
 from ..errors import ProcessGroupError
 from ..runtime.libraries import process_group_backend
 from .agreement import Agreement, record_for, ride_size
-from .control import BUFFERS_BROADCAST, LOSS_WEIGHTS, PARAMS_BROADCAST, SHARD_MODES, Control
+from .control import (
+    BUFFERS_BROADCAST,
+    LOSS_WEIGHTS,
+    PARAMS_BROADCAST,
+    SHARD_MODES,
+    Control,
+    model_signature,
+)
 from .failure import Failure
 from .groups import Peers
 from .joining import JOIN_GRADIENTS, ProcessJoining
@@ -81,7 +88,8 @@ class ProcessLink(Link):
         entries = [("parameter", n, p) for n, p in m0.named_parameters()]
         entries += [("buffer", n, b) for n, b in m0.named_buffers()]
         signature = [("setting", f"{k}={v!r}") for k, v in settings.items()]
-        signature += model_signature(entries, device_type)
+        modules = [("module", n, m) for n, m in m0.named_modules()]
+        signature += model_signature(entries + modules, device_type)
         self.control.check_same(signature, "model")
         self.local_counts = self.control.counts(len(replicas))
         if op == "avg" and len(set(self.local_counts)) != 1:
@@ -417,20 +425,6 @@ class ProcessLink(Link):
 
     def hook_error(self) -> Optional[BaseException]:
         return self.transport.hook_error
-
-
-def model_signature(entries: Sequence[tuple], device_type: str) -> List[tuple]:
-    """What must match across ranks: every parameter's and buffer's name,
-    shape and dtype, whether a parameter is trained (reduced) or frozen, and
-    the kind of device. (A layer frozen on one rank only would give the ranks
-    buckets of other sizes.)"""
-    sig: List[tuple] = [("device type", device_type)]
-    for kind, name, t in entries:
-        entry = (kind, name, tuple(t.shape), str(t.dtype).replace("torch.", ""))
-        if kind == "parameter":
-            entry += ("trained" if t.requires_grad else "frozen",)
-        sig.append(entry)
-    return sig
 
 
 def nccl_op(op: str, counts: Sequence[int]) -> Tuple[str, float]:

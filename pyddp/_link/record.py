@@ -105,7 +105,7 @@ class WorkRecord:
         Tensor values are hashed by dtype and shape (reading them would
         make a GPU's host wait)."""
         parts = [
-            repr((type(o).__qualname__, [_hyper(g) for g in o.param_groups], _loads(o)))
+            repr((_user_class(o), [_hyper(g) for g in o.param_groups], _loads(o)))
             for o in (ref() for ref in self._made)
             if o is not None
         ]
@@ -132,6 +132,14 @@ class WorkRecord:
     def checksum(self) -> int:
         with torch.no_grad():
             return sum(bits_sum(p) for p in self.params) & 0x7FFFFFFFFFFFFFFF
+
+
+def _user_class(optimizer: Any) -> str:
+    """The optimizer's class as the user chose it: torch's SGD whether one
+    replica steps it as is or pyddp's subclass steps several (ranks with 1
+    and 2 replicas were refused as different settings)."""
+    cls = next(c for c in type(optimizer).__mro__ if not c.__module__.startswith("pyddp."))
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _loads(optimizer: Any) -> int:

@@ -28,6 +28,13 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer class must be a torch.optim.Optimizer subclass, got {cls!r}")
+    if issubclass(cls, torch.optim.LBFGS):  # (every step of it was refused)
+        raise ValueError(
+            "dmodel.optimizer: LBFGS steps through a closure that re-evaluates the loss, which "
+            "pyddp's optimizers do not take (it would need a forward and backward on every "
+            "replica at each evaluation); run one replica per process (torchrun), where "
+            "torch's own LBFGS over the model steps with your closure"
+        )
     if (
         shard not in (False, True, "state", "gradients")
         or isinstance(shard, int)
