@@ -821,6 +821,8 @@ def _inside_a_window(model: nn.Module, how: str, forward=None) -> None:
         model.share_memory()
     elif how == "double_float":
         model.double().float()
+    elif how == "half_float":  # a conversion that rounds: replica 0's share alone
+        model.half().float()
     elif how == "zero_grad_in_place":
         model.zero_grad(set_to_none=False)
     elif how == "assign_zeros":
@@ -892,13 +894,14 @@ def test_gradients_reset_or_moved_inside_a_no_sync_window_train_as_one_device(sh
 TOUCHES = ["zero_grad_in_place", "assign_zeros", "data_zeros", "data_kept", "scale_in_place",
            "one_grad_zero_", "assign_scaled", "data_scaled", "clip", "scale_in_place+double_float",
            "scale_in_place+share_memory", "share_memory+forward+scale_in_place",
-           "double_float+forward+zero_grad_in_place"]  # fmt: skip
+           "double_float+forward+zero_grad_in_place", "data_scaled+share_memory",
+           "data_scaled+double_float", "half_float"]  # fmt: skip
 
 
 @pytest.mark.parametrize("shard", MODES)
 @pytest.mark.parametrize("where", ["before the forward", "after the forward"])
 @pytest.mark.parametrize("how", TOUCHES)
-@pytest.mark.parametrize("lift", ["opt.zero_grad", "model.zero_grad"])
+@pytest.mark.parametrize("lift", ["opt.zero_grad", "model.zero_grad", "opt.zero_grad(False)"])
 def test_gradients_touched_inside_a_no_sync_window_are_refused(shard, where, how, lift):
     # Before, a change to the model's gradients between a window's
     # backwards reached replica 0's share of the batch alone, silently:
@@ -907,7 +910,9 @@ def test_gradients_touched_inside_a_no_sync_window_are_refused(shard, where, how
     # reset, then training goes on as one device. (A first version took
     # zeros as a reset; a review found a clip of a share reading zero then
     # reset every replica: 0.034 off. And it lost sight of the buckets after
-    # a forward laid them out again: 0.072.)
+    # a forward laid them out again: 0.072. A second one took any parameter
+    # moved for Module._apply: `p.grad.data = ...` beside share_memory(),
+    # 0.0069 off; `.half().float()` rounded replica 0's share alone.)
     if "forward" in how and where == "after the forward":
         pytest.skip("the forward is part of `how`")
     dm, opt, ref, ref_opt = _both(2, shard)
@@ -919,6 +924,8 @@ def test_gradients_touched_inside_a_no_sync_window_are_refused(shard, where, how
         _loss(dm, x, y).backward()  # still refused: the change is still there
     if lift == "opt.zero_grad":
         opt.zero_grad()
+    elif lift == "opt.zero_grad(False)":  # every replica zeroed (a review: kept refusing)
+        opt.zero_grad(set_to_none=False)
     else:  # torch's own, on the user's model alone
         dm.module.zero_grad()
     ref_opt.zero_grad()
@@ -969,4 +976,30 @@ def test_gradients_changed_inside_a_no_sync_window_with_one_replica_are_the_user
         opt.zero_grad()
         ref_opt.zero_grad()
     assert _diff(dm.module, ref) < TOL
+    dm.close()
+
+
+@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("how", ["assign_scaled", "data_scaled"])
+def test_zero_grad_in_place_zeroes_a_gradient_given_outside_the_buckets(shard, how):
+    # Found by a review: pyddp's zero_grad(set_to_none=False) zeroed the
+    # buckets, not a gradient the user had assigned after the backward
+    # (`p.grad = p.grad * 0.5`): the next backward added to it, 0.30 off one
+    # device after one step.
+    dm, opt, ref, ref_opt = _both(2, shard)
+    torch.manual_seed(1)
+    for _ in range(2):
+        x, y = torch.randn(6, 4), torch.randn(6, 2)
+        _loss(dm, x, y).backward()
+        _loss(ref, x, y).backward()
+        for model in (dm.module, ref):
+            _inside_a_window(model, how)
+        opt.zero_grad(set_to_none=False)
+        ref_opt.zero_grad(set_to_none=False)
+        _loss(dm, x, y).backward()
+        _loss(ref, x, y).backward()
+        opt.step()
+        ref_opt.step()
+    assert _diff(dm.module, ref) < TOL
+    assert all(_diff(replica, dm.module) == 0 for replica in dm.replicas[1:])
     dm.close()

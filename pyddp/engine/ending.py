@@ -13,6 +13,8 @@ from collections import Counter
 from itertools import compress, repeat
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+import torch
+
 from .._link import Link, WorkRecord
 from ..errors import ProcessGroupError
 from .streams import StreamOrder
@@ -135,8 +137,8 @@ class Window:
         """Replica 0's gradients touched since the last backward's end are
         refused (follow_changes; again until a zero_grad()): at the start of
         a backward, and before pyddp lays the buckets out again (reattach);
-        `relaid`: after it, the new buckets are watched. `params_moved`:
-        whether Module._apply moved the parameters (and the gradients with
+        `relaid`: after it, the new buckets are watched. `params_moved`: the
+        ids of the parameters Module._apply moved (and their gradients with
         them) since; None: GradSync's caller, who holds every replica."""
         if self._seen is not None:
             if relaid:
@@ -203,11 +205,13 @@ def follow_changes(layout: Any, seen: _Seen, params_moved: Callable[[], bool]) -
         if seen.viewed[i] and grads[i] is not None:
             changed.append(_name(layout, i))
     left = layout.scattered.moved(0) if layout.scattered is not None else views_left(layout)
-    if left and not params_moved():  # (parameters moved with them: Module._apply's conversion)
-        for i, (grad, viewed) in enumerate(zip(grads, seen.viewed)):
-            view = slice_of(layout, 0, i) if viewed and grad is not None else None
-            if view is not None and not assigned[i] and grad.data_ptr() != view.data_ptr():
-                changed.append(_name(layout, i))
+    moved = params_moved() if left else set()  # (gradients moved with them: Module._apply)
+    for i, (grad, viewed) in enumerate(zip(grads, seen.viewed)) if left else ():
+        view = _window_slice(layout, seen, i) if viewed and grad is not None else None
+        if view is None or assigned[i] or grad.data_ptr() == view.data_ptr():
+            continue  # (where it accumulates: untouched, or its bucket moved whole)
+        if id(layout.params[0][i]) not in moved or not torch.equal(grad, view):
+            changed.append(_name(layout, i))  # by hand, or a conversion that lost bits
     if changed:
         raise RuntimeError(
             f"pyddp: your model's gradients were changed inside a no_sync() window "
@@ -228,6 +232,20 @@ def _alike(layout: Any, seen: _Seen, b: int) -> bool:
     return all(f is None or f._version - v == moved for f, v in others)
 
 
+def _window_slice(layout: Any, seen: _Seen, i: int) -> Optional[Any]:
+    """Replica 0's parameter i's slice of its bucket, wherever the bucket is
+    now (share_memory() moves a whole one), holding the window's gradient
+    as it was at the last backward's end unless written in place."""
+    if layout.scattered is not None:
+        return slice_of(layout, 0, i)
+    ptr, p = layout.ptrs[0][i], layout.params[0][i]
+    for flat, (base, nbytes) in zip(layout.flat[0], seen.spans):
+        if flat is not None and base <= ptr < base + nbytes:
+            start = (ptr - base) // flat.element_size()
+            return flat[start : start + p.numel()].view_as(p)
+    return None
+
+
 def _members(layout: Any, b: int, span: Tuple[int, int]) -> List[int]:
     """The parameters laid out in replica 0's bucket b (at `span`: its
     address and bytes then; Module._apply may have moved it since)."""
@@ -239,6 +257,29 @@ def _members(layout: Any, b: int, span: Tuple[int, int]) -> List[int]:
 def _name(layout: Any, i: int) -> str:
     names = layout.window.names
     return repr(names[i]) if i < len(names) else f"parameter {i}"
+
+
+def zeroed_in_place(layout: Any) -> None:
+    """zero_grad(set_to_none=False) zeroed every replica's buckets: replica
+    0's gradients the user assigned outside them (`p.grad = p.grad * 0.5`)
+    or gave other storage (`p.grad.data = ...`) are zeroed too (before, they
+    stayed and the next backward added to them: 0.30 off one device), and a
+    no_sync() window's watch starts again from here."""
+    scattered, grads = layout.scattered, list(map(operator.attrgetter("grad"), layout.params[0]))
+    markers = scattered.markers if scattered is not None else [None] * len(grads)
+    outside = list(map(operator.is_not, grads, layout.views[0]))
+    if True in outside or (scattered.moved(0) if scattered is not None else views_left(layout)):
+        held = [g for g, m in zip(grads, markers) if g is not None and g is not m]
+        with torch.no_grad():  # (not the placeholders of sharded gradients: no memory)
+            torch._foreach_zero_(held) if held else None
+        if scattered is not None:
+            scattered.relay(0)  # (the window's buckets the gradients left: laid out again)
+        else:
+            fresh_views(layout)  # back into their slices, zero
+            for p, view in zip(layout.params[0], layout.views[0]):
+                if p.grad is not None and p.grad is not view and view is not None:
+                    p.grad = view
+    layout.window.check(layout, None, relaid=True)  # (every replica alike)
 
 
 def _held(params: Sequence[Any]) -> List[bool]:

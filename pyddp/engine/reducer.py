@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from ..errors import ProcessGroupError, ReduceError
 from ..runtime.libraries import make_backend
+from . import ending
 from . import params as checked
 from .ending import final_gradients, gradients_cleared, raised_at_finish, settle_unmarked
 from .faces import GradientShards
@@ -334,14 +335,13 @@ class Reducer:
         # buckets next runs there); a dead context says so here.
         for r in range(len(self._replicas)):
             self._order.use_current(self._engine, r)
-        if set_to_none:
-            # No write to the buckets: the next gradients are copied in as
-            # they arrive (BucketLayout.hand_over).
+        if set_to_none:  # (no write to the buckets: the next gradients are copied in)
             self._layout.hand_over()
         else:
             self._run_per_replica(
                 [partial(self._layout.zero, r) for r in range(len(self._replicas))], "zero_grad"
             )
+            ending.zeroed_in_place(self._layout)
         self._engine.clear_grads(set_to_none)
         self._layout.forget_reduced()
 

@@ -142,21 +142,16 @@ def checked_norm_type(norm_type: Any) -> float:
 
 
 def consolidated(kept: List[Any], rank: int) -> Dict[Any, Any]:
-    """state_dict() after consolidate_state_dict(to): the state kept on rank
-    `to`. Refused on the other ranks, as torch's ZeroRedundancyOptimizer
-    refuses (a collective there would wait for rank `to`, which answers
-    alone), and once a step made it stale (torch's returns it as it was)."""
-    to, steps, state = kept
+    """state_dict() after consolidate_state_dict(to), before the next step:
+    the state kept on rank `to`. Refused on the other ranks, as torch's
+    ZeroRedundancyOptimizer refuses (a collective there would wait for rank
+    `to`, which answers alone)."""
+    to, state = kept
     if rank != to:
         raise RuntimeError(
             f"pyddp: the optimizer state was consolidated on rank {to} "
             f"(consolidate_state_dict(to={to})), not on this rank {rank}: call state_dict() "
-            f"on rank {to} alone (after a consolidation, state_dict() is not collective)"
-        )
-    if steps:
-        raise RuntimeError(
-            f"pyddp: the optimizer state consolidated on this rank is {steps} step(s) old: "
-            f"call consolidate_state_dict(to={to}) on every rank again before state_dict() "
-            "(torch's ZeroRedundancyOptimizer would return the old state)"
+            f"on rank {to} alone (after a consolidation, until the next step, state_dict() "
+            "is not collective)"
         )
     return state

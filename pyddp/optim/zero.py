@@ -86,7 +86,7 @@ class ShardedState(OptimState):
     split: bool
     on_gpus: Optional[DeviceGather]
     across: Optional[HostGather]
-    consolidated: Optional[List[Any]] = None  # [to, steps since, its state on rank to]
+    consolidated: Optional[List[Any]] = None  # [to, its state on rank to], until a step
     states: Any = None  # the opt.state it shows: ShardStates
 
     @property
@@ -213,7 +213,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
             state.states.follow(self)  # a reset by a new opt.state
             if state.reducer.under_join:  # the ranks that joined step their shards too
                 state.reducer.announce_sharded_step(self)
-            with sigint_deferred():  # a Ctrl-C lands after the step, not between two shards'
+            with sigint_deferred(escalate=True):  # a Ctrl-C lands after the step (two: now)
                 self._pyddp_step_shards()
             return None
 
@@ -244,7 +244,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 for r, ps in enumerate(params):
                     for p, g in zip(ps, grads):
                         p.grad = g if g is None or r == 0 else g.to(p.device, copy=True)
-                with sigint_deferred():
+                with sigint_deferred(escalate=True):
                     self._pyddp_step_shards()
             finally:
                 for name in amp:
@@ -256,8 +256,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
         def _pyddp_step_shards(self) -> None:
             """Every slot steps its shard, then every replica takes the
             stepped elements it does not own."""
-            if self._pyddp.consolidated is not None:
-                self._pyddp.consolidated[1] += 1  # the kept state is stale
+            self._pyddp.consolidated = None  # the state moves on: state_dict() is collective again
             reducer = self._pyddp.reducer
             scattered = reducer.gradients_sharded  # shard='gradients': the reduced blocks
             for r, shard in enumerate(self._pyddp.shards):
@@ -314,14 +313,14 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
         def consolidate_state_dict(self, to: int = 0) -> None:
             """torch's ZeroRedundancyOptimizer spelling, for ported code:
             collective (every rank calls it); afterwards rank `to` (in the
-            wrapped model's group) calls state_dict() alone, until a load
-            (as torch's; refused as stale after a step, which torch's returns)."""
+            wrapped model's group) calls state_dict() alone (the others' are refused,
+            as torch's), until the next step or load: then it is collective again."""
             ranks = self._pyddp.reducer.ranks
             if not isinstance(to, int) or not 0 <= to < ranks.world:
                 raise ValueError(f"consolidate_state_dict: to={to!r} is not a rank of the group")
             self._pyddp.consolidated = None
             full = self.state_dict()
-            self._pyddp.consolidated = [to, 0, full["state"] if ranks.rank == to else None]
+            self._pyddp.consolidated = [to, full["state"] if ranks.rank == to else None]
 
         def state_dict(self) -> Dict[str, Any]:
             """The unsharded optimizer's state dict (collective across

@@ -25,7 +25,7 @@ import contextlib
 import copy
 import operator
 from itertools import chain, repeat
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -259,8 +259,9 @@ class ReplicaMirror:
                     m.__class__ = cls
             self.classes = classes
         drifted = set()
-        new_storage = bool(self.storage.moved())
-        if new_storage:  # (the caller copies every parameter: which ones moved is moot)
+        self.moved_now = self.storage.moved_ids()  # (the caller copies every parameter)
+        new_storage = bool(self.moved_now)
+        if new_storage:
             # New tensors behind the parameters (`.data =`, `.to()`, `.half()`):
             # the same dtype, device and shape is a value change, else refused.
             for k, (p, (dtype, device, shape)) in enumerate(zip(first, self.meta)):
@@ -404,13 +405,10 @@ _expired = torch.UntypedStorage._expired
 
 
 class Storages:
-    """Which of `params` got new storage since this was made (`.data =`,
-    Module._apply: `.half().float()`, `.to(memory_format=...)`). Pointers
-    alone miss a new storage that took its predecessor's freed address (seen
-    in CI after `.double().float()`: the replicas kept stale values, and the
-    gradients' bucket views were lost); a weak reference to each storage sees
-    it die. It keeps the storage's bookkeeping, not its memory, so no storage
-    alive can reuse the address it holds. Two C-level passes per look."""
+    """Which of `params` got new storage since this was made (`.data =`, Module._apply:
+    `.half().float()`). Pointers alone miss a new storage at its predecessor's freed
+    address (seen in CI after `.double().float()`); a weak reference to each storage
+    sees it die, keeping its bookkeeping, not its memory. Two C-level passes per look."""
 
     def __init__(self, params: Sequence[torch.Tensor]):
         self.params = list(params)
@@ -425,6 +423,9 @@ class Storages:
             return []
         dead = map(_expired, self.cdata)
         return [k for k, (a, b, d) in enumerate(zip(ptrs, self.ptrs, dead)) if a != b or d]
+
+    def moved_ids(self) -> Set[int]:
+        return {id(self.params[k]) for k in self.moved()}  # (empty: no Python loop)
 
 
 def _hook_dicts(modules: Sequence[nn.Module]) -> List[Dict[Any, Any]]:

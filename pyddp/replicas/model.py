@@ -104,7 +104,7 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
             if len(replicas) > 1:  # (before the mirror looks)
                 self._workers.guard_replicas(replicas, self.devices[0].type == "cpu")
             self._mirror = ReplicaMirror(replicas, parts.names) if len(replicas) > 1 else None
-            self._params_moved = lambda m=self._mirror: m is not None and bool(m.storage.moved())
+            self._params_moved = lambda m=self._mirror: m.storage.moved_ids()  # (with replicas)
             # One replica across processes: no parameter trains unreduced (watch.py).
             self._watch = OneReplicaWatch(self.module, parts.params[0]) if one else None
             if one:  # a step of the user's optimizer after no_sync() backwards only
@@ -398,10 +398,10 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
         moved = self._mirror.follow()
         if moved or self._reducer.grads_moved():
             # Module._apply gave parameters new storage (share_memory(), .half().float()),
-            # and their gradients with them: the gradients point into the buckets again,
-            # every parameter is copied (writes through `.data` move no version counter).
-            self._reducer.reattach(lambda: moved)
+            # and gradients with them: every parameter is copied (first: reattach may refuse
+            # a window's gradients), the gradients point into the buckets again.
             self._mirror.copy_all()
+            self._reducer.reattach(lambda: self._mirror.moved_now)
 
     def sync_replicas(self) -> None:
         """Copies replica 0's parameters and buffers to every other replica.

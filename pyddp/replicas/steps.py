@@ -22,6 +22,7 @@ from typing import (
     Optional,
     Protocol,
     Sequence,
+    Set,
     Tuple,
 )
 
@@ -96,7 +97,7 @@ class StepsHost(Protocol):
     _join_config: Any  # torch's Join's, for this model (enable: under Join)
     _flags: StepFlags
     _staged: StagedBuffers
-    _params_moved: Callable[[], bool]  # replica 0's, since the forward (Module._apply)
+    _params_moved: Callable[[], Set[int]]  # ids of replica 0's given new storage since the forward
 
     def _check_open(self) -> None: ...
     def _follow_model(self) -> None: ...

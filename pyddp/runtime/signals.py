@@ -11,15 +11,24 @@ from typing import Any, Iterator, List
 
 
 @contextlib.contextmanager
-def sigint_deferred() -> Iterator[None]:
+def sigint_deferred(escalate: bool = False) -> Iterator[None]:
     """A SIGINT (Ctrl-C) arriving inside the block is handed to the handler
     that was installed before it once the block ends: a KeyboardInterrupt never
-    lands in the middle of a write. Only the main thread receives signals."""
+    lands in the middle of a write. `escalate`: a second one inside the block
+    raises KeyboardInterrupt at once (work that may wait on another process
+    for the whole timeout). Only the main thread receives signals."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     pending: List[Any] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(frame))
+
+    def hold(signum: int, frame: Any) -> None:
+        if escalate and pending:
+            pending.clear()
+            raise KeyboardInterrupt  # asked twice: out now, the work cut short
+        pending.append(frame)
+
+    previous = signal.signal(signal.SIGINT, hold)
     try:
         yield
     finally:
