@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable, Dict, Tuple
 
 import torch
 from torch import nn
@@ -47,36 +48,45 @@ def backward_ms(count: int, rounds: int) -> dict:
         opt.step()
         return elapsed * 1e3
 
-    for _ in range(3):  # (the first steps lay out the buckets)
-        once(False)
-    plain, touched = [], []
-    for _ in range(rounds):
-        plain.append(once(False))
-        touched.append(once(True))
+    result = interleaved(once, rounds)
     dm.close()
-    deciles = statistics.quantiles(touched, n=10, method="inclusive")
-    return {
-        "untouched": statistics.median(plain),
-        "touched": statistics.median(touched),
-        "p10": deciles[0],
-        "p90": deciles[-1],
-    }
+    return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def interleaved(once: Callable[[bool], float], rounds: int) -> Dict[str, float]:
+    """`once(False)` and `once(True)` (ms each) in interleaved rounds after a
+    warm-up (the first steps lay out the buckets): their medians, "off" and
+    "on", and the "on" rounds' p10-p90."""
+    for _ in range(3):
+        once(False)
+    off, on = [], []
+    for _ in range(rounds):
+        off.append(once(False))
+        on.append(once(True))
+    deciles = statistics.quantiles(on, n=10, method="inclusive")
+    return {"off": statistics.median(off), "on": statistics.median(on),
+            "p10": deciles[0], "p90": deciles[-1]}  # fmt: skip
+
+
+def table(doc: str, measure: Callable[[int, int], Dict[str, float]], rounds: int,
+          names: Tuple[str, str], digits: int) -> None:  # fmt: skip
+    """The command line of a bench that measures `measure(parameters,
+    rounds)` per --sizes: a row each, the medians of `names` (off, on),
+    their ratio and the on rounds' p10-p90."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--sizes", default="250,1000,2000")
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=rounds)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("parameters  untouched ms  touched ms  ratio  touched p10-p90")
+    print(f"parameters  {names[0]} ms  {names[1]} ms  ratio  {names[1]} p10-p90")
     for count in (int(n) for n in args.sizes.split(",")):
-        r = backward_ms(count, args.rounds)
+        r = measure(count, args.rounds)
         print(
-            f"{count:10d}  {r['untouched']:12.1f}  {r['touched']:10.1f}  "
-            f"{r['touched'] / r['untouched']:5.2f}  {r['p10']:.1f}-{r['p90']:.1f}"
+            f"{count:10d}  {r['off']:{len(names[0]) + 3}.{digits}f}  "
+            f"{r['on']:{len(names[1]) + 3}.{digits}f}  {r['on'] / r['off']:5.{digits + 1}f}  "
+            f"{r['p10']:.{digits}f}-{r['p90']:.{digits}f}"
         )
 
 
 if __name__ == "__main__":
-    main()
+    table(__doc__, backward_ms, 9, ("untouched", "touched"), 1)

@@ -11,14 +11,12 @@ the watched rounds' p10-p90.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import statistics
 import time
 from unittest import mock
 
 import torch
-from reseat_cost import Many
+from reseat_cost import Many, interleaved, table
 
 import pyddp
 from pyddp.engine import ending
@@ -48,36 +46,10 @@ def micro_batch_ms(count: int, rounds: int) -> dict:
             elapsed = time.perf_counter() - start
         return elapsed * 1e3
 
-    for _ in range(3):  # (the first steps lay out the buckets)
-        once(True)
-    plain, watched = [], []
-    for _ in range(rounds):
-        plain.append(once(False))
-        watched.append(once(True))
+    result = interleaved(once, rounds)
     dm.close()
-    deciles = statistics.quantiles(watched, n=10, method="inclusive")
-    return {
-        "off": statistics.median(plain),
-        "on": statistics.median(watched),
-        "p10": deciles[0],
-        "p90": deciles[-1],
-    }
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="250,1000,2000")
-    parser.add_argument("--rounds", type=int, default=15)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    print("parameters  unwatched ms  watched ms  ratio  watched p10-p90")
-    for count in (int(n) for n in args.sizes.split(",")):
-        r = micro_batch_ms(count, args.rounds)
-        print(
-            f"{count:10d}  {r['off']:12.2f}  {r['on']:10.2f}  "
-            f"{r['on'] / r['off']:5.3f}  {r['p10']:.2f}-{r['p90']:.2f}"
-        )
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    table(__doc__, micro_batch_ms, 15, ("unwatched", "watched"), 2)

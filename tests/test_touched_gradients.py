@@ -867,6 +867,17 @@ def _window_step(dm, ref, x, y, how, where, rows=6) -> None:
         loss.backward()
 
 
+def _train_windows(dm, opt, ref, ref_opt, steps: int, how: str, where: str) -> None:
+    """`steps` steps of a window each (_window_step), then the step and zero_grad()."""
+    for _ in range(steps):
+        x, y = torch.randn(12, 4), torch.randn(12, 2)
+        _window_step(dm, ref, x, y, how, where)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
 @pytest.mark.parametrize("shard", MODES)
 @pytest.mark.parametrize("where", ["before the forward", "after the forward"])
 @pytest.mark.parametrize("how", ["zero_grad", "one_to_none", "share_memory", "double_float"])
@@ -879,13 +890,7 @@ def test_gradients_reset_or_moved_inside_a_no_sync_window_train_as_one_device(sh
         pytest.skip("refused by name: tests/test_touched_gradients.py -k moved_between")
     dm, opt, ref, ref_opt = _both(2, shard)
     torch.manual_seed(1)
-    for _ in range(3):
-        x, y = torch.randn(12, 4), torch.randn(12, 2)
-        _window_step(dm, ref, x, y, how, where)
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    _train_windows(dm, opt, ref, ref_opt, 3, how, where)
     assert _diff(dm.module, ref) < TOL
     assert all(_diff(replica, dm.module) == 0 for replica in dm.replicas[1:])
     dm.close()
@@ -929,13 +934,7 @@ def test_gradients_touched_inside_a_no_sync_window_are_refused(shard, where, how
     else:  # torch's own, on the user's model alone
         dm.module.zero_grad()
     ref_opt.zero_grad()
-    for _ in range(2):
-        x, y = torch.randn(12, 4), torch.randn(12, 2)
-        _window_step(dm, ref, x, y, "none", "")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    _train_windows(dm, opt, ref, ref_opt, 2, "none", "")
     assert _diff(dm.module, ref) < TOL
     assert all(_diff(replica, dm.module) == 0 for replica in dm.replicas[1:])
     dm.close()
@@ -968,13 +967,7 @@ def test_gradients_changed_inside_a_no_sync_window_with_one_replica_are_the_user
     # torch DDP rank's: the change is made, not refused.
     dm, opt, ref, ref_opt = _both(1, False)
     torch.manual_seed(1)
-    for _ in range(2):
-        x, y = torch.randn(12, 4), torch.randn(12, 2)
-        _window_step(dm, ref, x, y, how, "before the forward")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    _train_windows(dm, opt, ref, ref_opt, 2, how, "before the forward")
     assert _diff(dm.module, ref) < TOL
     dm.close()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from itertools import compress, repeat
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -132,7 +132,7 @@ class Window:
             self._seen = _Seen(layout)
 
     def check(
-        self, layout: Any, params_moved: Optional[Callable[[], bool]], relaid: bool = False
+        self, layout: Any, params_moved: Optional[Callable[[], Set[int]]], relaid: bool = False
     ) -> None:
         """Replica 0's gradients touched since the last backward's end are
         refused (follow_changes; again until a zero_grad()): at the start of
@@ -146,7 +146,7 @@ class Window:
             elif params_moved is not None:
                 follow_changes(layout, self._seen, params_moved)
 
-    def follow_resets(self, layout: Any, params_moved: Callable[[], bool]) -> None:
+    def follow_resets(self, layout: Any, params_moved: Callable[[], Set[int]]) -> None:
         """At the start of a backward: replica 0's gradients set to None
         since the last one's end (torch's `model.zero_grad()`) are reset on
         every replica; any other touch of them is refused (follow_changes).
@@ -180,7 +180,7 @@ class _Seen:
         self.spans = [(0, 0) if f is None else (f.data_ptr(), f.nbytes) for f in self.flats[0]]
 
 
-def follow_changes(layout: Any, seen: _Seen, params_moved: Callable[[], bool]) -> None:
+def follow_changes(layout: Any, seen: _Seen, params_moved: Callable[[], Set[int]]) -> None:
     """Replica 0's gradients touched inside a no_sync() window (since its
     last backward's end), with every replica in this process: a bucket
     changed in place (pyddp's own writes reach every replica alike), a
@@ -204,7 +204,7 @@ def follow_changes(layout: Any, seen: _Seen, params_moved: Callable[[], bool]) -
     for i in compress(range(len(grads)), assigned) if True in assigned else ():
         if seen.viewed[i] and grads[i] is not None:
             changed.append(_name(layout, i))
-    left = layout.scattered.moved(0) if layout.scattered is not None else views_left(layout)
+    left = layout.moved(assigned=False)
     moved = params_moved() if left else set()  # (gradients moved with them: Module._apply)
     for i, (grad, viewed) in enumerate(zip(grads, seen.viewed)) if left else ():
         view = _window_slice(layout, seen, i) if viewed and grad is not None else None
@@ -268,7 +268,7 @@ def zeroed_in_place(layout: Any) -> None:
     scattered, grads = layout.scattered, list(map(operator.attrgetter("grad"), layout.params[0]))
     markers = scattered.markers if scattered is not None else [None] * len(grads)
     outside = list(map(operator.is_not, grads, layout.views[0]))
-    if True in outside or (scattered.moved(0) if scattered is not None else views_left(layout)):
+    if True in outside or layout.moved(assigned=False):
         held = [g for g, m in zip(grads, markers) if g is not None and g is not m]
         with torch.no_grad():  # (not the placeholders of sharded gradients: no memory)
             torch._foreach_zero_(held) if held else None

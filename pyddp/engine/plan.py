@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -322,7 +322,7 @@ class Plan:
         self.engine.set_buckets(buckets)
         self.allocate(buckets)
 
-    def reattach(self, params_moved: Optional[Callable[[], bool]] = None) -> None:
+    def reattach(self, params_moved: Optional[Callable[[], Set[int]]] = None) -> None:
         """Fresh bucket buffers for every gradient, values kept (after the
         wrapped model's changes inside a no_sync() window are judged: Window.check)."""
         self.layout.window.check(self.layout, params_moved)

@@ -22,7 +22,7 @@ import contextlib
 import time
 import weakref
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from ..errors import ProcessGroupError, ReduceError
 from ..runtime.libraries import make_backend
@@ -193,7 +193,7 @@ class Reducer:
             self._order.use_current(self._engine, replica, self._capture.active)
         self._layout.zero(replica, copy_dropped=True)
 
-    def restart_accumulation(self, params_moved: Callable[[], bool]) -> None:
+    def restart_accumulation(self, params_moved: Callable[[], Set[int]]) -> None:
         """At the start of a backward: the user's resets since the forward or
         within a no_sync() accumulation are followed (ending.Window: `params_moved`); replicas
         whose copy of the last reduction is still there (retain_graph=True, no
@@ -381,7 +381,7 @@ class Reducer:
         if self._closed:
             raise RuntimeError("pyddp: this GradSync (or wrapped model) was closed")
 
-    def reattach(self, params_moved: Optional[Callable[[], bool]] = None) -> None:
+    def reattach(self, params_moved: Optional[Callable[[], Set[int]]] = None) -> None:
         if self._engine is None:
             return
         self._check_open()
