@@ -780,14 +780,25 @@ class _FailingSGD(torch.optim.SGD):
 def test_a_sharded_step_that_failed_part_way_refuses_its_state_dict():
     # Before, state_dict() after a step that failed on one replica's shard
     # returned the half-stepped state, silently (the steps were refused).
-    dm = pyddp.wrap(_model(), ["cpu"] * 2, run_replicas="threads")
+    model = _model()
+    dm = pyddp.wrap(model, ["cpu"] * 2, run_replicas="threads")
     opt = dm.optimizer(_FailingSGD, shard=True, lr=0.1)
     dm(torch.randn(4, 8)).sum().backward()
     with pytest.raises(pyddp.ReplicaError, match="out of memory"):
         opt.step()
     with pytest.raises(RuntimeError, match="failed part-way"):
         opt.state_dict()
-    dm.close()
+    # The model holds the same mix (replica 0's share stepped, the other's
+    # not): before, its state dict saved it silently, through the wrapper or
+    # the user's module (Lightning's and the Trainer's checkpoints).
+    with pytest.raises(RuntimeError, match="failed part-way.*state_dict.. is refused"):
+        dm.state_dict()
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        model.state_dict()
+    copied = copy.deepcopy(model)  # a copy carries no live refusal, nor pyddp
+    assert copied.state_dict().keys() == pickle.loads(pickle.dumps(model)).state_dict().keys()
+    dm.close()  # lifts it: the user may read the mix knowingly
+    assert model.state_dict().keys() == copied.state_dict().keys()
 
 
 def test_a_second_ctrl_c_inside_a_sharded_step_interrupts_it(monkeypatch):

@@ -32,6 +32,7 @@ from .._link.control import Ranks
 from .._link.joining import join_device
 from .._link.route import DeviceRoute
 from .ending import gradients_cleared
+from .hooks import refuse_state_dict
 
 
 class ReplicaDriver(Protocol):
@@ -107,6 +108,12 @@ class GradientShards:
         follow = None if self._follow is None else self._follow()
         if follow is not None:
             follow()
+
+    def refuse_model_state(self, why: str) -> None:
+        """The user's model's state_dict() raises `why` from now on (a step
+        left it half-stepped); close() lifts it, as it removes every hook."""
+        if not self._r.closed:
+            self._r._handles.append(refuse_state_dict(self.replicas[0], why))
 
     # ------------------------------------------------------------ the slots
     def slot_of(self, replica: int) -> int:

@@ -190,6 +190,29 @@ class InertCopy:
         return functools.partial, (dict.pop, {})
 
 
+def refuse_state_dict(module: nn.Module, why: str) -> Any:
+    """A state_dict pre-hook on the user's model that raises `why` (its handle)."""
+    return module.register_state_dict_pre_hook(_RefuseStateDict(why))
+
+
+class _RefuseStateDict:
+    """Raises: the model holds a mix of stepped and unstepped values. Copies
+    of the model are inert (`functools.partial(slice)` takes the hook's
+    three arguments and returns a value torch ignores)."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        raise RuntimeError(
+            f"{self.why}. The model holds that mix, so its state_dict() is refused; "
+            "close() the wrapped model to read it anyway"
+        )
+
+    def __reduce__(self) -> Any:
+        return functools.partial, (slice,)
+
+
 class PrepareHook(InertCopy):
     """Replica r's forward pre-hook: prepare(r) before a forward that may be
     followed by backward. Holds the reducer weakly."""

@@ -37,6 +37,13 @@ class OptimState:
     def __post_init__(self) -> None:
         self.kind = self.reducer.work_name(OPTIMIZER_STEP, self)
 
+    def give_up(self, why: str) -> None:
+        """A step left the replicas differing: every later step is refused,
+        and so is the model's state_dict() (a half-stepped mix) until the
+        wrapped model is closed."""
+        self.broken = why
+        self.reducer.refuse_model_state(why)
+
     def optimizers(self, outer: Any) -> List[Any]:
         """The optimizers holding this one's state, one per local replica."""
         raise NotImplementedError

@@ -290,7 +290,7 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
                         if self._pyddp.stepping(r):  # (the others hold no state)
                             _give_state(self, other)
             except Exception as e:  # the replicas now differ: refuse every later step
-                self._pyddp.broken = (
+                self._pyddp.give_up(
                     f"pyddp: an optimizer step failed on replica {failed} and copying replica "
                     f"0's parameters and optimizer state to the other replicas failed too "
                     f"({type(e).__name__}: {e}); the replicas differ: wrap the model again"

@@ -269,7 +269,7 @@ def _sharded_class(cls: Type[torch.optim.Optimizer]) -> type:
                 self._pyddp_gather()
                 align_versions(reducer.params, before)
             except BaseException as e:
-                self._pyddp.broken = (
+                self._pyddp.give_up(
                     "pyddp: a sharded optimizer step failed part-way "
                     f"({type(e).__name__}: {e}); some shards stepped and others did not, so "
                     "the replicas differ: load a checkpoint into a new wrapped model"
