@@ -314,6 +314,45 @@ def test_config_assigned_after_construction_is_checked_by_the_trainer():
     t.close()
 
 
+@pytest.mark.parametrize("change", ["none", "batch_size", "shuffle", "other data"])
+def test_a_fit_continuing_an_epoch_cut_otherwise_restarts_it(change):
+    # Found by a probe: stopped after 3 batches of 8 (max_steps) and given
+    # batch_size=16, the next fit went on at batch 3 of the new cut: rows 24
+    # to 47 of the epoch were never trained on, silently (with an output_dir
+    # it was refused; without one nothing compared the cut).
+    x, y = data(53)
+    seen = []
+
+    def loss_fn(out, target):
+        seen.extend(target["row"].tolist())
+        return F.cross_entropy(out, target["y"])
+
+    config = pyddp.TrainConfig(batch_size=8, max_epochs=1, max_steps=3, shuffle=False)
+    config.progress = False
+    with pyddp.Trainer(model(), ["cpu"] * 2, optimizer=SGD, loss_fn=loss_fn, config=config) as t:
+        t.fit((x, {"y": y, "row": torch.arange(53)}))
+        assert sorted(seen) == list(range(24))
+        seen.clear()
+        t.config.max_steps = None
+        if change == "batch_size":
+            t.config.batch_size = 16
+        elif change == "shuffle":
+            t.config.shuffle = True
+        elif change == "other data":
+            x = x + 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t.fit((x, {"y": y, "row": torch.arange(53)}))
+    said = " ".join(str(w.message) for w in caught)
+    if change == "none":  # the epoch goes on where it stopped
+        assert sorted(seen) == list(range(24, 53)) and "restarts" not in said
+    else:  # every row of the epoch, once, after the restart
+        assert sorted(seen) == list(range(53))
+        assert "continues epoch 1 at batch 3, the epoch is cut otherwise now" in said
+        key = {"other data": "training samples", "batch_size": "batch_size 8, now 16"}
+        assert key.get(change, "shuffle False, now True") in said
+
+
 @pytest.mark.parametrize(
     "argument, value, message",
     [

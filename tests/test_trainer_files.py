@@ -663,7 +663,25 @@ def test_a_resumed_position_past_the_end_of_shorter_data_restarts_the_epoch(tmp_
         assert t.fit((x[:40], y[:40])).state.step == 3 + 2 + 2
     said = " ".join(str(w.message) for w in caught)
     assert "training rows: checkpoint 97, now 40" in said
-    assert "resumed at batch 3 of epoch 1, past the end of this data's 2 batches" in said
+    assert "training rows 97, now 40" in said and "epoch 1 restarts at its first batch" in said
+
+
+def test_an_epoch_checkpointed_at_its_last_step_stays_done_when_resumed_cut_otherwise(tmp_path):
+    # Its last step checkpointed, the run failed in the epoch's validation:
+    # resumed with another batch_size, the epoch is over in either cut (not
+    # restarted: 2 + 4 steps; nor continued at batch 2 of 4 of the new cut).
+    x, y = data(64)
+
+    def failing(out, target):
+        raise RuntimeError("metric (test)")
+
+    first = trainer(tmp_path, max_epochs=2, checkpoint_every_steps=1, metrics={"m": failing})
+    with first as t, pytest.raises(RuntimeError, match="metric"):
+        t.fit((x, y), (x, y))
+    assert t.state.step == 2
+    resumed = trainer(tmp_path, max_epochs=2, batch_size=16, resume_if_changed=True)
+    with resumed as t, pytest.warns(UserWarning, match="batch_size: checkpoint 32, now 16"):
+        assert t.fit((x, y)).state.step == 2 + 4
 
 
 def test_a_fresh_run_never_prunes_another_runs_checkpoints(tmp_path):

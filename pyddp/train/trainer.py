@@ -292,10 +292,7 @@ class Trainer(EpochLoop, TrainerCheckpoints):
                 stacklevel=3,
             )
         self._recover_interrupted_fit()
-        spans = self.ranks.spans_processes
-        data, differ = (
-            self._data_signature(train_data, len(loader)) if self._files or spans else ({}, [])
-        )
+        data, differ = self._data_signature(train_data, len(loader))
         if differ and loader.rows_global:
             # (each rank trained on its slice of its own data: most rows unseen, silently)
             raise ValueError(
@@ -315,8 +312,8 @@ class Trainer(EpochLoop, TrainerCheckpoints):
             self._files.check_dir()
             if cfg.resume:
                 self._resume()
-                self._within_the_epoch(len(loader))
             self._files.checked = True
+        self._within_the_epoch(len(loader), {**self._signature(cfg), **data})
         # A fit starts at a window boundary: no gradient is carried into it
         # (an aborted backward's, or one the model held when it was wrapped).
         self.model.zero_grad()

@@ -28,6 +28,10 @@ _RNG = exchange("the RNG states for a checkpoint")
 _SAVED = exchange("rank 0's writing of a checkpoint")
 _DATA = exchange("each rank's training data signature")
 _BEST = exchange("rank 0's best.pt at resume")
+# The run and data signature entries (identity.py) that say how an epoch is
+# cut into batches: a position in an epoch means the same rows under them only.
+_CUT = ("batch_size", "shuffle", "training rows", "training batches per epoch")
+_CUT += ("training samples (hash of 4)", "training DataLoader")
 
 
 class CheckpointsHost(Protocol):
@@ -55,6 +59,10 @@ class CheckpointsHost(Protocol):
 
 
 class TrainerCheckpoints:
+    # How the epoch whose position the loop state holds was cut (_CUT's
+    # entries): set by each fit and by a resume.
+    _cut: Optional[Dict[str, str]] = None
+
     def _checkpoint(self) -> None:
         # Every rank's own random state (its dropout masks differ from the
         # others'), so that a resumed rank draws what it would have drawn.
@@ -103,6 +111,7 @@ class TrainerCheckpoints:
         with restoring(path, "loss scaler state"):
             self._scaler.load_state_dict(payload["loss_scaler"])
         self.state = state
+        self._cut = {k: payload["run"][k] for k in _CUT if k in payload["run"]}  # its position's
         self.best_state_dict = payload.get("best")
         # best.pt as of the resumed step: one written after it (the run went on
         # and crashed) would stay, another model than best_state_dict.
@@ -112,19 +121,32 @@ class TrainerCheckpoints:
         if self.rank == 0:
             print(f"pyddp: resumed from {path} (epoch {self.state.epoch}, step {self.state.step})")
 
-    def _within_the_epoch(self, batches: int) -> None:
-        """A resumed position past the end of this data's epoch (a shorter
-        loader, resumed with resume_if_changed or from a checkpoint that
-        did not record its data) would skip the rest of the epoch silently:
+    def _within_the_epoch(self, batches: int, run: Dict[str, str]) -> None:
+        """A fit continuing an epoch part-way (a resume, or a fit after a
+        max_steps stop or an exception) whose epoch is cut otherwise now
+        (another batch_size or shuffle, other data: `run`, this fit's run
+        and data signature, against the cut the position was reached under)
+        or is shorter than the position would skip or repeat rows silently:
         the epoch restarts instead, said in a warning."""
-        state = self.state
-        if state.batch_in_epoch <= batches:  # == batches: its last step was checkpointed
+        state, cut = self.state, {k: run[k] for k in _CUT if k in run}
+        before, self._cut = self._cut or cut, cut
+        changed = [f"{k} {before[k]}, now {v}" for k, v in cut.items() if before.get(k, v) != v]
+        if state.batch_in_epoch == 0 or (not changed and state.batch_in_epoch <= batches):
+            return  # (== batches: its last step was taken, or checkpointed)
+        if str(state.batch_in_epoch) == before.get("training batches per epoch"):
+            state.batch_in_epoch = batches  # its last step was checkpointed: the epoch ends
             return
         if self.rank == 0:
+            why = (
+                f"the epoch is cut otherwise now ({'; '.join(changed)}): the rows from there "
+                "would not be those the last fit left"
+                if changed
+                else f"past the end of this data's {batches} batches per epoch"
+            )
             warnings.warn(
-                f"pyddp: resumed at batch {state.batch_in_epoch} of epoch {state.epoch + 1}, "
-                f"past the end of this data's {batches} batches per epoch: epoch "
-                f"{state.epoch + 1} restarts at its first batch",
+                f"pyddp: this fit continues epoch {state.epoch + 1} at batch "
+                f"{state.batch_in_epoch}, {why}; epoch {state.epoch + 1} restarts at its first "
+                "batch instead (change these settings between epochs to avoid it)",
                 stacklevel=4,
             )
         state.batch_in_epoch = 0
