@@ -183,6 +183,48 @@ def _with_length(cache, n):
     return cache
 
 
+class Filling(nn.Module):
+    """Fills the cache passed to it in place, as transformers' DynamicCache
+    fills (layer.keys grows along the sequence); returns it or not."""
+
+    def __init__(self, returns=True):
+        super().__init__()
+        self.lin, self.returns = nn.Linear(2, 2), returns
+
+    def forward(self, x, cache):
+        layer = cache.layers[0]
+        k = self.lin(x).unsqueeze(1)  # (rows, 1 step, 2)
+        layer.keys = k if layer.keys is None else torch.cat([layer.keys, k], 1)
+        cache.seen_tokens = layer.keys.shape[1]
+        out = self.lin(x) + layer.keys.sum(1)
+        return (out, cache) if self.returns else out
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_a_cache_passed_in_is_filled_as_on_one_device(replicas):
+    # A probe: the caller's cache stayed empty (each replica filled its own
+    # shard's copy), so the next step ran without the prefix, silently.
+    torch.manual_seed(0)
+    model = Filling()
+    xs = [torch.randn(7, 2) for _ in range(3)]
+    mine, want = KVCache([Layer(None)]), KVCache([Layer(None)])
+    ref = copy.deepcopy(model)
+    with pyddp.wrap(model, ["cpu"] * replicas) as dm, torch.no_grad():
+        for x in xs:
+            out, returned = dm(x, mine)
+            ref_out, _ = ref(x, want)
+            torch.testing.assert_close(out, ref_out)  # each step saw the whole prefix
+            assert mine.seen_tokens == want.seen_tokens and isinstance(returned, KVCache)
+            torch.testing.assert_close(mine.layers[0].keys, want.layers[0].keys)
+    assert mine.layers[0].keys.shape == (7, 3, 2)
+
+
+def test_a_cache_filled_in_place_and_not_returned_is_refused():
+    dm = pyddp.wrap(Filling(returns=False), ["cpu", "cpu"])
+    with dm, pytest.raises(RuntimeError, match="changed the KVCache passed to it in place"):
+        dm(torch.randn(5, 2), KVCache([Layer(None)]))
+
+
 def test_constant_strings_and_none_pass_through():
     with pyddp.wrap(Returns(lambda x: ("tag", None)), ["cpu", "cpu"]) as dm:
         out = dm(torch.randn(6, 2))

@@ -124,6 +124,56 @@ def test_a_stock_causal_lm_returns_its_cache_joined():
         out.loss.backward()
 
 
+def test_a_cache_passed_in_is_filled_as_on_one_device():
+    # transformers' decoding idiom: the caller's DynamicCache, filled in place
+    # by each call. It stayed empty under pyddp (each replica filled its own
+    # shard's copy): the next token ran without the prefix, 0.25 off one device.
+    transformers = pytest.importorskip("transformers")
+    family = FAMILIES["llama"]
+    model = family.build()
+    ref = copy.deepcopy(model)
+    ids = family.batch(ROWS, 0)["input_ids"]
+    steps = [ids, ids[:, -1:], ids[:, -2:-1]]
+    mine = transformers.DynamicCache(config=model.config)
+    want = transformers.DynamicCache(config=model.config)
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm, torch.no_grad():
+        for step in steps:
+            got, expected = (
+                dm(input_ids=step, past_key_values=mine),
+                ref(input_ids=step, past_key_values=want),
+            )
+            torch.testing.assert_close(got.logits, expected.logits, atol=ATOL, rtol=0)
+            assert mine.get_seq_length() == want.get_seq_length()
+    assert want.get_seq_length() == ids.shape[1] + 2
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_a_loss_over_num_items_in_batch_equals_one_device(replicas):
+    # transformers' fix for masked labels: the model sums its loss and divides
+    # by num_items_in_batch, the whole batch's count. The shards' losses add
+    # up to one device's; their weighted mean was 1/n of it (a probe: 2.386
+    # against 4.622 on 2 replicas, gradients alike), silently.
+    family = FAMILIES["llama"]
+    model = family.build()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
+    with pyddp.wrap(model, ["cpu"] * replicas) as dm:
+        opt = dm.optimizer(torch.optim.SGD, **SGD)
+        for seed in range(STEPS):
+            batch = family.batch(ROWS, seed)
+            batch["labels"][0, 2:] = batch["labels"][3, 5:] = -100  # rows of other lengths
+            count = (batch["labels"][:, 1:] != -100).sum()
+            for count_as in (count, int(count)):
+                got = dm(**batch, num_items_in_batch=count_as).loss
+                want = ref(**batch, num_items_in_batch=count_as).loss
+                assert abs(got.item() - want.item()) < ATOL * want.item()
+                for loss, o in ((got, opt), (want, ref_opt)):
+                    loss.backward()
+                    o.step()
+                    o.zero_grad()
+    assert max_param_diff(model, ref) < ATOL
+
+
 def test_hidden_states_and_attentions_in_training():
     # transformers registers its output-capture hooks on the first call
     # asking for them, on each replica (its own forward): pyddp refused every

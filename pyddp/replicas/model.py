@@ -360,7 +360,7 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
                 )
         if torch.is_grad_enabled():
             self._reducer.note_forward_end()
-        return self._gathered(outs, sizes, cut)
+        return self._gathered(outs, sizes, cut, (args, kwargs), shards)
 
     def _forward_direct(self, args: Any, kwargs: Any) -> Any:
         """One CPU replica in this process (across processes, as torch DDP

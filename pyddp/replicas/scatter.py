@@ -13,7 +13,7 @@ import torch
 
 from ..engine.hooks import InertCopy
 from .combine import InputCut, combine_column
-from .tree import flatten, other_leaves, shard_sizes, structure
+from .tree import caches, flatten, other_leaves, shard_sizes, structure
 
 # (per-replica tensors, their kinds, shard weights) -> the combined tensors
 CombineFn = Callable[[List[List[torch.Tensor]], List[str], List[float]], List[torch.Tensor]]
@@ -66,15 +66,36 @@ def scatter(
     return shards, sizes, inputs
 
 
-def gather(outs: List[Any], sizes: List[int], device: torch.device, combine: CombineFn) -> Any:
+def gather_call(
+    call: Tuple[tuple, Dict[str, Any]],
+    shards: List[Any],
+    outs: List[Any],
+    sizes: List[int],
+    device: torch.device,
+    combine: CombineFn,
+) -> Any:
+    """gather() for a forward called with `call` (args, kwargs) whose
+    replicas took `shards`. Where the call passes transformers'
+    `num_items_in_batch`, the model sums its loss over the rows and divides
+    by that count, the whole batch's: the shards' losses add up to one
+    device's, so 0-dim floating outputs are summed (their weighted mean was
+    1/n of it, silently). Model caches passed in are refilled (refill_caches)."""
+    sums = call[1].get("num_items_in_batch") is not None
+    return refill_caches(call, shards, outs, gather(outs, sizes, device, combine, sums))
+
+
+def gather(
+    outs: List[Any], sizes: List[int], device: torch.device, combine: CombineFn, sums: bool = False
+) -> Any:
     """Batch tensors are concatenated; 0-dim floating tensors (a loss the
-    model computes itself) become the shard-size-weighted mean; other 0-dim
+    model computes itself) become the shard-size-weighted mean (`sums`: the
+    sum); other 0-dim
     tensors are stacked, one per replica. Non-tensor values are refused
     unless every replica returned the same None, str or bytes. `combine`
     combines the columns that need a gradient (through autograd, see combine.py)."""
     weights = [n / sum(sizes) for n in sizes]
     if all(isinstance(o, torch.Tensor) for o in outs):  # one tensor each: no tree to walk
-        kind = _gather_kind(outs[0])
+        kind = _gather_kind(outs[0], sums)
         if any(o.requires_grad for o in outs):
             return combine([[o] for o in outs], [kind], weights)[0]
         return combine_column(outs, kind, device, weights)
@@ -91,7 +112,7 @@ def gather(outs: List[Any], sizes: List[int], device: torch.device, combine: Com
     rebuild = flat[0][1]
     _check_other_leaves(outs)
     results: List[Optional[torch.Tensor]] = [None] * len(leaves[0])
-    kinds = [_gather_kind(t) for t in leaves[0]]
+    kinds = [_gather_kind(t, sums) for t in leaves[0]]
     differentiable = []
     for j in range(len(results)):
         column = [ls[j] for ls in leaves]
@@ -110,6 +131,41 @@ def gather(outs: List[Any], sizes: List[int], device: torch.device, combine: Com
     return rebuild(results)
 
 
+def refill_caches(tree: Any, shards: List[Any], outs: List[Any], gathered: Any) -> Any:
+    """A model cache passed in is filled in place and returned by the model
+    (transformers' `DynamicCache`: `model(ids, past_key_values=cache)`): on
+    one device the caller's object holds the prefix's keys and values
+    afterwards. Each replica filled its own shard's copy (scatter), so the
+    caller's object takes the state of the gathered cache that replica 0's
+    copy became (before, it stayed empty: the next token ran without the
+    prefix, 0.25 off one device, silently). A copy a replica changed without
+    returning it is refused. Returns `gathered`."""
+    mine = caches(tree)
+    if not mine:
+        return gathered
+    returned = {id(c): k for k, c in enumerate(caches(outs[0]))}
+    joined = caches(gathered)  # (outs[0]'s structure: its caches in the same order)
+    for cache, copy in zip(mine, caches(shards[0])):
+        k = returned.get(id(copy))
+        if k is not None:
+            vars(cache).clear()
+            vars(cache).update(vars(joined[k]))  # (its tensors: the gathered batch's)
+        elif _shapes(copy) != _shapes(cache):
+            raise RuntimeError(
+                f"pyddp: the model changed the {type(cache).__name__} passed to it in place "
+                "and did not return it: each replica changed its own shard's copy, and "
+                "pyddp joins only what the model returns, so your object would not hold "
+                "the batch's state. Return it (transformers: use_cache=True), or call the "
+                "unwrapped model (dmodel.module) for this"
+            )
+    return gathered
+
+
+def _shapes(cache: Any) -> List[Tuple[int, ...]]:
+    """A cache's tensors' shapes past the batch dimension, and where they are."""
+    return [tuple(t.shape[1:]) for t in flatten(cache)[0]] + [structure(cache)]
+
+
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` on `device` (a shard already there, as on CPU replicas, as it is)."""
     return t if t.device == device else t.to(device, non_blocking=True)
@@ -120,10 +176,10 @@ def _short(shape: Any) -> str:
     return text if len(text) < 200 else text[:200] + "..."
 
 
-def _gather_kind(t: torch.Tensor) -> str:
-    if t.dim() > 0:
+def _gather_kind(t: torch.Tensor, sums: bool) -> str:
+    if t.dim() > 0 or not (t.is_floating_point() or t.is_complex()):
         return "cat"
-    return "mean" if t.is_floating_point() or t.is_complex() else "cat"
+    return "sum" if sums else "mean"
 
 
 _SAME_ON_EVERY_REPLICA = (type(None), str, bytes)

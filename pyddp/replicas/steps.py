@@ -34,7 +34,7 @@ from .._link import Link
 from ..engine.faces import ReplicaDriver
 from ..errors import ReplicaError
 from .combine import Combine, InputCut, combine_column, keep_graph, replica_backward
-from .scatter import batch_size, call_arguments, gather, scatter
+from .scatter import batch_size, call_arguments, gather_call, scatter
 from .staged import StagedBuffers
 from .syncbn import SyncBatchNorms
 from .workers import ReplicaWorkers
@@ -222,10 +222,11 @@ class ReplicaSteps:
         )
         return list(node.apply())
 
-    def _gathered(self, outs: List[Any], sizes: List[int], cut: Optional[InputCut]) -> Any:
-        """The replicas' outputs gathered on devices[0] (scatter.gather), the
-        forward's input shards `cut` held by the combining node alone."""
-        return gather(outs, sizes, self.devices[0], partial(self._combine, cut=cut))
+    def _gathered(self, outs: List[Any], sizes: List[int], cut: Any, call: Any, shards: Any) -> Any:
+        """The outputs of a forward `call` (args, kwargs) over `shards` on devices[0]
+        (scatter.gather_call); its input shards `cut` (InputCut) held by the combining node."""
+        combine = partial(self._combine, cut=cut)
+        return gather_call(call, shards, outs, sizes, self.devices[0], combine)
 
     def _cuts_inputs(self) -> bool:
         """Where each CPU replica's backward runs over its own graph (on its

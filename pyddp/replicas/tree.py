@@ -173,6 +173,17 @@ def structure(obj: Any, in_cache: bool = False) -> Any:
     return node.kind, tuple(structure(c, node.in_cache) for c in node.children)
 
 
+def caches(obj: Any) -> List[Any]:
+    """The model caches in `obj` (the outermost: not those inside a cache),
+    depth first: trees of one structure list theirs in the same order."""
+    if isinstance(obj, torch.Tensor):
+        return []
+    if is_cache(obj) and hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return [obj]
+    node = _node(obj)
+    return [] if node is None else [c for child in node.children for c in caches(child)]
+
+
 class OtherLeaf(NamedTuple):
     path: str  # e.g. "output[1]['n']"
     value: Any
