@@ -5,6 +5,7 @@ values, which one replica cannot speak for."""
 from __future__ import annotations
 
 import copy
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -223,6 +224,32 @@ def test_a_cache_filled_in_place_and_not_returned_is_refused():
     dm = pyddp.wrap(Filling(returns=False), ["cpu", "cpu"])
     with dm, pytest.raises(RuntimeError, match="changed the KVCache passed to it in place"):
         dm(torch.randn(5, 2), KVCache([Layer(None)]))
+
+
+def test_an_in_batch_similarity_is_refused_by_name():
+    # A probe: CLIP's logits_per_image on 7 rows over 2 replicas ((4, 4) and
+    # (3, 3)) failed in torch.cat, naming neither the output nor why.
+    model = Returns(lambda x: {"sim": x @ x.T})
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        match = r"output\[1\]\['sim'\] has shapes \(4, 4\), \(3, 3\)"
+        with pytest.raises(RuntimeError, match=match):
+            dm(torch.randn(7, 2))
+
+
+def test_an_output_that_is_not_batch_major_is_warned_about():
+    # A probe: x.mean(0) on 7 rows over 3 replicas came back (6,) for one
+    # device's (2,), silently. Rows that vary with the data (a selection:
+    # 3, 1 and 0 rows here) join as one device's, without a warning.
+    x = torch.tensor([[1.0, 0], [2, 0], [3, 0], [4, 0], [-5, 0], [-6, 0], [-7, 0]])
+    statistic = pyddp.wrap(Returns(lambda x: (x.mean(0), x[x[:, 0] > 0])), ["cpu"] * 3)
+    match = r"output\[1\]\[0\] has shapes \(2,\), \(2,\)"
+    with statistic as dm, pytest.warns(UserWarning, match=match):
+        out = dm(x)
+    assert out[1][0].shape == (6,)  # (as it was: warned)
+    selection = pyddp.wrap(Returns(lambda x: x[x[:, 0] > 0]), ["cpu"] * 3)
+    with selection as dm, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(dm(x)[1], x[:4])
 
 
 def test_constant_strings_and_none_pass_through():

@@ -6,6 +6,7 @@ and the guard on sequence-first layers a batch split along dim 0 would cut."""
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -13,7 +14,7 @@ import torch
 
 from ..engine.hooks import InertCopy
 from .combine import InputCut, combine_column
-from .tree import caches, flatten, other_leaves, shard_sizes, structure
+from .tree import caches, flatten, other_leaves, shard_sizes, structure, tensor_paths
 
 # (per-replica tensors, their kinds, shard weights) -> the combined tensors
 CombineFn = Callable[[List[List[torch.Tensor]], List[str], List[float]], List[torch.Tensor]]
@@ -96,6 +97,7 @@ def gather(
     weights = [n / sum(sizes) for n in sizes]
     if all(isinstance(o, torch.Tensor) for o in outs):  # one tensor each: no tree to walk
         kind = _gather_kind(outs[0], sums)
+        _check_batch_major(outs, sizes, outs, 0)
         if any(o.requires_grad for o in outs):
             return combine([[o] for o in outs], [kind], weights)[0]
         return combine_column(outs, kind, device, weights)
@@ -116,6 +118,7 @@ def gather(
     differentiable = []
     for j in range(len(results)):
         column = [ls[j] for ls in leaves]
+        _check_batch_major(column, sizes, outs, j)
         if any(t.requires_grad for t in column):
             differentiable.append(j)
         else:
@@ -164,6 +167,43 @@ def refill_caches(tree: Any, shards: List[Any], outs: List[Any], gathered: Any) 
 def _shapes(cache: Any) -> List[Tuple[int, ...]]:
     """A cache's tensors' shapes past the batch dimension, and where they are."""
     return [tuple(t.shape[1:]) for t in flatten(cache)[0]] + [structure(cache)]
+
+
+def _check_batch_major(column: List[torch.Tensor], sizes: List[int], outs: Any, j: int) -> None:
+    """A column (output tensor `j`, one per replica) that is not batch-major:
+    shapes past dim 0 that differ are refused (torch's size error before);
+    as many rows on every replica however many rows of the batch each took
+    (a statistic over the shard, a parameter: n times one device's rows,
+    silently before) is warned about, once per output: a selection of rows
+    (`x[mask]`) may take as many on each by chance, and joins right. Rows in
+    proportion to the shares (a few per sample), or that vary, join as one
+    device's."""
+    if len(column) < 2 or column[0].dim() == 0:
+        return
+    rows, rest = [t.shape[0] for t in column], column[0].shape[1:]
+    differ = any(t.shape[1:] != rest for t in column[1:])
+    rows0, share0 = rows[0], sizes[0]
+    proportional = rows0 % share0 == 0 and all(r * share0 == rows0 * s for r, s in zip(rows, sizes))
+    if not differ and (proportional or len(set(rows)) > 1 or rows0 == 0):
+        return
+    one = isinstance(outs[0], torch.Tensor)
+    path = "the output" if one else tensor_paths(outs[0])[j]
+    shapes = ", ".join(str(tuple(t.shape)) for t in column)
+    said = f"pyddp: {path} has shapes {shapes} on the replicas"
+    if differ:
+        raise RuntimeError(
+            f"{said}: past dim 0 they differ, so they cannot be joined along the batch (a "
+            "tensor comparing a shard's rows with each other, such as an in-batch similarity "
+            "or CLIP's logits_per_image, is each replica's own). Return only tensors whose dim "
+            "0 is the batch, and compute such values from the gathered outputs"
+        )
+    warnings.warn(
+        f"{said}, as many rows on each though they took {sizes} rows of the batch: if it is "
+        "not batch-major (a statistic over the shard, a parameter), joining it along dim 0 "
+        f"gives {len(column)} times one device's rows. Return only tensors whose dim 0 is the "
+        "batch, and compute such values from the gathered outputs",
+        stacklevel=2,
+    )
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -205,6 +205,20 @@ def other_leaves(obj: Any, path: str = "output", in_cache: bool = False) -> List
     ]
 
 
+def tensor_paths(obj: Any, path: str = "output", in_cache: bool = False) -> List[str]:
+    """The paths of the tensor leaves of `obj`, in `flatten`'s order."""
+    if isinstance(obj, torch.Tensor):
+        return [path]
+    node = _node(obj, in_cache)
+    if node is None:
+        return []
+    return [
+        p
+        for key, child in zip(node.keys, node.children)
+        for p in tensor_paths(child, path + key, node.in_cache)
+    ]
+
+
 def shard_sizes(batch: int, parts: int) -> List[int]:
     """Splits `batch` rows over `parts` shards as evenly as possible, larger first."""
     base, extra = divmod(batch, parts)
