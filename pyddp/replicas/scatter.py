@@ -180,8 +180,11 @@ def _check_batch_major(column: List[torch.Tensor], sizes: List[int], outs: Any, 
     device's."""
     if len(column) < 2 or column[0].dim() == 0:
         return
-    rows, rest = [t.shape[0] for t in column], column[0].shape[1:]
-    differ = any(t.shape[1:] != rest for t in column[1:])
+    shapes = [t.shape for t in column]
+    rows, rest = [s[0] for s in shapes], shapes[0][1:]
+    differ = any(s[1:] != rest for s in shapes)
+    if rows == sizes and not differ:  # (a row per row of the batch: the common case)
+        return
     rows0, share0 = rows[0], sizes[0]
     proportional = rows0 % share0 == 0 and all(r * share0 == rows0 * s for r, s in zip(rows, sizes))
     if not differ and (proportional or len(set(rows)) > 1 or rows0 == 0):

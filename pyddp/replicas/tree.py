@@ -176,6 +176,11 @@ def structure(obj: Any, in_cache: bool = False) -> Any:
 def caches(obj: Any) -> List[Any]:
     """The model caches in `obj` (the outermost: not those inside a cache),
     depth first: trees of one structure list theirs in the same order."""
+    kind = type(obj)
+    if kind is tuple or kind is list:  # (every call's args and kwargs: quickly)
+        return [c for child in obj for c in caches(child)]
+    if kind is dict:
+        return [c for child in obj.values() for c in caches(child)]
     if isinstance(obj, torch.Tensor):
         return []
     if is_cache(obj) and hasattr(obj, "__dict__") and not isinstance(obj, type):
