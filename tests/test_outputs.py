@@ -224,6 +224,27 @@ def test_a_cache_filled_in_place_and_not_returned_is_refused():
     dm = pyddp.wrap(Filling(returns=False), ["cpu", "cpu"])
     with dm, pytest.raises(RuntimeError, match="changed the KVCache passed to it in place"):
         dm(torch.randn(5, 2), KVCache([Layer(None)]))
+    # Preallocated, written at a position it advances (a static cache): its
+    # shapes stay, its position moves (a review: neither refused nor refilled).
+    dm = pyddp.wrap(Positioned(), ["cpu", "cpu"])
+    with dm, pytest.raises(RuntimeError, match="changed the PositionCache passed to it"):
+        dm(torch.randn(5, 2), PositionCache(5))
+
+
+class PositionCache:
+    def __init__(self, rows):
+        self.buffer, self.position = torch.zeros(rows, 4, 2), 0
+
+
+class Positioned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x, cache):
+        cache.buffer[:, cache.position] = self.lin(x).detach()
+        cache.position += 1
+        return self.lin(x) + cache.buffer.sum(1)
 
 
 def test_an_in_batch_similarity_is_refused_by_name():

@@ -666,6 +666,18 @@ def test_a_resumed_position_past_the_end_of_shorter_data_restarts_the_epoch(tmp_
     assert "training rows 97, now 40" in said and "epoch 1 restarts at its first batch" in said
 
 
+def test_a_resume_with_another_seed_restarts_the_epoch(tmp_path):
+    # A review: with resume_if_changed, another seed shuffles the epoch
+    # otherwise, and its position kept trained 9 rows twice and skipped 9.
+    x, y = data(53)
+    with trainer(tmp_path, max_epochs=1, max_steps=3, batch_size=8) as t:
+        t.fit((x, y))
+    resumed = trainer(tmp_path, max_epochs=1, batch_size=8, seed=1, resume_if_changed=True)
+    with resumed as t, pytest.warns(UserWarning) as caught:
+        assert t.fit((x, y)).state.step == 3 + 7
+    assert "cut otherwise now (seed 0, now 1)" in " ".join(str(w.message) for w in caught)
+
+
 def test_an_epoch_checkpointed_at_its_last_step_stays_done_when_resumed_cut_otherwise(tmp_path):
     # Its last step checkpointed, the run failed in the epoch's validation:
     # resumed with another batch_size, the epoch is over in either cut (not

@@ -21,13 +21,14 @@ CombineFn = Callable[[List[List[torch.Tensor]], List[str], List[float]], List[to
 
 
 def scatter(
-    tree: Any, devices: Sequence[torch.device], cut: bool = False
+    tree: Any, devices: Sequence[torch.device], cut: bool = False, call: bool = False
 ) -> Tuple[List[Any], List[int], Optional[InputCut]]:
     """Splits every batched tensor in `tree` along dim 0 over `devices`
     (shard sizes as even as possible; a batch smaller than the number of
     devices uses the first `batch` ones) and moves each shard there. `cut`:
     shards that need a gradient become leaves of their own, returned as a
-    combine.InputCut (None where no input needs a gradient)."""
+    combine.InputCut (None where no input needs a gradient). `call`: `tree`
+    is a forward's (args, kwargs), whose count of items is shared (share_count)."""
     leaves, rebuild = flatten(tree)
     for t in leaves:
         if t.layout != torch.strided or t.is_nested:  # (an internal error in split before)
@@ -64,7 +65,26 @@ def scatter(
         rebuild([place(parts[r], device) for parts in split])
         for r, device in enumerate(devices[: len(sizes)])
     ]
+    if call and len(sizes) > 1 and tree[1].get(_COUNT) is not None:
+        share_count(shards, sizes)
     return shards, sizes, inputs
+
+
+_COUNT = "num_items_in_batch"
+
+
+def share_count(shards: List[Any], sizes: List[int]) -> None:
+    """transformers' `num_items_in_batch`: the whole batch's count of what a
+    model's loss sums (the labels not masked), which the model divides its
+    summed loss by. pyddp takes the shard-size-weighted mean of the replicas'
+    0-dim outputs, so replica r is given the count times its share of the
+    rows, N * n_r / n: the weighted mean of sum_r / (N n_r / n) is the sum
+    over the shards over N, one device's loss (before, 1/n of it). A model
+    that ignores the count returns its shard's mean, weighted as before, and
+    so do other 0-dim outputs (a mixture of experts' auxiliary loss)."""
+    total = sum(sizes)
+    for (_, kwargs), n in zip(shards, sizes):
+        kwargs[_COUNT] = kwargs[_COUNT] * (n / total)
 
 
 def gather_call(
@@ -76,27 +96,19 @@ def gather_call(
     combine: CombineFn,
 ) -> Any:
     """gather() for a forward called with `call` (args, kwargs) whose
-    replicas took `shards`. Where the call passes transformers'
-    `num_items_in_batch`, the model sums its loss over the rows and divides
-    by that count, the whole batch's: the shards' losses add up to one
-    device's, so 0-dim floating outputs are summed (their weighted mean was
-    1/n of it, silently). Model caches passed in are refilled (refill_caches)."""
-    sums = call[1].get("num_items_in_batch") is not None
-    return refill_caches(call, shards, outs, gather(outs, sizes, device, combine, sums))
+    replicas took `shards`; model caches passed in are refilled (refill_caches)."""
+    return refill_caches(call, shards, outs, gather(outs, sizes, device, combine))
 
 
-def gather(
-    outs: List[Any], sizes: List[int], device: torch.device, combine: CombineFn, sums: bool = False
-) -> Any:
+def gather(outs: List[Any], sizes: List[int], device: torch.device, combine: CombineFn) -> Any:
     """Batch tensors are concatenated; 0-dim floating tensors (a loss the
-    model computes itself) become the shard-size-weighted mean (`sums`: the
-    sum); other 0-dim
+    model computes itself) become the shard-size-weighted mean; other 0-dim
     tensors are stacked, one per replica. Non-tensor values are refused
     unless every replica returned the same None, str or bytes. `combine`
     combines the columns that need a gradient (through autograd, see combine.py)."""
     weights = [n / sum(sizes) for n in sizes]
     if all(isinstance(o, torch.Tensor) for o in outs):  # one tensor each: no tree to walk
-        kind = _gather_kind(outs[0], sums)
+        kind = _gather_kind(outs[0])
         _check_batch_major(outs, sizes, outs, 0)
         if any(o.requires_grad for o in outs):
             return combine([[o] for o in outs], [kind], weights)[0]
@@ -114,7 +126,7 @@ def gather(
     rebuild = flat[0][1]
     _check_other_leaves(outs)
     results: List[Optional[torch.Tensor]] = [None] * len(leaves[0])
-    kinds = [_gather_kind(t, sums) for t in leaves[0]]
+    kinds = [_gather_kind(t) for t in leaves[0]]
     differentiable = []
     for j in range(len(results)):
         column = [ls[j] for ls in leaves]
@@ -153,7 +165,7 @@ def refill_caches(tree: Any, shards: List[Any], outs: List[Any], gathered: Any) 
         if k is not None:
             vars(cache).clear()
             vars(cache).update(vars(joined[k]))  # (its tensors: the gathered batch's)
-        elif _shapes(copy) != _shapes(cache):
+        elif _seen(copy) != _seen(cache):
             raise RuntimeError(
                 f"pyddp: the model changed the {type(cache).__name__} passed to it in place "
                 "and did not return it: each replica changed its own shard's copy, and "
@@ -164,9 +176,22 @@ def refill_caches(tree: Any, shards: List[Any], outs: List[Any], gathered: Any) 
     return gathered
 
 
-def _shapes(cache: Any) -> List[Tuple[int, ...]]:
-    """A cache's tensors' shapes past the batch dimension, and where they are."""
-    return [tuple(t.shape[1:]) for t in flatten(cache)[0]] + [structure(cache)]
+def _seen(cache: Any) -> List[Any]:
+    """What a model changing a cache in place changes visibly: its tensors'
+    shapes past the batch dimension, its structure, and its other values (a
+    position counter). Values written in place into its tensors are not seen."""
+    shapes = [tuple(t.shape[1:]) for t in flatten(cache)[0]]
+    return [shapes, structure(cache), [_Same(leaf.value) for leaf in other_leaves(cache)]]
+
+
+class _Same:
+    """A cache's non-tensor value, compared as _equal compares."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and _equal(self.value, other.value)
 
 
 def _check_batch_major(column: List[torch.Tensor], sizes: List[int], outs: Any, j: int) -> None:
@@ -219,10 +244,10 @@ def _short(shape: Any) -> str:
     return text if len(text) < 200 else text[:200] + "..."
 
 
-def _gather_kind(t: torch.Tensor, sums: bool) -> str:
-    if t.dim() > 0 or not (t.is_floating_point() or t.is_complex()):
+def _gather_kind(t: torch.Tensor) -> str:
+    if t.dim() > 0:
         return "cat"
-    return "sum" if sums else "mean"
+    return "mean" if t.is_floating_point() or t.is_complex() else "cat"
 
 
 _SAME_ON_EVERY_REPLICA = (type(None), str, bytes)

@@ -239,7 +239,7 @@ class ReplicaSteps:
             map(_parametrize.is_parametrized, self.module.modules())
         ):
             raise RuntimeError(_CACHED_PARAMETRIZATIONS)
-        shards, sizes, cut = scatter(tree, self.devices, self._cuts_inputs())
+        shards, sizes, cut = scatter(tree, self.devices, self._cuts_inputs(), call=True)
         self._begin(sum(sizes))
         return shards, sizes, cut
 

@@ -25,7 +25,7 @@ from ..runtime.devices import DeviceLike
 from .arguments import check_arguments, optimizer_spec, qualname
 from .callbacks import Callback, Emission, MetricsLogger, ProgressBar
 from .checkpoints.identity import run_signature, scheduler_settings, validation_signature
-from .checkpoints.resume import TrainerCheckpoints
+from .checkpoints.resume import BATCHES, TrainerCheckpoints
 from .checkpoints.run_files import RunFiles
 from .config import TrainConfig, check_made
 from .data import ShardedLoader, overridden_settings
@@ -292,7 +292,11 @@ class Trainer(EpochLoop, TrainerCheckpoints):
                 stacklevel=3,
             )
         self._recover_interrupted_fit()
-        data, differ = self._data_signature(train_data, len(loader))
+        spans, batches = self.ranks.spans_processes, len(loader)
+        # (a hash of samples reads items: a Dataset's own generator moves on)
+        data, differ = (
+            self._data_signature(train_data, batches) if self._files or spans else ({}, [])
+        )
         if differ and loader.rows_global:
             # (each rank trained on its slice of its own data: most rows unseen, silently)
             raise ValueError(
@@ -313,7 +317,7 @@ class Trainer(EpochLoop, TrainerCheckpoints):
             if cfg.resume:
                 self._resume()
             self._files.checked = True
-        self._within_the_epoch(len(loader), {**self._signature(cfg), **data})
+        self._within_the_epoch(batches, {**self._signature(cfg), **data, BATCHES: str(batches)})
         # A fit starts at a window boundary: no gradient is carried into it
         # (an aborted backward's, or one the model held when it was wrapped).
         self.model.zero_grad()

@@ -29,9 +29,11 @@ _SAVED = exchange("rank 0's writing of a checkpoint")
 _DATA = exchange("each rank's training data signature")
 _BEST = exchange("rank 0's best.pt at resume")
 # The run and data signature entries (identity.py) that say how an epoch is
-# cut into batches: a position in an epoch means the same rows under them only.
-_CUT = ("batch_size", "shuffle", "training rows", "training batches per epoch")
-_CUT += ("training samples (hash of 4)", "training DataLoader")
+# cut into batches: a position in an epoch means the same rows under them
+# only. Not the hash of samples: a Dataset drawing from a generator of its
+# own reads otherwise at every fit (a false restart, found by a review).
+BATCHES = "training batches per epoch"
+_CUT = ("batch_size", "shuffle", "seed", "training rows", BATCHES, "training DataLoader")
 
 
 class CheckpointsHost(Protocol):
@@ -133,7 +135,7 @@ class TrainerCheckpoints:
         changed = [f"{k} {before[k]}, now {v}" for k, v in cut.items() if before.get(k, v) != v]
         if state.batch_in_epoch == 0 or (not changed and state.batch_in_epoch <= batches):
             return  # (== batches: its last step was taken, or checkpointed)
-        if str(state.batch_in_epoch) == before.get("training batches per epoch"):
+        if str(state.batch_in_epoch) == before.get(BATCHES):
             state.batch_in_epoch = batches  # its last step was checkpointed: the epoch ends
             return
         if self.rank == 0:
