@@ -13,6 +13,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -664,6 +665,42 @@ def test_a_resumed_position_past_the_end_of_shorter_data_restarts_the_epoch(tmp_
     said = " ".join(str(w.message) for w in caught)
     assert "training rows: checkpoint 97, now 40" in said
     assert "training rows 97, now 40" in said and "epoch 1 restarts at its first batch" in said
+
+
+class _FailingOnReplica1(torch.optim.SGD):
+    """SGD whose 5th step off the main thread (replica 1's shard) raises."""
+
+    steps = 0
+
+    def step(self, closure=None):
+        if threading.current_thread() is not threading.main_thread():
+            type(self).steps += 1
+            if type(self).steps == 5:
+                raise RuntimeError("out of memory (test)")
+        return super().step(closure)
+
+
+def test_a_failed_sharded_step_needs_a_new_trainer_and_it_resumes(tmp_path):
+    # A review: the next fit() resumed as the last error advised, and failed
+    # naming the checkpoint ("its best model does not fit this Trainer"):
+    # the broken sharded step cannot be repaired in the same wrapped model.
+    x, y = data(64)
+    _FailingOnReplica1.steps = 0  # (its 5th shard step fails: the later runs step on)
+    failing = functools.partial(_FailingOnReplica1, lr=0.1)
+    cfg = dict(max_epochs=1, batch_size=8, checkpoint_every_steps=2, shard_optimizer=True)
+    cfg["optimizer"] = failing
+    t = trainer(tmp_path, **cfg)
+    with pytest.raises(pyddp.TrainingError, match="out of memory"):
+        t.fit((x, y))
+    with pytest.raises(RuntimeError, match="failed inside a sharded optimizer step.*new Trainer"):
+        t.fit((x, y))
+    t.close()
+    with trainer(tmp_path, **cfg) as resumed:
+        assert resumed.fit((x, y)).state.step == 8  # from the checkpoint of step 4
+    with trainer(tmp_path / "whole", **cfg) as whole:
+        whole.fit((x, y))
+    for p, q in zip(resumed.model.module.parameters(), whole.model.module.parameters()):
+        assert torch.equal(p, q)
 
 
 def test_a_resume_with_another_seed_restarts_the_epoch(tmp_path):

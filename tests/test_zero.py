@@ -795,6 +795,8 @@ def test_a_sharded_step_that_failed_part_way_refuses_its_state_dict():
         dm.state_dict()
     with pytest.raises(RuntimeError, match="failed part-way"):
         model.state_dict()
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        model[0].state_dict()  # (a submodule holds it too: a review)
     copied = copy.deepcopy(model)  # a copy carries no live refusal, nor pyddp
     assert copied.state_dict().keys() == pickle.loads(pickle.dumps(model)).state_dict().keys()
     dm.close()  # lifts it: the user may read the mix knowingly

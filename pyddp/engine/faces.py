@@ -113,7 +113,7 @@ class GradientShards:
         """The user's model's state_dict() raises `why` from now on (a step
         left it half-stepped); close() lifts it, as it removes every hook."""
         if not self._r.closed:
-            self._r._handles.append(refuse_state_dict(self.replicas[0], why))
+            self._r._handles.extend(refuse_state_dict(self.replicas[0], why))
 
     # ------------------------------------------------------------ the slots
     def slot_of(self, replica: int) -> int:

@@ -190,9 +190,11 @@ class InertCopy:
         return functools.partial, (dict.pop, {})
 
 
-def refuse_state_dict(module: nn.Module, why: str) -> Any:
-    """A state_dict pre-hook on the user's model that raises `why` (its handle)."""
-    return module.register_state_dict_pre_hook(_RefuseStateDict(why))
+def refuse_state_dict(module: nn.Module, why: str) -> List[Any]:
+    """A state_dict pre-hook raising `why` on the user's model and each of its
+    modules (a submodule's state dict holds the mix too); their handles."""
+    hook = _RefuseStateDict(why)
+    return [m.register_state_dict_pre_hook(hook) for m in module.modules()]
 
 
 class _RefuseStateDict:

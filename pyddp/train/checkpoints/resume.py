@@ -158,6 +158,13 @@ class TrainerCheckpoints:
         accumulation window, or insist on a checkpoint if replicas may differ."""
         if self._interrupted_in is None:
             return
+        broken = getattr(getattr(self.optimizer, "_pyddp", None), "broken", "")
+        if broken:  # (a sharded step: a checkpoint loaded here would not repair it)
+            raise RuntimeError(
+                f"pyddp: the previous fit() failed inside a sharded optimizer step ({broken}); "
+                "this Trainer cannot go on: make a new Trainer (with output_dir and "
+                "resume=True it resumes from the last checkpoint)"
+            )
         if self._interrupted_in == "step" and not (
             self.config.resume and self._files is not None and self._files.has_checkpoints()
         ):
