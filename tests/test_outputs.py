@@ -215,7 +215,7 @@ def test_a_cache_passed_in_is_filled_as_on_one_device(replicas):
             out, returned = dm(x, mine)
             ref_out, _ = ref(x, want)
             torch.testing.assert_close(out, ref_out)  # each step saw the whole prefix
-            assert mine.seen_tokens == want.seen_tokens and isinstance(returned, KVCache)
+            assert mine.seen_tokens == want.seen_tokens and returned is mine  # (as one device)
             torch.testing.assert_close(mine.layers[0].keys, want.layers[0].keys)
     assert mine.layers[0].keys.shape == (7, 3, 2)
 
@@ -247,6 +247,15 @@ class Positioned(nn.Module):
         return self.lin(x) + cache.buffer.sum(1)
 
 
+def test_an_empty_selection_on_one_replica_joins():
+    # A review: a selection of no row returned as an empty 1-D tensor (as
+    # `h.new_zeros(0)`), which torch.cat passes over, was refused.
+    x = torch.tensor([[1.0, 0], [2, 0], [3, 0], [-4, 0], [-5, 0], [-6, 0]])
+    pick = Returns(lambda x: x[x[:, 0] > 0] if (x[:, 0] > 0).any() else x.new_zeros(0))
+    with pyddp.wrap(pick, ["cpu", "cpu"]) as dm:
+        torch.testing.assert_close(dm(x)[1], x[:3])
+
+
 def test_an_in_batch_similarity_is_refused_by_name():
     # A probe: CLIP's logits_per_image on 7 rows over 2 replicas ((4, 4) and
     # (3, 3)) failed in torch.cat, naming neither the output nor why.
@@ -257,16 +266,21 @@ def test_an_in_batch_similarity_is_refused_by_name():
             dm(torch.randn(7, 2))
 
 
-def test_an_output_that_is_not_batch_major_is_warned_about():
+def test_an_output_that_is_not_batch_major_is_warned_about(monkeypatch):
     # A probe: x.mean(0) on 7 rows over 3 replicas came back (6,) for one
     # device's (2,), silently. Rows that vary with the data (a selection:
     # 3, 1 and 0 rows here) join as one device's, without a warning.
     x = torch.tensor([[1.0, 0], [2, 0], [3, 0], [4, 0], [-5, 0], [-6, 0], [-7, 0]])
+    monkeypatch.setattr(pyddp.replicas.scatter, "_WARNED", set())
     statistic = pyddp.wrap(Returns(lambda x: (x.mean(0), x[x[:, 0] > 0])), ["cpu"] * 3)
     match = r"output\[1\]\[0\] has shapes \(2,\), \(2,\)"
-    with statistic as dm, pytest.warns(UserWarning, match=match):
+    with statistic as dm, pytest.warns(UserWarning, match=match) as caught:
         out = dm(x)
-    assert out[1][0].shape == (6,)  # (as it was: warned)
+        for _ in range(3):  # once: a review saw it at every step where a library reset
+            with warnings.catch_warnings():  # warnings' registry (as catch_warnings does)
+                dm(x)
+    assert out[1][0].shape == (6,) and len(caught) == 1  # (as it was: warned)
+    assert caught[0].filename == __file__  # (the caller's line, not pyddp's)
     selection = pyddp.wrap(Returns(lambda x: x[x[:, 0] > 0]), ["cpu"] * 3)
     with selection as dm, warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -144,6 +144,7 @@ def test_a_cache_passed_in_is_filled_as_on_one_device():
             )
             torch.testing.assert_close(got.logits, expected.logits, atol=ATOL, rtol=0)
             assert mine.get_seq_length() == want.get_seq_length()
+            assert got.past_key_values is mine  # (as on one device: a review)
     assert want.get_seq_length() == ids.shape[1] + 2
 
 

@@ -353,6 +353,27 @@ def test_a_fit_continuing_an_epoch_cut_otherwise_restarts_it(change):
         assert key.get(change, "shuffle False, now True") in said
 
 
+def test_a_fit_continuing_an_epoch_on_a_dataloader_cut_otherwise_restarts_it():
+    # A review: without an output_dir the check saw the batches per epoch
+    # alone, and a DataLoader of batch 11 for one of 10 (6 batches each)
+    # went on at batch 3: rows 30 to 32 never trained, silently.
+    x, y = data(60)
+    seen = []
+
+    def loss_fn(out, row):
+        seen.extend(row.tolist())
+        return F.cross_entropy(out, y[row])
+
+    rows = TensorDataset(x, torch.arange(60))
+    config = pyddp.TrainConfig(max_epochs=1, max_steps=3, progress=False)
+    with pyddp.Trainer(model(), ["cpu"] * 2, optimizer=SGD, loss_fn=loss_fn, config=config) as t:
+        t.fit(DataLoader(rows, batch_size=10))
+        t.config.max_steps = None
+        with pytest.warns(UserWarning, match="otherwise now .training DataLoader batch_size=10"):
+            t.fit(DataLoader(rows, batch_size=11))
+    assert sorted(seen[30:]) == list(range(60))
+
+
 class _OwnNoise(torch.utils.data.Dataset):
     """Augments with a generator of its own (numpy's, a common idiom)."""
 

@@ -703,16 +703,20 @@ def test_a_failed_sharded_step_needs_a_new_trainer_and_it_resumes(tmp_path):
         assert torch.equal(p, q)
 
 
-def test_a_resume_with_another_seed_restarts_the_epoch(tmp_path):
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_resume_with_another_seed_restarts_a_shuffled_epoch(tmp_path, shuffle):
     # A review: with resume_if_changed, another seed shuffles the epoch
     # otherwise, and its position kept trained 9 rows twice and skipped 9.
+    # Unshuffled, the seed cuts nothing: the epoch goes on (a second review).
     x, y = data(53)
-    with trainer(tmp_path, max_epochs=1, max_steps=3, batch_size=8) as t:
+    cfg = dict(max_epochs=1, batch_size=8, shuffle=shuffle)
+    with trainer(tmp_path, max_steps=3, **cfg) as t:
         t.fit((x, y))
-    resumed = trainer(tmp_path, max_epochs=1, batch_size=8, seed=1, resume_if_changed=True)
+    resumed = trainer(tmp_path, seed=1, resume_if_changed=True, **cfg)
     with resumed as t, pytest.warns(UserWarning) as caught:
-        assert t.fit((x, y)).state.step == 3 + 7
-    assert "cut otherwise now (seed 0, now 1)" in " ".join(str(w.message) for w in caught)
+        assert t.fit((x, y)).state.step == (3 + 7 if shuffle else 7)
+    said = " ".join(str(w.message) for w in caught)
+    assert ("cut otherwise now (seed 0, now 1)" in said) == shuffle
 
 
 def test_an_epoch_checkpointed_at_its_last_step_stays_done_when_resumed_cut_otherwise(tmp_path):

@@ -6,15 +6,25 @@ and the guard on sequence-first layers a batch split along dim 0 would cut."""
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ..engine.hooks import InertCopy
 from .combine import InputCut, combine_column
-from .tree import caches, flatten, other_leaves, shard_sizes, structure, tensor_paths
+from .tree import (
+    caches,
+    flatten,
+    other_leaves,
+    shard_sizes,
+    structure,
+    substitute,
+    tensor_paths,
+)
 
 # (per-replica tensors, their kinds, shard weights) -> the combined tensors
 CombineFn = Callable[[List[List[torch.Tensor]], List[str], List[float]], List[torch.Tensor]]
@@ -152,19 +162,22 @@ def refill_caches(tree: Any, shards: List[Any], outs: List[Any], gathered: Any) 
     one device the caller's object holds the prefix's keys and values
     afterwards. Each replica filled its own shard's copy (scatter), so the
     caller's object takes the state of the gathered cache that replica 0's
-    copy became (before, it stayed empty: the next token ran without the
-    prefix, 0.25 off one device, silently). A copy a replica changed without
-    returning it is refused. Returns `gathered`."""
+    copy became, and is the output's cache, as on one device (before, it
+    stayed empty: the next token ran without the prefix, 0.25 off one
+    device, silently). A copy a replica changed without returning it is
+    refused. Returns `gathered`, the caller's caches in it."""
     mine = caches(tree)
     if not mine:
         return gathered
     returned = {id(c): k for k, c in enumerate(caches(outs[0]))}
     joined = caches(gathered)  # (outs[0]'s structure: its caches in the same order)
+    yours: Dict[int, Any] = {}
     for cache, copy in zip(mine, caches(shards[0])):
         k = returned.get(id(copy))
         if k is not None:
             vars(cache).clear()
             vars(cache).update(vars(joined[k]))  # (its tensors: the gathered batch's)
+            yours[id(joined[k])] = cache
         elif _seen(copy) != _seen(cache):
             raise RuntimeError(
                 f"pyddp: the model changed the {type(cache).__name__} passed to it in place "
@@ -173,7 +186,7 @@ def refill_caches(tree: Any, shards: List[Any], outs: List[Any], gathered: Any) 
                 "the batch's state. Return it (transformers: use_cache=True), or call the "
                 "unwrapped model (dmodel.module) for this"
             )
-    return gathered
+    return substitute(gathered, yours) if yours else gathered
 
 
 def _seen(cache: Any) -> List[Any]:
@@ -205,6 +218,8 @@ def _check_batch_major(column: List[torch.Tensor], sizes: List[int], outs: Any, 
     device's."""
     if len(column) < 2 or column[0].dim() == 0:
         return
+    if any(t.dim() == 1 and t.shape[0] == 0 for t in column):
+        return  # (torch.cat passes over an empty 1-D tensor: a selection of none)
     shapes = [t.shape for t in column]
     rows, rest = [s[0] for s in shapes], shapes[0][1:]
     differ = any(s[1:] != rest for s in shapes)
@@ -225,13 +240,29 @@ def _check_batch_major(column: List[torch.Tensor], sizes: List[int], outs: Any, 
             "or CLIP's logits_per_image, is each replica's own). Return only tensors whose dim "
             "0 is the batch, and compute such values from the gathered outputs"
         )
+    if path in _WARNED:  # (once per output: warnings' own registry forgets, and shapes vary)
+        return
+    _WARNED.add(path)
     warnings.warn(
         f"{said}, as many rows on each though they took {sizes} rows of the batch: if it is "
         "not batch-major (a statistic over the shard, a parameter), joining it along dim 0 "
         f"gives {len(column)} times one device's rows. Return only tensors whose dim 0 is the "
-        "batch, and compute such values from the gathered outputs",
-        stacklevel=2,
+        "batch, and compute such values from the gathered outputs (said once per output)",
+        stacklevel=_callers_level(),
     )
+
+
+_WARNED: Set[str] = set()  # the outputs warned about (their paths)
+_LIBRARIES = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+
+
+def _callers_level() -> int:
+    """The stacklevel of the caller outside pyddp and torch (a warning names
+    the user's line)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch.utils import _pytree
@@ -187,6 +187,22 @@ def caches(obj: Any) -> List[Any]:
         return [obj]
     node = _node(obj)
     return [] if node is None else [c for child in node.children for c in caches(child)]
+
+
+def substitute(obj: Any, objects: Dict[int, Any]) -> Any:
+    """`obj` with each object whose id is a key of `objects` replaced by its
+    value (the containers around it rebuilt; a cache is not opened)."""
+    if id(obj) in objects:
+        return objects[id(obj)]
+    if isinstance(obj, torch.Tensor) or is_cache(obj):
+        return obj
+    node = _node(obj)
+    if node is None:
+        return obj
+    children = [substitute(c, objects) for c in node.children]
+    if all(a is b for a, b in zip(children, node.children)):
+        return obj
+    return node.rebuild(children)
 
 
 class OtherLeaf(NamedTuple):

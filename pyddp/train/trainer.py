@@ -25,7 +25,7 @@ from ..runtime.devices import DeviceLike
 from .arguments import check_arguments, optimizer_spec, qualname
 from .callbacks import Callback, Emission, MetricsLogger, ProgressBar
 from .checkpoints.identity import run_signature, scheduler_settings, validation_signature
-from .checkpoints.resume import BATCHES, TrainerCheckpoints
+from .checkpoints.resume import TrainerCheckpoints
 from .checkpoints.run_files import RunFiles
 from .config import TrainConfig, check_made
 from .data import ShardedLoader, overridden_settings
@@ -292,11 +292,8 @@ class Trainer(EpochLoop, TrainerCheckpoints):
                 stacklevel=3,
             )
         self._recover_interrupted_fit()
-        spans, batches = self.ranks.spans_processes, len(loader)
-        # (a hash of samples reads items: a Dataset's own generator moves on)
-        data, differ = (
-            self._data_signature(train_data, batches) if self._files or spans else ({}, [])
-        )
+        batches = len(loader)  # (without files, in one process: no item read)
+        data, differ = self._data_signature(train_data, batches, self._files is not None)
         if differ and loader.rows_global:
             # (each rank trained on its slice of its own data: most rows unseen, silently)
             raise ValueError(
@@ -317,7 +314,7 @@ class Trainer(EpochLoop, TrainerCheckpoints):
             if cfg.resume:
                 self._resume()
             self._files.checked = True
-        self._within_the_epoch(batches, {**self._signature(cfg), **data, BATCHES: str(batches)})
+        self._within_the_epoch(batches, {**self._signature(cfg), **data})
         # A fit starts at a window boundary: no gradient is carried into it
         # (an aborted backward's, or one the model held when it was wrapped).
         self.model.zero_grad()

@@ -168,19 +168,30 @@ def validation_signature(data: Any) -> str:
         return f"{form}, unreadable ({type(e).__name__})"
 
 
-def data_signature(data: Any, batches_per_epoch: int) -> Dict[str, str]:
+def data_signature(data: Any, batches_per_epoch: int, samples: bool = True) -> Dict[str, str]:
     """What a run depends on from its training data (the tensors, Dataset
     or DataLoader given to fit), cheaply: its rows, its batches per epoch,
-    and a hash of a few samples (the first, the last and two between),
-    never a pass over the data. A finished run "resumed" on other data
-    would train nothing on it; a shorter one would resume past its end."""
-    rows, samples = _rows_and_samples(data)
+    and (`samples`) a hash of a few samples (the first, the last and two
+    between), never a pass over the data. A finished run "resumed" on other
+    data would train nothing on it; a shorter one would resume past its end.
+    Without `samples` no item is read (a Dataset's own generator stays put)."""
+    if samples:
+        rows, hashed = _rows_and_samples(data)
+    else:
+        rows, hashed = _rows(data), ""
     return {
         "training rows": rows,
         "training batches per epoch": str(batches_per_epoch),
-        "training samples (hash of 4)": samples,
+        **({"training samples (hash of 4)": hashed} if samples else {}),
         **({"training DataLoader": _cutting(data)} if isinstance(data, DataLoader) else {}),
     }
+
+
+def _rows(data: Any) -> str:
+    try:
+        return str(data_rows(data))
+    except Exception:  # noqa: BLE001 - an iterable dataset: no length
+        return "unknown"
 
 
 def _cutting(loader: DataLoader) -> str:

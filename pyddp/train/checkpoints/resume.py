@@ -36,6 +36,12 @@ BATCHES = "training batches per epoch"
 _CUT = ("batch_size", "shuffle", "seed", "training rows", BATCHES, "training DataLoader")
 
 
+def _cut_of(run: Dict[str, str]) -> Dict[str, str]:
+    """`run`'s _CUT entries; the seed only where it shuffles (a review: a
+    resume with another seed restarted an epoch in order)."""
+    return {k: run[k] for k in _CUT if k in run and (k != "seed" or run.get("shuffle") != "False")}
+
+
 class CheckpointsHost(Protocol):
     """What TrainerCheckpoints reads of the Trainer it is mixed into
     (trainer.py) and does not define."""
@@ -113,7 +119,7 @@ class TrainerCheckpoints:
         with restoring(path, "loss scaler state"):
             self._scaler.load_state_dict(payload["loss_scaler"])
         self.state = state
-        self._cut = {k: payload["run"][k] for k in _CUT if k in payload["run"]}  # its position's
+        self._cut = _cut_of(payload["run"])  # how its position was cut
         self.best_state_dict = payload.get("best")
         # best.pt as of the resumed step: one written after it (the run went on
         # and crashed) would stay, another model than best_state_dict.
@@ -130,7 +136,7 @@ class TrainerCheckpoints:
         and data signature, against the cut the position was reached under)
         or is shorter than the position would skip or repeat rows silently:
         the epoch restarts instead, said in a warning."""
-        state, cut = self.state, {k: run[k] for k in _CUT if k in run}
+        state, cut = self.state, _cut_of(run)
         before, self._cut = self._cut or cut, cut
         changed = [f"{k} {before[k]}, now {v}" for k, v in cut.items() if before.get(k, v) != v]
         if state.batch_in_epoch == 0 or (not changed and state.batch_in_epoch <= batches):
@@ -191,11 +197,15 @@ class TrainerCheckpoints:
             self._boundary(valid_data, *due[2:])
         self._validation_end = None
 
-    def _data_signature(self, train_data: Any, batches: int) -> Tuple[Dict[str, str], List[str]]:
+    def _data_signature(
+        self, train_data: Any, batches: int, samples: bool
+    ) -> Tuple[Dict[str, str], List[str]]:
         """What the run depends on from its data, the same on every rank:
         each rank's entry where the ranks' data differ (a change on any
-        rank is then a change); and the keys that differ."""
-        mine = data_signature(train_data, batches)
+        rank is then a change); and the keys that differ. `samples`: with a
+        hash of samples (identity.data_signature), where the run has files
+        to compare it with, or several ranks."""
+        mine = data_signature(train_data, batches, samples or self.ranks.spans_processes)
         if not self.ranks.spans_processes:
             return mine, []
         ranks = self.ranks.gather(mine, _DATA)
