@@ -4,9 +4,14 @@ columns, the overlap lower bound's warm-up, and overlap across processes
 (torchrun, 2 workers). No timing assertions: only structure, arithmetic, and
 fake clocks."""
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from typing import List
 
 import pytest
 
@@ -245,6 +250,51 @@ def test_overlap_across_processes_quick_writes_consistent_results(tmp_path, hook
     else:
         assert data["wire_bytes_per_step"] == data["bucket_bytes_per_step"] / (2 if hook else 1)
     assert cfg["comm_hook"] == hook
+
+
+@pytest.mark.multiprocess
+def test_a_ctrl_c_during_overlap_across_processes_leaves_no_worker_running(tmp_path):
+    # A probe: the workers (torchrun starts each in a session of its own)
+    # ran on after the prompt came back, then printed a traceback. A SIGINT
+    # to pyddp-bench alone (not its process group): torchrun is asked too.
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "pyddp.bench", "overlap", "--processes", "2", "--threads", "1"]
+        + ["--width", "16", "--depth", "1", "--batch", "6", "--rounds", "99991", "--steps", "2"]
+        + ["--no-progress", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=str(tmp_path),
+    )
+    marker = '"rounds": 99991'  # (in torchrun's and each worker's command line: the config)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_processes_with(marker)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)  # until torchrun and both workers run (a condition, not a race)
+        assert len(_processes_with(marker)) == 3
+        bench.send_signal(signal.SIGINT)
+        out, _ = bench.communicate(timeout=180)
+        assert bench.returncode == 130, out
+        assert _processes_with(marker) == [], out
+    finally:  # (none left to the next test, whatever failed)
+        for pid in [bench.pid, *_processes_with(marker)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _processes_with(text: str) -> List[int]:
+    """The pids of this machine's processes whose command line holds `text`, but this one."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline and "pyddp.bench.multiproc" in cmdline:
+                found.append(int(entry))
+    return found
 
 
 def test_power_sgd_bytes_follow_torchs_rule():

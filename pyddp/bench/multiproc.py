@@ -150,14 +150,36 @@ def run(config: Dict[str, Any], processes: int) -> Dict[str, Any]:
             json.dumps(config),
             str(out),
         ]
-        done = subprocess.run(cmd, env=env)
-        if done.returncode != 0 or not out.is_file():
+        with subprocess.Popen(cmd, env=env) as torchrun:
+            try:
+                code = torchrun.wait()
+            except KeyboardInterrupt:
+                _stop(torchrun)
+                raise
+        if code != 0 or not out.is_file():
             raise RuntimeError(
                 f"pyddp-bench overlap --processes {processes}: the workers failed (torchrun "
-                f"exit status {done.returncode}; their errors are printed above). Command: "
+                f"exit status {code}; their errors are printed above). Command: "
                 + " ".join(cmd[:7])
             )
         return json.loads(out.read_text())
+
+
+def _stop(torchrun: subprocess.Popen) -> None:
+    """After a Ctrl-C: torchrun stops its workers, which run in sessions of
+    their own (a Ctrl-C reaches torchrun, not them), and this waits for it
+    (before, subprocess.run killed torchrun a quarter second in, and the
+    workers ran on after the prompt came back). A torchrun the Ctrl-C did
+    not reach (a SIGINT sent to this process alone) is asked with SIGTERM;
+    a second Ctrl-C kills it."""
+    try:
+        try:
+            torchrun.wait(timeout=5)  # (the Ctrl-C reached it too: it is stopping them)
+        except subprocess.TimeoutExpired:
+            torchrun.terminate()
+            torchrun.wait(timeout=120)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        torchrun.kill()
 
 
 def _free_port() -> int:
