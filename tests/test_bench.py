@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import List
 
 import pytest
@@ -130,6 +131,10 @@ def test_allreduce_replicas_beyond_devices_is_a_usage_error(capsys):
         (["overlap", "--comm-hook", "fp16"], "--comm-hook: only with --processes N"),
         (["overlap", "--processes", "2", "--power-sgd-rank", "0"], "--power-sgd-rank 0: give 1"),
         (["simulate", "--out", "{squat}"], "simulate-quick.json is a folder there"),
+        # Found by a third probe: repeated caps pooled their samples in one
+        # row; BatchNorm on one row per replica raised from the replicas.
+        (["overlap", "--caps", "1,1.0"], "--caps 1,1.0: give each cap once"),
+        (["overlap", "--model", "mlp_bn", "--batch", "3"], "at least two rows per replica for"),
         # Found by a later probe: a rank with no rows ran and printed a table.
         (
             ["overlap", "--processes", "3", "--batch", "2"],
@@ -147,6 +152,31 @@ def test_arguments_that_cannot_make_a_measurement_are_usage_errors(argv, said, c
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err, err
+
+
+def test_a_read_only_result_file_is_refused_before_the_work(capsys, tmp_path, monkeypatch):
+    # A probe (not root): the run went through, wrote its chart, then raised
+    # PermissionError on the JSON. As root every file is writable, so the
+    # test makes os.access say no for that file.
+    taken = tmp_path / "simulate-quick.json"
+    taken.write_text("{}")
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m, **k: Path(p) != taken and access(p, m, **k))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["simulate", "--quick", "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "simulate-quick.json is read-only there" in capsys.readouterr().err
+    assert not (tmp_path / "simulate-quick.png").exists() and taken.read_text() == "{}"
+
+
+def test_the_transformer_model_takes_any_width():
+    # A probe: --model transformer --width 129 (or 200, 1000) failed in torch
+    # ("embed_dim must be divisible by num_heads").
+    from pyddp.bench._util import make_input, make_model
+
+    for width in (16, 129, 200, 1000):
+        x, _ = make_input("transformer", width, 2)
+        assert make_model("transformer", width, 1)(x).shape == (2, 10)
 
 
 @pytest.mark.parametrize("command", ["allreduce", "overlap"])

@@ -48,6 +48,16 @@ def test_example_help_says_the_whole_first_paragraph(name, capsys):
     assert first in _words(capsys.readouterr().out)
 
 
+@pytest.mark.parametrize("name", ["classifier", "digits"])
+def test_a_device_this_machine_lacks_is_a_usage_error(name, capsys):
+    # A probe: `--devices gpu` (and cuda:0 without a GPU) raised a traceback from wrap.
+    module = importlib.import_module(f"pyddp.examples.{name}")
+    with pytest.raises(SystemExit) as info:
+        module.main(["--devices", "gpu"])
+    assert info.value.code == 2
+    assert "argument --devices: devices: 'gpu' is not a device" in capsys.readouterr().err
+
+
 def test_rerunning_finished_digits_says_so_and_how_to_start_fresh(tmp_path, capsys):
     args = ["--output", str(tmp_path), "--epochs", "1", "--no-progress"]
     digits.main(args)

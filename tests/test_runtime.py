@@ -135,6 +135,12 @@ def test_timeout_env_is_validated(monkeypatch):
     assert _runtime.timeout_s() == 2.5
     monkeypatch.setenv("PYDDP_TIMEOUT_S", "604800")  # the longest: 7 days
     assert _runtime.timeout_s() == 604800
+    # wrap refuses it, as the doctor says, also where nothing waits (CPU
+    # replicas in one process read it only in a SyncBatchNorm): a probe.
+    monkeypatch.setenv("PYDDP_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="PYDDP_TIMEOUT_S='soon' is not a number"):
+        pyddp.wrap(torch.nn.Linear(2, 2), ["cpu", "cpu"])
+    pyddp.wrap(torch.nn.Linear(2, 2), ["cpu", "cpu"], timeout_s=5).close()  # (given: not read)
 
 
 # Issue 30, item 17: nan and inf were accepted (and then blamed a rank that

@@ -220,6 +220,13 @@ def _two_grads(ready=(1e-3, 2e-3)):
     return costmodel.Profile(1e-3, 3e-3, [1_000_000, 1_000_000], list(ready))
 
 
+def test_a_profile_whose_step_overflows_is_refused():
+    # A probe: forward and backward of 1e308 s each passed the per-field
+    # checks; the step was infinite and the table printed nan%.
+    with pytest.raises(ValueError, match="too long to add up"):
+        costmodel.Profile(1e308, 1e308, [4], [0.0])
+
+
 def test_policies_schedule_by_hand():
     profile, link = _two_grads(), _FixedLink()
     per_param = simulate.step(profile, link, 2, "pyddp per-parameter")

@@ -180,7 +180,8 @@ class _Transformer(nn.Module):
         super().__init__()
         layer = nn.TransformerEncoderLayer(
             width,
-            nhead=max(1, width // 64),
+            # about one head per 64 features, a divisor of the width (129 failed in torch)
+            nhead=max(h for h in range(1, max(1, width // 64) + 1) if width % h == 0),
             dim_feedforward=4 * width,
             batch_first=True,
             dropout=0.0,

@@ -26,6 +26,7 @@ import torch
 import pyddp
 
 from ..runtime.devices import parse_devices
+from ..runtime.writing import refusal
 from ..train.files import output_root
 from . import allreduce, multiproc, overlap
 from ._util import busy_note, cpu_busy, machine, table, write_json
@@ -207,8 +208,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--out {args.out}: cannot make the folder or write there ({e.strerror or e})")
     result = _path(args, _result_name(args))
     for taken in (result, result.with_suffix(".png")):
-        if taken.is_dir():
-            parser.error(f"--out {args.out}: {taken.name} is a folder there, where results go")
+        why = refusal(taken)  # (a read-only one was refused after the work: a probe)
+        if why is not None:
+            parser.error(f"--out {args.out}: {taken.name} {why}, where results go (move it)")
     # Before anything of ours runs: other work on the machine makes measured
     # figures noisy. simulate measures nothing (it computes), so it is not asked.
     busy = cpu_busy() if args.command != "simulate" else None
@@ -238,10 +240,14 @@ def _check_overlap(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         caps = []
     if not caps or any(not 0 < c < float("inf") for c in caps):
         parser.error(f"overlap --caps {args.caps}: bucket caps in MiB, each > 0, comma separated")
+    if len({f"{c:g}" for c in caps}) < len(caps):  # (one row per cap: a repeat pooled its samples)
+        parser.error(f"overlap --caps {args.caps}: give each cap once")
     replicas = args.processes if args.processes > 1 else len(args.devices)
-    if args.batch < replicas:  # (--processes: one replica each; --devices is not used)
+    rows = 2 if args.model == "mlp_bn" else 1  # (BatchNorm's statistics need 2 rows)
+    if args.batch < rows * replicas:  # (--processes: one replica each; --devices is not used)
         where = f"{args.processes} --processes" if args.processes > 1 else f"{replicas} --devices"
-        parser.error(f"overlap --batch {args.batch}: at least one row per replica ({where})")
+        each = "two rows per replica for --model mlp_bn" if rows == 2 else "one row per replica"
+        parser.error(f"overlap --batch {args.batch}: at least {each} ({where})")
 
 
 def _result_name(args: argparse.Namespace) -> str:

@@ -11,6 +11,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch.distributed as dist
 
 from ..runtime.libraries import checked_timeout
+from ..runtime.libraries import timeout_s as env_timeout_s
 from .observe import timeline_from_env
 
 _MIB = 1 << 20
@@ -135,6 +136,8 @@ class Options:
             raise ValueError(f"op={self.op!r}: use 'sum' or 'avg'")
         if self.timeout_s is not None:
             checked_timeout(self.timeout_s, f"timeout_s={self.timeout_s!r}")
+        else:  # $PYDDP_TIMEOUT_S, refused here, as doctor says (not only where a wait reads it)
+            env_timeout_s()
         if self.timeline is not None and (
             not isinstance(self.timeline, int) or isinstance(self.timeline, bool)
         ):

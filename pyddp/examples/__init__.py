@@ -2,6 +2,8 @@
 
 import argparse
 
+from ..runtime.devices import parse_devices
+
 
 def count(text: str) -> int:
     """An argparse type for the examples' counts (epochs, batch, ...): a
@@ -14,3 +16,14 @@ def count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def device(text: str) -> str:
+    """An argparse type for the examples' --devices: a device pyddp takes on
+    this machine, or a usage error naming it (a probe: `--devices gpu` and
+    `cuda:0` without a GPU raised a traceback from wrap)."""
+    try:
+        parse_devices([text])
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
-from pyddp.examples import count
+from pyddp.examples import count, device
 
 
 def make_data(n: int, dim: int, classes: int, seed: int):
@@ -26,7 +26,7 @@ def make_data(n: int, dim: int, classes: int, seed: int):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--devices", nargs="+", default=None, help="default: cpu cpu")
+    parser.add_argument("--devices", nargs="+", type=device, default=None, help="default: cpu cpu")
     parser.add_argument("--epochs", type=count, default=10)
     parser.add_argument("--batch", type=count, default=128)
     args = parser.parse_args(argv)

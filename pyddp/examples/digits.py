@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
-from pyddp.examples import count
+from pyddp.examples import count, device
 from pyddp.train.files import SafeDir, output_root
 
 
@@ -94,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         help="output folder (default: digits under $PYDDP_OUTPUT, else under pyddp-runs/)",
     )
     parser.add_argument(
-        "--devices", nargs="+", default=None, help="default: all GPUs, else cpu cpu"
+        "--devices", nargs="+", type=device, default=None, help="default: all GPUs, else cpu cpu"
     )
     parser.add_argument("--epochs", type=count, default=40)
     parser.add_argument("--batch", type=count, default=64)
@@ -139,7 +139,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         # Resumed from the newest checkpoint in --output, which had stopped.
         more = ""
         if finished.reason == "max_epochs":  # (its cosine spans its epochs: refused on resume)
-            more = f" (with more --epochs than {args.epochs} to train longer)"
+            more = (
+                f"; to train longer, start fresh that way with more --epochs than "
+                f"{args.epochs} (its learning rate follows a cosine over its epochs, which "
+                "another --epochs changes: this run cannot go on with it)"
+            )
         print(
             f"this run had already finished in {out}/ ({finished.reason} after epoch "
             f"{result.state.epoch}): nothing more to train, the results below are its own. To "

@@ -17,7 +17,7 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 
 def write_atomic(path: Any, write: Callable[[Path], None]) -> Path:
@@ -25,7 +25,7 @@ def write_atomic(path: Any, write: Callable[[Path], None]) -> Path:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path}: a directory is there; name a file to write")
-    if path.exists() and not path.is_symlink() and not os.access(path, os.W_OK):
+    if refusal(path) is not None:
         raise PermissionError(errno.EACCES, "not writable", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     stem = path.name.encode()[:64].decode(errors="ignore")  # (a short name, in bytes)
@@ -49,6 +49,16 @@ def write_atomic(path: Any, write: Callable[[Path], None]) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def refusal(path: Path) -> Optional[str]:
+    """Why write_atomic refuses `path` (None where it takes it): a folder
+    there, or a file there it may not write (for root, any file is writable)."""
+    if path.is_dir():
+        return "is a folder there"
+    if path.exists() and not path.is_symlink() and not os.access(path, os.W_OK):
+        return "is read-only there"
+    return None
 
 
 def write_text(path: Any, text: str) -> Path:

@@ -235,6 +235,8 @@ class Profile:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         if self.step_s() <= 0:
             raise ValueError("a profile's step takes no time")
+        if not math.isfinite(self.step_s()):  # (found by a probe: 1e308 + 1e308, NaN rows)
+            raise ValueError("a profile's step is too long to add up (forward + backward)")
         for b in self.param_bytes:
             if not _whole(b) or not 0 <= b <= 1 << 50:
                 raise ValueError(f"param_bytes must be whole numbers 0 to 2**50, got {b!r}")
