@@ -232,6 +232,33 @@ def test_overlap_lower_bound_is_not_charged_the_cold_start(monkeypatch):
         assert r["over_lower_bound"] == 1.0 and r["within_bound_spread"]
 
 
+def test_a_ctrl_c_during_the_cpu_sample_is_one_line(monkeypatch, capsys, tmp_path):
+    # A probe: a Ctrl-C in the first half second (the CPU load sample)
+    # raised a traceback; later ones said one line.
+    def interrupted(seconds=0.5):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cpu_busy", interrupted)
+    assert cli.main(["overlap", "--quick", "--no-progress", "--out", str(tmp_path)]) == 130
+    assert "overlap: interrupted, no results written" in capsys.readouterr().err
+
+
+def test_overlap_means_leave_the_warm_up_round_out(monkeypatch):
+    # A probe: pyddp's means (overlap, communication) took in the warm-up
+    # round the step times leave out. Each wrapped model's means are reset
+    # once, after its warm-up round.
+    from pyddp.replicas.model import DistributedModel
+
+    resets, reset = [], DistributedModel.reset_stats
+    observed = lambda dm: dm._reducer._observer.count  # noqa: E731 - backwards in its means
+    monkeypatch.setattr(
+        DistributedModel, "reset_stats", lambda dm: (resets.append(observed(dm)), reset(dm))
+    )
+    overlap.run("mlp", 8, 1, 4, ["cpu", "cpu"], [1], 2, 3, ddp=False, progress=False)
+    assert len(resets) == 4  # one per variant (no reduction, after backward, per parameter, 1 MiB)
+    assert sorted(resets)[-1] == 1 + 3  # (a reducing variant: its warm-up round's backwards)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("hook", [None, "fp16", "power_sgd"])
 def test_overlap_across_processes_quick_writes_consistent_results(tmp_path, hook):

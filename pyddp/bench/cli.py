@@ -213,14 +213,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"--out {args.out}: {taken.name} {why}, where results go (move it)")
     # Before anything of ours runs: other work on the machine makes measured
     # figures noisy. simulate measures nothing (it computes), so it is not asked.
-    busy = cpu_busy() if args.command != "simulate" else None
-    load = f", CPU busy before start {busy:.0%}{busy_note(busy)}" if busy is not None else ""
-    print(
-        f"pyddp {pyddp.__version__}, torch {torch.__version__}, {torch.get_num_threads()} "
-        f"threads{load}"
-    )
     command = {"allreduce": _allreduce, "overlap": _overlap, "simulate": _simulate}
-    try:
+    try:  # (from here: its half-second CPU sample raised a traceback on a Ctrl-C, a probe)
+        busy = cpu_busy() if args.command != "simulate" else None
+        load = f", CPU busy before start {busy:.0%}{busy_note(busy)}" if busy is not None else ""
+        print(
+            f"pyddp {pyddp.__version__}, torch {torch.__version__}, {torch.get_num_threads()} "
+            f"threads{load}"
+        )
         payload = command[args.command](args)
     except KeyboardInterrupt:  # (one line, not a traceback; the measuring processes are gone)
         print(f"pyddp-bench {args.command}: interrupted, no results written", file=sys.stderr)
