@@ -198,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             below = "--quick's 64K" if args.quick else f"--max-bytes {args.max_bytes}"
             parser.error(f"allreduce {below} is below --min-bytes {args.min_bytes}")
     if args.command == "overlap":
-        _check_overlap(parser, args)
+        overlap.check_args(parser, args)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         parser.error(f"--out {args.out}: exists and is not a folder")
     try:  # before the work, not after it
@@ -207,7 +207,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as e:
         parser.error(f"--out {args.out}: cannot make the folder or write there ({e.strerror or e})")
     result = _path(args, _result_name(args))
-    for taken in (result, result.with_suffix(".png")):
+    charts = args.command != "allreduce" and not getattr(args, "compare_plans", False)
+    for taken in (result, result.with_suffix(".png"))[: 1 + charts]:  # (what it will write)
         why = refusal(taken)  # (a read-only one was refused after the work: a probe)
         if why is not None:
             parser.error(f"--out {args.out}: {taken.name} {why}, where results go (move it)")
@@ -230,24 +231,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     write_json(path, {"args": vars(args), "machine": info, **payload})
     print(f"wrote {path}")
     return 0
-
-
-def _check_overlap(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    multiproc.check_args(parser, args)
-    try:
-        caps = [float(c) for c in args.caps.split(",")]
-    except ValueError:
-        caps = []
-    if not caps or any(not 0 < c < float("inf") for c in caps):
-        parser.error(f"overlap --caps {args.caps}: bucket caps in MiB, each > 0, comma separated")
-    if len({f"{c:g}" for c in caps}) < len(caps):  # (one row per cap: a repeat pooled its samples)
-        parser.error(f"overlap --caps {args.caps}: give each cap once")
-    replicas = args.processes if args.processes > 1 else len(args.devices)
-    rows = 2 if args.model == "mlp_bn" else 1  # (BatchNorm's statistics need 2 rows)
-    if args.batch < rows * replicas:  # (--processes: one replica each; --devices is not used)
-        where = f"{args.processes} --processes" if args.processes > 1 else f"{replicas} --devices"
-        each = "two rows per replica for --model mlp_bn" if rows == 2 else "one row per replica"
-        parser.error(f"overlap --batch {args.batch}: at least {each} ({where})")
 
 
 def _result_name(args: argparse.Namespace) -> str:
@@ -339,18 +322,8 @@ def _allreduce(args: argparse.Namespace) -> Dict[str, Any]:
     return {"devices": args.devices, "rows": rows}
 
 
-def _model_size(args: argparse.Namespace) -> Dict[str, int]:
-    if args.quick:
-        return {
-            "width": min(args.width, 64),
-            "depth": min(args.depth, 2),
-            "batch": min(args.batch, 16),
-        }
-    return {"width": args.width, "depth": args.depth, "batch": args.batch}
-
-
 def _overlap(args: argparse.Namespace) -> Dict[str, Any]:
-    size = _model_size(args)
+    size = overlap.model_size(args)
     if args.processes > 1:
         chart = _path(args, _result_name(args)).with_suffix(".png")
         return multiproc.command(args, size, chart)

@@ -317,6 +317,8 @@ def step(
         algorithms["ring/all-gather"] = 1
     extra = effects.extra_s(gpus, profile.forward_s + profile.backward_s, accumulate, overlap)
     total += extra
+    if not math.isfinite(total):  # (inf and nan rows were printed: a probe)
+        raise ValueError(f"the step ({accumulate} micro-batches, {gpus} GPUs) overflows")
     return Step(total, ideal, comm, total - ideal, len(groups), algorithms, overlap, extra)
 
 
