@@ -347,6 +347,20 @@ def test_gradsync_takes_new_storage_on_replica_0_after_finish_as_an_assignment()
     sync.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_gradsync_refuses_a_dtype_change_at_reattach(dtype):
+    # A probe: reattach() after .double() laid the gradients out in float64
+    # buffers the engine summed as float32 (0.13 off one device, replicas
+    # 0.26 apart), and after .half() the engine wrote past them (a segfault).
+    replicas, x = _two_replicas()
+    sync = pyddp.GradSync(replicas, op="avg")
+    for m in replicas:
+        m.to(dtype)
+    with pytest.raises(RuntimeError, match=f"parameter '0.weight' is {dtype}, made float32"):
+        sync.reattach()
+    sync.close()
+
+
 @pytest.mark.parametrize("how", ["share_memory", "double then float", "grad.data", "on 0 alone"])
 def test_gradsync_refuses_moved_buckets_until_reattach_and_reduces_moved_gradients(how):
     """After zero_grad(set_to_none=False), Module._apply on the replicas

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from .. import _C
-from ..runtime.libraries import nvrtc_path
+from ..runtime.libraries import DTYPE_NAMES, nvrtc_path
 from .buckets import BucketLayout
 from .options import Options
 from .params import dtype_name
@@ -201,6 +201,23 @@ def first_plan(params: Sequence[torch.Tensor], dtypes: List[str], opts: Options)
     )
 
 
+def same_dtypes(layout: BucketLayout) -> None:
+    """The engine reduces each bucket in the dtype its parameters had when it
+    was made (its element size): a parameter converted since (`.double()`,
+    `.half()`, `.to(dtype)`) would be laid out in buffers of another size,
+    summed wrong or written past (a probe: reattach() after .double() gave
+    gradients 0.13 off one device, after .half() a segfault). Refused."""
+    for r, params in enumerate(layout.params):
+        for i, p in enumerate(params):
+            if DTYPE_NAMES.get(p.dtype) != layout.dtypes[i]:
+                raise RuntimeError(
+                    f"pyddp: replica {r}'s parameter {layout.window.names[i]!r} is {p.dtype}, "
+                    f"made {layout.dtypes[i]}: the buckets cannot follow a dtype change "
+                    "(.double(), .half(), .to(dtype)); close() the GradSync and make a new one "
+                    "after converting (a wrapped model: close() and wrap again)"
+                )
+
+
 class Plan:
     """Owns the bucket plan of one engine: when to re-plan and how, and the
     layout's memory through each change."""
@@ -263,6 +280,7 @@ class Plan:
         return engine, layout, plan
 
     def allocate(self, buckets: Sequence[Sequence[int]]) -> None:
+        same_dtypes(self.layout)
         old = self.layout.memory()
         # The link may send something with the last bucket (the agreement).
         spare = self.link.spare_elements(self.params[buckets[-1][0]].dtype)
@@ -325,6 +343,7 @@ class Plan:
     def reattach(self, params_moved: Optional[Callable[[], Set[int]]] = None) -> None:
         """Fresh bucket buffers for every gradient, values kept (after the
         wrapped model's changes inside a no_sync() window are judged: Window.check)."""
+        same_dtypes(self.layout)
         self.layout.window.check(self.layout, params_moved)
         if self.layout.scattered is not None:
             # shard='gradients': the blocks hold the reduced values, kept
