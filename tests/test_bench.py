@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import List
@@ -337,6 +338,58 @@ def test_a_ctrl_c_during_overlap_across_processes_leaves_no_worker_running(tmp_p
         for pid in [bench.pid, *_processes_with(marker)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+_FAKE_TORCHRUN = """
+import signal, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                          start_new_session=True)  # (as torchrun starts its workers)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, lambda *_: open(sys.argv[1] + ".term", "w").close())
+open(sys.argv[1], "w").write(str(worker.pid))
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_second_ctrl_c_while_torchrun_stops_kills_its_workers_too(tmp_path):
+    # A review: the second Ctrl-C killed torchrun alone, and its workers (in
+    # sessions of their own) ran on. A stand-in for torchrun that ignores
+    # SIGTERM; the second Ctrl-C comes once it was asked (a condition).
+    from pyddp.bench.multiproc import _stop
+
+    marker = tmp_path / "worker"
+    torchrun = subprocess.Popen([sys.executable, "-c", _FAKE_TORCHRUN, str(marker)])
+    try:
+        deadline = time.monotonic() + 60
+        while (not marker.exists() or not marker.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        worker = int(marker.read_text())
+
+        def second_ctrl_c():
+            while not (tmp_path / "worker.term").exists():
+                time.sleep(0.1)
+            signal.raise_signal(signal.SIGINT)
+
+        threading.Thread(target=second_ctrl_c, daemon=True).start()
+        _stop(torchrun)  # (its first wait runs out: the Ctrl-C did not reach it)
+        assert torchrun.wait(timeout=60) == -signal.SIGKILL
+        deadline = time.monotonic() + 60
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)  # (init reaps it once killed)
+        assert not _alive(worker)
+    finally:
+        torchrun.kill()
+        with contextlib.suppress(Exception):
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _processes_with(text: str) -> List[int]:

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from pyddp.examples import classifier, digits
 
@@ -56,6 +57,15 @@ def test_a_device_this_machine_lacks_is_a_usage_error(name, capsys):
         module.main(["--devices", "gpu"])
     assert info.value.code == 2
     assert "argument --devices: devices: 'gpu' is not a device" in capsys.readouterr().err
+
+
+def test_devices_that_mix_kinds_are_a_usage_error(capsys, monkeypatch):
+    # A review: each device passed alone, and the mix raised from wrap.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (as on a GPU machine)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as info:
+        classifier.main(["--devices", "cpu", "cuda:0"])
+    assert info.value.code == 2 and "argument --devices: devices mixes" in capsys.readouterr().err
 
 
 def test_rerunning_finished_digits_says_so_and_how_to_start_fresh(tmp_path, capsys):

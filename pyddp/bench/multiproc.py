@@ -26,8 +26,10 @@ bucket plan agreed once after the first (warm-up) iteration."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -171,7 +173,8 @@ def _stop(torchrun: subprocess.Popen) -> None:
     (before, subprocess.run killed torchrun a quarter second in, and the
     workers ran on after the prompt came back). A torchrun the Ctrl-C did
     not reach (a SIGINT sent to this process alone) is asked with SIGTERM;
-    a second Ctrl-C kills it."""
+    a second Ctrl-C kills it and its workers (killing torchrun alone left
+    them running: a review)."""
     try:
         try:
             torchrun.wait(timeout=5)  # (the Ctrl-C reached it too: it is stopping them)
@@ -179,7 +182,23 @@ def _stop(torchrun: subprocess.Popen) -> None:
             torchrun.terminate()
             torchrun.wait(timeout=120)
     except (KeyboardInterrupt, subprocess.TimeoutExpired):
-        torchrun.kill()
+        for pid in [*children(torchrun.pid), torchrun.pid]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def children(pid: int) -> List[int]:
+    """The processes whose parent is `pid` (Linux's /proc; none elsewhere)."""
+    found = []
+    entries = os.listdir("/proc") if os.path.isdir("/proc") else []
+    for entry in filter(str.isdigit, entries):
+        try:
+            with open(f"/proc/{entry}/stat") as f:  # pid (name) state ppid ...
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue  # (gone meanwhile)
+    return found
 
 
 def _free_port() -> int:

@@ -1,6 +1,7 @@
 """Runnable examples: `python -m pyddp.examples.<name>`."""
 
 import argparse
+from typing import Any
 
 from ..runtime.devices import parse_devices
 
@@ -27,3 +28,13 @@ def device(text: str) -> str:
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def check_devices(parser: argparse.ArgumentParser, devices: Any) -> None:
+    """--devices as a whole (a mix such as `cpu cuda:0`: a review saw a
+    traceback), a usage error as pyddp-bench gives."""
+    if devices:
+        try:
+            parse_devices(devices)
+        except (TypeError, ValueError) as e:
+            parser.error(f"argument --devices: {e}")

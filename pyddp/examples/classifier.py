@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
-from pyddp.examples import count, device
+from pyddp.examples import check_devices, count, device
 
 
 def make_data(n: int, dim: int, classes: int, seed: int):
@@ -30,6 +30,7 @@ def main(argv=None) -> None:
     parser.add_argument("--epochs", type=count, default=10)
     parser.add_argument("--batch", type=count, default=128)
     args = parser.parse_args(argv)
+    check_devices(parser, args.devices)
 
     torch.manual_seed(0)
     data, labels = make_data(10240, 32, 8, seed=0)

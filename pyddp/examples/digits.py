@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
-from pyddp.examples import count, device
+from pyddp.examples import check_devices, count, device
 from pyddp.train.files import SafeDir, output_root
 
 
@@ -100,6 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--batch", type=count, default=64)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    check_devices(parser, args.devices)
 
     train, valid = load_digits()
     config = pyddp.TrainConfig(
