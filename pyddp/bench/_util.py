@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -202,3 +203,14 @@ def make_input(kind: str, width: int, batch: int, classes: int = 10, seed: int =
     else:
         x = torch.randn(batch, 32, width, generator=g)
     return x, torch.randint(classes, (batch,), generator=g)
+
+
+def model_size(args: argparse.Namespace) -> Dict[str, int]:
+    """The model and batch measured: --quick's are small."""
+    if args.quick:
+        return {
+            "width": min(args.width, 64),
+            "depth": min(args.depth, 2),
+            "batch": min(args.batch, 16),
+        }
+    return {"width": args.width, "depth": args.depth, "batch": args.batch}

@@ -29,7 +29,7 @@ from ..runtime.devices import parse_devices
 from ..runtime.writing import refusal
 from ..train.files import output_root
 from . import allreduce, multiproc, overlap
-from ._util import busy_note, cpu_busy, machine, table, write_json
+from ._util import busy_note, cpu_busy, machine, model_size, table, write_json
 from .simulator import cli as simulator_cli
 from .simulator import simulate
 
@@ -198,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             below = "--quick's 64K" if args.quick else f"--max-bytes {args.max_bytes}"
             parser.error(f"allreduce {below} is below --min-bytes {args.min_bytes}")
     if args.command == "overlap":
-        overlap.check_args(parser, args)
+        multiproc.check_overlap_args(parser, args)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         parser.error(f"--out {args.out}: exists and is not a folder")
     try:  # before the work, not after it
@@ -323,7 +323,7 @@ def _allreduce(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _overlap(args: argparse.Namespace) -> Dict[str, Any]:
-    size = overlap.model_size(args)
+    size = model_size(args)
     if args.processes > 1:
         chart = _path(args, _result_name(args)).with_suffix(".png")
         return multiproc.command(args, size, chart)

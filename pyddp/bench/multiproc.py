@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 import pyddp
 
-from ._util import make_input, make_model, rotated
+from ._util import make_input, make_model, model_size, rotated
 from .multiproc_results import DDP, PYDDP, combine, report
 
 _PSGD_RANK = 4  # --power-sgd-rank's default (given otherwise: only with --processes)
@@ -101,6 +101,26 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"overlap {' '.join(given)}: only with --processes N (N > 1)")
     if args.power_sgd_rank < 1:
         parser.error(f"overlap --power-sgd-rank {args.power_sgd_rank}: give 1 or more")
+
+
+def check_overlap_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """pyddp-bench overlap's arguments (from pyddp.bench.cli): usage errors."""
+    check_args(parser, args)
+    try:
+        caps = [float(c) for c in args.caps.split(",")]
+    except ValueError:
+        caps = []
+    if not caps or any(not 0 < c < float("inf") for c in caps):
+        parser.error(f"overlap --caps {args.caps}: bucket caps in MiB, each > 0, comma separated")
+    if len({f"{c:g}" for c in caps}) < len(caps):  # (one row per cap: a repeat pooled its samples)
+        parser.error(f"overlap --caps {args.caps}: give each cap once")
+    replicas = args.processes if args.processes > 1 else len(args.devices)
+    rows = 2 if args.model == "mlp_bn" else 1  # (BatchNorm's statistics need 2 rows)
+    batch = model_size(args)["batch"]  # (--quick's, where it takes fewer)
+    if batch < rows * replicas:  # (--processes: one replica each; --devices is not used)
+        where = f"{args.processes} --processes" if args.processes > 1 else f"{replicas} --devices"
+        each = "two rows per replica for --model mlp_bn" if rows == 2 else "one row per replica"
+        parser.error(f"overlap --batch {batch}: at least {each} ({where})")
 
 
 def command(args: argparse.Namespace, size: Dict[str, int], chart: Path) -> Dict[str, Any]:

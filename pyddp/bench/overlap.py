@@ -22,7 +22,6 @@ whose median lies inside the bound's p10-p90 is marked as such."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -37,7 +36,6 @@ from tqdm.auto import tqdm
 
 import pyddp
 
-from . import multiproc
 from ._util import make_input, make_model, pyplot, rotated, save_figure, summary
 
 
@@ -249,34 +247,3 @@ def chart(result: Dict[str, Any], path: Path) -> Path:
     )
     fig.tight_layout()
     return save_figure(fig, path, 110)
-
-
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """pyddp-bench overlap's arguments (from pyddp.bench.cli): usage errors."""
-    multiproc.check_args(parser, args)
-    try:
-        caps = [float(c) for c in args.caps.split(",")]
-    except ValueError:
-        caps = []
-    if not caps or any(not 0 < c < float("inf") for c in caps):
-        parser.error(f"overlap --caps {args.caps}: bucket caps in MiB, each > 0, comma separated")
-    if len({f"{c:g}" for c in caps}) < len(caps):  # (one row per cap: a repeat pooled its samples)
-        parser.error(f"overlap --caps {args.caps}: give each cap once")
-    replicas = args.processes if args.processes > 1 else len(args.devices)
-    rows = 2 if args.model == "mlp_bn" else 1  # (BatchNorm's statistics need 2 rows)
-    batch = model_size(args)["batch"]  # (--quick's, where it takes fewer)
-    if batch < rows * replicas:  # (--processes: one replica each; --devices is not used)
-        where = f"{args.processes} --processes" if args.processes > 1 else f"{replicas} --devices"
-        each = "two rows per replica for --model mlp_bn" if rows == 2 else "one row per replica"
-        parser.error(f"overlap --batch {batch}: at least {each} ({where})")
-
-
-def model_size(args: argparse.Namespace) -> Dict[str, int]:
-    """The model and batch measured: --quick's are small."""
-    if args.quick:
-        return {
-            "width": min(args.width, 64),
-            "depth": min(args.depth, 2),
-            "batch": min(args.batch, 16),
-        }
-    return {"width": args.width, "depth": args.depth, "batch": args.batch}

@@ -309,8 +309,7 @@ def step(
         name = "ring/reduce-scatter" if scatter else system.algorithm(wire, gpus)
         algorithms[name] = algorithms.get(name, 0) + 1
     total = ideal - profile.backward_s + max(profile.backward_s, clock)
-    if sharding != "none":
-        # Each GPU steps its shard, then every parameter is gathered.
+    if sharding != "none":  # each GPU steps its shard, then every parameter is gathered
         gather = system.gather_s(sum(sizes), gpus)
         total += profile.optimizer_s / gpus - profile.optimizer_s + gather
         comm += gather
