@@ -347,17 +347,22 @@ def test_gradsync_takes_new_storage_on_replica_0_after_finish_as_an_assignment()
     sync.close()
 
 
+@pytest.mark.parametrize("then", ["reattach", "backward"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
-def test_gradsync_refuses_a_dtype_change_at_reattach(dtype):
+def test_gradsync_refuses_a_dtype_change(dtype, then):
     # A probe: reattach() after .double() laid the gradients out in float64
     # buffers the engine summed as float32 (0.13 off one device, replicas
-    # 0.26 apart), and after .half() the engine wrote past them (a segfault).
+    # 0.26 apart), and after .half() the engine wrote past them (a segfault);
+    # without reattach(), the backward failed in torch's words.
     replicas, x = _two_replicas()
     sync = pyddp.GradSync(replicas, op="avg")
     for m in replicas:
         m.to(dtype)
     with pytest.raises(RuntimeError, match=f"parameter '0.weight' is {dtype}, made float32"):
-        sync.reattach()
+        if then == "reattach":
+            sync.reattach()
+        else:
+            replicas[0](x[0].to(dtype)).square().mean().backward()
     sync.close()
 
 

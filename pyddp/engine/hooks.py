@@ -26,6 +26,7 @@ from torch import nn
 
 from .. import _C
 from ..runtime.libraries import hot
+from .params import same_dtypes
 from .streams import cuda_stream_handle
 
 
@@ -158,10 +159,15 @@ def arm_began(reducer: Any) -> None:
 
 
 def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor, r: int, i: int) -> None:
-    """A gradient that arrived outside its bucket view is copied in."""
+    """A gradient that arrived outside its bucket view is copied in; one of
+    another dtype than its bucket's is refused by name (a parameter converted
+    after the GradSync was made: torch's own error from the copy before)."""
     reducer = owner()
-    if reducer is not None:
-        reducer._layout.adopt(p, view, r, i)
+    if reducer is None:
+        return
+    if view is not None and p.dtype != view.dtype:
+        same_dtypes(reducer._layout)  # (names the parameter and the remedy)
+    reducer._layout.adopt(p, view, r, i)
 
 
 def storage_kept(layout: Any, r: int) -> None:

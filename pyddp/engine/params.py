@@ -262,3 +262,20 @@ def check_identical(replicas: Sequence[nn.Module]) -> None:
                         "to the others (m.load_state_dict(m0.state_dict())), or pass "
                         "check_replicas=False if you make them equal yourself"
                     )
+
+
+def same_dtypes(layout: Any) -> None:
+    """The engine reduces each bucket in the dtype its parameters had when it
+    was made (its element size): a parameter converted since (`.double()`,
+    `.half()`, `.to(dtype)`) would be laid out in buffers of another size,
+    summed wrong or written past (a probe: reattach() after .double() gave
+    gradients 0.13 off one device, after .half() a segfault). Refused."""
+    for r, params in enumerate(layout.params):
+        for i, p in enumerate(params):
+            if DTYPE_NAMES.get(p.dtype) != layout.dtypes[i]:
+                raise RuntimeError(
+                    f"pyddp: replica {r}'s parameter {layout.window.names[i]!r} is {p.dtype}, "
+                    f"made {layout.dtypes[i]}: the buckets cannot follow a dtype change "
+                    "(.double(), .half(), .to(dtype)); close() the GradSync and make a new one "
+                    "after converting (a wrapped model: close() and wrap again)"
+                )

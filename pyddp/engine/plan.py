@@ -26,10 +26,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from .. import _C
-from ..runtime.libraries import DTYPE_NAMES, nvrtc_path
+from ..runtime.libraries import nvrtc_path
 from .buckets import BucketLayout
 from .options import Options
-from .params import dtype_name
+from .params import dtype_name, same_dtypes
 from .streams import StreamOrder
 
 WIRE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -199,23 +199,6 @@ def first_plan(params: Sequence[torch.Tensor], dtypes: List[str], opts: Options)
     return plan_buckets(
         [p.numel() for p in params], dtypes, order, first_cap, cap, opts.taper_buckets
     )
-
-
-def same_dtypes(layout: BucketLayout) -> None:
-    """The engine reduces each bucket in the dtype its parameters had when it
-    was made (its element size): a parameter converted since (`.double()`,
-    `.half()`, `.to(dtype)`) would be laid out in buffers of another size,
-    summed wrong or written past (a probe: reattach() after .double() gave
-    gradients 0.13 off one device, after .half() a segfault). Refused."""
-    for r, params in enumerate(layout.params):
-        for i, p in enumerate(params):
-            if DTYPE_NAMES.get(p.dtype) != layout.dtypes[i]:
-                raise RuntimeError(
-                    f"pyddp: replica {r}'s parameter {layout.window.names[i]!r} is {p.dtype}, "
-                    f"made {layout.dtypes[i]}: the buckets cannot follow a dtype change "
-                    "(.double(), .half(), .to(dtype)); close() the GradSync and make a new one "
-                    "after converting (a wrapped model: close() and wrap again)"
-                )
 
 
 class Plan:
