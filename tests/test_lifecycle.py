@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 import pytest
@@ -345,6 +346,24 @@ def test_gradsync_takes_new_storage_on_replica_0_after_finish_as_an_assignment()
     assert replicas[1][0].weight.grad.abs().max() <= 0.01
     torch.testing.assert_close(replicas[1][0].weight.grad, w.grad, atol=0, rtol=0)
     sync.close()
+
+
+def test_gradsync_closed_while_a_backward_is_under_way_warns():
+    # A probe: replica 0's backward, close(), replica 1's backward left the
+    # replicas with different, unreduced gradients, silently.
+    replicas, x = _two_replicas()
+    sync = pyddp.GradSync(replicas, op="avg")
+    replicas[0](x[0]).square().mean().backward()
+    with pytest.warns(UserWarning, match="closed while a backward was under way"):
+        sync.close()
+    again = pyddp.GradSync(replicas, op="avg")  # a whole iteration: closed quietly
+    again.zero_grad()
+    for r in (0, 1):
+        replicas[r](x[r]).square().mean().backward()
+    again.finish()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.close()
 
 
 @pytest.mark.parametrize("then", ["reattach", "backward"])

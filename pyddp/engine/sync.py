@@ -257,8 +257,18 @@ class GradSync:
         """Removes the hooks and releases the backend's threads and GPU
         communicators; gradients stay where they are. Idempotent; dropping the
         last reference does the same. Across processes on GPUs, the last
-        agreement's sums are checked first (raises if the ranks' work differed)."""
-        self._reducer.close()
+        agreement's sums are checked first (raises if the ranks' work differed).
+        Closed while a backward is under way (finish() not called), it warns:
+        the replicas keep different, unreduced gradients (a probe: silent)."""
+        r = self._reducer
+        if not r.closed and r._engine is not None and r._engine.active:
+            warnings.warn(
+                "pyddp: GradSync closed while a backward was under way (finish() not "
+                "called): the replicas keep different, unreduced gradients; zero them "
+                "before they are stepped",
+                stacklevel=2,
+            )
+        r.close()
 
     @property
     def closed(self) -> bool:
