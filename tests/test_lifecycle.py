@@ -366,7 +366,7 @@ def test_gradsync_closed_while_a_backward_is_under_way_warns():
         again.close()
 
 
-@pytest.mark.parametrize("then", ["reattach", "backward"])
+@pytest.mark.parametrize("then", ["reattach", "backward", "backward, gradients held"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
 def test_gradsync_refuses_a_dtype_change(dtype, then):
     # A probe: reattach() after .double() laid the gradients out in float64
@@ -375,6 +375,10 @@ def test_gradsync_refuses_a_dtype_change(dtype, then):
     # without reattach(), the backward failed in torch's words.
     replicas, x = _two_replicas()
     sync = pyddp.GradSync(replicas, op="avg")
+    if then == "backward, gradients held":  # (converted with them: a review)
+        for r in (0, 1):
+            replicas[r](x[r]).square().mean().backward()
+        sync.finish()
     for m in replicas:
         m.to(dtype)
     with pytest.raises(RuntimeError, match=f"parameter '0.weight' is {dtype}, made float32"):

@@ -218,6 +218,19 @@ def test_a_cache_passed_in_is_filled_as_on_one_device(replicas):
             assert mine.seen_tokens == want.seen_tokens and returned is mine  # (as one device)
             torch.testing.assert_close(mine.layers[0].keys, want.layers[0].keys)
     assert mine.layers[0].keys.shape == (7, 3, 2)
+    with pyddp.wrap(Twice(), ["cpu"] * replicas) as dm:  # (a review: one of two was not)
+        out = dm(torch.randn(7, 2), mine)
+    assert out[1] is mine and out[2]["again"] is mine
+
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x, cache):
+        cache.layers[0].keys = cache.layers[0].keys + 1  # (filled: returned twice)
+        return self.lin(x), cache, {"again": cache}
 
 
 def test_a_cache_filled_in_place_and_not_returned_is_refused():
@@ -266,12 +279,11 @@ def test_an_in_batch_similarity_is_refused_by_name():
             dm(torch.randn(7, 2))
 
 
-def test_an_output_that_is_not_batch_major_is_warned_about(monkeypatch):
+def test_an_output_that_is_not_batch_major_is_warned_about():
     # A probe: x.mean(0) on 7 rows over 3 replicas came back (6,) for one
     # device's (2,), silently. Rows that vary with the data (a selection:
     # 3, 1 and 0 rows here) join as one device's, without a warning.
     x = torch.tensor([[1.0, 0], [2, 0], [3, 0], [4, 0], [-5, 0], [-6, 0], [-7, 0]])
-    monkeypatch.setattr(pyddp.replicas.scatter, "_WARNED", set())
     statistic = pyddp.wrap(Returns(lambda x: (x.mean(0), x[x[:, 0] > 0])), ["cpu"] * 3)
     match = r"output\[1\]\[0\] has shapes \(2,\), \(2,\)"
     with statistic as dm, pytest.warns(UserWarning, match=match) as caught:
@@ -281,6 +293,9 @@ def test_an_output_that_is_not_batch_major_is_warned_about(monkeypatch):
                 dm(x)
     assert out[1][0].shape == (6,) and len(caught) == 1  # (as it was: warned)
     assert caught[0].filename == __file__  # (the caller's line, not pyddp's)
+    other = pyddp.wrap(Returns(lambda x: (x.std(0), x)), ["cpu"] * 3)  # (its own: a review)
+    with other as dm, pytest.warns(UserWarning, match=match):
+        dm(x)
     selection = pyddp.wrap(Returns(lambda x: x[x[:, 0] > 0]), ["cpu"] * 3)
     with selection as dm, warnings.catch_warnings():
         warnings.simplefilter("error")

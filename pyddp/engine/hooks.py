@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .. import _C
-from ..runtime.libraries import hot
+from ..runtime.libraries import DTYPE_NAMES, hot
 from .params import same_dtypes
 from .streams import cuda_stream_handle
 
@@ -165,7 +165,7 @@ def _adopt(owner: Any, p: torch.Tensor, view: torch.Tensor, r: int, i: int) -> N
     reducer = owner()
     if reducer is None:
         return
-    if view is not None and p.dtype != view.dtype:
+    if DTYPE_NAMES.get(p.dtype) != reducer._layout.dtypes[i]:  # (its view converted with it)
         same_dtypes(reducer._layout)  # (names the parameter and the remedy)
     reducer._layout.adopt(p, view, r, i)
 

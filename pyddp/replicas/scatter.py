@@ -104,22 +104,33 @@ def gather_call(
     sizes: List[int],
     device: torch.device,
     combine: CombineFn,
+    owner: Any,
 ) -> Any:
-    """gather() for a forward called with `call` (args, kwargs) whose
-    replicas took `shards`; model caches passed in are refilled (refill_caches)."""
-    return refill_caches(call, shards, outs, gather(outs, sizes, device, combine))
+    """gather() for a forward of `owner` (the wrapped model) called with
+    `call` (args, kwargs) whose replicas took `shards`; model caches passed
+    in are refilled (refill_caches)."""
+    warned = _WARNED.setdefault(owner, set())
+    return refill_caches(call, shards, outs, gather(outs, sizes, device, combine, warned))
 
 
-def gather(outs: List[Any], sizes: List[int], device: torch.device, combine: CombineFn) -> Any:
-    """Batch tensors are concatenated; 0-dim floating tensors (a loss the
-    model computes itself) become the shard-size-weighted mean; other 0-dim
-    tensors are stacked, one per replica. Non-tensor values are refused
-    unless every replica returned the same None, str or bytes. `combine`
-    combines the columns that need a gradient (through autograd, see combine.py)."""
+def gather(
+    outs: List[Any],
+    sizes: List[int],
+    device: torch.device,
+    combine: CombineFn,
+    warned: Optional[Set[str]] = None,
+) -> Any:
+    """`warned`: the outputs already warned about as not batch-major (their
+    paths; the wrapped model's, else none). Batch tensors are concatenated;
+    0-dim floating tensors (a loss the model computes itself) become the
+    shard-size-weighted mean; other 0-dim tensors are stacked, one per
+    replica. Non-tensor values are refused unless every replica returned the
+    same None, str or bytes. `combine` combines the columns that need a
+    gradient (through autograd, see combine.py)."""
     weights = [n / sum(sizes) for n in sizes]
     if all(isinstance(o, torch.Tensor) for o in outs):  # one tensor each: no tree to walk
         kind = _gather_kind(outs[0])
-        _check_batch_major(outs, sizes, outs, 0)
+        _check_batch_major(outs, sizes, outs, 0, warned)
         if any(o.requires_grad for o in outs):
             return combine([[o] for o in outs], [kind], weights)[0]
         return combine_column(outs, kind, device, weights)
@@ -140,7 +151,7 @@ def gather(outs: List[Any], sizes: List[int], device: torch.device, combine: Com
     differentiable = []
     for j in range(len(results)):
         column = [ls[j] for ls in leaves]
-        _check_batch_major(column, sizes, outs, j)
+        _check_batch_major(column, sizes, outs, j, warned)
         if any(t.requires_grad for t in column):
             differentiable.append(j)
         else:
@@ -169,15 +180,17 @@ def refill_caches(tree: Any, shards: List[Any], outs: List[Any], gathered: Any) 
     mine = caches(tree)
     if not mine:
         return gathered
-    returned = {id(c): k for k, c in enumerate(caches(outs[0]))}
+    returned: Dict[int, List[int]] = {}  # (a cache returned twice: each place)
+    for k, c in enumerate(caches(outs[0])):
+        returned.setdefault(id(c), []).append(k)
     joined = caches(gathered)  # (outs[0]'s structure: its caches in the same order)
     yours: Dict[int, Any] = {}
     for cache, copy in zip(mine, caches(shards[0])):
-        k = returned.get(id(copy))
-        if k is not None:
+        places = returned.get(id(copy))
+        if places:
             vars(cache).clear()
-            vars(cache).update(vars(joined[k]))  # (its tensors: the gathered batch's)
-            yours[id(joined[k])] = cache
+            vars(cache).update(vars(joined[places[0]]))  # (its tensors: the gathered batch's)
+            yours.update((id(joined[k]), cache) for k in places)
         elif _seen(copy) != _seen(cache):
             raise RuntimeError(
                 f"pyddp: the model changed the {type(cache).__name__} passed to it in place "
@@ -207,7 +220,9 @@ class _Same:
         return isinstance(other, _Same) and _equal(self.value, other.value)
 
 
-def _check_batch_major(column: List[torch.Tensor], sizes: List[int], outs: Any, j: int) -> None:
+def _check_batch_major(
+    column: List[torch.Tensor], sizes: List[int], outs: Any, j: int, warned: Optional[Set[str]]
+) -> None:
     """A column (output tensor `j`, one per replica) that is not batch-major:
     shapes past dim 0 that differ are refused (torch's size error before);
     as many rows on every replica however many rows of the batch each took
@@ -240,9 +255,10 @@ def _check_batch_major(column: List[torch.Tensor], sizes: List[int], outs: Any, 
             "or CLIP's logits_per_image, is each replica's own). Return only tensors whose dim "
             "0 is the batch, and compute such values from the gathered outputs"
         )
-    if path in _WARNED:  # (once per output: warnings' own registry forgets, and shapes vary)
+    warned = set() if warned is None else warned
+    if path in warned:  # (once per output: warnings' own registry forgets, and shapes vary)
         return
-    _WARNED.add(path)
+    warned.add(path)
     warnings.warn(
         f"{said}, as many rows on each though they took {sizes} rows of the batch: if it is "
         "not batch-major (a statistic over the shard, a parameter), joining it along dim 0 "
@@ -252,7 +268,8 @@ def _check_batch_major(column: List[torch.Tensor], sizes: List[int], outs: Any, 
     )
 
 
-_WARNED: Set[str] = set()  # the outputs warned about (their paths)
+# Per wrapped model, the outputs warned about as not batch-major (their paths).
+_WARNED: weakref.WeakKeyDictionary[Any, Set[str]] = weakref.WeakKeyDictionary()
 _LIBRARIES = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
 
 

@@ -226,7 +226,7 @@ class ReplicaSteps:
         """The outputs of a forward `call` (args, kwargs) over `shards` on devices[0]
         (scatter.gather_call); its input shards `cut` (InputCut) held by the combining node."""
         combine = partial(self._combine, cut=cut)
-        return gather_call(call, shards, outs, sizes, self.devices[0], combine)
+        return gather_call(call, shards, outs, sizes, self.devices[0], combine, self)
 
     def _cuts_inputs(self) -> bool:
         """Where each CPU replica's backward runs over its own graph (on its
