@@ -314,7 +314,7 @@ def test_config_assigned_after_construction_is_checked_by_the_trainer():
     t.close()
 
 
-@pytest.mark.parametrize("change", ["none", "batch_size", "shuffle", "other data"])
+@pytest.mark.parametrize("change", ["none", "same length", "batch_size", "shuffle", "other data"])
 def test_a_fit_continuing_an_epoch_cut_otherwise_restarts_it(change):
     # Found by a probe: stopped after 3 batches of 8 (max_steps) and given
     # batch_size=16, the next fit went on at batch 3 of the new cut: rows 24
@@ -340,11 +340,13 @@ def test_a_fit_continuing_an_epoch_cut_otherwise_restarts_it(change):
             t.config.shuffle = True
         elif change == "other data":  # (of another length: 6 batches, not 7)
             x, y = x[:45], y[:45]
+        elif change == "same length":  # (other values: it goes on from the position)
+            x = x + 1
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             t.fit((x, {"y": y, "row": torch.arange(len(x))}))
     said = " ".join(str(w.message) for w in caught)
-    if change == "none":  # the epoch goes on where it stopped
+    if change in ("none", "same length"):  # the epoch goes on where it stopped
         assert sorted(seen) == list(range(24, 53)) and "restarts" not in said
     else:  # every row of the epoch, once, after the restart
         assert sorted(seen) == list(range(len(x)))
