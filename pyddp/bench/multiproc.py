@@ -399,7 +399,10 @@ def _main() -> None:
     parser.add_argument("config", help="JSON: the run's configuration")
     parser.add_argument("out", help="where rank 0 writes the results (JSON)")
     args = parser.parse_args()
-    result = worker(json.loads(args.config))
+    try:
+        result = worker(json.loads(args.config))
+    except KeyboardInterrupt:  # (torchrun passes a Ctrl-C on: the parent says it, once)
+        sys.exit(130)
     if result is not None:
         Path(args.out).write_text(json.dumps(result))
 
