@@ -252,7 +252,7 @@ class GradientShards:
 
     def check_step(self) -> None:
         r = self._r
-        if _open_backward(r):
+        if open_backward(r):
             raise RuntimeError(
                 "pyddp: cannot step: a backward did not finish, so its gradients are not "
                 "reduced: it was cut short (Ctrl-C), or ran through dmodel.module(...) alone "
@@ -307,13 +307,13 @@ class GradientShards:
         processes the others are told: their buckets would pair with the
         next step's)."""
         r = self._r
-        if _open_backward(r):
+        if open_backward(r):
             r._run_per_replica([lambda: None] * len(r._replicas), "wait")
             r.abort("zero_grad() dropped a backward that did not finish (a Ctrl-C?)")
         r.zero_grad(set_to_none)
 
 
-def _open_backward(r: Any) -> bool:
+def open_backward(r: Any) -> bool:
     """Whether reducer `r` (checked open) holds a backward that did not
     finish; one replica in one process has no engine, and nothing open."""
     if r._engine is None:

@@ -13,6 +13,7 @@ from typing import Any, ContextManager, Dict, List, Sequence
 import torch
 from torch import nn
 
+from .faces import open_backward
 from .observe import ReadyTimes
 from .options import Options
 from .params import assemble
@@ -261,7 +262,7 @@ class GradSync:
         Closed while a backward is under way (finish() not called), it warns:
         the replicas keep different, unreduced gradients (a probe: silent)."""
         r = self._reducer
-        if not r.closed and r._engine is not None and r._engine.active:
+        if not r.closed and open_backward(r):
             warnings.warn(
                 "pyddp: GradSync closed while a backward was under way (finish() not "
                 "called): the replicas keep different, unreduced gradients; zero them "

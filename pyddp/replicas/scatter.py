@@ -191,7 +191,7 @@ def refill_caches(tree: Any, shards: List[Any], outs: List[Any], gathered: Any) 
             vars(cache).clear()
             vars(cache).update(vars(joined[places[0]]))  # (its tensors: the gathered batch's)
             yours.update((id(joined[k]), cache) for k in places)
-        elif _seen(copy) != _seen(cache):
+        elif _changed(copy, cache):
             raise RuntimeError(
                 f"pyddp: the model changed the {type(cache).__name__} passed to it in place "
                 "and did not return it: each replica changed its own shard's copy, and "
@@ -202,22 +202,15 @@ def refill_caches(tree: Any, shards: List[Any], outs: List[Any], gathered: Any) 
     return substitute(gathered, yours) if yours else gathered
 
 
-def _seen(cache: Any) -> List[Any]:
-    """What a model changing a cache in place changes visibly: its tensors'
-    shapes past the batch dimension, its structure, and its other values (a
-    position counter). Values written in place into its tensors are not seen."""
-    shapes = [tuple(t.shape[1:]) for t in flatten(cache)[0]]
-    return [shapes, structure(cache), [_Same(leaf.value) for leaf in other_leaves(cache)]]
-
-
-class _Same:
-    """A cache's non-tensor value, compared as _equal compares."""
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and _equal(self.value, other.value)
+def _changed(copy: Any, cache: Any) -> bool:
+    """Whether a replica visibly changed its copy of `cache` in place: its
+    structure, its tensors' shapes past the batch dimension, or its other
+    values (a position counter). Values written into its tensors are not seen."""
+    if structure(copy) != structure(cache):
+        return True
+    shapes = [[t.shape[1:] for t in flatten(c)[0]] for c in (copy, cache)]
+    values = zip(other_leaves(copy), other_leaves(cache))
+    return shapes[0] != shapes[1] or not all(_equal(a.value, b.value) for a, b in values)
 
 
 def _check_batch_major(
@@ -270,7 +263,10 @@ def _check_batch_major(
 
 # Per wrapped model, the outputs warned about as not batch-major (their paths).
 _WARNED: weakref.WeakKeyDictionary[Any, Set[str]] = weakref.WeakKeyDictionary()
-_LIBRARIES = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+# (with the separator: a user's file named pyddp_*.py beside the package is not one)
+_LIBRARIES = tuple(
+    os.path.dirname(path) + os.sep for path in (os.path.dirname(__file__), torch.__file__)
+)
 
 
 def _callers_level() -> int:
