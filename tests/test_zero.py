@@ -230,7 +230,7 @@ def test_misuse_is_refused():
 def test_stage2_clip_grad_norm_is_the_global_norm():
     # dmodel.clip_grad_norm_ under shard="gradients" combines every
     # replica's blocks. The norm is summed in another grouping than the
-    # unsharded one (per block in float64 against per bucket in float32),
+    # unsharded one (per block against per bucket),
     # so the clip coefficient may differ by a float32 rounding: parameters
     # within 1e-6 of the unsharded run after 4 clipped steps.
     for p in (2.0, 1.0, float("inf")):
@@ -244,6 +244,39 @@ def test_stage2_clip_grad_norm_is_the_global_norm():
         want = a.clip_grad_norm_(1e9, p)
         got = b.clip_grad_norm_(1e9, p)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_norm_past_float32s_range_is_torchs_in_every_mode(dtype):
+    # Gradient elements near 1e20 are finite in float32, their squares are
+    # not: torch's clip on one device gives an infinite norm for float32
+    # (the gradients then scale by 0) and raises with error_if_nonfinite; a
+    # float64 model's norm is finite. shard="gradients" sums its blocks'
+    # norms in float64 and must read them as the other modes do.
+    x, y = torch.randn(6, 8, dtype=dtype), torch.randn(6, 4, dtype=dtype)
+
+    def grads_of(model):
+        (nn.functional.mse_loss(model(x), y) * 1e20).backward()
+
+    one = _model().to(dtype)
+    grads_of(one)
+    want = torch.nn.utils.clip_grad_norm_(one.parameters(), 1.0)
+    assert want.dtype == dtype and bool(torch.isinf(want)) == (dtype == torch.float32)
+    for shard in (False, True, "gradients"):
+        dm = pyddp.wrap(_model().to(dtype), ["cpu", "cpu"])
+        opt = dm.optimizer(torch.optim.SGD, shard=shard, lr=1.0)
+        grads_of(dm)
+        if dtype == torch.float32:
+            with pytest.raises(RuntimeError, match="non-finite"):
+                dm.clip_grad_norm_(1.0, error_if_nonfinite=True)
+        got = dm.clip_grad_norm_(1.0)
+        assert got.dtype == dtype, shard
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=str(shard))
+        opt.step()
+        for q, r in zip(dm.module.parameters(), one.parameters()):
+            # float32: the gradients scaled by 0, the step moves nothing.
+            torch.testing.assert_close(q, r - r.grad, rtol=1e-6, atol=1e-6, msg=str(shard))
+        dm.close()
 
 
 @pytest.mark.parametrize("loss", ["gathered", "per_replica"])

@@ -5,6 +5,7 @@ on CPUs (HostGather)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import MutableMapping
 from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
@@ -385,15 +386,20 @@ def clip_sharded(
     norm combines every replica's (sharded_norm), and each replica scales
     its blocks. Returns the total norm (on replica 0's device)."""
     norm_type = checked_norm_type(norm_type)
-    blocks, totals = sharded_norm(reducer, norm_type)
+    # In the dtype of torch's clip and the other modes' (float32 unless a
+    # gradient is float64): a norm whose float32 sum of squares overflows is
+    # infinite there, so it is here too.
+    dtype = functools.reduce(
+        torch.promote_types, [b.dtype for b in reducer.blocks[0]], torch.float32
+    )
+    blocks, totals = sharded_norm(reducer, norm_type, dtype)
     if strict:  # error_if_nonfinite (every replica holds the same total)
         refuse_nonfinite(totals[0], norm_type)
     with torch.no_grad():
         for own, total in zip(blocks, totals):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_(own, coef.to(own[0].dtype))
-    total0 = totals[0]
-    return total0.to(torch.float32) if total0.dtype != torch.float32 else total0
+    return totals[0]
 
 
 def sharded_finite(reducer: GradientShards) -> bool:
@@ -401,18 +407,18 @@ def sharded_finite(reducer: GradientShards) -> bool:
     process are finite (fp16 loss scaling's overflow check; one replica's
     blocks alone would miss an overflow elsewhere). Every rank gets the
     same answer: the norms are all-gathered. Reads the host (GPUs wait)."""
-    _, totals = sharded_norm(reducer, 2.0)
+    _, totals = sharded_norm(reducer, 2.0, torch.float64)  # no overflow of its own
     return bool(torch.isfinite(totals[0]))
 
 
 def sharded_norm(
-    reducer: GradientShards, norm_type: float
+    reducer: GradientShards, norm_type: float, dtype: torch.dtype
 ) -> Tuple[List[List[torch.Tensor]], List[torch.Tensor]]:
     """Each replica's blocks of every bucket, and on each replica the
     global norm of the reduced gradient: each takes its blocks' norm, the
     partial norms of every replica of every process are all-gathered (on
     GPUs on the engine's backend, no host wait; across processes on CPUs
-    through gloo) and combined, in float64 (a non-finite element makes the
+    through gloo) and combined, in `dtype` (a non-finite element makes the
     norm non-finite)."""
     ranks = reducer.scatter_ranks
     p = float(norm_type)
@@ -420,14 +426,14 @@ def sharded_norm(
     partials = []
     for own in blocks:
         norms = torch.stack(
-            [torch.linalg.vector_norm(b, p, dtype=torch.float64) for b in own]
+            [torch.linalg.vector_norm(b, p, dtype=dtype) for b in own]
         )  # padding is zero: it adds nothing
         partials.append(norms.max() if p == float("inf") else norms.pow(p).sum())
     with torch.no_grad():
         route = reducer.route()
         if route is not None:
-            sends = [route.zeros(1, torch.float64, r) for r in range(len(blocks))]
-            recvs = [route.zeros(ranks, torch.float64, r) for r in range(len(blocks))]
+            sends = [route.zeros(1, dtype, r) for r in range(len(blocks))]
+            recvs = [route.zeros(ranks, dtype, r) for r in range(len(blocks))]
             for s, part in zip(sends, partials):
                 s.copy_(part.reshape(1))
             route.all_gather(sends, recvs)
