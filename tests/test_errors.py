@@ -306,6 +306,39 @@ def test_optimizer_misuse():
         dm.load_state_dict(dm.state_dict(), assign=True)
 
 
+@pytest.mark.parametrize("shard", [False, True, "gradients"])
+def test_a_params_function_giving_tensors_outside_its_argument_is_refused(shard):
+    # A probe: the function is applied to every replica; a tensor it gives
+    # that is not the replica's own (closing over the model instead of
+    # using `m`, a learnable value beside the model) was stepped once per
+    # replica, silently (0.084 off one device; a temperature at 1.63
+    # against 1.13).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    temperature = nn.Parameter(torch.ones(()))
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        for params in (
+            lambda m: model.parameters(),
+            lambda m: [{"params": m.parameters()}, {"params": [temperature], "lr": 0.01}],
+            lambda m: [*m.parameters(), temperature],
+        ):
+            with pytest.raises(ValueError, match="not a parameter of the module it was given"):
+                dm.optimizer(torch.optim.SGD, params, shard=shard, lr=0.1)
+        with pytest.raises(TypeError, match="got a tensor"):
+            dm.optimizer(torch.optim.SGD, lambda m: m[0].weight, shard=shard, lr=0.1)
+        # Generators inside groups and (name, parameter) pairs still reach torch whole.
+        opt = dm.optimizer(
+            torch.optim.SGD,
+            lambda m: [{"params": m[0].parameters(), "lr": 0.5}, {"params": m[2].parameters()}],
+            shard=shard,
+            lr=0.1,
+        )
+        assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
+        if not shard:
+            named = dm.optimizer(torch.optim.SGD, lambda m: m.named_parameters(), lr=0.1)
+            assert len(named.param_groups[0]["params"]) == 4
+
+
 def test_add_param_group_steps_every_replica_as_one_device():
     # Issue 30, item 10: refused before; torch's optimizers (and ZeRO) take it.
     torch.manual_seed(0)

@@ -232,14 +232,14 @@ def test_without_broadcast_buffers_a_buffer_each_forward_rebinds_stays_each_repl
     dm.close()
 
 
-def wrapped_with_reference():
+def wrapped_with_reference(**options):
     """A dropout-free Net, an untouched copy for single-device reference
     training, and the Net wrapped over two CPU replicas."""
     torch.manual_seed(0)
     model = Net(norm=False)
     model.drop.p = 0.0
     ref = copy.deepcopy(model)
-    return model, ref, pyddp.wrap(model, ["cpu", "cpu"])
+    return model, ref, pyddp.wrap(model, ["cpu", "cpu"], **options)
 
 
 def _reset(opt, how):
@@ -545,7 +545,20 @@ def test_hooks_every_replica_registered_itself_are_followed():
     dm.close()
 
 
-def test_values_changed_on_the_users_model_reach_every_replica():
+@pytest.mark.parametrize(
+    "cls,kw",
+    [
+        (torch.optim.Adam, {}),
+        # torch's fused kernels move no version counter (a probe: the other
+        # replicas kept their weights, 0.016 off one device after 5 steps).
+        (torch.optim.Adam, {"fused": True}),
+        (torch.optim.AdamW, {"fused": True}),
+        (torch.optim.SGD, {"fused": True, "momentum": 0.9}),
+        (torch.optim.Adagrad, {"fused": True}),
+    ],
+    ids=["Adam", "Adam-fused", "AdamW-fused", "SGD-fused", "Adagrad-fused"],
+)
+def test_values_changed_on_the_users_model_reach_every_replica(cls, kw):
     model, ref, dm = wrapped_with_reference()
     # A state loaded into the user's object, not through dm.
     other = Net(norm=False).state_dict()
@@ -553,8 +566,8 @@ def test_values_changed_on_the_users_model_reach_every_replica():
     ref.load_state_dict(other)
     # An optimizer the user built over the model's own parameters: only
     # replica 0 steps, the others are brought along at the next forward.
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    opt = cls(model.parameters(), lr=0.01, **kw)
+    ref_opt = cls(ref.parameters(), lr=0.01, **kw)
     for x, y in data(3):
         F.cross_entropy(dm(x), y).backward()
         opt.step()
@@ -566,6 +579,25 @@ def test_values_changed_on_the_users_model_reach_every_replica():
     same_replicas(dm)
     for p, r in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    dm.close()
+
+
+@pytest.mark.parametrize("run_replicas", ["threads", "in_turn"])
+def test_a_fused_dmodel_optimizer_moves_every_replicas_counters_alike(run_replicas):
+    # The mirror tells the user's changes on replica 0 from the step's by
+    # the counters: a step that moved replica 0's otherwise than the
+    # others' would be taken for an edit and copied again at each forward
+    # (in turn, replica 0's fused step moved none and the copies one each).
+    model, ref, dm = wrapped_with_reference(run_replicas=run_replicas)
+    opt = dm.optimizer(torch.optim.Adam, lr=0.01, fused=True)
+    params = [list(r.parameters()) for r in dm.replicas]
+    for x, y in data(2):
+        F.cross_entropy(dm(x), y).backward()
+        before = [[p._version for p in ps] for ps in params]
+        opt.step()
+        opt.zero_grad()
+        moved = [[p._version - b for p, b in zip(ps, bs)] for ps, bs in zip(params, before)]
+        assert all(m == moved[0] for m in moved), moved
     dm.close()
 
 

@@ -52,6 +52,9 @@ def make_optimizer(
             "every parameter (param groups for different settings)"
         )
     groups = [_param_groups(m, params, ps) for m, ps in zip(reducer.replicas, reducer.params)]
+    if params is not None and len(groups) > 1:
+        for m, g in zip(reducer.replicas, groups):
+            _refuse_others(m, g)
     follow_unscaling()  # GradScaler's unscale_: version counters, ZeRO-2's blocks, Join's end
     if shard and (len(groups) > 1 or reducer.ranks.spans_processes):
         return sharded_optimizer(reducer, cls, groups, shard == "gradients", **kwargs)
@@ -72,4 +75,45 @@ def _param_groups(module: nn.Module, params: Optional[ParamsFn], planned: list) 
             "params must be a function module -> parameters or param groups (it is applied "
             "to every replica), e.g. lambda m: [{'params': m.fc.parameters(), 'lr': 0.1}]"
         )
-    return list(params(module))
+    given = params(module)
+    if isinstance(given, torch.Tensor):  # (torch's own refusal, before the check iterates it)
+        raise TypeError(
+            "params must return an iterable of parameters or param groups, got a tensor"
+        )
+    return [_materialized(g) for g in given]
+
+
+def _refuse_others(module: nn.Module, groups: list) -> None:
+    """Several replicas in this process: every tensor of `groups` (params
+    applied to `module`) is a parameter of `module`."""
+    own = set(map(id, module.parameters()))
+    for g in groups:
+        held = g.get("params", ()) if isinstance(g, dict) else [g]
+        for t in _tensors([held] if isinstance(held, torch.Tensor) else held):
+            if id(t) not in own:
+                raise ValueError(
+                    f"dmodel.optimizer: params returned a tensor of shape {tuple(t.shape)} that "
+                    "is not a parameter of the module it was given: the function is applied to "
+                    "every replica, each stepping its own parameters, so a tensor outside it (a "
+                    "function that closes over your model instead of using its argument, a "
+                    "learnable value kept beside the model) would be stepped once per replica. "
+                    "Use the argument (lambda m: [{'params': m.fc.parameters(), 'lr': 0.1}]) "
+                    "and make a learnable value an nn.Parameter of the model"
+                )
+
+
+def _materialized(group: Any) -> Any:
+    """A param group as torch takes it, its `params` a list (a generator
+    would be used up by the check)."""
+    if isinstance(group, dict) and not isinstance(group.get("params"), torch.Tensor):
+        return {**group, "params": list(group.get("params", ()))}
+    return group
+
+
+def _tensors(items: Iterable[Any]) -> Iterable[torch.Tensor]:
+    """The tensors of a group's `params`: tensors, or (name, tensor) pairs."""
+    for item in items:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+            item = item[1]
+        if isinstance(item, torch.Tensor):
+            yield item

@@ -155,8 +155,9 @@ class ReplicatedState(OptimState):
         on every replica already (a frozen one). The copies' counters then
         move as their source's did: the model's mirror (replicas/mirror.py)
         takes a replica whose counters moved otherwise than replica 0's for
-        one changed alone, and copies it again before the next forward (so
-        only where the source's did not move: `.data` writes). Every pass
+        one changed alone, and copies it again before the next forward; a
+        source the step wrote without moving its counter (torch's fused
+        kernels, `.data` writes) moves by one, as its copies. Every pass
         over the parameters is C-level (map, compress): no Python per
         parameter."""
         moved = list(map(operator.sub, map(_VERSION, froms), before))
@@ -167,6 +168,9 @@ class ReplicatedState(OptimState):
             torch._foreach_copy_(list(compress(into, changed)), list(compress(froms, changed)))
         for extra in range(1, max(moved, default=0)):  # the copy moved each by one
             increment_versions(list(compress(into, map(extra.__lt__, moved))))
+        if not all(moved):  # written, not moved (fused kernels, .data): the source moves once
+            unmoved = compress(froms, map(operator.and_, changed, map(operator.not_, moved)))
+            increment_versions(list({id(p): p for p in unmoved}.values()))
 
 
 _VERSION = operator.attrgetter("_version")

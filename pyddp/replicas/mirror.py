@@ -11,9 +11,9 @@ O(modules + parameters) attribute reads:
   `register_hook` after wrap is shared before the next forward;
 - a parameter changed in place on one replica only (`model.load_state_dict`,
   an optimizer over `model.parameters()`, a manual edit) is seen through the
-  tensors' version counters, which the replicated optimizer and
-  `dmodel.load_state_dict` advance in step on every replica, and replica 0's
-  value is copied to the others;
+  tensors' version counters (moved after a fused step too: optim/fused.py),
+  which the replicated optimizer and `dmodel.load_state_dict` advance in step
+  on every replica, and replica 0's value is copied to the others;
 - what cannot follow (a module or parameter added, removed or replaced, a new
   dtype, device or shape, unfreezing a parameter frozen at wrap time) raises.
 
@@ -32,6 +32,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
+from ..optim.fused import follow_fused_steps
 from ..runtime.libraries import DTYPE_NAMES
 from .attributes import Attributes, shared_at_copy
 
@@ -125,6 +126,7 @@ class ReplicaMirror:
         named = [dict(m.named_parameters()) for m in replicas]
         self.names = list(named[0])
         self.params: List[List[nn.Parameter]] = [[d[n] for n in self.names] for d in named]
+        follow_fused_steps(self.params[0])  # (they move no version counter)
         self.meta = [(p.dtype, p.device, p.shape) for p in self.params[0]]
         self.synced = set(synced)
         self.training = [m.training for m in self.modules[0]]
@@ -378,16 +380,8 @@ class ReplicaMirror:
                 )
 
 
-_LAYOUT_DICTS = operator.attrgetter(
-    "_parameters",
-    "_modules",
-    "_buffers",
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
 _HOOK_NAMES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_LAYOUT_DICTS = operator.attrgetter("_parameters", "_modules", "_buffers", *_HOOK_NAMES)
 _HOOKS = operator.attrgetter(*_HOOK_NAMES)
 _TRAINING = operator.attrgetter("training")
 _MODULES = operator.attrgetter("_modules")
