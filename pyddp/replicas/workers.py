@@ -1,7 +1,8 @@
 """Persistent per-replica worker threads: replica 0 runs on the caller's thread,
 replica r > 0 on its own long-lived thread, so a step creates no threads. The
-caller's grad mode, autocast regions and current CUDA streams go with every task: a replica's
-forward runs on the stream the caller chose (``with torch.cuda.stream(s)``),
+caller's grad mode, autocast regions, saved-tensor hooks and current CUDA
+streams go with every task: a replica's forward runs on the stream the caller
+chose (``with torch.cuda.stream(s)``),
 so its backward and pyddp's zeroing of its buckets stay on one stream.
 
 CPU replicas, and GPU replicas that share one GPU, may instead run in turn
@@ -19,6 +20,7 @@ fixed order)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -260,14 +262,14 @@ class ReplicaWorkers:
 
     def _threads(self, fns: Sequence[Callable[[], Any]], what: str) -> List[Any]:
         grad = torch.is_grad_enabled()
-        autocast = _autocast_state() if len(fns) > 1 else ()
+        regions = _caller_regions() if len(fns) > 1 else ()
         streams = self.streams.snapshot() if self.streams is not None and len(fns) > 1 else None
         futures: List[Optional[Future]] = [None]
         for r in range(1, len(fns)):
             # Grad mode and current streams are thread-local: carry the caller's.
             futures.append(
                 self._pools[r - 1].submit(
-                    _with_caller_state, grad, autocast, self.streams, streams, fns[r]
+                    _with_caller_state, grad, regions, self.streams, streams, fns[r]
                 )
             )
         results: List[Any] = [None] * len(fns)
@@ -352,25 +354,38 @@ def _init_worker(threads: Optional[int], device: Optional[torch.device]) -> None
         torch.cuda.set_device(device)  # allocations without a device land on the replica's
 
 
-def _autocast_state() -> Tuple[Tuple[str, torch.dtype, bool], ...]:
-    """The caller's autocast regions (thread-local, like grad mode)."""
-    return tuple(
-        (kind, torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled())
+def _caller_regions() -> Tuple[Callable[[], Any], ...]:
+    """The caller's thread-local regions, each a context to enter again on
+    a worker: autocast (as grad mode), and saved-tensor hooks
+    (`torch.autograd.graph.saved_tensors_hooks`: activation offloading or
+    compression, which replicas on worker threads missed, a probe's bfloat16
+    packing 3.2e-4 off)."""
+    regions: List[Callable[[], Any]] = [
+        functools.partial(
+            torch.autocast,
+            kind,
+            dtype=torch.get_autocast_dtype(kind),
+            cache_enabled=torch.is_autocast_cache_enabled(),
+        )
         for kind in ("cpu", "cuda")
         if torch.is_autocast_enabled(kind)
-    )
+    ]
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is not None:
+        regions.append(functools.partial(torch.autograd.graph.saved_tensors_hooks, *hooks))
+    return tuple(regions)
 
 
 def _with_caller_state(
     enabled: bool,
-    autocast: Tuple[Tuple[str, torch.dtype, bool], ...],
+    regions: Tuple[Callable[[], Any], ...],
     provider: Optional[Any],
     streams: Optional[Any],
     fn: Callable[[], Any],
 ) -> Any:
     with torch.set_grad_enabled(enabled), contextlib.ExitStack() as stack:
-        for kind, dtype, cache in autocast:
-            stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=cache))
+        for region in regions:
+            stack.enter_context(region())
         if provider is not None and streams is not None:
             stack.enter_context(provider.use(streams))
         return fn()
