@@ -25,6 +25,7 @@ from torch.autograd.graph import increment_version
 
 from ..engine.faces import GradientShards
 from ..errors import ReplicaError
+from ..runtime.compiled import OutsideDynamo
 from .base import OptimState, PyddpOptimizer, checked_norm_type, refuse_nonfinite
 
 
@@ -334,6 +335,7 @@ def _replicated_class(cls: Type[torch.optim.Optimizer]) -> type:
         # The parent's step is already wrapped with the optimizer's step hooks;
         # marking this one as wrapped keeps each hook to one call per step.
         step.hooked = True  # type: ignore[attr-defined]
+        step = OutsideDynamo(step)  # type: ignore[assignment]  # (every replica's step eager)
 
         def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
             super().load_state_dict(state_dict)

@@ -25,8 +25,13 @@ from typing import Any, Callable, Optional
 import torch
 
 
-class EagerUnderDynamo:
-    """A forward method that dynamo does not trace (see the module)."""
+class OutsideDynamo:
+    """A method that dynamo does not trace, run eagerly as a graph break
+    (pyddp's replicated optimizer step: traced, replica 0's step ran
+    compiled on the calling thread and the others' eagerly on their
+    workers, and the replicas drifted apart, 2e-6 after 200 Adam steps).
+    Before dynamo is loaded the plain method. The class reads the function
+    itself (torch's optimizers read attributes of their step)."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self._fn = fn
@@ -39,8 +44,18 @@ class EagerUnderDynamo:
         if "torch._dynamo" not in sys.modules:
             return types.MethodType(self._fn, obj)
         if self._eager is None:
-            self._eager = _outside_dynamo(self._fn)
+            self._eager = self._outside(self._fn)
         return types.MethodType(self._eager, obj)
+
+    def _outside(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return torch._dynamo.disable(fn)
+
+
+class EagerUnderDynamo(OutsideDynamo):
+    """A forward method that dynamo does not trace (see the module)."""
+
+    def _outside(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return _outside_dynamo(fn)
 
 
 def _outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
