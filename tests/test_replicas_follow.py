@@ -1008,6 +1008,30 @@ def test_forward_hooks_registered_before_wrap_see_their_replicas_rows():
             assert sorted(seen) == sorted(zip(map(id, dm.replicas), [3, 3, 2]))
 
 
+def test_a_post_accumulate_grad_hook_is_refused_with_several_replicas():
+    # A probe: torch's optimizer-in-backward recipe (a step and zero_grad
+    # in a post-accumulate-grad hook) failed inside pyddp with an
+    # AttributeError, and without zero_grad stepped replica 0's unreduced
+    # share alone (0.069 off one device). It runs on replica 0 only, so it
+    # is refused, at wrap and when registered after.
+    torch.manual_seed(0)
+    model = Net(norm=False)
+    handle = model.head.weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(RuntimeError, match="'head.weight' has a post-accumulate-grad hook"):
+        pyddp.wrap(model, ["cpu", "cpu"])
+    with pyddp.wrap(model, ["cpu"]) as dm:  # one replica: nothing to share
+        dm(torch.randn(4, 6))
+    handle.remove()
+    x = torch.randn(4, 6)
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        F.cross_entropy(dm(x), torch.zeros(4, dtype=torch.long)).backward()
+        model.body.bias.register_post_accumulate_grad_hook(lambda p: None).remove()
+        dm(x)  # registered and removed again: nothing to refuse
+        model.body.bias.register_post_accumulate_grad_hook(lambda p: None)
+        with pytest.raises(RuntimeError, match="'body.bias' has a post-accumulate-grad hook"):
+            dm(x)
+
+
 def test_outputs_needing_no_gradient_on_some_replicas():
     class Aux(nn.Module):
         def __init__(self):

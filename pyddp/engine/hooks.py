@@ -18,8 +18,10 @@ carries none either."""
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
-from typing import Any, Callable, List, Optional
+from itertools import repeat
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -236,3 +238,35 @@ class PrepareHook(InertCopy):
             sync.prepare(self.replica)
             if self.replica == 0:
                 sync.compare_settings()  # (wrap compares at the forward's end)
+
+
+def accumulate_hook_marks(params: Sequence[torch.Tensor]) -> List[Any]:
+    """Per parameter, its post-accumulate-grad hooks' last key (None: none):
+    a hook registered since shows as another."""
+    return [next(reversed(d), None) if d else None for d in map(_ACCUMULATE_HOOKS, params)]
+
+
+_ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+def refuse_accumulate_hooks(model: nn.Module, marks: Optional[List[Any]], replicas: int) -> None:
+    """Several replicas in a process: a post-accumulate-grad hook the user put
+    on a parameter of replica 0, `model` (`marks`: accumulate_hook_marks when
+    there were none of the user's; None: at wrap, before pyddp's own) would
+    run there alone, on replica 0's share of the gradient before the
+    reduction; an optimizer step in backward (torch's recipe) stepped that
+    share (0.069 off one device), or, zeroing the gradient, failed inside
+    pyddp."""
+    named = dict(model.named_parameters())  # (the mirror's order)
+    now = accumulate_hook_marks(list(named.values()))
+    for name, mark, was in zip(named, now, marks or repeat(None)):
+        if mark != was:
+            raise RuntimeError(
+                f"pyddp: parameter {name!r} has a post-accumulate-grad hook "
+                "(register_post_accumulate_grad_hook, e.g. an optimizer step in backward): with "
+                f"{replicas} replicas in this process it would run on replica 0's share of the "
+                "gradient alone, before the reduction. Step after the backward (dmodel.optimizer, "
+                "or torch's over the model), hook every replica's share with p.register_hook, "
+                "or run one replica per process (torchrun), where it runs on the process's "
+                "gradient before the reduction, as under torch DDP"
+            )

@@ -32,6 +32,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
+from ..engine.hooks import accumulate_hook_marks, refuse_accumulate_hooks
 from ..optim.fused import follow_fused_steps
 from ..runtime.libraries import DTYPE_NAMES
 from .attributes import Attributes, shared_at_copy
@@ -40,6 +41,8 @@ from .attributes import Attributes, shared_at_copy
 def replica_copies(model: nn.Module, devices: Sequence[torch.device]) -> List[nn.Module]:
     """`model` (replica 0, on devices[0]) and a deep copy on each other device;
     a model that cannot be deep-copied is refused naming why and what works."""
+    if len(devices) > 1:  # (before pyddp's own hooks)
+        refuse_accumulate_hooks(model, None, len(devices))
     try:
         return [model] + [copy.deepcopy(model, shared_at_copy(model)).to(d) for d in devices[1:]]
     except RuntimeError as e:
@@ -127,6 +130,7 @@ class ReplicaMirror:
         self.names = list(named[0])
         self.params: List[List[nn.Parameter]] = [[d[n] for n in self.names] for d in named]
         follow_fused_steps(self.params[0])  # (they move no version counter)
+        self.accumulating = accumulate_hook_marks(self.params[0])
         self.meta = [(p.dtype, p.device, p.shape) for p in self.params[0]]
         self.synced = set(synced)
         self.training = [m.training for m in self.modules[0]]
@@ -234,6 +238,8 @@ class ReplicaMirror:
             and _last_keys(self.hook_dicts0) != self.hook_keys
         ):
             self._structure_changed()
+        if RemovableHandle.next_id != self.handles_seen:  # (its own hooks: pyddp's Python path)
+            refuse_accumulate_hooks(self.modules[0][0], self.accumulating, len(self.params))
         self.handles_seen = RemovableHandle.next_id
         if not all(map(operator.is_, self._members(), self.members)):
             raise RuntimeError(
