@@ -152,8 +152,19 @@ def test_bad_batches():
     dm = pyddp.wrap(nn.Linear(2, 2), ["cpu", "cpu"])
     with pytest.raises(ValueError, match="batch is empty"):
         dm(torch.zeros(0, 2))
-    with pytest.raises(ValueError, match="disagree on the batch size"):
+    with pytest.raises(ValueError, match="inputs has 4 rows and targets 3"):
         dm.loss(F.mse_loss, torch.zeros(4, 2), torch.zeros(3, 2))
+
+    # Named by where they were given, with the ways to pass what is not
+    # one row per example (a probe: a mask over positions, class weights).
+    class Masked(nn.Linear):
+        def forward(self, x, mask=None):
+            return super().forward(x)
+
+    masked = pyddp.wrap(Masked(2, 2), ["cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"args\[0\] has 4 rows and kwargs\['mask'\] 5.*set it on"):
+        masked(torch.zeros(4, 2), mask=torch.ones(5, 5))
+    masked.close()
     with pytest.raises(ValueError, match="no tensor with a batch dimension"):
         dm(torch.tensor(1.0))
 

@@ -55,12 +55,8 @@ def scatter(
     batch = batched[0].shape[0]
     if batch == 0:
         raise ValueError("the batch is empty (dim 0 has size 0)")
-    for t in batched:
-        if t.shape[0] != batch:
-            raise ValueError(
-                f"input tensors disagree on the batch size (dim 0): {batch} and "
-                f"{t.shape[0]}; every batched input must have the same first dimension"
-            )
+    if any(t.shape[0] != batch for t in batched):
+        _refuse_batch_sizes(tree, leaves, batch, call)
     # A batch smaller than the number of replicas: only the first `batch`
     # replicas take part; the others contribute zeros to the reduction.
     sizes = shard_sizes(batch, min(batch, len(devices)))
@@ -81,6 +77,23 @@ def scatter(
 
 
 _COUNT = "num_items_in_batch"
+
+
+def _refuse_batch_sizes(tree: Any, leaves: List[torch.Tensor], batch: int, call: bool) -> None:
+    """Tensors whose dim 0 differ, named by where they were given (`tree`:
+    a forward's (args, kwargs), or dmodel.loss's (inputs, targets))."""
+    roots = zip(tree, ("args", "kwargs") if call else ("inputs", "targets"))
+    paths = [p for part, root in roots for p in tensor_paths(part, root)]
+    sized = [(p, t.shape[0]) for p, t in zip(paths, leaves) if t.dim() > 0]
+    first, other = sized[0], next(x for x in sized if x[1] != batch)
+    raise ValueError(
+        f"input tensors disagree on the batch size (dim 0): {first[0]} has {first[1]} rows and "
+        f"{other[0]} {other[1]}; pyddp splits every tensor argument along dim 0 over the "
+        "replicas. A tensor that is not one row per example (a mask over positions, class "
+        "weights) goes to the model another way: set it on your model (an attribute or buffer "
+        "set there reaches every replica) or build it in forward; pass a recurrent state "
+        "batch first and transpose it inside forward"
+    )
 
 
 def share_count(shards: List[Any], sizes: List[int]) -> None:
