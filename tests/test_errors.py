@@ -2,6 +2,7 @@
 crash or silent wrong result; after a failure the next step works."""
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -219,6 +220,49 @@ def test_exception_in_one_replica_forward_reaches_caller_and_next_step_works(run
     assert e.value.replica == 2
     train_step(dm, opt, torch.ones(6, 2))
     assert_identical(dm)
+
+
+class _Coded(ValueError):
+    def __init__(self, message, code=0):
+        super().__init__(message)
+        self.code = code
+
+
+@pytest.mark.parametrize("run", ["threads", "in_turn"])
+def test_a_replicas_exception_is_caught_by_its_own_type(run):
+    # A probe: "skip the bad batch" code (`except torch.OutOfMemoryError`,
+    # `except ValueError`) did not catch a replica's error, which came as a
+    # ReplicaError (a RuntimeError) only.
+    class Raises(nn.Linear):
+        def forward(self, x):
+            if bool((x == -1).any()):
+                raise self.error
+            return super().forward(x)
+
+    model = Raises(2, 2)
+    dm = pyddp.wrap(model, ["cpu"] * 2, run_replicas=run)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    x = torch.ones(4, 2)
+    x[3, 0] = -1  # replica 1's rows
+    errors = [torch.OutOfMemoryError("out of memory"), _Coded("bad batch", code=7), KeyError("k")]
+    for error in errors:
+        for replica in dm.replicas:
+            replica.error = error
+        with pytest.raises(type(error)) as caught:
+            dm(x)
+        e = caught.value
+        assert isinstance(e, pyddp.ReplicaError) and e.replica == 1 and e.cause is error
+        assert type(e).__name__ == "ReplicaError" and str(e).startswith("replica 1 failed")
+        assert getattr(e, "code", 7) == 7  # the exception's own attributes
+        again = pickle.loads(pickle.dumps(e))  # (Ray, multiprocessing send them)
+        assert isinstance(again, type(error)) and again.replica == 1
+        train_step(dm, opt, torch.ones(4, 2))  # the next batch runs
+    for replica in dm.replicas:  # a type Python cannot combine stays a ReplicaError
+        replica.error = FileNotFoundError(2, "gone")
+    with pytest.raises(pyddp.ReplicaError, match="FileNotFoundError"):
+        dm(x)
+    assert_identical(dm)
+    dm.close()
 
 
 @pytest.mark.parametrize("run", ["threads", "in_turn"])
