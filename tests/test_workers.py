@@ -9,6 +9,7 @@ from torch import nn
 
 import pyddp
 from pyddp.replicas.workers import _init_worker
+from pyddp.runtime.choice import Choice
 
 
 def test_worker_keeps_its_intra_op_thread_count():
@@ -128,9 +129,8 @@ def test_auto_keeps_one_way_for_every_kind_and_its_trials_change_no_byte(
     # trials every replica keeps stepping its own optimizer, so a pick of
     # threads continues from state of their own, whatever the optimizer
     # keeps and wherever it keeps it.
-    from pyddp.replicas import workers
 
-    monkeypatch.setattr(workers._Choice, "MARGIN", margin)
+    monkeypatch.setattr(Choice, "MARGIN", margin)
     cls = {"sgd": None, "unusual": _Unusual}[opt]
     threaded, *_ = _train("threads", 30, False, cls)
     auto, _, how, held = _train("auto", 30, False, cls)
@@ -152,14 +152,14 @@ def test_auto_times_in_turn_the_step_taken_once_and_every_replica_keeps_its_stat
     from pyddp.replicas import workers
 
     runs, took = [], []
-    run, record = workers.ReplicaWorkers.run, workers._Choice.took
+    run, record = workers.ReplicaWorkers.run, Choice.took
     monkeypatch.setattr(
         workers.ReplicaWorkers,
         "run",
         lambda w, fns, what, *rows: runs.append((what, len(fns))) or run(w, fns, what, *rows),
     )
     monkeypatch.setattr(
-        workers._Choice,
+        Choice,
         "took",
         lambda c, what, how, s: took.append((what, how)) or record(c, what, how, s),
     )
@@ -198,12 +198,11 @@ def test_two_optimizers_on_one_model_are_timed_apart_each_both_ways(monkeypatch)
     from torch import nn
 
     import pyddp
-    from pyddp.replicas import workers
 
     took = []
-    record = workers._Choice.took
+    record = Choice.took
     monkeypatch.setattr(
-        workers._Choice,
+        Choice,
         "took",
         lambda c, what, how, s: took.append((what, how)) or record(c, what, how, s),
     )

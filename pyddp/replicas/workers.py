@@ -13,7 +13,7 @@ the caller's streams of that GPU either way, as replica 0 always does from
 the caller's thread, and replicas > 0 run with their GPU current either way;
 replicas on several GPUs keep a thread each, its GPU current.) "auto" times
 both ways for each kind of work (forward, backward, optimizer step, ...) and
-keeps the faster for all (_Choice); the results are the same bytes either
+keeps the faster for all (runtime/choice.py); the results are the same bytes either
 way (each replica's work is the same, and the engine sums the replicas in a
 fixed order)."""
 
@@ -22,17 +22,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import statistics
 import sys
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..engine.hooks import InertCopy
 from ..errors import ReplicaError
+from ..runtime.choice import Choice
 from .scatter import guard_sequence_first
 
 
@@ -68,7 +68,7 @@ class ReplicaWorkers:
         ]
 
         self.mode = "threads"
-        self._choice = _Choice()
+        self._choice = Choice()
         self.running = "threads"  # how the run under way runs
         self._meet = False
         self._checkpointing: List[Any] = []  # transformers' layers with the flag
@@ -100,7 +100,7 @@ class ReplicaWorkers:
         if why and mode == "in_turn":
             raise ValueError(f"run_replicas='in_turn': {why}; use 'auto' or 'threads'")
         self.mode = "threads" if why else mode
-        self._choice = _Choice()
+        self._choice = Choice()
         self._meet = bool(why)
         self._probe = self._guarded and self.mode == "auto"  # (threads if they meet)
 
@@ -389,62 +389,3 @@ def _with_caller_state(
         if provider is not None and streams is not None:
             stack.enter_context(provider.use(streams))
         return fn()
-
-
-class _Choice:
-    """run_replicas="auto": one way for every kind of work (forward,
-    backward, optimizer step, ...). Each kind runs WARMUP calls on threads,
-    then alternates, timed; once one kind has TRIALS calls each way, in turn
-    is kept for all if the replicas' work in turn costs less than MARGIN
-    times that on threads, the kinds weighed by how often each ran (its
-    median time each way, times its calls), else threads. One way for all:
-    a kind on threads between kinds in turn wakes a worker that idled,
-    which its trials (on threads after threads) never paid: chosen kind by
-    kind, in turn won by 10-25% per kind on an MLP 64-64-64-10 x2 while a
-    backward kept on threads among the others in turn cost 1.06-1.3x the
-    step (bench/run_replicas_auto.py). The margin keeps threads where the
-    two are close (a wrong pick on a noisy machine costs less that way:
-    where in turn wins, it wins by far more). A call that raised is not
-    timed (took is not called)."""
-
-    WARMUP, TRIALS, MARGIN = 5, 8, 0.9
-
-    def __init__(self) -> None:
-        self.calls: Dict[str, int] = {}
-        self.times: Dict[str, Dict[str, List[float]]] = {}
-        self.chosen: Optional[str] = None
-        self.announced: Set[str] = set()  # kinds whose callers ask before each run
-
-    def kinds(self) -> List[str]:
-        return list(self.calls)
-
-    def upcoming(self, what: str) -> str:
-        """How the next call of `what` runs. A kind first seen after the
-        choice (a backward after a validation pass of forwards alone, a
-        second optimizer) tries both ways again, every kind with it."""
-        if self.chosen is not None and what not in self.calls:
-            self.calls, self.times, self.chosen = dict.fromkeys(self.calls, 0), {}, None
-        if self.chosen is not None:
-            return self.chosen
-        trial = self.calls.setdefault(what, 0) + 1 - self.WARMUP
-        return "in_turn" if trial > 0 and trial % 2 else "threads"
-
-    def next(self, what: str) -> str:
-        how = self.upcoming(what)
-        if self.chosen is None:
-            self.calls[what] += 1
-        return how
-
-    def took(self, what: str, how: str, seconds: float) -> None:
-        if self.chosen is not None or self.calls[what] <= self.WARMUP:
-            return
-        times = self.times.setdefault(what, {"threads": [], "in_turn": []})
-        times[how].append(seconds)
-        if min(map(len, times.values())) < self.TRIALS:
-            return
-        cost = {"threads": 0.0, "in_turn": 0.0}
-        for kind, t in self.times.items():
-            if all(t.values()):  # timed both ways
-                for way in cost:
-                    cost[way] += self.calls[kind] * statistics.median(t[way])
-        self.chosen = "in_turn" if cost["in_turn"] < self.MARGIN * cost["threads"] else "threads"
