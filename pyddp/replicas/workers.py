@@ -24,6 +24,7 @@ import functools
 import os
 import sys
 import time
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -76,6 +77,7 @@ class ReplicaWorkers:
         self.shard_rows: Optional[List[int]] = None  # the running forward's (run)
         self._guarded = False  # CPU replicas: guard_checkpointing
         self._probe = False  # "auto": the first forward runs in turn, looking for checkpointing
+        self._dropout = False  # the replicas hold Dropout layers (guard_checkpointing)
         self._spotted = False
 
     def set_mode(
@@ -127,12 +129,14 @@ class ReplicaWorkers:
         self._guarded = True  # (set_mode: the first forward's look under "auto")
         self._checkpointing = [m for m in replicas[0].modules() if _flag(m) is not None]
         guard = _DropoutGuard(self)  # (weak, and copied as nothing: the user's model)
-        self._guards += [
+        dropouts = [
             m.register_forward_pre_hook(guard)
             for replica in replicas
             for m in replica.modules()
             if isinstance(m, torch.nn.modules.dropout._DropoutNd)
         ]
+        self._guards += dropouts
+        self._dropout = bool(dropouts)
 
     def compiled(self) -> None:
         """The replicas are compiled: their forwards hide their callers from
@@ -141,14 +145,44 @@ class ReplicaWorkers:
         self._probe = False
 
     def before_forward(self) -> None:
-        if self.mode == "auto" and not self._meet and any(map(_flag, self._checkpointing)):
-            self.mode = "in_turn"  # gradient_checkpointing_enable() (see guard_checkpointing)
+        """Under "auto": in turn for good where a transformers model turned
+        gradient checkpointing on (see guard_checkpointing), or a model with
+        Dropout runs under torch.use_deterministic_algorithms (dropout_drawn)."""
+        if (
+            self.mode == "auto"
+            and not self._meet
+            and (
+                any(map(_flag, self._checkpointing))
+                or self._dropout
+                and torch.are_deterministic_algorithms_enabled()
+            )
+        ):
+            self.mode = "in_turn"
 
-    def dropout_in_checkpoint(self, module: torch.nn.Module) -> None:
+    def dropout_drawn(self, module: torch.nn.Module) -> None:
+        """A Dropout layer in training: replicas on threads draw their masks
+        from torch's one CPU generator in no fixed order, so a run is not
+        repeated bit for bit (a probe: -1.849 and -1.828 from one seed);
+        under torch.use_deterministic_algorithms that is refused as torch
+        refuses its own nondeterministic ops (warned with warn_only=True).
+        Inside activation checkpointing it is refused always (see
+        guard_checkpointing)."""
         if self.running == "in_turn" or not module.training or not module.p:
             return
         if torch.compiler.is_compiling():
             return  # (traced away: no graph break in a compiled replica)
+        if torch.are_deterministic_algorithms_enabled():
+            message = (
+                "pyddp: a Dropout layer runs on CPU replicas running on threads, which draw "
+                "their masks from torch's one CPU generator in no fixed order, so the run is "
+                "not repeated bit for bit, and torch.use_deterministic_algorithms(True) asks "
+                "for that. Wrap with run_replicas='auto' or 'in_turn' (the replicas then draw "
+                "one after another; not with SyncBatchNorm, whose replicas meet on threads), "
+                "or turn dropout off"
+            )
+            if not torch.is_deterministic_algorithms_warn_only_enabled():
+                raise RuntimeError(message)
+            warnings.warn(message, stacklevel=2)
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         checkpointed = hooks is not None and "checkpoint" in getattr(hooks[0], "__qualname__", "")
         if checkpointed or torch._C._current_graph_task_id() != -1:  # (a recompute in backward)
@@ -332,7 +366,7 @@ class _DropoutGuard(InertCopy):
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         workers = self.owner()
         if workers is not None:
-            workers.dropout_in_checkpoint(module)
+            workers.dropout_drawn(module)
 
 
 def _flag(module: torch.nn.Module) -> Any:
