@@ -67,6 +67,17 @@ def mismatch(out: dict) -> None:
         out["frozen on one rank"] = None
     except ValueError as e:
         out["frozen on one rank"] = str(e)
+    # A conv weight in channels_last on one rank only: its gradient's bucket
+    # view is laid out as the weight, so the ranks would sum elements of
+    # other positions (a probe's channels_last finding).
+    conv = nn.Conv2d(3, 4, 3)
+    if pyddp.rank() == 0:
+        conv.to(memory_format=torch.channels_last)
+    try:
+        pyddp.wrap(conv, ["cpu"])
+        out["layout on one rank"] = None
+    except ValueError as e:
+        out["layout on one rank"] = str(e)
     # SyncBatchNorm on one rank only (same parameters and buffers): both
     # ranks waited the whole timeout, the errors naming a stats group.
     syncbn = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
@@ -380,6 +391,12 @@ def test_a_layer_frozen_on_one_rank_only_is_refused_at_wrap(basics):
         error = r["frozen on one rank"]
         assert error is not None and "rank 1 has parameter bias (3,) float32 trained" in error
         assert "rank 0 has parameter bias (3,) float32 frozen" in error, error
+
+
+def test_a_memory_format_on_one_rank_only_is_refused_at_wrap(basics):
+    for r in basics:
+        error = r["layout on one rank"]
+        assert error is not None and "strides" in error and "weight" in error, error
 
 
 def test_settings_that_differ_across_ranks_are_refused_at_wrap(basics):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pyddp
-from pyddp.replicas import mirror
+from pyddp.replicas import attributes
 
 
 class Net(nn.Module):
@@ -900,6 +900,50 @@ class Conv(nn.Module):
         return self.head(self.conv(x).mean((2, 3)))
 
 
+@pytest.mark.parametrize("when", ["before_wrap", "after_wrap"])
+@pytest.mark.parametrize("whose", ["dmodel", "own"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_channels_last_gradients_are_laid_out_as_their_parameters(when, whose, fused):
+    # A probe: the buckets' views were row-major, a channels_last weight's
+    # gradient with them, and torch's fused kernels read a parameter and its
+    # gradient as flat memory alike: 0.08 off one device (the transformers
+    # Trainer's default adamw_torch_fused on a ResNet, 0.067). After wrap,
+    # a conversion of the user's model also left the other replicas in the
+    # old layout. Each gradient is laid out as its parameter now, as on one
+    # device and in torch DDP's bucket views.
+    torch.manual_seed(0)
+    model = Conv()
+    if when == "before_wrap":
+        model.to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    if whose == "dmodel":
+        opt = dm.optimizer(torch.optim.Adam, lr=0.01, fused=fused)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=fused)
+    g = torch.Generator().manual_seed(1)
+    for k in range(4):
+        x, y = torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 2, (4,), generator=g)
+        if k == 1 and when == "after_wrap":
+            model.to(memory_format=torch.channels_last)
+            ref.to(memory_format=torch.channels_last)
+        for m, o in ((dm, opt), (ref, ref_opt)):
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+    dm(x)  # (the user's own optimizer: followed at the next forward)
+    for replica in dm.replicas:
+        w = replica.conv.weight
+        assert w.is_contiguous(memory_format=torch.channels_last)
+        assert w.grad.stride() == w.stride()
+    # float32 reassociation over the shards (as in the test below), 4 Adam steps
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    same_replicas(dm)
+    dm.close()
+
+
 @pytest.mark.parametrize(
     "apply",
     [
@@ -920,7 +964,7 @@ def test_module_apply_after_wrap_keeps_gradients_reduced(apply, held, reused, mo
     # every new storage took its predecessor's freed address, as the
     # allocator sometimes does (a CI run failed so after .double().float()).
     if reused:
-        monkeypatch.setattr(mirror, "_data_ptr", lambda t: 0)
+        monkeypatch.setattr(attributes, "_data_ptr", lambda t: 0)
     torch.manual_seed(0)
     model = Conv()
     ref = copy.deepcopy(model)
@@ -1027,6 +1071,11 @@ def test_a_post_accumulate_grad_hook_is_refused_with_several_replicas():
         F.cross_entropy(dm(x), torch.zeros(4, dtype=torch.long)).backward()
         model.body.bias.register_post_accumulate_grad_hook(lambda p: None).remove()
         dm(x)  # registered and removed again: nothing to refuse
+        seen = []  # on every replica alike (instrumentation): each runs its own
+        for r, replica in enumerate(dm.replicas):
+            replica.head.bias.register_post_accumulate_grad_hook(lambda p, r=r: seen.append(r))
+        F.cross_entropy(dm(x), torch.zeros(4, dtype=torch.long)).backward()
+        assert sorted(seen) == [0, 1]
         model.body.bias.register_post_accumulate_grad_hook(lambda p: None)
         with pytest.raises(RuntimeError, match="'body.bias' has a post-accumulate-grad hook"):
             dm(x)
@@ -1251,10 +1300,10 @@ def test_new_storage_at_an_old_address_is_seen(monkeypatch):
     # is new all the same (simulated: every pointer reads 0).
     from pyddp.replicas.watch import OneReplicaWatch
 
-    monkeypatch.setattr(mirror, "_data_ptr", lambda t: 0)
+    monkeypatch.setattr(attributes, "_data_ptr", lambda t: 0)
     model = Net(norm=False)
     params = list(model.parameters())
-    storages, watch = mirror.Storages(params), OneReplicaWatch(model, params)
+    storages, watch = attributes.Storages(params), OneReplicaWatch(model, params)
     assert storages.moved() == [] and not watch.follow()
     params[1].data = params[1].data.clone()
     assert storages.moved() == [1]

@@ -309,8 +309,10 @@ class Ranks:
 def model_signature(entries: Sequence[tuple], device_type: str) -> List[tuple]:
     """What must match across ranks: every parameter's and buffer's name, shape
     and dtype, whether a parameter is trained (reduced) or frozen (else buckets
-    of other sizes), every module's class (SyncBatchNorm on one rank only waited
-    the timeout, naming a stats group), and the kind of device."""
+    of other sizes), a parameter's memory format (channels_last: its
+    gradient's elements in another order), every module's class
+    (SyncBatchNorm on one rank only waited the timeout, naming a stats
+    group), and the kind of device."""
     sig: List[tuple] = [("device type", device_type)]
     for kind, name, t in entries:
         if kind == "module":
@@ -319,5 +321,7 @@ def model_signature(entries: Sequence[tuple], device_type: str) -> List[tuple]:
         entry = (kind, name, tuple(t.shape), str(t.dtype).replace("torch.", ""))
         if kind == "parameter":
             entry += ("trained" if t.requires_grad else "frozen",)
+            if not t.is_contiguous():  # (its gradient's bucket view is laid out alike)
+                entry += ("strides", tuple(t.stride()))
         sig.append(entry)
     return sig

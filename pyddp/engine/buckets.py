@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .ending import Window, fresh_views, reseat, views_left
+from .ending import Window, fresh_views, reseat, slot_view, views_left
 from .scattered import Scattered
 
 
@@ -153,7 +153,7 @@ class BucketLayout:
                 offset = 0
                 for i in members:
                     p = params[i]
-                    view = flat[offset : offset + p.numel()].view_as(p)
+                    view = slot_view(flat, offset, p)
                     offset += p.numel()
                     if p.grad is not None:
                         view.copy_(p.grad)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import operator
 import weakref
-from itertools import repeat
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -249,24 +248,32 @@ def accumulate_hook_marks(params: Sequence[torch.Tensor]) -> List[Any]:
 _ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 
 
-def refuse_accumulate_hooks(model: nn.Module, marks: Optional[List[Any]], replicas: int) -> None:
-    """Several replicas in a process: a post-accumulate-grad hook the user put
-    on a parameter of replica 0, `model` (`marks`: accumulate_hook_marks when
-    there were none of the user's; None: at wrap, before pyddp's own) would
-    run there alone, on replica 0's share of the gradient before the
-    reduction; an optimizer step in backward (torch's recipe) stepped that
-    share (0.069 off one device), or, zeroing the gradient, failed inside
-    pyddp."""
-    named = dict(model.named_parameters())  # (the mirror's order)
-    now = accumulate_hook_marks(list(named.values()))
-    for name, mark, was in zip(named, now, marks or repeat(None)):
-        if mark != was:
+def refuse_accumulate_hooks(
+    replicas: Sequence[nn.Module], marks: Optional[List[List[Any]]], count: int
+) -> List[List[Any]]:
+    """`count` replicas in a process: a post-accumulate-grad hook the user put
+    on a parameter of replica 0 (the user's model) alone would run there
+    alone, on replica 0's share of the gradient before the reduction; an
+    optimizer step in backward (torch's recipe) stepped that share (0.069 off
+    one device), or, zeroing the gradient, failed inside pyddp. `marks`:
+    each replica's accumulate_hook_marks as last seen (None: at wrap, with
+    replica 0 alone and before pyddp's own hooks). Hooks registered on every
+    replica alike are kept. Returns the marks now."""
+    named = [dict(m.named_parameters()) for m in replicas]  # (the mirror's order)
+    now = [accumulate_hook_marks(list(ps.values())) for ps in named]
+    if count < 2:
+        return now
+    was = marks or [[None] * len(now[0])]
+    moved = [list(map(operator.ne, n, w)) for n, w in zip(now, was)]
+    for name, mine, *others in zip(named[0], *moved):
+        if mine and not (others and all(others)):  # (at wrap: no other replica yet)
             raise RuntimeError(
                 f"pyddp: parameter {name!r} has a post-accumulate-grad hook "
                 "(register_post_accumulate_grad_hook, e.g. an optimizer step in backward): with "
-                f"{replicas} replicas in this process it would run on replica 0's share of the "
+                f"{count} replicas in this process it would run on replica 0's share of the "
                 "gradient alone, before the reduction. Step after the backward (dmodel.optimizer, "
                 "or torch's over the model), hook every replica's share with p.register_hook, "
                 "or run one replica per process (torchrun), where it runs on the process's "
                 "gradient before the reduction, as under torch DDP"
             )
+    return now

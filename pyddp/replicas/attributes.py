@@ -21,7 +21,9 @@ hooks, parameters, buffers and submodules, which mirror.py follows or
 refuses).
 
 Cheap where nothing changed: two C-level passes (the modules' dict sizes,
-the identity of every attribute value of replica 0) per forward."""
+the identity of every attribute value of replica 0) per forward.
+
+Also Storages: which parameters got new storage since (mirror.py, watch.py)."""
 
 from __future__ import annotations
 
@@ -29,10 +31,11 @@ import enum
 import functools
 import operator
 import types
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Set, Tuple
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, enum.Enum)
 _PLAIN += (types.FunctionType,)  # not bound methods
@@ -183,3 +186,31 @@ def shared_at_copy(model: Any) -> Dict[int, Any]:
         for v in vars(m).values()
         if any(c.__name__ in _CONFIGS for c in type(v).__mro__)
     }
+
+
+_data_ptr = operator.methodcaller("data_ptr")
+_expired = torch.UntypedStorage._expired
+
+
+class Storages:
+    """Which of `params` got new storage since this was made (`.data =`, Module._apply:
+    `.half().float()`). Pointers alone miss a new storage at its predecessor's freed
+    address (seen in CI after `.double().float()`); a weak reference to each storage
+    sees it die, keeping its bookkeeping, not its memory. Two C-level passes per look."""
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        self.params = list(params)
+        self.ptrs = list(map(_data_ptr, self.params))
+        self.refs = [StorageWeakRef(p.untyped_storage()) for p in self.params]
+        self.cdata = [ref.cdata for ref in self.refs]
+
+    def moved(self) -> List[int]:
+        """Indices of the parameters whose storage changed (none: [])."""
+        ptrs = list(map(_data_ptr, self.params))
+        if ptrs == self.ptrs and not any(map(_expired, self.cdata)):
+            return []
+        dead = map(_expired, self.cdata)
+        return [k for k, (a, b, d) in enumerate(zip(ptrs, self.ptrs, dead)) if a != b or d]
+
+    def moved_ids(self) -> Set[int]:
+        return {id(self.params[k]) for k in self.moved()}  # (empty: no Python loop)

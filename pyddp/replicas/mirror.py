@@ -25,24 +25,22 @@ import contextlib
 import copy
 import operator
 from itertools import chain, repeat
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
 from ..engine.hooks import accumulate_hook_marks, refuse_accumulate_hooks
 from ..optim.fused import follow_fused_steps
 from ..runtime.libraries import DTYPE_NAMES
-from .attributes import Attributes, shared_at_copy
+from .attributes import Attributes, Storages, shared_at_copy
 
 
 def replica_copies(model: nn.Module, devices: Sequence[torch.device]) -> List[nn.Module]:
     """`model` (replica 0, on devices[0]) and a deep copy on each other device;
     a model that cannot be deep-copied is refused naming why and what works."""
-    if len(devices) > 1:  # (before pyddp's own hooks)
-        refuse_accumulate_hooks(model, None, len(devices))
+    refuse_accumulate_hooks([model], None, len(devices))  # (before pyddp's own hooks)
     try:
         return [model] + [copy.deepcopy(model, shared_at_copy(model)).to(d) for d in devices[1:]]
     except RuntimeError as e:
@@ -130,7 +128,7 @@ class ReplicaMirror:
         self.names = list(named[0])
         self.params: List[List[nn.Parameter]] = [[d[n] for n in self.names] for d in named]
         follow_fused_steps(self.params[0])  # (they move no version counter)
-        self.accumulating = accumulate_hook_marks(self.params[0])
+        self.accumulating = [accumulate_hook_marks(ps) for ps in self.params]
         self.meta = [(p.dtype, p.device, p.shape) for p in self.params[0]]
         self.synced = set(synced)
         self.training = [m.training for m in self.modules[0]]
@@ -220,10 +218,14 @@ class ReplicaMirror:
                 d[n] = None if b0 is None else b0.detach().to(device, copy=True)
 
     def copy_all(self) -> None:
-        """Copies replica 0's parameters to the others, unconditionally."""
+        """Copies replica 0's parameters to the others, unconditionally, in
+        its memory format (`.to(memory_format=...)` after wrap: each bucket
+        view is laid out as its parameter, the same on every replica)."""
         with torch.no_grad():
             for ps in self.params[1:]:
                 for p, p0 in zip(ps, self.params[0]):
+                    if p.stride() != p0.stride():
+                        p.data = torch.empty_like(p0, device=p.device)
                     p.copy_(p0)
         self.versions = [list(map(_version, ps)) for ps in self.params[1:]]
 
@@ -239,7 +241,8 @@ class ReplicaMirror:
         ):
             self._structure_changed()
         if RemovableHandle.next_id != self.handles_seen:  # (its own hooks: pyddp's Python path)
-            refuse_accumulate_hooks(self.modules[0][0], self.accumulating, len(self.params))
+            roots = [mods[0] for mods in self.modules]
+            self.accumulating = refuse_accumulate_hooks(roots, self.accumulating, len(roots))
         self.handles_seen = RemovableHandle.next_id
         if not all(map(operator.is_, self._members(), self.members)):
             raise RuntimeError(
@@ -400,32 +403,6 @@ def _version_of(b: Any) -> int:
 
 _hook_dict = operator.attrgetter("_backward_hooks")
 _version_and_grad = operator.attrgetter("_version", "requires_grad")
-_data_ptr = operator.methodcaller("data_ptr")
-_expired = torch.UntypedStorage._expired
-
-
-class Storages:
-    """Which of `params` got new storage since this was made (`.data =`, Module._apply:
-    `.half().float()`). Pointers alone miss a new storage at its predecessor's freed
-    address (seen in CI after `.double().float()`); a weak reference to each storage
-    sees it die, keeping its bookkeeping, not its memory. Two C-level passes per look."""
-
-    def __init__(self, params: Sequence[torch.Tensor]):
-        self.params = list(params)
-        self.ptrs = list(map(_data_ptr, self.params))
-        self.refs = [StorageWeakRef(p.untyped_storage()) for p in self.params]
-        self.cdata = [ref.cdata for ref in self.refs]
-
-    def moved(self) -> List[int]:
-        """Indices of the parameters whose storage changed (none: [])."""
-        ptrs = list(map(_data_ptr, self.params))
-        if ptrs == self.ptrs and not any(map(_expired, self.cdata)):
-            return []
-        dead = map(_expired, self.cdata)
-        return [k for k, (a, b, d) in enumerate(zip(ptrs, self.ptrs, dead)) if a != b or d]
-
-    def moved_ids(self) -> Set[int]:
-        return {id(self.params[k]) for k in self.moved()}  # (empty: no Python loop)
 
 
 def _hook_dicts(modules: Sequence[nn.Module]) -> List[Dict[Any, Any]]:

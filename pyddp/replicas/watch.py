@@ -20,7 +20,8 @@ from typing import List, Sequence
 
 from torch import nn
 
-from .mirror import _REWRAP, Storages, unfrozen
+from .attributes import Storages
+from .mirror import _REWRAP, unfrozen
 
 _DICTS = operator.attrgetter("_parameters", "_modules")
 _requires_grad = operator.attrgetter("requires_grad")
