@@ -30,7 +30,10 @@ class ReplicaError(RuntimeError):
         return super().__new__(cls, replica, what, cause)  # (see _replica_error_of)
 
     def __init__(self, replica: int, what: str, cause: BaseException):
-        super().__init__(f"replica {replica} failed during {what}: {type(cause).__name__}: {cause}")
+        # Not the other type's __init__, which may take other arguments
+        # (dynamo's BackendCompilerFailed: a TypeError hid the failure).
+        message = f"replica {replica} failed during {what}: {type(cause).__name__}: {cause}"
+        BaseException.__init__(self, message)
         for name, value in getattr(cause, "__dict__", {}).items():
             self.__dict__.setdefault(name, value)
         self.replica, self.what, self.cause = replica, what, cause

@@ -249,31 +249,46 @@ _ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 
 
 def refuse_accumulate_hooks(
-    replicas: Sequence[nn.Module], marks: Optional[List[List[Any]]], count: int
+    names: Sequence[str], params: Sequence[Sequence[torch.Tensor]], marks: List[List[Any]]
 ) -> List[List[Any]]:
-    """`count` replicas in a process: a post-accumulate-grad hook the user put
-    on a parameter of replica 0 (the user's model) alone would run there
-    alone, on replica 0's share of the gradient before the reduction; an
-    optimizer step in backward (torch's recipe) stepped that share (0.069 off
-    one device), or, zeroing the gradient, failed inside pyddp. `marks`:
-    each replica's accumulate_hook_marks as last seen (None: at wrap, with
-    replica 0 alone and before pyddp's own hooks). Hooks registered on every
-    replica alike are kept. Returns the marks now."""
-    named = [dict(m.named_parameters()) for m in replicas]  # (the mirror's order)
-    now = [accumulate_hook_marks(list(ps.values())) for ps in named]
-    if count < 2:
-        return now
-    was = marks or [[None] * len(now[0])]
-    moved = [list(map(operator.ne, n, w)) for n, w in zip(now, was)]
-    for name, mine, *others in zip(named[0], *moved):
-        if mine and not (others and all(others)):  # (at wrap: no other replica yet)
-            raise RuntimeError(
-                f"pyddp: parameter {name!r} has a post-accumulate-grad hook "
-                "(register_post_accumulate_grad_hook, e.g. an optimizer step in backward): with "
-                f"{count} replicas in this process it would run on replica 0's share of the "
-                "gradient alone, before the reduction. Step after the backward (dmodel.optimizer, "
-                "or torch's over the model), hook every replica's share with p.register_hook, "
-                "or run one replica per process (torchrun), where it runs on the process's "
-                "gradient before the reduction, as under torch DDP"
-            )
+    """Several replicas in a process (`params[r]`: replica r's, named
+    `names`): a post-accumulate-grad hook the user put on a parameter of
+    replica 0 (the user's model) alone would run there alone, on replica
+    0's share of the gradient before the reduction; an optimizer step in
+    backward (torch's recipe) stepped that share (0.069 off one device),
+    or, zeroing the gradient, failed inside pyddp. `marks`: each replica's
+    accumulate_hook_marks as last seen. Hooks registered on every replica
+    alike are kept. Returns the marks now; one pass over replica 0's
+    parameters where its hooks did not change (a handle made elsewhere)."""
+    now0 = accumulate_hook_marks(params[0])
+    if now0 == marks[0]:
+        return marks
+    now = [now0] + [accumulate_hook_marks(ps) for ps in params[1:]]
+    moved = [list(map(operator.ne, n, w)) for n, w in zip(now, marks)]
+    for name, mine, *others in zip(names, *moved):
+        if mine and not all(others):
+            raise RuntimeError(_accumulate_hook_refusal(name, len(params)))
     return now
+
+
+def refuse_accumulate_hooks_at_wrap(model: nn.Module, replicas: int) -> None:
+    """refuse_accumulate_hooks at wrap: any hook but pyddp's own (a model
+    another wrap still holds is named as such where that is checked)."""
+    if replicas < 2:
+        return
+    for name, p in model.named_parameters():
+        hooks = p._post_accumulate_grad_hooks
+        if hooks and any(getattr(h, "__module__", None) != __name__ for h in hooks.values()):
+            raise RuntimeError(_accumulate_hook_refusal(name, replicas))
+
+
+def _accumulate_hook_refusal(name: str, replicas: int) -> str:
+    return (
+        f"pyddp: parameter {name!r} has a post-accumulate-grad hook "
+        "(register_post_accumulate_grad_hook, e.g. an optimizer step in backward): with "
+        f"{replicas} replicas in this process it would run on replica 0's share of the "
+        "gradient alone, before the reduction. Step after the backward (dmodel.optimizer, "
+        "or torch's over the model), hook every replica's share with p.register_hook, "
+        "or run one replica per process (torchrun), where it runs on the process's "
+        "gradient before the reduction, as under torch DDP"
+    )

@@ -34,7 +34,8 @@ def clip_norm(
         return torch.nn.utils.clip_grad_norm_(
             module.parameters(), max_norm, norm_type, error_if_nonfinite, foreach
         )
-    return clip_replicas(flat_grads(gradients), max_norm, norm_type, error_if_nonfinite)
+    grads0 = [p.grad for p in module.parameters() if p.grad is not None]
+    return clip_replicas(grads0, flat_grads(gradients), max_norm, norm_type, error_if_nonfinite)
 
 
 def _check_flags(error_if_nonfinite: bool, foreach: Optional[bool]) -> None:

@@ -80,7 +80,18 @@ def _param_groups(module: nn.Module, params: Optional[ParamsFn], planned: list) 
         raise TypeError(
             "params must return an iterable of parameters or param groups, got a tensor"
         )
-    return [_materialized(g) for g in given]
+    return [_materialized(g) for g in _ordered(given)]
+
+
+def _ordered(items: Any) -> Any:
+    """A set's order differs between replicas (and runs): each replica's
+    optimizer would pair its parameters otherwise (0.65 apart; a review)."""
+    if isinstance(items, (set, frozenset)):
+        raise TypeError(
+            "params gave a set: its order differs from replica to replica, so their "
+            "optimizers would not step alike; give a list (e.g. in the model's order)"
+        )
+    return items
 
 
 def _refuse_others(module: nn.Module, groups: list) -> None:
@@ -106,7 +117,7 @@ def _materialized(group: Any) -> Any:
     """A param group as torch takes it, its `params` a list (a generator
     would be used up by the check)."""
     if isinstance(group, dict) and not isinstance(group.get("params"), torch.Tensor):
-        return {**group, "params": list(group.get("params", ()))}
+        return {**group, "params": list(_ordered(group.get("params", ())))}
     return group
 
 

@@ -386,13 +386,16 @@ def clip_sharded(
     norm combines every replica's (sharded_norm), and each replica scales
     its blocks. Returns the total norm (on replica 0's device)."""
     norm_type = checked_norm_type(norm_type)
-    # In the dtype of torch's clip and the other modes' (float32 unless a
-    # gradient is float64): a norm whose float32 sum of squares overflows is
-    # infinite there, so it is here too.
-    dtype = functools.reduce(
-        torch.promote_types, [b.dtype for b in reducer.blocks[0]], torch.float32
-    )
-    blocks, totals = sharded_norm(reducer, norm_type, dtype)
+    blocks, totals = sharded_norm(reducer, norm_type, torch.float64)
+    # Summed in float64 (float32 over a large block was 7e-6 off: a review),
+    # read in the dtype of torch's clip (the gradients', promoted), which
+    # sums the powers in it: past its range the norm is infinite there, and
+    # so here.
+    dtype = functools.reduce(torch.promote_types, [b.dtype for b in blocks[0]])
+    if dtype != torch.float64 and norm_type != float("inf"):
+        top = torch.finfo(dtype).max
+        totals = [torch.where(t.pow(norm_type) > top, float("inf"), t) for t in totals]
+    totals = [t.to(dtype) for t in totals]
     if strict:  # error_if_nonfinite (every replica holds the same total)
         refuse_nonfinite(totals[0], norm_type)
     with torch.no_grad():
@@ -407,7 +410,7 @@ def sharded_finite(reducer: GradientShards) -> bool:
     process are finite (fp16 loss scaling's overflow check; one replica's
     blocks alone would miss an overflow elsewhere). Every rank gets the
     same answer: the norms are all-gathered. Reads the host (GPUs wait)."""
-    _, totals = sharded_norm(reducer, 2.0, torch.float64)  # no overflow of its own
+    _, totals = sharded_norm(reducer, 2.0, torch.float64)
     return bool(torch.isfinite(totals[0]))
 
 

@@ -31,7 +31,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..engine.hooks import accumulate_hook_marks, refuse_accumulate_hooks
+from ..engine.hooks import (
+    accumulate_hook_marks,
+    refuse_accumulate_hooks,
+    refuse_accumulate_hooks_at_wrap,
+)
 from ..optim.fused import follow_fused_steps
 from ..runtime.libraries import DTYPE_NAMES
 from .attributes import Attributes, Storages, shared_at_copy
@@ -40,7 +44,7 @@ from .attributes import Attributes, Storages, shared_at_copy
 def replica_copies(model: nn.Module, devices: Sequence[torch.device]) -> List[nn.Module]:
     """`model` (replica 0, on devices[0]) and a deep copy on each other device;
     a model that cannot be deep-copied is refused naming why and what works."""
-    refuse_accumulate_hooks([model], None, len(devices))  # (before pyddp's own hooks)
+    refuse_accumulate_hooks_at_wrap(model, len(devices))
     try:
         return [model] + [copy.deepcopy(model, shared_at_copy(model)).to(d) for d in devices[1:]]
     except RuntimeError as e:
@@ -241,8 +245,7 @@ class ReplicaMirror:
         ):
             self._structure_changed()
         if RemovableHandle.next_id != self.handles_seen:  # (its own hooks: pyddp's Python path)
-            roots = [mods[0] for mods in self.modules]
-            self.accumulating = refuse_accumulate_hooks(roots, self.accumulating, len(roots))
+            self.accumulating = refuse_accumulate_hooks(self.names, self.params, self.accumulating)
         self.handles_seen = RemovableHandle.next_id
         if not all(map(operator.is_, self._members(), self.members)):
             raise RuntimeError(

@@ -1,8 +1,8 @@
 """Persistent per-replica worker threads: replica 0 runs on the caller's thread,
 replica r > 0 on its own long-lived thread, so a step creates no threads. The
-caller's grad mode, autocast regions, saved-tensor hooks and current CUDA
-streams go with every task: a replica's forward runs on the stream the caller
-chose (``with torch.cuda.stream(s)``),
+caller's grad mode, autocast regions and current CUDA streams go with every
+task: a replica's forward runs on the stream the caller chose
+(``with torch.cuda.stream(s)``),
 so its backward and pyddp's zeroing of its buckets stay on one stream.
 
 CPU replicas, and GPU replicas that share one GPU, may instead run in turn
@@ -389,12 +389,14 @@ def _init_worker(threads: Optional[int], device: Optional[torch.device]) -> None
 
 
 def _caller_regions() -> Tuple[Callable[[], Any], ...]:
-    """The caller's thread-local regions, each a context to enter again on
-    a worker: autocast (as grad mode), and saved-tensor hooks
-    (`torch.autograd.graph.saved_tensors_hooks`: activation offloading or
-    compression, which replicas on worker threads missed, a probe's bfloat16
-    packing 3.2e-4 off)."""
-    regions: List[Callable[[], Any]] = [
+    """The caller's autocast regions (thread-local, like grad mode), each a
+    context to enter again on a worker. Saved-tensor hooks
+    (`torch.autograd.graph.saved_tensors_hooks`) are thread-local too and
+    stay with replica 0: carried to the workers, they ran on several threads
+    at once (a stateful offloader's ids crossed replicas) and
+    `checkpoint(dmodel, ...)` recomputed the wrapped model from a worker
+    (a hang; a review). In turn every replica runs under them."""
+    return tuple(
         functools.partial(
             torch.autocast,
             kind,
@@ -403,11 +405,7 @@ def _caller_regions() -> Tuple[Callable[[], Any], ...]:
         )
         for kind in ("cpu", "cuda")
         if torch.is_autocast_enabled(kind)
-    ]
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    if hooks is not None:
-        regions.append(functools.partial(torch.autograd.graph.saved_tensors_hooks, *hooks))
-    return tuple(regions)
+    )
 
 
 def _with_caller_state(
