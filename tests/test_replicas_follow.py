@@ -410,8 +410,12 @@ def test_follow_unfreezing_is_named_in_the_refusal_and_checked(monkeypatch):
     model.body.requires_grad_(False)
     with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
         model.body.requires_grad_(True)
-        with pytest.raises(RuntimeError, match=r"follow_unfreezing=True\) plans frozen"):
+        # ... and where to say it in the trainers (a probe: a Lightning user
+        # never calls wrap).
+        with pytest.raises(RuntimeError, match=r"follow_unfreezing=True\) plans frozen") as e:
             dm(torch.randn(4, 6))
+        assert "PyddpStrategy(follow_unfreezing=True)" in str(e.value)
+        assert "PyddpTrainer(pyddp_options={'follow_unfreezing': True})" in str(e.value)
     with pytest.raises(TypeError, match="follow_unfreezing='yes' must be True or False"):
         pyddp.wrap(Net(), ["cpu", "cpu"], follow_unfreezing="yes")
     with pytest.raises(TypeError, match="follow_unfreezing.*options of pyddp.wrap"):

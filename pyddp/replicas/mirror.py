@@ -86,7 +86,9 @@ def unfrozen(name: str, p: torch.Tensor, who: str) -> str:
     if p.dtype in DTYPE_NAMES:
         fix = (
             f"{_REWRAP}; wrap(..., follow_unfreezing=True) plans frozen parameters so that "
-            "unfreezing them is followed, and freezing after wrap always is"
+            "unfreezing them is followed, and freezing after wrap always is (in Lightning: "
+            "strategy=pyddp.lightning.PyddpStrategy(follow_unfreezing=True); in the "
+            "transformers Trainer: PyddpTrainer(pyddp_options={'follow_unfreezing': True}))"
         )
     else:
         fix = f"pyddp does not reduce {p.dtype} gradients"
