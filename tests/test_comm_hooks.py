@@ -300,3 +300,23 @@ def test_dmodel_loss_under_a_stateful_hook_equals_torch_ddp_as_the_batch_changes
     # (PowerSGD's whole effect on this run: 1.6e-2).
     for r in spawn(loss_under_powersgd, out=tmp_path):
         assert r["vs_ddp"] <= TOL, r
+
+
+def test_a_hook_sees_a_channels_last_gradient_as_torch_ddps_gradients_gives_it():
+    # A review: the bucket views follow their parameters' strides now, and
+    # GradBucket.gradients() handed them on; torch DDP's gives each slice of
+    # the bucket viewed row-major, and hooks written for it call .view on
+    # them (PowerSGD's `view(n, -1)` failed across processes with a
+    # channels_last conv weight; equal to DDP's since, checked by hand).
+    from pyddp._link.link import GradBucket
+
+    weight = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)
+    flat = torch.zeros(5 + weight.numel())
+    view = flat.as_strided(weight.shape, weight.stride(), 5)
+    view.copy_(weight)
+    bias = flat[:5]
+    bucket = GradBucket(0, True, flat, [None, None], [bias, view])
+    grads = bucket.gradients()
+    assert grads[0] is bias
+    assert grads[1].is_contiguous() and grads[1].data_ptr() == view.data_ptr()
+    assert torch.equal(grads[1].view(4, -1).reshape(-1), flat[5:])  # the memory, row-major

@@ -948,6 +948,41 @@ def test_channels_last_gradients_are_laid_out_as_their_parameters(when, whose, f
     dm.close()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("to", ["channels_last", "contiguous_format"])
+def test_a_memory_format_converted_inside_a_no_sync_window_is_followed(to, fused):
+    # A review: the window's check read the buckets in the new layout and
+    # refused the conversion as a change of the window's gradients.
+    torch.manual_seed(0)
+    model = Conv()
+    if to == "contiguous_format":
+        model.to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.Adam, lr=0.01, fused=fused)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=fused)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        (x1, y1), (x2, y2) = [
+            (torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 2, (4,), generator=g))
+            for _ in range(2)
+        ]
+        with dm.no_sync():
+            F.cross_entropy(dm(x1), y1).backward()
+        F.cross_entropy(ref(x1), y1).backward()
+        for m in (model, ref):
+            m.to(memory_format=getattr(torch, to))
+        F.cross_entropy(dm(x2), y2).backward()
+        F.cross_entropy(ref(x2), y2).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    same_replicas(dm)
+    dm.close()
+
+
 @pytest.mark.parametrize(
     "apply",
     [

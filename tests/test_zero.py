@@ -273,6 +273,26 @@ def test_the_clip_norm_of_a_large_bucket_is_torchs(shard):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=f"{shard} p={p}")
 
 
+@pytest.mark.parametrize("shard", [False, True, "gradients"])
+def test_a_float16_norm_is_torchs_in_every_mode(shard):
+    # A review: float16 gradients of norm 814 (in float16's range, its
+    # square not) read as infinite under shard="gradients" and zeroed, where
+    # torch sums float16 powers in float32.
+    torch.manual_seed(0)
+    base = nn.Linear(16, 8).half()
+    x = torch.randn(8, 16).half()
+    one = copy.deepcopy(base)
+    (one(x).float().sum() * 20).backward()
+    want = torch.nn.utils.clip_grad_norm_(one.parameters(), 1.0)
+    with pyddp.wrap(copy.deepcopy(base), ["cpu", "cpu"]) as dm:
+        dm.optimizer(torch.optim.SGD, shard=shard, lr=0.1)
+        (dm(x).float().sum() * 20).backward()
+        got = dm.clip_grad_norm_(1.0)
+        assert want.dtype == got.dtype == torch.float16 and bool(torch.isfinite(got))
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=0)  # (float16 rounding)
+        dm.clip_grad_norm_(1e9, error_if_nonfinite=True)  # finite: no error
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_norm_past_float32s_range_is_torchs_in_every_mode(dtype):
     # Gradient elements near 1e20 are finite in float32, their squares are

@@ -238,7 +238,7 @@ class GradBucket:
 
     def __init__(self, index: int, last: bool, flat: torch.Tensor, params: list, grads: list):
         self._index, self._last, self._flat = index, last, flat
-        self._params, self._grads = params, grads
+        self._params, self._grads = params, [_row_major(flat, g) for g in grads]
 
     def index(self) -> int:
         return self._index
@@ -266,3 +266,14 @@ class GradBucket:
 
     def parameters(self) -> List[torch.Tensor]:
         return list(self._params)
+
+
+def _row_major(flat: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as torch DDP's GradBucket.gradients() gives it: its slice
+    of the bucket viewed row-major, whatever the bucket view's strides (a
+    channels_last one's failed hooks written for DDP that call .view on
+    it, PowerSGD's `view(n, -1)`: a review)."""
+    if grad.is_contiguous():
+        return grad
+    start = (grad.data_ptr() - flat.data_ptr()) // flat.element_size()
+    return flat[start : start + grad.numel()].view(grad.shape)

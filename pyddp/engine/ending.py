@@ -178,6 +178,8 @@ class _Seen:
         grads = map(operator.attrgetter("grad"), layout.params[0])
         self.viewed = list(map(operator.is_, grads, layout.views[0]))
         self.spans = [(0, 0) if f is None else (f.data_ptr(), f.nbytes) for f in self.flats[0]]
+        # (the views' layouts: a conversion in the window moves their strides)
+        self.strides = [None if v is None else v.stride() for v in layout.views[0]]
 
 
 def follow_changes(layout: Any, seen: _Seen, params_moved: Callable[[], Set[int]]) -> None:
@@ -242,7 +244,7 @@ def _window_slice(layout: Any, seen: _Seen, i: int) -> Optional[Any]:
     for flat, (base, nbytes) in zip(layout.flat[0], seen.spans):
         if flat is not None and base <= ptr < base + nbytes:
             start = (ptr - base) // flat.element_size()
-            return slot_view(flat, start, p)
+            return slot_view(flat, start, p, seen.strides[i])
     return None
 
 
@@ -406,27 +408,30 @@ def views_left(layout: Any) -> bool:
     return list(map(operator.methodcaller("data_ptr"), layout.views[0])) != layout.ptrs[0]
 
 
-def slot_view(flat: torch.Tensor, start: int, p: torch.Tensor) -> torch.Tensor:
+def slot_view(flat: torch.Tensor, start: int, p: torch.Tensor, stride: Any = None) -> torch.Tensor:
     """`p`'s gradient in its slot of a flat bucket, from `start`: laid out as
-    `p` is where `p` is dense (channels_last too), the layout torch gives
-    one device's gradient and torch DDP its bucket views. Fused optimizers
-    read a parameter and its gradient as flat memory alike: a row-major
-    gradient of a channels_last weight stepped the wrong elements (0.08 off
-    one device). The reduction sums the bucket element by element, so any
-    layout every replica and process shares sums alike."""
-    n = p.numel()
-    if p.is_contiguous() or not _dense(p):
-        return flat[start : start + n].view_as(p)
-    return flat.as_strided(p.shape, p.stride(), flat.storage_offset() + start)
+    `p` is (or with `stride`: the layout it was given) where that is dense
+    (channels_last too), the layout torch gives one device's gradient and
+    torch DDP its bucket views. Fused optimizers read a parameter and its
+    gradient as flat memory alike: a row-major gradient of a channels_last
+    weight stepped the wrong elements (0.08 off one device). The reduction
+    sums the bucket element by element, so any layout every replica and
+    process shares sums alike."""
+    n, shape = p.numel(), tuple(p.shape)
+    stride = tuple(p.stride() if stride is None else stride)
+    if _dense(shape, stride) != "permuted":
+        return flat[start : start + n].view(shape)
+    return flat.as_strided(shape, stride, flat.storage_offset() + start)
 
 
-def _dense(p: torch.Tensor) -> bool:
-    """Whether `p`'s elements fill numel() elements of memory, each once (a
-    permutation of a contiguous layout, as channels_last)."""
-    expected = 1
-    for size, stride in sorted(zip(p.shape, p.stride()), key=operator.itemgetter(1)):
+def _dense(shape: Tuple[int, ...], stride: Tuple[int, ...]) -> str:
+    """ "contiguous", "permuted" (the elements fill as many of memory, each
+    once, in another order: channels_last) or "" (overlapping or gapped)."""
+    expected, order = 1, []
+    for size, step, dim in sorted(zip(shape, stride, range(len(shape))), key=lambda x: x[1]):
         if size != 1:
-            if stride != expected:
-                return False
+            if step != expected:
+                return ""
             expected *= size
-    return True
+            order.append(dim)
+    return "contiguous" if order == sorted(order, reverse=True) else "permuted"

@@ -388,12 +388,12 @@ def clip_sharded(
     norm_type = checked_norm_type(norm_type)
     blocks, totals = sharded_norm(reducer, norm_type, torch.float64)
     # Summed in float64 (float32 over a large block was 7e-6 off: a review),
-    # read in the dtype of torch's clip (the gradients', promoted), which
-    # sums the powers in it: past its range the norm is infinite there, and
-    # so here.
+    # read in the gradients' dtype as torch's clip, which sums the powers of
+    # 16- and 32-bit ones in float32: past its range the norm is infinite
+    # there, and so here (past the gradients' own range too, by the cast).
     dtype = functools.reduce(torch.promote_types, [b.dtype for b in blocks[0]])
     if dtype != torch.float64 and norm_type != float("inf"):
-        top = torch.finfo(dtype).max
+        top = torch.finfo(torch.float32).max
         totals = [torch.where(t.pow(norm_type) > top, float("inf"), t) for t in totals]
     totals = [t.to(dtype) for t in totals]
     if strict:  # error_if_nonfinite (every replica holds the same total)
