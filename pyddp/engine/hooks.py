@@ -267,7 +267,8 @@ def refuse_accumulate_hooks(
     moved = [list(map(operator.ne, n, w)) for n, w in zip(now, marks)]
     for name, mine, *others in zip(names, *moved):
         if mine and not all(others):
-            raise RuntimeError(_accumulate_hook_refusal(name, len(params)))
+            how = ": registered or removed"
+            raise RuntimeError(_accumulate_hook_refusal(name, len(params), how))
     return now
 
 
@@ -282,12 +283,12 @@ def refuse_accumulate_hooks_at_wrap(model: nn.Module, replicas: int) -> None:
             raise RuntimeError(_accumulate_hook_refusal(name, replicas))
 
 
-def _accumulate_hook_refusal(name: str, replicas: int) -> str:
+def _accumulate_hook_refusal(name: str, replicas: int, how: str = " has") -> str:
     return (
-        f"pyddp: parameter {name!r} has a post-accumulate-grad hook "
-        "(register_post_accumulate_grad_hook, e.g. an optimizer step in backward): with "
-        f"{replicas} replicas in this process it would run on replica 0's share of the "
-        "gradient alone, before the reduction. Step after the backward (dmodel.optimizer, "
+        f"pyddp: parameter {name!r}{how} a post-accumulate-grad hook "
+        "(register_post_accumulate_grad_hook, e.g. an optimizer step in backward) on your model "
+        f"alone: with {replicas} replicas in this process it runs on replica 0's share of "
+        "the gradient alone, before the reduction. Step after the backward (dmodel.optimizer, "
         "or torch's over the model), hook every replica's share with p.register_hook, "
         "or run one replica per process (torchrun), where it runs on the process's "
         "gradient before the reduction, as under torch DDP"
