@@ -904,6 +904,30 @@ class Conv(nn.Module):
         return self.head(self.conv(x).mean((2, 3)))
 
 
+def _conv_with_reference(channels_last, fused, own_optimizer=False):
+    """Conv (in channels_last or not), an untouched copy for one device's
+    training, the Conv wrapped over two CPU replicas, an Adam for each
+    (`own_optimizer`: the user's over the model, else dmodel's), and a
+    function giving the next batch."""
+    torch.manual_seed(0)
+    model = Conv()
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(model)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    if own_optimizer:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
+    else:
+        opt = dm.optimizer(torch.optim.Adam, lr=0.01, fused=fused)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=fused)
+    g = torch.Generator().manual_seed(1)
+
+    def batch():
+        return torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 2, (4,), generator=g)
+
+    return model, ref, dm, opt, ref_opt, batch
+
+
 @pytest.mark.parametrize("when", ["before_wrap", "after_wrap"])
 @pytest.mark.parametrize("whose", ["dmodel", "own"])
 @pytest.mark.parametrize("fused", [False, True])
@@ -915,20 +939,11 @@ def test_channels_last_gradients_are_laid_out_as_their_parameters(when, whose, f
     # a conversion of the user's model also left the other replicas in the
     # old layout. Each gradient is laid out as its parameter now, as on one
     # device and in torch DDP's bucket views.
-    torch.manual_seed(0)
-    model = Conv()
-    if when == "before_wrap":
-        model.to(memory_format=torch.channels_last)
-    ref = copy.deepcopy(model)
-    dm = pyddp.wrap(model, ["cpu", "cpu"])
-    if whose == "dmodel":
-        opt = dm.optimizer(torch.optim.Adam, lr=0.01, fused=fused)
-    else:
-        opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=fused)
-    g = torch.Generator().manual_seed(1)
+    model, ref, dm, opt, ref_opt, batch = _conv_with_reference(
+        when == "before_wrap", fused, own_optimizer=whose == "own"
+    )
     for k in range(4):
-        x, y = torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 2, (4,), generator=g)
+        x, y = batch()
         if k == 1 and when == "after_wrap":
             model.to(memory_format=torch.channels_last)
             ref.to(memory_format=torch.channels_last)
@@ -953,20 +968,9 @@ def test_channels_last_gradients_are_laid_out_as_their_parameters(when, whose, f
 def test_a_memory_format_converted_inside_a_no_sync_window_is_followed(to, fused):
     # A review: the window's check read the buckets in the new layout and
     # refused the conversion as a change of the window's gradients.
-    torch.manual_seed(0)
-    model = Conv()
-    if to == "contiguous_format":
-        model.to(memory_format=torch.channels_last)
-    ref = copy.deepcopy(model)
-    dm = pyddp.wrap(model, ["cpu", "cpu"])
-    opt = dm.optimizer(torch.optim.Adam, lr=0.01, fused=fused)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=fused)
-    g = torch.Generator().manual_seed(1)
+    model, ref, dm, opt, ref_opt, batch = _conv_with_reference(to == "contiguous_format", fused)
     for _ in range(2):
-        (x1, y1), (x2, y2) = [
-            (torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 2, (4,), generator=g))
-            for _ in range(2)
-        ]
+        (x1, y1), (x2, y2) = batch(), batch()
         with dm.no_sync():
             F.cross_entropy(dm(x1), y1).backward()
         F.cross_entropy(ref(x1), y1).backward()

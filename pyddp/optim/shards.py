@@ -386,7 +386,7 @@ def clip_sharded(
     norm combines every replica's (sharded_norm), and each replica scales
     its blocks. Returns the total norm (on replica 0's device)."""
     norm_type = checked_norm_type(norm_type)
-    blocks, totals = sharded_norm(reducer, norm_type, torch.float64)
+    blocks, totals = sharded_norm(reducer, norm_type)
     # Summed in float64 (float32 over a large block was 7e-6 off: a review),
     # read in the gradients' dtype as torch's clip, which sums the powers of
     # 16- and 32-bit ones in float32: past its range the norm is infinite
@@ -410,18 +410,18 @@ def sharded_finite(reducer: GradientShards) -> bool:
     process are finite (fp16 loss scaling's overflow check; one replica's
     blocks alone would miss an overflow elsewhere). Every rank gets the
     same answer: the norms are all-gathered. Reads the host (GPUs wait)."""
-    _, totals = sharded_norm(reducer, 2.0, torch.float64)
+    _, totals = sharded_norm(reducer, 2.0)
     return bool(torch.isfinite(totals[0]))
 
 
 def sharded_norm(
-    reducer: GradientShards, norm_type: float, dtype: torch.dtype
+    reducer: GradientShards, norm_type: float
 ) -> Tuple[List[List[torch.Tensor]], List[torch.Tensor]]:
     """Each replica's blocks of every bucket, and on each replica the
     global norm of the reduced gradient: each takes its blocks' norm, the
     partial norms of every replica of every process are all-gathered (on
     GPUs on the engine's backend, no host wait; across processes on CPUs
-    through gloo) and combined, in `dtype` (a non-finite element makes the
+    through gloo) and combined, in float64 (a non-finite element makes the
     norm non-finite)."""
     ranks = reducer.scatter_ranks
     p = float(norm_type)
@@ -429,14 +429,14 @@ def sharded_norm(
     partials = []
     for own in blocks:
         norms = torch.stack(
-            [torch.linalg.vector_norm(b, p, dtype=dtype) for b in own]
+            [torch.linalg.vector_norm(b, p, dtype=torch.float64) for b in own]
         )  # padding is zero: it adds nothing
         partials.append(norms.max() if p == float("inf") else norms.pow(p).sum())
     with torch.no_grad():
         route = reducer.route()
         if route is not None:
-            sends = [route.zeros(1, dtype, r) for r in range(len(blocks))]
-            recvs = [route.zeros(ranks, dtype, r) for r in range(len(blocks))]
+            sends = [route.zeros(1, torch.float64, r) for r in range(len(blocks))]
+            recvs = [route.zeros(ranks, torch.float64, r) for r in range(len(blocks))]
             for s, part in zip(sends, partials):
                 s.copy_(part.reshape(1))
             route.all_gather(sends, recvs)
