@@ -357,6 +357,46 @@ def test_sync_batchnorm_across_processes_equals_one_device(tmp_path, replicas):
         assert r["grad"] <= TOL and r["params"] <= TOL and r["buffers"] <= TOL, r
 
 
+def a_rank_without_rows(out: dict) -> None:
+    """Rank 0 gets no rows in one step (the tail of a dataset split by
+    rank): torch's SyncBatchNorm leaves such a rank out of the statistics.
+    Each rank's loss is a sum, averaged over the processes as under torch
+    DDP, so the reference is one device on the global rows, its loss / world.
+    (Before: the empty rank's NaN mean made every rank's statistics NaN.)
+    One replica per process: several in a process refuse an empty batch."""
+    rank, world = pyddp.rank(), pyddp.world()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(copy.deepcopy(ref)), ["cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    for step in range(3):
+        x = torch.randn(6 * world, 5, generator=g) * 2 + 1
+        mine = x[:0] if step == 1 and rank == 0 else x[rank * 6 : (rank + 1) * 6]
+        whole = x[6:] if step == 1 else x
+        dm(mine).square().sum().backward()
+        (ref(whole).square().sum() / world).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    out["params"] = max(
+        (p - q).abs().max().item() for p, q in zip(dm.module.parameters(), ref.parameters())
+    )
+    out["buffers"] = max(
+        (b.float() - c.float()).abs().max().item()
+        for b, c in zip(dm.module.buffers(), ref.buffers())
+    )
+    dm.close()
+
+
+@pytest.mark.multiprocess
+def test_a_rank_without_rows_leaves_the_statistics_to_the_others(tmp_path):
+    for r in spawn(a_rank_without_rows, out=tmp_path):
+        assert r["params"] <= TOL and r["buffers"] <= TOL, r
+
+
 def forward_on_rank_0_alone(out: dict) -> None:
     """SyncBatchNorm, hostile: rank 0 alone runs a forward in training mode
     without grad (logging) between two training steps. Its statistics

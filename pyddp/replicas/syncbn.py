@@ -313,6 +313,8 @@ def _global_forward(
         dtype = torch.promote_types(x.dtype, torch.float32)
         var, m = torch.var_mean(x.detach().to(dtype), dims, correction=0)
         m64, v64 = m.to(STATS_DTYPE), var.to(STATS_DTYPE)
+        if n == 0:  # a rank without rows this step adds nothing (its NaN mean made every rank's)
+            m64, v64 = torch.zeros_like(m64), torch.zeros_like(v64)
         stats = torch.stack([torch.full_like(m64, float(n)), n * m64, n * (v64 + m64 * m64)])
         total, on_host = meeting.sum_and_host(r, stats, what)
         if on_host is not None:
@@ -328,7 +330,7 @@ def _global_forward(
             count = total[0, 0]
             if n <= 1 and meeting.gpu[2].ranks(len(meeting.gpu[0])) == 1:
                 raise ValueError(
-                    "pyddp: SyncBatchNorm needs more than one value per channel, got 1 (input "
+                    f"pyddp: SyncBatchNorm needs more than one value per channel, got {n} (input "
                     f"of shape {tuple(x.shape)})"
                 )
         mean64 = total[1] / count
