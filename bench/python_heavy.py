@@ -266,7 +266,7 @@ def main() -> None:
     if dm is not None:
         # Each CPU replica should run 1 intra-op thread here (2 cores, 2
         # replicas); a worker that ended up with more slows every variant's ops.
-        results["replica_threads"] = dm.map_replicas(
+        results["replica_threads"] = dm._map_replicas(
             lambda r, m, s: torch.get_num_threads(), [None, None]
         )
         print(f"pyddp replicas' intra-op threads after the run: {results['replica_threads']}")

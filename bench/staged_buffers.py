@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import types
 from typing import Any, List
 
 import torch
@@ -20,9 +21,11 @@ from pyddp.replicas.staged import StagedBuffers
 
 
 class _Receiving:
-    """A link as a receiving rank sees it: rank 1, the broadcast a no-op."""
+    """A link as a receiving rank sees it: rank 1, outside Join, the
+    broadcast a no-op."""
 
     rank = 1
+    joining = types.SimpleNamespace(step=None, staged_from=None)
 
     def broadcast(self, tensors: List[torch.Tensor], what: str) -> None:
         pass
@@ -43,9 +46,9 @@ def main() -> None:
         receive, put_in = [], []
         for _ in range(300):
             t0 = time.perf_counter()
-            staged.receive(link, model, 0)
+            staged.receive(link, model)
             t1 = time.perf_counter()
-            staged.put_in(0, 1)
+            staged.put_in(link, model)
             put_in.append(time.perf_counter() - t1)
             receive.append(t1 - t0)
         buffers = sum(1 for _ in model.buffers())
