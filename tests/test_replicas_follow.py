@@ -1617,3 +1617,37 @@ def test_a_transformers_config_changed_after_wrap_reaches_every_replica():
     for p, r in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
     dm.close()
+
+
+def test_a_one_device_optimizers_state_with_a_frozen_layer_loads_as_the_readme_says():
+    # README (dmodel.optimizer): by default the layers frozen at wrap are
+    # left out of the optimizer, so a one-device optimizer's state over
+    # model.parameters() does not load (torch's size error); with
+    # follow_unfreezing=True it loads, and with params=lambda m: m.parameters()
+    # it loads and trains as one device.
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    ref[2].requires_grad_(False)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    F.mse_loss(ref(x), y).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    saved = copy.deepcopy(ref_opt.state_dict())
+    with pyddp.wrap(copy.deepcopy(ref), ["cpu", "cpu"]) as dm:
+        with pytest.raises(ValueError, match="size"):
+            dm.optimizer(torch.optim.Adam, lr=0.01).load_state_dict(saved)
+    with pyddp.wrap(copy.deepcopy(ref), ["cpu", "cpu"], follow_unfreezing=True) as dm:
+        dm.optimizer(torch.optim.Adam, lr=0.01).load_state_dict(saved)
+    with pyddp.wrap(copy.deepcopy(ref), ["cpu", "cpu"]) as dm:
+        opt = dm.optimizer(torch.optim.Adam, params=lambda m: m.parameters(), lr=0.01)
+        opt.load_state_dict(saved)
+        for _ in range(2):
+            F.mse_loss(dm(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for p, q in zip(dm.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
