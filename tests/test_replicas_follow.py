@@ -1634,9 +1634,11 @@ def test_a_one_device_optimizers_state_with_a_frozen_layer_loads_as_the_readme_s
     ref_opt.step()
     ref_opt.zero_grad()
     saved = copy.deepcopy(ref_opt.state_dict())
-    with pyddp.wrap(copy.deepcopy(ref), ["cpu", "cpu"]) as dm:
-        with pytest.raises(ValueError, match="size"):
-            dm.optimizer(torch.optim.Adam, lr=0.01).load_state_dict(saved)
+    with (
+        pyddp.wrap(copy.deepcopy(ref), ["cpu", "cpu"]) as dm,
+        pytest.raises(ValueError, match="size"),
+    ):
+        dm.optimizer(torch.optim.Adam, lr=0.01).load_state_dict(saved)
     with pyddp.wrap(copy.deepcopy(ref), ["cpu", "cpu"], follow_unfreezing=True) as dm:
         dm.optimizer(torch.optim.Adam, lr=0.01).load_state_dict(saved)
     with pyddp.wrap(copy.deepcopy(ref), ["cpu", "cpu"]) as dm:

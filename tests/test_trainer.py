@@ -885,10 +885,22 @@ def test_second_ctrl_c_while_the_loader_winds_down_is_not_swallowed(tmp_path):
     run = _python(
         tmp_path,
         """
+        import sys
         import time
         from torch.utils.data import Dataset
 
         armed, sent = threading.Event(), []
+
+        def main_thread_closing_the_producer():
+            # fit()'s loader is in its clean-up: the main thread's stack holds
+            # the epoch generator with its stop event set (a sleep raced it).
+            f = sys._current_frames().get(threading.main_thread().ident)
+            while f is not None:
+                stop = f.f_locals.get("stop") if f.f_code.co_name == "epoch" else None
+                if isinstance(stop, threading.Event) and stop.is_set():
+                    return True
+                f = f.f_back
+            return False
 
         class Slow(Dataset):  # the producer is inside __getitem__ while fit() closes it
             def __len__(self):
@@ -897,7 +909,10 @@ def test_second_ctrl_c_while_the_loader_winds_down_is_not_swallowed(tmp_path):
             def __getitem__(self, i):
                 if armed.is_set() and not sent:
                     sent.append(i)
-                    time.sleep(0.3)
+                    deadline = time.monotonic() + 60  # a hang guard only
+                    while not main_thread_closing_the_producer():
+                        assert time.monotonic() < deadline, "fit() never closed the producer"
+                        time.sleep(0.01)
                     os.kill(os.getpid(), signal.SIGINT)
                 return x[i % 97], y[i % 97]
 
