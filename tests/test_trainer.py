@@ -1302,3 +1302,30 @@ def test_a_sampler_that_takes_no_new_attribute_still_trains():
     t = trainer(max_epochs=1)
     t.fit(loader)
     assert t.state.step == 4
+
+
+def test_callbacks_and_wrap_options_are_passed_to_the_trainer_as_trainer_md_says():
+    # docs/trainer.md (Callbacks): callbacks=[...] run before the built-in
+    # ones; any other keyword is wrap()'s option, an unknown one named
+    # with the known ones.
+    x, y = data(64)
+    steps = []
+
+    class Steps(pyddp.Callback):
+        def on_step_end(self, trainer, metrics):
+            steps.append(metrics["step"])
+
+    cfg = pyddp.TrainConfig(batch_size=32, progress=False, max_epochs=1)
+    with pyddp.Trainer(
+        model(), ["cpu", "cpu"], optimizer=SGD, loss_fn=F.cross_entropy, config=cfg,
+        callbacks=[Steps()], bucket_cap_mb=0,
+    ) as t:  # fmt: skip
+        t.fit((x, y))
+        assert steps == [1, 2]
+        assert isinstance(t.callbacks[0], Steps)
+        assert t.model.stats()["buckets"] == len(list(t.model.module.parameters()))
+    with pytest.raises(TypeError, match="unknown wrap option.*bucket_cap; the options are"):
+        pyddp.Trainer(
+            model(), ["cpu", "cpu"], optimizer=SGD, loss_fn=F.cross_entropy, config=cfg,
+            bucket_cap=0,
+        )  # fmt: skip
