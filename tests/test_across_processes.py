@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from ranks import SGD, TOL, data, eval_norm, max_diff, my_rows, net, sequence_of, side_by_side
 from spawn import command, environment, free_port, result, spawn, write_and_exit
 from torch import nn
@@ -731,3 +732,51 @@ def test_ranks_with_one_and_two_replicas_step_with_dmodel_optimizer(tmp_path):
     # "optimizer settings". The class compared is now the one the user chose.
     for r in spawn(replicas_differ_per_rank, env={"PYDDP_TIMEOUT_S": "20"}, out=tmp_path):
         assert r["diff"] < TOL, r
+
+
+def an_empty_batch_on_one_rank(out: dict) -> None:
+    """Rank 0 gets no rows at step 1 (a rank's tail of a dataset split by
+    rank), 2 replicas per process. The gathered path averages over the
+    processes as torch DDP (reference: one device on the global rows, its
+    summed loss / world); dmodel.loss's sum is the global batch's sum
+    (reference: one device, the summed loss). Before, the empty rank
+    raised "the batch is empty" and the other lost its process group."""
+    rank, world = pyddp.rank(), pyddp.world()
+    path = os.environ["SCENARIO_PATH"]
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    dm = pyddp.wrap(copy.deepcopy(ref), ["cpu"] * 2)
+    opt = dm.optimizer(torch.optim.SGD, lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+
+    def summed(o, t):
+        return (o - t).square().sum()
+
+    for step in range(3):
+        x, y = torch.randn(4 * world, 6, generator=g), torch.randn(4 * world, 2, generator=g)
+        empty = step == 1 and rank == 0
+        mine = slice(0, 0) if empty else slice(rank * 4, rank * 4 + 4)
+        rows = slice(4, None) if step == 1 else slice(None)  # every rank's rows this step
+        if path == "loss":
+            dm.loss(summed, x[mine], y[mine], reduction="sum").backward()
+            summed(ref(x[rows]), y[rows]).backward()
+        elif path == "loss, mean":
+            dm.loss(F.mse_loss, x[mine], y[mine]).backward()
+            F.mse_loss(ref(x[rows]), y[rows]).backward()
+        else:
+            summed(dm(x[mine]), y[mine]).backward()
+            (summed(ref(x[rows]), y[rows]) / world).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    out["params"] = max(
+        (p - q).abs().max().item() for p, q in zip(dm.module.parameters(), ref.parameters())
+    )
+    dm.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("path", ["gather", "loss", "loss, mean"])
+def test_an_empty_batch_on_one_rank_trains_on_as_torch_ddp(tmp_path, path):
+    for r in spawn(an_empty_batch_on_one_rank, env={"SCENARIO_PATH": path}, out=tmp_path):
+        assert r["params"] <= TOL, r

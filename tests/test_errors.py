@@ -151,8 +151,6 @@ def test_caps_past_any_size_put_every_parameter_in_one_bucket():
 
 def test_bad_batches():
     dm = pyddp.wrap(nn.Linear(2, 2), ["cpu", "cpu"])
-    with pytest.raises(ValueError, match="batch is empty"):
-        dm(torch.zeros(0, 2))
     with pytest.raises(ValueError, match="inputs has 4 rows and targets 3"):
         dm.loss(F.mse_loss, torch.zeros(4, 2), torch.zeros(3, 2))
 

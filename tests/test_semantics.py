@@ -896,3 +896,35 @@ def test_distributed_checkpoint_optimizer_state_round_trips_through_dmodel_modul
         assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(RuntimeError, match="Missing optimizer state for parameter '0.weight'"):
         dcp.set_optimizer_state_dict(fresh, fresh_opt, dcp.get_optimizer_state_dict(dm, opt))
+
+
+@pytest.mark.parametrize("path", ["gather", "loss"])
+def test_an_empty_batch_runs_as_on_one_device(path):
+    # A rank's tail of a dataset split by rank can be empty; torch DDP takes
+    # it, and one device gives an empty output and no gradient. Before,
+    # several replicas refused it ("the batch is empty"), ending a run
+    # across processes (tests/test_across_processes.py -k empty_batch).
+    dm, ref = wrapped(2)
+    x, y = (t[:0] for t in next(iter(make_batches(1, 9, seed=3))))
+
+    def summed(out, y):
+        return F.cross_entropy(out, y, reduction="sum")
+
+    if path == "loss":
+        loss = dm.loss(summed, x, y)
+        assert loss.item() == 0.0
+    else:
+        out = dm(x)
+        assert out.shape == ref(x).shape
+        loss = summed(out, y)
+    loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in dm.module.parameters())
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in make_batches(2, 9, seed=3):  # and training goes on as before
+        F.cross_entropy(dm(x), y).backward()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)

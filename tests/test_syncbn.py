@@ -362,12 +362,12 @@ def a_rank_without_rows(out: dict) -> None:
     rank): torch's SyncBatchNorm leaves such a rank out of the statistics.
     Each rank's loss is a sum, averaged over the processes as under torch
     DDP, so the reference is one device on the global rows, its loss / world.
-    (Before: the empty rank's NaN mean made every rank's statistics NaN.)
-    One replica per process: several in a process refuse an empty batch."""
+    (Before: the empty rank's NaN mean made every rank's statistics NaN.)"""
     rank, world = pyddp.rank(), pyddp.world()
+    replicas = int(os.environ.get("SCENARIO_REPLICAS", "1"))
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
-    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(copy.deepcopy(ref)), ["cpu"])
+    dm = pyddp.wrap(pyddp.convert_sync_batchnorm(copy.deepcopy(ref)), ["cpu"] * replicas)
     opt = dm.optimizer(torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(5)
@@ -392,8 +392,10 @@ def a_rank_without_rows(out: dict) -> None:
 
 
 @pytest.mark.multiprocess
-def test_a_rank_without_rows_leaves_the_statistics_to_the_others(tmp_path):
-    for r in spawn(a_rank_without_rows, out=tmp_path):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_rank_without_rows_leaves_the_statistics_to_the_others(tmp_path, replicas):
+    env = {"SCENARIO_REPLICAS": str(replicas)}
+    for r in spawn(a_rank_without_rows, env=env, out=tmp_path):
         assert r["params"] <= TOL and r["buffers"] <= TOL, r
 
 

@@ -53,13 +53,13 @@ def scatter(
             "the inputs hold no tensor with a batch dimension: nothing to split over replicas"
         )
     batch = batched[0].shape[0]
-    if batch == 0:
-        raise ValueError("the batch is empty (dim 0 has size 0)")
     if any(t.shape[0] != batch for t in batched):
         _refuse_batch_sizes(tree, leaves, batch, call)
     # A batch smaller than the number of replicas: only the first `batch`
-    # replicas take part; the others contribute zeros to the reduction.
-    sizes = shard_sizes(batch, min(batch, len(devices)))
+    # replicas take part; the others contribute zeros to the reduction. An
+    # empty one (a rank's tail of a dataset split by rank, which torch DDP
+    # takes) runs on replica 0 alone, as on one device.
+    sizes = shard_sizes(batch, max(1, min(batch, len(devices))))
     split = [[t] * len(sizes) if t.dim() == 0 else list(t.split(sizes)) for t in leaves]
     inputs = InputCut() if cut and any(t.requires_grad for t in leaves) else None
 
@@ -140,7 +140,7 @@ def gather(
     replica. Non-tensor values are refused unless every replica returned the
     same None, str or bytes. `combine` combines the columns that need a
     gradient (through autograd, see combine.py)."""
-    weights = [n / sum(sizes) for n in sizes]
+    weights = [n / sum(sizes) for n in sizes] if sum(sizes) else [1.0] * len(sizes)
     if all(isinstance(o, torch.Tensor) for o in outs):  # one tensor each: no tree to walk
         kind = _gather_kind(outs[0])
         _check_batch_major(outs, sizes, outs, 0, warned)

@@ -164,7 +164,7 @@ class ReplicaSteps:
         if not 1 <= len(shards) <= len(self._replicas):
             raise ValueError(f"got {len(shards)} shards for {len(self._replicas)} replicas")
         sizes = [batch_size(args) for args, _ in shards]
-        total = sum(sizes)
+        total = sum(sizes)  # (0: an empty batch's one shard, its loss as is, as on one device)
         self._notify_join()
         self._begin(total)
 
@@ -175,7 +175,7 @@ class ReplicaSteps:
                 with context() if context is not None else contextlib.nullcontext():
                     out = self._callables[r](*args, **kwargs)
                     value = _checked(loss_fn(out, shard_targets))
-                return value * (sizes[r] / total) if reduction == "mean" else value
+                return value * (sizes[r] / total) if reduction == "mean" and total else value
 
             return run
 
