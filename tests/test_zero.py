@@ -554,42 +554,6 @@ def stage2_with_two_cpu_replicas(out: dict) -> None:
     expect_failure(out, lambda: dm.optimizer(torch.optim.AdamW, shard="gradients", lr=1e-2))
 
 
-def stage2_backward_twice_over_one_graph(out: dict) -> None:
-    """Stage 2 across processes (1 replica each: the placeholders are
-    guarded by hooks on the parameters), loss.backward(retain_graph=True)
-    then loss.backward(): the gradients doubled, as on one device. Before,
-    the second backward, which no forward precedes, found the placeholders
-    unguarded and autograd failed adding into them ("more than one element
-    of the written-to tensor refers to a single memory location")."""
-    rank, world = pyddp.rank(), pyddp.world()
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
-    dm = pyddp.wrap(copy.deepcopy(ref), ["cpu"])
-    opt = dm.optimizer(torch.optim.SGD, shard="gradients", lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(2)
-    for _ in range(3):
-        x, y = torch.randn(4 * world, 6, generator=g), torch.randn(4 * world, 2, generator=g)
-        loss = F.mse_loss(dm(x[rank * 4 : (rank + 1) * 4]), y[rank * 4 : (rank + 1) * 4])
-        loss.backward(retain_graph=True)
-        loss.backward()
-        want = F.mse_loss(ref(x), y)
-        want.backward(retain_graph=True)
-        want.backward()
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    out["params"] = max(
-        (p - q).abs().max().item() for p, q in zip(dm.module.parameters(), ref.parameters())
-    )
-    dm.close()
-
-
-@pytest.mark.multiprocess
-def test_stage2_across_processes_backward_twice_over_one_graph_equals_one_device(tmp_path):
-    for r in spawn(stage2_backward_twice_over_one_graph, out=tmp_path):
-        assert r["params"] <= TOL, r
-
-
 @pytest.mark.multiprocess
 def test_stage2_across_processes_with_several_cpu_replicas_is_refused(tmp_path):
     for r in spawn(stage2_with_two_cpu_replicas, out=tmp_path):

@@ -64,7 +64,8 @@ class Weighting:
             return [ScaleGrad.apply(v, float(self.world)) for v in losses]
         # On GPUs (the simulation's too) reading the loss would make the host wait.
         on_host = host_sums and all(v.device.type == "cpu" for v in losses)
-        local = sum(float(v.detach()) for v in losses) if on_host else 0.0
+        # (a rank without rows adds no loss: its own is NaN for a mean)
+        local = sum(float(v.detach()) for v in losses) if on_host and rows else 0.0
         if join is not None:
             # Under Join this forward's exchange carried the global batch's
             # rows: exact, with no exchange here; the global loss travels in

@@ -122,12 +122,13 @@ class Scattered:
         self._cache: List[Optional[torch.Tensor]] = [None] * len(params)
         self._placed = False  # some placeholder is out (reconcile has work)
         self._guards: List[Any] = []  # hooks on replica 0's parameters (guard)
-        self._guarding = False  # guard's last `needed`
-        # At the reducer's close (or its collection): the placeholders come off
-        # the user's model, its own again (autograd cannot accumulate into them).
+        # At the reducer's close (or its collection) with its other hooks: the
+        # placeholders come off the user's model (autograd cannot accumulate
+        # into them; the model is the user's own again).
         layout.handles.append(_Release(weakref.ref(self)))
         # Per replica: its hooks allocate its buckets while another replica's
-        # hook (or the main thread) frees them; never waiting on each other.
+        # hook (or the main thread) frees them; replicas never wait on each
+        # other's allocations.
         self._locks = [threading.Lock() for _ in layout.params]
         self.held = [self._bytes(r) for r in range(len(layout.params))]
         self.peak = list(self.held)
@@ -272,7 +273,6 @@ class Scattered:
         self.present = [has_grad(i) or held for i, held in enumerate(self.present)]
         self.kept = [False] * len(self.kept)
         self.place()
-        self.guard(self._guarding)  # now: a backward through a retained graph has no forward
 
     def place(self) -> None:
         """A placeholder as replica 0's `.grad` of every parameter holding a
@@ -289,12 +289,12 @@ class Scattered:
                 self._placed = True
 
     def guard(self, needed: bool) -> None:
-        """At a forward and after a backward: the placeholders stay on until
-        the backward starts, so a reset in between counts. Where a backward
-        may start past the outputs (one replica in the process: `needed`),
-        hooks on their parameters reconcile at the first one's gradient,
-        before autograd accumulates (idle after it, until unguard)."""
-        self._guarding = needed
+        """At a forward: the placeholders stay on until the backward starts,
+        so a reset in between counts. Where a backward may start past the
+        outputs (one replica in the process: `needed`), hooks on their
+        parameters, which run before autograd accumulates into `.grad`,
+        reconcile at the first one's gradient (they stay, idle, until the
+        backward ends: unguard)."""
         if not needed or not self._placed or self._guards:
             return
         params, arrived = self.layout.params[0], partial(_arrived, weakref.ref(self))
