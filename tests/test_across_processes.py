@@ -772,9 +772,7 @@ def an_empty_batch_on_one_rank(out: dict) -> None:
             (summed(ref(x[rows]), y[rows]) / world).backward()
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
-    out["params"] = max(
-        (p - q).abs().max().item() for p, q in zip(dm.module.parameters(), ref.parameters())
-    )
+    out["params"] = max_diff(dm.module, ref)
     dm.close()
 
 

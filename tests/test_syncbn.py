@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from ranks import TOL, maybe_simulated_gpus, wrap_on
+from ranks import TOL, max_diff, maybe_simulated_gpus, wrap_on
 from spawn import run_alone, spawn
 from torch import nn
 
@@ -381,9 +381,7 @@ def a_rank_without_rows(out: dict) -> None:
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    out["params"] = max(
-        (p - q).abs().max().item() for p, q in zip(dm.module.parameters(), ref.parameters())
-    )
+    out["params"] = max_diff(dm.module, ref)
     out["buffers"] = max(
         (b.float() - c.float()).abs().max().item()
         for b, c in zip(dm.module.buffers(), ref.buffers())
