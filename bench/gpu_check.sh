@@ -76,7 +76,7 @@ fi
 stage doctor 60 "$py" -m pyddp.doctor
 if [ "$dry" -eq 0 ]; then
   stage selftest 60 "$py" -m pyddp.doctor --selftest
-  stage test_gpu 150 "$py" -m pytest -q -p no:cacheprovider -m "cuda or not cuda" tests/test_gpu.py
+  stage test_gpu 150 "$py" -m pytest -q -p no:cacheprovider -o addopts= -m "cuda or not cuda" tests/test_gpu.py
   stage timing 420 "$py" bench/gpu_step.py --profile --out "$out/gpu_step.json"
 else
   stage timing 120 "$py" bench/gpu_step.py --device cpu --quick --profile --out "$out/gpu_step.json"

@@ -9,7 +9,17 @@ import torch.utils.checkpoint
 from torch import nn
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        # Tests that share a module-scoped fixture (one torchrun launch read
+        # by several tests) run on one pytest-xdist worker (--dist
+        # loadgroup), so the fixture runs once, not once per worker.
+        info = getattr(item, "_fixtureinfo", None)
+        for name in getattr(item, "fixturenames", ()):
+            defs = info.name2fixturedefs.get(name) if info else None
+            if defs and defs[-1].scope != "function" and name != "tmp_path_factory":
+                item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
