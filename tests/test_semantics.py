@@ -928,3 +928,21 @@ def test_an_empty_batch_runs_as_on_one_device(path):
         opt.zero_grad(), ref_opt.zero_grad()
     for p, q in zip(dm.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+
+
+def test_an_empty_shard_beside_others_weighs_nothing_in_the_mean():
+    # loss_on_shards takes shards the caller split: an empty one's mean is
+    # NaN (torch's mean over no rows), and weighed by its 0 rows it made the
+    # returned loss NaN though the gradients were right. It now adds 0: the
+    # loss is the other shards' full-batch mean, as on one device.
+    dm, ref = wrapped(3)
+    x, y = next(iter(make_batches(1, 7, seed=5)))
+    shards = [((x[:4],), y[:4]), ((x[4:4],), y[4:4]), ((x[4:],), y[4:])]
+    loss = dm.loss_on_shards(F.cross_entropy, shards)
+    ref_loss = F.cross_entropy(ref(x), y)
+    torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=RTOL)
+    loss.backward(), ref_loss.backward()
+    for p, q in zip(dm.module.parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=ATOL, rtol=RTOL)

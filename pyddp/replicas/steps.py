@@ -116,13 +116,11 @@ class ReplicaSteps:
         *,
         reduction: str = "mean",
     ) -> torch.Tensor:
-        """Computes `loss_fn(replica(shard inputs), shard targets)` on each
-        replica's own device, without gathering outputs, and returns the full-batch
-        loss on devices[0]. With reduction="mean" (loss_fn averages over its shard)
-        shards are weighted by their sizes, so uneven shards give the full-batch
-        mean; with "sum" (loss_fn sums) the shard losses are added. `inputs` is the
-        model's argument, a tuple of its positional arguments, or a dict of its
-        keyword arguments (pass a dict argument as a 1-tuple: `(d,)`)."""
+        """`loss_fn(replica(shard inputs), shard targets)` on each replica's own device, summed
+        on devices[0] without gathering outputs. "mean" (loss_fn averages): shards weighted by
+        their rows (an empty one's NaN by 0), so uneven shards give the full-batch mean; "sum":
+        added. `inputs`: the model's argument, a tuple of positional arguments, or a dict of
+        keyword arguments (a dict argument goes in a 1-tuple: `(d,)`)."""
         self._check_open()
         args, kwargs = call_arguments(inputs)  # checked here, not on every replica
         if self._passthrough:
@@ -175,7 +173,9 @@ class ReplicaSteps:
                 with context() if context is not None else contextlib.nullcontext():
                     out = self._callables[r](*args, **kwargs)
                     value = _checked(loss_fn(out, shard_targets))
-                return value * (sizes[r] / total) if reduction == "mean" and total else value
+                if reduction == "mean" and total:  # (an empty shard's mean, NaN, weighs 0)
+                    value = (value if sizes[r] else torch.nan_to_num(value)) * (sizes[r] / total)
+                return value
 
             return run
 

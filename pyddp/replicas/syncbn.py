@@ -311,10 +311,11 @@ def _global_forward(
     what = "forward" if torch.is_grad_enabled() else "forward without grad"
     with torch.no_grad():
         dtype = torch.promote_types(x.dtype, torch.float32)
-        var, m = torch.var_mean(x.detach().to(dtype), dims, correction=0)
-        m64, v64 = m.to(STATS_DTYPE), var.to(STATS_DTYPE)
-        if n == 0:  # a rank without rows this step adds nothing (its NaN mean made every rank's)
-            m64, v64 = torch.zeros_like(m64), torch.zeros_like(v64)
+        if n:
+            var, m = torch.var_mean(x.detach().to(dtype), dims, correction=0)
+            m64, v64 = m.to(STATS_DTYPE), var.to(STATS_DTYPE)
+        else:  # a rank without rows this step adds nothing (its NaN mean made every rank's)
+            m64 = v64 = x.new_zeros(x.shape[1], dtype=STATS_DTYPE)
         stats = torch.stack([torch.full_like(m64, float(n)), n * m64, n * (v64 + m64 * m64)])
         total, on_host = meeting.sum_and_host(r, stats, what)
         if on_host is not None:
