@@ -143,6 +143,9 @@ def equivalence(out: dict) -> None:
     nn.functional.mse_loss(ref2(x), y).backward()
     model = eval_norm(net())
     with pyddp.wrap(model, ["cpu"] * local) as dm:
+        ranks = dm.ranks  # (pyddp.Ranks, what the README's table names)
+        out["ranks"] = [ranks.rank, ranks.world, ranks.replicas_per_rank, ranks.spans_processes]
+        out["global_ranks"] = ranks.global_ranks
         for m in dm.replicas:
             m.norm.eval()
         rows = my_rows(13, rank, world)
@@ -343,8 +346,10 @@ def test_processes_equal_single_device_and_torch_ddp(tmp_path, basics, nproc, lo
         got = basics
     else:
         got = spawn(equivalence, nproc, env={"LOCAL_REPLICAS": str(local)}, out=tmp_path)
-    for r in got:
+    for i, r in enumerate(got):
         assert r["world"] == nproc
+        assert r["ranks"] == [i, nproc, [local] * nproc, True], r["ranks"]
+        assert r["global_ranks"] == list(range(nproc)), r["global_ranks"]
         for cap in ("0", "25"):  # per-parameter and bucketed
             assert r[f"wrap_loss_cap{cap}"] <= TOL
             assert r[f"never_none_cap{cap}"], "unused everywhere must stay None"

@@ -946,3 +946,16 @@ def test_an_empty_shard_beside_others_weighs_nothing_in_the_mean():
         assert (p.grad is None) == (q.grad is None)
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, atol=ATOL, rtol=RTOL)
+
+
+def test_ranks_in_one_process_are_this_one_alone():
+    dm, _ = wrapped(2)
+    r = dm.ranks
+    assert isinstance(r, pyddp.Ranks)
+    assert (r.rank, r.world, r.replicas_per_rank, r.spans_processes) == (0, 1, [2], False)
+    assert r.sum([1.5, 2.0], "anything") == [1.5, 2.0]  # nothing to exchange with
+    assert r.gather({"a": 1}, "anything") == [{"a": 1}]
+    assert r.from_root("x", "anything") == "x"
+    x, y = next(iter(make_batches(1, 6)))
+    dm.loss(F.cross_entropy, x, y).backward()
+    assert dm.last_global_loss is None  # in one process (README's table)
