@@ -8,6 +8,7 @@ import functools
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -217,7 +218,17 @@ def test_early_stopping_and_best_model(tmp_path):
     assert len(result.state.history) == 3
     best = torch.load(tmp_path / "best.pt", weights_only=True)
     assert best.keys() == result.best_state_dict.keys()
+    assert all(torch.equal(best[k], v) for k, v in result.best_state_dict.items())
     assert not torch.equal(best["0.weight"], t.model.module[0].weight)
+    # FitResult and LoopState as docs/trainer.md describes them (smoothing 0:
+    # the smoothed loss is the last validation's).
+    state, rows = result.state, result.state.history
+    assert result.output_dir == tmp_path and state.stop_reason == result.stop_reason
+    assert [r["step"] for r in rows] == [4, 8, 12] and state.step == 12
+    assert (state.epoch, state.batch_in_epoch) == (3, 0)  # 97 rows, batches of 32: 4 a epoch
+    assert state.smoothed_valid_loss == rows[-1]["valid_loss"]
+    assert state.best_smoothed_valid_loss == rows[0]["valid_loss"]
+    assert state.evals_without_improvement == 2
     t.config.max_epochs = 40  # early stopping is final: said so, not "raise max_epochs"
     with pytest.warns(UserWarning, match=r"nothing: .*\(early_stopping.*early stopping is final"):
         assert t.fit((x, y), (x, 1 - y)).state.step == result.state.step
@@ -1329,3 +1340,36 @@ def test_callbacks_and_wrap_options_are_passed_to_the_trainer_as_trainer_md_says
             model(), ["cpu", "cpu"], optimizer=SGD, loss_fn=F.cross_entropy, config=cfg,
             bucket_cap=0,
         )  # fmt: skip
+
+
+def test_progress_shows_a_bar_per_epoch_with_the_loss_and_a_line_per_validation(capsys):
+    # TrainConfig(progress=True), the default: pyddp.ProgressBar (tqdm). What
+    # the bar shows is read at each epoch's end (user callbacks run before the
+    # built-in ones), as tqdm redraws at most every 0.1 s.
+    seen = []
+
+    class Read(pyddp.Callback):
+        def on_epoch_end(self, trainer, metrics):
+            (bar,) = [c for c in trainer.callbacks if isinstance(c, pyddp.ProgressBar)]
+            b = bar._bar
+            seen.append((b.desc, b.n, b.total, b.postfix))
+
+    x, y = data(97)
+    with trainer(max_epochs=2, progress=True) as t:
+        t.callbacks.insert(0, Read())
+        t.fit((x, y), (x, y))
+    # 97 rows, batches of 32: 4 steps an epoch, the last step's loss shown.
+    assert [s[:3] for s in seen] == [("epoch 1", 4, 4), ("epoch 2", 4, 4)], seen
+    assert all(re.fullmatch(r"loss=\d\.\d{4}", s[3]) for s in seen), seen
+    captured = capsys.readouterr()
+    assert "epoch 1" in captured.err and "epoch 2" in captured.err  # the bars
+    lines = captured.out.splitlines()  # a line per validation
+    assert [ln.split("  valid_loss")[0] for ln in lines] == ["epoch 1  step 4", "epoch 2  step 8"]
+
+
+def test_without_devices_the_trainer_takes_the_default_devices():
+    gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    assert pyddp.default_devices() == (gpus or [torch.device("cpu")] * 2)
+    with pyddp.Trainer(model(), optimizer=SGD, loss_fn=F.cross_entropy,
+                       config=pyddp.TrainConfig(progress=False)) as t:  # fmt: skip
+        assert t.model.devices == pyddp.default_devices()
