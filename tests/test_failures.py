@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -435,9 +436,25 @@ def test_init_without_torchrun_environment_says_how_to_launch(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     if torch.distributed.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    with pytest.raises(RuntimeError, match="torchrun"):
+    with pytest.raises(RuntimeError, match="torchrun") as e:
         pyddp.init()
+    assert "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not set" in str(e.value)
     assert pyddp.rank() == 0 and pyddp.world() == 1  # one process, as before
+    # Set, but not what torchrun sets: named before any rendezvous is tried.
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    for rank, world, local, said in (
+        ("-1", "2", "0", "RANK='-1' is not a non-negative int"),
+        ("0", "two", "0", "WORLD_SIZE='two' is not a non-negative int"),
+        ("2", "2", "0", "RANK=2 is not below WORLD_SIZE=2"),
+        ("0", "0", "0", "RANK=0 is not below WORLD_SIZE=0"),
+    ):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", world)
+        monkeypatch.setenv("LOCAL_RANK", local)
+        with pytest.raises(RuntimeError, match=re.escape(said)):
+            pyddp.init()
+        assert not torch.distributed.is_initialized()
 
 
 def caught_then_exits(out: dict) -> None:
