@@ -327,12 +327,10 @@ def test_buckets_cross_processes_without_python_per_bucket_on_the_hot_path(tmp_p
             torch.testing.assert_close(torch.tensor(q), p.detach(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.build
-def test_a_hot_path_that_does_not_compile_leaves_pyddp_on_the_python_path(tmp_path):
-    # csrc/hot/ uses torch's C++ internals, which move between torch
-    # releases: where it does not compile, pyddp must still install (without
-    # _hot), run its Python path and say why (cmake/hot_step.cmake). A copy of
-    # this tree with a deliberate compile error in csrc/hot/ is built and used.
+def _build_copy(tmp_path, env=None, broken=False):
+    """pip installs a copy of this tree (csrc/hot/ made not to compile if
+    `broken`) into tmp_path/site, with `env` on top of this environment;
+    returns (site, the build's log)."""
     import subprocess
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "simgpu"))
@@ -345,17 +343,54 @@ def test_a_hot_path_that_does_not_compile_leaves_pyddp_on_the_python_path(tmp_pa
         )
     src, site = tmp_path / "src", tmp_path / "site"
     copy_tree(str(src))
-    with open(src / "csrc" / "hot" / "wire.cpp", "a") as f:
-        f.write('\n#error "deliberately broken by tests/test_hot.py"\n')
+    if broken:
+        with open(src / "csrc" / "hot" / "wire.cpp", "a") as f:
+            f.write('\n#error "deliberately broken by tests/test_hot.py"\n')
     build = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps"]
         + ["--target", str(site), str(src)],
         capture_output=True,
         text=True,
+        env=dict(os.environ, **(env or {})),
     )
+    log = build.stdout + build.stderr
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
-    assert "pyddp._hot did not build against torch" in build.stdout + build.stderr
     shadow_editable_install(str(site))
+    return site, log
+
+
+def _run_built(site, tmp_path, script):
+    """`script` in a fresh interpreter on the pyddp in `site`: its output."""
+    import subprocess
+
+    script += "print(pyddp.__path__)\n"
+    env = dict(os.environ, PYTHONPATH=str(site), PYDDP_HOT="1")
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert str(site) in run.stdout  # the copy was imported, not this checkout
+    assert not list((site / "pyddp").glob("_hot*.so"))
+    return run.stdout
+
+
+# What every build without _hot must still do: train on the Python path.
+_TRAINS = (
+    "m = torch.nn.Linear(4, 2)\n"
+    "dm = pyddp.wrap(m, ['cpu', 'cpu'])\n"
+    "dm(torch.randn(8, 4)).sum().backward()\n"
+    "assert dm._reducer._layout.hot is None and m.weight.grad is not None\n"
+)
+
+
+@pytest.mark.build
+def test_a_hot_path_that_does_not_compile_leaves_pyddp_on_the_python_path(tmp_path):
+    # csrc/hot/ uses torch's C++ internals, which move between torch
+    # releases: where it does not compile, pyddp must still install (without
+    # _hot), run its Python path and say why (cmake/hot_step.cmake). A copy of
+    # this tree with a deliberate compile error in csrc/hot/ is built and used.
+    site, log = _build_copy(tmp_path, broken=True)
+    assert "pyddp._hot did not build against torch" in log
     script = (
         "import warnings, torch, pyddp\n"
         "from pyddp.runtime import libraries\n"
@@ -368,16 +403,38 @@ def test_a_hot_path_that_does_not_compile_leaves_pyddp_on_the_python_path(tmp_pa
         "assert 'deliberately broken' in why, why  # the first error, named\n"
         "assert [str(w.message) for w in said if 'hot path' in str(w.message)], said\n"
         "assert 'failed to compile' in '\\n'.join(report())\n"
-        "m = torch.nn.Linear(4, 2)\n"
-        "dm = pyddp.wrap(m, ['cpu', 'cpu'])\n"
-        "dm(torch.randn(8, 4)).sum().backward()\n"
-        "assert dm._reducer._layout.hot is None and m.weight.grad is not None\n"
-        "print(pyddp.__path__)\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(site), PYDDP_HOT="1")
-    run = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path
+    _run_built(site, tmp_path, script + _TRAINS)
+
+
+@pytest.mark.build
+@pytest.mark.parametrize(
+    "env,logged,why",
+    [
+        # Left out on purpose: said as such, not as "no torch at pyddp's build".
+        ({"PYDDP_BUILD_HOT": "0"}, "PYDDP_BUILD_HOT=0: pyddp._hot is left out",
+         "left out at pyddp's build (PYDDP_BUILD_HOT=0)"),
+        # PYDDP_TORCH_PYTHON names the interpreter whose torch the build takes:
+        # one without torch (here one that fails) leaves _hot out, though the
+        # build's own Python has torch.
+        ({"PYDDP_TORCH_PYTHON": "/bin/false"}, "no torch found for this build",
+         "not built (no torch at pyddp's build"),
+    ],
+    ids=["PYDDP_BUILD_HOT=0", "PYDDP_TORCH_PYTHON-without-torch"],
+)  # fmt: skip
+def test_a_build_without_the_hot_path_says_why_and_trains(tmp_path, env, logged, why):
+    site, log = _build_copy(tmp_path, env=env)
+    assert logged in log, log[-3000:]
+    script = (
+        "import warnings, torch, pyddp\n"
+        "from pyddp.runtime import libraries\n"
+        "from pyddp.doctor import report\n"
+        "with warnings.catch_warnings(record=True) as said:\n"
+        "    warnings.simplefilter('always')\n"
+        "    module, why = libraries.hot_status()\n"
+        "    assert libraries.hot() is None\n"
+        f"assert module is None and {why!r} in why, why\n"
+        "assert not [w for w in said if 'hot path' in str(w.message)], said  # as asked\n"
+        f"assert {why!r} in '\\n'.join(report())\n"
     )
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert str(site) in run.stdout  # the copy was imported, not this checkout
-    assert not list((site / "pyddp").glob("_hot*.so"))
+    _run_built(site, tmp_path, script + _TRAINS)

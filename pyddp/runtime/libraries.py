@@ -207,6 +207,12 @@ def _load_hot(enabled: bool) -> tuple:
             "not built (no torch at pyddp's build: install torch, then pyddp again): "
             "Python gradient hooks and bucket launches"
         )
+    skipped = getattr(record, "SKIPPED", None)
+    if skipped is not None:
+        return None, (
+            f"not built: left out at pyddp's build ({skipped}): Python gradient hooks and "
+            "bucket launches"
+        )
     built, failed = record.TORCH_VERSION, getattr(record, "FAILED", None)
     if failed is not None:
         last = [line for line in failed.strip().splitlines() if "error" in line.lower()]
