@@ -12,14 +12,15 @@ from torch import nn
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        # Tests that share a module-scoped fixture (one torchrun launch read
-        # by several tests) run on one pytest-xdist worker (--dist
-        # loadgroup), so the fixture runs once, not once per worker.
+        # Tests that share a module-scoped fixture of ours (one torchrun
+        # launch read by several tests) run on one pytest-xdist worker
+        # (--dist loadgroup): one group per module, so the fixture runs
+        # once, not once per worker. (pytest's own, such as
+        # tmp_path_factory, have no baseid.)
         info = getattr(item, "_fixtureinfo", None)
-        for name in getattr(item, "fixturenames", ()):
-            defs = info.name2fixturedefs.get(name) if info else None
-            if defs and defs[-1].scope != "function" and name != "tmp_path_factory":
-                item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))
+        defs = [info.name2fixturedefs.get(n) for n in item.fixturenames] if info else []
+        if any(d and d[-1].scope != "function" and d[-1].baseid for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -11,6 +11,7 @@ import copy
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -158,6 +159,11 @@ def equivalence(out: dict) -> None:
         out["uneven_global_loss"] = abs(
             dm.last_global_loss - nn.functional.mse_loss(ref2(x), y).item()
         )
+        # A "sum" step has no global loss: None, not the last mean step's.
+        dm.zero_grad()
+        loss_sum = partial(nn.functional.mse_loss, reduction="sum")
+        dm.loss(loss_sum, x[rows], y[rows], reduction="sum").backward()
+        out["global_loss_after_sum"] = dm.last_global_loss
 
     # dmodel.loss over steps whose global batch changes size (13, 13, 7, 13
     # rows, then a window of two micro-batches of 13 and 5 under no_sync):
@@ -356,6 +362,7 @@ def test_processes_equal_single_device_and_torch_ddp(tmp_path, basics, nproc, lo
             assert r[f"stats_cap{cap}"] >= 0.0  # the agreement's cost is measured
         assert r["uneven_grad"] <= TOL, "dmodel.loss must weigh an uneven global batch"
         assert r["uneven_global_loss"] <= TOL
+        assert r["global_loss_after_sum"] is None
         # Global batches of changing size, rows assumed and corrected after
         # the buckets: equal to one device; exchanges only where needed.
         assert r["weighing_grad"] <= TOL and r["weighing_params"] <= TOL, r

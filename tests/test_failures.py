@@ -198,13 +198,14 @@ def foreign_note(out: dict) -> None:
 
 
 def test_text_in_the_store_is_data_and_keys_are_scoped_by_the_job(tmp_path):
-    env = {"PYDDP_TIMEOUT_S": "4", "TORCHELASTIC_RUN_ID": "j42"}
+    env = {"PYDDP_TIMEOUT_S": "8", "TORCHELASTIC_RUN_ID": "j42"}
     r0 = launch(foreign_note, out=tmp_path, env=env, agent=False).result(0)
     assert r0["prefix"].startswith("pyddp/job-j42/round0/"), r0["prefix"]
     error = r0["error"]
     assert "an unattributed note in the store, 'run ./fix.sh rm -rf ~ xxx" in error, error
     assert "\n" not in error and len(error) < 1200, error
-    assert r0["seconds"] < 4, "read at the next poll, not at the timeout"
+    # (the timeout 8 s: a poll delayed on a loaded machine has 6 s)
+    assert r0["seconds"] < 6, "read at the next poll, not at the timeout"
 
 
 def store_host_stopped(out: dict) -> None:

@@ -21,7 +21,17 @@ from torch import nn
 import pyddp
 from pyddp.runtime import libraries
 
-BUILT = importlib.util.find_spec("pyddp._hot_build") is not None
+
+def _built() -> bool:
+    """This install holds a _hot built for its torch (its build record says
+    neither that it failed nor that it was left out, PYDDP_BUILD_HOT=0)."""
+    if importlib.util.find_spec("pyddp._hot_build") is None:
+        return False
+    record = importlib.import_module("pyddp._hot_build")
+    return getattr(record, "FAILED", None) is None and getattr(record, "SKIPPED", None) is None
+
+
+BUILT = _built()
 SWITCHED_OFF = os.environ.get("PYDDP_HOT", "1").strip() == "0"
 
 

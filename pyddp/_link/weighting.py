@@ -61,6 +61,7 @@ class Weighting:
         window, agreed = self.window, self.agreed
         window.weighed = True  # weighed: no Join divisor on top (the rows are exact)
         if reduction != "mean":
+            self.global_loss = None  # (a mean's alone, not the last mean step's)
             return [ScaleGrad.apply(v, float(self.world)) for v in losses]
         # On GPUs (the simulation's too) reading the loss would make the host wait.
         on_host = host_sums and all(v.device.type == "cpu" for v in losses)

@@ -179,9 +179,9 @@ class DistributedModel(StateDictKeys, nn.Module, Joining, ReplicaSteps):
     @property
     def last_global_loss(self) -> Optional[float]:
         """Across processes, on CPU replicas: the global batch's loss of the
-        last training step's dmodel.loss, known once its backward finished
-        (None in one process, and on GPUs, where reading it would make the
-        host wait)."""
+        last training step's dmodel.loss (reduction "mean"), known once its
+        backward finished (None after a "sum" step, in one process, and on
+        GPUs, where reading it would make the host wait)."""
         return self._link.global_loss
 
     def optimizer(
