@@ -384,6 +384,18 @@ def _run_built(site, tmp_path, script):
     return run.stdout
 
 
+# Every build without _hot: what it says (`module`, `why`, the warnings
+# `said`, the doctor's `report()`), read by each test's own asserts.
+_STATUS = (
+    "import warnings, torch, pyddp\n"
+    "from pyddp.runtime import libraries\n"
+    "from pyddp.doctor import report\n"
+    "with warnings.catch_warnings(record=True) as said:\n"
+    "    warnings.simplefilter('always')\n"
+    "    module, why = libraries.hot_status()\n"
+    "    assert libraries.hot() is None\n"
+)
+
 # What every build without _hot must still do: train on the Python path.
 _TRAINS = (
     "m = torch.nn.Linear(4, 2)\n"
@@ -401,14 +413,7 @@ def test_a_hot_path_that_does_not_compile_leaves_pyddp_on_the_python_path(tmp_pa
     # this tree with a deliberate compile error in csrc/hot/ is built and used.
     site, log = _build_copy(tmp_path, broken=True)
     assert "pyddp._hot did not build against torch" in log
-    script = (
-        "import warnings, torch, pyddp\n"
-        "from pyddp.runtime import libraries\n"
-        "from pyddp.doctor import report\n"
-        "with warnings.catch_warnings(record=True) as said:\n"
-        "    warnings.simplefilter('always')\n"
-        "    module, why = libraries.hot_status()\n"
-        "    assert libraries.hot() is None\n"
+    script = _STATUS + (
         "assert module is None and 'failed to compile against torch' in why, why\n"
         "assert 'deliberately broken' in why, why  # the first error, named\n"
         "assert [str(w.message) for w in said if 'hot path' in str(w.message)], said\n"
@@ -435,14 +440,7 @@ def test_a_hot_path_that_does_not_compile_leaves_pyddp_on_the_python_path(tmp_pa
 def test_a_build_without_the_hot_path_says_why_and_trains(tmp_path, env, logged, why):
     site, log = _build_copy(tmp_path, env=env)
     assert logged in log, log[-3000:]
-    script = (
-        "import warnings, torch, pyddp\n"
-        "from pyddp.runtime import libraries\n"
-        "from pyddp.doctor import report\n"
-        "with warnings.catch_warnings(record=True) as said:\n"
-        "    warnings.simplefilter('always')\n"
-        "    module, why = libraries.hot_status()\n"
-        "    assert libraries.hot() is None\n"
+    script = _STATUS + (
         f"assert module is None and {why!r} in why, why\n"
         "assert not [w for w in said if 'hot path' in str(w.message)], said  # as asked\n"
         f"assert {why!r} in '\\n'.join(report())\n"
