@@ -163,6 +163,13 @@ def test_bad_batches():
     masked = pyddp.wrap(Masked(2, 2), ["cpu", "cpu"])
     with pytest.raises(ValueError, match=r"args\[0\] has 4 rows and kwargs\['mask'\] 5.*set it on"):
         masked(torch.zeros(4, 2), mask=torch.ones(5, 5))
+    assert "broadcast" not in str(pytest.raises(ValueError, masked, torch.zeros(4, 2),
+                                                 mask=torch.ones(5, 5)).value)  # fmt: skip
+    # One row to broadcast over the batch (transformers' position_ids of
+    # shape (1, S), a probe): the expansion that splits, named; and it works.
+    with pytest.raises(ValueError, match=r"kwargs\['mask'\] has one row .*\.expand\(4, \.\.\.\)"):
+        masked(torch.zeros(4, 2), mask=torch.ones(1, 5))
+    masked(torch.zeros(4, 2), mask=torch.ones(1, 5).expand(4, -1))
     masked.close()
     with pytest.raises(ValueError, match="no tensor with a batch dimension"):
         dm(torch.tensor(1.0))
@@ -756,3 +763,41 @@ def test_trainer_options_that_are_not_a_dict_are_named():
     with pytest.raises(TypeError, match=r"PyddpTrainer\(pyddp_options=...\): takes a dict"):
         wrap_options([("bucket_cap_mb", 1)], "PyddpTrainer(pyddp_options=...)")
     assert wrap_options({"bucket_cap_mb": 1}, "x") == {"bucket_cap_mb": 1}
+
+
+@pytest.mark.parametrize("between", ["no_grad", "inference_mode", "eval", "grad"])
+def test_a_forward_between_backward_and_step(between):
+    # Several replicas in a process each keep the reduced gradient, and a
+    # training forward starts the next step (replicas 1.. drop their copy):
+    # the step after it is refused by name, where one device and torch DDP
+    # allow it (a probe logging a second loss). A forward without grad, or
+    # in eval under no_grad, steps as one device; after the refusal,
+    # zero_grad() and the step again train on.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    dm = pyddp.wrap(model, ["cpu", "cpu"])
+    opt = dm.optimizer(torch.optim.SGD, lr=0.1)
+    x = torch.randn(6, 4)
+    dm(x).square().mean().backward()
+    if between == "grad":
+        dm(x)
+        with pytest.raises(RuntimeError, match="a forward ran after the last backward"):
+            opt.step()
+        opt.zero_grad()
+        dm(x).square().mean().backward()
+    elif between == "eval":
+        model.eval()
+        with torch.no_grad():
+            dm(x)
+        model.train()
+    else:
+        with getattr(torch, between)():
+            dm(x)
+    opt.step()
+    ref(x).square().mean().backward()
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    dm.close()

@@ -367,6 +367,101 @@ def test_lora_changes_peft_makes_while_wrapped_are_refused_by_name():
     with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
         dm(**batch).loss.backward()
         merged = model.merge_and_unload()
-        with pytest.raises(RuntimeError, match="a submodule of the wrapped model was replaced"):
+        with pytest.raises(RuntimeError, match="submodule .* of the wrapped model was replaced"):
             dm(**batch)
     assert not any("lora_" in n for n, _ in merged.named_parameters())
+
+
+def _clip() -> nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    return transformers.CLIPModel(
+        transformers.CLIPConfig(
+            text_config=dict(vocab_size=96, max_position_embeddings=16, **small),
+            vision_config=dict(image_size=16, patch_size=4, **small),
+            projection_dim=16,
+        )
+    )
+
+
+def _clip_batch(rows: int, seed: int) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(1, 96, (rows, 10), generator=g),
+        "pixel_values": torch.randn(rows, 3, 16, 16, generator=g),
+    }
+
+
+class _Embeddings(nn.Module):
+    """CLIP's two towers, each row's normalised embeddings: outputs one row per example."""
+
+    def __init__(self, clip: nn.Module):
+        super().__init__()
+        self.clip = clip
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> tuple:
+        text = self.clip.get_text_features(input_ids=input_ids)
+        image = self.clip.get_image_features(pixel_values=pixel_values)
+        text, image = (getattr(t, "pooler_output", t) for t in (text, image))
+        return F.normalize(text, dim=-1), F.normalize(image, dim=-1)
+
+
+def _contrastive(model: _Embeddings, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+    logits = model.clip.logit_scale.exp() * text @ image.t()
+    y = torch.arange(len(text))
+    return (F.cross_entropy(logits, y) + F.cross_entropy(logits.t(), y)) / 2
+
+
+def test_a_contrastive_loss_on_the_gathered_embeddings_equals_one_device():
+    # A loss over the whole batch computed inside the model (CLIP's
+    # return_loss) is each replica's over its own shard, as under torch DDP:
+    # a probe saw 1.49 against one device's 2.37. Returned per row and
+    # gathered, the embeddings give the loss over the whole batch (its
+    # logit_scale used outside the forward): one device's training.
+    model = _clip()
+    even = _clip_batch(6, 0)
+    with pyddp.wrap(copy.deepcopy(model), ["cpu", "cpu"]) as dm:
+        per_shard = dm(**even, return_loss=True).loss.item()
+    whole = copy.deepcopy(model)(**even, return_loss=True).loss.item()
+    assert abs(per_shard - whole) > 0.1 * whole  # (what the docs say: not one device's)
+
+    model, ref = _Embeddings(model), _Embeddings(copy.deepcopy(model))
+    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        opt = dm.optimizer(torch.optim.SGD, **SGD)
+        for seed in range(STEPS):
+            batch = _clip_batch(ROWS, seed)  # uneven shards
+            for m, o in ((dm, opt), (ref, ref_opt)):
+                loss = _contrastive(model if m is dm else ref, *m(**batch))
+                loss.backward()
+                o.step()
+                o.zero_grad()
+    assert max_param_diff(model, ref) < ATOL
+    assert model.clip.logit_scale.item() != _clip().logit_scale.item()  # (it trained)
+
+
+def test_generate_on_the_wrapped_model_between_steps():
+    # transformers' generate is a method of the model, not of the wrapper
+    # (as under torch DDP): dmodel.module.generate between training steps
+    # gives one device's tokens, and training goes on as one device's.
+    family = FAMILIES["llama"]
+    model = family.build()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), **SGD)
+    prompt = family.batch(2, 9)["input_ids"][:, :4]
+    with pyddp.wrap(model, ["cpu", "cpu"]) as dm:
+        opt = dm.optimizer(torch.optim.SGD, **SGD)
+        with pytest.raises(AttributeError):
+            dm.generate  # noqa: B018 - the wrapper has no generate, as DDP's
+        for batch in batches(family):
+            for m, o in ((dm, opt), (ref, ref_opt)):
+                m(**batch).loss.backward()
+                o.step()
+                o.zero_grad()
+            kept = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+            got = dm.module.generate(prompt, **kept)
+            assert torch.equal(got, ref.generate(prompt, **kept))
+    assert max_param_diff(model, ref) < ATOL

@@ -451,7 +451,11 @@ def test_follow_unfreezing_is_named_in_the_refusal_and_checked(monkeypatch):
             r"'head\.bias' .* replaced",
         ),
         (lambda m: m.double(), "changed from torch.float32"),
-        (lambda m: setattr(m, "head", nn.Linear(8, 3)), "submodule .* replaced"),
+        # Named (a probe: every replacement was named "model.head").
+        (
+            lambda m: setattr(m, "drop", nn.Identity()),
+            "submodule 'drop' .* replaced .*Dropout then, Identity now",
+        ),
         (lambda m: m.head.register_forward_hook(lambda *a: None), "hooks .* 'head' changed"),
         # Removed and another registered: the count stays (was not seen;
         # replica 1 went on running the old hook).

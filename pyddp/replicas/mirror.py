@@ -250,10 +250,7 @@ class ReplicaMirror:
             self.accumulating = refuse_accumulate_hooks(self.names, self.params, self.accumulating)
         self.handles_seen = RemovableHandle.next_id
         if not all(map(operator.is_, self._members(), self.members)):
-            raise RuntimeError(
-                "pyddp: a submodule of the wrapped model was replaced after wrap "
-                f"(model.head = ...); the other replicas cannot follow: {_REWRAP}"
-            )
+            self._raise_member_replaced()
         if not all(
             map(operator.is_, map(dict.get, self.slot_dicts, self.slot_names), self.slot_params)
         ):
@@ -382,6 +379,23 @@ class ReplicaMirror:
             "parameters or buffers after wrap (add_module, register_parameter, ...); "
             f"the other replicas cannot follow: {_REWRAP}"
         )
+
+    def _raise_member_replaced(self) -> None:
+        """Names the first child module of replica 0 that is not the one
+        wrapped (a probe: resize_token_embeddings was named "model.head")."""
+        labels = (
+            f"{where}.{name}" if where != "(the model)" else name
+            for m, where in zip(self.modules[0], self.module_names)
+            for name in m._modules
+        )
+        for label, now, then in zip(labels, self._members(), self.members):
+            if now is not then:
+                raise RuntimeError(
+                    f"pyddp: submodule {label!r} of the wrapped model was replaced after wrap "
+                    f"({type(then).__name__} then, {type(now).__name__} now; by an assignment, "
+                    "a peft merge, transformers' resize_token_embeddings); the other replicas "
+                    f"cannot follow: {_REWRAP}"
+                )
 
     def _raise_replaced(self) -> None:
         slots = zip(self.slot_dicts, self.slot_names, self.slot_params, self.slot_labels)

@@ -86,13 +86,22 @@ def _refuse_batch_sizes(tree: Any, leaves: List[torch.Tensor], batch: int, call:
     paths = [p for part, root in roots for p in tensor_paths(part, root)]
     sized = [(p, t.shape[0]) for p, t in zip(paths, leaves) if t.dim() > 0]
     first, other = sized[0], next(x for x in sized if x[1] != batch)
+    # One row given for the batch to broadcast over (transformers'
+    # position_ids of shape (1, S)): expanded, it splits as the batch does.
+    one = next((x for x in (first, other) if x[1] == 1), None)
+    broadcast = (
+        f"; {one[0]} has one row to broadcast over the batch: pass it expanded to every row, "
+        f".expand({max(first[1], other[1])}, ...) (a view, no copy)"
+        if one is not None and max(first[1], other[1]) > 1
+        else ""
+    )
     raise ValueError(
         f"input tensors disagree on the batch size (dim 0): {first[0]} has {first[1]} rows and "
         f"{other[0]} {other[1]}; pyddp splits every tensor argument along dim 0 over the "
-        "replicas. A tensor that is not one row per example (a mask over positions, class "
-        "weights) goes to the model another way: set it on your model (an attribute or buffer "
-        "set there reaches every replica) or build it in forward; pass a recurrent state "
-        "batch first and transpose it inside forward"
+        f"replicas{broadcast}. A tensor that is not one row per example (a mask over positions, "
+        "class weights) goes to the model another way: set it on your model (an attribute or "
+        "buffer set there reaches every replica) or build it in forward; pass a recurrent "
+        "state batch first and transpose it inside forward"
     )
 
 
