@@ -161,6 +161,47 @@ def test_files_the_tools_write_replace_links_and_are_whole_or_absent(tmp_path):
     dm.close()
 
 
+def test_files_the_tools_write_into_a_device_or_a_pipe_are_written_into(tmp_path):
+    # Found by a probe: export_timeline("/dev/null") replaced the system's
+    # /dev/null with a regular file (as root), and a named pipe alike. A
+    # character device or FIFO, directly or through a link, is written into
+    # as a shell's redirection writes; a block device or socket is refused.
+    import socket
+    import stat
+    import threading
+
+    from pyddp.bench._util import write_json
+
+    dm = pyddp.wrap(nn.Linear(4, 2), ["cpu", "cpu"], timeline=2)
+    dm(torch.randn(4, 4)).sum().backward()
+    null = tmp_path / "null"
+    null.symlink_to(os.devnull)  # (through a link: a broken write replaces the link only)
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    for write in (dm.export_timeline, lambda p: write_json(p, {"a": 1})):
+        assert write(null) == null
+        assert null.is_symlink() and stat.S_ISCHR(os.stat(os.devnull).st_mode)
+        got = []
+        reader = threading.Thread(target=lambda into: into.append(pipe.read_text()), args=(got,))
+        reader.start()
+        write(pipe)
+        reader.join(30)
+        assert stat.S_ISFIFO(os.lstat(pipe).st_mode) and json.loads(got[0])
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(tmp_path / "sock"))
+        with pytest.raises(OSError, match="a socket is there"):
+            dm.export_timeline(tmp_path / "sock")
+    try:  # a block device node of no device: nothing behind it to harm
+        os.mknod(tmp_path / "block", stat.S_IFBLK | 0o600, os.makedev(240, 254))
+    except PermissionError:
+        pass  # (no CAP_MKNOD here: the branch is the socket's)
+    else:
+        with pytest.raises(OSError, match="a block device is there"):
+            dm.export_timeline(tmp_path / "block")
+    assert sorted(p.name for p in tmp_path.iterdir()) <= ["block", "null", "pipe", "sock"]
+    dm.close()
+
+
 def test_timeline_off_by_default_and_env_validated(monkeypatch):
     dm = pyddp.wrap(mlp(), ["cpu", "cpu"])
     with pytest.raises(RuntimeError, match="timeline is off"):

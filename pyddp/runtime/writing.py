@@ -7,7 +7,10 @@ is replaced if it is writable (a read-only one is refused, as an in-place
 write would be), keeping its mode; missing folders above it are made; a new
 file gets the usual mode (0666 less the umask), not a temporary file's 0600. Where the
 folder takes no new file but the file there is writable, it is written in
-place (not atomic)."""
+place (not atomic). A character device or a FIFO there, or a link to one
+(/dev/null, /dev/stdout, a named pipe), is written into, as a shell's
+redirection writes, and never replaced (a probe: /dev/null became a regular
+file); a block device or a socket there is refused."""
 
 from __future__ import annotations
 
@@ -25,8 +28,14 @@ def write_atomic(path: Any, write: Callable[[Path], None]) -> Path:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path}: a directory is there; name a file to write")
+    kind = _special(path)
+    if kind in ("a block device", "a socket"):
+        raise OSError(errno.EINVAL, f"{kind} is there; name a file to write", str(path))
     if refusal(path) is not None:
         raise PermissionError(errno.EACCES, "not writable", str(path))
+    if kind is not None:  # a stream: written into, never replaced
+        write(path)
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     stem = path.name.encode()[:64].decode(errors="ignore")  # (a short name, in bytes)
     tmp = path.parent / f".{stem}.{secrets.token_hex(4)}.tmp"
@@ -49,6 +58,22 @@ def write_atomic(path: Any, write: Callable[[Path], None]) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def _special(path: Path) -> Optional[str]:
+    """What is at `path`, following links, when it is not a regular file, a
+    folder or nothing."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # nothing there (or a dangling link: replaced)
+        return None
+    if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
+        return "a stream"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return None
 
 
 def refusal(path: Path) -> Optional[str]:
