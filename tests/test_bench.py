@@ -127,6 +127,11 @@ def test_allreduce_replicas_beyond_devices_is_a_usage_error(capsys):
         # Found by a probe: these raised tracebacks, or (the options of the
         # multi-process mode given without it) were recorded unused.
         (["allreduce", "--min-bytes", "1M"], "--quick's 64K is below --min-bytes 1048576"),
+        # The limit that applied is named (a probe: "--quick's 64K is below 65536").
+        (
+            ["allreduce", "--max-bytes", "1K", "--min-bytes", "64K"],
+            "--max-bytes 1024 is below --min-bytes 65536",
+        ),
         (["allreduce", "--max-bytes", "1e400G"], "a size in bytes (e.g. 4096, 64K, 1M)"),
         (["allreduce", "--max-bytes", "1000000000G"], "must be 1 byte to this machine's memory"),
         (["overlap", "--comm-hook", "fp16"], "--comm-hook: only with --processes N"),

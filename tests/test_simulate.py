@@ -555,7 +555,10 @@ def test_band_holds_the_middle_of_the_misses():
     b = published.band(rows, coverage=0.8)
     assert (b.below, b.above) == (8.0, 8.0)  # the 10th and 90th percentiles, linearly
     assert published.covered(rows, b) == 17  # -8..8
-    assert b.around(0.95) == pytest.approx((0.87, 1.03))
+    assert b.around(0.85) == pytest.approx((0.77, 0.93))
+    # Within 0..1, as an efficiency is (a probe: "-4-4%", "93-101%").
+    assert b.around(0.95) == pytest.approx((0.87, 1.0))
+    assert b.around(0.05) == pytest.approx((0.0, 0.13))
     skewed = published.band([{"error_points": e} for e in (0.0, 1.0, 2.0, 9.0, 10.0)], 0.5)
     assert (skewed.below, skewed.above) == (9.0, -1.0)  # published lies under the prediction
     for bad in (0.0, 1.0, 80):

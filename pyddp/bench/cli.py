@@ -195,7 +195,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         most = min(args.max_bytes, _size("64K")) if args.quick else args.max_bytes
         if most < args.min_bytes:
-            below = "--quick's 64K" if args.quick else f"--max-bytes {args.max_bytes}"
+            quick = args.quick and args.max_bytes > _size("64K")  # (the limit that applied)
+            below = "--quick's 64K" if quick else f"--max-bytes {args.max_bytes}"
             parser.error(f"allreduce {below} is below --min-bytes {args.min_bytes}")
     if args.command == "overlap":
         multiproc.check_overlap_args(parser, args)
