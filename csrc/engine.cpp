@@ -262,10 +262,17 @@ void Engine::mark_ready(int replica, int param, uintptr_t stream) {
               "replica's backward has returned.");
   }
   if (async_) replica_part_done(replica, bucket_of_[param], stream);
-  if (timeline_.load(std::memory_order_relaxed)) param_ready_ns_[slot] = now_ns();
-  if (first_ready_ns_.load(std::memory_order_relaxed) == 0) {
-    int64_t expected = 0;
-    first_ready_ns_.compare_exchange_strong(expected, now_ns());
+  const bool timed = timeline_.load(std::memory_order_relaxed);
+  int64_t first = first_ready_ns_.load(std::memory_order_relaxed);
+  if (timed || first == 0) {
+    // One stamp for both, and first_ready_ns_ the earliest of the replicas'
+    // (two stamps, or a later stamp's thread first, put a parameter's mark
+    // before it: a probe saw a trace instant at -0.042 us).
+    const int64_t stamp = now_ns();
+    if (timed) param_ready_ns_[slot] = stamp;
+    while ((first == 0 || stamp < first) &&
+           !first_ready_ns_.compare_exchange_weak(first, stamp, std::memory_order_relaxed)) {
+    }
   }
   if (param_count_[param].fetch_add(1, std::memory_order_acq_rel) + 1 == num_replicas_) {
     complete_param(param, nullptr);

@@ -94,6 +94,51 @@ def test_chrome_trace_structure_and_bounded_memory(tmp_path):
         )
 
 
+def _nested_and_in_time(events):
+    """What Chrome's format asks of complete events: on each track they
+    nest (here: never overlap); and no event before the trace's origin, no
+    reduction done after its iteration ended."""
+    tol = 1e-3  # us: the float rounding of (ns - origin) / 1e3
+    tracks = {}
+    for e in events:
+        if e["ph"] == "X":
+            tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+        if e["ph"] != "M":
+            assert e["ts"] >= 0, e
+    for spans in tracks.values():
+        spans.sort()
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert start >= end - tol, spans
+    ends = sorted(e["ts"] + e["dur"] for e in events if e["ph"] == "X" and e["tid"] == 0)
+    for e in events:
+        if e["ph"] == "X" and e["name"].startswith("all-reduce"):
+            assert any(e["ts"] + e["dur"] <= end + tol for end in ends), e
+
+
+def test_reductions_in_flight_together_go_on_tracks_of_their_own():
+    # Found by a probe: across processes the reductions overlap, and their
+    # spans shared the launcher's track without nesting.
+    from pyddp.runtime.trace import LANE_TID, chrome_trace, reduction_lanes
+
+    assert reduction_lanes([(0, 10), (5, 20), (10, 12), (12, 30), (21, 22)]) == [0, 1, 0, 0, 1]
+    raw = dict(iteration=1, forward_end_ns=1000, first_ready_ns=1100, finish_end_ns=9000,
+               wait_ns=0)  # fmt: skip
+    timeline = {
+        "raw": raw,
+        "bucket_ready_ns": [2000, 2500, 3000],
+        "bucket_launch_ns": [2100, 2600, 3100],
+        "bucket_done_ns": [5000, 4000, 8000],  # 0 and 1 and 2 in flight together
+        "param_ready_ns": [],
+    }
+    trace = chrome_trace([timeline], ["a", "b", "c"], [[0], [1], [2]], 1, rank=1)
+    events = trace["traceEvents"]
+    _nested_and_in_time(events)
+    spans = {e["args"]["bucket"]: e["tid"] for e in events if e["name"].startswith("all-reduce")}
+    assert spans == {0: 1, 1: LANE_TID + 1, 2: LANE_TID + 2}
+    assert {e["pid"] for e in events} == {1}
+    assert events[0]["args"]["name"] == "pyddp rank 1"
+
+
 def test_the_trace_names_each_iterations_own_buckets(tmp_path):
     # Found by a probe: the trace labelled every kept iteration with the
     # plan after the rebuild (forward order), the first one's included.
@@ -202,10 +247,17 @@ def test_files_the_tools_write_into_a_device_or_a_pipe_are_written_into(tmp_path
     dm.close()
 
 
-def test_timeline_off_by_default_and_env_validated(monkeypatch):
+def test_timeline_off_by_default_and_env_validated(monkeypatch, tmp_path):
     dm = pyddp.wrap(mlp(), ["cpu", "cpu"])
     with pytest.raises(RuntimeError, match="timeline is off"):
         dm.export_timeline("x.json")
+    # Nothing kept yet: said, not an empty trace written (a probe).
+    kept = pyddp.wrap(mlp(), ["cpu", "cpu"], timeline=2)
+    with kept.no_sync():
+        kept(torch.randn(4, 64)).sum().backward()
+    with pytest.raises(RuntimeError, match="no synced iteration kept yet"):
+        kept.export_timeline(tmp_path / "x.json")
+    assert not list(tmp_path.iterdir())
     monkeypatch.setenv("PYDDP_TIMELINE", "many")
     with pytest.raises(ValueError, match="PYDDP_TIMELINE"):
         pyddp.wrap(mlp(), ["cpu", "cpu"])
@@ -383,3 +435,40 @@ def test_a_replaced_file_keeps_its_mode_and_odd_names_write(tmp_path):
     assert write_text(tmp_path / ("\U0001f600" * 60 + ".json"), "{}").read_text() == "{}"
     png = save_figure(pyplot().figure(), tmp_path / "run.final", dpi=50)
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def traced_across_processes(out: dict) -> None:
+    """Each rank trains with a timeline, then exports it to one path and to a
+    path naming "{rank}"."""
+    from spawn import out_dir, write
+
+    dm = pyddp.wrap(mlp(), ["cpu"], bucket_cap_mb=0, timeline=3)
+    train(dm, 4)
+    folder = Path(out_dir())
+    written = [dm.export_timeline(folder / "trace.json"), dm.export_timeline(folder / "t-{rank}")]
+    out["written"] = [str(p) for p in written]
+    dm.close()
+    write(out)
+
+
+@pytest.mark.multiprocess
+def test_across_processes_each_rank_writes_its_own_trace(tmp_path):
+    # Found by a probe: every rank wrote the path given (the last one's
+    # trace kept, the others' lost), all as pid 0, and reductions in flight
+    # together overlapped on one track; a reduction could end after its
+    # iteration's span did.
+    from spawn import spawn
+
+    results = spawn(traced_across_processes, 2, out=tmp_path)
+    for rank, got in enumerate(results):
+        assert got["written"] == [
+            str(tmp_path / f"trace.rank{rank}.json"),
+            str(tmp_path / f"t-{rank}"),
+        ]
+        for path in got["written"]:
+            events = json.loads(Path(path).read_text())["traceEvents"]
+            assert {e["pid"] for e in events} == {rank}
+            assert events[0]["args"]["name"] == f"pyddp rank {rank}"
+            assert sum(e["name"].startswith("all-reduce") for e in events) == 3 * 12  # iterations x buckets
+            _nested_and_in_time(events)
+    assert not (tmp_path / "trace.json").exists()

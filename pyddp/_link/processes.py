@@ -368,7 +368,9 @@ class ProcessLink(Link):
         # The engine's clock is the steady clock: time.monotonic_ns here.
         raw["finish_start_ns"] = min(raw["finish_start_ns"], finish_called_ns)
         raw["wait_ns"] += transport.wait_ns
-        raw["finish_end_ns"] += transport.wait_ns
+        # finish() ended once its wait for the reductions did, after each one's
+        # done stamp (a probe: the engine's end plus the wait fell before some).
+        raw["finish_end_ns"] = max(raw["finish_end_ns"] + transport.wait_ns, transport.wait_end_ns)
         raw["agree_ns"] = self.agreement.exposed_ns
 
     def check_usable(self) -> None:

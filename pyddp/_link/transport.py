@@ -124,7 +124,7 @@ class BucketTransport:
         self.wire: Optional[torch.Tensor] = None
         self._rider: Optional[Callable[[torch.Tensor, int], None]] = None
         self._armed = False
-        self.wait_ns = 0  # the last iteration's wait for the reductions
+        self.wait_ns = self.wait_end_ns = 0  # the last iteration's wait for the reductions
         self.done_ns_last: Dict[int, int] = {}
         # Sharded gradients (shard='gradients', one replica per process):
         # buckets reduce-scatter, this process keeping block `rank`.
@@ -345,7 +345,8 @@ class BucketTransport:
                 why = f"not done after {timeout:g} s ({why})"
             what = "the agreement after the buckets" if bucket == TAIL else f"bucket {bucket}"
             self.failure.fail(f"all-reduce of {what} ({self._names(bucket)}) failed: {why}")
-        self.wait_ns = int((time.monotonic() - start) * 1e9)
+        self.wait_end_ns = time.monotonic_ns()  # (after every done stamp: merge_timing)
+        self.wait_ns = self.wait_end_ns - int(start * 1e9)
         self.done_ns_last = flight.next(TAIL)
         self.peers.iteration += 1
         self.peers.in_backward = False

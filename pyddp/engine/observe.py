@@ -15,7 +15,6 @@ Definitions, per synced iteration:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from ..runtime.writing import write_text
+from ..runtime.trace import chrome_trace, rank_path, write_trace
 
 TIMELINE_ENV = "PYDDP_TIMELINE"  # number of iterations to keep, e.g. PYDDP_TIMELINE=20
 _AVERAGED = (
@@ -184,119 +183,34 @@ class Observer:
         return {**self.last, "adopted": adopted, "mean": self.means()}
 
     def export(
-        self, path: os.PathLike, names: Sequence[str], buckets: Sequence[Sequence[int]], n: int
+        self,
+        path: os.PathLike,
+        names: Sequence[str],
+        buckets: Sequence[Sequence[int]],
+        n: int,
+        rank: Optional[int] = None,
     ) -> Path:
-        """The kept iterations as Chrome trace JSON at `path` (n replicas)."""
+        """The kept iterations as Chrome trace JSON at `path` (n replicas).
+        Across processes (`rank` given) each rank writes its own file: "{rank}"
+        in `path` is the rank, else ".rank<R>" goes before the suffix (a probe:
+        the ranks wrote one path, the last one's trace kept)."""
         if not self.keep:
             raise RuntimeError(
                 "the timeline is off: pass timeline=N (iterations to keep) or set PYDDP_TIMELINE"
             )
-        return write_trace(chrome_trace(list(self.timelines), names, buckets, n), path)
+        if not self.timelines:
+            raise RuntimeError(
+                "no synced iteration kept yet: export the timeline after a training step's "
+                "backward (one under no_sync() reduces nothing, so is not timed)"
+            )
+        if rank is not None:
+            path = rank_path(path, rank)
+        trace = chrome_trace(list(self.timelines), names, buckets, n, rank)
+        return write_trace(trace, path)
 
     def ready_times(self, names: Sequence[str], params: Sequence[Any]) -> ReadyTimes:
         """The last kept iteration's ready times of `params` (replica 0's)."""
         return ready_times(self.timelines, names, params)
-
-
-def chrome_trace(
-    timelines: Sequence[Dict[str, Any]],
-    names: Sequence[str],
-    buckets: Sequence[Sequence[int]],
-    replicas: int,
-) -> Dict[str, Any]:
-    """Chrome trace events: one track per replica (parameter ready instants),
-    a launcher track (bucket ready instants and launch->done spans) and an
-    iteration track (end of forward -> end of finish)."""
-    if not timelines:
-        return {"traceEvents": [], "displayTimeUnit": "ms"}
-    origin = min(t["raw"]["forward_end_ns"] or t["raw"]["first_ready_ns"] for t in timelines)
-
-    def us(ns: int) -> float:
-        return (ns - origin) / 1e3
-
-    events: List[Dict[str, Any]] = [
-        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "pyddp"}},
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "iteration"}},
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "launcher"}},
-    ]
-    for r in range(replicas):
-        events.append(
-            {
-                "name": "thread_name",
-                "ph": "M",
-                "pid": 0,
-                "tid": 10 + r,
-                "args": {"name": f"replica {r}"},
-            }
-        )
-    nparams = len(names)
-    for t in timelines:
-        raw = t["raw"]
-        begin = raw["forward_end_ns"] or raw["first_ready_ns"]
-        events.append(
-            {
-                "name": f"backward+sync {raw['iteration']}",
-                "ph": "X",
-                "pid": 0,
-                "tid": 0,
-                "ts": us(begin),
-                "dur": (raw["finish_end_ns"] - begin) / 1e3,
-                "args": {"finish_wait_us": raw["wait_ns"] / 1e3},
-            }
-        )
-        for b, members in enumerate(t.get("buckets", buckets)):
-            ready, launch, done = (
-                t["bucket_ready_ns"][b],
-                t["bucket_launch_ns"][b],
-                t["bucket_done_ns"][b],
-            )
-            label = (
-                names[members[0]] if len(members) == 1 else f"bucket {b} ({len(members)} params)"
-            )
-            if ready:
-                events.append(
-                    {
-                        "name": f"ready {label}",
-                        "ph": "i",
-                        "s": "t",
-                        "pid": 0,
-                        "tid": 1,
-                        "ts": us(ready),
-                    }
-                )
-            if launch and done:
-                events.append(
-                    {
-                        "name": f"all-reduce {label}",
-                        "ph": "X",
-                        "pid": 0,
-                        "tid": 1,
-                        "ts": us(launch),
-                        "dur": (done - launch) / 1e3,
-                        "args": {"bucket": b, "params": [names[i] for i in members]},
-                    }
-                )
-        marks = t["param_ready_ns"]
-        for r in range(replicas if marks else 0):
-            for i in range(nparams):
-                ns = marks[r * nparams + i]
-                if ns:
-                    events.append(
-                        {
-                            "name": names[i],
-                            "ph": "i",
-                            "s": "t",
-                            "pid": 0,
-                            "tid": 10 + r,
-                            "ts": us(ns),
-                        }
-                    )
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def write_trace(trace: Dict[str, Any], path: os.PathLike) -> Path:
-    """Whole or not at all, never through a link (runtime/writing.py)."""
-    return write_text(path, json.dumps(trace))
 
 
 class GpuClock:

@@ -12,7 +12,6 @@ step, one state machine:
     check_step()                before an optimizer step
     zero_grad()                 after it
     no_sync() / shadow_backward() / abort() / reattach()   the detours
-
 No "is there another process" branches: one process has a link that does nothing.
 The model drives it (faces.ReplicaDriver), the optimizers see `gradients()`."""
 
@@ -412,7 +411,8 @@ class Reducer:
     def export_timeline(self, path: Any) -> Any:
         if self._engine is None:
             raise RuntimeError("one replica: there is no communication to trace")
-        return self._observer.export(path, self._names, self._engine.buckets, len(self._replicas))
+        rank, n = (self._link.rank if self._link.spans_processes else None), len(self._replicas)
+        return self._observer.export(path, self._names, self._engine.buckets, n, rank)
 
     def ready_times(self) -> Any:
         return self._observer.ready_times(self._names, self._params[0])
