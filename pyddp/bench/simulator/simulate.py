@@ -164,8 +164,7 @@ class Band:
     coverage: float = 0.8
 
     def around(self, efficiency: float) -> Tuple[float, float]:
-        """The band around a predicted efficiency, within 0..1 (an efficiency
-        is neither: a probe saw -4-4% and 93-101%)."""
+        """Within 0..1, as an efficiency is (a probe saw -4-4% and 93-101%)."""
         return max(0.0, efficiency - self.below / 100), min(1.0, efficiency + self.above / 100)
 
 
