@@ -156,8 +156,7 @@ class Effects:
 class Band:
     """How far published efficiencies fell from the FITTED predictions,
     out of sample (published.cross_validate on the fit half): `coverage` of
-    them lay between `below` points under the prediction and `above` points
-    over it."""
+    them lay between `below` points under the prediction and `above` over it."""
 
     below: float
     above: float
