@@ -167,9 +167,11 @@ def test_bad_batches():
                                                  mask=torch.ones(5, 5)).value)  # fmt: skip
     # One row to broadcast over the batch (transformers' position_ids of
     # shape (1, S), a probe): the expansion that splits, named; and it works.
-    with pytest.raises(ValueError, match=r"kwargs\['mask'\] has one row .*\.expand\(4, \.\.\.\)"):
+    with pytest.raises(ValueError, match=r"if kwargs\['mask'\] is one row .*\.expand\(4, \.\.\.\)"):
         masked(torch.zeros(4, 2), mask=torch.ones(1, 5))
     masked(torch.zeros(4, 2), mask=torch.ones(1, 5).expand(4, -1))
+    one = pytest.raises(ValueError, masked, torch.zeros(1, 2), mask=torch.ones(4, 5)).value
+    assert "broadcast" not in str(one)  # one example beside a mask: not the first's to expand
     masked.close()
     with pytest.raises(ValueError, match="no tensor with a batch dimension"):
         dm(torch.tensor(1.0))

@@ -109,10 +109,14 @@ def _nested_and_in_time(events):
         spans.sort()
         for (_, end), (start, _) in zip(spans, spans[1:]):
             assert start >= end - tol, spans
-    ends = sorted(e["ts"] + e["dur"] for e in events if e["ph"] == "X" and e["tid"] == 0)
+    ends = {  # each iteration's end, by its number
+        int(e["name"].split()[-1]): e["ts"] + e["dur"]
+        for e in events
+        if e["ph"] == "X" and e["tid"] == 0
+    }
     for e in events:
         if e["ph"] == "X" and e["name"].startswith("all-reduce"):
-            assert any(e["ts"] + e["dur"] <= end + tol for end in ends), e
+            assert e["ts"] + e["dur"] <= ends[e["args"]["iteration"]] + tol, e
 
 
 def test_reductions_in_flight_together_go_on_tracks_of_their_own():
@@ -247,6 +251,21 @@ def test_files_the_tools_write_into_a_device_or_a_pipe_are_written_into(tmp_path
     dm.close()
 
 
+def test_a_path_through_proc_is_written_into_even_to_a_file(tmp_path):
+    # A review: /dev/stdout -> /proc/self/fd/1 -> a regular file (a run whose
+    # output goes to a log) was renamed over, and the log got nothing. Here a
+    # link of our own to /proc/self/fd/1, in a process writing to a file.
+    import subprocess
+    import sys
+
+    link, log = tmp_path / "stdout", tmp_path / "log.txt"
+    link.symlink_to("/proc/self/fd/1")
+    script = f"from pyddp.runtime.writing import write_text; write_text({str(link)!r}, 'hello')"
+    with open(log, "w") as out:
+        subprocess.run([sys.executable, "-c", script], stdout=out, check=True)
+    assert link.is_symlink() and log.read_text() == "hello"
+
+
 def test_timeline_off_by_default_and_env_validated(monkeypatch, tmp_path):
     dm = pyddp.wrap(mlp(), ["cpu", "cpu"])
     with pytest.raises(RuntimeError, match="timeline is off"):
@@ -373,6 +392,10 @@ def test_ready_times_of_a_gradsync_count_from_its_first_gradient():
             sync.finish()
             sync.zero_grad()
         got = sync.ready_times()
+        # The first gradient's stamp is the earliest parameter's (a probe saw
+        # a trace instant 42 ns before it: two stamps, the later one kept).
+        for t in sync._reducer._observer.timelines:
+            assert min(filter(None, t["param_ready_ns"])) == t["raw"]["first_ready_ns"]
     names = [n for n, _ in replicas[0].named_parameters()]
     assert got.names == names and len(got.ready_s) == len(names)
     assert min(got.ready_s) == 0.0 and max(got.ready_s) <= got.backward_s
@@ -447,6 +470,7 @@ def traced_across_processes(out: dict) -> None:
     folder = Path(out_dir())
     written = [dm.export_timeline(folder / "trace.json"), dm.export_timeline(folder / "t-{rank}")]
     out["written"] = [str(p) for p in written]
+    out["null"] = str(dm.export_timeline(folder / "null"))  # (a link to /dev/null)
     dm.close()
     write(out)
 
@@ -459,7 +483,10 @@ def test_across_processes_each_rank_writes_its_own_trace(tmp_path):
     # iteration's span did.
     from spawn import spawn
 
+    (tmp_path / "null").symlink_to(os.devnull)  # every rank writes into it, none beside it
     results = spawn(traced_across_processes, 2, out=tmp_path)
+    assert [got["null"] for got in results] == [str(tmp_path / "null")] * 2
+    assert (tmp_path / "null").is_symlink() and stat.S_ISCHR(os.stat(os.devnull).st_mode)
     for rank, got in enumerate(results):
         assert got["written"] == [
             str(tmp_path / f"trace.rank{rank}.json"),
@@ -469,6 +496,42 @@ def test_across_processes_each_rank_writes_its_own_trace(tmp_path):
             events = json.loads(Path(path).read_text())["traceEvents"]
             assert {e["pid"] for e in events} == {rank}
             assert events[0]["args"]["name"] == f"pyddp rank {rank}"
-            assert sum(e["name"].startswith("all-reduce") for e in events) == 3 * 12  # iterations x buckets
+            reductions = sum(e["name"].startswith("all-reduce") for e in events)
+            assert reductions == 3 * 12  # iterations x buckets
             _nested_and_in_time(events)
     assert not (tmp_path / "trace.json").exists()
+
+
+def test_across_processes_finish_ends_after_its_wait_and_every_reduction():
+    # A review of a probe's fix: finish's end was the engine's end plus the
+    # wait's length, which fell before a reduction's done stamp when Python
+    # ran between the two. merge_timing, on figures of its own.
+    from types import SimpleNamespace
+
+    from pyddp._link.processes import ProcessLink
+
+    transport = SimpleNamespace(done_ns_last={0: 1500, 1: 1900}, wait_ns=300, wait_end_ns=2000)
+    link = SimpleNamespace(transport=transport, agreement=SimpleNamespace(exposed_ns=7))
+    raw = dict(last_done_ns=1000, finish_start_ns=900, finish_end_ns=1200, wait_ns=0)
+    timeline = {"bucket_done_ns": [0, 0]}
+    ProcessLink.merge_timing(link, raw, timeline, finish_called_ns=800)
+    assert raw == dict(last_done_ns=1900, finish_start_ns=800, finish_end_ns=2000, wait_ns=300,
+                       agree_ns=7)  # fmt: skip
+    assert timeline["bucket_done_ns"] == [1500, 1900]
+    raw.update(finish_end_ns=1900)  # the engine's end plus the wait, when later, stands
+    ProcessLink.merge_timing(link, raw, timeline, finish_called_ns=800)
+    assert raw["finish_end_ns"] == 2200
+
+
+def test_rank_paths():
+    from pyddp.runtime.trace import rank_path
+
+    assert rank_path("t.json", 1) == Path("t.rank1.json")
+    assert rank_path("run/t", 2) == Path("run/t.rank2")
+    assert rank_path("t-{rank}.json", 3) == Path("t-3.json")
+    assert rank_path("t-{rank}.json", None) == Path("t-0.json")  # one process: rank 0
+    assert rank_path("t.json", None) == Path("t.json")
+    assert rank_path(os.devnull, 1) == Path(os.devnull)  # every rank writes into it
+    for folder in ("out/", "."):
+        with pytest.raises(IsADirectoryError, match="a directory is there"):
+            rank_path(folder, 1)

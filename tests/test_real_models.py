@@ -418,7 +418,7 @@ def _contrastive(model: _Embeddings, text: torch.Tensor, image: torch.Tensor) ->
 def test_a_contrastive_loss_on_the_gathered_embeddings_equals_one_device():
     # A loss over the whole batch computed inside the model (CLIP's
     # return_loss) is each replica's over its own shard, as under torch DDP:
-    # a probe saw 1.49 against one device's 2.37. Returned per row and
+    # 1.65 against one device's 2.55 here. Returned per row and
     # gathered, the embeddings give the loss over the whole batch (its
     # logit_scale used outside the forward): one device's training.
     model = _clip()

@@ -561,6 +561,8 @@ def test_band_holds_the_middle_of_the_misses():
     assert b.around(0.05) == pytest.approx((0.0, 0.13))
     skewed = published.band([{"error_points": e} for e in (0.0, 1.0, 2.0, 9.0, 10.0)], 0.5)
     assert (skewed.below, skewed.above) == (9.0, -1.0)  # published lies under the prediction
+    assert skewed.around(0.005) == pytest.approx((0.0, 0.0))  # (a review: its high end was < 0)
+    assert simulate.Band(-2.0, 5.0).around(0.99) == pytest.approx((1.0, 1.0))
     for bad in (0.0, 1.0, 80):
         with pytest.raises(ValueError, match="coverage"):
             published.band(rows, bad)

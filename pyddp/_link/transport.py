@@ -328,6 +328,8 @@ class BucketTransport:
         start = time.monotonic()
         deadline = start + timeout
         flight = self._flight
+        self.wait_ns = self.wait_end_ns = 0  # (a failed wait leaves no stale figures)
+        self.done_ns_last = {}
         self.peers.in_backward = True
         post = WaitPost(self.failure, self._waiting_for())
         try:

@@ -191,9 +191,9 @@ class Observer:
         rank: Optional[int] = None,
     ) -> Path:
         """The kept iterations as Chrome trace JSON at `path` (n replicas).
-        Across processes (`rank` given) each rank writes its own file: "{rank}"
-        in `path` is the rank, else ".rank<R>" goes before the suffix (a probe:
-        the ranks wrote one path, the last one's trace kept)."""
+        Across processes (`rank` given) each rank writes its own file
+        (runtime/trace.rank_path; a probe: the ranks wrote one path, the last
+        one's trace kept)."""
         if not self.keep:
             raise RuntimeError(
                 "the timeline is off: pass timeline=N (iterations to keep) or set PYDDP_TIMELINE"
@@ -203,8 +203,7 @@ class Observer:
                 "no synced iteration kept yet: export the timeline after a training step's "
                 "backward (one under no_sync() reduces nothing, so is not timed)"
             )
-        if rank is not None:
-            path = rank_path(path, rank)
+        path = rank_path(path, rank)
         trace = chrome_trace(list(self.timelines), names, buckets, n, rank)
         return write_trace(trace, path)
 

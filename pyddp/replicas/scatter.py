@@ -86,13 +86,13 @@ def _refuse_batch_sizes(tree: Any, leaves: List[torch.Tensor], batch: int, call:
     paths = [p for part, root in roots for p in tensor_paths(part, root)]
     sized = [(p, t.shape[0]) for p, t in zip(paths, leaves) if t.dim() > 0]
     first, other = sized[0], next(x for x in sized if x[1] != batch)
-    # One row given for the batch to broadcast over (transformers'
-    # position_ids of shape (1, S)): expanded, it splits as the batch does.
-    one = next((x for x in (first, other) if x[1] == 1), None)
+    # One row beside the batch (transformers' position_ids of shape (1, S)):
+    # expanded, it splits as the batch does. (Not said of the first tensor,
+    # which sets the batch: one example beside class weights is no broadcast.)
     broadcast = (
-        f"; {one[0]} has one row to broadcast over the batch: pass it expanded to every row, "
-        f".expand({max(first[1], other[1])}, ...) (a view, no copy)"
-        if one is not None and max(first[1], other[1]) > 1
+        f"; if {other[0]} is one row to broadcast over the batch, pass it expanded to every "
+        f"row, .expand({first[1]}, ...) (a view, no copy)"
+        if other[1] == 1 and first[1] > 1
         else ""
     )
     raise ValueError(

@@ -9,16 +9,22 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .writing import write_text
+from .writing import is_stream, write_text
 
 
-def rank_path(path: os.PathLike, rank: int) -> Path:
-    """`path` for rank `rank`'s own file: "{rank}" in it replaced, else
-    ".rank<R>" before its suffix (trace.json -> trace.rank1.json)."""
+def rank_path(path: os.PathLike, rank: Optional[int]) -> Path:
+    """`path` for rank `rank`'s own file (None: one process, rank 0):
+    "{rank}" in it replaced, else across processes ".rank<R>" before its
+    suffix (trace.json -> trace.rank1.json); a stream (/dev/null,
+    /dev/stdout) stays itself, every rank writing into it."""
     text = os.fspath(path)
     if "{rank}" in text:
-        return Path(text.replace("{rank}", str(rank)))
+        return Path(text.replace("{rank}", str(rank or 0)))
     p = Path(text)
+    if rank is None or is_stream(p):
+        return p
+    if text.endswith(os.sep) or p.is_dir() or not p.name:
+        raise IsADirectoryError(f"{path}: a directory is there; name a file to write")
     return p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
 
 
@@ -121,7 +127,11 @@ def chrome_trace(
                         "tid": 1,
                         "ts": us(launch),
                         "dur": (done - launch) / 1e3,
-                        "args": {"bucket": b, "params": [names[i] for i in members]},
+                        "args": {
+                            "bucket": b,
+                            "iteration": raw["iteration"],
+                            "params": [names[i] for i in members],
+                        },
                         "_span": (launch, done),
                     }
                 )

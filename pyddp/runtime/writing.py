@@ -10,7 +10,8 @@ folder takes no new file but the file there is writable, it is written in
 place (not atomic). A character device or a FIFO there, or a link to one
 (/dev/null, /dev/stdout, a named pipe), is written into, as a shell's
 redirection writes, and never replaced (a probe: /dev/null became a regular
-file); a block device or a socket there is refused."""
+file), and so is a path through /proc (/dev/stdout when your output goes to
+a file); a block device or a socket there is refused."""
 
 from __future__ import annotations
 
@@ -60,9 +61,24 @@ def write_atomic(path: Any, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def is_stream(path: Path) -> bool:
+    """A character device or FIFO at `path` (links followed), or a path
+    through /proc (/dev/stdout -> /proc/self/fd/1 -> your log file): written
+    into, never replaced (a review: /dev/stdout of a run whose output goes
+    to a file was renamed over)."""
+    return _special(path) == "a stream"
+
+
 def _special(path: Path) -> Optional[str]:
     """What is at `path`, following links, when it is not a regular file, a
     folder or nothing."""
+    hop, hops = os.path.abspath(path), 0
+    while hops < 40:  # (a loop of links: os.stat below says so)
+        if hop.startswith("/proc/"):
+            return "a stream"  # a process's descriptor, whatever it leads to
+        if not os.path.islink(hop):
+            break
+        hop, hops = os.path.normpath(os.path.join(os.path.dirname(hop), os.readlink(hop))), hops + 1
     try:
         mode = os.stat(path).st_mode
     except OSError:  # nothing there (or a dangling link: replaced)

@@ -154,9 +154,8 @@ class Effects:
 
 @dataclass(frozen=True)
 class Band:
-    """How far published efficiencies fell from the FITTED predictions,
-    out of sample (published.cross_validate on the fit half): `coverage` of
-    them lay between `below` points under the prediction and `above` over it."""
+    """How far published efficiencies fell from the FITTED predictions out of sample
+    (published.cross_validate): `coverage` of them lay from `below` under to `above` over."""
 
     below: float
     above: float
@@ -164,7 +163,8 @@ class Band:
 
     def around(self, efficiency: float) -> Tuple[float, float]:
         """Within 0..1, as an efficiency is (a probe saw -4-4% and 93-101%)."""
-        return max(0.0, efficiency - self.below / 100), min(1.0, efficiency + self.above / 100)
+        low, high = efficiency - self.below / 100, efficiency + self.above / 100  # (either < 0)
+        return min(max(low, 0.0), 1.0), min(max(high, 0.0), 1.0)
 
 
 NO_EFFECTS = Effects()
