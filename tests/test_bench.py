@@ -140,6 +140,7 @@ def test_allreduce_replicas_beyond_devices_is_a_usage_error(capsys):
         # Found by a third probe: repeated caps pooled their samples in one
         # row; BatchNorm on one row per replica raised from the replicas.
         (["overlap", "--caps", "1,1.0"], "--caps 1,1.0: give each cap once"),
+        (["overlap", "--devices", "cpu"], "one replica reduces nothing"),  # (a fourth probe)
         (["overlap", "--model", "mlp_bn", "--batch", "3"], "at least two rows per replica for"),
         # Found by a later probe: a rank with no rows ran and printed a table.
         (

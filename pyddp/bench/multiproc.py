@@ -115,6 +115,11 @@ def check_overlap_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     if len({f"{c:g}" for c in caps}) < len(caps):  # (one row per cap: a repeat pooled its samples)
         parser.error(f"overlap --caps {args.caps}: give each cap once")
     replicas = args.processes if args.processes > 1 else len(args.devices)
+    if replicas < 2:  # (a probe: five variants of one replica, the same run five times)
+        parser.error(
+            f"overlap --devices {' '.join(args.devices)}: one replica reduces nothing, so there "
+            "is no overlap to measure; give two or more (--devices cpu cpu) or --processes N"
+        )
     rows = 2 if args.model == "mlp_bn" else 1  # (BatchNorm's statistics need 2 rows)
     batch = model_size(args)["batch"]  # (--quick's, where it takes fewer)
     if batch < rows * replicas:  # (--processes: one replica each; --devices is not used)
